@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="slime-april",
+    version="0.1.0",
+    description="RL post-training for LLMs (slime-style: Ray + Megatron/FSDP + SGLang) with APRIL active partial rollouts",
+    packages=find_packages(include=["slime", "slime.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # a range that the CPU wheel torch==2.13.0 satisfies (install it first on CPU machines)
+        "torch>=2.6,<2.15",
+        "transformers>=5.17,<6",
+        "tokenizers>=0.22",
+        "safetensors>=0.5",
+        "datasets>=4.0,<6",
+        "pyarrow>=18",
+        "ray>=2.50,<3",
+        "numpy>=1.26",
+        "wandb>=0.20,<1",
+        "tqdm>=4.66",
+        "aiohttp>=3.10,<4",
+        "requests>=2.31",
+        "math-verify>=0.8,<1",
+        "sglang-router==0.3.2",
+    ],
+    extras_require={
+        "sglang": ["sglang>=0.5.0,<0.6"],
+        "megatron": ["megatron-core>=0.16"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+)

@@ -1,0 +1,25 @@
+"""Types shared by rollout functions and the rollout manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.utils.types import Sample
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout function may use; owned by the RolloutManager."""
+
+    data_source: Any  # RolloutDataSource
+    buffer: Any  # Buffer actor handle (None for evaluation)
+    engines: Any  # EngineGroup
+    tokenizer: Any
+    policy_version: int = 0
+
+
+@dataclass
+class RolloutOutput:
+    groups: list[list[Sample]]
+    metrics: dict[str, float] = field(default_factory=dict)

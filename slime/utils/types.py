@@ -1,0 +1,152 @@
+"""The one `Sample` that flows from a dataset row to the loss.
+
+Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`,
+`weight_versions`) always have exactly `response_length` entries, and
+`tokens` is the prompt followed by the response tokens. The only way a
+response grows is `append_response`, which keeps all of them in step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+
+class SampleInvariantError(ValueError):
+    """Raised when an operation would break the per-token length invariant."""
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def is_finished(self) -> bool:
+        """Finished samples are final: they are rewarded and never resumed."""
+        return self in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
+
+
+@dataclass
+class Sample:
+    # identity
+    index: int | None = None  # unique sample id within the run
+    group_index: int | None = None  # prompt-group id: all n samples of a prompt share it
+    # prompt side
+    prompt: str | list[dict[str, str]] = ""
+    tokens: list[int] = field(default_factory=list)  # prompt ids + response ids
+    # response side
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)  # behaviour log-probs
+    weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
+        self.check()
+
+    # ---- invariants -------------------------------------------------------
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    def check(self) -> None:
+        """Raise `SampleInvariantError` unless every per-token field lines up."""
+        n = self.response_length
+        if n < 0 or n > len(self.tokens):
+            raise SampleInvariantError(
+                f"sample {self.index}: response_length={n} but only {len(self.tokens)} tokens"
+            )
+        for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+            got = len(getattr(self, name))
+            if got != n:
+                raise SampleInvariantError(
+                    f"sample {self.index}: {name} has {got} entries, response_length is {n}"
+                )
+
+    # ---- growth -----------------------------------------------------------
+    def append_response(
+        self,
+        token_ids: list[int],
+        log_probs: list[float],
+        weight_version: int | list[int],
+        text: str = "",
+        loss_mask: list[int] | None = None,
+    ) -> None:
+        """Append one generated segment; all per-token fields grow together.
+
+        `weight_version` is the policy version that produced the segment (one
+        int for all its tokens, or one per token).
+        """
+        k = len(token_ids)
+        versions = [int(weight_version)] * k if isinstance(weight_version, int) else list(weight_version)
+        mask = [1] * k if loss_mask is None else list(loss_mask)
+        if len(log_probs) != k or len(versions) != k or len(mask) != k:
+            raise SampleInvariantError(
+                f"sample {self.index}: segment of {k} tokens came with {len(log_probs)} log-probs, "
+                f"{len(versions)} versions and {len(mask)} loss-mask entries"
+            )
+        self.tokens.extend(int(t) for t in token_ids)
+        self.rollout_log_probs.extend(float(x) for x in log_probs)
+        self.weight_versions.extend(versions)
+        self.loss_mask.extend(int(m) for m in mask)
+        self.response_length += k
+        self.response += text
+
+    def reset_response(self) -> None:
+        """Drop the whole response and go back to the bare prompt (staleness restart)."""
+        del self.tokens[self.prompt_length :]
+        self.response = ""
+        self.response_length = 0
+        self.loss_mask.clear()
+        self.rollout_log_probs.clear()
+        self.weight_versions.clear()
+        self.reward = None
+        self.status = Status.PENDING
+
+    def mask_tokens_older_than(self, min_version: int) -> int:
+        """Zero the loss mask of response tokens produced before `min_version`; return how many."""
+        masked = 0
+        for i, v in enumerate(self.weight_versions):
+            if v < min_version and self.loss_mask[i]:
+                self.loss_mask[i] = 0
+                masked += 1
+        return masked
+
+    # ---- version accounting -----------------------------------------------
+    def oldest_version(self) -> int | None:
+        return min(self.weight_versions) if self.weight_versions else None
+
+    def off_policy_tokens(self, current_version: int) -> int:
+        return sum(1 for v in self.weight_versions if v < current_version)
+
+    # ---- serialisation ----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
+        return cls(**copy.deepcopy(d))

@@ -1,0 +1,343 @@
+"""Every flag, with slime's names, parsed and validated in one place.
+
+`parse_args(argv)` returns an immutable `Args`: after parsing, code reads
+typed values and nobody mutates them. Unknown `--sglang-<flag>` options are
+passed through to SGLang servers (`args.sglang_extra_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+
+class ArgumentError(ValueError):
+    """A flag value breaks a rule; the message names the flag and the rule."""
+
+
+class Args(argparse.Namespace):
+    """The parsed flags, read-only once `parse_args` returns."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise AttributeError(f"args are read-only after parsing (tried to set {name!r})")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"args are read-only after parsing (tried to delete {name!r})")
+
+    def _freeze(self) -> "Args":
+        super().__setattr__("_frozen", True)
+        return self
+
+    def replace(self, **changes: Any) -> "Args":
+        """A new frozen copy with some values changed (for tests and tools)."""
+        values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        values.update(changes)
+        return Args(**values)._freeze()
+
+
+# Flags whose component is still to be built: setting them fails at once
+# instead of being silently ignored.
+NOT_BUILT_YET = {
+    "offload": "--offload (moving weights/optimizer off the GPU between phases) needs the GPU path, which is not built yet",
+}
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="number of nodes for training actors")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
+                   help="training actors per node (one per GPU; on a CPU machine, one process each)")
+    g.add_argument("--rollout-num-gpus", type=int, default=None,
+                   help="devices for rollout engines (on CPU: engine slots); default 1, or all actor devices with --colocate")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="tensor-parallel size of each engine")
+    g.add_argument("--colocate", action="store_true",
+                   help="trainers and engines share the same devices (on CPU they always share the cores)")
+    g.add_argument("--offload", action="store_true", help="offload trainer state during rollout (GPU only)")
+    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
+    g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
+                   help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
+    g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
+
+
+def _add_rollout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rollout")
+    g.add_argument("--hf-checkpoint", type=str, default=None, help="local Hugging Face model directory (required)")
+    g.add_argument("--rollout-batch-size", type=int, default=None, help="prompt groups per rollout step (required)")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="samples per prompt group")
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="prompts longer than this (tokens) are dropped")
+    g.add_argument("--rollout-max-response-len", type=int, default=1024, help="response budget in tokens")
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-stop", type=str, nargs="*", default=None, help="stop strings")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="*", default=None, help="stop token ids")
+    g.add_argument("--rollout-shuffle", action="store_true", help="shuffle prompts each epoch (seeded)")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=int, default=None, help="number of rollout steps")
+    g.add_argument("--num-epoch", type=int, default=None, help="epochs over the prompt data (sets --num-rollout)")
+    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout")
+    g.add_argument("--custom-generate-function-path", type=str, default=None)
+
+
+def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("partial rollout (APRIL)")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="abort unfinished requests once the batch is full and park them in the buffer to resume next step")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="groups submitted per chunk: > rollout batch size over-samples; smaller submits chunks until "
+                        "the target is met; equal (default) is synchronous")
+    g.add_argument("--buffer-filter-path", type=str, default=None, help="order in which parked groups are resumed (default FIFO)")
+    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
+                   help="e.g. slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
+    g.add_argument("--rollout-mode", choices=["chunked", "pool"], default="chunked",
+                   help="chunked: submit whole chunks of groups; pool: keep --rollout-pool-size requests in flight (CoPRIS)")
+    g.add_argument("--rollout-pool-size", type=int, default=None,
+                   help="requests in flight in pool mode (default: --sglang-server-concurrency x engines)")
+    g.add_argument("--max-staleness", type=int, default=None,
+                   help="largest allowed lag (policy versions) of a resumed token behind the current policy")
+    g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
+                   help="what happens to a resumed sample over --max-staleness")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--prompt-data", type=str, default=None, help="jsonl or parquet file of prompts")
+    g.add_argument("--input-key", type=str, default="prompt")
+    g.add_argument("--label-key", type=str, default=None)
+    g.add_argument("--metadata-key", type=str, default="metadata")
+    g.add_argument("--apply-chat-template", action="store_true")
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-interval", type=int, default=None, help="evaluate every N rollout steps")
+    g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="name path [name path ...]")
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
+    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
+    g.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
+
+
+def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
+                   default="grpo")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip bound (> 1) for negative advantages")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward (REINFORCE++)")
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--normalize-advantages", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true", help="token-mean loss (default: per-sample mean)")
+    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss"], default="policy_loss")
+    g.add_argument("--use-tis", action="store_true", help="truncated importance sampling against behaviour log-probs")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default: rollout batch size x n samples)")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--use-dynamic-batch-size", action="store_true")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save", type=str, default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ref-load", type=str, default=None, help="reference model (default: --hf-checkpoint)")
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
+    g.add_argument("--update-weights-from-disk", action="store_true",
+                   help="sync weights through a saved directory instead of a broadcast group")
+
+
+def _add_reward_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reward")
+    g.add_argument("--rm-type", type=str, default=None,
+                   help="deepscaler | dapo | math | boxed_<type> | remote_rm | subtract_chain")
+    g.add_argument("--custom-rm-path", type=str, default=None)
+    g.add_argument("--rm-url", type=str, default=None)
+    g.add_argument("--group-rm", action="store_true")
+    g.add_argument("--reward-timeout", type=float, default=60.0, help="seconds before a reward counts as failed")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-project", type=str, default="slime-april")
+    g.add_argument("--wandb-group", type=str, default=None)
+    g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
+    g.add_argument("--run-dir", type=str, default=None, help="metrics.jsonl, traces, logs (default: runs/<time>)")
+
+
+def _add_debug_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("debug")
+    g.add_argument("--debug-rollout-only", action="store_true")
+    g.add_argument("--debug-train-only", action="store_true")
+    g.add_argument("--save-debug-rollout-data", type=str, default=None, help="path template with {rollout_id}")
+    g.add_argument("--load-debug-rollout-data", type=str, default=None, help="path template with {rollout_id}")
+
+
+def _add_sglang_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sglang (any other --sglang-<ServerArgs flag> is passed through)")
+    g.add_argument("--sglang-router-ip", type=str, default=None, help="use this router instead of starting one")
+    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--sglang-router-policy", type=str, default="round_robin")
+    g.add_argument("--sglang-server-concurrency", type=int, default=512, help="requests in flight per engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="RL post-training with APRIL partial rollouts",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for add in (_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
+                _add_algorithm_args, _add_training_args, _add_reward_args, _add_logging_args, _add_debug_args,
+                _add_sglang_args):
+        add(p)
+    return p
+
+
+def _split_sglang_extra(unknown: list[str]) -> dict[str, str | bool]:
+    """Collect `--sglang-foo[=]value` / `--sglang-flag` pass-through options; reject anything else."""
+    extra: dict[str, str | bool] = {}
+    i = 0
+    while i < len(unknown):
+        tok = unknown[i]
+        if not tok.startswith("--sglang-"):
+            raise ArgumentError(f"unrecognized argument: {tok}")
+        name, eq, value = tok[len("--sglang-"):].partition("=")
+        if not name:
+            raise ArgumentError(f"unrecognized argument: {tok}")
+        if eq:
+            extra[name] = value
+        elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+            extra[name] = unknown[i + 1]
+            i += 1
+        else:
+            extra[name] = True
+        i += 1
+    return extra
+
+
+def _fill_defaults(a: Args) -> None:
+    if a.rollout_num_gpus is None:
+        a.rollout_num_gpus = a.actor_num_nodes * a.actor_num_gpus_per_node if a.colocate else 1
+    if a.over_sampling_batch_size is None:
+        a.over_sampling_batch_size = a.rollout_batch_size
+    if a.global_batch_size is None and a.rollout_batch_size is not None:
+        a.global_batch_size = a.rollout_batch_size * a.n_samples_per_prompt
+    if a.eps_clip_high is None:
+        a.eps_clip_high = a.eps_clip
+    if a.eval_temperature is None:
+        a.eval_temperature = a.rollout_temperature
+    if a.eval_top_p is None:
+        a.eval_top_p = a.rollout_top_p
+    if a.eval_max_response_len is None:
+        a.eval_max_response_len = a.rollout_max_response_len
+    a.num_engines = max(1, a.rollout_num_gpus // a.rollout_num_gpus_per_engine)
+    if a.rollout_pool_size is None:
+        a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
+    pairs = a.eval_prompt_data or []
+    a.eval_datasets = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)]
+
+
+def _require(cond: bool, flag: str, rule: str) -> None:
+    if not cond:
+        raise ArgumentError(f"{flag}: {rule}")
+
+
+def validate_args(a: Args) -> None:
+    """All rules in one place; each error names the flag and the rule."""
+    for name, why in NOT_BUILT_YET.items():
+        _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
+    _require(a.train_backend != "megatron", "--train-backend megatron",
+             "the Megatron-core trainer needs CUDA and is not built yet; use --train-backend fsdp")
+
+    _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
+    _require(os.path.isdir(a.hf_checkpoint), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
+    _require(a.rollout_batch_size is not None and a.rollout_batch_size > 0, "--rollout-batch-size", "is required and must be > 0")
+    _require(a.n_samples_per_prompt > 0, "--n-samples-per-prompt", "must be > 0")
+    _require(a.rollout_max_response_len > 0, "--rollout-max-response-len", "must be > 0")
+    _require(a.rollout_max_prompt_len is None or a.rollout_max_prompt_len > 0, "--rollout-max-prompt-len", "must be > 0")
+    _require(a.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
+    _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
+    _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")
+    _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0")
+    _require(a.rollout_num_gpus_per_engine > 0, "--rollout-num-gpus-per-engine", "must be > 0")
+    _require(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
+             f"({a.rollout_num_gpus}) must be divisible by --rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine})")
+    _require(a.sglang_server_concurrency > 0, "--sglang-server-concurrency", "must be > 0")
+    _require(a.rollout_pool_size > 0, "--rollout-pool-size", "must be > 0")
+    _require(a.max_staleness is None or a.max_staleness >= 0, "--max-staleness", "must be >= 0")
+    _require(a.embedded_engine_threads > 0, "--embedded-engine-threads", "must be > 0")
+
+    _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
+             "cannot be combined with --debug-train-only")
+    if a.load_debug_rollout_data is None:
+        _require(a.prompt_data is not None, "--prompt-data", "is required (or --load-debug-rollout-data)")
+        _require(os.path.isfile(a.prompt_data), "--prompt-data", f"{a.prompt_data!r} is not a file")
+        _require(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type",
+                 "one of --rm-type or --custom-rm-path is required")
+    else:
+        _require("{rollout_id}" in a.load_debug_rollout_data, "--load-debug-rollout-data",
+                 "must contain {rollout_id} in its path template")
+    if a.save_debug_rollout_data is not None:
+        _require("{rollout_id}" in a.save_debug_rollout_data, "--save-debug-rollout-data",
+                 "must contain {rollout_id} in its path template")
+    _require(a.num_rollout is not None or a.num_epoch is not None, "--num-rollout", "one of --num-rollout or --num-epoch is required")
+    _require(a.num_rollout is None or a.num_rollout > 0, "--num-rollout", "must be > 0")
+    _require(a.num_epoch is None or a.num_epoch > 0, "--num-epoch", "must be > 0")
+    _require(a.rm_type != "remote_rm" or a.rm_url is not None, "--rm-url", "is required with --rm-type remote_rm")
+    _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
+
+    samples = a.rollout_batch_size * a.n_samples_per_prompt
+    _require(a.global_batch_size > 0, "--global-batch-size", "must be > 0")
+    _require(samples % a.global_batch_size == 0, "--global-batch-size",
+             f"({a.global_batch_size}) must divide --rollout-batch-size x --n-samples-per-prompt ({samples})")
+    _require(a.micro_batch_size > 0, "--micro-batch-size", "must be > 0")
+    _require(not a.use_dynamic_batch_size or (a.max_tokens_per_gpu or 0) > 0, "--max-tokens-per-gpu",
+             "must be set (> 0) with --use-dynamic-batch-size")
+    _require(a.lr > 0, "--lr", "must be > 0")
+    _require(a.eps_clip > 0 and a.eps_clip_high > 0, "--eps-clip", "clip ranges must be > 0")
+    _require(a.eps_clip_c is None or a.eps_clip_c > 1.0, "--eps-clip-c", "must be > 1 (dual clip lower bound)")
+    _require(a.tis_clip > 0 and 0 <= a.tis_clip_low < a.tis_clip, "--tis-clip",
+             "need 0 <= --tis-clip-low < --tis-clip")
+    _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
+             "must be > 0 and needs --save")
+    _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+
+    _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
+             "takes name/path pairs")
+    for name, path in a.eval_datasets:
+        _require(os.path.isfile(path), "--eval-prompt-data", f"{name}: {path!r} is not a file")
+    _require(a.eval_interval is None or (a.eval_interval > 0 and a.eval_datasets), "--eval-interval",
+             "must be > 0 and needs --eval-prompt-data")
+    _require(a.n_samples_per_eval_prompt > 0, "--n-samples-per-eval-prompt", "must be > 0")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """Parse, fill derived defaults, validate, freeze; raises `ArgumentError` naming the flag and rule."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns, unknown = parser.parse_known_args(argv, namespace=Args())
+    ns.sglang_extra_args = _split_sglang_extra(unknown)
+    _fill_defaults(ns)
+    validate_args(ns)
+    return ns._freeze()

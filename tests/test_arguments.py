@@ -1,0 +1,107 @@
+import json
+import pickle
+
+import pytest
+
+from slime.arguments import ArgumentError, parse_args
+
+
+@pytest.fixture
+def base(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1 1=", "label": "0"}) + "\n")
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "math",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3"]
+
+
+def test_defaults_are_derived(base):
+    a = parse_args(base)
+    assert a.over_sampling_batch_size == 4  # equal = synchronous
+    assert a.global_batch_size == 8
+    assert a.eps_clip_high == a.eps_clip == 0.2
+    assert a.eval_temperature == a.rollout_temperature
+    assert a.num_engines == 1
+    assert a.rollout_pool_size == 512
+    assert a.rollout_function_path == "slime.rollout.sglang_rollout.generate_rollout"
+    assert a.wandb_mode == "offline"
+
+
+def test_args_are_read_only_and_picklable(base):
+    a = parse_args(base)
+    with pytest.raises(AttributeError, match="read-only"):
+        a.lr = 1.0
+    b = pickle.loads(pickle.dumps(a))
+    assert b.rollout_batch_size == 4
+    with pytest.raises(AttributeError):
+        b.rollout_batch_size = 5
+    c = a.replace(lr=3e-4)
+    assert c.lr == 3e-4 and a.lr == 1e-6
+    with pytest.raises(AttributeError):
+        c.lr = 1.0
+
+
+def test_sglang_pass_through(base):
+    a = parse_args(base + ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-memory-saver",
+                           "--sglang-context-length=4096", "--sglang-server-concurrency", "16"])
+    assert a.sglang_extra_args == {"mem-fraction-static": "0.7", "enable-memory-saver": True, "context-length": "4096"}
+    assert a.sglang_server_concurrency == 16
+    assert a.rollout_pool_size == 16
+
+
+def test_unknown_flag_is_rejected(base):
+    with pytest.raises(ArgumentError, match="--no-such-flag"):
+        parse_args(base + ["--no-such-flag", "1"])
+
+
+def test_eval_pairs(base, tmp_path):
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text("{}\n")
+    a = parse_args(base + ["--eval-prompt-data", "tiny", str(ev), "--eval-interval", "2"])
+    assert a.eval_datasets == [("tiny", str(ev))]
+    with pytest.raises(ArgumentError, match="--eval-prompt-data: takes name/path pairs"):
+        parse_args(base + ["--eval-prompt-data", "tiny"])
+    with pytest.raises(ArgumentError, match="--eval-interval"):
+        parse_args(base + ["--eval-interval", "2"])
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--global-batch-size", "3"], "--global-batch-size"),
+        (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+        (["--use-dynamic-batch-size"], "--max-tokens-per-gpu"),
+        (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
+        (["--over-sampling-batch-size", "0"], "--over-sampling-batch-size"),
+        (["--max-staleness", "-1"], "--max-staleness"),
+        (["--save-interval", "2"], "--save-interval"),
+        (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
+        (["--rm-type", "remote_rm"], "--rm-url"),
+        (["--offload"], "--offload"),
+        (["--train-backend", "megatron"], "--train-backend megatron"),
+        (["--rollout-top-p", "0"], "--rollout-top-p"),
+        (["--tis-clip-low", "3"], "--tis-clip"),
+        (["--load", "/nonexistent/ckpt"], "--load"),
+    ],
+)
+def test_rule_errors_name_the_flag(base, extra, flag):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(base + extra)
+    assert str(e.value).startswith(flag + ":")
+
+
+def test_required_inputs_named(tmp_path, base):
+    with pytest.raises(ArgumentError, match="--hf-checkpoint: is required"):
+        parse_args(base[2:])
+    with pytest.raises(ArgumentError, match="--hf-checkpoint: '/nope' is not a directory"):
+        parse_args(["--hf-checkpoint", "/nope"] + base[2:])
+    no_data = [x for x in base]
+    no_data[3] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ArgumentError, match="--prompt-data: .*missing.jsonl' is not a file"):
+        parse_args(no_data)
+
+
+def test_over_sampling_modes(base):
+    assert parse_args(base + ["--over-sampling-batch-size", "8", "--partial-rollout"]).over_sampling_batch_size == 8
+    assert parse_args(base + ["--over-sampling-batch-size", "2"]).over_sampling_batch_size == 2

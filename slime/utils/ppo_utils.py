@@ -1,0 +1,296 @@
+"""RL math as pure functions over tensors: log-probs and entropy from logits,
+KL estimators, PPO / GSPO policy losses, masked aggregation, SFT loss and
+truncated importance sampling (TIS) for off-policy tokens.
+
+Shapes: element-wise functions accept any shape. Functions that reduce over a
+sequence (``compute_gspo_ratio``, ``aggregate_loss`` with ``sample_mean``)
+treat the LAST dimension as tokens, and also accept a list of 1-D per-sample
+tensors (packed batches of unequal lengths). Advantage estimators live in
+``slime.utils.advantages`` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from slime.utils.advantages import (  # noqa: F401  (re-exported)
+    ESTIMATORS,
+    compute_advantages,
+    group_relative_rewards,
+    normalize_advantages,
+)
+
+logger = logging.getLogger(__name__)
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token_mean", "sample_mean")
+# exp() of a log-ratio above this is treated as this (avoids inf * 0 = NaN)
+MAX_LOG_RATIO = 20.0
+
+TensorOrList = Tensor | Sequence[Tensor]
+
+
+# ---------------------------------------------------------------- logits ----
+def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log_softmax(logits / temperature) gathered at ``tokens``.
+
+    ``logits``: [..., V]; ``tokens``: [...] (the token each position
+    predicts). Computed in float32 as gather − logsumexp, which equals the
+    engine-side log-prob of the sampled token under the same temperature.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature (--rollout-temperature) must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} do not line up")
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Per-position entropy −Σ p log p of softmax(logits / temperature), in
+    float32; stable for large logits and for −inf (banned) logits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    p = logp.exp()
+    # p == 0 where logp == -inf; zero the log there so 0 * -inf never appears
+    safe_logp = logp.masked_fill(torch.isneginf(logp), 0.0)
+    return -(p * safe_logp).sum(dim=-1)
+
+
+# -------------------------------------------------------------------- KL ----
+def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "k1") -> Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi
+    (http://joschu.net/blog/kl-approx.html)."""
+    log_ratio = log_probs.float() - ref_log_probs.float()
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return 0.5 * log_ratio.square()
+    if kl_type in ("k3", "low_var_kl"):
+        neg = -log_ratio  # log(ref / pi)
+        kl = torch.exp(neg) - neg - 1.0
+        return kl.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else kl
+    raise ValueError(f"--kl-loss-type={kl_type!r} is not one of {list(KL_TYPES)}")
+
+
+# --------------------------------------------------------- policy losses ----
+def _check_clip(eps_clip: float, eps_clip_high: float | None, eps_clip_c: float | None) -> float:
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not 0.0 <= eps_clip < 1.0:
+        raise ValueError(f"--eps-clip must be in [0, 1), got {eps_clip}")
+    if high < 0.0:
+        raise ValueError(f"--eps-clip-high must be >= 0, got {high}")
+    if eps_clip_c is not None and eps_clip_c <= 1.0:
+        raise ValueError(f"--eps-clip-c (dual clip) must be > 1, got {eps_clip_c}")
+    return high
+
+
+def clipped_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate for a given ratio: per-token loss and clip flag.
+
+    loss = max(−A·r, −A·clip(r, 1−eps, 1+eps_high)); with dual clip, tokens
+    with A < 0 are further capped at −A·eps_clip_c. The clip flag is 1.0
+    where a clip bound was active (either the PPO clip or the dual clip).
+    """
+    high = _check_clip(eps_clip, eps_clip_high, eps_clip_c)
+    advantages = advantages.to(ratio.dtype)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    if eps_clip_c is not None:
+        cap = -advantages * eps_clip_c
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped = clipped | dual
+    return loss, clipped.to(ratio.dtype)
+
+
+def compute_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-level PPO loss with ratio exp(logp − old_logp).
+
+    Returns (pg_losses, clipfrac), both per token, unaggregated.
+    """
+    log_ratio = (log_probs.float() - old_log_probs.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return clipped_surrogate(torch.exp(log_ratio), advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mask: TensorOrList) -> TensorOrList:
+    """GSPO per-token ratio (same shape as ``log_probs``).
+
+    Value: s = exp(mean_t (logp − old_logp)) over the sequence's masked
+    tokens, the geometric mean of the token ratios, broadcast to every token.
+    Gradient: ratio_t = exp(logp_t − sg(logp_t) + sg(log s)), so d ratio_t /
+    d logp_t = s (each token gets its own gradient, scaled by the sequence
+    ratio). A sequence with an empty mask gets ratio 1.
+    """
+    if isinstance(log_probs, Tensor):
+        return _gspo_ratio(log_probs, old_log_probs, mask)
+    return [_gspo_ratio(lp, olp, mk) for lp, olp, mk in zip(log_probs, old_log_probs, mask, strict=True)]
+
+
+def _gspo_ratio(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+    lp = log_probs.float()
+    diff = lp.detach() - old_log_probs.detach().float()
+    seq_log_ratio = masked_mean(diff, mask, dim=-1).unsqueeze(-1)
+    seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(lp - lp.detach() + seq_log_ratio)
+
+
+def compute_gspo_policy_loss(
+    log_probs: TensorOrList,
+    old_log_probs: TensorOrList,
+    advantages: TensorOrList,
+    mask: TensorOrList,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[TensorOrList, TensorOrList]:
+    """GSPO loss: the clipped surrogate on the sequence-level ratio (GSPO uses
+    tiny clip ranges, e.g. 3e-4 / 4e-4). Returns per-token (pg_losses,
+    clipfrac); aggregate with ``aggregate_loss(..., "sample_mean")`` to match
+    the paper's per-sequence length normalisation."""
+    ratio = compute_gspo_ratio(log_probs, old_log_probs, mask)
+    if isinstance(ratio, Tensor):
+        return clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high)
+    pairs = [clipped_surrogate(r, a, eps_clip, eps_clip_high) for r, a in zip(ratio, advantages, strict=True)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+# ----------------------------------------------------------- aggregation ----
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ values·mask; positions with mask 0 contribute exactly 0 even if the
+    value there is NaN/inf (so padding garbage never leaks)."""
+    mask = mask.to(device=values.device)
+    weighted = torch.where(mask != 0, values * mask.to(values.dtype), torch.zeros((), dtype=values.dtype, device=values.device))
+    return weighted.sum() if dim is None else weighted.sum(dim=dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ values·mask / Σ mask; 0 (not NaN) where the mask is empty, and still
+    part of the autograd graph."""
+    mask = mask.to(device=values.device)
+    denom = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
+    return masked_sum(values, mask, dim) / denom.clamp(min=1.0)
+
+
+def aggregate_loss(
+    per_token_loss: TensorOrList,
+    masks: TensorOrList,
+    mode: str = "token_mean",
+    *,
+    num_tokens: float | None = None,
+    num_samples: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss to a scalar (``--loss-agg-mode`` style).
+
+    - ``token_mean``: Σ over all masked tokens of the batch / Σ mask.
+    - ``sample_mean``: mean over samples of each sample's masked token mean
+      (samples with an empty mask count as 0 in the mean).
+
+    ``num_tokens`` / ``num_samples`` override the denominator (e.g. the global
+    count across micro-batches or data-parallel ranks, so that summing the
+    micro-batch losses gives the global mean). An empty batch gives 0.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"--loss-agg-mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    if isinstance(per_token_loss, Tensor):
+        losses, mks = [per_token_loss], [masks]
+        n_seq = 1 if per_token_loss.dim() <= 1 else math.prod(per_token_loss.shape[:-1])
+        if mode == "sample_mean" and per_token_loss.dim() > 1:
+            per_sample = masked_mean(per_token_loss, masks, dim=-1)
+            denom = float(num_samples) if num_samples is not None else max(n_seq, 1)
+            return per_sample.sum() / max(denom, 1e-12)
+    else:
+        losses, mks = list(per_token_loss), list(masks)
+        if len(losses) != len(mks):
+            raise ValueError(f"aggregate_loss: {len(losses)} losses but {len(mks)} masks")
+        n_seq = len(losses)
+        if not losses:
+            return torch.zeros((), requires_grad=False)
+    if mode == "token_mean":
+        total = sum(masked_sum(x, m) for x, m in zip(losses, mks))
+        if num_tokens is not None:
+            count = float(num_tokens)
+        else:
+            count = float(sum(m.float().sum().item() for m in mks))
+        return total / max(count, 1.0)
+    per_sample = torch.stack([masked_mean(x, m) for x, m in zip(losses, mks)])
+    denom = float(num_samples) if num_samples is not None else max(n_seq, 1)
+    return per_sample.sum() / max(denom, 1e-12)
+
+
+def sft_loss(log_probs: TensorOrList, mask: TensorOrList) -> Tensor:
+    """Negative masked mean log-likelihood over all masked tokens."""
+    return -aggregate_loss(log_probs, mask, "token_mean")
+
+
+# ---------------------------------------------- off-policy correction -------
+def compute_ess(weights: Tensor, mask: Tensor) -> float:
+    """Normalised effective sample size (Σw)² / (n Σw²) over masked tokens, in
+    (0, 1]; 1 when all weights are equal. An empty mask gives 1.0."""
+    w = weights.detach().double()
+    mk = mask.to(device=w.device) != 0
+    n = int(mk.sum())
+    if n == 0:
+        return 1.0
+    wm = w[mk]
+    sq = float((wm * wm).sum())
+    if sq <= 0.0:
+        return 0.0
+    return float(wm.sum()) ** 2 / (n * sq)
+
+
+def compute_tis_weights(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    clip_high: float = 2.0,
+    clip_low: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights between the training-time behaviour
+    policy (``old_log_probs``, recomputed by the trainer) and the policy that
+    actually sampled each token (``rollout_log_probs``, from the engine, which
+    for a resumed partial rollout may differ token by token).
+
+    weights = clamp(exp(old − rollout), clip_low, clip_high), detached; multiply
+    them into the per-token pg losses. Metrics (masked tokens only):
+    ``tis_clipfrac`` (share of raw weights outside the bounds), ``tis_ess``
+    (see ``compute_ess``, of the clamped weights), ``tis_weight_mean``,
+    ``tis_raw_weight_mean``.
+    """
+    if clip_low < 0 or clip_high <= 0 or clip_low > clip_high:
+        raise ValueError(
+            f"need 0 <= --tis-clip-low ({clip_low}) <= --tis-clip ({clip_high}) and --tis-clip > 0"
+        )
+    log_w = (old_log_probs.detach().float() - rollout_log_probs.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    raw = torch.exp(log_w)
+    weights = raw.clamp(clip_low, clip_high)
+    mk = mask.to(device=raw.device)
+    out_of_range = ((raw < clip_low) | (raw > clip_high)).float()
+    metrics = {
+        "tis_clipfrac": float(masked_mean(out_of_range, mk)),
+        "tis_ess": compute_ess(weights, mk),
+        "tis_weight_mean": float(masked_mean(weights, mk)),
+        "tis_raw_weight_mean": float(masked_mean(raw, mk)),
+    }
+    return weights.detach(), metrics

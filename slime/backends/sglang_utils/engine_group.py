@@ -1,0 +1,266 @@
+"""EngineGroup: N rollout engines behind one sglang-router.
+
+Generation goes through the router (`router_url`). Everything the router does
+not route in sglang-router 0.3.2 (aborts, pause/continue, weight updates,
+/get_load) is fanned out by this class to every worker listed by the router's
+`GET /workers`. All state lives on the object; `shutdown()` (also run by
+`atexit` and the context manager) leaves no child processes behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import aiohttp
+
+from slime.backends.sglang_utils import http_client
+from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
+from slime.backends.sglang_utils.router import Router
+from slime.backends.sglang_utils.sglang_engine import EngineProcess, make_engine_process, resolve_rollout_backend
+from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
+
+logger = logging.getLogger(__name__)
+
+
+class EngineGroupError(RuntimeError):
+    """A fan-out call failed on one or more workers; the message names each."""
+
+
+def busy_requests(load) -> int:
+    """Running + waiting requests in one worker's /get_load reply (SGLang: a list of per-DP-rank dicts)."""
+    items = load if isinstance(load, list) else [load]
+    total = 0
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValueError(f"/get_load: expected a dict or a list of dicts, got {load!r}")
+        running = item.get("num_reqs", item.get("num_running_reqs", 0)) or 0
+        total += int(running) + int(item.get("num_waiting_reqs", 0) or 0)
+    return total
+
+
+class EngineGroup(WeightUpdateMixin):
+    def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None):
+        self.args = args
+        tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.num_gpus_per_engine = tp
+        self.num_engines = max(1, int(getattr(args, "rollout_num_gpus", 1) or 1) // tp)
+        self.log_dir = log_dir or getattr(args, "engine_log_dir", None) or tempfile.mkdtemp(prefix="slime_engines_")
+        self.startup_timeout = startup_timeout or getattr(args, "engine_startup_timeout", None)
+        self.backend: str | None = None
+        self.engines: list[EngineProcess] = []
+        self.router: Router | None = None
+        self._used_ports: set[int] = set()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_engines), thread_name_prefix="engine-group")
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+
+    # --- lifecycle -------------------------------------------------------------
+    def start(self) -> "EngineGroup":
+        if self._started:
+            raise RuntimeError("EngineGroup.start() called twice")
+        self._started = True
+        atexit.register(self.shutdown)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        self.backend = resolve_rollout_backend(self.args)
+        timeout = self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
+        self.router = self._start_or_attach_router()
+        self.engines = [self._make_engine(rank) for rank in range(self.num_engines)]
+        for engine in self.engines:
+            engine.start()
+        # wait for every engine concurrently; the first failure wins (with its log tail)
+        for fut in [self._pool.submit(self._wait_engine, i, timeout) for i in range(self.num_engines)]:
+            fut.result(timeout=timeout + 120)
+        for engine in self.engines:
+            self.router.add_worker(engine.url)
+        self.router.wait_workers_healthy([e.url for e in self.engines], timeout=60.0, extra_check=self._check_engines_alive)
+        logger.info("EngineGroup: %d %s engine(s) behind %s ready in %.1fs (logs: %s)",
+                    self.num_engines, self.backend, self.router.url, time.monotonic() - t0, self.log_dir)
+
+    def _ports(self, n: int) -> list[int]:
+        with self._lock:
+            ports = pick_free_ports(n, exclude=self._used_ports)
+            self._used_ports.update(ports)
+            return ports
+
+    def _start_or_attach_router(self) -> Router:
+        ip = getattr(self.args, "sglang_router_ip", None)
+        port = getattr(self.args, "sglang_router_port", None)
+        if ip and port:
+            try:
+                return Router.attach(f"http://{ip}:{port}", timeout=5.0)
+            except ServerLaunchError:
+                logger.info("no router answers at %s:%s; starting one there", ip, port)
+        router_port, prom_port = self._ports(2)
+        return Router.start(self.args, port or router_port, prom_port, self.log_dir)
+
+    def _make_engine(self, rank: int) -> EngineProcess:
+        port, nccl_port = self._ports(2)
+        return make_engine_process(self.args, self.backend, rank, port, self.log_dir, nccl_port=nccl_port)
+
+    def _wait_engine(self, rank: int, timeout: float) -> None:
+        engine = self.engines[rank]
+        try:
+            engine.wait_healthy(timeout)
+        except ServerLaunchError:
+            # a port taken between picking and binding: relaunch once on fresh ports
+            if engine.is_alive() or "address already in use" not in engine.log_tail(200).lower():
+                raise
+            logger.warning("%s lost its port %d to another process; relaunching", engine.name, engine.port)
+            engine.terminate(grace=1)
+            self.engines[rank] = self._make_engine(rank).start()
+            self.engines[rank].wait_healthy(timeout)
+
+    def _check_engines_alive(self) -> None:
+        for engine in self.engines:
+            engine.process.check_alive("waiting for the router to list it")
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        """Terminate engines and the router we started (SIGTERM, SIGKILL after `grace`). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        router, engines = self.router, list(self.engines)
+        if router is not None and not router.owned:
+            for engine in engines:  # an external router must not keep routing to engines that are gone
+                try:
+                    router.remove_worker(engine.url, timeout=5)
+                except Exception as e:  # shutdown must go on
+                    logger.warning("could not remove %s from the external router: %s", engine.url, e)
+        threads = [threading.Thread(target=e.terminate, args=(grace,), daemon=True) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=grace + 10)
+        if router is not None:
+            router.shutdown(grace=min(grace, 5.0))
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        logger.info("EngineGroup shut down (%d engines)", len(engines))
+
+    def __enter__(self) -> "EngineGroup":
+        return self if self._started else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # --- addresses ---------------------------------------------------------------
+    @property
+    def router_url(self) -> str:
+        if self.router is None:
+            raise RuntimeError("EngineGroup is not started")
+        return self.router.url
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """URLs of the engines this group launched (stable order = engine rank)."""
+        return [e.url for e in self.engines]
+
+    def worker_urls(self, timeout: float = 10.0) -> list[str]:
+        """Every worker the router lists (GET /workers): the fan-out list for aborts, pauses, weight updates."""
+        if self.router is None:
+            raise RuntimeError("EngineGroup is not started")
+        return sorted(w["url"] for w in self.router.list_workers(timeout))
+
+    # --- sync fan-out --------------------------------------------------------------
+    def _submit_all(self, method: str, path: str, json=None, timeout: float = 60.0,
+                    urls: list[str] | None = None, payloads: list | None = None) -> dict[str, Future]:
+        urls = self.worker_urls() if urls is None else urls
+        if not urls:
+            raise EngineGroupError(f"{method} {path}: the router at {self.router_url} lists no workers")
+        call = http_client.post_json if method == "POST" else (lambda u, _j, timeout: http_client.get_json(u, timeout))
+        return {
+            url: self._pool.submit(call, http_client.join_url(url, path), payloads[i] if payloads else json, timeout)
+            for i, url in enumerate(urls)
+        }
+
+    def wait_all(self, futures: dict[str, Future], what: str, timeout: float | None = None,
+                 check_success: bool = False) -> dict[str, object]:
+        """Results by worker URL; raises EngineGroupError naming every worker that failed (or said success=false)."""
+        results, failures = {}, []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for url, fut in futures.items():
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                res = fut.result(timeout=left)
+            except Exception as e:
+                failures.append(f"{url}: {type(e).__name__}: {e}")
+                continue
+            if check_success and not (isinstance(res, dict) and res.get("success")):
+                failures.append(f"{url}: {res!r}")
+            results[url] = res
+        if failures:
+            raise EngineGroupError(f"{what} failed on {len(failures)}/{len(futures)} worker(s):\n" + "\n".join(failures))
+        return results
+
+    def _fan_out(self, method, path, json=None, timeout=60.0, check_success=False):
+        return self.wait_all(self._submit_all(method, path, json, timeout), f"{method} {path}",
+                             timeout=timeout + 5, check_success=check_success)
+
+    def load(self, timeout: float = 10.0) -> dict[str, object]:
+        """GET /get_load of every worker, by URL."""
+        return self._fan_out("GET", "/get_load", timeout=timeout)
+
+    def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
+        """POST /pause_generation {"mode"} to every worker (abort | retract | in_place)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause: mode {mode!r} is not one of abort, retract, in_place")
+        self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout)
+
+    def continue_generation(self, timeout: float = 60.0) -> None:
+        self._fan_out("POST", "/continue_generation", {}, timeout)
+
+    def flush_cache(self, timeout: float = 60.0) -> dict | None:
+        """POST /flush_cache through the router (which fans it out to every worker)."""
+        return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
+
+    def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True,
+                                 abort_all_requests: bool = False, timeout: float = 600.0) -> dict[str, object]:
+        """Every worker loads `path` and tags its outputs with weight_version str(version); checks success."""
+        payload = {"model_path": str(path), "weight_version": str(int(version)), "flush_cache": flush_cache,
+                   "abort_all_requests": abort_all_requests}
+        return self._fan_out("POST", "/update_weights_from_disk", payload, timeout, check_success=True)
+
+    # --- async ---------------------------------------------------------------------
+    async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.05,
+                                   session: aiohttp.ClientSession | None = None) -> float:
+        """POST /abort_request {"abort_all": true} to every worker, repeated until every
+        worker's /get_load shows no running or waiting request. Returns seconds elapsed."""
+        start = time.monotonic()
+        urls = await asyncio.to_thread(self.worker_urls)
+        own = session is None
+        session = session or aiohttp.ClientSession()
+        try:
+            rounds = 0
+            while True:
+                rounds += 1
+                await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"abort_all": True}, timeout=30)
+                                       for u in urls))
+                loads = await asyncio.gather(*(http_client.get(session, u, "/get_load", timeout=30) for u in urls))
+                busy = {u: busy_requests(ld) for u, ld in zip(urls, loads)}
+                elapsed = time.monotonic() - start
+                if not any(busy.values()):
+                    logger.info("abort_all_until_idle: %d worker(s) idle after %d round(s), %.3fs", len(urls), rounds, elapsed)
+                    return elapsed
+                if elapsed > timeout:
+                    raise EngineGroupError(f"abort_all_until_idle: still busy after {elapsed:.1f}s ({rounds} rounds): "
+                                           + ", ".join(f"{u}: {n} request(s)" for u, n in busy.items() if n))
+                await asyncio.sleep(interval)
+        finally:
+            if own:
+                await session.close()

@@ -1,0 +1,94 @@
+"""Small HTTP helpers for talking to SGLang-protocol engines and sglang-router.
+
+Async helpers take an `aiohttp.ClientSession` the caller owns (one per event
+loop); sync helpers use `requests`. Every call has a timeout. A non-2xx reply
+raises `EngineHTTPError`, which carries the status, the body and the URL so the
+caller's error names the worker that failed.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import logging
+from typing import Any
+
+import aiohttp
+import requests
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+_BODY_PREVIEW = 2000
+
+
+class EngineHTTPError(RuntimeError):
+    """A non-2xx reply (or an unparsable body) from an engine or the router."""
+
+    def __init__(self, method: str, url: str, status: int, body: str):
+        self.method = method
+        self.url = url
+        self.status = status
+        self.body = body
+        super().__init__(f"{method} {url} -> HTTP {status}: {body[:_BODY_PREVIEW]}")
+
+
+def join_url(base_url: str, path: str) -> str:
+    return base_url.rstrip("/") + "/" + path.lstrip("/")
+
+
+def _decode(method: str, url: str, status: int, text: str) -> dict | list | None:
+    if not 200 <= status < 300:
+        raise EngineHTTPError(method, url, status, text)
+    if not text.strip():
+        return None
+    try:
+        return _json.loads(text)
+    except ValueError as e:
+        raise EngineHTTPError(method, url, status, f"response is not JSON ({e}): {text}") from e
+
+
+def _client_timeout(timeout: float | None) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+
+
+async def _request(session: aiohttp.ClientSession, method: str, url: str, json: Any, timeout: float | None):
+    async with session.request(method, url, json=json, timeout=_client_timeout(timeout)) as resp:
+        text = await resp.text()
+        return _decode(method, url, resp.status, text)
+
+
+async def generate(session: aiohttp.ClientSession, url: str, payload: dict, timeout: float | None = None) -> dict:
+    """POST `{url}/generate` (url: a worker or the router) and return the JSON reply.
+
+    `payload` is a single (non-batch, non-streaming) SGLang `GenerateReqInput`.
+    """
+    if payload.get("stream"):
+        raise ValueError("http_client.generate: streaming requests are not supported here (payload['stream'] is true)")
+    out = await _request(session, "POST", join_url(url, "/generate"), payload, timeout)
+    if not isinstance(out, dict):
+        raise EngineHTTPError("POST", join_url(url, "/generate"), 200, f"expected a JSON object, got {out!r}")
+    return out
+
+
+async def post(session: aiohttp.ClientSession, base_url: str, path: str, json: Any = None,
+               timeout: float | None = DEFAULT_TIMEOUT_S) -> dict | list | None:
+    """POST `json` to base_url + path; returns the parsed JSON body or None for an empty body."""
+    return await _request(session, "POST", join_url(base_url, path), json, timeout)
+
+
+async def get(session: aiohttp.ClientSession, base_url: str, path: str,
+              timeout: float | None = DEFAULT_TIMEOUT_S) -> dict | list | None:
+    """GET base_url + path; returns the parsed JSON body or None for an empty body."""
+    return await _request(session, "GET", join_url(base_url, path), None, timeout)
+
+
+def post_json(url: str, json: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | None:
+    """Synchronous POST of `json` to the full `url`; parsed JSON reply or None for an empty body."""
+    resp = requests.post(url, json=json, timeout=timeout)
+    return _decode("POST", url, resp.status_code, resp.text)
+
+
+def get_json(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | None:
+    """Synchronous GET of the full `url`; parsed JSON reply or None for an empty body."""
+    resp = requests.get(url, timeout=timeout)
+    return _decode("GET", url, resp.status_code, resp.text)

@@ -1,0 +1,192 @@
+"""Launch one rollout engine as a child HTTP server: real SGLang on a GPU
+machine, or our embedded transformers engine on CPU. Both speak SGLang's
+native HTTP API (see docs/CONTRACTS.md), so everything above this file is
+backend-agnostic."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+
+from slime.backends.sglang_utils.process_utils import ManagedProcess
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+BACKENDS = ("auto", "embedded", "sglang")
+
+# Flags this launcher sets itself, mapped to the slime flag that controls them.
+_RESERVED_SGLANG_FLAGS = {
+    "model-path": "--hf-checkpoint",
+    "tp-size": "--rollout-num-gpus-per-engine",
+    "tp": "--rollout-num-gpus-per-engine",
+    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+    "port": "(picked automatically)",
+    "nccl-port": "(picked automatically)",
+    "base-gpu-id": "(derived from the engine rank)",
+}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken CUDA init: no GPU for us
+        return False
+
+
+def _sglang_importable() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def resolve_rollout_backend(args) -> str:
+    """'sglang' or 'embedded' from `--rollout-backend` (auto: sglang iff CUDA and sglang are both available)."""
+    choice = getattr(args, "rollout_backend", "auto") or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"--rollout-backend: {choice!r} is not one of {BACKENDS}")
+    if choice == "auto":
+        cuda, has_sglang = _cuda_available(), _sglang_importable()
+        backend = "sglang" if (cuda and has_sglang) else "embedded"
+        logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
+        return backend
+    if choice == "sglang" and not _sglang_importable():
+        raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
+    logger.info("--rollout-backend %s", choice)
+    return choice
+
+
+def _extra_args_to_argv(extra: dict, prefix: str, reserved: dict[str, str]) -> list[str]:
+    argv: list[str] = []
+    for name, value in (extra or {}).items():
+        flag = name[2:] if name.startswith("--") else name
+        flag = flag.replace("_", "-")
+        if flag in reserved:
+            raise ValueError(f"--{prefix}{flag} cannot be passed through: this launcher sets --{flag} itself {reserved[flag]}")
+        if value is True:
+            argv.append(f"--{flag}")
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{flag}", *(str(v) for v in value)]
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def _extra_flag_names(extra: dict | None) -> set[str]:
+    return {(k[2:] if k.startswith("--") else k).replace("_", "-") for k in (extra or {})}
+
+
+def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: int, base_gpu_id: int,
+                                host: str = DEFAULT_HOST) -> list[str]:
+    """`python -m sglang.launch_server ...` for engine `engine_rank`.
+
+    Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our
+    flags, a per-engine --random-seed (args.seed + rank) and --weight-version 0
+    unless the user passed them, then appends every `--sglang-<flag>` from
+    `args.sglang_extra_args` ({flag-name: str | True}). A user `--sglang-host`
+    replaces the loopback default.
+    """
+    if not getattr(args, "hf_checkpoint", None):
+        raise ValueError("--hf-checkpoint is required to launch SGLang engines (it becomes --model-path)")
+    extra = dict(getattr(args, "sglang_extra_args", None) or {})
+    names = _extra_flag_names(extra)
+    tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(args.hf_checkpoint),
+        "--tp-size", str(tp),
+        "--port", str(port),
+        "--base-gpu-id", str(base_gpu_id),
+        "--nccl-port", str(nccl_port),
+    ]
+    if "host" not in names:
+        cmd += ["--host", host]
+    seed = getattr(args, "seed", None)
+    if seed is not None and "random-seed" not in names:
+        cmd += ["--random-seed", str(int(seed) + engine_rank)]
+    if "weight-version" not in names:
+        cmd += ["--weight-version", "0"]
+    cmd += _extra_args_to_argv(extra, "sglang-", _RESERVED_SGLANG_FLAGS)
+    return cmd
+
+
+def build_embedded_engine_command(args, engine_rank: int, port: int, host: str = DEFAULT_HOST) -> list[str]:
+    """`python -m slime.backends.hf_engine ...` for engine `engine_rank` (CPU, one slot per engine)."""
+    if not getattr(args, "hf_checkpoint", None):
+        raise ValueError("--hf-checkpoint is required to launch the embedded engine (it becomes --model-path)")
+    cmd = [
+        sys.executable, "-m", "slime.backends.hf_engine",
+        "--model-path", str(args.hf_checkpoint),
+        "--host", host,
+        "--port", str(port),
+    ]
+    threads = getattr(args, "embedded_engine_threads", None)
+    if threads:
+        cmd += ["--num-threads", str(int(threads))]
+    seed = getattr(args, "seed", None)
+    if seed is not None:
+        cmd += ["--seed", str(int(seed) + engine_rank)]
+    cmd += _extra_args_to_argv(getattr(args, "hf_engine_extra_args", None) or {}, "hf-engine-",
+                               {"model-path": "--hf-checkpoint", "host": "", "port": "(picked automatically)"})
+    return cmd
+
+
+class EngineProcess:
+    """One launched engine server (either backend) and how to reach it."""
+
+    def __init__(self, name: str, backend: str, cmd: list[str], host: str, port: int, log_path: str,
+                 env: dict[str, str] | None = None):
+        self.name = name
+        self.backend = backend
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        self.process = ManagedProcess(name, cmd, log_path, env=env)
+
+    def start(self) -> "EngineProcess":
+        self.process.start()
+        return self
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Wait until GET /health_generate answers 200; raises ServerLaunchError naming the engine with its log tail."""
+        waited = self.process.wait_http_ok(self.url + "/health_generate", timeout)
+        logger.info("%s healthy at %s after %.1fs", self.name, self.url, waited)
+        return waited
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        return self.process.log_tail(max_lines)
+
+    def terminate(self, grace: float = 10.0) -> None:
+        self.process.terminate(grace)
+
+
+def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir: str,
+                        nccl_port: int | None = None, host: str = DEFAULT_HOST) -> EngineProcess:
+    """Build (not start) engine `engine_rank` for `backend` ('sglang' or 'embedded')."""
+    env = dict(os.environ)
+    if backend == "sglang":
+        tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        base_gpu_id = engine_rank * tp  # engines of one node share the visible GPUs in order
+        if nccl_port is None:
+            raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
+        cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host)
+        host = _host_from_cmd(cmd, host)
+    elif backend == "embedded":
+        cmd = build_embedded_engine_command(args, engine_rank, port, host)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        raise ValueError(f"unknown rollout backend {backend!r} (expected 'sglang' or 'embedded')")
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    log_path = os.path.join(log_dir, f"engine_{engine_rank}.log")
+    return EngineProcess(f"engine {engine_rank} ({backend})", backend, cmd, connect_host, port, log_path, env=env)
+
+
+def _host_from_cmd(cmd: list[str], default: str) -> str:
+    return cmd[cmd.index("--host") + 1] if "--host" in cmd else default

@@ -182,3 +182,36 @@ def test_normalize_advantages_all_reduce_single_rank(tmp_path):
 def test_ppo_utils_reexports_advantage_api():
     assert ppo_utils.compute_advantages is compute_advantages
     assert ppo_utils.normalize_advantages is normalize_advantages
+
+
+def _args(tmp_path, *extra):
+    from slime.arguments import parse_args
+
+    (tmp_path / "hf").mkdir(exist_ok=True)
+    (tmp_path / "d.jsonl").write_text("")
+    return parse_args(["--hf-checkpoint", str(tmp_path / "hf"), "--prompt-data", str(tmp_path / "d.jsonl"),
+                       "--rm-type", "math", "--num-rollout", "1", "--rollout-batch-size", "2",
+                       "--n-samples-per-prompt", "2", "--global-batch-size", "4", *extra])
+
+
+def test_compute_advantages_from_args_reads_the_flags(tmp_path):
+    from slime.utils.advantages import compute_advantages_from_args
+
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    masks = _masks([2, 1, 3, 2])
+    plain = compute_advantages_from_args(_args(tmp_path), rewards, masks)
+    s = 0.5 / (math.sqrt(0.5) + 1e-6)  # (1 - 0.5) / unbiased std of {1, 0}
+    assert plain[0].tolist() == pytest.approx([s, s]) and plain[2].tolist() == [0.0, 0.0, 0.0]
+    no_std = compute_advantages_from_args(_args(tmp_path, "--disable-grpo-std-normalization"), rewards, masks)
+    assert no_std[0].tolist() == [0.5, 0.5] and no_std[1].tolist() == [-0.5]
+    whitened = compute_advantages_from_args(
+        _args(tmp_path, "--disable-grpo-std-normalization", "--normalize-advantages"), rewards, masks)
+    expected = _np_whiten([a.numpy() for a in no_std], [m.numpy() for m in masks])
+    for a, e in zip(whitened, expected):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-5, atol=1e-6)
+    rpp = compute_advantages_from_args(
+        _args(tmp_path, "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.1"),
+        rewards, masks, kl=[torch.ones(n) for n in (2, 1, 3, 2)])
+    expected = _np_reinforce_pp(rewards.tolist(), [[1.0] * n for n in (2, 1, 3, 2)], masks, 0.1, 1.0)
+    for a, e in zip(rpp, expected):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-5, atol=1e-6)

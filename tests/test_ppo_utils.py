@@ -18,6 +18,7 @@ from slime.utils.ppo_utils import (
     compute_policy_loss,
     compute_tis_weights,
     masked_mean,
+    loss_agg_mode,
     sft_loss,
 )
 
@@ -44,8 +45,10 @@ def test_log_probs_stable_for_huge_logits_and_differentiable():
     assert torch.isfinite(logits.grad).all()
     # d logp_k / d logits = onehot(k) - softmax
     np.testing.assert_allclose(logits.grad.numpy(), [[-1.0, 1.0, 0.0]], atol=1e-6)
+    # temperature 0 (greedy) reports the unscaled distribution, as SGLang does
+    torch.testing.assert_close(compute_log_probs(logits, torch.tensor([1]), 0.0), lp.detach())
     with pytest.raises(ValueError, match="temperature"):
-        compute_log_probs(logits, torch.tensor([1]), 0.0)
+        compute_log_probs(logits, torch.tensor([1]), -1.0)
 
 
 # -------------------------------------------------------------- entropy ----
@@ -214,6 +217,13 @@ def test_empty_masks_give_zero_and_keep_graph():
     assert got.item() == pytest.approx(1.25)
     got.backward()
     np.testing.assert_allclose(x.grad.numpy(), [[0, 0], [0.25, 0.25]])
+
+
+def test_loss_agg_mode_follows_calculate_per_token_loss():
+    from types import SimpleNamespace
+
+    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=True)) == "token_mean"
+    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=False)) == "sample_mean"
 
 
 def test_sft_loss_is_negative_masked_mean_log_likelihood():

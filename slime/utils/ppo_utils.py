@@ -21,6 +21,7 @@ from torch import Tensor
 from slime.utils.advantages import (  # noqa: F401  (re-exported)
     ESTIMATORS,
     compute_advantages,
+    compute_advantages_from_args,
     group_relative_rewards,
     normalize_advantages,
 )
@@ -36,15 +37,23 @@ TensorOrList = Tensor | Sequence[Tensor]
 
 
 # ---------------------------------------------------------------- logits ----
+def _effective_temperature(temperature: float) -> float:
+    """Temperature 0 means greedy decoding; like SGLang, log-probs (and
+    entropy) are then reported for the unscaled distribution (temperature 1)."""
+    if temperature < 0:
+        raise ValueError(f"temperature (--rollout-temperature) must be >= 0, got {temperature}")
+    return 1.0 if temperature == 0 else float(temperature)
+
+
 def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature) gathered at ``tokens``.
 
     ``logits``: [..., V]; ``tokens``: [...] (the token each position
     predicts). Computed in float32 as gather − logsumexp, which equals the
-    engine-side log-prob of the sampled token under the same temperature.
+    engine-side log-prob of the sampled token under the same temperature
+    (temperature 0 = greedy: log-probs of the unscaled distribution).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature (--rollout-temperature) must be > 0, got {temperature}")
+    temperature = _effective_temperature(temperature)
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} do not line up")
     scaled = logits.float() / temperature
@@ -55,8 +64,7 @@ def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) 
 def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Per-position entropy −Σ p log p of softmax(logits / temperature), in
     float32; stable for large logits and for −inf (banned) logits."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = _effective_temperature(temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     p = logp.exp()
     # p == 0 where logp == -inf; zero the log there so 0 * -inf never appears
@@ -177,6 +185,11 @@ def compute_gspo_policy_loss(
 
 
 # ----------------------------------------------------------- aggregation ----
+def loss_agg_mode(args) -> str:
+    """``--calculate-per-token-loss`` → ``token_mean``, else ``sample_mean``."""
+    return "token_mean" if args.calculate_per_token_loss else "sample_mean"
+
+
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ values·mask; positions with mask 0 contribute exactly 0 even if the
     value there is NaN/inf (so padding garbage never leaks)."""

@@ -1,0 +1,307 @@
+"""The partial-rollout buffer (APRIL) and its ledger.
+
+`Ledger` gives every prompt group (keyed by `Sample.group_index`) exactly one
+state and validates each transition:
+
+    (new) ──issue──▶ issued ──▶ parked ──issue──▶ issued ...
+                        │          └──▶ dropped(reason)
+                        ├──▶ finished ──▶ trained   (final)
+                        │        └──────▶ dropped(reason)
+                        └──▶ dropped(reason)        (final)
+
+`PartialRolloutBuffer` holds the groups between rollout steps:
+- parked groups: unfinished (at least one member not finished) groups with
+  all their per-token fields, handed out first next step (FIFO, or
+  `--buffer-filter-path`);
+- ready groups: groups that finished (rewarded, accepted) after the step's
+  target was met; they stay `finished` in the ledger and are handed out as
+  accepted groups at the start of the next step instead of being thrown away.
+
+`save(path)`/`load(path)` persist both lists and the ledger atomically (write a
+temporary file, then `os.replace`), so a restart resumes parked groups and
+never trains a group twice. `Buffer` is the same class as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections import Counter
+from typing import Any, Iterable
+
+import ray
+
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+ISSUED, PARKED, FINISHED, TRAINED, DROPPED = "issued", "parked", "finished", "trained", "dropped"
+STATES = (ISSUED, PARKED, FINISHED, TRAINED, DROPPED)
+_NEW = None
+# allowed transitions: from-state -> set of to-states (None = never seen before)
+TRANSITIONS: dict[str | None, frozenset[str]] = {
+    _NEW: frozenset({ISSUED}),
+    ISSUED: frozenset({PARKED, FINISHED, DROPPED}),
+    PARKED: frozenset({ISSUED, DROPPED}),
+    FINISHED: frozenset({TRAINED, DROPPED}),
+    TRAINED: frozenset(),
+    DROPPED: frozenset(),
+}
+SAVE_FORMAT_VERSION = 1
+
+
+class LedgerError(ValueError):
+    """An invalid state transition or an unbalanced ledger; the message names the group(s)."""
+
+
+class Ledger:
+    """Exactly one state per prompt-group id; transitions validated."""
+
+    def __init__(self) -> None:
+        self._state: dict[int, str] = {}
+        self._reason: dict[int, str] = {}
+
+    def state(self, group_id: int) -> str | None:
+        return self._state.get(int(group_id))
+
+    def reason(self, group_id: int) -> str | None:
+        return self._reason.get(int(group_id))
+
+    def mark(self, group_ids: Iterable[int], state: str, reason: str | None = None) -> None:
+        """Move every id to `state`; all-or-nothing (nothing changes if one transition is invalid)."""
+        if state not in STATES:
+            raise LedgerError(f"unknown ledger state {state!r}; expected one of {STATES}")
+        if state == DROPPED and not reason:
+            raise LedgerError("dropping a group needs a reason")
+        if state != DROPPED and reason is not None:
+            raise LedgerError(f"a reason ({reason!r}) is only valid with state 'dropped', not {state!r}")
+        ids = [int(g) for g in group_ids]
+        dup = [g for g, c in Counter(ids).items() if c > 1]
+        if dup:
+            raise LedgerError(f"group ids {dup} appear more than once in one mark({state!r}) call")
+        bad = [(g, self._state.get(g)) for g in ids if state not in TRANSITIONS[self._state.get(g)]]
+        if bad:
+            desc = ", ".join(f"group {g}: {old or 'new'} -> {state}" for g, old in bad[:10])
+            raise LedgerError(f"invalid ledger transition(s) ({len(bad)}): {desc}")
+        for g in ids:
+            self._state[g] = state
+            if reason is not None:
+                self._reason[g] = reason
+
+    def ids_in(self, state: str) -> list[int]:
+        return sorted(g for g, s in self._state.items() if s == state)
+
+    def summary(self) -> dict[str, int]:
+        """Counts per state, per drop reason (`dropped/<reason>`), and the total."""
+        counts = Counter(self._state.values())
+        out = {s: counts.get(s, 0) for s in STATES}
+        for g, r in self._reason.items():
+            if self._state[g] == DROPPED:
+                out[f"dropped/{r}"] = out.get(f"dropped/{r}", 0) + 1
+        out["total"] = len(self._state)
+        return out
+
+    def check_balanced(self, parked_ids: Iterable[int], ready_ids: Iterable[int], idle: bool = True) -> dict[str, int]:
+        """Raise `LedgerError` unless the ledger agrees with what the buffer holds.
+
+        parked in the ledger == parked groups held; every ready group held is
+        finished; with `idle` (between steps) no group may still be issued.
+        """
+        parked, ready = list(parked_ids), list(ready_ids)
+        problems = []
+        for name, ids in (("parked", parked), ("ready", ready)):
+            dup = [g for g, c in Counter(ids).items() if c > 1]
+            if dup:
+                problems.append(f"{name} groups held twice: {dup[:10]}")
+        both = set(parked) & set(ready)
+        if both:
+            problems.append(f"groups held both parked and ready: {sorted(both)[:10]}")
+        ledger_parked = set(self.ids_in(PARKED))
+        if ledger_parked != set(parked):
+            problems.append(
+                f"ledger parked but not held: {sorted(ledger_parked - set(parked))[:10]}; "
+                f"held parked but ledger says otherwise: {sorted(set(parked) - ledger_parked)[:10]}"
+            )
+        not_fin = [g for g in ready if self._state.get(g) != FINISHED]
+        if not_fin:
+            problems.append(f"ready groups not 'finished' in the ledger: {not_fin[:10]}")
+        if idle and self.ids_in(ISSUED):
+            problems.append(f"groups still issued between steps (lost?): {self.ids_in(ISSUED)[:10]}")
+        if problems:
+            raise LedgerError("ledger unbalanced: " + "; ".join(problems))
+        return self.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {str(g): s for g, s in self._state.items()}, "reason": {str(g): r for g, r in self._reason.items()}}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        state = {int(g): s for g, s in d["state"].items()}
+        bad = {g: s for g, s in state.items() if s not in STATES}
+        if bad:
+            raise LedgerError(f"ledger state_dict has unknown states: {dict(list(bad.items())[:10])}")
+        self._state = state
+        self._reason = {int(g): r for g, r in d.get("reason", {}).items()}
+
+
+def group_id(group: list[Sample]) -> int:
+    """The prompt-group id of `group`; every member must share it."""
+    if not group:
+        raise ValueError("empty group (no samples)")
+    ids = {s.group_index for s in group}
+    if len(ids) != 1 or None in ids:
+        raise ValueError(f"group members disagree on group_index (or it is unset): {sorted(map(str, ids))}")
+    return int(group[0].group_index)
+
+
+def is_group_finished(group: list[Sample]) -> bool:
+    return all(s.status.is_finished for s in group)
+
+
+class PartialRolloutBuffer:
+    """Parked partial groups + ready finished groups + the ledger (plain class; `Buffer` is the Ray actor)."""
+
+    def __init__(self, args: Any = None) -> None:
+        self.args = args
+        self.ledger = Ledger()
+        self._parked: list[list[Sample]] = []
+        self._ready: list[list[Sample]] = []
+        path = getattr(args, "buffer_filter_path", None)
+        self._filter = load_function(path) if path else None
+
+    # ---- ledger passthrough --------------------------------------------------
+    def mark(self, group_ids: list[int], state: str, reason: str | None = None) -> None:
+        self.ledger.mark(group_ids, state, reason)
+
+    def issue(self, groups: list[list[Sample]]) -> None:
+        """Record fresh groups as issued (the rollout calls this before submitting them)."""
+        self.ledger.mark([group_id(g) for g in groups], ISSUED)
+
+    def ledger_summary(self) -> dict[str, int]:
+        return self.ledger.summary()
+
+    def group_state(self, gid: int) -> str | None:
+        return self.ledger.state(gid)
+
+    def check_balanced(self, idle: bool = True) -> dict[str, int]:
+        return self.ledger.check_balanced(
+            [group_id(g) for g in self._parked], [group_id(g) for g in self._ready], idle=idle
+        )
+
+    # ---- parked groups ---------------------------------------------------------
+    def park(self, groups: list[list[Sample]]) -> None:
+        """Hold unfinished groups (issued -> parked); finished members are kept as they are."""
+        ids = [group_id(g) for g in groups]
+        done = [gid for gid, g in zip(ids, groups) if is_group_finished(g)]
+        if done:
+            raise LedgerError(f"cannot park finished groups {done[:10]} (every member is finished)")
+        self.ledger.mark(ids, PARKED)
+        self._parked.extend(groups)
+
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def parked_ids(self) -> list[int]:
+        return [group_id(g) for g in self._parked]
+
+    def take_parked(self, num: int) -> list[list[Sample]]:
+        """Hand out up to `num` parked groups (FIFO or the buffer filter) and mark them issued."""
+        if num <= 0 or not self._parked:
+            return []
+        if self._filter is None:
+            chosen = self._parked[:num]
+        else:
+            chosen = self._filter(self.args, list(self._parked), num)
+            self._check_filter_result(chosen, num)
+        chosen_ids = {id(g) for g in chosen}
+        self.ledger.mark([group_id(g) for g in chosen], ISSUED)
+        self._parked = [g for g in self._parked if id(g) not in chosen_ids]
+        return list(chosen)
+
+    def _check_filter_result(self, chosen: Any, num: int) -> None:
+        where = f"--buffer-filter-path {getattr(self.args, 'buffer_filter_path', None)!r}"
+        if not isinstance(chosen, list):
+            raise TypeError(f"{where} must return a list of groups, got {type(chosen).__name__}")
+        if len(chosen) > num:
+            raise ValueError(f"{where} returned {len(chosen)} groups but only {num} were asked for")
+        held = {id(g) for g in self._parked}
+        seen: set[int] = set()
+        for i, g in enumerate(chosen):
+            if id(g) not in held:
+                raise ValueError(f"{where} returned group #{i} that is not one of the parked groups (must return a subset)")
+            if id(g) in seen:
+                raise ValueError(f"{where} returned parked group {group_id(g)} twice")
+            seen.add(id(g))
+
+    # ---- ready (finished, accepted, not yet handed out) groups ----------------
+    def hold_ready(self, groups: list[list[Sample]]) -> None:
+        """Keep finished groups (already `finished` in the ledger) for the next step."""
+        for g in groups:
+            gid = group_id(g)
+            if not is_group_finished(g):
+                raise LedgerError(f"group {gid} is not finished; park it instead of holding it ready")
+            if self.ledger.state(gid) != FINISHED:
+                raise LedgerError(f"group {gid} is {self.ledger.state(gid) or 'new'} in the ledger, not finished")
+        self._ready.extend(groups)
+
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    def take_ready(self, num: int) -> list[list[Sample]]:
+        """Hand out up to `num` ready groups, oldest first (they stay `finished`)."""
+        out, self._ready = self._ready[: max(num, 0)], self._ready[max(num, 0) :]
+        return out
+
+    # ---- persistence -------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Write parked + ready groups and the ledger to `path` atomically (tmp file + os.replace)."""
+        state = {
+            "format_version": SAVE_FORMAT_VERSION,
+            "parked": [[s.to_dict() for s in g] for g in self._parked],
+            "ready": [[s.to_dict() for s in g] for g in self._ready],
+            "ledger": self.ledger.state_dict(),
+        }
+        try:
+            text = json.dumps(state)
+        except TypeError as e:
+            raise TypeError(f"buffer.save({path}): a sample field (metadata?) is not JSON-serialisable: {e}") from e
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".buffer-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        logger.info("buffer saved to %s: %d parked, %d ready groups", path, len(self._parked), len(self._ready))
+
+    def load(self, path: str) -> None:
+        """Replace this buffer's contents with what `save(path)` wrote."""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"buffer.load: cannot read {path}: {e}") from e
+        if state.get("format_version") != SAVE_FORMAT_VERSION:
+            raise ValueError(f"buffer.load: {path} has format_version {state.get('format_version')!r}, expected {SAVE_FORMAT_VERSION}")
+        ledger = Ledger()
+        ledger.load_state_dict(state["ledger"])
+        parked = [[Sample.from_dict(d) for d in g] for g in state["parked"]]
+        ready = [[Sample.from_dict(d) for d in g] for g in state["ready"]]
+        ledger.check_balanced([group_id(g) for g in parked], [group_id(g) for g in ready], idle=False)
+        lost = ledger.ids_in(ISSUED)
+        if lost:  # saved mid-step: their samples were not saved, so they can never come back
+            logger.warning("buffer.load: %d groups were issued when %s was saved; marking them dropped", len(lost), path)
+            ledger.mark(lost, DROPPED, reason="issued_at_save")
+        self.ledger, self._parked, self._ready = ledger, parked, ready
+        logger.info("buffer loaded from %s: %d parked, %d ready groups", path, len(parked), len(ready))
+
+
+Buffer = ray.remote(num_cpus=0)(PartialRolloutBuffer)

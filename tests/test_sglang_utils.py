@@ -1,0 +1,265 @@
+"""Unit tests for slime/backends/sglang_utils that need no engine: command
+builders, backend choice, the HTTP client against a real local HTTP server,
+and child-process management (log tails, process-group termination)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from slime.arguments import parse_args
+from slime.backends.sglang_utils import http_client, sglang_engine
+from slime.backends.sglang_utils.engine_group import busy_requests
+from slime.backends.sglang_utils.process_utils import (
+    ManagedProcess,
+    ServerLaunchError,
+    pick_free_ports,
+    process_group_members,
+)
+from slime.backends.sglang_utils.sglang_engine import (
+    build_embedded_engine_command,
+    build_sglang_server_command,
+    resolve_rollout_backend,
+)
+
+
+def make_args(tmp_path, *extra):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.touch()
+    return parse_args(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--rm-type", "math",
+                       "--num-rollout", "1", "--rollout-batch-size", "2", *extra])
+
+
+def flag_value(cmd, flag):
+    assert cmd.count(flag) == 1, f"{flag} appears {cmd.count(flag)} times in {cmd}"
+    return cmd[cmd.index(flag) + 1]
+
+
+# --- command builders ----------------------------------------------------------------
+def test_sglang_command_sets_our_flags_and_passes_user_flags_through(tmp_path):
+    args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2", "--seed", "7",
+                     "--sglang-mem-fraction-static", "0.8", "--sglang-enable-memory-saver",
+                     "--sglang-log-level=warning")
+    cmd = build_sglang_server_command(args, engine_rank=1, port=31001, nccl_port=32001, base_gpu_id=2)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert flag_value(cmd, "--model-path") == str(tmp_path / "model")
+    assert flag_value(cmd, "--tp-size") == "2"
+    assert flag_value(cmd, "--host") == "127.0.0.1"
+    assert flag_value(cmd, "--port") == "31001"
+    assert flag_value(cmd, "--base-gpu-id") == "2"
+    assert flag_value(cmd, "--nccl-port") == "32001"
+    assert flag_value(cmd, "--random-seed") == "8"  # seed + engine rank
+    assert flag_value(cmd, "--weight-version") == "0"
+    assert flag_value(cmd, "--mem-fraction-static") == "0.8"
+    assert flag_value(cmd, "--log-level") == "warning"
+    i = cmd.index("--enable-memory-saver")  # a boolean flag: no value after it
+    assert i == len(cmd) - 1 or cmd[i + 1].startswith("--")
+
+
+def test_sglang_command_user_host_seed_and_version_replace_defaults(tmp_path):
+    args = make_args(tmp_path, "--sglang-host", "10.0.0.5", "--sglang-random-seed", "99", "--sglang-weight-version", "3")
+    cmd = build_sglang_server_command(args, 0, 1, 2, 0)
+    assert flag_value(cmd, "--host") == "10.0.0.5"
+    assert flag_value(cmd, "--random-seed") == "99"
+    assert flag_value(cmd, "--weight-version") == "3"
+
+
+@pytest.mark.parametrize("flag,hint", [("--sglang-tp-size", "--rollout-num-gpus-per-engine"),
+                                       ("--sglang-port", "picked automatically"),
+                                       ("--sglang-model-path", "--hf-checkpoint")])
+def test_sglang_command_rejects_flags_we_own(tmp_path, flag, hint):
+    args = make_args(tmp_path, flag, "5")
+    with pytest.raises(ValueError) as e:
+        build_sglang_server_command(args, 0, 1, 2, 0)
+    assert flag in str(e.value) and hint in str(e.value)
+
+
+def test_embedded_command(tmp_path):
+    args = make_args(tmp_path, "--embedded-engine-threads", "2", "--seed", "5")
+    cmd = build_embedded_engine_command(args, engine_rank=3, port=40000)
+    assert cmd[:3] == [sys.executable, "-m", "slime.backends.hf_engine"]
+    assert flag_value(cmd, "--model-path") == str(tmp_path / "model")
+    assert flag_value(cmd, "--host") == "127.0.0.1"
+    assert flag_value(cmd, "--port") == "40000"
+    assert flag_value(cmd, "--num-threads") == "2"
+    assert flag_value(cmd, "--seed") == "8"
+
+
+def test_builders_name_the_missing_checkpoint_flag():
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="--hf-checkpoint"):
+        build_sglang_server_command(SimpleNamespace(hf_checkpoint=None), 0, 1, 2, 0)
+    with pytest.raises(ValueError, match="--hf-checkpoint"):
+        build_embedded_engine_command(SimpleNamespace(hf_checkpoint=None), 0, 1)
+
+
+def test_backend_choice(tmp_path, monkeypatch):
+    assert resolve_rollout_backend(make_args(tmp_path, "--rollout-backend", "embedded")) == "embedded"
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: False)
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: True)
+    assert resolve_rollout_backend(make_args(tmp_path)) == "embedded"  # auto without CUDA
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
+    assert resolve_rollout_backend(make_args(tmp_path)) == "sglang"  # auto with CUDA + sglang
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: False)
+    assert resolve_rollout_backend(make_args(tmp_path)) == "embedded"
+    with pytest.raises(RuntimeError, match="--rollout-backend sglang"):
+        resolve_rollout_backend(make_args(tmp_path, "--rollout-backend", "sglang"))
+
+
+def test_busy_requests_reads_sglang_get_load_shapes():
+    assert busy_requests([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]) == 0
+    assert busy_requests([{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1}, {"dp_rank": 1, "num_reqs": 3}]) == 6
+    assert busy_requests({"num_running_reqs": 1, "num_waiting_reqs": 0}) == 1
+    with pytest.raises(ValueError, match="/get_load"):
+        busy_requests(["nonsense"])
+
+
+# --- HTTP client against a real local server -------------------------------------------
+async def _serve(app):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = pick_free_ports(1)[0]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _app():
+    async def generate(request):
+        body = await request.json()
+        return web.json_response({"text": "", "output_ids": body["input_ids"][::-1], "meta_info": {"id": body.get("rid")}})
+
+    async def empty(request):
+        return web.Response(status=200, text="")
+
+    async def fail(request):
+        return web.Response(status=503, text="engine is paused")
+
+    async def echo(request):
+        return web.json_response({"method": request.method, "body": await request.json() if request.can_read_body else None})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", empty)
+    app.router.add_route("*", "/fail", fail)
+    app.router.add_route("*", "/echo", echo)
+    return app
+
+
+def test_async_client_shapes_and_errors():
+    async def main():
+        runner, url = await _serve(_app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                out = await http_client.generate(s, url, {"input_ids": [1, 2, 3], "rid": "r1"}, timeout=5)
+                assert out["output_ids"] == [3, 2, 1] and out["meta_info"]["id"] == "r1"
+                assert await http_client.post(s, url, "/abort_request", {"abort_all": True}) is None
+                assert await http_client.post(s, url + "/", "echo", {"a": 1}) == {"method": "POST", "body": {"a": 1}}
+                assert (await http_client.get(s, url, "/echo"))["method"] == "GET"
+                with pytest.raises(http_client.EngineHTTPError) as e:
+                    await http_client.post(s, url, "/fail", {})
+                assert e.value.status == 503 and e.value.body == "engine is paused"
+                assert e.value.url == url + "/fail" and url + "/fail" in str(e.value)
+                with pytest.raises(ValueError, match="stream"):
+                    await http_client.generate(s, url, {"input_ids": [1], "stream": True})
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_sync_client_against_server_in_thread():
+    import threading
+
+    ready, box = threading.Event(), {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        box["runner"], box["url"] = loop.run_until_complete(_serve(_app()))
+        box["loop"] = loop
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    url = box["url"]
+    try:
+        assert http_client.post_json(url + "/echo", {"x": [1]}, timeout=5) == {"method": "POST", "body": {"x": [1]}}
+        assert http_client.get_json(url + "/echo", timeout=5)["method"] == "GET"
+        assert http_client.post_json(url + "/abort_request", {"rid": "a"}, timeout=5) is None
+        with pytest.raises(http_client.EngineHTTPError) as e:
+            http_client.get_json(url + "/fail", timeout=5)
+        assert e.value.status == 503 and "engine is paused" in str(e.value) and url + "/fail" in str(e.value)
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        t.join(5)
+
+
+# --- processes ------------------------------------------------------------------------
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def test_pick_free_ports_distinct_and_excluding():
+    first = pick_free_ports(4)
+    assert len(set(first)) == 4
+    second = pick_free_ports(4, exclude=set(first))
+    assert not set(first) & set(second)
+
+
+def test_dead_server_error_names_it_and_shows_log_tail(tmp_path):
+    proc = ManagedProcess("engine 7 (embedded)", _py("import sys; print('boom: bad model path /nope', flush=True); sys.exit(3)"),
+                          str(tmp_path / "e.log")).start()
+    with pytest.raises(ServerLaunchError) as e:
+        proc.wait_http_ok("http://127.0.0.1:9/health_generate", timeout=30)
+    msg = str(e.value)
+    assert "engine 7 (embedded)" in msg and "exited with code 3" in msg and "boom: bad model path /nope" in msg
+
+
+def test_silent_server_times_out_with_log_tail(tmp_path):
+    port = pick_free_ports(1)[0]
+    proc = ManagedProcess("engine 0", _py("import time; print('loading weights...', flush=True); time.sleep(60)"),
+                          str(tmp_path / "e.log")).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ServerLaunchError) as e:
+            proc.wait_http_ok(f"http://127.0.0.1:{port}/health_generate", timeout=1.5)
+        assert time.monotonic() - t0 < 10
+        assert "engine 0" in str(e.value) and "within 2s" in str(e.value) and "loading weights..." in str(e.value)
+    finally:
+        proc.terminate(grace=2)
+    assert not proc.is_alive()
+
+
+def test_terminate_kills_the_whole_group_even_if_sigterm_is_ignored(tmp_path):
+    # the server ignores SIGTERM and has a grandchild: both must be gone after terminate()
+    code = """
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, '-c', 'import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])
+        print('child', child.pid, flush=True)
+        time.sleep(120)
+    """
+    log = tmp_path / "s.log"
+    proc = ManagedProcess("stubborn", _py(code), str(log)).start()
+    deadline = time.monotonic() + 20
+    while "child" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(log.read_text().split()[1])
+    assert set(process_group_members(proc.pid)) >= {proc.pid, grandchild}
+    t0 = time.monotonic()
+    proc.terminate(grace=0.5)
+    assert time.monotonic() - t0 < 8
+    assert not proc.is_alive()
+    assert process_group_members(proc.pid) == []
+    assert not os.path.exists(f"/proc/{grandchild}") or open(f"/proc/{grandchild}/stat").read().split()[2] == "Z"

@@ -1,0 +1,169 @@
+"""Rewards: `async_rm` (one sample), `batched_async_rm` (a group), `reward_group` (never raises).
+
+Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's
+`metadata["rm_type"]` if set, else `--rm-type`:
+  deepscaler       boxed answer after `</think>`, 1/0
+  dapo             DAPO's `Answer:` line, +1/-1
+  math             math-verify symbolic equivalence, 1/0
+  remote_rm        POST to `--rm-url`
+  subtract_chain   the embedded task's checker (`slime.tasks.subtract_chain.compute_reward`)
+  boxed_<type>     first extract the last `\\boxed{...}` of the response, then score that answer
+                   with <type> (the answer alone: no `</think>` / `Answer:` format required)
+Every reward is bounded by `--reward-timeout` seconds (default 60; <= 0 means no limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+
+from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
+from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, labels_of
+from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
+from slime.rollout.rm_hub.remote_rm import remote_rm
+from slime.rollout.rm_hub.threads import run_in_daemon_thread
+from slime.utils.misc import load_function
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REWARD_TIMEOUT = 60.0
+RM_TYPES = ("deepscaler", "dapo", "math", "remote_rm", "subtract_chain")
+BOXED_PREFIX = "boxed_"
+
+__all__ = ["async_rm", "batched_async_rm", "reward_group", "reward_timeout", "RM_TYPES", "extract_boxed_answer"]
+
+
+def reward_timeout(args) -> float | None:
+    """`--reward-timeout` in seconds, None when unlimited (<= 0)."""
+    t = getattr(args, "reward_timeout", DEFAULT_REWARD_TIMEOUT)
+    return None if t is None or float(t) <= 0 else float(t)
+
+
+def _to_reward(value, source: str) -> float:
+    if isinstance(value, (int, float)) or hasattr(value, "__float__") and not isinstance(value, (str, bytes)):
+        reward = float(value)
+        if math.isfinite(reward):
+            return reward
+    raise TypeError(f"reward from {source} must be a finite number, got {type(value).__name__} {str(value)[:80]!r}")
+
+
+def _rm_type(args, sample: Sample) -> str:
+    metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+    return str(metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+
+
+async def _call_plugin(fn, timeout: float | None, *call_args):
+    """Await an async plugin; a sync one runs in a daemon thread (it would block the event loop)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*call_args)
+    result = await run_in_daemon_thread(fn, *call_args, timeout=timeout)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
+    custom = getattr(args, "custom_rm_path", None)
+    if custom:
+        return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}")
+
+    requested = _rm_type(args, sample)
+    if not requested:
+        raise ValueError(f"no reward configured: set --rm-type (one of {', '.join(RM_TYPES)}, or boxed_<type>) or --custom-rm-path")
+    rm_type, response, answer_only = requested, sample.response, False
+    if rm_type.startswith(BOXED_PREFIX):
+        rm_type, answer_only = rm_type[len(BOXED_PREFIX) :], True
+        response = extract_boxed_answer(sample.response) or ""
+    label = sample.label
+
+    if rm_type == "deepscaler":
+        if answer_only:
+            return 1.0 if response and any(answers_match(response, g) for g in labels_of(label)) else 0.0
+        return get_deepscaler_rule_based_reward(response, label)
+    if rm_type == "dapo":
+        return compute_score_dapo_answer(response, label) if answer_only else compute_score_dapo(response, label)
+    if rm_type == "math":
+        return await math_verify_reward(response, label, timeout, answer_only=answer_only)
+    if rm_type == "remote_rm":
+        return await remote_rm(args, sample, timeout=timeout, response=response if answer_only else None)
+    if rm_type == "subtract_chain":
+        from slime.tasks.subtract_chain import compute_reward  # written alongside; imported only when used
+
+        return _to_reward(compute_reward(response, label), "subtract_chain")
+    raise ValueError(
+        f"unknown --rm-type {requested!r}: expected one of {', '.join(RM_TYPES)}, "
+        f"a '{BOXED_PREFIX}<type>' of those, or a --custom-rm-path"
+    )
+
+
+async def async_rm(args, sample: Sample) -> float:
+    """The reward of one sample; raises on error, TimeoutError after `--reward-timeout` seconds."""
+    timeout = reward_timeout(args)
+    try:
+        return await asyncio.wait_for(_dispatch(args, sample, timeout), timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"no reward within {timeout}s (--reward-timeout)") from e
+
+
+async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
+    """Rewards of a group: one `--custom-rm-path` call with `--group-rm`, else `async_rm` per sample concurrently.
+
+    Raises on the first error (use `reward_group` for per-sample failure handling).
+    """
+    custom = getattr(args, "custom_rm_path", None)
+    if custom and getattr(args, "group_rm", False):
+        return await _group_call(args, samples, custom)
+    return list(await asyncio.gather(*(async_rm(args, s) for s in samples)))
+
+
+async def _group_call(args, samples: list[Sample], custom: str) -> list[float]:
+    timeout = reward_timeout(args)
+    try:
+        rewards = await asyncio.wait_for(_call_plugin(load_function(custom), timeout, args, samples), timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"no group reward within {timeout}s (--reward-timeout)") from e
+    if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
+        got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
+        raise ValueError(f"--custom-rm-path {custom} with --group-rm must return {len(samples)} rewards, got {got}")
+    return [_to_reward(r, f"--custom-rm-path {custom}") for r in rewards]
+
+
+def _mark_failed(sample: Sample, error: BaseException) -> None:
+    sample.reward = None
+    sample.status = Status.FAILED
+    sample.metadata["failure"] = f"reward: {type(error).__name__}: {error}"
+    logger.warning("reward failed for sample %s (group %s): %s", sample.index, sample.group_index, sample.metadata["failure"])
+
+
+async def reward_group(args, samples: list[Sample]) -> None:
+    """Set `reward` on every sample of a group; never raises for a reward error.
+
+    A sample whose reward raises or times out gets `status = FAILED`,
+    `reward = None` and `metadata["failure"] = "reward: <type>: <message>"`;
+    the others keep their rewards (with `--group-rm`, one failed call fails
+    the whole group). Samples already FAILED (e.g. by generation) are skipped.
+    """
+    todo = [s for s in samples if s.status != Status.FAILED]
+    if not todo:
+        return
+    custom = getattr(args, "custom_rm_path", None)
+    if custom and getattr(args, "group_rm", False):
+        try:
+            rewards = await _group_call(args, todo, custom)
+        except Exception as e:
+            for s in todo:
+                _mark_failed(s, e)
+            return
+        for s, r in zip(todo, rewards):
+            s.reward = r
+        return
+    results = await asyncio.gather(*(async_rm(args, s) for s in todo), return_exceptions=True)
+    for s, r in zip(todo, results):
+        if isinstance(r, asyncio.CancelledError):
+            raise r
+        if isinstance(r, BaseException):
+            _mark_failed(s, r)
+        else:
+            s.reward = r

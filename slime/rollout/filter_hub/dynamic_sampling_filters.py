@@ -1,0 +1,36 @@
+"""Built-in dynamic-sampling filters: `def f(args, samples) -> DynamicFilterOutput`."""
+
+from __future__ import annotations
+
+import math
+
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.utils.types import Sample, Status
+
+
+def _scalar_reward(sample: Sample, args) -> float:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        key = getattr(args, "reward_key", None)
+        if not key or key not in reward:
+            raise ValueError(f"sample {sample.index}: reward is a dict {sorted(reward)}; set --reward-key to one of them")
+        reward = reward[key]
+    return float(reward)
+
+
+def check_reward_nonzero_std(args, samples: list[Sample]) -> DynamicFilterOutput:
+    """Keep a group only if its rewards are not all equal (DAPO's dynamic sampling).
+
+    Failed samples (status FAILED or reward None) are left out of the check; a
+    group in which every sample failed is rejected ("all samples failed"). A
+    group with a single usable reward has zero spread and is rejected too.
+    """
+    rewards = [
+        _scalar_reward(s, args) for s in samples if s.reward is not None and s.status != Status.FAILED
+    ]
+    if not rewards:
+        return DynamicFilterOutput(keep=False, reason="all samples failed")
+    first = rewards[0]
+    if all(math.isclose(r, first, rel_tol=0.0, abs_tol=1e-12) for r in rewards):
+        return DynamicFilterOutput(keep=False, reason=f"all rewards equal (={first:g})")
+    return DynamicFilterOutput(keep=True)

@@ -1,0 +1,50 @@
+"""`--rm-type remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url`, read back a float.
+
+The server may answer a bare JSON number or an object with a numeric
+`"reward"` (or `"score"`) field; anything else is an error naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import aiohttp
+
+
+def _reward_from_json(body, url: str) -> float:
+    if isinstance(body, dict):
+        for key in ("reward", "score"):
+            if key in body:
+                body = body[key]
+                break
+        else:
+            raise ValueError(f"remote reward model {url} answered an object without 'reward'/'score': {str(body)[:200]}")
+    if isinstance(body, bool) or not isinstance(body, (int, float)):
+        raise ValueError(f"remote reward model {url} answered a non-number: {str(body)[:200]}")
+    value = float(body)
+    if not math.isfinite(value):
+        raise ValueError(f"remote reward model {url} answered {value}")
+    return value
+
+
+async def remote_rm(args, sample, timeout: float | None = None, response: str | None = None) -> float:
+    """POST the sample to `args.rm_url` (total `timeout` seconds) and return its reward.
+
+    `response` replaces `sample.response` in the payload (the `boxed_remote_rm` path sends the boxed answer).
+    """
+    url = getattr(args, "rm_url", None)
+    if not url:
+        raise ValueError("--rm-type remote_rm needs --rm-url")
+    payload = {"prompt": sample.prompt, "response": sample.response if response is None else response, "label": sample.label}
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        async with session.post(url, json=payload) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise RuntimeError(f"remote reward model {url} returned HTTP {resp.status}: {text[:200]}")
+            try:
+                body = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"remote reward model {url} returned invalid JSON: {text[:200]}") from e
+    return _reward_from_json(body, url)

@@ -1,0 +1,41 @@
+"""Run a blocking check off the event loop, with a time limit the caller can enforce.
+
+Rule checks (sympy inside math-verify) are CPU-bound and may hang on
+pathological inputs. They run in a daemon thread so the rollout's event loop
+keeps serving HTTP, and so an abandoned (timed-out) check never blocks
+interpreter exit. A thread cannot be killed: a check that hangs forever keeps
+its thread, but the caller is released at the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable
+
+
+async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+    """`fn(*args)` in a fresh daemon thread; raises TimeoutError after `timeout` seconds (None: no limit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():  # the caller gave up (timeout or cancel)
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop closed while we worked: nobody is waiting
+            pass
+
+    threading.Thread(target=target, name=f"rm-check-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await asyncio.wait_for(future, timeout)

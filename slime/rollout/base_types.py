@@ -17,6 +17,8 @@ class RolloutContext:
     engines: Any  # EngineGroup
     tokenizer: Any
     policy_version: int = 0
+    # evaluation=True: the groups to generate (one eval set), instead of data_source/buffer
+    eval_groups: list[list[Sample]] | None = None
 
 
 @dataclass

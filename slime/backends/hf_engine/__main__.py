@@ -1,0 +1,70 @@
+"""CLI: python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P [...]."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+logger = logging.getLogger("slime.backends.hf_engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description="Embedded CPU engine speaking SGLang's HTTP API.")
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory (model + tokenizer).")
+    p.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (default 127.0.0.1).")
+    p.add_argument("--port", type=int, default=30000, help="Port (default 30000).")
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (default 1).")
+    p.add_argument("--dtype", default="float32", help="Model dtype: float32 (default), bfloat16, float16.")
+    p.add_argument("--max-running-requests", type=int, default=128, help="Max requests in the decode batch.")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV budget in tokens: sum over running requests of prompt + max_new_tokens (default 262144).")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV budget as blocks (x --block-size); overrides --max-total-tokens.")
+    p.add_argument("--block-size", type=int, default=32, help="Tokens per KV block for --kv-blocks (default 32).")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="Max tokens in one batched prefill.")
+    p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
+    p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
+    p.add_argument("--log-level", default="INFO", help="Logging level.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, value in (("--num-threads", args.num_threads), ("--max-running-requests", args.max_running_requests),
+                        ("--max-prefill-tokens", args.max_prefill_tokens), ("--block-size", args.block_size)):
+        if value < 1:
+            logger.error("%s must be >= 1, got %s", name, value)
+            return 2
+    import torch
+
+    torch.set_num_threads(args.num_threads)
+    from slime.backends.hf_engine.engine import Engine, EngineConfig
+    from slime.backends.hf_engine.server import serve
+
+    total = args.max_total_tokens or 262144
+    if args.kv_blocks is not None:
+        total = args.kv_blocks * args.block_size
+    cfg = EngineConfig(
+        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
+        max_running_requests=args.max_running_requests, max_total_tokens=total,
+        max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
+        attn_implementation=args.attn_implementation,
+    )
+    try:
+        engine = Engine(cfg)
+    except FileNotFoundError as e:
+        logger.error("%s", e)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a clear message and a non-zero exit
+        logger.error("failed to load model from --model-path %r: %s", args.model_path, e)
+        return 1
+    asyncio.run(serve(engine, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The engine object behind the HTTP server: model, tokenizer, scheduler, weight version."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from slime.backends.hf_engine import weights
+from slime.backends.hf_engine.scheduler import Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    dtype: str = "float32"
+    max_running_requests: int = 128
+    max_total_tokens: int = 262144
+    max_prefill_tokens: int = 8192
+    seed: int | None = None
+    weight_version: str = "0"
+    attn_implementation: str = "sdpa"
+
+
+def load_model(path: str, dtype: str, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model-path: {path!r} is not a directory")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights.parse_dtype(dtype), attn_implementation=attn_implementation)
+    model.eval()
+    return model
+
+
+def _next_version(current: str) -> str:
+    try:
+        return str(int(current) + 1)
+    except ValueError:
+        return current
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.model = load_model(cfg.model_path, cfg.dtype, cfg.attn_implementation)
+        tok_path = cfg.tokenizer_path or cfg.model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.model_path = cfg.model_path
+        self.tokenizer_path = tok_path
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.weight_version = cfg.weight_version
+        self.scheduler = Scheduler(
+            self.model,
+            self.tokenizer,
+            max_running=cfg.max_running_requests,
+            max_total_tokens=cfg.max_total_tokens,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            seed=cfg.seed,
+        )
+        self.groups = weights.WeightUpdateGroups()
+        self._update_lock = asyncio.Lock()
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self.groups.destroy_all()
+
+    async def call(self, fn, *args, timeout: float = 600.0):
+        """Run fn(*args) on the scheduler thread at the next step boundary."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(fn, *args)), timeout)
+
+    def make_request(self, inp, stream: bool, on_event) -> Request:
+        gen = None
+        if inp.params.sampling_seed is not None:
+            gen = torch.Generator()
+            gen.manual_seed(int(inp.params.sampling_seed))
+
+        def notify(r: Request, finished: bool) -> None:
+            snap = types.SimpleNamespace(
+                rid=r.rid, input_ids=r.input_ids, params=r.params, output_ids=list(r.output_ids),
+                logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason),
+            )
+            on_event(snap, finished)
+
+        return Request(rid=inp.rid, input_ids=inp.input_ids, params=inp.params, stream=stream, notify=notify, generator=gen)
+
+    # ---- weights ---------------------------------------------------------------------
+    def _apply(self, named: dict, version: str | None, flush_cache: bool) -> str:
+        """On the scheduler thread: retract running requests (their KV is from the old weights), copy, bump version."""
+        n_retracted = self.scheduler.retract()
+        weights.copy_into_model(self.model, named)
+        self.weight_version = version if version is not None else _next_version(self.weight_version)
+        return f"loaded {len(named)} tensors; weight_version={self.weight_version}; recomputed {n_retracted} running requests"
+
+    async def update_from_tensors(self, named: dict, version: str | None, flush_cache: bool, abort_all: bool) -> str:
+        if abort_all:
+            await self.call(self.scheduler.abort, None, "aborted for a weight update")
+        return await self.call(self._apply, named, version, flush_cache)
+
+    async def update_from_disk(self, model_path: str, version: str | None, flush_cache: bool, abort_all: bool) -> str:
+        async with self._update_lock:
+            named = await asyncio.to_thread(weights.read_state_dict, model_path, self.model.dtype)
+            msg = await self.update_from_tensors(named, version, flush_cache, abort_all)
+            self.model_path = model_path
+            return msg
+
+    async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> str:
+        async with self._update_lock:
+            named = await asyncio.to_thread(self.groups.receive, group_name, names, dtypes, shapes)
+            return await self.update_from_tensors(named, version, flush_cache, abort_all)

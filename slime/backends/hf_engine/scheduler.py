@@ -1,0 +1,275 @@
+"""Continuous-batching scheduler: one thread owns the model and the decode batch.
+
+Everything that touches the model (prefill, decode, weight loads, aborts,
+retractions) runs on that thread, between decode steps; the HTTP side talks to
+it with `submit(fn)` (a callable run at the next step boundary, returning a
+concurrent Future) and `add(request)`. Requests report back through their
+`notify` callback (called on the scheduler thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from slime.backends.hf_engine.batch import DecodeBatch
+from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    notify: Callable[["Request", bool], None] | None = None  # (request, finished)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    generator: torch.Generator | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+def abort_reason(message: str) -> dict:
+    return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_running = max_running
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.batch = DecodeBatch(model)
+        self.running: list[Request] = []
+        self._admitting: list[Request] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.paused = False
+        self.default_generator = torch.Generator()
+        self.default_generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> set[int]:
+        ids = set()
+        for src in (getattr(model, "generation_config", None), model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        return ids
+
+    # ---- API for other threads -------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.submit(self._abort_everything, "server shutting down")
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        self._inbox.put((fn, args, fut))
+        self._wake.set()
+        return fut
+
+    def add(self, req: Request) -> Future:
+        return self.submit(self._add, req)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def token_usage(self) -> int:
+        return sum(r.num_tokens for r in list(self.running))
+
+    # ---- commands (run on the scheduler thread) --------------------------------------
+    def _add(self, req: Request) -> None:
+        if any(r.rid == req.rid for r in self.running) or any(r.rid == req.rid for r in self.waiting):
+            raise ValueError(f"rid {req.rid!r} is already in flight")
+        self.waiting.append(req)
+
+    def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
+        """Finish the request `rid` (or every request when rid is None) with an abort reason."""
+        n = 0
+        keep = []
+        for i, r in enumerate(self.running):
+            if rid is None or r.rid == rid:
+                self._finish(r, abort_reason(message))
+                n += 1
+            else:
+                keep.append(i)
+        if n:
+            self.running = [self.running[i] for i in keep]
+            self.batch.keep(keep)
+        still = collections.deque()
+        for r in self.waiting:
+            if rid is None or r.rid == rid:
+                self._finish(r, abort_reason(message))
+                n += 1
+            else:
+                still.append(r)
+        self.waiting = still
+        return n
+
+    def _abort_everything(self, message: str) -> int:
+        return self.abort(None, message)
+
+    def retract(self) -> int:
+        """Drop the KV cache of every running request and put it back first in the queue."""
+        n = len(self.running)
+        for r in reversed(self.running):
+            self.waiting.appendleft(r)
+        self.running = []
+        self.batch.clear()
+        return n
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+
+    # ---- the loop --------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            self._drain_inbox()
+            if self._stop:
+                self._abort_everything("server shutting down")
+                return
+            if self.paused or (not self.running and not self.waiting):
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self._admit()
+                self._decode()
+            except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
+                logger.exception("scheduler step failed")
+                victims = self._admitting + self.running
+                self.running, self._admitting = [], []
+                self.batch.clear()
+                for r in victims:
+                    if not r.finished:
+                        self._finish(r, abort_reason(f"engine error: {e}"))
+
+    def _admit(self) -> None:
+        if not self.waiting or len(self.running) >= self.max_running:
+            return
+        budget = self.max_total_tokens - sum(len(r.input_ids) + r.params.max_new_tokens for r in self.running)
+        group: list[Request] = []
+        prefill_tokens = 0
+        while self.waiting and len(self.running) + len(group) < self.max_running:
+            r = self.waiting[0]
+            need = len(r.input_ids) + r.params.max_new_tokens
+            if need > budget and (self.running or group):
+                break
+            if group and prefill_tokens + r.num_tokens > self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            group.append(r)
+            budget -= need
+            prefill_tokens += r.num_tokens
+        if not group:
+            return
+        self._admitting = group
+        logits, cache, valid = self.batch.prefill([r.input_ids + r.output_ids for r in group])
+        tokens, lps = sample_batch(logits, [r.params for r in group], [r.generator for r in group], self.default_generator)
+        keep, next_pos, pending = [], [], []
+        for i, r in enumerate(group):
+            self._append(r, tokens[i], lps[i])
+            if not r.finished:
+                keep.append(i)
+                next_pos.append(r.num_tokens - 1)
+                pending.append(tokens[i])
+        if keep:
+            idx = torch.tensor(keep)
+            cache.batch_select_indices(idx)
+            self.batch.join(cache, valid[idx], next_pos, pending)
+            self.running.extend(group[i] for i in keep)
+        self._admitting = []
+
+    def _decode(self) -> None:
+        if not self.running:
+            return
+        logits = self.batch.step()
+        self.num_steps += 1
+        rs = self.running
+        tokens, lps = sample_batch(logits, [r.params for r in rs], [r.generator for r in rs], self.default_generator)
+        keep = []
+        for i, r in enumerate(rs):
+            self._append(r, tokens[i], lps[i])
+            if not r.finished:
+                keep.append(i)
+        self.batch.set_pending(tokens)
+        if len(keep) != len(rs):
+            self.running = [rs[i] for i in keep]
+            self.batch.keep(keep)
+
+    def _append(self, r: Request, token: int, logprob: float) -> None:
+        r.output_ids.append(token)
+        r.logprobs.append(logprob)
+        p = r.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            self._finish(r, {"type": "stop", "matched": token})
+            return
+        if p.stop:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s and text.endswith(s):
+                    self._finish(r, {"type": "stop", "matched": s})
+                    return
+        if len(r.output_ids) >= p.max_new_tokens:
+            self._finish(r, {"type": "length", "length": len(r.output_ids)})
+            return
+        if r.stream and r.notify is not None:
+            r.notify(r, False)
+
+    def _finish(self, r: Request, reason: dict) -> None:
+        r.finish_reason = reason
+        if r.notify is not None:
+            r.notify(r, True)

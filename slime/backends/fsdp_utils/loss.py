@@ -1,0 +1,201 @@
+"""The loss of one micro-batch and the rollout-level preparation (advantages,
+TIS weights, behaviour-vs-old mismatch) that feeds it.
+
+Normalisation: every micro-batch loss is divided by the *global* denominator
+of its optimizer step (tokens for ``token_mean``, samples for
+``sample_mean``), counted over all ranks, so that summing micro-batches and
+averaging data-parallel gradients gives exactly the loss of the whole step in
+one batch. Reported metrics use the same denominators and are summed over
+micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime.backends.fsdp_utils.data import TrainItem
+from slime.utils.ppo_utils import (
+    aggregate_loss,
+    compute_advantages,
+    compute_approx_kl,
+    compute_gspo_policy_loss,
+    compute_policy_loss,
+    compute_tis_weights,
+    normalize_advantages,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def flag(args, name: str, default=None):
+    """Read a flag that arguments.py may not define yet."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def loss_agg_mode(args) -> str:
+    mode = getattr(args, "loss_agg_mode", None)
+    if mode:
+        return mode
+    return "token_mean" if flag(args, "calculate_per_token_loss", False) else "sample_mean"
+
+
+def needs_ref(args) -> bool:
+    return bool(flag(args, "use_kl_loss", False)) or float(flag(args, "kl_coef", 0.0)) > 0
+
+
+@dataclass
+class RolloutTensors:
+    """Per-position (flattened rollout) tensors computed before the update."""
+
+    old_log_probs: list[Tensor]
+    ref_log_probs: list[Tensor] | None
+    advantages: list[Tensor]
+    tis_weights: list[Tensor] | None
+    metrics: dict[str, float]
+
+
+def compute_rollout_tensors(
+    args,
+    groups: list[list[TrainItem]],
+    old_log_probs: list[Tensor],
+    ref_log_probs: list[Tensor] | None,
+) -> RolloutTensors:
+    """Advantages, TIS weights and mismatch metrics for the whole rollout
+    (identical on every rank: inputs are gathered)."""
+    items = [it for g in groups for it in g]
+    masks = [it.loss_mask for it in items]
+    metrics: dict[str, float] = {}
+    estimator = flag(args, "advantage_estimator", "grpo")
+    kl_coef = float(flag(args, "kl_coef", 0.0))
+    kl_type = flag(args, "kl_loss_type", "k1")
+    kl = None
+    if ref_log_probs is not None:
+        kl = [compute_approx_kl(o, r, kl_type) for o, r in zip(old_log_probs, ref_log_probs)]
+        metrics["ref_kl"] = _masked_token_mean(kl, masks)
+
+    if flag(args, "loss_type", "policy_loss") == "sft_loss":
+        advantages = [torch.zeros_like(m) for m in masks]
+    else:
+        advantages = _advantages(args, estimator, groups, masks, kl, kl_coef)
+    if flag(args, "normalize_advantages", False) and estimator in ("grpo", "gspo"):
+        advantages = normalize_advantages(advantages, masks)
+
+    # engine (behaviour) vs trainer (old policy) log-prob mismatch
+    diffs = [(o - it.rollout_log_probs).abs() for o, it in zip(old_log_probs, items)]
+    mk = torch.cat(masks) if masks else torch.zeros(0)
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
+    metrics["logprob_abs_diff_max"] = float(d[mk != 0].max()) if bool((mk != 0).any()) else 0.0
+    metrics["logprob_abs_diff_mean"] = float(d[mk != 0].mean()) if bool((mk != 0).any()) else 0.0
+
+    tis = None
+    if flag(args, "use_tis", False) and items:
+        w, tis_metrics = compute_tis_weights(
+            torch.cat(old_log_probs), torch.cat([it.rollout_log_probs for it in items]), mk,
+            clip_high=float(flag(args, "tis_clip", 2.0)), clip_low=float(flag(args, "tis_clip_low", 0.0)),
+        )
+        tis = list(torch.split(w, [m.numel() for m in masks]))
+        metrics.update(tis_metrics)
+    return RolloutTensors(old_log_probs, ref_log_probs, advantages, tis, metrics)
+
+
+def _advantages(args, estimator, groups, masks, kl, kl_coef) -> list[Tensor]:
+    rewards = torch.tensor([it.reward for g in groups for it in g], dtype=torch.float32)
+    sizes = {len(g) for g in groups}
+    common = dict(normalize_std=not flag(args, "disable_grpo_std_normalization", False),
+                  kl=kl, kl_coef=kl_coef, gamma=float(flag(args, "gamma", 1.0)))
+    if len(sizes) <= 1 or estimator == "reinforce_plus_plus":
+        size = sizes.pop() if len(sizes) == 1 and estimator != "reinforce_plus_plus" else 1
+        return compute_advantages(estimator, rewards, size, masks, **common)
+    # groups of unequal size (a FAILED sample was dropped from some group)
+    if estimator in ("grpo", "gspo"):
+        out, start = [], 0
+        for g in groups:
+            sl = slice(start, start + len(g))
+            out += compute_advantages(estimator, rewards[sl], len(g), masks[sl],
+                                      normalize_std=common["normalize_std"])
+            start += len(g)
+        return out
+    if estimator == "reinforce_plus_plus_baseline":
+        per_token, start = [], 0
+        for g in groups:
+            base = rewards[start : start + len(g)].mean()
+            for j in range(len(g)):
+                i = start + j
+                adv = (rewards[i] - base) * torch.ones_like(masks[i])
+                if kl is not None and kl_coef:
+                    adv = adv - kl_coef * kl[i]
+                per_token.append(adv * masks[i])
+            start += len(g)
+        return normalize_advantages(per_token, masks)
+    raise ValueError(f"--advantage-estimator={estimator!r} is not supported")
+
+
+def _masked_token_mean(values: list[Tensor], masks: list[Tensor]) -> float:
+    if not values:
+        return 0.0
+    v, m = torch.cat(values), torch.cat(masks)
+    return float((v * m).sum() / m.sum().clamp(min=1))
+
+
+def micro_batch_loss(
+    args,
+    log_probs: list[Tensor],
+    entropies: list[Tensor] | None,
+    positions: list[int],
+    masks: list[Tensor],
+    rt: RolloutTensors,
+    num_tokens: float,
+    num_samples: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss (already divided by the step's global denominator) and metric
+    parts (same normalisation) for one micro-batch of real items."""
+    mode = loss_agg_mode(args)
+    agg = dict(num_tokens=num_tokens, num_samples=num_samples)
+
+    def reduce(x: list[Tensor]) -> Tensor:
+        return aggregate_loss(x, masks, mode, **agg)
+
+    metrics: dict[str, float] = {}
+    if flag(args, "loss_type", "policy_loss") == "sft_loss":
+        loss = -reduce(log_probs)
+        metrics["sft_loss"] = float(loss.detach())
+        return loss, metrics
+
+    old = [rt.old_log_probs[p] for p in positions]
+    adv = [rt.advantages[p] for p in positions]
+    eps, eps_high = float(flag(args, "eps_clip", 0.2)), getattr(args, "eps_clip_high", None)
+    lengths = [m.numel() for m in masks]
+    if flag(args, "advantage_estimator", "grpo") == "gspo":
+        pg, clip = compute_gspo_policy_loss(log_probs, old, adv, masks, eps, eps_high)
+    else:
+        pg_flat, clip_flat = compute_policy_loss(torch.cat(log_probs), torch.cat(old), torch.cat(adv), eps, eps_high,
+                                                 getattr(args, "eps_clip_c", None))
+        pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
+    if rt.tis_weights is not None:
+        pg = [x * rt.tis_weights[p] for x, p in zip(pg, positions)]
+    pg_loss = reduce(pg)
+    loss = pg_loss
+    metrics["pg_loss"] = float(pg_loss.detach())
+    metrics["pg_clipfrac"] = float(reduce(clip).detach())
+    metrics["ppo_kl"] = float(reduce([(o - lp).detach() for o, lp in zip(old, log_probs)]))
+
+    if entropies is not None:
+        ent = reduce(entropies)
+        metrics["entropy"] = float(ent.detach())
+        coef = float(flag(args, "entropy_coef", 0.0))
+        if coef:
+            loss = loss - coef * ent
+    if flag(args, "use_kl_loss", False):
+        if rt.ref_log_probs is None:
+            raise RuntimeError("--use-kl-loss needs reference log-probs, but no reference model was built")
+        ref = [rt.ref_log_probs[p] for p in positions]
+        kl = [compute_approx_kl(lp, r, flag(args, "kl_loss_type", "k1")) for lp, r in zip(log_probs, ref)]
+        kl_loss = reduce(kl)
+        metrics["kl_loss"] = float(kl_loss.detach())
+        loss = loss + float(flag(args, "kl_loss_coef", 0.0)) * kl_loss
+    return loss, metrics

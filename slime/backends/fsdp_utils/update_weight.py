@@ -1,0 +1,254 @@
+"""Push the trainer's weights to every rollout engine.
+
+Distributed path (default): trainer rank 0 and the engines form one extra
+process group (rank 0 = trainer, engine i = 1 + i*tp); every update gathers
+the full state dict on rank 0 (a collective: every trainer rank calls it),
+cuts it into buckets of ``--update-weight-buffer-size`` bytes and, per
+bucket, POSTs ``/update_weights_from_distributed`` (names/dtypes/shapes) to
+every worker while broadcasting the tensors in that order.
+
+Disk path (``--update-weights-from-disk``): rank 0 writes a HF safetensors
+directory and POSTs ``/update_weights_from_disk`` to every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slime.backends.fsdp_utils.model import free_port, use_cuda
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUFFER_BYTES = 512 * 1024**2
+HTTP_TIMEOUT_S = 600.0
+
+
+def _post(url: str, path: str, payload: dict, timeout: float) -> dict:
+    try:
+        from slime.backends.sglang_utils.http_client import post_json
+    except ImportError:  # pragma: no cover - the helper ships with the repo
+        post_json = None
+    full = url.rstrip("/") + path
+    if post_json is not None:
+        out = post_json(full, payload, timeout=timeout)
+    else:
+        import requests
+
+        resp = requests.post(full, json=payload, timeout=timeout)
+        resp.raise_for_status()
+        out = resp.json() if resp.text.strip() else None
+    if isinstance(out, dict) and out.get("success") is False:
+        raise RuntimeError(f"POST {full} failed: {out.get('message')}")
+    return out or {}
+
+
+def _post_all(pool: ThreadPoolExecutor, urls: list[str], path: str, payload: dict, timeout: float):
+    return [pool.submit(_post, u, path, payload, timeout) for u in urls]
+
+
+def _wait_all(futures, urls: list[str], path: str, timeout: float) -> list[dict]:
+    out = []
+    for fut, url in zip(futures, urls):
+        try:
+            out.append(fut.result(timeout=timeout))
+        except Exception as e:
+            raise RuntimeError(f"weight update: {path} on worker {url} failed: {e}") from e
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it; only rank 0 gets the tensors (CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def buckets(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) pairs grouped so each bucket holds at most
+    `max_bytes` (a larger tensor travels alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    cur, size = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > max_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class WeightUpdater:
+    """Lives in every trainer rank; only rank 0 talks to engines."""
+
+    def __init__(self, args, model: nn.Module, rank: int):
+        self.args = args
+        self.model = model
+        self.rank = rank
+        self.group_name = "slime_weight_update"
+        self._pg = None
+        self._urls: tuple[str, ...] = ()
+        self._disk_dir: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync") if rank == 0 else None
+        self.buffer_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUFFER_BYTES)
+        self.timeout = float(getattr(args, "update_weights_timeout_s", None) or HTTP_TIMEOUT_S)
+
+    # ------------------------------------------------------------ public ----
+    def update(self, urls: list[str], version: int) -> dict[str, float]:
+        """Send the current weights to every worker in `urls` as `version`.
+        Call on every trainer rank (the state-dict gather is a collective)."""
+        if not urls:
+            raise ValueError("update_weights: no engine worker URLs (is the EngineGroup started?)")
+        t0 = time.perf_counter()
+        from_disk = bool(getattr(self.args, "update_weights_from_disk", False))
+        if not from_disk and self.rank == 0 and tuple(urls) != self._urls:
+            try:
+                self._connect(list(urls))
+            except Exception as e:
+                logger.warning("distributed weight update unavailable (%s); using the disk path", e)
+                from_disk = True
+        from_disk = self._agree(from_disk)
+        state = full_state_dict(self.model)
+        n_bytes = 0
+        if self.rank == 0:
+            n_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            if from_disk:
+                self._send_disk(list(urls), state, version)
+            else:
+                self._send_distributed(list(urls), state, version)
+        del state
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        logger.info("weights v%d -> %d engine(s) via %s in %.3fs", version, len(urls),
+                    "disk" if from_disk else "distributed", dt)
+        return {"weight_sync_time_s": dt, "weight_sync_bytes": float(n_bytes),
+                "weight_sync_from_disk": float(from_disk)}
+
+    def close(self) -> None:
+        if self.rank == 0 and self._pg is not None:
+            try:
+                futs = _post_all(self._pool, list(self._urls), "/destroy_weights_update_group",
+                                 {"group_name": self.group_name}, 30)
+                _wait_all(futs, list(self._urls), "/destroy_weights_update_group", 35)
+            except Exception as e:  # engines may already be gone at shutdown
+                logger.warning("destroy_weights_update_group: %s", e)
+            self._release_local()
+        if self._disk_dir:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+            self._disk_dir = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------- helpers ----
+    def _agree(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def _release_local(self) -> None:
+        pg, self._pg, self._urls = self._pg, None, ()
+        if pg is not None:
+            shutdown = getattr(pg, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception as e:  # pragma: no cover
+                    logger.debug("weight-update pg shutdown: %s", e)
+        self._store = None
+
+    def _connect(self, urls: list[str]) -> None:
+        if self._pg is not None:
+            self.close_group_only()
+        tp = int(getattr(self.args, "rollout_num_gpus_per_engine", None) or 1) if use_cuda() else 1
+        world_size = 1 + len(urls) * tp
+        port = free_port()
+        backend = "nccl" if use_cuda() else "gloo"
+        futs = []
+        for i, url in enumerate(urls):
+            payload = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + i * tp,
+                       "world_size": world_size, "group_name": self.group_name, "backend": backend}
+            futs.append(self._pool.submit(_post, url, "/init_weights_update_group", payload, self.timeout))
+        try:
+            timeout = timedelta(seconds=min(self.timeout, 300))
+            if backend == "gloo":
+                store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
+                pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+            else:
+                store, pg = _nccl_group(port, world_size, self.group_name, timeout)
+        except Exception:
+            for f in futs:
+                f.cancel()
+            raise
+        _wait_all(futs, urls, "/init_weights_update_group", self.timeout)
+        self._store, self._pg, self._urls = store, pg, tuple(urls)
+        logger.info("weight-update group %s: %d engine(s), world size %d, port %d (%s)",
+                    self.group_name, len(urls), world_size, port, backend)
+
+    def close_group_only(self) -> None:
+        urls = list(self._urls)
+        try:
+            _wait_all(_post_all(self._pool, urls, "/destroy_weights_update_group",
+                                {"group_name": self.group_name}, 30), urls, "/destroy_weights_update_group", 35)
+        except Exception as e:
+            logger.warning("destroy_weights_update_group: %s", e)
+        self._release_local()
+
+    def _send_distributed(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
+        for bucket in buckets(state, self.buffer_bytes):
+            payload = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": self.group_name,
+                "weight_version": str(version),
+                "flush_cache": True,
+            }
+            futs = _post_all(self._pool, urls, "/update_weights_from_distributed", payload, self.timeout)
+            try:
+                for _, t in bucket:
+                    self._pg.broadcast([t.to(dev).contiguous()], 0).wait()
+            except Exception as e:
+                self._release_local()
+                raise RuntimeError(f"weight broadcast to {urls} failed: {e}") from e
+            _wait_all(futs, urls, "/update_weights_from_distributed", self.timeout)
+
+    def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> None:
+        from slime.backends.fsdp_utils.checkpoint import write_hf_dir
+
+        base = getattr(self.args, "update_weights_disk_dir", None)
+        if self._disk_dir is None:
+            self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_", dir=base)
+        path = os.path.join(self._disk_dir, f"v{version}")
+        write_hf_dir(self.model, state, path, getattr(self.args, "hf_checkpoint", None))
+        payload = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        _wait_all(_post_all(self._pool, urls, "/update_weights_from_disk", payload, self.timeout),
+                  urls, "/update_weights_from_disk", self.timeout)
+        for old in os.listdir(self._disk_dir):  # keep only the version the engines now serve
+            if old != f"v{version}":
+                shutil.rmtree(os.path.join(self._disk_dir, old), ignore_errors=True)
+
+
+def _nccl_group(port: int, world_size: int, group_name: str, timeout: timedelta):
+    """Trainer side of SGLang's `init_custom_process_group` (GPU): a TCP
+    rendezvous store, prefixed by the group name, and an NCCL group on it."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    pg = dist.ProcessGroupNCCL(prefixed, 0, world_size)
+    return store, pg

@@ -103,6 +103,8 @@ def normalize_advantages(
 
 def discounted_returns(token_rewards: Tensor, gamma: float) -> Tensor:
     """G_t = r_t + gamma * G_{t+1}, computed backwards over a 1-D tensor."""
+    if gamma == 1.0:  # the common case: a reverse cumulative sum, no python loop
+        return token_rewards.flip(0).cumsum(0).flip(0)
     out = torch.empty_like(token_rewards)
     running = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
     for t in range(token_rewards.numel() - 1, -1, -1):

@@ -1,0 +1,151 @@
+"""RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function.
+
+It lives in the driver process (rollout functions are asyncio HTTP clients);
+the buffer is a Ray actor so that its contents have one owner and survive in
+checkpoints. The policy version that the engines serve is tracked here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import ray
+
+from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.utils.misc import load_function
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+BUFFER_TIMEOUT_S = 120.0
+
+
+def group_reward_metrics(groups: list[list[Sample]], prefix: str) -> dict[str, float]:
+    """Mean reward and accuracy (reward > 0) over the rewarded samples of `groups`."""
+    rewards = [float(s.reward) for g in groups for s in g if s.status is not Status.FAILED and isinstance(s.reward, (int, float))]
+    failed = sum(1 for g in groups for s in g if s.status is Status.FAILED)
+    lengths = [s.response_length for g in groups for s in g]
+    out = {f"{prefix}/failed_samples": float(failed)}
+    if rewards:
+        out[f"{prefix}/mean"] = sum(rewards) / len(rewards)
+        out[f"{prefix}/accuracy"] = sum(1 for r in rewards if r > 0) / len(rewards)
+    if lengths:
+        out[f"{prefix}/response_len_mean"] = sum(lengths) / len(lengths)
+    return out
+
+
+class RolloutManager:
+    def __init__(self, args, run_dir: str, start_engines: bool = True):
+        from transformers import AutoTokenizer
+
+        from slime.ray.buffer import Buffer
+        from slime.rollout.data_source import RolloutDataSource, load_eval_groups
+
+        self.args = args
+        self.run_dir = run_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.policy_version = 0
+        self.engines = None
+        self.data_source = RolloutDataSource(args, self.tokenizer) if args.prompt_data else None
+        self.eval_sets = {
+            name: load_eval_groups(args, self.tokenizer, name, path, args.n_samples_per_eval_prompt)
+            for name, path in args.eval_datasets
+        }
+        self.buffer = Buffer.remote(args)
+        self.rollout_fn = load_function(args.rollout_function_path)
+        if start_engines:
+            from slime.backends.sglang_utils.engine_group import EngineGroup
+
+            self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs")).start()
+
+    # ---- steps --------------------------------------------------------------
+    @property
+    def num_rollout(self) -> int:
+        """`--num-rollout`, or `--num-epoch` worth of steps over the prompt data."""
+        if self.args.num_rollout is not None:
+            return self.args.num_rollout
+        return max(1, self.args.num_epoch * len(self.data_source) // self.args.rollout_batch_size)
+
+    def _context(self, eval_groups=None) -> RolloutContext:
+        return RolloutContext(
+            data_source=self.data_source,
+            buffer=None if eval_groups is not None else self.buffer,
+            engines=self.engines,
+            tokenizer=self.tokenizer,
+            policy_version=self.policy_version,
+            eval_groups=eval_groups,
+        )
+
+    def generate(self, rollout_id: int) -> RolloutOutput:
+        if self.args.load_debug_rollout_data:
+            return self._load_debug(rollout_id)
+        out = self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False)
+        out.metrics.update(group_reward_metrics(out.groups, "reward"))
+        if self.args.save_debug_rollout_data:
+            self._save_debug(rollout_id, out)
+        return out
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, groups in self.eval_sets.items():
+            fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
+            out = self.rollout_fn(self.args, rollout_id, self._context(eval_groups=fresh), evaluation=True)
+            metrics.update(group_reward_metrics(out.groups, f"eval/{name}"))
+        accs = [v for k, v in metrics.items() if k.endswith("/accuracy")]
+        if accs:
+            metrics["eval/accuracy"] = sum(accs) / len(accs)
+        return metrics
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+
+    def mark_trained(self, groups: list[list[Sample]]) -> None:
+        ids = sorted({g[0].group_index for g in groups if g})
+        ray.get(self.buffer.mark.remote(ids, "trained"), timeout=BUFFER_TIMEOUT_S)
+
+    def ledger_summary(self) -> dict[str, int]:
+        return ray.get(self.buffer.ledger_summary.remote(), timeout=BUFFER_TIMEOUT_S)
+
+    # ---- checkpoints --------------------------------------------------------
+    def save_buffer(self, path: str) -> None:
+        ray.get(self.buffer.save.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+
+    def load_buffer(self, path: str) -> None:
+        ray.get(self.buffer.load.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy_version": self.policy_version,
+            "data_source": self.data_source.state_dict() if self.data_source is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy_version = int(state["policy_version"])
+        if self.data_source is not None and state.get("data_source") is not None:
+            self.data_source.load_state_dict(state["data_source"])
+
+    # ---- debug dumps ----------------------------------------------------------
+    def _save_debug(self, rollout_id: int, out: RolloutOutput) -> None:
+        path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"rollout_id": rollout_id, "metrics": out.metrics,
+                       "groups": [[s.to_dict() for s in g] for g in out.groups]}, f)
+        logger.info("saved rollout %d to %s", rollout_id, path)
+
+    def _load_debug(self, rollout_id: int) -> RolloutOutput:
+        path = self.args.load_debug_rollout_data.format(rollout_id=rollout_id)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--load-debug-rollout-data: {path} (rollout {rollout_id}) does not exist")
+        with open(path) as f:
+            d = json.load(f)
+        groups = [[Sample.from_dict(s) for s in g] for g in d["groups"]]
+        return RolloutOutput(groups=groups, metrics={**d.get("metrics", {}), **group_reward_metrics(groups, "reward")})
+
+    def shutdown(self) -> None:
+        if self.engines is not None:
+            self.engines.shutdown()
+            self.engines = None

@@ -1,0 +1,63 @@
+"""Process-level set-up for a run: run directory, logging, offline defaults, Ray."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    # Ray 2.60: keep every Ray server on 127.0.0.1 and do not write an auth token.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+def resolve_run_dir(args) -> str:
+    if args.run_dir:
+        return os.path.abspath(args.run_dir)
+    return os.path.abspath(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+
+
+def setup_logging(run_dir: str, level: int = logging.INFO) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(level)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    file = logging.FileHandler(os.path.join(run_dir, "train.log"))
+    file.setFormatter(fmt)
+    root.addHandler(console)
+    root.addHandler(file)
+    for noisy in ("httpx", "urllib3", "aiohttp.access", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def set_offline_defaults() -> None:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Start (or join, if RAY_ADDRESS is set) Ray, bound to loopback."""
+    import ray
+
+    set_offline_defaults()
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 2),
+                 include_dashboard=False, log_to_driver=True)
+    logger.info("ray initialised: %s", ray.cluster_resources())

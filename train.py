@@ -1,0 +1,106 @@
+"""RL training with APRIL partial rollouts: read this file top to bottom.
+
+    setup → for each step: rollout → train → update weights → save → eval
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm import trange
+
+from slime.arguments import ArgumentError, parse_args
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.placement_group import create_placement_groups
+from slime.ray.rollout import RolloutManager
+from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state
+from slime.utils.metrics import MetricsLogger
+from slime.utils.run import init_ray, resolve_run_dir, setup_logging
+from slime.utils.summary import log_run_summary
+
+logger = logging.getLogger("train")
+
+
+def train(args) -> dict:
+    run_dir = resolve_run_dir(args)
+    setup_logging(run_dir)
+    init_ray()
+    metrics = MetricsLogger(args, run_dir)
+
+    # Engines + router + data + buffer on one side, trainers on the other.
+    pgs = create_placement_groups(args)
+    rollout_manager = RolloutManager(args, run_dir, start_engines=not args.debug_train_only)
+    actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
+
+    # Resume: trainer state, data position, parked groups + ledger, policy version, RNG.
+    start_rollout_id = 0
+    ckpt = latest_checkpoint(args.load) if args.load else None
+    if ckpt is not None:
+        state = read_driver_state(ckpt)
+        if actor_model is not None:
+            actor_model.load(f"{ckpt}/trainer")
+        rollout_manager.load_state_dict(state["rollout"])
+        rollout_manager.load_buffer(f"{ckpt}/buffer")
+        set_rng_state(state["rng"])
+        start_rollout_id = state["rollout_id"] + 1
+        logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start_rollout_id, rollout_manager.policy_version)
+    if actor_model and rollout_manager.engines and ckpt is not None:
+        actor_model.update_weights(rollout_manager.engines, rollout_manager.policy_version)
+
+    eval_metrics = {}
+    if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
+        eval_metrics = rollout_manager.evaluate(rollout_id=-1)  # the starting point
+        metrics.log(-1, eval_metrics)
+
+    for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
+        # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
+        rollout = rollout_manager.generate(rollout_id)
+        step_metrics = dict(rollout.metrics)
+
+        if actor_model is not None:
+            # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
+            step_metrics.update(actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version))
+            if not args.load_debug_rollout_data:
+                rollout_manager.mark_trained(rollout.groups)
+
+            # 3. New policy version to every engine.
+            new_version = rollout_manager.policy_version + 1
+            if rollout_manager.engines is not None:
+                step_metrics.update(actor_model.update_weights(rollout_manager.engines, new_version))
+            rollout_manager.set_policy_version(new_version)
+
+        # 4. Save.
+        if args.save and args.save_interval and ((rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == rollout_manager.num_rollout):
+            writers = {"buffer": rollout_manager.save_buffer}
+            if actor_model is not None:
+                writers["trainer"] = actor_model.save
+            save_checkpoint(args.save, rollout_id, writers,
+                            {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(), "rng": rng_state()})
+
+        # 5. Eval (never enters the buffer, never trains).
+        if args.eval_interval and rollout_manager.eval_sets and (rollout_id + 1) % args.eval_interval == 0:
+            eval_metrics = rollout_manager.evaluate(rollout_id)
+            step_metrics.update(eval_metrics)
+
+        step_metrics.update({f"ledger/{k}": v for k, v in rollout_manager.ledger_summary().items()})
+        metrics.log(rollout_id, step_metrics)
+
+    summary = log_run_summary(run_dir, metrics.path, args)
+    metrics.close()
+    rollout_manager.shutdown()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ArgumentError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -130,6 +130,7 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
     g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip bound (> 1) for negative advantages")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward (REINFORCE++)")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount for REINFORCE++ token returns")
     g.add_argument("--use-kl-loss", action="store_true")
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1")
@@ -316,6 +317,7 @@ def validate_args(a: Args) -> None:
              "must be set (> 0) with --use-dynamic-batch-size")
     _require(a.lr > 0, "--lr", "must be > 0")
     _require(a.eps_clip > 0 and a.eps_clip_high > 0, "--eps-clip", "clip ranges must be > 0")
+    _require(0.0 <= a.gamma <= 1.0, "--gamma", "must be in [0, 1]")
     _require(a.eps_clip_c is None or a.eps_clip_c > 1.0, "--eps-clip-c", "must be > 1 (dual clip lower bound)")
     _require(a.tis_clip > 0 and 0 <= a.tis_clip_low < a.tis_clip, "--tis-clip",
              "need 0 <= --tis-clip-low < --tis-clip")

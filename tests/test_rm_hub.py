@@ -1,0 +1,322 @@
+import asyncio
+import socket
+import sys
+import textwrap
+import threading
+import time
+import types
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+
+from slime.rollout.rm_hub import async_rm, batched_async_rm, reward_group
+from slime.rollout.rm_hub.dapo import dapo_score, normalize_final_answer
+from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, last_boxed_only_string
+from slime.rollout.rm_hub.threads import run_in_daemon_thread
+from slime.utils.types import Sample, Status
+
+
+def make_args(**kw):
+    base = dict(rm_type=None, custom_rm_path=None, group_rm=False, rm_url=None, reward_timeout=60.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def sample(response, label=None, index=0, **kw):
+    return Sample(index=index, group_index=0, prompt="Q", response=response, label=label, status=Status.COMPLETED, **kw)
+
+
+def rm(rm_type, response, label):
+    return asyncio.run(async_rm(make_args(rm_type=rm_type), sample(response, label)))
+
+
+# ---------------------------------------------------------------- extraction ----
+def test_boxed_extraction_nested_and_unbalanced():
+    text = r"first \boxed{1} then \boxed{\frac{1}{\sqrt{2}}} done"
+    assert last_boxed_only_string(text) == r"\boxed{\frac{1}{\sqrt{2}}}"
+    assert extract_boxed_answer(text) == r"\frac{1}{\sqrt{2}}"
+    assert extract_boxed_answer(r"so \boxed{\frac{1}{2") is None  # cut off mid-answer
+    assert extract_boxed_answer(r"answer \fbox{7}") == "7"
+    assert extract_boxed_answer("no box") is None
+
+
+@pytest.mark.parametrize(
+    "pred, gold, same",
+    [(r"\frac{1}{2}", "0.5", True), (r"\dfrac12", "1/2", True), ("1,000", "1000", True), (r"x = 5", "5", True),
+     (r"\text{(B)}", "(B)", True), ("90^\\circ", "90", True), ("0.33", "1/3", False), ("2", "3", False)],
+)
+def test_answers_match(pred, gold, same):
+    assert answers_match(pred, gold) is same
+
+
+# ----------------------------------------------------------------- rule rms ----
+@pytest.mark.parametrize(
+    "rm_type, response, label, want",
+    [
+        ("deepscaler", r"<think>half of 1</think> The answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        ("deepscaler", r"<think>hm</think> \boxed{\frac{1}{3}}", "0.5", 0.0),
+        ("deepscaler", r"no reasoning block \boxed{\frac{1}{2}}", "0.5", 0.0),  # format is part of the reward
+        ("deepscaler", r"<think>a</think> \boxed{12}", ["11", "12"], 1.0),  # any of several golds
+        ("deepscaler", r"<think>a</think> \boxed{12}", r"\boxed{12}", 1.0),  # boxed gold
+        ("dapo", "Let me compute.\nAnswer: 34", "34", 1.0),
+        ("dapo", "Let me compute.\nanswer:  $34$", "34", 1.0),
+        ("dapo", "Let me compute.\nAnswer: 35", "34", -1.0),
+        ("dapo", r"The result is \boxed{34}", "34", -1.0),  # no Answer: line
+        ("dapo", "Answer: 34\n" + "x" * 400, "34", -1.0),  # only the last 300 chars count
+        ("math", r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        ("math", r"We get $x = \frac{2}{4}$, i.e. \boxed{\frac{2}{4}}", r"\frac{1}{2}", 1.0),
+        ("math", r"\boxed{1+x^2}", "x^2+1", 1.0),
+        ("math", r"\boxed{3}", "4", 0.0),
+        ("math", "I do not know", "4", 0.0),
+        ("boxed_math", r"first \boxed{5} then \boxed{\frac{1}{2}}", "0.5", 1.0),
+        ("boxed_math", r"first \boxed{\frac{1}{2}} then \boxed{5}", "0.5", 0.0),  # the LAST box counts
+        ("boxed_deepscaler", r"\boxed{0.75}", r"\frac{3}{4}", 1.0),
+        ("boxed_dapo", r"so \boxed{34}", "34", 1.0),
+        ("boxed_dapo", "no box", "34", -1.0),
+    ],
+)
+def test_rule_rewards(rm_type, response, label, want):
+    assert rm(rm_type, response, label) == want
+
+
+def test_dapo_details_and_normalisation():
+    assert normalize_final_answer(r"x = \text{5 dollars}") == "5"
+    assert normalize_final_answer(r"$\frac12$") == r"\frac{1}{2}"
+    assert dapo_score("Answer: 1,234", "1234") == {"score": 1.0, "acc": True, "pred": "1234"}
+    assert dapo_score("nothing", "3")["pred"] == "[INVALID]"
+
+
+def test_metadata_rm_type_overrides_flag():
+    s = sample("Answer: 3", "3", metadata={"rm_type": "dapo"})
+    assert asyncio.run(async_rm(make_args(rm_type="deepscaler"), s)) == 1.0
+
+
+def test_unknown_or_missing_rm_type_named():
+    with pytest.raises(ValueError, match=r"--rm-type 'nope'"):
+        rm("nope", "x", "y")
+    with pytest.raises(ValueError, match=r"--rm-type 'boxed_nope'"):
+        rm("boxed_nope", r"\boxed{1}", "1")
+    with pytest.raises(ValueError, match="--rm-type"):
+        rm(None, "x", "y")
+
+
+def test_math_unparseable_label_fails_the_sample():
+    s = sample(r"\boxed{1}", "")
+    asyncio.run(reward_group(make_args(rm_type="math"), [s]))
+    assert s.status == Status.FAILED and s.reward is None
+    assert s.metadata["failure"].startswith("reward: ValueError:")
+
+
+# ------------------------------------------------------------ subtract_chain ----
+def test_subtract_chain_branch_calls_task_reward(monkeypatch):
+    calls = []
+    fake = types.ModuleType("slime.tasks.subtract_chain")
+
+    def compute_reward(response, label):
+        calls.append((response, label))
+        return 1.0 if response == label else 0.0
+
+    fake.compute_reward = compute_reward
+    monkeypatch.setitem(sys.modules, "slime.tasks.subtract_chain", fake)
+    assert rm("subtract_chain", "41,38,35,32", "41,38,35,32") == 1.0
+    assert rm("subtract_chain", "41,38,35,33", "41,38,35,32") == 0.0
+    assert calls == [("41,38,35,32", "41,38,35,32"), ("41,38,35,33", "41,38,35,32")]
+
+
+def test_subtract_chain_real_task_if_present():
+    task = pytest.importorskip("slime.tasks.subtract_chain")
+    if not hasattr(task, "compute_reward"):
+        pytest.skip("slime.tasks.subtract_chain.compute_reward not written yet")
+    label = "wrong-on-purpose-label"
+    got = rm("subtract_chain", "not an answer", label)
+    assert got == float(task.compute_reward("not an answer", label))
+
+
+# ---------------------------------------------------------------- custom rms ----
+PLUGIN = textwrap.dedent(
+    """
+    import asyncio, time
+
+    async def length_rm(args, sample):
+        return float(len(sample.response))
+
+    async def flaky_rm(args, sample):
+        if sample.response == "boom":
+            raise RuntimeError("checker exploded")
+        if sample.response == "slow":
+            await asyncio.sleep(30)
+        if sample.response == "text":
+            return "one"
+        return 1.0 if sample.response == sample.label else 0.0
+
+    def blocking_rm(args, sample):
+        if sample.response == "slow":
+            time.sleep(5)
+        return 2.0
+
+    async def group_rm(args, samples):
+        best = max(len(s.response) for s in samples)
+        return [1.0 if len(s.response) == best else 0.0 for s in samples]
+
+    async def short_group_rm(args, samples):
+        return [1.0]
+    """
+)
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    (tmp_path / "rm_plugins_for_test.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "rm_plugins_for_test"
+
+
+def test_custom_rm_wins_over_rm_type(plugins):
+    args = make_args(rm_type="dapo", custom_rm_path=f"{plugins}.length_rm")
+    assert asyncio.run(async_rm(args, sample("abcd", "x"))) == 4.0
+
+
+def test_reward_group_isolates_raising_and_slow_rewards(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.flaky_rm", reward_timeout=0.5)
+    samples = [sample(r, "7", index=i) for i, r in enumerate(["7", "boom", "slow", "8", "text"])]
+    t0 = time.monotonic()
+    asyncio.run(reward_group(args, samples))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 5, f"a slow reward held the group for {elapsed:.1f}s"
+    assert [s.reward for s in samples] == [1.0, None, None, 0.0, None]
+    assert [s.status for s in samples] == [Status.COMPLETED, Status.FAILED, Status.FAILED, Status.COMPLETED, Status.FAILED]
+    assert samples[1].metadata["failure"] == "reward: RuntimeError: checker exploded"
+    assert samples[2].metadata["failure"].startswith("reward: TimeoutError:") and "--reward-timeout" in samples[2].metadata["failure"]
+    assert samples[4].metadata["failure"].startswith("reward: TypeError:")
+    assert "failure" not in samples[0].metadata
+
+
+def test_sync_blocking_custom_rm_is_bounded(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.blocking_rm", reward_timeout=0.3)
+    samples = [sample("fast", index=0), sample("slow", index=1)]
+    t0 = time.monotonic()
+    asyncio.run(reward_group(args, samples))
+    assert time.monotonic() - t0 < 3
+    assert samples[0].reward == 2.0 and samples[1].status == Status.FAILED
+
+
+def test_batched_async_rm_raises_where_reward_group_does_not(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.flaky_rm")
+    with pytest.raises(RuntimeError, match="checker exploded"):
+        asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("boom", "7")]))
+    assert asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("6", "7")])) == [1.0, 0.0]
+
+
+def test_group_rm(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.group_rm", group_rm=True)
+    samples = [sample("aa"), sample("aaaa"), sample("a")]
+    asyncio.run(reward_group(args, samples))
+    assert [s.reward for s in samples] == [0.0, 1.0, 0.0]
+    assert asyncio.run(batched_async_rm(args, samples)) == [0.0, 1.0, 0.0]
+
+
+def test_group_rm_wrong_length_fails_whole_group(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.short_group_rm", group_rm=True)
+    samples = [sample("a"), sample("b")]
+    asyncio.run(reward_group(args, samples))
+    assert all(s.status == Status.FAILED and s.reward is None for s in samples)
+    assert "must return 2 rewards, got 1 values" in samples[0].metadata["failure"]
+
+
+def test_already_failed_samples_are_skipped(plugins):
+    args = make_args(custom_rm_path=f"{plugins}.length_rm")
+    s_failed = sample("abc")
+    s_failed.status = Status.FAILED
+    s_failed.metadata["failure"] = "generation: engine died"
+    s_ok = sample("abcdef")
+    asyncio.run(reward_group(args, [s_failed, s_ok]))
+    assert s_failed.reward is None and s_failed.metadata["failure"] == "generation: engine died"
+    assert s_ok.reward == 6.0
+
+
+def test_daemon_thread_timeout_releases_caller():
+    async def go():
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await run_in_daemon_thread(time.sleep, 3, timeout=0.2)
+        assert time.monotonic() - t0 < 1.5
+        assert await run_in_daemon_thread(pow, 2, 10, timeout=5) == 1024
+        with pytest.raises(ZeroDivisionError):
+            await run_in_daemon_thread(lambda: 1 / 0)
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------- remote rm ----
+@pytest.fixture
+def rm_server():
+    """A small reward-model server on 127.0.0.1 in its own thread and event loop."""
+    received = []
+
+    async def reward(request):
+        body = await request.json()
+        received.append(body)
+        if body["response"] == "crash":
+            return web.Response(status=500, text="internal error")
+        if body["response"] == "slow":
+            await asyncio.sleep(3)
+        if body["response"] == "garbage":
+            return web.json_response({"verdict": "good"})
+        if body["response"] == "bare":
+            return web.json_response(0.25)
+        return web.json_response({"reward": 1.0 if body["response"] == body["label"] else -0.5})
+
+    loop = asyncio.new_event_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = web.Application()
+    app.router.add_post("/reward", reward)
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}/reward", received
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def test_remote_rm(rm_server):
+    url, received = rm_server
+    args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=1.0)
+    s = sample("42", "42")
+    s.prompt = "What is 6*7?"
+    assert asyncio.run(async_rm(args, s)) == 1.0
+    assert received[-1] == {"prompt": "What is 6*7?", "response": "42", "label": "42"}
+    assert asyncio.run(async_rm(args, sample("41", "42"))) == -0.5
+    assert asyncio.run(async_rm(args, sample("bare", "42"))) == 0.25
+
+
+def test_boxed_remote_rm_sends_the_boxed_answer(rm_server):
+    url, received = rm_server
+    args = make_args(rm_type="boxed_remote_rm", rm_url=url)
+    assert asyncio.run(async_rm(args, sample(r"so it is \boxed{42}.", "42"))) == 1.0
+    assert received[-1]["response"] == "42"
+
+
+def test_remote_rm_errors_become_failures(rm_server):
+    url, _ = rm_server
+    args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=0.5)
+    samples = [sample(r, "ok", index=i) for i, r in enumerate(["ok", "crash", "slow", "garbage"])]
+    t0 = time.monotonic()
+    asyncio.run(reward_group(args, samples))
+    assert time.monotonic() - t0 < 5
+    assert samples[0].reward == 1.0
+    fails = [s.metadata.get("failure", "") for s in samples[1:]]
+    assert "HTTP 500" in fails[0] and url in fails[0]
+    assert fails[1].startswith("reward: TimeoutError")
+    assert "without 'reward'/'score'" in fails[2]
+
+
+def test_remote_rm_needs_url():
+    with pytest.raises(ValueError, match="--rm-url"):
+        asyncio.run(async_rm(make_args(rm_type="remote_rm"), sample("x", "y")))

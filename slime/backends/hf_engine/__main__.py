@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             logger.error("%s must be >= 1, got %s", name, value)
             return 2
+    import os
+
+    if not os.path.isdir(args.model_path):
+        logger.error("--model-path: %r is not a directory", args.model_path)
+        return 2
     import torch
 
     torch.set_num_threads(args.num_threads)

@@ -374,7 +374,7 @@ async def serve(engine: Engine, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine.start()
-    runner = web.AppRunner(build_app(engine, host, port), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(engine, host, port), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

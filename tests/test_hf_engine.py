@@ -1,0 +1,285 @@
+"""The embedded engine served over HTTP: protocol shapes, log-probs, aborts, pause, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from slime.backends.hf_engine.testing import EngineServer
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf_engine_model")
+    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hf_engine_log") / "server.log"
+    srv = EngineServer(model_dir, ["--seed", "0", "--max-running-requests", "16"], log_path=str(log)).wait_healthy()
+    yield srv
+    assert srv.stop() == 0, log.read_text()[-3000:]
+
+
+def gen(server, ids, timeout=60, **kw) -> dict:
+    body = {"input_ids": ids, "return_logprob": True, **kw}
+    r = server.post("/generate", body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def teacher_forced_logprobs(model, prompt, output, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    steps = logits[len(prompt) - 1: len(prompt) + len(output) - 1]
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(steps / t, dim=-1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def greedy_reference(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_generate_response_shape(server):
+    out = gen(server, [1, 5, 6, 7], rid="shape-1", sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "shape-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 6 and meta["cached_tokens"] == 0
+    assert isinstance(meta["weight_version"], str)
+    assert len(out["output_ids"]) == 6
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"] and all(x is None for _, _, x in lps)
+    assert all(lp <= 0 for lp, _, _ in lps)
+    # without return_logprob, no log-probs
+    r = server.post("/generate", {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert "output_token_logprobs" not in r["meta_info"]
+
+
+def test_stop_token_and_text_input(server, ref_model):
+    ids = [1, 5, 6, 7]
+    free = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})["output_ids"]
+    stop_tok = free[2]
+    out = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_tok], "ignore_eos": True})
+    first = free.index(stop_tok)
+    assert out["output_ids"] == free[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    t = server.post("/generate", {"text": "567", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+    assert t["meta_info"]["prompt_tokens"] == 3
+
+
+def test_streaming_is_cumulative(server):
+    body = {"input_ids": [1, 9, 9], "stream": True, "return_logprob": True, "rid": "stream-1",
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        lines = [ln.decode() for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 5
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 5
+
+
+def test_info_endpoints(server, model_dir):
+    info = server.get("/get_model_info").json()
+    assert info["model_path"] == str(model_dir) and info["is_generation"] is True
+    assert isinstance(info["weight_version"], str)
+    si = server.get("/get_server_info").json()
+    assert si["model_path"] == str(model_dir) and si["dp_size"] == 1 and si["max_running_requests"] == 16
+    load = server.get("/get_load").json()
+    assert isinstance(load, list) and {"num_reqs", "num_waiting_reqs", "num_tokens", "dp_rank"} <= set(load[0])
+    assert server.get("/v1/models").json()["data"][0]["id"] == str(model_dir)
+    assert server.get("/health").status_code == 200
+    assert server.get("/health_generate", timeout=30).status_code == 200
+
+
+def test_logprobs_match_teacher_forcing(server, ref_model):
+    prompts = [[1, 5, 6, 7], [1, 12], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21], [1, 30, 31]]
+    settings = [{"temperature": 0.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}, {"temperature": 1.0}]
+    results = [None] * len(prompts)
+
+    def run(i):
+        sp = {"max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 100 + i, **settings[i]}
+        results[i] = gen(server, prompts[i], sampling_params=sp)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for prompt, setting, out in zip(prompts, settings, results):
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        ref = teacher_forced_logprobs(ref_model, prompt, out["output_ids"], setting["temperature"])
+        assert torch.allclose(got, ref, atol=1e-4), (setting, (got - ref).abs().max())
+    assert results[0]["output_ids"] == greedy_reference(ref_model, prompts[0], 24)
+
+
+def test_sampling_seed_reproducible(server):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    a = gen(server, [1, 4, 4], sampling_params=sp)["output_ids"]
+    b = gen(server, [1, 4, 4], sampling_params=sp)["output_ids"]
+    c = gen(server, [1, 4, 4], sampling_params={**sp, "sampling_seed": 8})["output_ids"]
+    assert a == b and a != c
+
+
+def _stream_until(server, body, min_tokens, box):
+    """Stream a request; after `min_tokens` tokens set box['ready']; store the final chunk in box['final']."""
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        for ln in r.iter_lines():
+            if not ln or ln == b"data: [DONE]":
+                continue
+            chunk = json.loads(ln[len(b"data: "):])
+            if len(chunk["output_ids"]) >= min_tokens:
+                box["ready"].set()
+            box["final"] = chunk
+
+
+def test_abort_returns_partial_and_resume_continues(server, ref_model):
+    prompt, total = [1, 7, 8, 9], 200
+    sp = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "rid": "abort-me", "return_logprob": True, "sampling_params": sp}, 3, box))
+    t0 = time.monotonic()
+    t.start()
+    assert box["ready"].wait(30)
+    assert server.post("/abort_request", {"rid": "abort-me"}).status_code == 200
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - t0 < 30
+    part = box["final"]
+    assert part["meta_info"]["finish_reason"]["type"] == "abort"
+    k = len(part["output_ids"])
+    assert 3 <= k < total
+    assert len(part["meta_info"]["output_token_logprobs"]) == k
+    assert part["output_ids"] == full[:k]
+    rest = gen(server, prompt + part["output_ids"], sampling_params={**sp, "max_new_tokens": total - k})
+    assert part["output_ids"] + rest["output_ids"] == full
+    lps = [lp for lp, _, _ in part["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]]
+    ref = teacher_forced_logprobs(ref_model, prompt, full, 0.0)
+    assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_pause_in_place_abort_all_and_waiting(server):
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "run-1", "sampling_params": sp}, 2, box))
+    t.start()
+    assert box["ready"].wait(30)
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    load1 = server.get("/get_load").json()[0]
+    time.sleep(0.3)
+    load2 = server.get("/get_load").json()[0]
+    assert load1["num_reqs"] == 1 and load1["num_tokens"] == load2["num_tokens"]  # nothing decodes while paused
+    assert server.post("/flush_cache").status_code == 400  # a request is still in flight
+    # a request arriving while paused waits; abort_all returns it with no tokens
+    waiting = {}
+    w = threading.Thread(target=lambda: waiting.update(gen(server, [1, 4], rid="wait-1", sampling_params=sp)))
+    w.start()
+    deadline = time.monotonic() + 10
+    while server.get("/get_load").json()[0]["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+    w.join(10)
+    t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert waiting["meta_info"]["finish_reason"]["type"] == "abort" and waiting["output_ids"] == []
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(box["final"]["output_ids"]) >= 2
+    assert server.post("/continue_generation", {}).json()["success"]
+    assert server.post("/flush_cache").status_code == 200
+    out = gen(server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
+
+def test_pause_in_place_then_continue_completes(server):
+    prompt, n = [1, 6, 6], 60
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "sampling_params": sp}, 2, box))
+    t.start()
+    assert box["ready"].wait(30)
+    server.post("/pause_generation", {"mode": "in_place"})
+    time.sleep(0.2)
+    assert server.post("/continue_generation", {}).status_code == 200
+    t.join(30)
+    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_abort_mode(server):
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2], "sampling_params": sp}, 2, box))
+    t.start()
+    assert box["ready"].wait(30)
+    assert server.post("/pause_generation", {"mode": "abort"}).json()["success"]
+    t.join(10)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+    server.post("/continue_generation", {})
+
+
+def test_client_disconnect_cancels(server):
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(server.url + "/generate", json=body, stream=True, timeout=60)
+    next(r.iter_lines())
+    r.close()
+    deadline = time.monotonic() + 10
+    while server.get("/get_load").json()[0]["num_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.get("/get_load").json()[0]["num_reqs"] == 0
+
+
+@pytest.mark.parametrize("body, field", [
+    ("{not json", "body"),
+    ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ({"input_ids": [1, 100000]}, "input_ids"),
+    ({"input_ids": [1, -1]}, "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+])
+def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = requests.post(server.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400
+    assert field in r.json()["error"]["message"]
+    assert gen(server, [1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
+
+
+def test_nonexistent_model_path_exits_nonzero(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "slime.backends.hf_engine", "--model-path", str(tmp_path / "nope"), "--port", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--model-path" in p.stderr

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
+import json
+import os
 
 import torch
 
@@ -22,19 +23,23 @@ def make_model_dir(path, seed: int = 0, tie: bool = False) -> str:
     return str(path)
 
 
-def make_args(hf_dir: str, **over) -> SimpleNamespace:
-    base = dict(
-        hf_checkpoint=hf_dir, ref_load=None, seed=1, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        clip_grad=1.0, global_batch_size=8, micro_batch_size=2, use_dynamic_batch_size=False, max_tokens_per_gpu=None,
-        rollout_temperature=1.0, advantage_estimator="grpo", n_samples_per_prompt=4, eps_clip=0.2,
-        eps_clip_high=None, eps_clip_c=None, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", kl_coef=0.0,
-        entropy_coef=0.0, use_tis=False, tis_clip=2.0, tis_clip_low=0.0, loss_type="policy_loss",
-        loss_agg_mode="token_mean", normalize_advantages=False, update_weight_buffer_size=1 << 20,
-        update_weights_from_disk=False, train_backend="fsdp", actor_num_nodes=1, actor_num_gpus_per_node=1,
-        colocate=False, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
-    )
-    base.update(over)
-    return SimpleNamespace(**base)
+def make_args(hf_dir: str, **over):
+    """Real parsed flags (slime.arguments.parse_args) for a 2×4-sample rollout;
+    `over` replaces values after parsing (Args.replace), e.g. lr=1e-2."""
+    from slime.arguments import parse_args
+
+    prompt_file = os.path.join(hf_dir, "prompts.jsonl")
+    if not os.path.exists(prompt_file):
+        with open(prompt_file, "w") as f:
+            f.write(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+    argv = [
+        "--hf-checkpoint", hf_dir, "--prompt-data", prompt_file, "--rm-type", "math", "--num-rollout", "1",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--adam-beta2", "0.999", "--seed", "1",
+        "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14),
+    ]
+    args = parse_args(argv)
+    return args.replace(**over) if over else args
 
 
 def make_groups(n_groups: int = 2, group_size: int = 4, seed: int = 0, vocab: int = 16,

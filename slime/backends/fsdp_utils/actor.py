@@ -90,7 +90,8 @@ class FSDPTrainer:
     # ----------------------------------------------------------- helpers ----
     @property
     def temperature(self) -> float:
-        return float(flag(self.args, "rollout_temperature", 1.0))
+        t = float(flag(self.args, "rollout_temperature", 1.0))
+        return t if t > 0 else 1.0  # greedy rollouts: log-probs of the raw logits
 
     def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:
         max_tokens = flag(self.args, "max_tokens_per_gpu", None) if flag(self.args, "use_dynamic_batch_size", False) else None

@@ -101,7 +101,7 @@ class WeightUpdater:
         self.args = args
         self.model = model
         self.rank = rank
-        self.group_name = "slime_weight_update"
+        self.group_name = "weight_update_group"
         self._pg = None
         self._urls: tuple[str, ...] = ()
         self._disk_dir: str | None = None

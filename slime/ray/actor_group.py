@@ -1,0 +1,146 @@
+"""RayTrainGroup: N trainer actors driven SPMD.
+
+Every call reaches every rank (the trainer's methods are collectives), and
+every wait has a timeout; a rank that fails or does not answer is named in
+the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+INIT_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 3600.0
+
+
+def wait_ranks(refs: list, what: str, timeout: float) -> list:
+    """ray.get every rank's ref with one deadline; raise naming the first
+    rank that failed, or the ranks that did not answer in time."""
+    import ray
+
+    pending = {ref: rank for rank, ref in enumerate(refs)}
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: trainer rank(s) {sorted(pending.values())} did not answer within {timeout:.0f}s")
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref, timeout=max(1.0, left))
+            except Exception as e:
+                raise RuntimeError(f"{what}: trainer rank {rank} failed: {e}") from e
+    return [results[r] for r in range(len(refs))]
+
+
+def trainer_class(args):
+    backend = getattr(args, "train_backend", "fsdp") or "fsdp"
+    if backend == "fsdp":
+        from slime.backends.fsdp_utils.actor import FSDPTrainer
+
+        return FSDPTrainer
+    if backend == "megatron":
+        from slime.backends.megatron_utils import megatron_trainer_class
+
+        return megatron_trainer_class()
+    raise ValueError(f"--train-backend={backend!r}: expected 'fsdp' or 'megatron'")
+
+
+class RayTrainGroup:
+    def __init__(self, args, pg):
+        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a
+        bare placement group (then bundles 0..N-1)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from slime.ray.placement_group import PlacementGroups, ray_has_gpus
+
+        self.args = args
+        if isinstance(pg, PlacementGroups):
+            pg, bundles = pg.actor
+        elif isinstance(pg, tuple):
+            pg, bundles = pg
+        else:
+            bundles = None
+        n = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+        bundles = list(range(n)) if bundles is None else list(bundles)
+        if len(bundles) != n:
+            raise ValueError(f"RayTrainGroup: {n} trainer ranks (--actor-num-nodes × --actor-num-gpus-per-node) "
+                             f"but {len(bundles)} placement-group bundles")
+        self.world_size = n
+        self.timeout = float(getattr(args, "train_timeout_s", None) or CALL_TIMEOUT_S)
+        use_gpu = ray_has_gpus()
+        gpus = (0.4 if getattr(args, "colocate", False) else 1.0) if use_gpu else 0
+        cls = ray.remote(trainer_class(args))
+        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.actors = [
+            cls.options(
+                num_cpus=0.5 if use_gpu else 1,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=b),
+                runtime_env={"env_vars": env},
+            ).remote(args, rank, n)
+            for rank, b in enumerate(bundles)
+        ]
+        self._closed = False
+
+    def _all(self, method: str, *a, timeout: float | None = None, **kw) -> list:
+        refs = [getattr(actor, method).remote(*a, **kw) for actor in self.actors]
+        return wait_ranks(refs, f"trainer.{method}", timeout or self.timeout)
+
+    # ---------------------------------------------------------- contract ----
+    def init(self) -> dict:
+        import ray
+
+        port = ray.get(self.actors[0].get_free_port.remote(), timeout=INIT_TIMEOUT_S)
+        out = self._all("init", "127.0.0.1", port, timeout=INIT_TIMEOUT_S)
+        logger.info("%d trainer rank(s) ready (%s params)", self.world_size, out[0].get("num_params"))
+        return out[0]
+
+    def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
+        """Every rank gets every group (it plans the split itself); metrics are
+        already reduced across ranks, rank 0's copy is returned."""
+        import ray
+
+        ref = ray.put(groups)
+        return self._all("train", rollout_id, ref, policy_version)[0]
+
+    def update_weights(self, engines, new_version: int) -> dict[str, float]:
+        """Push weights to every engine worker as `new_version` (engines: an
+        EngineGroup or a list of worker URLs)."""
+        urls = list(engines) if isinstance(engines, (list, tuple)) else list(engines.worker_urls())
+        return self._all("update_weights", urls, int(new_version))[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", path)
+
+    def load(self, path: str) -> None:
+        self._all("load", path)
+
+    def export_hf(self, path: str) -> None:
+        self._all("export_hf", path)
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._all("shutdown", timeout=timeout)
+        except Exception as e:
+            logger.warning("trainer shutdown: %s", e)
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,99 @@
+"""Ray start-up and placement groups shaped by the hardware.
+
+One placement group holds ``actor_num_nodes × actor_num_gpus_per_node``
+trainer bundles, plus ``rollout_num_gpus`` rollout bundles when the run is
+not colocated. Bundles ask for a GPU only where Ray sees GPUs: a GPU bundle
+on a CPU-only machine would wait forever without an error. Colocated runs
+give the rollout the trainer's bundles (on CPU they simply share the cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PG_READY_TIMEOUT_S = 60.0
+
+
+def init_ray(num_cpus: int | None = None, **kwargs) -> None:
+    """Start a local, loopback-only Ray (no dashboard, no auth token file).
+    A no-op when Ray is already running in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
+             logging_level=logging.WARNING, **kwargs)
+
+
+def ray_has_gpus() -> bool:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) > 0
+
+
+@dataclass
+class PlacementGroups:
+    pg: object  # ray PlacementGroup
+    actor_bundles: list[int]
+    rollout_bundles: list[int]
+    use_gpu: bool
+
+    @property
+    def actor(self) -> tuple[object, list[int]]:
+        return self.pg, self.actor_bundles
+
+    @property
+    def rollout(self) -> tuple[object, list[int]]:
+        return self.pg, self.rollout_bundles
+
+
+def bundle_plan(args, use_gpu: bool) -> tuple[list[dict], list[int], list[int]]:
+    """(bundles, trainer bundle indices, rollout bundle indices) from the flags."""
+    n_actor = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+    if n_actor < 1:
+        raise ValueError(f"--actor-num-nodes × --actor-num-gpus-per-node must be >= 1, got {n_actor}")
+    colocate = bool(getattr(args, "colocate", False))
+    n_rollout = 0 if colocate else int(getattr(args, "rollout_num_gpus", 0) or 0)
+    cpus = float(getattr(args, "num_cpus_per_bundle", None) or 1)
+    bundle = {"GPU": 1, "CPU": cpus} if use_gpu else {"CPU": cpus}
+    bundles = [dict(bundle) for _ in range(n_actor + n_rollout)]
+    actor_idx = list(range(n_actor))
+    rollout_idx = actor_idx if colocate else list(range(n_actor, n_actor + n_rollout))
+    return bundles, actor_idx, rollout_idx
+
+
+def create_placement_groups(args, timeout_s: float = PG_READY_TIMEOUT_S) -> PlacementGroups:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    use_gpu = ray_has_gpus()
+    bundles, actor_idx, rollout_idx = bundle_plan(args, use_gpu)
+    need_cpu = sum(b["CPU"] for b in bundles)
+    have_cpu = float(ray.cluster_resources().get("CPU", 0))
+    if need_cpu > have_cpu:
+        raise RuntimeError(
+            f"placement group needs {need_cpu:g} CPUs ({len(actor_idx)} trainer + "
+            f"{0 if getattr(args, 'colocate', False) else len(rollout_idx)} rollout bundles) but Ray has {have_cpu:g}; "
+            f"start Ray with more num_cpus or lower --actor-num-gpus-per-node / --rollout-num-gpus"
+        )
+    pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(f"placement group {bundles} not ready after {timeout_s:.0f}s (resources: "
+                           f"{ray.available_resources()})")
+    logger.info("placement group: %d trainer + %d rollout bundles (%s, colocate=%s)", len(actor_idx),
+                len(rollout_idx), "GPU" if use_gpu else "CPU", bool(getattr(args, "colocate", False)))
+    return PlacementGroups(pg, actor_idx, rollout_idx, use_gpu)
+
+
+def remove_placement_groups(pgs: PlacementGroups) -> None:
+    import ray
+
+    ray.util.remove_placement_group(pgs.pg)

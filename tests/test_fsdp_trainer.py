@@ -1,0 +1,206 @@
+"""FSDP2 trainer at world size 1, in-process (gloo): log-probs, TIS on-policy
+identities, learning direction, micro-batching equivalence, FAILED samples,
+checkpoint round trip, HF export."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
+
+from slime.backends.fsdp_utils.actor import FSDPTrainer
+from slime.backends.fsdp_utils.data import flatten_groups
+from slime.backends.fsdp_utils.update_weight import full_state_dict
+from slime.utils.types import Status
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture
+def make_trainer(model_dir):
+    made = []
+
+    def _make(**over):
+        t = FSDPTrainer(make_args(model_dir, **over))
+        t.init()
+        made.append(t)
+        return t
+
+    yield _make
+    for t in made:
+        t.shutdown()
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in full_state_dict(trainer.model).items()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, model_dir):
+    temperature = 0.7
+    t = make_trainer(rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
+    groups = make_groups(seed=3)
+    items = [it for g in flatten_groups(groups)[0] for it in g]
+    got = t._log_probs(t.model, items)
+    samples = [s for g in groups for s in g]
+    for s, lp in zip(samples, got):
+        want = reference_log_probs(model_dir, s, temperature)
+        assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
+        s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
+    metrics = t.train(0, groups, policy_version=0)
+    assert metrics["logprob_abs_diff_max"] < 1e-5
+    assert metrics["tis_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["tis_clipfrac"] == 0.0
+    assert metrics["ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # first step: ratio is exactly 1
+    assert metrics["pg_clipfrac"] == 0.0
+
+
+def test_off_policy_tokens_lower_ess(make_trainer):
+    t = make_trainer(use_tis=True)
+    groups = make_groups(seed=4)
+    for g in groups:
+        for s in g:  # stale behaviour log-probs, different per token
+            s.rollout_log_probs = [-0.5 * (i % 3) - 1.0 for i in range(s.response_length)]
+    m = t.train(0, groups, 1)
+    assert 0.0 < m["tis_ess"] < 0.99
+    assert m["logprob_abs_diff_max"] > 0.1
+
+
+def test_positive_advantage_raises_log_prob(make_trainer, model_dir):
+    t = make_trainer(lr=1e-2, n_samples_per_prompt=2, global_batch_size=2)
+    groups = make_groups(n_groups=1, group_size=2, seed=5)
+    good, bad = groups[0]
+    good.reward, bad.reward = 1.0, 0.0
+    before = [reference_log_probs(model_dir, s).sum() for s in (good, bad)]
+    t.train(0, groups, 0)
+    items = [it for g in flatten_groups(groups)[0] for it in g]
+    after = [lp.sum() for lp in t._log_probs(t.model, items)]
+    assert after[0] > before[0] + 1e-3
+    assert after[1] < before[1] - 1e-3
+
+
+def _grad_like_update(make_trainer, groups, **over) -> tuple[dict, dict]:
+    # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
+    t = make_trainer(lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
+    w0 = weights(t)
+    m = t.train(0, copy.deepcopy(groups), 0)
+    w1 = weights(t)
+    t.shutdown()
+    return {k: w0[k] - w1[k] for k in w0}, m
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sample_mean"])
+def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
+    groups = make_groups(seed=6)
+    over = dict(calculate_per_token_loss=agg == "token_mean")
+    g_full, m_full = _grad_like_update(make_trainer, groups, micro_batch_size=8, **over)
+    g_micro, m_micro = _grad_like_update(make_trainer, groups, micro_batch_size=3, **over)
+    g_dyn, m_dyn = _grad_like_update(make_trainer, groups, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **over)
+    scale = max(float(v.abs().max()) for v in g_full.values())
+    assert scale > 1e-4  # a real gradient
+    assert max_diff(g_full, g_micro) < 1e-5 * max(1.0, scale)
+    assert max_diff(g_full, g_dyn) < 1e-5 * max(1.0, scale)
+    for m in (m_micro, m_dyn):
+        assert m["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
+
+
+def test_failed_samples_never_enter_training(make_trainer):
+    groups = make_groups(seed=7)
+    failed = copy.deepcopy(groups)
+    victim = failed[0][1]
+    victim.status = Status.FAILED
+    victim.reward = None  # a failed reward: would raise if it were used
+    victim.metadata["failure"] = "reward timeout"
+    without = copy.deepcopy(groups)
+    del without[0][1]
+    g_failed, m_failed = _grad_like_update(make_trainer, failed, global_batch_size=7)
+    g_without, m_without = _grad_like_update(make_trainer, without, global_batch_size=7)
+    assert m_failed["num_failed_excluded"] == 1 and m_failed["num_samples"] == 7
+    assert max_diff(g_failed, g_without) < 1e-7
+    assert m_failed["loss"] == pytest.approx(m_without["loss"], abs=1e-7)
+
+
+def test_gradient_accumulation_steps_per_rollout(make_trainer):
+    t = make_trainer(global_batch_size=4)
+    m = t.train(0, make_groups(seed=8), 0)
+    assert m["num_optimizer_steps"] == 2
+    assert m["num_samples"] == 8
+
+
+def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, model_dir):
+    t = make_trainer(loss_type="sft_loss")
+    groups = make_groups(seed=9)
+    samples = [s for g in groups for s in g]
+    samples[0].loss_mask[0] = 0  # masked tokens do not count
+    num, den = 0.0, 0.0
+    for s in samples:
+        lp = reference_log_probs(model_dir, s)
+        mk = torch.tensor(s.loss_mask, dtype=torch.float32)
+        num += float((lp * mk).sum())
+        den += float(mk.sum())
+    m = t.train(0, groups, 0)
+    assert m["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
+
+
+def test_kl_loss_uses_frozen_reference(make_trainer):
+    t = make_trainer(use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
+    assert t.ref_model is not None
+    groups = make_groups(seed=10)
+    m0 = t.train(0, copy.deepcopy(groups), 0)
+    assert m0["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    m1 = t.train(1, copy.deepcopy(groups), 1)
+    assert m1["ref_kl"] != 0.0 and m1["kl_loss"] != 0.0
+
+
+def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
+    groups = make_groups(seed=11)
+    a = make_trainer(lr=1e-2)
+    a.train(0, copy.deepcopy(groups), 0)
+    a.save(str(tmp_path / "ckpt"))
+    m_a = a.train(1, copy.deepcopy(groups), 1)
+    w_a = weights(a)
+    opt_a = copy.deepcopy(a.optimizer.state_dict())
+    a.shutdown()
+
+    b = make_trainer(lr=1e-2)
+    b.load(str(tmp_path / "ckpt"))
+    m_b = b.train(1, copy.deepcopy(groups), 1)
+    assert max_diff(w_a, weights(b)) == 0.0
+    assert m_a["loss"] == m_b["loss"] and m_a["grad_norm"] == m_b["grad_norm"]
+    opt_b = b.optimizer.state_dict()
+    for k, st in opt_a["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            x, y = st[name], opt_b["state"][k][name]
+            x = x.full_tensor() if hasattr(x, "full_tensor") else x
+            y = y.full_tensor() if hasattr(y, "full_tensor") else y
+            assert torch.equal(x, y), (k, name)
+
+
+def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = make_trainer(lr=1e-2)
+    groups = make_groups(seed=12)
+    t.train(0, groups, 0)
+    out = tmp_path / "hf"
+    t.export_hf(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.decode(tok.encode("1+2=", add_special_tokens=False)) == "1+2="
+    s = groups[0][0]
+    items = [it for g in flatten_groups(groups)[0] for it in g]
+    assert torch.allclose(model_log_probs(model, s), t._log_probs(t.model, items)[0], atol=1e-5)

@@ -1,0 +1,228 @@
+import json
+import logging
+
+import pytest
+
+from slime.arguments import parse_args
+from slime.rollout.data_source import DataError, RolloutDataSource, load_eval_groups, read_rows
+from slime.utils.tiny_model import build_tokenizer
+from slime.utils.types import Status
+
+WORDS = list("0123456789=,-+ abcdefghijklmnopqrstuvwxyz?")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(WORDS)
+
+
+def write_jsonl(path, rows, raw_lines=()):
+    lines = [json.dumps(r) for r in rows] + list(raw_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def args_for(tmp_path, data, *extra):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    return parse_args(["--hf-checkpoint", str(ckpt), "--rollout-batch-size", "2", "--prompt-data", data,
+                       "--rm-type", "math", "--num-rollout", "3", *extra])
+
+
+def rows(n):
+    return [{"prompt": f"{10 + i}-3=", "label": str(7 + i), "metadata": {"id": f"p{i}"}} for i in range(n)]
+
+
+def drawn(groups):
+    return [(g[0].group_index, [s.index for s in g], g[0].metadata["row"], g[0].tokens) for g in groups]
+
+
+def test_groups_shape_ids_and_tokens(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3))
+    src = RolloutDataSource(args_for(tmp_path, path, "--label-key", "label", "--n-samples-per-prompt", "4"), tok)
+    groups = src.get_groups(2) + src.get_groups(1)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert [g[0].group_index for g in groups] == [0, 1, 2]
+    assert [s.index for g in groups for s in g] == list(range(12))
+    for i, g in enumerate(groups):
+        assert {s.group_index for s in g} == {i}
+        for s in g:
+            assert s.status == Status.PENDING and s.response_length == 0
+            assert s.tokens == tok(f"{10 + i}-3=")["input_ids"]
+            assert s.prompt == f"{10 + i}-3="
+            assert s.label == str(7 + i)
+            assert s.metadata["id"] == f"p{i}" and s.metadata["row"] == i
+    # deep copies: growing one sample leaves its siblings alone
+    groups[0][0].append_response([4, 5], [-0.1, -0.2], 0)
+    groups[0][0].metadata["x"] = 1
+    assert groups[0][1].tokens == tok("10-3=")["input_ids"] and "x" not in groups[0][1].metadata
+    assert src.get_groups(0) == []
+
+
+def test_chat_template_string_and_messages(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "12-3="},
+        {"prompt": [{"role": "system", "content": "a"}, {"role": "user", "content": "9-1="}]},
+    ])
+    src = RolloutDataSource(args_for(tmp_path, path, "--apply-chat-template"), tok)
+    a, b = (g[0] for g in src.get_groups(2))
+    assert a.prompt == "<bos>12-3=" and b.prompt == "<bos>a9-1="
+    bos = tok.bos_token_id
+    # the template already has BOS: it appears once, not twice
+    assert a.tokens == [bos] + tok("12-3=", add_special_tokens=False)["input_ids"]
+    assert b.tokens.count(bos) == 1 and b.tokens[0] == bos
+
+
+def test_bos_added_once_with_a_bos_adding_tokenizer(tmp_path):
+    from tokenizers import processors
+
+    tok = build_tokenizer(WORDS)  # a tokenizer whose encode prepends BOS, like Llama's
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert tok("12")["input_ids"] == [bos] + tok("12", add_special_tokens=False)["input_ids"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12-3="}])
+    templated = RolloutDataSource(args_for(tmp_path, path, "--apply-chat-template"), tok).get_groups(1)[0][0]
+    assert templated.tokens == tok("12-3=")["input_ids"] and templated.tokens.count(bos) == 1
+    plain = RolloutDataSource(args_for(tmp_path, path), tok).get_groups(1)[0][0]
+    assert plain.tokens == tok("12-3=")["input_ids"]  # a raw prompt gets the tokenizer's own special tokens
+
+
+def test_messages_without_template_rejected(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1"}, {"prompt": [{"role": "user", "content": "9"}]}])
+    with pytest.raises(DataError, match=r"d\.jsonl: row 1: key 'prompt'.*--apply-chat-template"):
+        RolloutDataSource(args_for(tmp_path, path), tok)
+
+
+def test_too_long_prompts_dropped_and_counted(tmp_path, tok, caplog):
+    data = [{"prompt": "1" * n} for n in (2, 9, 4, 12, 5)]
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    with caplog.at_level(logging.INFO, logger="slime.rollout.data_source"):
+        src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-prompt-len", "5"), tok)
+    assert src.num_dropped_too_long == 2 and len(src) == 3
+    assert "dropped 2 of 5 prompts" in caplog.text
+    assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 2, 4]
+    with pytest.raises(DataError, match="no usable prompts.*2 longer"):
+        RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "e.jsonl", data[1:4:2]), "--rollout-max-prompt-len", "5"), tok)
+
+
+def test_epochs_in_order_without_shuffle(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3))
+    src = RolloutDataSource(args_for(tmp_path, path), tok)
+    got = [(src.epoch, g[0].metadata["row"], g[0].metadata["epoch"]) for g in (src.get_groups(1)[0] for _ in range(7))]
+    # the epoch advances when a group is drawn past the end
+    assert [r for _, r, _ in got] == [0, 1, 2, 0, 1, 2, 0]
+    assert [e for _, _, e in got] == [0, 0, 0, 1, 1, 1, 2]
+    assert src.epoch == 2
+
+
+def test_shuffle_is_seeded_per_epoch(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(20))
+
+    def order(seed, epochs=3):
+        src = RolloutDataSource(args_for(tmp_path, path, "--rollout-shuffle", "--rollout-seed", str(seed)), tok)
+        return [[g[0].metadata["row"] for g in src.get_groups(20)] for _ in range(epochs)]
+
+    a, b, c = order(1), order(1), order(2)
+    assert a == b  # deterministic
+    assert a != c  # depends on the seed
+    for epoch in a:
+        assert sorted(epoch) == list(range(20))  # each epoch is a permutation
+    assert a[0] != a[1] != a[2] and a[0] != list(range(20))  # reshuffled every epoch
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_dict_exact_resume(tmp_path, tok, shuffle):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(5))
+    extra = ["--n-samples-per-prompt", "3"] + (["--rollout-shuffle"] if shuffle else [])
+    src = RolloutDataSource(args_for(tmp_path, path, *extra), tok)
+    src.get_groups(4)
+    state = json.loads(json.dumps(src.state_dict()))  # survives a JSON round trip
+    expected = drawn(src.get_groups(3) + src.get_groups(5))  # crosses into epochs 1 and 2
+    fresh = RolloutDataSource(args_for(tmp_path, path, *extra), tok)
+    fresh.load_state_dict(state)
+    assert drawn(fresh.get_groups(3) + fresh.get_groups(5)) == expected
+    assert fresh.state_dict() == src.state_dict()
+    assert fresh.epoch == src.epoch == 2
+
+
+def test_resume_with_different_data_refused(tmp_path, tok):
+    src = RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "a.jsonl", rows(5))), tok)
+    state = src.state_dict()
+    other = RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "b.jsonl", rows(4))), tok)
+    with pytest.raises(DataError, match="saved with 5 prompts.*now yields 4"):
+        other.load_state_dict(state)
+    with pytest.raises(DataError, match="missing"):
+        other.load_state_dict({"epoch": 0})
+
+
+@pytest.mark.parametrize(
+    "row_objs, raw, extra, pattern",
+    [
+        (rows(1), ["{\"prompt\": \"1\", oops}"], [], r"d\.jsonl: row 1 \(line 2\): invalid JSON"),
+        (rows(1) + [{"prompt": 12}], [], [], r"d\.jsonl: row 1: key 'prompt' must be a string or a list of chat messages, got int"),
+        (rows(1) + [{"prompt": [{"role": "user"}]}], [], ["--apply-chat-template"], r"row 1: key 'prompt': message 0 must be an object with string 'role' and 'content'"),
+        (rows(2) + [{"question": "1"}], [], [], r"d\.jsonl: row 2: missing key 'prompt' \(--input-key\)"),
+        (rows(1) + [{"prompt": "1"}], [], ["--label-key", "label"], r"row 1: missing key 'label' \(--label-key\)"),
+        (rows(1) + [{"prompt": "1", "metadata": [1]}], [], [], r"row 1: key 'metadata': metadata must be an object"),
+        (rows(1), ["[1, 2]"], [], r"row 1 \(line 2\): expected a JSON object, got list"),
+    ],
+)
+def test_bad_rows_named(tmp_path, tok, row_objs, raw, extra, pattern):
+    path = write_jsonl(tmp_path / "d.jsonl", row_objs, raw)
+    with pytest.raises(DataError, match=pattern):
+        RolloutDataSource(args_for(tmp_path, path, *extra), tok)
+
+
+def test_blank_lines_mixed_types_and_json_string_metadata(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "1", "label": 3}\n\n'
+        '{"prompt": "2", "label": "1/2", "metadata": "{\\"k\\": 2}"}\n'
+        '{"prompt": "3", "label": [1, 2], "metadata": null}\n'
+    )
+    src = RolloutDataSource(args_for(tmp_path, str(path), "--label-key", "label"), tok)
+    got = [(g[0].label, g[0].metadata) for g in src.get_groups(3)]
+    assert got == [(3, {"row": 0, "epoch": 0}), ("1/2", {"k": 2, "row": 1, "epoch": 0}), ([1, 2], {"row": 2, "epoch": 0})]
+
+
+def test_custom_keys_and_parquet(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"question": ["12-3=", "9-4="], "answer": ["9", "5"], "info": [{"src": "a"}, {"src": "b"}]}), path)
+    src = RolloutDataSource(args_for(tmp_path, path, "--input-key", "question", "--label-key", "answer", "--metadata-key", "info"), tok)
+    g = src.get_groups(2)
+    assert [(x[0].prompt, x[0].label, x[0].metadata["src"]) for x in g] == [("12-3=", "9", "a"), ("9-4=", "5", "b")]
+    assert g[1][0].tokens == tok("9-4=")["input_ids"]
+    with pytest.raises(DataError, match=r"d\.parquet: row 0: missing key 'prompt' \(--input-key\)"):
+        RolloutDataSource(args_for(tmp_path, path), tok)
+
+
+def test_read_rows_file_errors(tmp_path):
+    with pytest.raises(DataError, match="--prompt-data file not found: .*nope.jsonl"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_rows(str(tmp_path / "d.csv"))
+    (tmp_path / "arr.json").write_text(json.dumps(rows(2)))
+    assert read_rows(str(tmp_path / "arr.json")) == rows(2)
+
+
+def test_eval_groups_use_their_own_ids(tmp_path, tok):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(3))
+    ev = write_jsonl(tmp_path / "eval.jsonl", rows(4)[1:] + [{"prompt": "1" * 30, "label": "0"}])
+    args = args_for(tmp_path, train, "--label-key", "label", "--rollout-max-prompt-len", "20")
+    src = RolloutDataSource(args, tok)
+    src.get_groups(2)
+    before = src.state_dict()
+    groups = load_eval_groups(args, tok, "held_out", ev, n_samples=2)
+    assert src.state_dict() == before  # the training counters are untouched
+    assert len(groups) == 3  # the over-long prompt is left out
+    assert [g[0].group_index for g in groups] == [-1, -2, -3]
+    ids = [s.index for g in groups for s in g]
+    assert ids == [-1, -2, -3, -4, -5, -6] and len(set(ids)) == 6
+    assert all(s.metadata["eval_name"] == "held_out" and s.status == Status.PENDING for g in groups for s in g)
+    assert [g[0].label for g in groups] == ["8", "9", "10"]
+    with pytest.raises(DataError, match="eval set 'x' file not found"):
+        load_eval_groups(args, tok, "x", str(tmp_path / "missing.jsonl"), 1)

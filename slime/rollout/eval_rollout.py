@@ -1,0 +1,75 @@
+"""Evaluation rollout: generate every eval group with the eval sampling flags (no buffer, no partial rollout).
+
+Eval groups come from `ctx.eval_groups` (a dict name -> groups, or a list of
+groups) when the caller provides them, else they are loaded from
+`--eval-prompt-data` with `load_eval_groups` and `--n-samples-per-eval-prompt`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.rollout_metrics import StepClock
+from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+def eval_sets(args, ctx: RolloutContext) -> dict[str, list[list[Sample]]]:
+    given: Any = getattr(ctx, "eval_groups", None)
+    if isinstance(given, dict):
+        return given
+    if given is not None:
+        return {"eval": list(given)}
+    from slime.rollout.data_source import load_eval_groups
+
+    n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
+    datasets = getattr(args, "eval_datasets", None) or []
+    if not datasets:
+        raise ValueError("evaluation rollout: no eval groups in the context and no --eval-prompt-data")
+    return {name: load_eval_groups(args, ctx.tokenizer, name, path, n) for name, path in datasets}
+
+
+async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
+    from slime.rollout.rm_hub import reward_group
+
+    sets = eval_sets(args, ctx)
+    urls = await asyncio.to_thread(ctx.engines.worker_urls)
+    concurrency = int(getattr(args, "sglang_server_concurrency", 512)) * max(1, len(urls))
+    sem = asyncio.Semaphore(concurrency)
+    max_len = int(getattr(args, "eval_max_response_len", None) or args.rollout_max_response_len)
+    clock = StepClock()
+    metrics: dict[str, float] = {}
+    all_groups: list[list[Sample]] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session:
+        req = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args, evaluation=True),
+                              rollout_id, int(ctx.policy_version), max_response_len=max_len)
+
+        async def one_group(group: list[Sample]) -> None:
+            async def one(s: Sample) -> None:
+                async with sem:
+                    await req.generate(s, None)
+
+            await asyncio.gather(*(one(s) for s in group if not s.status.is_finished))
+            await reward_group(args, group)
+
+        for name, groups in sets.items():
+            await asyncio.gather(*(one_group(g) for g in groups))
+            samples = [s for g in groups for s in g]
+            ok = [float(s.reward) for s in samples if s.status != Status.FAILED and isinstance(s.reward, (int, float))]
+            n = max(1, len(samples))
+            metrics[f"eval/{name}/reward_mean"] = sum(ok) / len(ok) if ok else 0.0
+            metrics[f"eval/{name}/samples"] = float(len(samples))
+            metrics[f"eval/{name}/failed_samples"] = float(sum(s.status == Status.FAILED for s in samples))
+            metrics[f"eval/{name}/truncated_ratio"] = sum(s.status == Status.TRUNCATED for s in samples) / n
+            metrics[f"eval/{name}/response_len_mean"] = sum(s.response_length for s in samples) / n
+            all_groups.extend(groups)
+        metrics["eval/time_s"] = clock.now()
+        metrics["eval/tokens_per_s"] = req.new_tokens / max(clock.now(), 1e-9)
+    return RolloutOutput(groups=all_groups, metrics=metrics)

@@ -1,0 +1,142 @@
+"""Per-step rollout metrics (`rollout/` keys), the engine-occupancy sampler and the trace file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any
+
+from slime.backends.sglang_utils import http_client
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+def token_version_metrics(groups: list[list[Sample]], current_version: int) -> dict[str, float]:
+    """Exact off-policy token ratio, staleness histogram and versions per sample over `groups`.
+
+    Counted per token over loss-masked response tokens: a token is off-policy
+    when the version that produced it is older than `current_version`; its lag
+    is `current_version - version`.
+    """
+    lags: Counter = Counter()
+    distinct: list[int] = []
+    for group in groups:
+        for s in group:
+            for v, m in zip(s.weight_versions, s.loss_mask):
+                if m:
+                    lags[current_version - v] += 1
+            if s.status.is_finished:
+                distinct.append(len(set(s.weight_versions)))
+    total = sum(lags.values())
+    off = sum(c for lag, c in lags.items() if lag > 0)
+    out: dict[str, float] = {
+        "rollout/trained_tokens": float(total),
+        "rollout/off_policy_tokens": float(off),
+        "rollout/off_policy_token_ratio": off / total if total else 0.0,
+        "rollout/versions_per_sample_mean": sum(distinct) / len(distinct) if distinct else 0.0,
+        "rollout/versions_per_sample_max": float(max(distinct, default=0)),
+    }
+    for lag in sorted(lags):
+        out[f"rollout/staleness_hist/lag_{lag}"] = float(lags[lag])
+    return out
+
+
+def sample_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    n = len(samples)
+    rewards = [float(s.reward) for s in samples if isinstance(s.reward, (int, float)) and not isinstance(s.reward, bool)]
+    return {
+        "rollout/samples": float(n),
+        "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
+        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n if n else 0.0,
+        "rollout/response_len_mean": sum(s.response_length for s in samples) / n if n else 0.0,
+        "rollout/response_len_max": float(max((s.response_length for s in samples), default=0)),
+        "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+    }
+
+
+def running_requests(load: Any) -> tuple[int, int | None]:
+    """(running requests, batch capacity or None) from one worker's /get_load reply."""
+    items = load if isinstance(load, list) else [load]
+    running, cap = 0, 0
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        running += int(item.get("num_reqs", item.get("num_running_reqs", 0)) or 0)
+        c = item.get("max_running_requests")
+        cap = cap + int(c) if c is not None and cap is not None else None
+    return running, (cap or None)
+
+
+class OccupancySampler:
+    """Samples every worker's GET /get_load every `interval` s while a step runs."""
+
+    def __init__(self, session, worker_urls: list[str], interval: float = 0.2):
+        self.session, self.urls, self.interval = session, list(worker_urls), interval
+        self.running: list[float] = []
+        self.fraction: list[float] = []
+        self._task: asyncio.Task | None = None
+        self._failed = False
+
+    def start(self) -> None:
+        if self.urls:
+            self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                loads = await asyncio.gather(*(http_client.get(self.session, u, "/get_load", timeout=5) for u in self.urls))
+            except Exception as e:  # a worker without /get_load: stop sampling, say so once
+                if not self._failed:
+                    logger.info("engine occupancy not sampled (/get_load failed: %s)", e)
+                self._failed = True
+                return
+            per = [running_requests(ld) for ld in loads]
+            self.running.append(sum(r for r, _ in per) / len(per))
+            caps = [c for _, c in per]
+            if all(caps):
+                self.fraction.append(sum(r for r, _ in per) / sum(caps))
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        out = {}
+        if self.running:
+            out["rollout/engine_running_reqs_mean"] = sum(self.running) / len(self.running)
+        if self.fraction:
+            out["rollout/engine_occupancy_mean"] = sum(self.fraction) / len(self.fraction)
+        return out
+
+
+def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
+    """Append `record` as one JSON line to `<run_dir>/rollout_trace.jsonl` (no-op without run_dir)."""
+    if not run_dir:
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "rollout_trace.jsonl"), "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class StepClock:
+    """Wall-clock marks of one step (seconds since its start)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> float:
+        self.marks[name] = time.monotonic() - self.t0
+        return self.marks[name]
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0

@@ -1,0 +1,161 @@
+"""One sample's generation over SGLang's HTTP API, and small helpers for the rollout.
+
+`SampleRequester.generate(sample, stop)` sends `POST /generate` with the
+sample's token ids so far (a resumed sample continues from its ids, never
+re-tokenised text) and `max_new_tokens` = the budget left, appends the
+returned segment with `Sample.append_response` (tokens, log-probs, per-token
+versions and loss mask grow together) and sets the status from the finish
+reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
+abort -> ABORTED (still unfinished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from slime.backends.sglang_utils import http_client
+from slime.utils.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 1800.0
+MAX_UNEXPECTED_ABORTS = 3
+
+
+class GenerateResponseError(RuntimeError):
+    """An engine reply that breaks the SGLang /generate contract; the message names the field."""
+
+
+async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
+    """Call `obj.method(*args)`: through Ray (awaited, with `timeout`) for an actor handle, directly otherwise."""
+    fn = getattr(obj, method)
+    remote = getattr(fn, "remote", None)
+    if remote is None:
+        return fn(*args)
+    ref = remote(*args)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"{type(obj).__name__}.{method} did not answer within {timeout}s") from e
+
+
+def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang sampling_params (without max_new_tokens) from the rollout (or eval) flags."""
+    if evaluation:
+        temperature = getattr(args, "eval_temperature", None)
+        top_p = getattr(args, "eval_top_p", None)
+    else:
+        temperature = top_p = None
+    sp: dict[str, Any] = {
+        "temperature": float(args.rollout_temperature if temperature is None else temperature),
+        "top_p": float(args.rollout_top_p if top_p is None else top_p),
+        "top_k": int(getattr(args, "rollout_top_k", -1)),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    stop = getattr(args, "rollout_stop", None)
+    if stop:
+        sp["stop"] = list(stop)
+    stop_ids = getattr(args, "rollout_stop_token_ids", None)
+    if stop_ids:
+        sp["stop_token_ids"] = [int(t) for t in stop_ids]
+    if getattr(args, "rollout_ignore_eos", False):
+        sp["ignore_eos"] = True
+    return sp
+
+
+def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], int | None, str, str]:
+    """(token ids, log-probs, weight version or None if not an int, text, finish type) from one /generate reply."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        raise GenerateResponseError(f"{url}/generate: reply has no meta_info object: {str(out)[:300]}")
+    ids = out.get("output_ids")
+    if ids is None:
+        raise GenerateResponseError(f"{url}/generate: reply has no output_ids (rid {meta.get('id')})")
+    lps = meta.get("output_token_logprobs") or []
+    if len(lps) != len(ids):
+        raise GenerateResponseError(f"{url}/generate: {len(ids)} output_ids but {len(lps)} output_token_logprobs "
+                                    f"(rid {meta.get('id')}; was return_logprob honoured?)")
+    for k, (entry, tok) in enumerate(zip(lps, ids)):
+        if int(entry[1]) != int(tok):
+            raise GenerateResponseError(f"{url}/generate: output_token_logprobs[{k}] is for token {entry[1]}, "
+                                        f"output_ids[{k}] is {tok} (rid {meta.get('id')})")
+    finish = meta.get("finish_reason")
+    ftype = finish.get("type") if isinstance(finish, dict) else finish
+    if ftype not in ("stop", "length", "abort"):
+        raise GenerateResponseError(f"{url}/generate: unexpected finish_reason {finish!r} (rid {meta.get('id')})")
+    try:
+        version = int(meta.get("weight_version"))
+    except (TypeError, ValueError):
+        version = None
+    return [int(t) for t in ids], [float(e[0]) for e in lps], version, out.get("text") or "", ftype
+
+
+class SampleRequester:
+    """Sends samples' requests through one URL (the router) and counts what came back."""
+
+    def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
+                 policy_version: int, max_response_len: int | None = None):
+        self.args, self.session, self.url = args, session, url
+        self.sampling_params = sampling_params
+        self.rollout_id, self.policy_version = rollout_id, policy_version
+        self.max_len = int(max_response_len or args.rollout_max_response_len)
+        self.timeout = float(getattr(args, "rollout_request_timeout", None) or DEFAULT_REQUEST_TIMEOUT_S)
+        self.new_tokens = 0
+        self.requests = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self._bad_versions = 0
+
+    def payload(self, sample: Sample) -> dict[str, Any]:
+        sp = dict(self.sampling_params, max_new_tokens=self.max_len - sample.response_length)
+        rid = f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
+        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True, "rid": rid}
+
+    async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
+        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
+        unexpected_aborts = 0
+        while True:
+            if sample.response_length >= self.max_len:
+                sample.status = Status.TRUNCATED  # at its budget: never resumed forever
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            payload = self.payload(sample)
+            self.requests += 1
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            try:
+                out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+            finally:
+                self.in_flight -= 1
+            ids, lps, version, text, ftype = parse_segment(out, self.url)
+            if version is None:
+                self._bad_versions += 1
+                if self._bad_versions == 1:
+                    logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
+                                   out["meta_info"].get("weight_version"), self.policy_version)
+                version = self.policy_version
+            if len(ids) > payload["sampling_params"]["max_new_tokens"]:
+                raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
+                                            f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
+            sample.append_response(ids, lps, version, text)
+            self.new_tokens += len(ids)
+            if ftype == "stop":
+                sample.status = Status.COMPLETED
+                return True
+            if ftype == "length" or sample.response_length >= self.max_len:
+                sample.status = Status.TRUNCATED
+                return True
+            sample.status = Status.ABORTED
+            if stop is not None and stop.is_set():
+                return False
+            # aborted while the step still wants it (e.g. a weight update elsewhere): resume, a few times
+            unexpected_aborts = 0 if ids else unexpected_aborts + 1
+            if unexpected_aborts > MAX_UNEXPECTED_ABORTS:
+                raise GenerateResponseError(f"{self.url}/generate aborted sample {sample.index} {unexpected_aborts} "
+                                            f"times in a row with no progress (last rid {payload['rid']})")
+            logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)

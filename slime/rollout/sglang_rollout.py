@@ -1,0 +1,454 @@
+"""APRIL: the default rollout function (`--rollout-function-path`).
+
+One step (`generate_rollout`):
+1. ready groups (finished after last step's target was met) count first;
+2. groups are taken from the buffer (parked partials first, FIFO or
+   `--buffer-filter-path`; the staleness cap applied) and then fresh from the
+   data source, and submitted through the router, one `POST /generate` per
+   unfinished sample (`input_ids` = its tokens so far, `max_new_tokens` = the
+   budget left). `--rollout-mode chunked` submits `--over-sampling-batch-size`
+   groups at a time while (groups in play + accepted) < target, with at most
+   `--sglang-server-concurrency` x engines requests in flight;
+   `--rollout-mode pool` keeps exactly `--rollout-pool-size` requests in flight,
+   topping up from parked then fresh groups (CoPRIS);
+3. a group whose members all finished is rewarded in its own task (a slow
+   reward never blocks generation or the drain), then filtered
+   (`--dynamic-sampling-filter-path`); rejected groups are dropped in the ledger
+   with the filter's reason;
+4. once `--rollout-batch-size` groups are accepted: abort every engine until
+   idle, drain every request (each returns its partial tokens), then with
+   `--partial-rollout` park every unfinished group in the buffer (finished
+   members kept), without it drop them ("discarded_unfinished");
+5. groups accepted after the target was met are kept `finished` in the buffer
+   and returned first next step (nothing is thrown away).
+
+If a request fails (an engine died), the step stops the same way, keeps every
+finished group in the buffer and parks (or drops) the rest, then raises
+`RolloutError` naming the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from slime.ray.buffer import DROPPED, FINISHED, group_id
+from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.rollout_metrics import OccupancySampler, StepClock, append_trace, sample_metrics, token_version_metrics
+from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
+from slime.rollout.staleness import apply_staleness_policy, is_stale
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """A rollout step could not complete; finished groups were kept in the buffer first."""
+
+
+@dataclass
+class _Group:
+    samples: list[Sample]
+    resumed: bool
+    outstanding: int = 0  # members still being generated in this step
+    outcome: str | None = None  # accepted | overflow | rejected
+
+
+def run_sync(coro):
+    """Run `coro` to completion from sync code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def generate_rollout(args, rollout_id: int, ctx: RolloutContext, evaluation: bool = False) -> RolloutOutput:
+    return run_sync(generate_rollout_async(args, rollout_id, ctx, evaluation))
+
+
+async def generate_rollout_async(args, rollout_id: int, ctx: RolloutContext, evaluation: bool = False) -> RolloutOutput:
+    if evaluation:
+        from slime.rollout.eval_rollout import generate_eval
+
+        return await generate_eval(args, rollout_id, ctx)
+    return await _RolloutStep(args, rollout_id, ctx).run()
+
+
+class _RolloutStep:
+    def __init__(self, args, rollout_id: int, ctx: RolloutContext):
+        self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
+        self.target = int(args.rollout_batch_size)
+        self.n = int(args.n_samples_per_prompt)
+        self.chunk = int(getattr(args, "over_sampling_batch_size", None) or self.target)
+        self.mode = getattr(args, "rollout_mode", "chunked") or "chunked"
+        self.partial = bool(getattr(args, "partial_rollout", False))
+        self.version = int(ctx.policy_version)
+        self.max_staleness = getattr(args, "max_staleness", None)
+        self.staleness_policy = getattr(args, "staleness_policy", "restart") or "restart"
+        fpath = getattr(args, "dynamic_sampling_filter_path", None)
+        self.filter = load_function(fpath) if fpath else None
+        self.rpc_timeout = float(getattr(args, "rollout_rpc_timeout", 120.0) or 120.0)
+        self.abort_timeout = float(getattr(args, "rollout_abort_timeout", 120.0) or 120.0)
+        self.groups: dict[int, _Group] = {}
+        self.accepted: list[list[Sample]] = []
+        self.overflow: list[list[Sample]] = []
+        self.rejected: dict[int, str] = {}
+        self.submitted: list[int] = []
+        self.resumed: list[int] = []
+        self.counts: Counter = Counter()
+        self.errors: list[str] = []
+        self.tasks: set[asyncio.Task] = set()
+        self.reward_tasks: set[asyncio.Task] = set()
+        self.progress = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.fetch_lock = asyncio.Lock()
+        self.exhausted = False
+        self.clock = StepClock()
+
+    # ---- the step ------------------------------------------------------------------
+    async def run(self) -> RolloutOutput:
+        urls = await asyncio.to_thread(self.ctx.engines.worker_urls)
+        concurrency = int(getattr(self.args, "sglang_server_concurrency", 512)) * max(1, len(urls))
+        pool_size = int(getattr(self.args, "rollout_pool_size", None) or concurrency)
+        limit = pool_size if self.mode == "pool" else concurrency
+        connector = aiohttp.TCPConnector(limit=limit + 32)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
+                                             sampling_params_from_args(self.args), self.rollout_id, self.version)
+            occupancy = OccupancySampler(session, urls)
+            occupancy.start()
+            try:
+                await self._take_ready()
+                if self.mode == "pool":
+                    await self._run_pool(pool_size)
+                elif self.mode == "chunked":
+                    await self._run_chunked(asyncio.Semaphore(concurrency))
+                else:
+                    raise ValueError(f"--rollout-mode {self.mode!r} is not one of chunked, pool")
+            except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
+                self._fail(f"{type(e).__name__}: {e}")
+            finally:
+                await self._stop_and_drain(session)
+                occ = await occupancy.stop()
+            await self._settle_rewards()
+        await self._commit()
+        if self.errors:
+            raise RolloutError(
+                f"rollout step {self.rollout_id} failed: {self.errors[0]}"
+                + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
+                + f"; kept {len(self.accepted) + len(self.overflow)} finished groups in the buffer, "
+                f"{self.counts['parked']} parked, {self.counts['discarded']} dropped"
+            )
+        metrics = self._metrics(occ, concurrency if self.mode == "chunked" else pool_size)
+        return RolloutOutput(groups=self.accepted, metrics=metrics)
+
+    async def _take_ready(self) -> None:
+        if self.ctx.buffer is None:
+            return
+        ready = await call_maybe_remote(self.ctx.buffer, "take_ready", self.target, timeout=self.rpc_timeout)
+        for g in ready:
+            gid = group_id(g)
+            if any(v < self.version - self.max_staleness for s in g for v in s.weight_versions) if self.max_staleness is not None else False:
+                self.rejected[gid] = "stale_ready"  # finished at an older policy than the cap allows
+            else:
+                self.accepted.append(g)
+        self.counts["ready_in"] = len(ready)
+
+    # ---- group supply: parked first, then fresh -------------------------------------
+    async def _next_groups(self, num: int) -> list[list[Sample]]:
+        async with self.fetch_lock:
+            out: list[list[Sample]] = []
+            if self.ctx.buffer is not None and num > 0:
+                parked = await call_maybe_remote(self.ctx.buffer, "take_parked", num, timeout=self.rpc_timeout)
+                st = apply_staleness_policy(parked, self.version, self.max_staleness, self.staleness_policy)
+                self.counts.update({f"staleness_{k}": v for k, v in st.items()})
+                out.extend(parked)
+                self.resumed.extend(group_id(g) for g in parked)
+            if len(out) < num and not self.exhausted:
+                fresh = await call_maybe_remote(self.ctx.data_source, "get_groups", num - len(out), timeout=self.rpc_timeout)
+                for g in fresh:
+                    if len(g) != self.n:
+                        raise RolloutError(f"data source returned group {group_id(g)} with {len(g)} samples; "
+                                           f"--n-samples-per-prompt is {self.n}")
+                if fresh and self.ctx.buffer is not None:
+                    await call_maybe_remote(self.ctx.buffer, "issue", fresh, timeout=self.rpc_timeout)
+                if len(fresh) < num - len(out):
+                    self.exhausted = True
+                out.extend(fresh)
+            for g in out:
+                gid = group_id(g)
+                if gid in self.groups:
+                    raise RolloutError(f"group {gid} was handed out twice in step {self.rollout_id}")
+                self.groups[gid] = _Group(g, resumed=gid in self.resumed)
+                self.submitted.append(gid)
+            return out
+
+    def _active_groups(self) -> int:
+        return sum(1 for st in self.groups.values() if st.outcome is None)
+
+    # ---- chunked mode ----------------------------------------------------------------
+    async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
+        while True:
+            self.progress.clear()
+            if self.errors or len(self.accepted) >= self.target:
+                return
+            while not self.exhausted and self._active_groups() + len(self.accepted) < self.target:
+                groups = await self._next_groups(self.chunk)
+                for g in groups:
+                    self._start_group(g, sem)
+            if self._active_groups() == 0:
+                logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
+                               self.rollout_id, len(self.accepted), self.target)
+                return
+            await self.progress.wait()
+
+    def _start_group(self, group: list[Sample], sem: asyncio.Semaphore | None) -> None:
+        st = self.groups[group_id(group)]
+        todo = [s for s in group if not s.status.is_finished]
+        st.outstanding = len(todo)
+        if not todo:  # everything finished already (e.g. a resumed group whose last member hit the budget)
+            self._group_generated(st)
+        for s in todo:
+            self._spawn(self._sample_task(st, s, sem), self.tasks)
+
+    def _spawn(self, coro, bucket: set) -> None:
+        task = asyncio.create_task(coro)
+        bucket.add(task)
+        task.add_done_callback(bucket.discard)
+
+    async def _sample_task(self, st: _Group, sample: Sample, sem: asyncio.Semaphore | None) -> None:
+        try:
+            if sem is None:
+                done = await self.requester.generate(sample, self.stop)
+            else:
+                async with sem:
+                    done = await self.requester.generate(sample, self.stop)
+        except Exception as e:
+            self._fail(f"group {st.samples[0].group_index} sample {sample.index}: {type(e).__name__}: {e}")
+            return
+        if done:
+            st.outstanding -= 1
+            if st.outstanding == 0:
+                self._group_generated(st)
+
+    def _fail(self, msg: str) -> None:
+        if not self.errors:
+            logger.error("rollout step %d: %s; stopping the step", self.rollout_id, msg)
+        self.errors.append(msg)
+        self.stop.set()
+        self.progress.set()
+
+    # ---- pool mode (CoPRIS) ------------------------------------------------------------
+    async def _run_pool(self, pool_size: int) -> None:
+        queue: deque[tuple[_Group, Sample]] = deque()
+
+        async def next_sample():
+            while not queue:
+                if self.stop.is_set() or self.exhausted:
+                    return None
+                for g in await self._next_groups(1):
+                    st = self.groups[group_id(g)]
+                    todo = [s for s in g if not s.status.is_finished]
+                    st.outstanding = len(todo)
+                    if not todo:
+                        self._group_generated(st)
+                    queue.extend((st, s) for s in todo)
+            return queue.popleft()
+
+        async def worker():
+            while not self.stop.is_set():
+                try:
+                    item = await next_sample()
+                except Exception as e:
+                    self._fail(f"fetching groups: {type(e).__name__}: {e}")
+                    return
+                if item is None or self.stop.is_set():
+                    return
+                await self._sample_task(*item, None)
+
+        workers = [asyncio.create_task(worker()) for _ in range(pool_size)]
+        for w in workers:
+            self.tasks.add(w)
+            w.add_done_callback(self.tasks.discard)
+        while True:
+            self.progress.clear()
+            if self.errors or len(self.accepted) >= self.target:
+                return
+            if all(w.done() for w in workers) and not self.reward_tasks:
+                logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
+                               self.rollout_id, len(self.accepted), self.target)
+                return
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+
+    # ---- reward + filter, one task per finished group -----------------------------------
+    def _group_generated(self, st: _Group) -> None:
+        self.counts["groups_finished"] += 1
+        self._spawn(self._reward_task(st), self.reward_tasks)
+
+    async def _reward_task(self, st: _Group) -> None:
+        from slime.rollout.rm_hub import reward_group
+
+        try:
+            await reward_group(self.args, st.samples)
+        except Exception as e:  # reward_group promises not to raise; be safe anyway
+            from slime.utils.types import Status
+
+            for s in st.samples:
+                if s.reward is None:
+                    s.status = Status.FAILED
+                    s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"
+        reason = None
+        if self.filter is not None:
+            try:
+                out = self.filter(self.args, st.samples)
+                reason = None if out.keep else (out.reason or "filtered")
+            except Exception as e:
+                reason = f"filter_error: {type(e).__name__}"
+                logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
+        gid = group_id(st.samples)
+        if reason is not None:
+            st.outcome = "rejected"
+            self.rejected[gid] = reason
+        elif len(self.accepted) < self.target and not self.stop.is_set():
+            st.outcome = "accepted"
+            self.accepted.append(st.samples)
+            if len(self.accepted) >= self.target:
+                self.clock.mark("target")
+                self.stop.set()
+        else:
+            st.outcome = "overflow"
+            self.overflow.append(st.samples)
+        self.progress.set()
+
+    # ---- stop: abort, drain, settle ------------------------------------------------------
+    async def _stop_and_drain(self, session) -> None:
+        self.stop.set()
+        self.clock.mark("stop")
+        self.abort_point = {"t": round(self.clock.now(), 4), "accepted": len(self.accepted),
+                            "finished_groups": self.counts["groups_finished"], "in_flight": self.requester.in_flight}
+        self.abort_to_idle = 0.0
+        deadline = self.clock.now() + self.abort_timeout
+        while True:
+            try:
+                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout)
+                res = await res if asyncio.iscoroutine(res) else res
+                self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
+            except Exception as e:
+                if not self.errors:
+                    self._fail(f"aborting the engines: {type(e).__name__}: {e}")
+                else:
+                    logger.warning("abort after failure also failed: %s", e)
+            if not self.tasks:
+                break
+            # requests that reached an engine after it reported idle are aborted in the next round
+            await asyncio.wait(set(self.tasks), timeout=1.0)
+            if not self.tasks:
+                break
+            if self.clock.now() > deadline:
+                self._fail(f"{len(self.tasks)} requests still pending {self.abort_timeout}s after the abort")
+                for t in list(self.tasks):
+                    t.cancel()
+                await asyncio.wait(set(self.tasks), timeout=10)
+                break
+        self.clock.mark("drained")
+
+    async def _settle_rewards(self) -> None:
+        timeout = float(getattr(self.args, "reward_timeout", None) or 300.0) + 30.0
+        if self.reward_tasks:
+            done, pending = await asyncio.wait(set(self.reward_tasks), timeout=timeout)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=10)
+                self._fail(f"{len(pending)} reward tasks still running {timeout:.0f}s after the drain")
+        self.clock.mark("rewarded")
+
+    async def _commit(self) -> None:
+        """Ledger + buffer: finished groups, rejected, parked or discarded (one batch of buffer calls)."""
+        open_groups = [st.samples for st in self.groups.values() if st.outcome is None]
+        unfinished = [g for g in open_groups if not all(s.status.is_finished for s in g)]
+        for g in open_groups:  # generated but its reward never settled (timed out / cancelled)
+            if all(s.status.is_finished for s in g):
+                self.rejected[group_id(g)] = "reward_unsettled"
+        buf = self.ctx.buffer
+        finished_ids = [group_id(g) for g in self.accepted + self.overflow if group_id(g) in self.groups]
+        by_reason: dict[str, list[int]] = {}
+        for gid, reason in self.rejected.items():
+            by_reason.setdefault(reason, []).append(gid)
+        self.counts["parked"] = len(unfinished) if self.partial else 0
+        self.counts["discarded"] = 0 if self.partial else len(unfinished)
+        if buf is None:
+            return
+        calls = [("mark", finished_ids, FINISHED)] if finished_ids else []
+        calls += [("mark", ids, DROPPED, reason) for reason, ids in by_reason.items()]
+        if unfinished and self.partial:
+            calls.append(("park", unfinished))
+        elif unfinished:
+            calls.append(("mark", [group_id(g) for g in unfinished], DROPPED, "discarded_unfinished"))
+        if self.overflow:
+            calls.append(("hold_ready", self.overflow))
+        if self.errors and self.accepted:  # the caller never sees them: keep them for the next step
+            calls.append(("hold_ready", self.accepted))
+        for name, *a in calls:
+            await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)
+
+    # ---- metrics + trace ---------------------------------------------------------------------
+    def _metrics(self, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
+        m = self.clock.marks
+        elapsed = m.get("drained", self.clock.now())
+        new_tokens = self.requester.new_tokens
+        out: dict[str, float] = {
+            "rollout/new_tokens": float(new_tokens),
+            "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+            "rollout/step_time_s": self.clock.now(),
+            "rollout/time_to_target_s": m.get("target", m.get("stop", elapsed)),
+            "rollout/abort_to_idle_s": self.abort_to_idle,
+            "rollout/drain_s": m.get("drained", 0.0) - m.get("stop", 0.0),
+            "rollout/requests": float(self.requester.requests),
+            "rollout/in_flight_cap": float(in_flight_cap),
+            "rollout/in_flight_peak": float(self.requester.peak_in_flight),
+            "rollout/groups_submitted": float(len(self.submitted)),
+            "rollout/groups_resumed": float(len(self.resumed)),
+            "rollout/groups_fresh": float(len(self.submitted) - len(self.resumed)),
+            "rollout/groups_finished": float(self.counts["groups_finished"]),
+            "rollout/groups_accepted": float(len(self.accepted)),
+            "rollout/groups_ready_in": float(self.counts["ready_in"]),
+            "rollout/groups_ready_out": float(len(self.overflow)),
+            "rollout/groups_parked": float(self.counts["parked"]),
+            "rollout/groups_dropped": float(len(self.rejected) + self.counts["discarded"]),
+            "rollout/policy_version": float(self.version),
+        }
+        reasons = Counter(self.rejected.values())
+        if self.counts["discarded"]:
+            reasons["discarded_unfinished"] += self.counts["discarded"]
+        for reason, c in reasons.items():
+            out[f"rollout/groups_dropped/{reason}"] = float(c)
+        for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups"):
+            out[f"rollout/staleness_{k}"] = float(self.counts[f"staleness_{k}"])
+        out.update(token_version_metrics(self.accepted, self.version))
+        out.update(sample_metrics(self.accepted))
+        out.update(occ)
+        append_trace(getattr(self.args, "run_dir", None), {
+            "rollout_id": self.rollout_id, "policy_version": self.version, "mode": self.mode,
+            "partial_rollout": self.partial, "submitted": self.submitted, "resumed": self.resumed,
+            "abort": self.abort_point, "accepted": [group_id(g) for g in self.accepted],
+            "overflow": [group_id(g) for g in self.overflow], "rejected": self.rejected,
+            "unfinished": [gid for gid, st in self.groups.items() if st.outcome is None],
+            "tokens_per_s": out["rollout/tokens_per_s"],
+        })
+        return out
+
+
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync", "is_stale"]

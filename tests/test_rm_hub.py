@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
+from slime.arguments import parse_args
 from slime.rollout.rm_hub import async_rm, batched_async_rm, reward_group
 from slime.rollout.rm_hub.dapo import dapo_score, normalize_final_answer
 from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, last_boxed_only_string
@@ -17,18 +18,42 @@ from slime.rollout.rm_hub.threads import run_in_daemon_thread
 from slime.utils.types import Sample, Status
 
 
-def make_args(**kw):
-    base = dict(rm_type=None, custom_rm_path=None, group_rm=False, rm_url=None, reward_timeout=60.0)
-    base.update(kw)
-    return SimpleNamespace(**base)
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rm_args")
+    (d / "ckpt").mkdir()
+    (d / "prompts.jsonl").write_text('{"prompt": "1"}\n')
+    return d
+
+
+@pytest.fixture
+def make_args(run_dir):
+    """Real parsed (immutable) args: `make_args(rm_type="math", reward_timeout=0.5, group_rm=True, ...)`."""
+
+    def build(**kw):
+        argv = ["--hf-checkpoint", str(run_dir / "ckpt"), "--prompt-data", str(run_dir / "prompts.jsonl"),
+                "--rollout-batch-size", "1", "--num-rollout", "1"]
+        for key, value in kw.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value is not None and value is not False:
+                argv += [flag, str(value)]
+        return parse_args(argv)
+
+    return build
 
 
 def sample(response, label=None, index=0, **kw):
     return Sample(index=index, group_index=0, prompt="Q", response=response, label=label, status=Status.COMPLETED, **kw)
 
 
-def rm(rm_type, response, label):
-    return asyncio.run(async_rm(make_args(rm_type=rm_type), sample(response, label)))
+@pytest.fixture
+def rm(make_args):
+    def score(rm_type, response, label):
+        return asyncio.run(async_rm(make_args(rm_type=rm_type), sample(response, label)))
+
+    return score
 
 
 # ---------------------------------------------------------------- extraction ----
@@ -76,7 +101,7 @@ def test_answers_match(pred, gold, same):
         ("boxed_dapo", "no box", "34", -1.0),
     ],
 )
-def test_rule_rewards(rm_type, response, label, want):
+def test_rule_rewards(rm_type, response, label, want, rm):
     assert rm(rm_type, response, label) == want
 
 
@@ -87,21 +112,21 @@ def test_dapo_details_and_normalisation():
     assert dapo_score("nothing", "3")["pred"] == "[INVALID]"
 
 
-def test_metadata_rm_type_overrides_flag():
+def test_metadata_rm_type_overrides_flag(make_args):
     s = sample("Answer: 3", "3", metadata={"rm_type": "dapo"})
     assert asyncio.run(async_rm(make_args(rm_type="deepscaler"), s)) == 1.0
 
 
-def test_unknown_or_missing_rm_type_named():
+def test_unknown_or_missing_rm_type_named(rm):
     with pytest.raises(ValueError, match=r"--rm-type 'nope'"):
         rm("nope", "x", "y")
     with pytest.raises(ValueError, match=r"--rm-type 'boxed_nope'"):
         rm("boxed_nope", r"\boxed{1}", "1")
-    with pytest.raises(ValueError, match="--rm-type"):
-        rm(None, "x", "y")
+    with pytest.raises(ValueError, match="--rm-type"):  # parse_args refuses this; the hub says so too
+        asyncio.run(async_rm(SimpleNamespace(rm_type=None, custom_rm_path=None), sample("x", "y")))
 
 
-def test_math_unparseable_label_fails_the_sample():
+def test_math_unparseable_label_fails_the_sample(make_args):
     s = sample(r"\boxed{1}", "")
     asyncio.run(reward_group(make_args(rm_type="math"), [s]))
     assert s.status == Status.FAILED and s.reward is None
@@ -109,7 +134,7 @@ def test_math_unparseable_label_fails_the_sample():
 
 
 # ------------------------------------------------------------ subtract_chain ----
-def test_subtract_chain_branch_calls_task_reward(monkeypatch):
+def test_subtract_chain_branch_calls_task_reward(monkeypatch, rm):
     calls = []
     fake = types.ModuleType("slime.tasks.subtract_chain")
 
@@ -124,13 +149,16 @@ def test_subtract_chain_branch_calls_task_reward(monkeypatch):
     assert calls == [("41,38,35,32", "41,38,35,32"), ("41,38,35,33", "41,38,35,32")]
 
 
-def test_subtract_chain_real_task_if_present():
+def test_subtract_chain_real_task(rm):
+    import random
+
     task = pytest.importorskip("slime.tasks.subtract_chain")
-    if not hasattr(task, "compute_reward"):
-        pytest.skip("slime.tasks.subtract_chain.compute_reward not written yet")
-    label = "wrong-on-purpose-label"
-    got = rm("subtract_chain", "not an answer", label)
-    assert got == float(task.compute_reward("not an answer", label))
+    rng = random.Random(0)
+    for _ in range(5):
+        prompt, label = task.make_problem(rng)
+        wrong = label[:-1] + str((int(label[-1]) + 1) % 10)
+        assert rm("subtract_chain", label, label) == 1.0
+        assert rm("subtract_chain", wrong, label) == 0.0
 
 
 # ---------------------------------------------------------------- custom rms ----
@@ -172,12 +200,12 @@ def plugins(tmp_path, monkeypatch):
     return "rm_plugins_for_test"
 
 
-def test_custom_rm_wins_over_rm_type(plugins):
+def test_custom_rm_wins_over_rm_type(plugins, make_args):
     args = make_args(rm_type="dapo", custom_rm_path=f"{plugins}.length_rm")
     assert asyncio.run(async_rm(args, sample("abcd", "x"))) == 4.0
 
 
-def test_reward_group_isolates_raising_and_slow_rewards(plugins):
+def test_reward_group_isolates_raising_and_slow_rewards(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.flaky_rm", reward_timeout=0.5)
     samples = [sample(r, "7", index=i) for i, r in enumerate(["7", "boom", "slow", "8", "text"])]
     t0 = time.monotonic()
@@ -192,7 +220,7 @@ def test_reward_group_isolates_raising_and_slow_rewards(plugins):
     assert "failure" not in samples[0].metadata
 
 
-def test_sync_blocking_custom_rm_is_bounded(plugins):
+def test_sync_blocking_custom_rm_is_bounded(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.blocking_rm", reward_timeout=0.3)
     samples = [sample("fast", index=0), sample("slow", index=1)]
     t0 = time.monotonic()
@@ -201,14 +229,14 @@ def test_sync_blocking_custom_rm_is_bounded(plugins):
     assert samples[0].reward == 2.0 and samples[1].status == Status.FAILED
 
 
-def test_batched_async_rm_raises_where_reward_group_does_not(plugins):
+def test_batched_async_rm_raises_where_reward_group_does_not(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.flaky_rm")
     with pytest.raises(RuntimeError, match="checker exploded"):
         asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("boom", "7")]))
     assert asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("6", "7")])) == [1.0, 0.0]
 
 
-def test_group_rm(plugins):
+def test_group_rm(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.group_rm", group_rm=True)
     samples = [sample("aa"), sample("aaaa"), sample("a")]
     asyncio.run(reward_group(args, samples))
@@ -216,7 +244,7 @@ def test_group_rm(plugins):
     assert asyncio.run(batched_async_rm(args, samples)) == [0.0, 1.0, 0.0]
 
 
-def test_group_rm_wrong_length_fails_whole_group(plugins):
+def test_group_rm_wrong_length_fails_whole_group(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.short_group_rm", group_rm=True)
     samples = [sample("a"), sample("b")]
     asyncio.run(reward_group(args, samples))
@@ -224,7 +252,7 @@ def test_group_rm_wrong_length_fails_whole_group(plugins):
     assert "must return 2 rewards, got 1 values" in samples[0].metadata["failure"]
 
 
-def test_already_failed_samples_are_skipped(plugins):
+def test_already_failed_samples_are_skipped(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.length_rm")
     s_failed = sample("abc")
     s_failed.status = Status.FAILED
@@ -285,7 +313,7 @@ def rm_server():
     loop.close()
 
 
-def test_remote_rm(rm_server):
+def test_remote_rm(rm_server, make_args):
     url, received = rm_server
     args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=1.0)
     s = sample("42", "42")
@@ -296,14 +324,14 @@ def test_remote_rm(rm_server):
     assert asyncio.run(async_rm(args, sample("bare", "42"))) == 0.25
 
 
-def test_boxed_remote_rm_sends_the_boxed_answer(rm_server):
+def test_boxed_remote_rm_sends_the_boxed_answer(rm_server, make_args):
     url, received = rm_server
     args = make_args(rm_type="boxed_remote_rm", rm_url=url)
     assert asyncio.run(async_rm(args, sample(r"so it is \boxed{42}.", "42"))) == 1.0
     assert received[-1]["response"] == "42"
 
 
-def test_remote_rm_errors_become_failures(rm_server):
+def test_remote_rm_errors_become_failures(rm_server, make_args):
     url, _ = rm_server
     args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=0.5)
     samples = [sample(r, "ok", index=i) for i, r in enumerate(["ok", "crash", "slow", "garbage"])]
@@ -319,4 +347,4 @@ def test_remote_rm_errors_become_failures(rm_server):
 
 def test_remote_rm_needs_url():
     with pytest.raises(ValueError, match="--rm-url"):
-        asyncio.run(async_rm(make_args(rm_type="remote_rm"), sample("x", "y")))
+        asyncio.run(async_rm(SimpleNamespace(rm_type="remote_rm", custom_rm_path=None), sample("x", "y")))

@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 
 from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
 from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
@@ -44,7 +45,8 @@ def reward_timeout(args) -> float | None:
 
 
 def _to_reward(value, source: str) -> float:
-    if isinstance(value, (int, float)) or hasattr(value, "__float__") and not isinstance(value, (str, bytes)):
+    """A finite float from a number (int, float, numpy or 0-d tensor scalar); bool counts as 0/1."""
+    if not isinstance(value, (str, bytes)) and (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         reward = float(value)
         if math.isfinite(reward):
             return reward

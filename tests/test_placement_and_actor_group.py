@@ -1,0 +1,121 @@
+"""Placement groups shaped by the hardware, RayTrainGroup's SPMD calls and
+timeouts, and FSDP at world size 2 == world size 1 (one Ray session)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+
+from test_fsdp_helpers import make_args, make_groups, make_model_dir
+
+from slime.backends.fsdp_utils.actor import FSDPTrainer
+from slime.ray.actor_group import RayTrainGroup, trainer_class, wait_ranks
+from slime.ray.placement_group import bundle_plan, create_placement_groups, init_ray, remove_placement_groups
+from slime.utils.types import Status
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    init_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+def test_bundle_plan_follows_hardware_and_colocation(model_dir):
+    args = make_args(model_dir, actor_num_gpus_per_node=2, rollout_num_gpus=3, colocate=False)
+    bundles, actor, rollout = bundle_plan(args, use_gpu=False)
+    assert bundles == [{"CPU": 1.0}] * 5 and actor == [0, 1] and rollout == [2, 3, 4]
+    bundles, _, _ = bundle_plan(args, use_gpu=True)
+    assert all(b["GPU"] == 1 for b in bundles)
+    colo = args.replace(colocate=True)
+    bundles, actor, rollout = bundle_plan(colo, use_gpu=False)
+    assert len(bundles) == 2 and rollout == actor == [0, 1]
+
+
+def test_cpu_placement_group_is_ready_and_never_asks_for_gpu(ray_session, model_dir):
+    args = make_args(model_dir, actor_num_gpus_per_node=2, rollout_num_gpus=1)
+    pgs = create_placement_groups(args, timeout_s=30)
+    try:
+        assert not pgs.use_gpu
+        assert pgs.actor_bundles == [0, 1] and pgs.rollout_bundles == [2]
+        assert all("GPU" not in b for b in pgs.pg.bundle_specs)
+    finally:
+        remove_placement_groups(pgs)
+    too_big = make_args(model_dir, actor_num_gpus_per_node=8, rollout_num_gpus=8)
+    with pytest.raises(RuntimeError, match="--actor-num-gpus-per-node"):
+        create_placement_groups(too_big, timeout_s=5)
+
+
+def test_megatron_backend_fails_clearly(model_dir):
+    with pytest.raises(NotImplementedError, match="--train-backend megatron.*--train-backend fsdp"):
+        trainer_class(make_args(model_dir).replace(train_backend="megatron"))
+
+
+def test_wait_ranks_names_slow_and_failing_ranks(ray_session):
+    @ray.remote(num_cpus=0)
+    def work(rank: int, sleep: float, fail: bool = False):
+        time.sleep(sleep)
+        if fail:
+            raise ValueError(f"boom on {rank}")
+        return rank
+
+    assert wait_ranks([work.remote(0, 0), work.remote(1, 0)], "x", timeout=30) == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\]"):
+        wait_ranks([work.remote(0, 0), work.remote(1, 30)], "trainer.train", timeout=2)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match=r"(?s)trainer rank 0 failed.*boom on 0"):
+        wait_ranks([work.remote(0, 0, True), work.remote(1, 30)], "trainer.train", timeout=20)
+
+
+def _run_group(args, groups, export_dir):
+    pgs = create_placement_groups(args, timeout_s=60)
+    group = RayTrainGroup(args, pgs)
+    try:
+        group.init()
+        metrics = [group.train(i, copy.deepcopy(groups), i) for i in range(2)]
+        group.export_hf(export_dir)
+    finally:
+        group.shutdown()
+        remove_placement_groups(pgs)
+    return metrics
+
+
+@pytest.mark.slow
+def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    groups = make_groups(seed=21)
+    groups[1][2].status = Status.FAILED  # 7 samples: the ranks get unequal shares
+    common = dict(lr=1e-2, micro_batch_size=1, global_batch_size=4, use_tis=True, entropy_coef=0.01)
+    # world size 1 in this process (the reference), world size 2 as two Ray actors
+    single = FSDPTrainer(make_args(model_dir, actor_num_gpus_per_node=1, **common))
+    single.init()
+    try:
+        m1 = [single.train(i, copy.deepcopy(groups), i) for i in range(2)]
+        single.export_hf(str(tmp_path / "ws1"))
+    finally:
+        single.shutdown()
+    m2 = _run_group(make_args(model_dir, actor_num_gpus_per_node=2, **common), groups, str(tmp_path / "ws2"))
+    for a, b in zip(m1, m2):
+        assert a["num_samples"] == b["num_samples"] == 7
+        for key in ("loss", "pg_loss", "entropy", "pg_clipfrac", "grad_norm", "tis_ess", "ppo_kl"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    assert m1[1]["ppo_kl"] != 0.0  # second rollout: old policy != behaviour
+    w1 = load_file(os.path.join(tmp_path / "ws1", "model.safetensors"))
+    w2 = load_file(os.path.join(tmp_path / "ws2", "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+    w0 = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert max(float((w1[k] - w0[k]).abs().max()) for k in w1) > 1e-3  # training moved the weights

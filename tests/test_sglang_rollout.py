@@ -1,0 +1,266 @@
+"""APRIL rollout end to end: the embedded engine behind the real sglang-router.
+
+One module-scoped engine group (a 1-layer tiny Qwen3 on the subtract_chain
+vocabulary, random weights, so response lengths vary); every test runs a few
+short steps against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+import requests
+import torch
+
+from slime.arguments import parse_args
+from slime.backends.sglang_utils.engine_group import EngineGroup
+from slime.ray.buffer import FINISHED, PARKED, TRAINED, PartialRolloutBuffer
+from slime.rollout.base_types import RolloutContext
+from slime.rollout.data_source import RolloutDataSource
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from slime.utils.types import Status
+
+pytestmark = pytest.mark.slow
+SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("april")
+    tok = build_tokenizer(VOCAB)
+    model = build_tiny_qwen3(str(root / "model"), tok, SPEC, seed=3)
+    write_dataset(str(root / "prompts.jsonl"), 300, seed=0)
+    base = make_args(root)
+    group = EngineGroup(base, log_dir=str(root / "logs")).start()
+    yield {"root": root, "tok": tok, "model": model.eval(), "engines": group}
+    group.shutdown()
+
+
+def make_args(root, *extra):
+    return parse_args([
+        "--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "prompts.jsonl"),
+        "--label-key", "label", "--rm-type", "subtract_chain", "--num-rollout", "4", "--rollout-backend", "embedded",
+        "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24",
+        "--sglang-server-concurrency", "6", "--rollout-seed", "7", *extra])
+
+
+class RecordingSource(RolloutDataSource):
+    """The real data source, remembering each fresh group's prompt ids (to check tokens later)."""
+
+    def __init__(self, args, tok):
+        super().__init__(args, tok)
+        self.prompts: dict[int, list[int]] = {}
+        self.calls: list[list[int]] = []
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            self.prompts[g[0].group_index] = list(g[0].tokens)
+        self.calls.append([g[0].group_index for g in groups])
+        return groups
+
+
+def set_version(env, version: int) -> None:
+    for url in env["engines"].worker_urls():
+        r = requests.post(url + "/update_weight_version", json={"new_version": str(version)}, timeout=30)
+        assert r.json()["success"], r.text
+
+
+def run_steps(env, args, steps, source=None, buffer=None, first_version=0, train=True):
+    source = source or RecordingSource(args, env["tok"])
+    buffer = buffer if buffer is not None else PartialRolloutBuffer(args)
+    outs = []
+    for step in range(steps):
+        version = first_version + step
+        set_version(env, version)
+        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], version))
+        outs.append(out)
+        if train:
+            buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+    return source, buffer, outs
+
+
+def check_group_invariants(groups, n, prompts, version, max_len):
+    for g in groups:
+        assert len(g) == n and len({s.group_index for s in g}) == 1
+        for s in g:
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
+            assert s.tokens[: s.prompt_length] == prompts[s.group_index]
+            assert len(s.rollout_log_probs) == len(s.weight_versions) == len(s.loss_mask) == s.response_length
+            assert 0 < s.response_length <= max_len
+            assert s.weight_versions == sorted(s.weight_versions) and s.weight_versions[-1] <= version
+            assert all(lp <= 0 for lp in s.rollout_log_probs)
+            assert s.reward is not None or s.status == Status.FAILED
+
+
+def teacher_forced(model, sample):
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    start = sample.prompt_length
+    return [lp[start - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
+
+
+def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path))
+    source, buffer, outs = run_steps(env, args, 4)
+    trace = [json.loads(line) for line in open(tmp_path / "rollout_trace.jsonl")]
+    assert len(trace) == 4
+    returned = [s[0].group_index for o in outs for s in o.groups]
+    assert len(returned) == len(set(returned)) == 12  # 3 per step, never a group twice
+    for step, (out, tr) in enumerate(zip(outs, trace)):
+        check_group_invariants(out.groups, 2, source.prompts, step, 24)
+        m = out.metrics
+        # parked groups (from the previous step, FIFO) are submitted before any fresh one
+        if step:
+            prev_unfinished = trace[step - 1]["unfinished"]
+            assert tr["resumed"] == tr["submitted"][: len(tr["resumed"])] == prev_unfinished[: len(tr["resumed"])]
+            assert m["rollout/groups_resumed"] == len(prev_unfinished) > 0
+        assert m["rollout/groups_accepted"] == 3 and m["rollout/in_flight_peak"] <= 6
+        # exact off-policy ratio over the returned groups' loss-masked tokens
+        toks = [(v, k) for g in out.groups for s in g for v, k in zip(s.weight_versions, s.loss_mask) if k]
+        assert m["rollout/off_policy_token_ratio"] == pytest.approx(sum(v < step for v, _ in toks) / len(toks))
+        assert sum(v for k, v in m.items() if k.startswith("rollout/staleness_hist/")) == len(toks)
+        assert m["rollout/groups_parked"] == len(tr["unfinished"])
+    # resumed samples really span versions, and their log-probs line up with the tokens (resumed from ids)
+    multi = [s for o in outs for g in o.groups for s in g if len(set(s.weight_versions)) > 1]
+    assert multi, "no returned sample was resumed across a version bump"
+    assert max(o.metrics["rollout/versions_per_sample_max"] for o in outs) >= 2
+    for s in multi[:4]:
+        assert teacher_forced(env["model"], s) == pytest.approx(s.rollout_log_probs, abs=2e-4)
+    summary = buffer.check_balanced()
+    assert summary[TRAINED] == 12 and summary[PARKED] == buffer.num_parked()
+    assert summary["total"] == len(source.prompts)  # every issued group is accounted for
+
+    # save with groups parked, load into a new buffer: they come back with every per-token field
+    path = tmp_path / "buffer.json"
+    buffer.save(str(path))
+    restored = PartialRolloutBuffer(args)
+    restored.load(str(path))
+    assert restored.ledger_summary() == buffer.ledger_summary()
+    a, b = buffer.take_parked(100), restored.take_parked(100)
+    assert [[s.to_dict() for s in g] for g in a] == [[s.to_dict() for s in g] for g in b]
+    assert any(s.response_length and s.status == Status.ABORTED for g in b for s in g)
+
+
+def test_without_partial_rollout_unfinished_work_is_dropped_and_counted(env):
+    args = make_args(env["root"], "--over-sampling-batch-size", "6")
+    source, buffer, outs = run_steps(env, args, 2)
+    for out in outs:
+        m = out.metrics
+        assert m["rollout/groups_parked"] == 0 and m["rollout/groups_resumed"] == 0
+        dropped = m.get("rollout/groups_dropped/discarded_unfinished", 0)
+        assert m["rollout/groups_dropped"] >= dropped
+        check_group_invariants(out.groups, 2, source.prompts, 1, 24)
+        assert all(len(set(s.weight_versions)) == 1 for g in out.groups for s in g)
+    s = buffer.check_balanced()
+    assert buffer.num_parked() == 0 and s[PARKED] == 0
+    assert s.get("dropped/discarded_unfinished", 0) == sum(
+        o.metrics.get("rollout/groups_dropped/discarded_unfinished", 0) for o in outs)
+    assert s["total"] == len(source.prompts)
+
+
+def test_pool_mode_keeps_pool_full_and_small_chunks_fill_target(env):
+    args = make_args(env["root"], "--partial-rollout", "--rollout-mode", "pool", "--rollout-pool-size", "4",
+                     "--rollout-batch-size", "4")
+    source, buffer, outs = run_steps(env, args, 2)
+    for out in outs:
+        assert out.metrics["rollout/in_flight_peak"] == 4 and len(out.groups) == 4
+        check_group_invariants(out.groups, 2, source.prompts, 1, 24)
+    assert buffer.check_balanced()["total"] == len(source.prompts)
+    # chunks smaller than the batch: keep submitting until the target is met
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "1")
+    source, buffer, outs = run_steps(env, args, 1)
+    assert len(outs[0].groups) == 3 and all(len(c) == 1 for c in source.calls)
+
+
+def only_even_groups(args, samples):
+    from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+
+    return DynamicFilterOutput(keep=samples[0].group_index % 2 == 0, reason="odd group")
+
+
+async def failing_rm(args, sample):
+    if sample.index % 3 == 0:
+        raise RuntimeError("judge unavailable")
+    return 1.0
+
+
+async def slow_rm(args, sample):
+    if sample.group_index in (0, 1):
+        await asyncio.sleep(3.0)
+    return 0.5
+
+
+def test_filter_rejects_are_dropped_with_reason_and_reward_failures_counted(env):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "4",
+                     "--dynamic-sampling-filter-path", f"{__name__}.only_even_groups",
+                     "--rm-type", "math", "--custom-rm-path", f"{__name__}.failing_rm")
+    source, buffer, outs = run_steps(env, args, 2)
+    for out in outs:
+        assert all(g[0].group_index % 2 == 0 for g in out.groups) and len(out.groups) == 3
+        failed = [s for g in out.groups for s in g if s.status == Status.FAILED]
+        assert out.metrics["rollout/failed_samples"] == len(failed)
+        assert all(s.index % 3 == 0 and "judge unavailable" in s.metadata["failure"] for s in failed)
+    assert sum(o.metrics["rollout/failed_samples"] for o in outs) > 0
+    s = buffer.check_balanced()
+    assert s["dropped/odd group"] == sum(o.metrics.get("rollout/groups_dropped/odd group", 0) for o in outs) > 0
+
+
+def test_slow_reward_does_not_block_the_drain(env):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-batch-size", "2",
+                     "--rm-type", "math", "--custom-rm-path", f"{__name__}.slow_rm")
+    t0 = time.monotonic()
+    source, buffer, outs = run_steps(env, args, 1, train=False)
+    m = outs[0].metrics
+    assert all(g[0].group_index not in (0, 1) for g in outs[0].groups)
+    assert m["rollout/drain_s"] < 1.5 and m["rollout/time_to_target_s"] < 2.9  # stopped while group 0/1 still rewarding
+    assert time.monotonic() - t0 >= 3.0  # ... and the slow rewards were still awaited
+    ready = buffer.take_ready(10)  # finished after the target: kept for the next step, rewarded
+    assert all(s.reward == 0.5 for g in ready for s in g) and m["rollout/groups_ready_out"] == len(ready)
+    for gid in (0, 1):  # the slow groups were either still generating (parked) or kept ready, never lost
+        assert buffer.group_state(gid) == (FINISHED if gid in {g[0].group_index for g in ready} else PARKED)
+    assert any(buffer.group_state(gid) == FINISHED for gid in (0, 1))
+
+
+@pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
+def test_staleness_policies(env, policy):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
+                     "--staleness-policy", policy)
+    source, buffer, outs = run_steps(env, args, 1)
+    stale = [s for g in buffer._parked for s in g if not s.status.is_finished and s.response_length]
+    assert stale, "nothing partial was parked"
+    stale_ids = {s.index for s in stale}
+    # jump two versions: tokens from version 0 are now older than current (2) - max_staleness (1)
+    _, _, outs2 = run_steps(env, args, 1, source=source, buffer=buffer, first_version=2, train=False)
+    m = outs2[0].metrics
+    assert m[f"rollout/staleness_{policy}"] >= len(stale) and m["rollout/staleness_stale_groups"] > 0
+    others = {"restart", "mask", "keep"} - {policy}
+    assert all(m[f"rollout/staleness_{o}"] == 0 for o in others)
+    resumed = [s for g in outs2[0].groups + buffer._parked + buffer._ready for s in g if s.index in stale_ids]
+    old = [(v, k) for s in resumed for v, k in zip(s.weight_versions, s.loss_mask) if v == 0]
+    if policy == "restart":
+        assert old == [] and m["rollout/staleness_restarted_tokens"] > 0
+    elif policy == "mask":
+        assert old and all(k == 0 for _, k in old) and m["rollout/staleness_masked_tokens"] == len(old)
+    else:
+        assert old and all(k == 1 for _, k in old)
+
+
+def test_evaluation_generates_given_groups_without_buffer(env):
+    args = make_args(env["root"], "--eval-temperature", "0", "--eval-max-response-len", "12")
+    source = RolloutDataSource(args, env["tok"])
+    groups = source.get_groups(3)
+    ctx = RolloutContext(None, None, env["engines"], env["tok"], 0, eval_groups=groups)
+    out = generate_rollout(args, 0, ctx, evaluation=True)
+    assert out.groups == groups and all(s.status.is_finished and s.response_length <= 12 for g in groups for s in g)
+    # greedy: both samples of a prompt give the same answer
+    assert all(g[0].response_tokens == g[1].response_tokens for g in groups)
+    assert out.metrics["eval/eval/samples"] == 6 and "eval/eval/reward_mean" in out.metrics

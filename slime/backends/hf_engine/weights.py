@@ -82,7 +82,7 @@ class WeightUpdateGroups:
         out = {}
         for name, dt, shape in zip(names, dtypes, shapes):
             t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt))
-            pg.broadcast([t], 0).wait()
+            pg.broadcast(t, 0).wait()
             out[name] = t
         return out
 

@@ -1,0 +1,148 @@
+"""Weight updates of the embedded engine: from disk, over a gloo group, in the middle of generation."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from slime.backends.hf_engine.testing import EngineServer, free_port
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, max_position_embeddings=256)
+PROMPT = [1, 5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Three models with the same architecture and different weights: a (served first), b (disk), c (broadcast)."""
+    tok = build_tokenizer(WORDS)
+    out = {}
+    for seed, name in enumerate("abc"):
+        d = tmp_path_factory.mktemp(f"model_{name}")
+        m = build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval()
+        out[name] = (d, m)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hf_engine_w_log") / "server.log"
+    srv = EngineServer(models["a"][0], ["--seed", "0"], log_path=str(log)).wait_healthy()
+    yield srv
+    # SIGINT shuts down cleanly too (the other module checks SIGTERM)
+    if srv.proc.poll() is None:
+        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.wait(20)
+    assert srv.proc.returncode == 0, log.read_text()[-3000:]
+
+
+def greedy(server, ids, n):
+    r = server.post("/generate", {"input_ids": ids, "return_logprob": True,
+                                  "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy_reference(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def broadcast_weights(server, model, version, group="wg_test"):
+    """Trainer side of /update_weights_from_distributed: rank 0 of a 2-rank gloo group."""
+    port = free_port()
+    timeout = datetime.timedelta(seconds=60)
+    res = {}
+    init = threading.Thread(target=lambda: res.update(init=server.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": group, "backend": "gloo"}).json()))
+    init.start()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+    pg = torch.distributed.ProcessGroupGloo(store, 0, 2, timeout)
+    init.join(60)
+    assert res["init"]["success"], res
+    named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+    body = {"names": [k for k, _ in named], "dtypes": [str(v.dtype) if i % 2 else str(v.dtype).replace("torch.", "") for i, (_, v) in enumerate(named)],
+            "shapes": [list(v.shape) for _, v in named], "group_name": group, "weight_version": version}
+    upd = threading.Thread(target=lambda: res.update(update=server.post("/update_weights_from_distributed", body).json()))
+    upd.start()
+    for _, t in named:
+        pg.broadcast(t, 0).wait()
+    upd.join(60)
+    assert res["update"]["success"], res
+    assert server.post("/destroy_weights_update_group", {"group_name": group}).json()["success"]
+    del pg, store
+
+
+def test_update_from_disk_then_distributed(server, models):
+    (_, ma), (dir_b, mb), (_, mc) = models["a"], models["b"], models["c"]
+    before = greedy(server, PROMPT, 12)
+    assert before["output_ids"] == greedy_reference(ma, PROMPT, 12)
+    v0 = before["meta_info"]["weight_version"]
+
+    r = server.post("/update_weights_from_disk", {"model_path": str(dir_b), "weight_version": "5"}).json()
+    assert r["success"], r
+    after = greedy(server, PROMPT, 12)  # the same prompt as before: no stale cache may answer
+    assert after["output_ids"] == greedy_reference(mb, PROMPT, 12) != before["output_ids"]
+    assert after["meta_info"]["weight_version"] == "5" != v0
+    assert server.get("/get_model_info").json()["weight_version"] == "5"
+
+    broadcast_weights(server, mc, "6")
+    last = greedy(server, PROMPT, 12)
+    assert last["output_ids"] == greedy_reference(mc, PROMPT, 12)
+    assert last["meta_info"]["weight_version"] == "6"
+    # no version given: it is bumped
+    r = server.post("/update_weights_from_disk", {"model_path": str(models["a"][0])}).json()
+    assert r["success"] and server.get("/get_model_info").json()["weight_version"] == "7"
+
+
+def test_update_during_generation_switches_cleanly(server, models):
+    """Tokens before the update follow the old weights, tokens after follow the new ones (no stale KV)."""
+    server.post("/update_weights_from_disk", {"model_path": str(models["a"][0]), "weight_version": "10"})
+    (_, ma), (dir_b, mb) = models["a"], models["b"]
+    n = 150
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=greedy(server, PROMPT, n)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.get("/get_load").json()[0]["num_tokens"] < len(PROMPT) + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = server.post("/update_weights_from_disk", {"model_path": str(dir_b), "weight_version": "11"}).json()
+    assert r["success"], r
+    t.join(60)
+    out = box["out"]
+    ids = out["output_ids"]
+    assert len(ids) == n and out["meta_info"]["weight_version"] == "11"
+    seq = torch.tensor([PROMPT + ids])
+    with torch.no_grad():
+        la = ma(seq).logits[0, len(PROMPT) - 1: -1]
+        lb = mb(seq).logits[0, len(PROMPT) - 1: -1]
+    tok = torch.tensor(ids)
+    ok_a = la.argmax(-1) == tok
+    ok_b = lb.argmax(-1) == tok
+    lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    lp_a = torch.log_softmax(la, -1).gather(1, tok[:, None]).squeeze(1)
+    lp_b = torch.log_softmax(lb, -1).gather(1, tok[:, None]).squeeze(1)
+    splits = [k for k in range(1, n) if bool(ok_a[:k].all()) and bool(ok_b[k:].all())
+              and torch.allclose(lps[:k], lp_a[:k], atol=1e-4) and torch.allclose(lps[k:], lp_b[k:], atol=1e-4)]
+    assert splits, "output is not old-weights tokens followed by new-weights tokens"
+
+
+def test_update_errors_are_reported(server, tmp_path):
+    r = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert r.status_code == 400 and not r.json()["success"] and "model_path" in r.json()["message"]
+    r = server.post("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert not r.json()["success"] and "nope" in r.json()["message"]
+    r = server.post("/update_weight_version", {"new_version": "42"}).json()
+    assert r["success"] and server.get("/get_model_info").json()["weight_version"] == "42"
+    assert greedy(server, PROMPT, 2)["meta_info"]["weight_version"] == "42"

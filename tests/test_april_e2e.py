@@ -1,0 +1,112 @@
+"""APRIL across process boundaries: the buffer as a Ray actor (save -> restart -> resume, no group
+trained twice), and an engine killed mid-rollout (a clear error, finished groups not lost)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+
+from slime.arguments import parse_args
+from slime.backends.sglang_utils.engine_group import EngineGroup
+from slime.ray.buffer import FINISHED, PARKED, TRAINED, Buffer
+from slime.rollout.base_types import RolloutContext
+from slime.rollout.data_source import RolloutDataSource
+from slime.rollout.sglang_rollout import RolloutError, generate_rollout
+from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+pytestmark = pytest.mark.slow
+T = 60
+SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("april_e2e")
+    tok = build_tokenizer(VOCAB)
+    build_tiny_qwen3(str(root / "model"), tok, SPEC, seed=5)
+    write_dataset(str(root / "prompts.jsonl"), 100, seed=1)
+    group = EngineGroup(make_args(root), log_dir=str(root / "logs")).start()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield {"root": root, "tok": tok, "engines": group}
+    group.shutdown()
+    if started:
+        ray.shutdown()
+
+
+def make_args(root, *extra):
+    return parse_args([
+        "--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "prompts.jsonl"), "--label-key", "label",
+        "--rm-type", "subtract_chain", "--num-rollout", "3", "--rollout-backend", "embedded", "--partial-rollout",
+        "--rollout-batch-size", "3", "--over-sampling-batch-size", "6", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "32", "--sglang-server-concurrency", "6", *extra])
+
+
+def ids(groups):
+    return [g[0].group_index for g in groups]
+
+
+def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
+    args = make_args(env["root"])
+    source = RolloutDataSource(args, env["tok"])
+    buf = Buffer.remote(args)
+    trained: list[int] = []
+    out = generate_rollout(args, 0, RolloutContext(source, buf, env["engines"], env["tok"], 0))
+    ray.get(buf.mark.remote(ids(out.groups), TRAINED), timeout=T)
+    trained += ids(out.groups)
+    parked_before = ray.get(buf.parked_ids.remote(), timeout=T)
+    assert parked_before
+    # checkpoint: buffer + data source, then "crash" (a new actor and a new data source)
+    ray.get(buf.save.remote(str(tmp_path / "buffer.json")), timeout=T)
+    ds_state = source.state_dict()
+    ray.kill(buf)
+    buf2 = Buffer.remote(args)
+    ray.get(buf2.load.remote(str(tmp_path / "buffer.json")), timeout=T)
+    source2 = RolloutDataSource(args, env["tok"])
+    source2.load_state_dict(ds_state)
+    assert ray.get(buf2.parked_ids.remote(), timeout=T) == parked_before
+    for step in (1, 2):
+        out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step))
+        assert len(out.groups) == 3
+        if step == 1:  # the parked groups were resumed first
+            assert out.metrics["rollout/groups_resumed"] == len(parked_before)
+        assert not set(ids(out.groups)) & set(trained)
+        ray.get(buf2.mark.remote(ids(out.groups), TRAINED), timeout=T)
+        trained += ids(out.groups)
+    summary = ray.get(buf2.check_balanced.remote(), timeout=T)
+    assert summary[TRAINED] == len(trained) == len(set(trained)) == 9
+    assert summary["total"] == source2.group_counter
+
+
+async def kill_engine_rm(args, sample):
+    """Reward that SIGKILLs the engine the first time it runs (pid from the environment)."""
+    pid = int(os.environ.get("APRIL_TEST_ENGINE_PID", "0"))
+    if pid:
+        os.environ["APRIL_TEST_ENGINE_PID"] = "0"
+        os.kill(pid, signal.SIGKILL)
+    return 1.0
+
+
+def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeypatch):
+    # runs last in this module: it kills the module's engine
+    args = make_args(env["root"], "--rm-type", "math", "--custom-rm-path", f"{__name__}.kill_engine_rm",
+                     "--rollout-max-response-len", "400", "--rollout-batch-size", "6", "--over-sampling-batch-size", "12")
+    engines = env["engines"]
+    monkeypatch.setenv("APRIL_TEST_ENGINE_PID", str(engines.engines[0].process.pid))
+    source = RolloutDataSource(args, env["tok"])
+    buf = Buffer.remote(args)
+    with pytest.raises(RolloutError, match=r"rollout step 0 failed: .*(group|sample)") as info:
+        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0))
+    assert "kept" in str(info.value)
+    summary = ray.get(buf.check_balanced.remote(), timeout=T)  # nothing left issued: every group accounted for
+    assert summary["total"] == source.group_counter
+    ready = ray.get(buf.take_ready.remote(100), timeout=T)
+    assert ready and summary[FINISHED] == len(ready)  # the group(s) rewarded before the crash are kept
+    assert all(s.reward == 1.0 and s.status.is_finished for g in ready for s in g)
+    assert summary[PARKED] == ray.get(buf.num_parked.remote(), timeout=T)

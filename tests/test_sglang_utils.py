@@ -263,3 +263,18 @@ def test_terminate_kills_the_whole_group_even_if_sigterm_is_ignored(tmp_path):
     assert not proc.is_alive()
     assert process_group_members(proc.pid) == []
     assert not os.path.exists(f"/proc/{grandchild}") or open(f"/proc/{grandchild}/stat").read().split()[2] == "Z"
+
+
+def test_make_engine_process_env_and_urls(tmp_path, monkeypatch):
+    args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what Ray gives an actor that asked for no GPU
+    eng = sglang_engine.make_engine_process(args, "sglang", 1, 31000, str(tmp_path), nccl_port=31001)
+    assert "CUDA_VISIBLE_DEVICES" not in eng.process._env
+    assert flag_value(eng.process.cmd, "--base-gpu-id") == "2" and eng.url == "http://127.0.0.1:31000"
+    assert eng.process.log_path == str(tmp_path / "engine_1.log")
+    with pytest.raises(ValueError, match="nccl_port"):
+        sglang_engine.make_engine_process(args, "sglang", 0, 31000, str(tmp_path))
+    emb = sglang_engine.make_engine_process(args, "embedded", 0, 32000, str(tmp_path))
+    assert emb.process._env["OMP_NUM_THREADS"] and emb.url == "http://127.0.0.1:32000"
+    with pytest.raises(ValueError, match="rollout backend"):
+        sglang_engine.make_engine_process(args, "vllm", 0, 1, str(tmp_path))

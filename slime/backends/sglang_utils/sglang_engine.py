@@ -178,6 +178,12 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
         cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host)
         host = _host_from_cmd(cmd, host)
+        if env.get("CUDA_VISIBLE_DEVICES") == "":
+            # Ray hides every GPU from an actor that asked for none; the engines we spawn need them.
+            logger.warning("CUDA_VISIBLE_DEVICES is empty in the launching process (a GPU-less Ray actor?); "
+                           "unsetting it for %s so --base-gpu-id %d refers to the node's GPUs", f"engine {engine_rank}",
+                           base_gpu_id)
+            env.pop("CUDA_VISIBLE_DEVICES")
     elif backend == "embedded":
         cmd = build_embedded_engine_command(args, engine_rank, port, host)
         env.setdefault("OMP_NUM_THREADS", "1")

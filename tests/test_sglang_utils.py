@@ -278,3 +278,25 @@ def test_make_engine_process_env_and_urls(tmp_path, monkeypatch):
     assert emb.process._env["OMP_NUM_THREADS"] and emb.url == "http://127.0.0.1:32000"
     with pytest.raises(ValueError, match="rollout backend"):
         sglang_engine.make_engine_process(args, "vllm", 0, 1, str(tmp_path))
+
+
+def test_children_die_with_a_killed_parent(tmp_path):
+    # a trainer killed with SIGKILL runs no atexit: PR_SET_PDEATHSIG must still take its servers down
+    code = f"""
+        import sys, time
+        from slime.backends.sglang_utils.process_utils import ManagedProcess
+        p = ManagedProcess('srv', [sys.executable, '-c', 'import time; time.sleep(120)'], {str(tmp_path / 's.log')!r}).start()
+        print(p.pid, flush=True)
+        time.sleep(120)
+    """
+    import subprocess
+
+    parent = subprocess.Popen(_py(code), stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{child}")
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while process_group_members(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_group_members(child) == []

@@ -223,7 +223,7 @@ class WeightUpdater:
             futs = _post_all(self._pool, urls, "/update_weights_from_distributed", payload, self.timeout)
             try:
                 for _, t in bucket:
-                    self._pg.broadcast([t.to(dev).contiguous()], 0).wait()
+                    self._pg.broadcast(t.to(dev).contiguous(), 0).wait()
             except Exception as e:
                 self._release_local()
                 raise RuntimeError(f"weight broadcast to {urls} failed: {e}") from e

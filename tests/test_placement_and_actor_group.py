@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from test_fsdp_helpers import make_args, make_groups, make_model_dir
+from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.ray.actor_group import RayTrainGroup, trainer_class, wait_ranks
 from slime.ray.placement_group import bundle_plan, create_placement_groups, init_ray, remove_placement_groups
-from slime.utils.types import Status
+from slime.utils.types import Sample, Status
 
 ray = pytest.importorskip("ray")
 
@@ -79,13 +79,16 @@ def test_wait_ranks_names_slow_and_failing_ranks(ray_session):
         wait_ranks([work.remote(0, 0, True), work.remote(1, 30)], "trainer.train", timeout=20)
 
 
-def _run_group(args, groups, export_dir):
+def _run_group(args, groups, export_dir, engine=None):
     pgs = create_placement_groups(args, timeout_s=60)
     group = RayTrainGroup(args, pgs)
     try:
         group.init()
         metrics = [group.train(i, copy.deepcopy(groups), i) for i in range(2)]
         group.export_hf(export_dir)
+        if engine is not None:  # every rank takes part in the state-dict gather
+            engine.wait_healthy()
+            metrics.append(group.update_weights([engine.url], 2))
     finally:
         group.shutdown()
         remove_placement_groups(pgs)
@@ -95,6 +98,9 @@ def _run_group(args, groups, export_dir):
 @pytest.mark.slow
 def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.hf_engine.testing import EngineServer
 
     groups = make_groups(seed=21)
     groups[1][2].status = Status.FAILED  # 7 samples: the ranks get unequal shares
@@ -107,7 +113,23 @@ def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path)
         single.export_hf(str(tmp_path / "ws1"))
     finally:
         single.shutdown()
-    m2 = _run_group(make_args(model_dir, actor_num_gpus_per_node=2, **common), groups, str(tmp_path / "ws2"))
+    engine = EngineServer(model_dir, ["--seed", "0"], log_path=str(tmp_path / "engine.log"))
+    try:
+        m2 = _run_group(make_args(model_dir, actor_num_gpus_per_node=2, **common), groups, str(tmp_path / "ws2"),
+                        engine)
+        sync = m2.pop()
+        assert sync["weight_sync_from_disk"] == 0.0
+        r = engine.post("/generate", {"input_ids": [1, 5, 6, 7], "return_logprob": True,
+                                      "sampling_params": {"max_new_tokens": 6, "temperature": 1.0}}).json()
+    finally:
+        engine.stop()
+    assert r["meta_info"]["weight_version"] == "2"
+    out = r["meta_info"]["output_token_logprobs"]
+    synced = Sample(index=0, tokens=[1, 5, 6, 7])
+    synced.append_response([x[1] for x in out], [x[0] for x in out], 2)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ws2"), dtype=torch.float32)
+    want = model_log_probs(exported, synced)
+    assert torch.allclose(torch.tensor(synced.rollout_log_probs), want, atol=1e-4)
     for a, b in zip(m1, m2):
         assert a["num_samples"] == b["num_samples"] == 7
         for key in ("loss", "pg_loss", "entropy", "pg_clipfrac", "grad_norm", "tis_ess", "ppo_kl"):

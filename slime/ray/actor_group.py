@@ -111,11 +111,21 @@ class RayTrainGroup:
         ref = ray.put(groups)
         return self._all("train", rollout_id, ref, policy_version)[0]
 
-    def update_weights(self, engines, new_version: int) -> dict[str, float]:
+    def update_weights(self, engines, new_version: int, pause_mode: str | None = None) -> dict[str, float]:
         """Push weights to every engine worker as `new_version` (engines: an
-        EngineGroup or a list of worker URLs)."""
-        urls = list(engines) if isinstance(engines, (list, tuple)) else list(engines.worker_urls())
-        return self._all("update_weights", urls, int(new_version))[0]
+        EngineGroup or a list of worker URLs). With `pause_mode` ("abort",
+        "retract", "in_place") the engines are paused around the update
+        (SGLang's documented pause → update → continue); the default assumes
+        the caller already drained them (APRIL aborts before training)."""
+        is_group = not isinstance(engines, (list, tuple))
+        urls = list(engines.worker_urls()) if is_group else list(engines)
+        if pause_mode and is_group:
+            engines.pause(pause_mode)
+        try:
+            return self._all("update_weights", urls, int(new_version))[0]
+        finally:
+            if pause_mode and is_group:
+                engines.continue_generation()
 
     def save(self, path: str) -> None:
         self._all("save", path)

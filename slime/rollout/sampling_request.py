@@ -2,7 +2,8 @@
 
 `SampleRequester.generate(sample, stop)` sends `POST /generate` with the
 sample's token ids so far (a resumed sample continues from its ids, never
-re-tokenised text) and `max_new_tokens` = the budget left, appends the
+re-tokenised text) and `max_new_tokens` = the budget left (`--rollout-max-response-len`, or a smaller
+per-sample `metadata["max_response_len"]`), appends the
 returned segment with `Sample.append_response` (tokens, log-probs, per-token
 versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
@@ -110,16 +111,22 @@ class SampleRequester:
         self.peak_in_flight = 0
         self._bad_versions = 0
 
+    def budget(self, sample: Sample) -> int:
+        """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`."""
+        own = sample.metadata.get("max_response_len") if isinstance(sample.metadata, dict) else None
+        return self.max_len if own is None else min(self.max_len, int(own))
+
     def payload(self, sample: Sample) -> dict[str, Any]:
-        sp = dict(self.sampling_params, max_new_tokens=self.max_len - sample.response_length)
+        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
         rid = f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
         return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True, "rid": rid}
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
         """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
         unexpected_aborts = 0
+        budget = self.budget(sample)
         while True:
-            if sample.response_length >= self.max_len:
+            if sample.response_length >= budget:
                 sample.status = Status.TRUNCATED  # at its budget: never resumed forever
                 return True
             if stop is not None and stop.is_set():
@@ -147,7 +154,7 @@ class SampleRequester:
             if ftype == "stop":
                 sample.status = Status.COMPLETED
                 return True
-            if ftype == "length" or sample.response_length >= self.max_len:
+            if ftype == "length" or sample.response_length >= budget:
                 sample.status = Status.TRUNCATED
                 return True
             sample.status = Status.ABORTED

@@ -1,0 +1,96 @@
+"""Engine-free pieces of the rollout: reply parsing, staleness policies, per-token version metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from slime.rollout.rollout_metrics import running_requests, token_version_metrics
+from slime.rollout.sampling_request import GenerateResponseError, SampleRequester, parse_segment, sampling_params_from_args
+from slime.rollout.staleness import apply_staleness_policy
+from slime.utils.types import Sample, Status
+
+
+def reply(ids, finish="stop", version="3", lps=None):
+    lps = lps if lps is not None else [[-0.5 - i, t, None] for i, t in enumerate(ids)]
+    return {"text": "x" * len(ids), "output_ids": ids,
+            "meta_info": {"id": "r", "finish_reason": {"type": finish}, "weight_version": version,
+                          "output_token_logprobs": lps}}
+
+
+def test_parse_segment_checks_the_contract():
+    ids, lps, v, text, f = parse_segment(reply([5, 6]), "u")
+    assert (ids, lps, v, text, f) == ([5, 6], [-0.5, -1.5], 3, "xx", "stop")
+    assert parse_segment(reply([], "abort"), "u")[4] == "abort"
+    assert parse_segment(reply([5], version="default"), "u")[2] is None
+    with pytest.raises(GenerateResponseError, match="output_token_logprobs"):
+        parse_segment(reply([5, 6], lps=[[-0.1, 5, None]]), "u")
+    with pytest.raises(GenerateResponseError, match="is for token 9"):
+        parse_segment(reply([5], lps=[[-0.1, 9, None]]), "u")
+    with pytest.raises(GenerateResponseError, match="finish_reason"):
+        parse_segment(reply([5], finish="weird"), "u")
+
+
+def sample(versions, status=Status.ABORTED, mask=None, budget=None):
+    s = Sample(index=1, group_index=0, tokens=[1, 2])
+    if versions:
+        s.append_response(list(range(3, 3 + len(versions))), [-0.1] * len(versions), versions, "", loss_mask=mask)
+    s.status = status
+    if budget is not None:
+        s.metadata["max_response_len"] = budget
+    return s
+
+
+@pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
+def test_staleness_policies_touch_only_stale_unfinished_samples(policy):
+    stale, fresh, done = sample([0, 0, 2]), sample([2, 3]), sample([0, 1], Status.COMPLETED)
+    counts = apply_staleness_policy([[stale, fresh, done]], current_version=3, max_staleness=1, policy=policy)
+    assert counts[policy] == 1 and counts["stale_groups"] == 1
+    assert fresh.weight_versions == [2, 3] and fresh.loss_mask == [1, 1]
+    assert done.weight_versions == [0, 1] and done.loss_mask == [1, 1]  # finished members are final
+    if policy == "restart":
+        assert stale.tokens == [1, 2] and stale.response_length == 0 and stale.status == Status.PENDING
+        assert counts["restarted_tokens"] == 3
+    elif policy == "mask":
+        assert stale.loss_mask == [0, 0, 1] and counts["masked_tokens"] == 2 and stale.response_length == 3
+    else:
+        assert stale.loss_mask == [1, 1, 1]
+    assert not apply_staleness_policy([[sample([0])]], 3, None, policy)  # no cap: nothing happens
+
+
+def test_token_version_metrics_are_exact_per_token():
+    g = [[sample([0, 1, 2], Status.COMPLETED), sample([2, 2], Status.TRUNCATED, mask=[0, 1])]]
+    m = token_version_metrics(g, current_version=2)
+    assert m["rollout/trained_tokens"] == 4 and m["rollout/off_policy_tokens"] == 2
+    assert m["rollout/off_policy_token_ratio"] == 0.5
+    assert (m["rollout/staleness_hist/lag_0"], m["rollout/staleness_hist/lag_1"], m["rollout/staleness_hist/lag_2"]) == (2, 1, 1)
+    assert m["rollout/versions_per_sample_max"] == 3 and m["rollout/versions_per_sample_mean"] == 2
+
+
+def test_requester_payload_budget_and_sampling_params():
+    args = types.SimpleNamespace(rollout_max_response_len=10, rollout_temperature=0.7, rollout_top_p=0.9,
+                                 rollout_top_k=5, rollout_stop=None, rollout_stop_token_ids=[2],
+                                 eval_temperature=0.0, eval_top_p=None)
+    sp = sampling_params_from_args(args)
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["stop_token_ids"]) == (0.7, 0.9, 5, [2])
+    assert sampling_params_from_args(args, evaluation=True)["temperature"] == 0.0
+    req = SampleRequester(args, None, "http://x", sp, 4, 1)
+    s = sample([0, 0, 0])
+    p1, p2 = req.payload(s), req.payload(s)
+    assert p1["input_ids"] == [1, 2, 3, 4, 5] and p1["sampling_params"]["max_new_tokens"] == 7
+    assert p1["return_logprob"] is True and p1["rid"] != p2["rid"]
+    assert req.payload(sample([0], budget=4))["sampling_params"]["max_new_tokens"] == 3
+
+
+def test_sample_at_its_budget_is_truncated_without_a_request():
+    args = types.SimpleNamespace(rollout_max_response_len=3)
+    req = SampleRequester(args, None, "http://unused", {}, 0, 0)
+    s = sample([0, 0, 0])
+    assert asyncio.run(req.generate(s)) is True and s.status == Status.TRUNCATED and req.requests == 0
+
+
+def test_running_requests_parses_get_load():
+    assert running_requests([{"num_reqs": 3, "max_running_requests": 8}, {"num_reqs": 1, "max_running_requests": 8}]) == (4, 16)
+    assert running_requests({"num_running_reqs": 2}) == (2, None)

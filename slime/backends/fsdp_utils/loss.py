@@ -156,6 +156,8 @@ def micro_batch_loss(
     parts (same normalisation) for one micro-batch of real items."""
     mode = loss_agg_mode(args)
     agg = dict(num_tokens=num_tokens, num_samples=num_samples)
+    dev = log_probs[0].device  # rollout tensors live on the CPU; the model may not
+    masks = [m.to(dev) for m in masks]
 
     def reduce(x: list[Tensor]) -> Tensor:
         return aggregate_loss(x, masks, mode, **agg)
@@ -166,8 +168,8 @@ def micro_batch_loss(
         metrics["sft_loss"] = float(loss.detach())
         return loss, metrics
 
-    old = [rt.old_log_probs[p] for p in positions]
-    adv = [rt.advantages[p] for p in positions]
+    old = [rt.old_log_probs[p].to(dev) for p in positions]
+    adv = [rt.advantages[p].to(dev) for p in positions]
     eps, eps_high = float(flag(args, "eps_clip", 0.2)), getattr(args, "eps_clip_high", None)
     lengths = [m.numel() for m in masks]
     if flag(args, "advantage_estimator", "grpo") == "gspo":
@@ -177,7 +179,7 @@ def micro_batch_loss(
                                                  getattr(args, "eps_clip_c", None))
         pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
     if rt.tis_weights is not None:
-        pg = [x * rt.tis_weights[p] for x, p in zip(pg, positions)]
+        pg = [x * rt.tis_weights[p].to(dev) for x, p in zip(pg, positions)]
     pg_loss = reduce(pg)
     loss = pg_loss
     metrics["pg_loss"] = float(pg_loss.detach())
@@ -193,7 +195,7 @@ def micro_batch_loss(
     if flag(args, "use_kl_loss", False):
         if rt.ref_log_probs is None:
             raise RuntimeError("--use-kl-loss needs reference log-probs, but no reference model was built")
-        ref = [rt.ref_log_probs[p] for p in positions]
+        ref = [rt.ref_log_probs[p].to(dev) for p in positions]
         kl = [compute_approx_kl(lp, r, flag(args, "kl_loss_type", "k1")) for lp, r in zip(log_probs, ref)]
         kl_loss = reduce(kl)
         metrics["kl_loss"] = float(kl_loss.detach())

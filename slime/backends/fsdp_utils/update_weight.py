@@ -125,15 +125,21 @@ class WeightUpdater:
                 from_disk = True
         from_disk = self._agree(from_disk)
         state = full_state_dict(self.model)
-        n_bytes = 0
+        n_bytes, error = 0, None
         if self.rank == 0:
             n_bytes = sum(t.numel() * t.element_size() for t in state.values())
-            if from_disk:
-                self._send_disk(list(urls), state, version)
-            else:
-                self._send_distributed(list(urls), state, version)
+            try:
+                if from_disk:
+                    self._send_disk(list(urls), state, version)
+                else:
+                    self._send_distributed(list(urls), state, version)
+            except Exception as e:  # tell the other ranks before raising, so none waits forever
+                error = e
         del state
-        dist.barrier()
+        if self._agree(error is not None):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"weight update to version {version} failed on trainer rank 0 (see its log)")
         dt = time.perf_counter() - t0
         logger.info("weights v%d -> %d engine(s) via %s in %.3fs", version, len(urls),
                     "disk" if from_disk else "distributed", dt)

@@ -59,6 +59,11 @@ def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_tra
         want = reference_log_probs(model_dir, s, temperature)
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
+    rt_items = [it for g in flatten_groups(groups)[0] for it in g]
+    from slime.backends.fsdp_utils.loss import compute_rollout_tensors
+
+    rt = compute_rollout_tensors(t.args, flatten_groups(groups)[0], t._log_probs(t.model, rt_items), None)
+    assert all(torch.allclose(w, torch.ones_like(w), atol=1e-5) for w in rt.tis_weights)
     metrics = t.train(0, groups, policy_version=0)
     assert metrics["logprob_abs_diff_max"] < 1e-5
     assert metrics["tis_ess"] == pytest.approx(1.0, abs=1e-9)

@@ -86,6 +86,7 @@ def _run_group(args, groups, export_dir, engine=None):
         group.init()
         metrics = [group.train(i, copy.deepcopy(groups), i) for i in range(2)]
         group.export_hf(export_dir)
+        group.save(export_dir + "_ckpt")
         if engine is not None:  # every rank takes part in the state-dict gather
             engine.wait_healthy()
             metrics.append(group.update_weights([engine.url], 2))
@@ -111,6 +112,7 @@ def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path)
     try:
         m1 = [single.train(i, copy.deepcopy(groups), i) for i in range(2)]
         single.export_hf(str(tmp_path / "ws1"))
+        opt_ws1 = {k: {n: v.clone() for n, v in st.items()} for k, st in single.optimizer.state_dict()["state"].items()}
     finally:
         single.shutdown()
     engine = EngineServer(model_dir, ["--seed", "0"], log_path=str(tmp_path / "engine.log"))
@@ -141,3 +143,22 @@ def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
     w0 = load_file(os.path.join(model_dir, "model.safetensors"))
     assert max(float((w1[k] - w0[k]).abs().max()) for k in w1) > 1e-3  # training moved the weights
+
+    # a checkpoint saved at world size 2 loads at world size 1 (full state dicts keyed by name)
+    resumed = FSDPTrainer(make_args(model_dir, actor_num_gpus_per_node=1, **common))
+    resumed.init()
+    try:
+        resumed.load(str(tmp_path / "ws2") + "_ckpt")
+        resumed.export_hf(str(tmp_path / "resumed"))
+        opt = resumed.optimizer.state_dict()["state"]
+    finally:
+        resumed.shutdown()
+    w3 = load_file(os.path.join(tmp_path / "resumed", "model.safetensors"))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)
+    assert opt.keys() == opt_ws1.keys()
+    for k in opt:
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = opt[k][name], opt_ws1[k][name]
+            a = a.full_tensor() if hasattr(a, "full_tensor") else a
+            b = b.full_tensor() if hasattr(b, "full_tensor") else b
+            assert torch.allclose(a, b, atol=1e-6), (k, name)

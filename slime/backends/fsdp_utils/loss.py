@@ -92,13 +92,16 @@ def compute_rollout_tensors(
     metrics["logprob_abs_diff_max"] = float(d[mk != 0].max()) if bool((mk != 0).any()) else 0.0
     metrics["logprob_abs_diff_mean"] = float(d[mk != 0].mean()) if bool((mk != 0).any()) else 0.0
 
+    # importance weights old/behaviour: always reported (ESS is a per-step
+    # health metric), applied to the loss only with --use-tis
     tis = None
-    if flag(args, "use_tis", False) and items:
+    if items:
         w, tis_metrics = compute_tis_weights(
             torch.cat(old_log_probs), torch.cat([it.rollout_log_probs for it in items]), mk,
             clip_high=float(flag(args, "tis_clip", 2.0)), clip_low=float(flag(args, "tis_clip_low", 0.0)),
         )
-        tis = list(torch.split(w, [m.numel() for m in masks]))
+        if flag(args, "use_tis", False):
+            tis = list(torch.split(w, [m.numel() for m in masks]))
         metrics.update(tis_metrics)
     return RolloutTensors(old_log_probs, ref_log_probs, advantages, tis, metrics)
 

@@ -83,7 +83,7 @@ def _run_group(args, groups, export_dir, engine=None):
     pgs = create_placement_groups(args, timeout_s=60)
     group = RayTrainGroup(args, pgs)
     try:
-        group.init()
+        assert group.init() is group and group.info["num_params"] > 0
         metrics = [group.train(i, copy.deepcopy(groups), i) for i in range(2)]
         group.export_hf(export_dir)
         group.save(export_dir + "_ckpt")

@@ -89,19 +89,24 @@ class RayTrainGroup:
             for rank, b in enumerate(bundles)
         ]
         self._closed = False
+        self.info: dict = {}
 
     def _all(self, method: str, *a, timeout: float | None = None, **kw) -> list:
         refs = [getattr(actor, method).remote(*a, **kw) for actor in self.actors]
         return wait_ranks(refs, f"trainer.{method}", timeout or self.timeout)
 
     # ---------------------------------------------------------- contract ----
-    def init(self) -> dict:
+    def init(self) -> "RayTrainGroup":
+        """Start the process group and load the model on every rank; returns
+        self (so `group = RayTrainGroup(args, pgs).init()`); `.info` holds
+        rank 0's report (num_params)."""
         import ray
 
         port = ray.get(self.actors[0].get_free_port.remote(), timeout=INIT_TIMEOUT_S)
         out = self._all("init", "127.0.0.1", port, timeout=INIT_TIMEOUT_S)
-        logger.info("%d trainer rank(s) ready (%s params)", self.world_size, out[0].get("num_params"))
-        return out[0]
+        self.info = out[0]
+        logger.info("%d trainer rank(s) ready (%s params)", self.world_size, self.info.get("num_params"))
+        return self
 
     def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
         """Every rank gets every group (it plans the split itself); metrics are

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 logger = logging.getLogger("slime.backends.hf_engine")
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV budget as blocks (x --block-size); overrides --max-total-tokens.")
     p.add_argument("--block-size", type=int, default=32, help="Tokens per KV block for --kv-blocks (default 32).")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="Max tokens in one batched prefill.")
+    p.add_argument("--admit-wait-ms", type=float, default=20.0,
+                   help="While decoding, let a few new requests wait up to this long to be prefilled together (default 20).")
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
@@ -39,8 +42,6 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             logger.error("%s must be >= 1, got %s", name, value)
             return 2
-    import os
-
     if not os.path.isdir(args.model_path):
         logger.error("--model-path: %r is not a directory", args.model_path)
         return 2
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
-        attn_implementation=args.attn_implementation,
+        attn_implementation=args.attn_implementation, admit_wait_s=args.admit_wait_ms / 1000.0,
     )
     try:
         engine = Engine(cfg)
@@ -68,8 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("failed to load model from --model-path %r: %s", args.model_path, e)
         return 1
     asyncio.run(serve(engine, args.host, args.port))
+    logger.info("hf_engine stopped")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is released by now (scheduler joined, groups destroyed, sockets closed); skip the slow
+    # interpreter teardown of torch/transformers (seconds on a loaded box).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int | None = None
     weight_version: str = "0"
     attn_implementation: str = "sdpa"
+    admit_wait_s: float = 0.02
 
 
 def load_model(path: str, dtype: str, attn_implementation: str):
@@ -67,6 +68,7 @@ class Engine:
             max_total_tokens=cfg.max_total_tokens,
             max_prefill_tokens=cfg.max_prefill_tokens,
             seed=cfg.seed,
+            admit_wait_s=cfg.admit_wait_s,
         )
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()

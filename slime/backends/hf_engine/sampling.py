@@ -73,7 +73,7 @@ def sample_batch(
     sample_rows = [i for i in range(n) if not greedy[i]]
     if sample_rows:
         idx = torch.tensor(sample_rows)
-        sub = logp[idx]
+        sub = logp if len(sample_rows) == n else logp[idx]
         sub_params = [params[i] for i in sample_rows]
         sub = _restrict(
             sub,
@@ -81,16 +81,17 @@ def sample_batch(
             torch.tensor([p.top_p for p in sub_params], dtype=sub.dtype),
             torch.tensor([p.min_p for p in sub_params], dtype=sub.dtype),
         )
-        probs = sub.exp()
-        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
-        noise = torch.empty_like(probs)
+        # inverse-CDF draw: one uniform per row (cheap, and per-request generators stay independent)
+        cdf = sub.exp().cumsum(dim=-1)
+        u = torch.empty(len(sample_rows), dtype=cdf.dtype)
         shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=default_generator)
+            u[shared] = torch.rand(len(shared), generator=default_generator, dtype=cdf.dtype)
         for j, i in enumerate(sample_rows):
             if generators[i] is not None:
-                noise[j].exponential_(generator=generators[i])
-        drawn = (probs / noise).argmax(dim=-1)
+                u[j] = torch.rand(1, generator=generators[i], dtype=cdf.dtype)[0]
+        targets = (u * cdf[:, -1]).unsqueeze(1)
+        drawn = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
         tokens[idx] = drawn
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens.tolist(), chosen.tolist()

@@ -38,6 +38,7 @@ class Request:
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
     created: float = field(default_factory=time.monotonic)
+    enqueued: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -53,12 +54,16 @@ def abort_reason(message: str) -> dict:
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None):
+    def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None,
+                 admit_wait_s: float = 0.02):
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
+        # While a batch is decoding, a few late arrivals wait up to admit_wait_s so they are prefilled and
+        # joined together (each join costs a forward and a copy of the batch's KV cache).
+        self.admit_wait_s = admit_wait_s
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = DecodeBatch(model)
         self.running: list[Request] = []
@@ -120,6 +125,7 @@ class Scheduler:
     def _add(self, req: Request) -> None:
         if any(r.rid == req.rid for r in self.running) or any(r.rid == req.rid for r in self.waiting):
             raise ValueError(f"rid {req.rid!r} is already in flight")
+        req.enqueued = time.monotonic()
         self.waiting.append(req)
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
@@ -200,6 +206,11 @@ class Scheduler:
     def _admit(self) -> None:
         if not self.waiting or len(self.running) >= self.max_running:
             return
+        if self.running:
+            free = self.max_running - len(self.running)
+            enough = min(free, max(1, len(self.running) // 4))
+            if len(self.waiting) < enough and time.monotonic() - self.waiting[0].enqueued < self.admit_wait_s:
+                return
         budget = self.max_total_tokens - sum(len(r.input_ids) + r.params.max_new_tokens for r in self.running)
         group: list[Request] = []
         prefill_tokens = 0

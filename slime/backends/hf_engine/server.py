@@ -384,5 +384,7 @@ async def serve(engine: Engine, host: str, port: int) -> None:
     finally:
         logger.info("hf_engine shutting down")
         await asyncio.to_thread(engine.scheduler.stop)
+        logger.debug("scheduler stopped")
         await runner.cleanup()
+        logger.debug("http runner cleaned up")
         engine.groups.destroy_all()

@@ -140,3 +140,52 @@ class StepClock:
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+
+def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
+    """The `rollout/` metrics of one finished step (`step`: the `_RolloutStep`) and its trace line."""
+    from slime.ray.buffer import group_id
+
+    m = step.clock.marks
+    elapsed = m.get("drained", step.clock.now())
+    new_tokens = step.requester.new_tokens
+    out: dict[str, float] = {
+        "rollout/new_tokens": float(new_tokens),
+        "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+        "rollout/step_time_s": step.clock.now(),
+        "rollout/time_to_target_s": m.get("target", m.get("stop", elapsed)),
+        "rollout/abort_to_idle_s": step.abort_to_idle,
+        "rollout/drain_s": m.get("drained", 0.0) - m.get("stop", 0.0),
+        "rollout/requests": float(step.requester.requests),
+        "rollout/in_flight_cap": float(in_flight_cap),
+        "rollout/in_flight_peak": float(step.requester.peak_in_flight),
+        "rollout/groups_submitted": float(len(step.submitted)),
+        "rollout/groups_resumed": float(len(step.resumed)),
+        "rollout/groups_fresh": float(len(step.submitted) - len(step.resumed)),
+        "rollout/groups_finished": float(step.counts["groups_finished"]),
+        "rollout/groups_accepted": float(len(step.accepted)),
+        "rollout/groups_ready_in": float(step.counts["ready_in"]),
+        "rollout/groups_ready_out": float(len(step.overflow)),
+        "rollout/groups_parked": float(step.counts["parked"]),
+        "rollout/groups_dropped": float(len(step.rejected) + step.counts["discarded"]),
+        "rollout/policy_version": float(step.version),
+    }
+    reasons = Counter(step.rejected.values())
+    if step.counts["discarded"]:
+        reasons["discarded_unfinished"] += step.counts["discarded"]
+    for reason, c in reasons.items():
+        out[f"rollout/groups_dropped/{reason}"] = float(c)
+    for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups"):
+        out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
+    out.update(token_version_metrics(step.accepted, step.version))
+    out.update(sample_metrics(step.accepted))
+    out.update(occ)
+    append_trace(getattr(step.args, "run_dir", None), {
+        "rollout_id": step.rollout_id, "policy_version": step.version, "mode": step.mode,
+        "partial_rollout": step.partial, "submitted": step.submitted, "resumed": step.resumed,
+        "abort": step.abort_point, "accepted": [group_id(g) for g in step.accepted],
+        "overflow": [group_id(g) for g in step.overflow], "rejected": step.rejected,
+        "unfinished": [gid for gid, st in step.groups.items() if st.outcome is None],
+        "tokens_per_s": out["rollout/tokens_per_s"],
+    })
+    return out

@@ -40,7 +40,7 @@ import aiohttp
 
 from slime.ray.buffer import DROPPED, FINISHED, group_id
 from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.rollout_metrics import OccupancySampler, StepClock, append_trace, sample_metrics, token_version_metrics
+from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
 from slime.rollout.staleness import apply_staleness_policy, is_stale
 from slime.utils.misc import load_function
@@ -157,7 +157,8 @@ class _RolloutStep:
         ready = await call_maybe_remote(self.ctx.buffer, "take_ready", self.target, timeout=self.rpc_timeout)
         for g in ready:
             gid = group_id(g)
-            if any(v < self.version - self.max_staleness for s in g for v in s.weight_versions) if self.max_staleness is not None else False:
+            if self.max_staleness is not None and any(
+                    v < self.version - self.max_staleness for s in g for v in s.weight_versions):
                 self.rejected[gid] = "stale_ready"  # finished at an older policy than the cap allows
             else:
                 self.accepted.append(g)
@@ -404,51 +405,8 @@ class _RolloutStep:
         for name, *a in calls:
             await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)
 
-    # ---- metrics + trace ---------------------------------------------------------------------
     def _metrics(self, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
-        m = self.clock.marks
-        elapsed = m.get("drained", self.clock.now())
-        new_tokens = self.requester.new_tokens
-        out: dict[str, float] = {
-            "rollout/new_tokens": float(new_tokens),
-            "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
-            "rollout/step_time_s": self.clock.now(),
-            "rollout/time_to_target_s": m.get("target", m.get("stop", elapsed)),
-            "rollout/abort_to_idle_s": self.abort_to_idle,
-            "rollout/drain_s": m.get("drained", 0.0) - m.get("stop", 0.0),
-            "rollout/requests": float(self.requester.requests),
-            "rollout/in_flight_cap": float(in_flight_cap),
-            "rollout/in_flight_peak": float(self.requester.peak_in_flight),
-            "rollout/groups_submitted": float(len(self.submitted)),
-            "rollout/groups_resumed": float(len(self.resumed)),
-            "rollout/groups_fresh": float(len(self.submitted) - len(self.resumed)),
-            "rollout/groups_finished": float(self.counts["groups_finished"]),
-            "rollout/groups_accepted": float(len(self.accepted)),
-            "rollout/groups_ready_in": float(self.counts["ready_in"]),
-            "rollout/groups_ready_out": float(len(self.overflow)),
-            "rollout/groups_parked": float(self.counts["parked"]),
-            "rollout/groups_dropped": float(len(self.rejected) + self.counts["discarded"]),
-            "rollout/policy_version": float(self.version),
-        }
-        reasons = Counter(self.rejected.values())
-        if self.counts["discarded"]:
-            reasons["discarded_unfinished"] += self.counts["discarded"]
-        for reason, c in reasons.items():
-            out[f"rollout/groups_dropped/{reason}"] = float(c)
-        for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups"):
-            out[f"rollout/staleness_{k}"] = float(self.counts[f"staleness_{k}"])
-        out.update(token_version_metrics(self.accepted, self.version))
-        out.update(sample_metrics(self.accepted))
-        out.update(occ)
-        append_trace(getattr(self.args, "run_dir", None), {
-            "rollout_id": self.rollout_id, "policy_version": self.version, "mode": self.mode,
-            "partial_rollout": self.partial, "submitted": self.submitted, "resumed": self.resumed,
-            "abort": self.abort_point, "accepted": [group_id(g) for g in self.accepted],
-            "overflow": [group_id(g) for g in self.overflow], "rejected": self.rejected,
-            "unfinished": [gid for gid, st in self.groups.items() if st.outcome is None],
-            "tokens_per_s": out["rollout/tokens_per_s"],
-        })
-        return out
+        return step_metrics(self, occ, in_flight_cap)
 
 
 __all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync", "is_stale"]

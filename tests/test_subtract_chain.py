@@ -59,6 +59,8 @@ def test_response_tokens_match_three_per_step():
         assert tok.decode(tok.encode(prompt, add_special_tokens=False)) == prompt
     rendered = tok.apply_chat_template([{"role": "user", "content": "47-5="}], tokenize=False)
     assert rendered == "<bos>47-5="
+    ids = tok(rendered, add_special_tokens=False).input_ids
+    assert ids[0] == tok.bos_token_id and len(ids) == 6  # BOS is one token after the chat template
 
 
 def test_write_dataset_rows(tmp_path):

@@ -283,3 +283,17 @@ def test_nonexistent_model_path_exits_nonzero(tmp_path):
     p = subprocess.run([sys.executable, "-m", "slime.backends.hf_engine", "--model-path", str(tmp_path / "nope"), "--port", "1"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--model-path" in p.stderr
+
+
+def test_requests_join_and_leave_a_running_batch(server, ref_model):
+    """A short request that arrives while a long one decodes joins the batch and finishes first, exactly."""
+    long_sp = {"max_new_tokens": 220, "temperature": 0, "ignore_eos": True}
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 11, 12], "sampling_params": long_sp}, 5, box))
+    t.start()
+    assert box["ready"].wait(30)
+    short = gen(server, [1, 13, 14, 15, 16, 17, 18], sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert t.is_alive(), "the long request should still be decoding"
+    assert short["output_ids"] == greedy_reference(ref_model, [1, 13, 14, 15, 16, 17, 18], 8)
+    t.join(60)
+    assert box["final"]["output_ids"] == greedy_reference(ref_model, [1, 11, 12], 220)

@@ -1,0 +1,18 @@
+"""Embedded CPU rollout engine speaking SGLang's native HTTP API (see /work/shared/sglang-protocol.md).
+
+    python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
+        [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \
+        [--max-prefill-tokens N] [--admit-wait-ms 20] [--seed S] [--weight-version 0] [--dtype float32]
+
+Modules: `__main__` (CLI), `server` (aiohttp routes), `engine` (model + scheduler + weight version),
+`scheduler` (continuous batching thread), `batch` (left-padded per-row KV cache), `sampling`,
+`protocol` (request validation, response shapes), `weights` (disk / gloo updates), `testing`
+(subprocess helper for tests and benchmarks).
+
+Why our own decode loop rather than transformers' continuous batching: measured in one process on the
+same 1.1 M-param tiny Qwen3 (1 torch thread, 64 new tokens, KV sized num_blocks=128, block_size=32,
+max_batch_tokens=2048, block sharing off), `generate_batch` ran 18-34 tok/s at 1 request and 540-614
+tok/s at 64, against 69-96 and 1,929-2,220 tok/s for this scheduler; and its log-probs are of the
+processed (renormalised top-k/top-p) distribution, per-request seeds are not supported, and a cancelled
+non-streaming request loses its partial output. Our loop returns log_softmax(logits / T) exactly.
+"""

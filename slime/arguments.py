@@ -81,6 +81,13 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-epoch", type=int, default=None, help="epochs over the prompt data (sets --num-rollout)")
     g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout")
     g.add_argument("--custom-generate-function-path", type=str, default=None)
+    g.add_argument("--rollout-ignore-eos", action="store_true", help="generate to the full budget (benchmarks)")
+    g.add_argument("--rollout-request-timeout", type=float, default=1800.0, help="seconds for one /generate request")
+    g.add_argument("--rollout-abort-timeout", type=float, default=120.0,
+                   help="seconds for the engines to go idle and requests to drain after an abort")
+    g.add_argument("--rollout-rpc-timeout", type=float, default=120.0, help="seconds for buffer / data-source calls")
+    g.add_argument("--engine-startup-timeout", type=float, default=None,
+                   help="seconds to wait for an engine to be healthy (default 180 embedded, 900 SGLang)")
 
 
 def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -174,6 +181,7 @@ def _add_reward_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rm-url", type=str, default=None)
     g.add_argument("--group-rm", action="store_true")
     g.add_argument("--reward-timeout", type=float, default=60.0, help="seconds before a reward counts as failed")
+    g.add_argument("--reward-key", type=str, default=None, help="key of a dict reward used by filters and advantages")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -198,6 +206,8 @@ def _add_sglang_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-ip", type=str, default=None, help="use this router instead of starting one")
     g.add_argument("--sglang-router-port", type=int, default=None)
     g.add_argument("--sglang-router-policy", type=str, default="round_robin")
+    g.add_argument("--sglang-router-log-level", type=str, default="warn")
+    g.add_argument("--sglang-router-request-timeout-secs", type=int, default=None)
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="requests in flight per engine")
 
 
@@ -306,6 +316,8 @@ def validate_args(a: Args) -> None:
     _require(a.num_rollout is None or a.num_rollout > 0, "--num-rollout", "must be > 0")
     _require(a.num_epoch is None or a.num_epoch > 0, "--num-epoch", "must be > 0")
     _require(a.rm_type != "remote_rm" or a.rm_url is not None, "--rm-url", "is required with --rm-type remote_rm")
+    for flag in ("rollout_request_timeout", "rollout_abort_timeout", "rollout_rpc_timeout"):
+        _require(getattr(a, flag) > 0, "--" + flag.replace("_", "-"), "must be > 0")
     _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
 
     samples = a.rollout_batch_size * a.n_samples_per_prompt

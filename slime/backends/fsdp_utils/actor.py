@@ -172,7 +172,8 @@ class FSDPTrainer:
         for k in range(self._max_over_ranks(len(mbs))):
             if k < len(mbs):
                 mb = mbs[k]
-                lps, ents, _ = forward_items(self.model, mb, self.pad_id, self.temperature, with_entropy=True)
+                lps, ents, _ = forward_items(self.model, mb, self.pad_id, self.temperature, with_entropy=True,
+                                             entropy_grad=float(flag(self.args, "entropy_coef", 0.0)) != 0.0)
                 loss, m = micro_batch_loss(self.args, lps, ents, [it.pos for it in mb], [it.loss_mask for it in mb],
                                            rt, num_tokens, num_samples)
                 m["loss"] = float(loss.detach())

@@ -99,6 +99,7 @@ def forward_items(
     pad_id: int,
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
     """Teacher-forced forward on one micro-batch. Returns per-item response
     log-probs [R] (log_softmax(logits / T) at the taken token), per-item
@@ -108,6 +109,7 @@ def forward_items(
     log_probs, entropies = [], [] if with_entropy else None
     for lg, tok in response_slices(logits, batch):
         log_probs.append(compute_log_probs(lg, tok, temperature))
-        if with_entropy:
-            entropies.append(compute_entropy_from_logits(lg, temperature))
+        if with_entropy:  # a metric only, unless the loss has an entropy term
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropies.append(compute_entropy_from_logits(lg if entropy_grad else lg.detach(), temperature))
     return log_probs, entropies, logits

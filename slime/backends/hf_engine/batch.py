@@ -15,6 +15,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+_HEADROOM = 64  # extra positions allocated when a layer's buffer grows
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer that writes into a preallocated buffer instead of concatenating every step."""
+
+    _layer_type = None  # never register in transformers' layer-type mapping
+
+    def __init__(self):
+        super().__init__()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._len = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        need = self._len + key_states.shape[-2]
+        if self._k is None or need > self._k.shape[-2]:
+            b, h, _, d = key_states.shape
+            cap = need + max(_HEADROOM, need // 2)
+            k, v = key_states.new_empty(b, h, cap, d), value_states.new_empty(b, h, cap, d)
+            if self._len:
+                k[:, :, : self._len] = self._k[:, :, : self._len]
+                v[:, :, : self._len] = self._v[:, :, : self._len]
+            self._k, self._v = k, v
+        self._k[:, :, self._len: need] = key_states
+        self._v[:, :, self._len: need] = value_states
+        self._len = need
+        self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._len:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the engine never crops its KV cache")
+
+
+def _new_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    cache.layers = [_GrowingLayer() for _ in range(len(cache.layers) or config.num_hidden_layers)]
+    return cache
 
 
 def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -22,7 +70,7 @@ def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def _cache_from(tensors: list[tuple[torch.Tensor, torch.Tensor]], config) -> DynamicCache:
-    cache = DynamicCache(config=config)
+    cache = _new_cache(config)
     for i, (k, v) in enumerate(tensors):
         cache.update(k, v, i)
     return cache
@@ -66,7 +114,7 @@ class DecodeBatch:
         eye = torch.eye(width, dtype=torch.bool)
         # padding queries attend to themselves only, so no row is fully masked (no NaNs)
         mask = (causal.unsqueeze(0) & valid.unsqueeze(1)) | eye.unsqueeze(0)
-        cache = DynamicCache(config=self.config)
+        cache = _new_cache(self.config)
         out = self.model(
             input_ids=ids,
             attention_mask=mask.unsqueeze(1),

@@ -60,14 +60,16 @@ def train(args) -> dict:
 
         if actor_model is not None:
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            step_metrics.update(actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version))
+            train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
+            step_metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
             if not args.load_debug_rollout_data:
                 rollout_manager.mark_trained(rollout.groups)
 
             # 3. New policy version to every engine.
             new_version = rollout_manager.policy_version + 1
             if rollout_manager.engines is not None:
-                step_metrics.update(actor_model.update_weights(rollout_manager.engines, new_version))
+                sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
+                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
             rollout_manager.set_policy_version(new_version)
 
         # 4. Save.
@@ -88,6 +90,8 @@ def train(args) -> dict:
 
     summary = log_run_summary(run_dir, metrics.path, args)
     metrics.close()
+    if actor_model is not None:
+        actor_model.shutdown()  # releases the weight-update group on both sides
     rollout_manager.shutdown()
     return summary
 

@@ -250,15 +250,32 @@ def test_pause_abort_mode(server):
     server.post("/continue_generation", {})
 
 
-def test_client_disconnect_cancels(server):
-    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
-    r = requests.post(server.url + "/generate", json=body, stream=True, timeout=60)
-    next(r.iter_lines())
-    r.close()
-    deadline = time.monotonic() + 10
-    while server.get("/get_load").json()[0]["num_reqs"] and time.monotonic() < deadline:
+def _wait_idle(server, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = server.get("/get_load").json()[0]
+        if load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            return True
         time.sleep(0.05)
-    assert server.get("/get_load").json()[0]["num_reqs"] == 0
+    return False
+
+
+def test_client_disconnect_cancels(server):
+    """Paused in place, nothing can finish on its own: only the disconnect can remove the requests."""
+    sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    try:
+        r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp}, stream=True, timeout=60)
+        assert r.status_code == 200
+        assert server.get("/get_load").json()[0]["num_waiting_reqs"] == 1
+        r.close()
+        assert _wait_idle(server)
+        # a non-streaming client that gives up (read timeout closes the connection) cancels its waiting request
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": sp}, timeout=(5, 0.5))
+        assert _wait_idle(server)
+    finally:
+        server.post("/continue_generation", {})
 
 
 @pytest.mark.parametrize("body, field", [
@@ -297,3 +314,39 @@ def test_requests_join_and_leave_a_running_batch(server, ref_model):
     assert short["output_ids"] == greedy_reference(ref_model, [1, 13, 14, 15, 16, 17, 18], 8)
     t.join(60)
     assert box["final"]["output_ids"] == greedy_reference(ref_model, [1, 11, 12], 220)
+
+
+def test_sglang_router_registers_engine(server, tmp_path):
+    """sglang-router 0.3.2 probes /health, /get_server_info, /get_model_info and then routes /generate to us."""
+    from slime.backends.hf_engine.testing import free_port
+
+    port, prom = free_port(), free_port()
+    log = open(tmp_path / "router.log", "w")
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = requests.post(url + "/workers", json={"url": server.url}, timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        workers = []
+        while time.monotonic() < deadline:
+            workers = requests.get(url + "/workers", timeout=5).json()["workers"]
+            if workers and workers[0]["is_healthy"]:
+                break
+            time.sleep(0.2)
+        assert workers and workers[0]["is_healthy"] and workers[0]["url"] == server.url
+        body = {"input_ids": [1, 5, 6], "return_logprob": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        via_router = requests.post(url + "/generate", json=body, timeout=30).json()
+        direct = gen(server, [1, 5, 6], sampling_params=body["sampling_params"])
+        assert via_router["output_ids"] == direct["output_ids"] and len(via_router["meta_info"]["output_token_logprobs"]) == 3
+    finally:
+        router.terminate()
+        router.wait(10)
+        log.close()

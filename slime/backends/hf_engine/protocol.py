@@ -21,6 +21,7 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool
     stream: bool
+    token_text: bool = False
 
 
 def _num(sp: dict, key: str, kind, default, lo=None, hi=None, lo_open=False):
@@ -143,11 +144,12 @@ def parse_generate(body, tokenizer, vocab_size: int, max_positions: int) -> tupl
     for p, rid, sp in zip(prompts, rids, sps):
         if len(p) >= max_positions:
             raise BadRequest(f"input_ids: prompt of {len(p)} tokens reaches the model's max positions ({max_positions})")
-        out.append(GenerateInput(rid, p, parse_sampling_params(sp, len(p), max_positions), return_logprob, stream))
+        out.append(GenerateInput(rid, p, parse_sampling_params(sp, len(p), max_positions), return_logprob, stream,
+                                 bool(body.get("return_text_in_logprobs", False))))
     return out, is_batch
 
 
-def build_response(req, tokenizer, return_logprob: bool, weight_version: str, finished: bool) -> dict:
+def build_response(req, tokenizer, return_logprob: bool, weight_version: str, finished: bool, token_text: bool = False) -> dict:
     """SGLang's /generate response (cumulative) for a scheduler Request."""
     p = req.params
     output_ids = list(req.output_ids)
@@ -166,6 +168,7 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
         "e2e_latency": None,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, output_ids)]
+        texts = [tokenizer.decode([t]) for t in output_ids] if token_text else [None] * len(output_ids)
+        meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(logprobs, output_ids, texts)]
         meta["input_token_logprobs"] = []
     return {"text": text, "output_ids": output_ids, "meta_info": meta}

@@ -67,8 +67,11 @@ def sample_batch(
     logits = logits.float()
     n = logits.shape[0]
     greedy = [p.greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype)
-    logp = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if all(t == 1.0 for t in temps):
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1), dim=-1)
     tokens = logits.argmax(dim=-1)
     sample_rows = [i for i in range(n) if not greedy[i]]
     if sample_rows:

@@ -91,7 +91,8 @@ class _Run:
         return snap, finished
 
     def response(self, snap, finished: bool) -> dict:
-        return build_response(snap, self.engine.tokenizer, self.inp.return_logprob, self.engine.weight_version, finished)
+        return build_response(snap, self.engine.tokenizer, self.inp.return_logprob, self.engine.weight_version, finished,
+                              self.inp.token_text)
 
     def cancel_if_running(self) -> None:
         if not self.done:

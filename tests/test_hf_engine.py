@@ -287,6 +287,9 @@ def test_client_disconnect_cancels(server):
     ({"input_ids": [1, -1]}, "input_ids"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}}, "repetition_penalty"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": "12"}, "input_ids"),
 ])
 def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
     data = body if isinstance(body, str) else json.dumps(body)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from slime.backends.hf_engine.sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang sampling knobs we do not implement: accepted only at their neutral value.
+UNSUPPORTED_NEUTRAL = {"min_new_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                       "json_schema": None, "regex": None, "ebnf": None}
 
 
 class BadRequest(ValueError):
@@ -46,6 +49,9 @@ def parse_sampling_params(sp, prompt_len: int, max_positions: int) -> SamplingPa
     n = sp.get("n", 1)
     if n not in (None, 1):
         raise BadRequest(f"sampling_params.n: only n=1 is supported, got {n!r}")
+    for key, neutral in UNSUPPORTED_NEUTRAL.items():
+        if sp.get(key) not in (None, neutral):
+            raise BadRequest(f"sampling_params.{key}: not supported by the embedded engine (only {neutral!r})")
     room = max_positions - prompt_len
     if "max_new_tokens" in sp and sp["max_new_tokens"] is not None:
         max_new = _num(sp, "max_new_tokens", int, None, lo=0, lo_open=True)

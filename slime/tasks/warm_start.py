@@ -33,7 +33,7 @@ class WarmStartConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.01
-    max_steps: int = 600
+    max_steps: int = 800
     max_seconds: float = 900.0  # a safety cap; steps are the budget (contention inflates wall time)
     teacher_p: float = 0.1
     cap: int = 64

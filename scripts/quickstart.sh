@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# README's main-job command: install (idempotent), build the embedded subtract_chain task and a tiny
+# Qwen3, warm-start it with supervised training (cached), then run GRPO with APRIL partial rollouts
+# through train.py on the embedded engine behind sglang-router. CPU only, ~10 minutes on 2 cores.
+#
+#   bash scripts/quickstart.sh                 # APRIL (partial rollout, over-sampling)
+#   bash scripts/quickstart.sh --no-partial    # the same job, synchronous, for comparison
+#   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+MODE=april
+if [[ "${1:-}" == "--no-partial" ]]; then MODE=sync; shift; fi
+WORK=${WORK:-runs/tiny}
+RUN=${RUN:-runs/quickstart-$MODE}
+STEPS=${STEPS:-80}
+EVAL_INTERVAL=${EVAL_INTERVAL:-20}
+
+bash scripts/install.sh
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
+       RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+
+# Data, tokenizer, model and the supervised warm start (skipped when cached with the same settings).
+$PY tools/prepare_tiny_task.py --out "$WORK" ${PREPARE_ARGS:-}
+
+if [[ $MODE == april ]]; then
+  ROLLOUT_MODE=(--partial-rollout --over-sampling-batch-size 16)
+else
+  ROLLOUT_MODE=()
+fi
+
+rm -rf "$RUN"
+$PY train.py \
+  --hf-checkpoint "$WORK/model-sft" \
+  --prompt-data "$WORK/train.jsonl" --input-key prompt --label-key label --apply-chat-template \
+  --rollout-shuffle --rollout-seed 1 --seed 1 \
+  --rm-type subtract_chain \
+  --num-rollout "$STEPS" --rollout-batch-size 8 --n-samples-per-prompt 8 \
+  --rollout-max-response-len 192 --rollout-temperature 1.0 \
+  "${ROLLOUT_MODE[@]}" \
+  --advantage-estimator grpo --calculate-per-token-loss --use-tis \
+  --lr 1e-4 --global-batch-size 64 --micro-batch-size 16 \
+  --eval-prompt-data tiny "$WORK/eval.jsonl" --eval-interval "$EVAL_INTERVAL" \
+  --eval-temperature 1.0 --eval-max-response-len 192 \
+  --save "$RUN/ckpt" --save-interval "$STEPS" \
+  --run-dir "$RUN" \
+  "$@"

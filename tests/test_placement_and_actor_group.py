@@ -14,7 +14,8 @@ from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.ray.actor_group import RayTrainGroup, trainer_class, wait_ranks
-from slime.ray.placement_group import bundle_plan, create_placement_groups, init_ray, remove_placement_groups
+from slime.ray.placement_group import bundle_plan, create_placement_groups, remove_placement_groups
+from slime.utils.run import init_ray
 from slime.utils.types import Sample, Status
 
 ray = pytest.importorskip("ray")

@@ -10,25 +10,11 @@ give the rollout the trainer's bundles (on CPU they simply share the cores).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 PG_READY_TIMEOUT_S = 60.0
-
-
-def init_ray(num_cpus: int | None = None, **kwargs) -> None:
-    """Start a local, loopback-only Ray (no dashboard, no auth token file).
-    A no-op when Ray is already running in this process."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
-             logging_level=logging.WARNING, **kwargs)
 
 
 def ray_has_gpus() -> bool:

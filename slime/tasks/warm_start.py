@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field

@@ -1,4 +1,4 @@
-"""Embedded CPU rollout engine speaking SGLang's native HTTP API (see /work/shared/sglang-protocol.md).
+"""Embedded CPU rollout engine speaking SGLang's native HTTP API (see the shared sglang-protocol.md contract).
 
     python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \

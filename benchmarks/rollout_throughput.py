@@ -1,17 +1,25 @@
 """Rollout throughput: synchronous vs APRIL vs pool mode vs the engine's limit.
 
 1. Measures the embedded engine's decode throughput at several concurrencies
-   (C requests always in flight) and picks the best C* (prints the curve).
+   (C requests always in flight) and picks C*, the smallest C within 5% of the
+   best (prints the curve and ms per decode step).
 2. Long-tailed workload: ignore_eos, each sample's budget 3q tokens with q from
    the truncated Pareto of the subtract_chain task (alpha 1, cap --cap), so
-   max >= 20x median.
-3. Same seed and steps: sync (B = C*/n groups, no partial rollout), APRIL
-   (partial, over-sampling 2B, at most C* in flight), pool (C* in flight), and
-   the limit (C* requests in flight the whole time). The engines' weight_version
-   is bumped between steps to simulate training.
-4. Prints tokens/s, ratios, the off-policy token ratio; last line is one JSON.
+   max >= 20x median (printed).
+3. Modes, each with its own data source (same seed), buffer and policy version:
+   sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
+   at most C* in flight), pool (C* in flight), and the limit (C* requests in
+   flight the whole time). They run interleaved in --rounds rounds
+   (sync, april, pool, limit, ...), each mode for >= --min-seconds of rollout
+   time per round, so drift of the box hits all alike. The engines'
+   weight_version is bumped before every step to simulate training.
+4. Prints per-mode tokens/s (total tokens / total rollout time over all
+   rounds), ratios, per-round ratios, the off-policy token ratio and a per-step
+   breakdown (time to target, drain and abort->idle, time outside both, gap
+   between steps, requests, resumed samples, tokens they re-prefill); the last
+   line is one JSON.
 
-    python benchmarks/rollout_throughput.py [--steps 4] [--n 4] [--cap 128]
+    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import TRAINED, PartialRolloutBuffer
 from slime.rollout.base_types import RolloutContext
+from slime.rollout.rollout_metrics import OccupancySampler
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
 from slime.rollout.sglang_rollout import generate_rollout_async
 from slime.tasks.subtract_chain import VOCAB, sample_steps, write_dataset
@@ -64,7 +73,7 @@ class ParetoSource:
         return out
 
 
-async def constant_load(args, engines, concurrency: int, seconds: float, source) -> float:
+async def constant_load(args, engines, concurrency: int, seconds: float, source, running: list | None = None) -> float:
     """Tokens/s with `concurrency` requests in flight the whole time (fresh samples as each finishes)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session:
         req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
@@ -75,13 +84,19 @@ async def constant_load(args, engines, concurrency: int, seconds: float, source)
             while time.monotonic() < deadline:
                 await req.generate(source.get_groups(1)[0][0], stop)
 
+        occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
         t0 = time.monotonic()
+        occupancy.start()
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await asyncio.sleep(seconds)
         stop.set()
         await engines.abort_all_until_idle(timeout=60)
         await asyncio.gather(*tasks)
-        return req.new_tokens / (time.monotonic() - t0)
+        tps = req.new_tokens / (time.monotonic() - t0)
+        occ = await occupancy.stop()
+        if running is not None:
+            running.append(occ.get("rollout/engine_running_reqs_mean", float("nan")))
+        return tps
 
 
 def bump_version(engines, version: int) -> None:
@@ -90,31 +105,102 @@ def bump_version(engines, version: int) -> None:
                       timeout=30).raise_for_status()
 
 
-async def run_mode(name, args, engines, steps, seed, n, cap, vocab):
-    source = ParetoSource(seed, n, cap, vocab)
-    buffer = PartialRolloutBuffer(args)
-    tokens, wall, off, total_tok = 0, 0.0, 0.0, 0.0
-    for step in range(steps):
-        bump_version(engines, step)
-        t0 = time.monotonic()
-        out = await generate_rollout_async(args, step, RolloutContext(source, buffer, engines, None, step))
-        wall += time.monotonic() - t0
-        m = out.metrics
-        tokens += m["rollout/new_tokens"]
-        off += m["rollout/off_policy_tokens"]
-        total_tok += m["rollout/trained_tokens"]
-        buffer.mark([g[0].group_index for g in out.groups], TRAINED)
-        logger.info("%s step %d: %.0f tok/s, %d groups, parked %d, in-flight peak %d, off-policy %.3f, abort->idle %.3fs",
-                    name, step, m["rollout/tokens_per_s"], len(out.groups), m["rollout/groups_parked"],
-                    m["rollout/in_flight_peak"], m["rollout/off_policy_token_ratio"], m["rollout/abort_to_idle_s"])
-    buffer.check_balanced()
-    return {"tok_s": tokens / wall, "wall_s": wall, "off_policy": off / total_tok if total_tok else 0.0}
+class CountingBuffer(PartialRolloutBuffer):
+    """The real buffer, counting the tokens every resumed (parked, unfinished) sample must re-prefill."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.reprefill_tokens = 0
+        self.resumed_samples = 0
+
+    def take_parked(self, num):
+        groups = super().take_parked(num)
+        for g in groups:
+            for s in g:
+                if not s.status.is_finished:
+                    self.reprefill_tokens += len(s.tokens)
+                    self.resumed_samples += 1
+        return groups
+
+
+STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s", "gap_s", "requests",
+             "resumed_samples", "reprefill_tokens", "new_tokens", "occupancy")
+
+
+class ModeRunner:
+    """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
+
+    def __init__(self, name, args, engines, seed, n, cap, vocab):
+        self.name, self.args, self.engines = name, args, engines
+        self.source = ParetoSource(seed, n, cap, vocab)
+        self.buffer = CountingBuffer(args)
+        self.step = 0
+        self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
+        self.rounds: list[float] = []
+        self.stats = {k: [] for k in STAT_KEYS}
+
+    async def run_for(self, min_seconds: float, min_steps: int) -> float:
+        """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its tok/s."""
+        tokens, wall, steps = 0.0, 0.0, 0
+        prev_end = None
+        while wall < min_seconds or steps < min_steps:
+            t_bump = time.monotonic()
+            bump_version(self.engines, self.step)  # simulated weight update: not rollout time
+            rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
+            t0 = time.monotonic()
+            out = await generate_rollout_async(self.args, self.step, RolloutContext(self.source, self.buffer,
+                                                                                    self.engines, None, self.step))
+            dt = time.monotonic() - t0
+            m = out.metrics
+            self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+            tokens += m["rollout/new_tokens"]
+            wall += dt
+            steps += 1
+            self.off += m["rollout/off_policy_tokens"]
+            self.total_tok += m["rollout/trained_tokens"]
+            st = self.stats
+            st["step_s"].append(dt)
+            st["to_target_s"].append(m["rollout/time_to_target_s"])
+            st["abort_to_idle_s"].append(m["rollout/abort_to_idle_s"])
+            st["drain_s"].append(m["rollout/drain_s"])
+            st["outside_s"].append(dt - m["rollout/drain_s"] - m["rollout/time_to_target_s"])
+            st["gap_s"].append(0.0 if prev_end is None else t_bump - prev_end)
+            st["requests"].append(m["rollout/requests"])
+            st["resumed_samples"].append(self.buffer.resumed_samples - rs0)
+            st["reprefill_tokens"].append(self.buffer.reprefill_tokens - rp0)
+            st["new_tokens"].append(m["rollout/new_tokens"])
+            st["occupancy"].append(m.get("rollout/engine_running_reqs_mean", float("nan")))
+            prev_end = time.monotonic()
+            logger.info("%s step %d: %.0f tok/s in %.3fs (target %.3fs, drain %.3fs, abort->idle %.3fs), %d groups, "
+                        "parked %d, in-flight peak %d, engine running mean %.1f, resumed %d (%d tok), off-policy %.3f", self.name, self.step, m["rollout/new_tokens"] / dt,
+                        dt, m["rollout/time_to_target_s"], m["rollout/drain_s"], m["rollout/abort_to_idle_s"],
+                        len(out.groups), m["rollout/groups_parked"], m["rollout/in_flight_peak"],
+                        st["occupancy"][-1], st["resumed_samples"][-1], st["reprefill_tokens"][-1],
+                        m["rollout/off_policy_token_ratio"])
+            self.step += 1
+        self.buffer.check_balanced()
+        self.tokens += tokens
+        self.wall += wall
+        self.rounds.append(tokens / wall)
+        return wall
+
+    def result(self) -> dict:
+        mean = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.stats.items()}
+        return {"tok_s": self.tokens / self.wall, "wall_s": self.wall, "steps": self.step, "rounds": self.rounds,
+                "off_policy": self.off / self.total_tok if self.total_tok else 0.0, "mean": mean}
+
+
+def _median(xs):
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else 0.5 * (xs[k - 1] + xs[k])
 
 
 async def main_async(opts, workdir):
     tok = build_tokenizer(VOCAB)
-    spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=2 * opts.hidden, max_position_embeddings=4 * opts.cap + 64)
+    spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
+                         num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
+                         max_position_embeddings=4 * opts.cap + 64)
     build_tiny_qwen3(os.path.join(workdir, "model"), tok, spec, seed=0)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
     base = ["--hf-checkpoint", os.path.join(workdir, "model"), "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
@@ -123,38 +209,69 @@ async def main_async(opts, workdir):
             "--rollout-max-response-len", str(3 * opts.cap), "--rollout-seed", str(opts.seed)]
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
     vocab = len(tok)
+    wl_rng = random.Random(opts.seed)
+    lens = sorted(3 * sample_steps(wl_rng, cap=opts.cap) for _ in range(20000))
+    print(f"workload: budget tokens median {_median(lens)}, mean {sum(lens) / len(lens):.1f}, "
+          f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / _median(lens):.0f}x); "
+          f"model hidden {opts.hidden} x {opts.layers} layers", flush=True)
+    t_start = time.monotonic()
     with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines:
         # (1) throughput curve
         curve = {}
         await constant_load(probe, engines, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab))  # warm-up
         for c in opts.concurrencies:
             curve[c] = await constant_load(probe, engines, c, opts.probe_seconds, ParetoSource(1, 1, opts.cap, vocab))
-            print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s", flush=True)
+            print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
         best = max(curve.values())
         c_star = min(c for c, v in curve.items() if v >= 0.95 * best)  # smallest C within 5% of the best
         c_star = max(opts.n, c_star - c_star % opts.n)
         b = c_star // opts.n
-        print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time per token nearly flat up to C*:", flush=True)
-        for c, v in curve.items():
-            print(f"  C={c:4d}  ms per decode step ~ {1000 * c / v:7.2f}", flush=True)
+        print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
+              f"{(c_star / curve[c_star]) / (min(curve) / curve[min(curve)]):.2f}x the step time at C={min(curve)}",
+              flush=True)
 
         def mode_args(*extra):
             return parse_args(base + ["--rollout-batch-size", str(b), "--sglang-server-concurrency", str(c_star),
                                       *extra]).replace(rollout_ignore_eos=True)
 
-        res = {}
-        res["sync"] = await run_mode("sync", mode_args(), engines, opts.steps, opts.seed, opts.n, opts.cap, vocab)
-        res["april"] = await run_mode("april", mode_args("--partial-rollout", "--over-sampling-batch-size", str(2 * b)),
-                                      engines, opts.steps, opts.seed, opts.n, opts.cap, vocab)
-        res["pool"] = await run_mode("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
-                                                       "--rollout-pool-size", str(c_star)),
-                                     engines, opts.steps, opts.seed, opts.n, opts.cap, vocab)
-        limit = await constant_load(probe, engines, c_star, max(opts.limit_seconds, res["april"]["wall_s"]),
-                                    ParetoSource(opts.seed, 1, opts.cap, vocab))
+        runners = {
+            "sync": ModeRunner("sync", mode_args(), engines, opts.seed, opts.n, opts.cap, vocab),
+            "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size", str(2 * b)),
+                                engines, opts.seed, opts.n, opts.cap, vocab),
+            "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
+                                                 "--rollout-pool-size", str(c_star)),
+                               engines, opts.seed, opts.n, opts.cap, vocab),
+        }
+        limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
+        limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab)
+        for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
+            walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
+            secs = max(opts.min_seconds, walls["april"])
+            tps = await constant_load(probe, engines, c_star, secs, limit_source, limit_running)
+            limit_tokens += tps * secs
+            limit_wall += secs
+            limit_rounds.append(tps)
+            print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items())
+                  + f"  limit {tps:.0f} tok/s", flush=True)
+    limit = limit_tokens / limit_wall
+    res = {k: v.result() for k, v in runners.items()}
+    print(f"\n{'mode':6s} {'tok/s':>8s} {'/sync':>6s} {'/limit':>6s} {'off-pol':>7s} {'steps':>5s} {'wall':>6s}  "
+          f"per-step means: step, to-target, drain (abort->idle), outside, gap | requests, resumed, re-prefill tok, "
+          f"new tok, engine running reqs")
     for k, r in res.items():
-        print(f"{k:6s}: {r['tok_s']:8.1f} tok/s  x{r['tok_s'] / res['sync']['tok_s']:.2f} sync  "
-              f"x{r['tok_s'] / limit:.2f} limit  off-policy tokens {r['off_policy']:.3f}  ({r['wall_s']:.1f}s)")
-    print(f"limit : {limit:8.1f} tok/s")
+        mn = r["mean"]
+        print(f"{k:6s} {r['tok_s']:8.1f} {r['tok_s'] / res['sync']['tok_s']:6.2f} {r['tok_s'] / limit:6.2f} "
+              f"{r['off_policy']:7.3f} {r['steps']:5d} {r['wall_s']:5.1f}s  "
+              f"{mn['step_s']:.3f}, {mn['to_target_s']:.3f}, {mn['drain_s']:.3f} ({mn['abort_to_idle_s']:.3f}), "
+              f"{mn['outside_s']:.3f}, {mn['gap_s']:.3f} | {mn['requests']:.0f}, {mn['resumed_samples']:.0f}, "
+              f"{mn['reprefill_tokens']:.0f}, {mn['new_tokens']:.0f}, {mn['occupancy']:.1f}")
+    print(f"limit  {limit:8.1f}  (C* = {c_star} in flight, {limit_wall:.1f}s, engine running reqs "
+          f"{sum(limit_running) / len(limit_running):.1f})   total benchmark "
+          f"{time.monotonic() - t_start:.0f}s")
+    per_round = {f"{k}_over_limit_rounds": [round(x / y, 3) for x, y in zip(v["rounds"], limit_rounds)]
+                 for k, v in res.items() if k != "sync"}
+    per_round["april_over_sync_rounds"] = [round(x / y, 3) for x, y in zip(res["april"]["rounds"],
+                                                                            res["sync"]["rounds"])]
     summary = {
         "c_star": c_star, "curve": {str(c): round(v, 1) for c, v in curve.items()},
         "sync_tok_s": round(res["sync"]["tok_s"], 1), "april_tok_s": round(res["april"]["tok_s"], 1),
@@ -163,20 +280,32 @@ async def main_async(opts, workdir):
         "april_over_limit": round(res["april"]["tok_s"] / limit, 3),
         "pool_over_limit": round(res["pool"]["tok_s"] / limit, 3),
         "off_policy_token_ratio": round(res["april"]["off_policy"], 4),
+        "pool_off_policy_token_ratio": round(res["pool"]["off_policy"], 4),
+        "rounds": opts.rounds, **per_round,
+        "median_april_over_limit": round(_median(per_round["april_over_limit_rounds"]), 3),
+        "median_pool_over_limit": round(_median(per_round["pool_over_limit_rounds"]), 3),
+        "median_april_over_sync": round(_median(per_round["april_over_sync_rounds"]), 3),
+        "targets_met": {
+            "april_over_limit>=0.8": res["april"]["tok_s"] / limit >= 0.8,
+            "april_over_sync>=1.5": res["april"]["tok_s"] / res["sync"]["tok_s"] >= 1.5,
+            "pool_over_limit>=0.9": res["pool"]["tok_s"] / limit >= 0.9,
+        },
     }
     print(json.dumps(summary))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--limit-seconds", type=float, default=6.0, help="at least this long for the limit run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (sync, april, pool, limit) per mode")
+    p.add_argument("--min-seconds", type=float, default=10.0, help="rollout time of each mode in each round")
+    p.add_argument("--min-steps", type=int, default=3, help="at least this many steps per mode per round")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
     p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget 3q tokens)")
-    p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    p.add_argument("--probe-seconds", type=float, default=4.0)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 16, 32, 64, 96, 128])
+    p.add_argument("--probe-seconds", type=float, default=3.0)
+    p.add_argument("--hidden", type=int, default=128, help="model width (the subtract_chain task's model is 128 x 4)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,

@@ -237,7 +237,7 @@ class EngineGroup(WeightUpdateMixin):
         return self._fan_out("POST", "/update_weights_from_disk", payload, timeout, check_success=True)
 
     # --- async ---------------------------------------------------------------------
-    async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.05,
+    async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.01,
                                    session: aiohttp.ClientSession | None = None) -> float:
         """POST /abort_request {"abort_all": true} to every worker, repeated until every
         worker's /get_load shows no running or waiting request. Returns seconds elapsed."""

@@ -33,7 +33,7 @@ def workdir(tmp_path_factory):
 def _cmd(d, *extra):
     return [sys.executable, os.path.join(REPO, "train.py"),
             "--hf-checkpoint", str(d / "model"), "--prompt-data", str(d / "train.jsonl"),
-            "--input-key", "prompt", "--label-key", "label", "--rm-type", "subtract_chain",
+            "--input-key", "prompt", "--label-key", "label", "--custom-rm-path", "tests.plugins_for_tests.parity_reward",
             "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48",
             "--num-rollout", str(STEPS), "--partial-rollout", "--over-sampling-batch-size", str(2 * BATCH),
             "--lr", "1e-4", "--use-tis", "--run-dir", str(d / "run"), "--save", str(d / "ckpt"), "--save-interval", "1",
@@ -109,3 +109,60 @@ def test_kill_dash_nine_then_resume_loses_nothing_and_trains_nothing_twice(workd
     for key in ("rollout/tokens_per_s", "rollout/off_policy_token_ratio", "reward/mean", "train/tis_ess",
                 "weight_sync/weight_sync_time_s"):
         assert key in last
+
+
+def test_export_hf_gives_a_loadable_model_with_the_trained_weights(workdir):
+    # Runs after the resume test (same module): the last checkpoint exists.
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = workdir
+    if _latest(d) < 0:
+        pytest.skip("needs the checkpoint of the previous test")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools/export_hf.py"), "--load", str(d / "ckpt"),
+                          "--out", str(d / "hf")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    model = AutoModelForCausalLM.from_pretrained(str(d / "hf"), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(d / "hf"))
+    assert tok.decode(tok.encode("47-5=", add_special_tokens=False)) == "47-5="
+    trained = load_file(str(d / "ckpt" / f"iter_{STEPS - 1:07d}" / "trainer" / "model.safetensors"))
+    initial = load_file(str(d / "model" / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.state_dict()[name], trained[name])
+    assert not torch.equal(trained[name], initial[name])  # training moved the weights
+
+
+def test_debug_rollout_only_then_debug_train_only_from_saved_rollouts(workdir, tmp_path):
+    d = workdir
+    dump = tmp_path / "dump_{rollout_id}.json"
+    common = ["--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+              "--num-rollout", "2", "--save-debug-rollout-data", str(dump)]
+    base = [a for a in _cmd(d) if a not in ()]
+    # drop the module run's --run-dir/--save/--save-interval/--save-debug-rollout-data/--num-rollout values
+    cleaned, skip = [], 0
+    for a in base:
+        if skip:
+            skip -= 1
+            continue
+        if a in ("--run-dir", "--save", "--save-interval", "--save-debug-rollout-data", "--num-rollout"):
+            skip = 1
+            continue
+        cleaned.append(a)
+    gen = subprocess.run(cleaned + common + ["--debug-rollout-only"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    dumps = [json.load(open(str(dump).format(rollout_id=i))) for i in range(2)]
+    assert all(len(x["groups"]) == BATCH for x in dumps)
+    assert "FSDPTrainer" not in gen.stderr  # no trainer in rollout-only mode
+
+    train_only = [a for a in cleaned if a not in ("--partial-rollout",)]
+    common_train = ["--run-dir", str(tmp_path / "run2"), "--num-rollout", "2", "--load-debug-rollout-data", str(dump)]
+    tr = subprocess.run(train_only + common_train + ["--debug-train-only"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert tr.returncode == 0, tr.stderr[-3000:]
+    assert "hf_engine" not in tr.stderr  # no engines in train-only mode
+    rows = [json.loads(line) for line in open(tmp_path / "run2" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train/num_samples"] == BATCH * 4 for r in rows)
+    # the rewards come from the saved rollouts, not from a new generation
+    assert rows[0]["reward/mean"] == pytest.approx(
+        sum(s["reward"] for g in dumps[0]["groups"] for s in g) / (BATCH * 4))

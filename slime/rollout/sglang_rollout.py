@@ -34,9 +34,9 @@ import concurrent.futures
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
+from tqdm import tqdm
 
 from slime.ray.buffer import DROPPED, FINISHED, group_id
 from slime.rollout.base_types import RolloutContext, RolloutOutput
@@ -126,6 +126,8 @@ class _RolloutStep:
                                              sampling_params_from_args(self.args), self.rollout_id, self.version)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
+            # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
+            self.bar = tqdm(total=self.target, desc=f"rollout {self.rollout_id}", unit="group", leave=False, disable=None)
             try:
                 await self._take_ready()
                 if self.mode == "pool":
@@ -137,6 +139,7 @@ class _RolloutStep:
             except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
                 self._fail(f"{type(e).__name__}: {e}")
             finally:
+                self.bar.close()
                 await self._stop_and_drain(session)
                 occ = await occupancy.stop()
             await self._settle_rewards()
@@ -162,6 +165,7 @@ class _RolloutStep:
                 self.rejected[gid] = "stale_ready"  # finished at an older policy than the cap allows
             else:
                 self.accepted.append(g)
+                self.bar.update(1)
         self.counts["ready_in"] = len(ready)
 
     # ---- group supply: parked first, then fresh -------------------------------------
@@ -325,6 +329,7 @@ class _RolloutStep:
         elif len(self.accepted) < self.target and not self.stop.is_set():
             st.outcome = "accepted"
             self.accepted.append(st.samples)
+            self.bar.update(1)
             if len(self.accepted) >= self.target:
                 self.clock.mark("target")
                 self.stop.set()

@@ -186,7 +186,8 @@ def _add_reward_args(p: argparse.ArgumentParser) -> None:
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--use-wandb", action=argparse.BooleanOptionalAction, default=True,
+                   help="also log to wandb, offline unless --wandb-mode online (--no-use-wandb: metrics.jsonl only)")
     g.add_argument("--wandb-project", type=str, default="slime-april")
     g.add_argument("--wandb-group", type=str, default=None)
     g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")

@@ -25,7 +25,9 @@ def test_defaults_are_derived(base):
     assert a.num_engines == 1
     assert a.rollout_pool_size == 512
     assert a.rollout_function_path == "slime.rollout.sglang_rollout.generate_rollout"
-    assert a.wandb_mode == "offline"
+    assert a.wandb_mode == "offline" and a.use_wandb  # wandb offline by default, never online unless asked
+    assert parse_args(base + ["--no-use-wandb"]).use_wandb is False
+    assert parse_args(base + ["--use-wandb"]).use_wandb is True  # slime's spelling still works
 
 
 def test_args_are_read_only_and_picklable(base):

@@ -22,6 +22,10 @@ from slime.utils.summary import log_run_summary
 logger = logging.getLogger("train")
 
 
+def _is_due(rollout_id: int, interval: int | None) -> bool:
+    return bool(interval) and (rollout_id + 1) % interval == 0
+
+
 def train(args) -> dict:
     run_dir = resolve_run_dir(args)
     setup_logging(run_dir)
@@ -45,20 +49,22 @@ def train(args) -> dict:
         set_rng_state(state["rng"])
         start_rollout_id = state["rollout_id"] + 1
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start_rollout_id, rollout_manager.policy_version)
-    if actor_model and rollout_manager.engines and ckpt is not None:
+    if ckpt is not None and actor_model is not None and rollout_manager.engines is not None:
         actor_model.update_weights(rollout_manager.engines, rollout_manager.policy_version)
 
-    eval_metrics = {}
     if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
-        eval_metrics = rollout_manager.evaluate(rollout_id=-1)  # the starting point
-        metrics.log(-1, eval_metrics)
+        metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
 
     for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
+        if args.colocate and actor_model is not None:
+            actor_model.offload()  # the engines get the shared devices
         rollout = rollout_manager.generate(rollout_id)
         step_metrics = dict(rollout.metrics)
 
         if actor_model is not None:
+            if args.colocate:
+                actor_model.onload()
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
             train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
             step_metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -72,8 +78,9 @@ def train(args) -> dict:
                 step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
             rollout_manager.set_policy_version(new_version)
 
-        # 4. Save.
-        if args.save and args.save_interval and ((rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == rollout_manager.num_rollout):
+        # 4. Save (every --save-interval steps, and after the last one).
+        last_step = rollout_id + 1 == rollout_manager.num_rollout
+        if args.save and (last_step or _is_due(rollout_id, args.save_interval)):
             writers = {"buffer": rollout_manager.save_buffer}
             if actor_model is not None:
                 writers["trainer"] = actor_model.save
@@ -81,9 +88,8 @@ def train(args) -> dict:
                             {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(), "rng": rng_state()})
 
         # 5. Eval (never enters the buffer, never trains).
-        if args.eval_interval and rollout_manager.eval_sets and (rollout_id + 1) % args.eval_interval == 0:
-            eval_metrics = rollout_manager.evaluate(rollout_id)
-            step_metrics.update(eval_metrics)
+        if rollout_manager.eval_sets and _is_due(rollout_id, args.eval_interval):
+            step_metrics.update(rollout_manager.evaluate(rollout_id))
 
         step_metrics.update({f"ledger/{k}": v for k, v in rollout_manager.ledger_summary().items()})
         metrics.log(rollout_id, step_metrics)

@@ -165,7 +165,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
-    g.add_argument("--save", type=str, default=None, help="checkpoint directory")
+    g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None, help="reference model (default: --hf-checkpoint)")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
@@ -279,6 +279,8 @@ def validate_args(a: Args) -> None:
     """All rules in one place; each error names the flag and the rule."""
     for name, why in NOT_BUILT_YET.items():
         _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
+    _require(not (a.colocate and a.rollout_backend == "sglang"), "--colocate",
+             "with SGLang engines needs GPU memory offload around each phase, which is not built yet; run disaggregated")
     _require(a.train_backend != "megatron", "--train-backend megatron",
              "the Megatron-core trainer needs CUDA and is not built yet; use --train-backend fsdp")
 

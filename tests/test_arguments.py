@@ -81,6 +81,7 @@ def test_eval_pairs(base, tmp_path):
         (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
         (["--rm-type", "remote_rm"], "--rm-url"),
         (["--offload"], "--offload"),
+        (["--colocate", "--rollout-backend", "sglang"], "--colocate"),
         (["--train-backend", "megatron"], "--train-backend megatron"),
         (["--rollout-top-p", "0"], "--rollout-top-p"),
         (["--tis-clip-low", "3"], "--tis-clip"),

@@ -300,3 +300,11 @@ def test_children_die_with_a_killed_parent(tmp_path):
     while process_group_members(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process_group_members(child) == []
+
+
+def test_colocate_refused_with_sglang_engines_but_fine_with_embedded(tmp_path, monkeypatch):
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: True)
+    with pytest.raises(RuntimeError, match="--colocate with SGLang engines"):
+        resolve_rollout_backend(make_args(tmp_path, "--colocate"))  # auto resolves to sglang on a GPU box
+    assert resolve_rollout_backend(make_args(tmp_path, "--colocate", "--rollout-backend", "embedded")) == "embedded"

@@ -51,11 +51,17 @@ def resolve_rollout_backend(args) -> str:
         cuda, has_sglang = _cuda_available(), _sglang_importable()
         backend = "sglang" if (cuda and has_sglang) else "embedded"
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
-        return backend
-    if choice == "sglang" and not _sglang_importable():
-        raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
-    logger.info("--rollout-backend %s", choice)
-    return choice
+    else:
+        if choice == "sglang" and not _sglang_importable():
+            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
+        logger.info("--rollout-backend %s", choice)
+        backend = choice
+    if backend == "sglang" and getattr(args, "colocate", False):
+        # Sharing GPUs with SGLang needs its memory release/resume around training (not built yet);
+        # on CPU the embedded engines and trainers simply share the cores.
+        raise RuntimeError("--colocate with SGLang engines needs GPU memory offload around each phase, which is not "
+                           "built yet; run disaggregated (--rollout-num-gpus N without --colocate)")
+    return backend
 
 
 def _extra_args_to_argv(extra: dict, prefix: str, reserved: dict[str, str]) -> list[str]:

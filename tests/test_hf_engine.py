@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.testing import EngineServer, greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -56,14 +56,6 @@ def teacher_forced_logprobs(model, prompt, output, temperature):
     steps = logits[len(prompt) - 1: len(prompt) + len(output) - 1]
     t = temperature if temperature > 0 else 1.0
     return torch.log_softmax(steps / t, dim=-1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
-
-
-def greedy_reference(model, prompt, n):
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def test_generate_response_shape(server):

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, free_port
+from slime.backends.hf_engine.testing import EngineServer, free_port, greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -48,14 +48,6 @@ def greedy(server, ids, n):
                                   "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def greedy_reference(model, prompt, n):
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def broadcast_weights(server, model, version, group="wg_test"):

@@ -1,8 +1,7 @@
 """Evaluation rollout: generate every eval group with the eval sampling flags (no buffer, no partial rollout).
 
 Eval groups come from `ctx.eval_groups` (a dict name -> groups, or a list of
-groups) when the caller provides them, else they are loaded from
-`--eval-prompt-data` with `load_eval_groups` and `--n-samples-per-eval-prompt`.
+groups); the RolloutManager loads them once from `--eval-prompt-data`.
 """
 
 from __future__ import annotations
@@ -25,15 +24,10 @@ def eval_sets(args, ctx: RolloutContext) -> dict[str, list[list[Sample]]]:
     given: Any = getattr(ctx, "eval_groups", None)
     if isinstance(given, dict):
         return given
-    if given is not None:
-        return {"eval": list(given)}
-    from slime.rollout.data_source import load_eval_groups
-
-    n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
-    datasets = getattr(args, "eval_datasets", None) or []
-    if not datasets:
-        raise ValueError("evaluation rollout: no eval groups in the context and no --eval-prompt-data")
-    return {name: load_eval_groups(args, ctx.tokenizer, name, path, n) for name, path in datasets}
+    if given is None:
+        raise ValueError("evaluation rollout: ctx.eval_groups is empty (the RolloutManager passes the "
+                         "--eval-prompt-data sets)")
+    return {"eval": list(given)}
 
 
 async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:

@@ -54,14 +54,14 @@ logger = logging.getLogger("rollout_throughput")
 class ParetoSource:
     """Deterministic fresh groups: random 6-token prompts, per-sample budgets 3q, q ~ truncated Pareto."""
 
-    def __init__(self, seed: int, n: int, cap: int, vocab: int):
-        self.rng, self.n, self.cap, self.vocab = random.Random(seed), n, cap, vocab
+    def __init__(self, seed: int, n: int, cap: int, vocab: int, scale: int):
+        self.rng, self.n, self.cap, self.vocab, self.scale = random.Random(seed), n, cap, vocab, scale
         self.group_counter = self.sample_counter = 0
 
     def sample(self, group_index: int) -> Sample:
         s = Sample(index=self.sample_counter, group_index=group_index,
                    tokens=[1] + [self.rng.randrange(3, self.vocab) for _ in range(5)], label="00")
-        s.metadata["max_response_len"] = 3 * sample_steps(self.rng, cap=self.cap)
+        s.metadata["max_response_len"] = self.scale * sample_steps(self.rng, cap=self.cap)
         self.sample_counter += 1
         return s
 
@@ -105,6 +105,30 @@ def bump_version(engines, version: int) -> None:
                       timeout=30).raise_for_status()
 
 
+def engine_stats(engines) -> dict:
+    """The embedded engines' cumulative scheduler counters, summed over workers."""
+    total: dict = {}
+    for url in engines.worker_urls():
+        info = requests.get(url + "/get_server_info", timeout=30).json()
+        for k, v in info["internal_states"][0].get("scheduler_stats", {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def stats_delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def engine_breakdown(d: dict) -> str:
+    busy = d.get("prefill_s", 0) + d.get("decode_s", 0) + d.get("evict_s", 0)
+    steps = max(1, d.get("decode_steps", 0))
+    return (f"engine: prefill {d.get('prefill_s', 0):.1f}s, decode {d.get('decode_s', 0):.1f}s, "
+            f"evict {d.get('evict_s', 0):.1f}s, idle {d.get('idle_s', 0):.1f}s; {busy:.1f}s busy; "
+            f"decode steps {d.get('decode_steps', 0)} x {d.get('decode_rows', 0) / steps:.1f} rows "
+            f"({1000 * d.get('decode_s', 0) / steps:.2f} ms/step); prefills {d.get('prefills', 0)} "
+            f"({d.get('prefill_rows', 0)} rows, {d.get('prefill_tokens', 0)} tok, {d.get('prefill_positions', 0)} padded)")
+
+
 class CountingBuffer(PartialRolloutBuffer):
     """The real buffer, counting the tokens every resumed (parked, unfinished) sample must re-prefill."""
 
@@ -130,19 +154,21 @@ STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s",
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, seed, n, cap, vocab):
+    def __init__(self, name, args, engines, seed, n, cap, vocab, scale):
         self.name, self.args, self.engines = name, args, engines
-        self.source = ParetoSource(seed, n, cap, vocab)
+        self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
         self.step = 0
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
         self.rounds: list[float] = []
         self.stats = {k: [] for k in STAT_KEYS}
+        self.engine: dict = {}
 
     async def run_for(self, min_seconds: float, min_steps: int) -> float:
         """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its tok/s."""
         tokens, wall, steps = 0.0, 0.0, 0
         prev_end = None
+        e0 = engine_stats(self.engines)
         while wall < min_seconds or steps < min_steps:
             t_bump = time.monotonic()
             bump_version(self.engines, self.step)  # simulated weight update: not rollout time
@@ -179,6 +205,8 @@ class ModeRunner:
                         m["rollout/off_policy_token_ratio"])
             self.step += 1
         self.buffer.check_balanced()
+        for k, v in stats_delta(engine_stats(self.engines), e0).items():
+            self.engine[k] = self.engine.get(k, 0) + v
         self.tokens += tokens
         self.wall += wall
         self.rounds.append(tokens / wall)
@@ -187,7 +215,8 @@ class ModeRunner:
     def result(self) -> dict:
         mean = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.stats.items()}
         return {"tok_s": self.tokens / self.wall, "wall_s": self.wall, "steps": self.step, "rounds": self.rounds,
-                "off_policy": self.off / self.total_tok if self.total_tok else 0.0, "mean": mean}
+                "off_policy": self.off / self.total_tok if self.total_tok else 0.0, "mean": mean,
+                "engine": self.engine}
 
 
 def _median(xs):
@@ -200,17 +229,17 @@ async def main_async(opts, workdir):
     tok = build_tokenizer(VOCAB)
     spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
                          num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
-                         max_position_embeddings=4 * opts.cap + 64)
+                         max_position_embeddings=opts.scale * opts.cap + 64)
     build_tiny_qwen3(os.path.join(workdir, "model"), tok, spec, seed=0)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
     base = ["--hf-checkpoint", os.path.join(workdir, "model"), "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
             "--rm-type", "subtract_chain", "--num-rollout", "1",
             "--rollout-backend", "embedded", "--n-samples-per-prompt", str(opts.n),
-            "--rollout-max-response-len", str(3 * opts.cap), "--rollout-seed", str(opts.seed)]
+            "--rollout-max-response-len", str(opts.scale * opts.cap), "--rollout-seed", str(opts.seed)]
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
     vocab = len(tok)
     wl_rng = random.Random(opts.seed)
-    lens = sorted(3 * sample_steps(wl_rng, cap=opts.cap) for _ in range(20000))
+    lens = sorted(opts.scale * sample_steps(wl_rng, cap=opts.cap) for _ in range(20000))
     print(f"workload: budget tokens median {_median(lens)}, mean {sum(lens) / len(lens):.1f}, "
           f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / _median(lens):.0f}x); "
           f"model hidden {opts.hidden} x {opts.layers} layers", flush=True)
@@ -218,10 +247,10 @@ async def main_async(opts, workdir):
     with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines:
         # (1) throughput curve
         curve = {}
-        await constant_load(probe, engines, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab))  # warm-up
+        await constant_load(probe, engines, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
         for p in range(opts.probe_passes):  # best of a few passes: a busy moment of the box must not pick C*
             for c in opts.concurrencies:
-                v = await constant_load(probe, engines, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab))
+                v = await constant_load(probe, engines, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
                 curve[c] = max(curve.get(c, 0.0), v)
         for c in opts.concurrencies:
             print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
@@ -230,7 +259,7 @@ async def main_async(opts, workdir):
         c_star = max(opts.n, c_star - c_star % opts.n)
         if c_star not in curve:
             curve[c_star] = await constant_load(probe, engines, c_star, opts.probe_seconds,
-                                                ParetoSource(1, 1, opts.cap, vocab))
+                                                ParetoSource(1, 1, opts.cap, vocab, opts.scale))
         b = c_star // opts.n
         print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
               f"{(c_star / curve[c_star]) / (min(curve) / curve[min(curve)]):.2f}x the step time at C={min(curve)}",
@@ -241,20 +270,24 @@ async def main_async(opts, workdir):
                                       *extra]).replace(rollout_ignore_eos=True)
 
         runners = {
-            "sync": ModeRunner("sync", mode_args(), engines, opts.seed, opts.n, opts.cap, vocab),
+            "sync": ModeRunner("sync", mode_args(), engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
             "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size",
                                                   str(opts.april_over_sampling * b)),
-                                engines, opts.seed, opts.n, opts.cap, vocab),
+                                engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
             "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
                                                  "--rollout-pool-size", str(c_star)),
-                               engines, opts.seed, opts.n, opts.cap, vocab),
+                               engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
         }
         limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
-        limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab)
+        limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
+        limit_engine: dict = {}
         for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
             walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
             secs = max(opts.min_seconds, walls["april"])
+            e0 = engine_stats(engines)
             tps = await constant_load(probe, engines, c_star, secs, limit_source, limit_running)
+            for k, v in stats_delta(engine_stats(engines), e0).items():
+                limit_engine[k] = limit_engine.get(k, 0) + v
             limit_tokens += tps * secs
             limit_wall += secs
             limit_rounds.append(tps)
@@ -275,6 +308,9 @@ async def main_async(opts, workdir):
     print(f"limit  {limit:8.1f}  (C* = {c_star} in flight, {limit_wall:.1f}s, engine running reqs "
           f"{sum(limit_running) / len(limit_running):.1f})   total benchmark "
           f"{time.monotonic() - t_start:.0f}s")
+    for k, r in res.items():
+        print(f"{k:6s} {engine_breakdown(r['engine'])}")
+    print(f"limit  {engine_breakdown(limit_engine)}")
     per_round = {f"{k}_over_limit_rounds": [round(x / y, 3) for x, y in zip(v["rounds"], limit_rounds)]
                  for k, v in res.items() if k != "sync"}
     per_round["april_over_sync_rounds"] = [round(x / y, 3) for x, y in zip(res["april"]["rounds"],
@@ -308,6 +344,7 @@ def main(argv=None):
     p.add_argument("--min-steps", type=int, default=3, help="at least this many steps per mode per round")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
     p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget 3q tokens)")
+    p.add_argument("--scale", type=int, default=3, help="tokens per chain step: a sample's budget is scale x q")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 16, 32, 64, 96, 128])
     p.add_argument("--probe-seconds", type=float, default=2.5)
     p.add_argument("--probe-passes", type=int, default=2, help="passes over the concurrencies (best of)")

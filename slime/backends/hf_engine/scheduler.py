@@ -74,6 +74,25 @@ def prefill_chunks(lengths: list[int]) -> list[list[int]]:
     return chunks
 
 
+@dataclass
+class SchedulerStats:
+    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its batches are."""
+
+    prefill_s: float = 0.0  # batched prefills, sampling their first tokens, joining the decode batch
+    decode_s: float = 0.0  # decode forwards + sampling
+    evict_s: float = 0.0  # dropping finished rows from the batch
+    idle_s: float = 0.0  # nothing to run (or paused)
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over decode steps of the batch size
+    prefills: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    prefill_positions: int = 0  # rows x longest row, i.e. with left padding
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
 def abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
 
@@ -101,6 +120,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.num_steps = 0
+        self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
     @staticmethod
@@ -213,8 +233,10 @@ class Scheduler:
                 self._abort_everything("server shutting down")
                 return
             if self.paused or (not self.running and not self.waiting):
+                t0 = time.perf_counter()
                 self._wake.wait(0.05)
                 self._wake.clear()
+                self.stats.idle_s += time.perf_counter() - t0
                 continue
             try:
                 self._admit()
@@ -259,7 +281,9 @@ class Scheduler:
 
     def _prefill_join(self, group: list[Request]) -> None:
         """One batched (left-padded) prefill of `group`, its first tokens sampled, the unfinished rows joined."""
-        logits, cache, valid = self.batch.prefill([r.input_ids + r.output_ids for r in group])
+        t0 = time.perf_counter()
+        seqs = [r.input_ids + r.output_ids for r in group]
+        logits, cache, valid = self.batch.prefill(seqs)
         tokens, lps = sample_batch(logits, [r.params for r in group], [r.generator for r in group], self.default_generator)
         keep, next_pos, pending = [], [], []
         for i, r in enumerate(group):
@@ -273,10 +297,17 @@ class Scheduler:
             cache.batch_select_indices(idx)
             self.batch.join(cache, valid[idx], next_pos, pending)
             self.running.extend(group[i] for i in keep)
+        st = self.stats
+        st.prefill_s += time.perf_counter() - t0
+        st.prefills += 1
+        st.prefill_rows += len(seqs)
+        st.prefill_tokens += sum(len(x) for x in seqs)
+        st.prefill_positions += len(seqs) * max(len(x) for x in seqs)
 
     def _decode(self) -> None:
         if not self.running:
             return
+        t0 = time.perf_counter()
         logits = self.batch.step()
         self.num_steps += 1
         rs = self.running
@@ -287,9 +318,15 @@ class Scheduler:
             if not r.finished:
                 keep.append(i)
         self.batch.set_pending(tokens)
+        t1 = time.perf_counter()
         if len(keep) != len(rs):
             self.running = [rs[i] for i in keep]
             self.batch.keep(keep)
+        st = self.stats
+        st.decode_s += t1 - t0
+        st.evict_s += time.perf_counter() - t1
+        st.decode_steps += 1
+        st.decode_rows += len(rs)
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
         r.output_ids.append(token)

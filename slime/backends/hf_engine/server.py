@@ -317,7 +317,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "disaggregation_mode": "null",
         "version": SERVER_VERSION,
         "backend": "slime.hf_engine",
-        "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused}],
+        "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
+                             "scheduler_stats": engine.scheduler.stats.as_dict()}],
     }
     return web.json_response(info)
 

@@ -5,7 +5,7 @@
         [--max-prefill-tokens N] [--admit-wait-ms 20] [--seed S] [--weight-version 0] [--dtype float32]
 
 Modules: `__main__` (CLI), `server` (aiohttp routes), `engine` (model + scheduler + weight version),
-`scheduler` (continuous batching thread), `batch` (left-padded per-row KV cache), `sampling`,
+`scheduler` (continuous batching thread), `batch` (per-row KV cache in preallocated buffers), `sampling`,
 `protocol` (request validation, response shapes), `weights` (disk / gloo updates), `testing`
 (subprocess helper for tests and benchmarks).
 

@@ -1,11 +1,20 @@
-"""A running decode batch over a transformers causal LM with a per-row KV cache.
+"""A running decode batch over a transformers causal LM, its per-row KV cache in preallocated buffers.
 
-Rows are left-padded into one `DynamicCache`; a boolean key-validity matrix
-`valid[B, L]` and explicit per-row position ids make padding invisible to
-attention (we pass our own 4-D boolean masks, which transformers uses as is).
-Rows join (a batched prefill, then their cache is concatenated in) and leave
-(rows are index-selected out, and all-padding leading columns trimmed) between
-any two decode steps: continuous batching.
+Layout: per layer, K and V buffers `[R, H, W, D]` (R row slots, W columns). The B active rows are
+slots `[0, B)`. Row i holds its cached tokens right-aligned at a global write column `hi`, in columns
+`[hi - len_i, hi)`; the boolean `valid[R, W]` marks them, so the padding on their left is invisible to
+attention (we pass our own 4-D boolean masks and explicit position ids, which transformers uses as is).
+`lo` is the first column valid in any active row. A decode step writes every row's pending token at
+column `hi` and attends over the views `[:B, :, lo:hi + 1]` (no copy), then `hi += 1`.
+
+Continuous batching, between any two decode steps, copies only the rows that join or leave:
+- join: new rows are prefilled together (a separate left-padded cache), then each row's block is
+  copied into slots `B..` at columns `[hi - len, hi)`. A join longer than `hi` first shifts the batch
+  right (one copy of the live window, leaving generous left room so this stays rare).
+- remove: swap-remove (the last surviving rows move into the holes); the caller reorders its rows by
+  the returned order.
+- when `hi` reaches W, the live window `[lo, hi)` moves back left (one copy); R and W grow (by at
+  least 1.5x, one copy) when short. An empty batch keeps its buffers for the next rows.
 
 Invariant: every row has a `pending` token, sampled but not yet in the cache.
 """
@@ -13,66 +22,68 @@ Invariant: every row has a `pending` token, sampled but not yet in the cache.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-_HEADROOM = 64  # extra positions allocated when a layer's buffer grows
+_ROOM = 64  # least spare columns kept left of `hi` (for longer joins) and right of it (for decode steps)
 
 
-class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer that writes into a preallocated buffer instead of concatenating every step."""
+class _PrefillLayer(DynamicLayer):
+    """Keeps a prefill's keys/values as computed (a prefill cache is written once; no copy)."""
 
     _layer_type = None  # never register in transformers' layer-type mapping
 
-    def __init__(self):
-        super().__init__()
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-        self._len = 0
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.is_initialized = True
-        need = self._len + key_states.shape[-2]
-        if self._k is None or need > self._k.shape[-2]:
-            b, h, _, d = key_states.shape
-            cap = need + max(_HEADROOM, need // 2)
-            k, v = key_states.new_empty(b, h, cap, d), value_states.new_empty(b, h, cap, d)
-            if self._len:
-                k[:, :, : self._len] = self._k[:, :, : self._len]
-                v[:, :, : self._len] = self._v[:, :, : self._len]
-            self._k, self._v = k, v
-        self._k[:, :, self._len: need] = key_states
-        self._v[:, :, self._len: need] = value_states
-        self._len = need
-        self.keys, self.values = self._k[:, :, :need], self._v[:, :, :need]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._len:
-            self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[:, :, : self._len], self._v[:, :, : self._len]
+        if self.is_initialized:
+            raise RuntimeError("a prefill cache is written once")
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the engine never crops its KV cache")
 
 
-def _new_cache(config) -> DynamicCache:
+class _BatchLayer(DynamicLayer):
+    """Layer `idx` of a DecodeBatch's buffers: a decode step's K/V go to column `hi` of rows [0, B)."""
+
+    _layer_type = None
+
+    def __init__(self, batch: "DecodeBatch", idx: int):
+        super().__init__()
+        self.batch, self.idx = batch, idx
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        b = self.batch
+        n, lo, hi = b.size, b.lo, b.hi
+        if key_states.shape[0] != n or key_states.shape[-2] != 1:
+            raise RuntimeError(f"a decode step feeds one token per row, got {tuple(key_states.shape)} for {n} rows")
+        k, v = b.k[self.idx], b.v[self.idx]
+        k[:n, :, hi: hi + 1] = key_states
+        v[:n, :, hi: hi + 1] = value_states
+        self.keys, self.values = k[:n, :, lo: hi + 1], v[:n, :, lo: hi + 1]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.batch.hi - self.batch.lo
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the engine never crops its KV cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("rows leave through DecodeBatch.remove")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("rows leave through DecodeBatch.remove")
+
+
+def _cache_with(config, layers: list[DynamicLayer]) -> DynamicCache:
     cache = DynamicCache(config=config)
-    cache.layers = [_GrowingLayer() for _ in range(len(cache.layers) or config.num_hidden_layers)]
-    return cache
-
-
-def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _cache_from(tensors: list[tuple[torch.Tensor, torch.Tensor]], config) -> DynamicCache:
-    cache = _new_cache(config)
-    for i, (k, v) in enumerate(tensors):
-        cache.update(k, v, i)
+    cache.layers = layers
     return cache
 
 
@@ -80,8 +91,12 @@ class DecodeBatch:
     def __init__(self, model):
         self.model = model
         self.config = model.config
-        self.cache: DynamicCache | None = None
-        self.valid: torch.Tensor | None = None  # [B, L] bool
+        self.num_layers = len(DynamicCache(config=self.config).layers) or self.config.num_hidden_layers
+        self.k: list[torch.Tensor] = []  # per layer [R, H, W, D]; allocated by the first join
+        self.v: list[torch.Tensor] = []
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, W]
+        self.lo = self.hi = 0
+        self.cache: DynamicCache | None = None  # the _BatchLayers over the buffers
         self.next_pos = torch.zeros(0, dtype=torch.long)  # position of the pending token
         self.pending = torch.zeros(0, dtype=torch.long)
 
@@ -91,11 +106,12 @@ class DecodeBatch:
 
     @property
     def width(self) -> int:
-        return 0 if self.valid is None else int(self.valid.shape[1])
+        """Columns of the live window: the longest active row's cached tokens."""
+        return self.hi - self.lo if self.size else 0
 
     def clear(self) -> None:
-        self.cache = None
-        self.valid = None
+        """Drop every row; the buffers are kept for the next rows."""
+        self.lo = self.hi
         self.next_pos = torch.zeros(0, dtype=torch.long)
         self.pending = torch.zeros(0, dtype=torch.long)
 
@@ -114,7 +130,7 @@ class DecodeBatch:
         eye = torch.eye(width, dtype=torch.bool)
         # padding queries attend to themselves only, so no row is fully masked (no NaNs)
         mask = (causal.unsqueeze(0) & valid.unsqueeze(1)) | eye.unsqueeze(0)
-        cache = _new_cache(self.config)
+        cache = _cache_with(self.config, [_PrefillLayer() for _ in range(self.num_layers)])
         out = self.model(
             input_ids=ids,
             attention_mask=mask.unsqueeze(1),
@@ -123,62 +139,102 @@ class DecodeBatch:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :], out.past_key_values, valid
+        return out.logits[:, -1, :], cache, valid
 
-    def join(self, cache: DynamicCache, valid: torch.Tensor, next_pos: list[int], pending: list[int]) -> None:
-        """Append prefilled rows (their cache holds everything but the pending token)."""
-        new_next = torch.tensor(next_pos, dtype=torch.long)
-        new_pending = torch.tensor(pending, dtype=torch.long)
-        if self.cache is None or self.size == 0:
-            self.cache, self.valid = cache, valid
-            self.next_pos, self.pending = new_next, new_pending
+    def _reserve(self, rows: int, need: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Ensure `rows` row slots, `hi >= need` (room for a joining row of `need` tokens) and `hi < W`
+        (a column for the next decode step); else re-lay the live window out, growing R or W if short."""
+        b, (r, w) = self.size, self.valid.shape
+        if b and rows <= r and need <= self.hi < w:
             return
-        width = max(self.width, valid.shape[1])
+        span = self.hi - self.lo if b else 0
+        x = max(span, need)
+        left, right = max(_ROOM, x // 4), max(_ROOM, x // 2)
+        hi = x + left
+        r2 = r if rows <= r else max(rows, r * 3 // 2, 8)
+        w2 = w if w >= hi + right else max(w * 3 // 2, hi + 2 * right)
+        if not b and (r2, w2) == (r, w):  # empty batch: just move the write column, stale slots are cleared on join
+            self.lo = self.hi = hi
+            return
+        # zeros, not empty: masked columns still go through attention's matmuls, and 0 x NaN garbage is NaN
+        shapes = [(k.shape[1], k.shape[3], k.dtype, k.device) for k, _ in (like or zip(self.k, self.v))]
+        ks = [torch.zeros(r2, h, w2, d, dtype=dt, device=dev) for h, d, dt, dev in shapes]
+        vs = [torch.zeros(r2, h, w2, d, dtype=dt, device=dev) for h, d, dt, dev in shapes]
+        valid = torch.zeros(r2, w2, dtype=torch.bool, device=self.valid.device)
+        if b:
+            for new, old in zip(ks + vs, self.k + self.v):
+                new[:b, :, hi - span: hi] = old[:b, :, self.lo: self.hi]
+            valid[:b, hi - span: hi] = self.valid[:b, self.lo: self.hi]
+        self.k, self.v, self.valid = ks, vs, valid
+        self.lo, self.hi = hi - span, hi
+        if self.cache is None:
+            self.cache = _cache_with(self.config, [_BatchLayer(self, i) for i in range(len(ks))])
 
-        def lpad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-            extra = width - t.shape[-dim_from_end]
-            if extra == 0:
-                return t
-            pad = [0, 0] * (dim_from_end - 1) + [extra, 0]
-            return F.pad(t, pad)
-
-        merged = []
-        for (k0, v0), (k1, v1) in zip(_cache_tensors(self.cache), _cache_tensors(cache)):
-            merged.append((torch.cat([lpad(k0, 2), lpad(k1, 2)]), torch.cat([lpad(v0, 2), lpad(v1, 2)])))
-        self.cache = _cache_from(merged, self.config)
-        self.valid = torch.cat([lpad(self.valid, 1), lpad(valid, 1)])
-        self.next_pos = torch.cat([self.next_pos, new_next])
-        self.pending = torch.cat([self.pending, new_pending])
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order); trim leading columns that are padding in every kept row."""
+    @torch.inference_mode()
+    def join(self, cache: DynamicCache, valid: torch.Tensor, rows: list[int], next_pos: list[int], pending: list[int]) -> None:
+        """Add rows `rows` of a prefill (`cache`, `valid` from `prefill`; they hold everything but the
+        pending token) as the batch's last rows. Copies only those rows."""
         if not rows:
-            self.clear()
             return
-        if len(rows) == self.size and rows == list(range(self.size)):
-            return
+        b, n, width = self.size, len(rows), valid.shape[1]
         idx = torch.tensor(rows, dtype=torch.long)
-        valid = self.valid[idx]
-        first = int(valid.any(dim=0).to(torch.int8).argmax())
-        tensors = [(k[idx, :, first:], v[idx, :, first:]) for k, v in _cache_tensors(self.cache)]
-        self.cache = _cache_from(tensors, self.config)
-        self.valid = valid[:, first:]
-        self.next_pos = self.next_pos[idx]
-        self.pending = self.pending[idx]
+        new_valid = valid[idx]
+        need = int(new_valid.sum(1).max())
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        self._reserve(b + n, need, like=layers)
+        hi, slots = self.hi, slice(b, b + n)
+        self.lo = min(self.lo, hi - need) if b else hi - need
+        self.valid[slots] = False  # the slots may hold rows that left
+        self.valid[slots, hi - need: hi] = new_valid[:, width - need:]
+        every = rows == list(range(valid.shape[0]))
+        for i, (k, v) in enumerate(layers):
+            k, v = k[:, :, width - need:], v[:, :, width - need:]
+            if not every:
+                k, v = k[idx], v[idx]
+            self.k[i][slots, :, hi - need: hi] = k
+            self.v[i][slots, :, hi - need: hi] = v
+        self.next_pos = torch.cat([self.next_pos, torch.tensor(next_pos, dtype=torch.long)])
+        self.pending = torch.cat([self.pending, torch.tensor(pending, dtype=torch.long)])
+
+    @torch.inference_mode()
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop the rows `rows`: the last surviving rows move into their slots (only they are copied).
+        Returns the new order: for each remaining row, its index before the removal."""
+        b, gone = self.size, set(rows)
+        n = b - len(gone)
+        if n == 0:
+            self.clear()
+            return []
+        order = list(range(n))
+        holes = [i for i in sorted(gone) if i < n]
+        movers = [i for i in range(n, b) if i not in gone]
+        lo, hi = self.lo, self.hi
+        for h, m in zip(holes, movers):
+            order[h] = m
+            for buf in self.k + self.v:  # one slice copy per row (an indexed copy goes through a temporary)
+                buf[h, :, lo:hi].copy_(buf[m, :, lo:hi])
+            self.valid[h] = self.valid[m]
+        idx = torch.tensor(order)
+        self.next_pos, self.pending = self.next_pos[idx], self.pending[idx]
+        # the leading columns may now be padding in every row: narrow the window attention runs over
+        # (a uint8 max over rows is ~10x faster than a bool any over rows on CPU)
+        self.lo += int(self.valid[:n, lo:hi].view(torch.uint8).amax(0).argmax())
+        return order
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
         """Feed every row's pending token; return next-token logits [B, V]."""
-        valid = torch.cat([self.valid, torch.ones(self.size, 1, dtype=torch.bool)], dim=1)
+        b = self.size
+        self._reserve(b, 0)
+        self.valid[:b, self.hi] = True
         out = self.model(
             input_ids=self.pending.unsqueeze(1),
-            attention_mask=valid[:, None, None, :],
+            attention_mask=self.valid[:b, self.lo: self.hi + 1][:, None, None, :],
             position_ids=self.next_pos.unsqueeze(1),
             past_key_values=self.cache,
             use_cache=True,
         )
-        self.cache = out.past_key_values
-        self.valid = valid
+        self.hi += 1
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
 

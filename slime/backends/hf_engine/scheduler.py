@@ -80,7 +80,7 @@ class SchedulerStats:
 
     prefill_s: float = 0.0  # batched prefills, sampling their first tokens, joining the decode batch
     decode_s: float = 0.0  # decode forwards + sampling
-    evict_s: float = 0.0  # dropping finished rows from the batch
+    evict_s: float = 0.0  # removing finished or aborted rows from the batch
     idle_s: float = 0.0  # nothing to run (or paused)
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode steps of the batch size
@@ -106,7 +106,7 @@ class Scheduler:
         self.max_total_tokens = max_total_tokens
         self.max_prefill_tokens = max_prefill_tokens
         # While a batch is decoding, a few late arrivals wait up to admit_wait_s so they are prefilled and
-        # joined together (each join costs a forward and a copy of the batch's KV cache).
+        # joined together (each join costs a prefill forward).
         self.admit_wait_s = admit_wait_s
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = DecodeBatch(model)
@@ -175,17 +175,14 @@ class Scheduler:
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
         """Finish the request `rid` (or every request when rid is None) with an abort reason."""
-        n = 0
-        keep = []
-        for i, r in enumerate(self.running):
-            if rid is None or r.rid == rid:
-                self._finish(r, abort_reason(message))
-                n += 1
-            else:
-                keep.append(i)
-        if n:
-            self.running = [self.running[i] for i in keep]
-            self.batch.keep(keep)
+        gone = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
+        for i in gone:
+            self._finish(self.running[i], abort_reason(message))
+        if gone:
+            t0 = time.perf_counter()
+            self.running = [self.running[i] for i in self.batch.remove(gone)]
+            self.stats.evict_s += time.perf_counter() - t0
+        n = len(gone)
         still = collections.deque()
         for r in self.waiting:
             if rid is None or r.rid == rid:
@@ -293,9 +290,7 @@ class Scheduler:
                 next_pos.append(r.num_tokens - 1)
                 pending.append(tokens[i])
         if keep:
-            idx = torch.tensor(keep)
-            cache.batch_select_indices(idx)
-            self.batch.join(cache, valid[idx], next_pos, pending)
+            self.batch.join(cache, valid, keep, next_pos, pending)
             self.running.extend(group[i] for i in keep)
         st = self.stats
         st.prefill_s += time.perf_counter() - t0
@@ -312,16 +307,15 @@ class Scheduler:
         self.num_steps += 1
         rs = self.running
         tokens, lps = sample_batch(logits, [r.params for r in rs], [r.generator for r in rs], self.default_generator)
-        keep = []
+        done = []
         for i, r in enumerate(rs):
             self._append(r, tokens[i], lps[i])
-            if not r.finished:
-                keep.append(i)
+            if r.finished:
+                done.append(i)
         self.batch.set_pending(tokens)
         t1 = time.perf_counter()
-        if len(keep) != len(rs):
-            self.running = [rs[i] for i in keep]
-            self.batch.keep(keep)
+        if done:
+            self.running = [rs[i] for i in self.batch.remove(done)]
         st = self.stats
         st.decode_s += t1 - t0
         st.evict_s += time.perf_counter() - t1

@@ -255,18 +255,27 @@ class _RolloutStep:
     # ---- pool mode (CoPRIS) ------------------------------------------------------------
     async def _run_pool(self, pool_size: int) -> None:
         queue: deque[tuple[_Group, Sample]] = deque()
+        # the first fetch fills the whole pool in one buffer/data-source round trip (each is a Ray call);
+        # later top-ups take one group at a time
+        first_fetch = [max(1, -(-pool_size // self.n))]
+
+        refill = asyncio.Lock()
 
         async def next_sample():
             while not queue:
                 if self.stop.is_set() or self.exhausted:
                     return None
-                for g in await self._next_groups(1):
-                    st = self.groups[group_id(g)]
-                    todo = [s for s in g if not s.status.is_finished]
-                    st.outstanding = len(todo)
-                    if not todo:
-                        self._group_generated(st)
-                    queue.extend((st, s) for s in todo)
+                async with refill:  # one worker refills; the others then find the queue full (no over-fetching)
+                    if queue:
+                        break
+                    num, first_fetch[0] = first_fetch[0], 1
+                    for g in await self._next_groups(num):
+                        st = self.groups[group_id(g)]
+                        todo = [s for s in g if not s.status.is_finished]
+                        st.outstanding = len(todo)
+                        if not todo:
+                            self._group_generated(st)
+                        queue.extend((st, s) for s in todo)
             return queue.popleft()
 
         async def worker():
@@ -348,7 +357,7 @@ class _RolloutStep:
         deadline = self.clock.now() + self.abort_timeout
         while True:
             try:
-                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout)
+                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session)
                 res = await res if asyncio.iscoroutine(res) else res
                 self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:

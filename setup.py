@@ -19,6 +19,7 @@ setup(
         "wandb>=0.20,<1",
         "tqdm>=4.66",
         "aiohttp>=3.10,<4",
+        "orjson>=3.8",  # /generate replies carry a float per token: 5-10x faster than json (SGLang uses it too)
         "requests>=2.31",
         "math-verify>=0.8,<1",
         "sglang-router==0.3.2",

@@ -177,3 +177,23 @@ def test_rows_and_columns_grow(model):
         m.step()
     assert m.capacity[1] > w
     m.step()
+
+
+def test_equal_length_prefill_takes_the_unmasked_path_and_matches(model):
+    """Rows of one length are prefilled without a mask (transformers' causal path); logits and the joined
+    cache must match the per-row reference exactly as the masked (padded) path does."""
+    m = Mirror(model, seed=7)
+    masks = []
+    def record(mod, args, kw):  # the engine's forwards only (the reference passes no cache)
+        if kw.get("past_key_values") is not None:
+            masks.append(kw.get("attention_mask"))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        m.join([40, 40, 40])  # equal: unmasked
+        m.join([9, 30])  # unequal: masked
+    finally:
+        hook.remove()
+    assert masks[0] is None and masks[1] is not None
+    for _ in range(3):
+        m.step()

@@ -126,14 +126,17 @@ class DecodeBatch:
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             valid[i, width - len(s):] = True
             pos[i, width - len(s):] = torch.arange(len(s))
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        eye = torch.eye(width, dtype=torch.bool)
-        # padding queries attend to themselves only, so no row is fully masked (no NaNs)
-        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)) | eye.unsqueeze(0)
+        if all(len(s) == width for s in seqs):
+            mask = None  # no padding: transformers' own causal attention (SDPA's is_causal path, no mask tensor)
+        else:
+            causal = torch.ones(width, width, dtype=torch.bool).tril()
+            eye = torch.eye(width, dtype=torch.bool)
+            # padding queries attend to themselves only, so no row is fully masked (no NaNs)
+            mask = ((causal.unsqueeze(0) & valid.unsqueeze(1)) | eye.unsqueeze(0)).unsqueeze(1)
         cache = _cache_with(self.config, [_PrefillLayer() for _ in range(self.num_layers)])
         out = self.model(
             input_ids=ids,
-            attention_mask=mask.unsqueeze(1),
+            attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 
+import orjson
 from aiohttp import web
 
 from slime.backends.hf_engine.engine import Engine
@@ -19,12 +19,18 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 SERVER_VERSION = "0.5.23"
 
 
+def _json(obj, status: int = 200) -> web.Response:
+    """A JSON reply serialised with orjson: a /generate reply carries a log-prob per token, and the stdlib
+    encoder (~2 us a float) made draining 100 aborted requests cost ~75 ms of engine time."""
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return _json({"error": {"message": message, "code": status}}, status=status)
 
 
 def _result(success: bool, message: str) -> web.Response:
-    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+    return _json({"success": success, "message": message}, status=200 if success else 400)
 
 
 async def _json_body(request: web.Request, required: bool = True) -> dict:
@@ -34,7 +40,7 @@ async def _json_body(request: web.Request, required: bool = True) -> dict:
             raise BadRequest("body: expected a JSON object")
         return {}
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
     except ValueError as e:
         raise BadRequest(f"body: malformed JSON ({e})") from None
     if not isinstance(body, dict):
@@ -116,10 +122,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     inputs, is_batch = parse_generate(body, engine.tokenizer, engine.vocab_size, engine.max_positions)
     if is_batch:
-        return web.json_response(list(await asyncio.gather(*(_run_to_end(engine, i) for i in inputs))))
+        return _json(list(await asyncio.gather(*(_run_to_end(engine, i) for i in inputs))))
     inp = inputs[0]
     if not inp.stream:
-        return web.json_response(await _run_to_end(engine, inp))
+        return _json(await _run_to_end(engine, inp))
     run = _Run(engine, inp, stream=True)
     await run.start()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -127,7 +133,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await resp.prepare(request)
         while True:
             snap, finished = await run.next()
-            await resp.write(f"data: {json.dumps(run.response(snap, finished))}\n\n".encode())
+            await resp.write(b"data: " + orjson.dumps(run.response(snap, finished)) + b"\n\n")
             if finished:
                 break
         await resp.write(b"data: [DONE]\n\n")
@@ -295,7 +301,7 @@ def _model_info(engine: Engine) -> dict:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    return web.json_response(_model_info(request.app[ENGINE_KEY]))
+    return _json(_model_info(request.app[ENGINE_KEY]))
 
 
 async def get_server_info(request: web.Request) -> web.Response:
@@ -320,14 +326,14 @@ async def get_server_info(request: web.Request) -> web.Response:
         "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
                              "scheduler_stats": engine.scheduler.stats.as_dict()}],
     }
-    return web.json_response(info)
+    return _json(info)
 
 
 async def get_load(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     sched = engine.scheduler
     used = sched.token_usage()
-    return web.json_response([{
+    return _json([{
         "dp_rank": 0,
         "num_reqs": sched.num_running,
         "num_waiting_reqs": sched.num_waiting,
@@ -340,7 +346,7 @@ async def get_load(request: web.Request) -> web.Response:
 
 async def v1_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"object": "list", "data": [{
+    return _json({"object": "list", "data": [{
         "id": engine.model_path, "object": "model", "created": int(request.app["started"]), "owned_by": "sglang",
         "root": engine.model_path, "max_model_len": engine.max_positions,
     }]})

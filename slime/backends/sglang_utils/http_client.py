@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import aiohttp
+import orjson
 import requests
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,16 @@ def _client_timeout(timeout: float | None) -> aiohttp.ClientTimeout:
 
 
 async def _request(session: aiohttp.ClientSession, method: str, url: str, json: Any, timeout: float | None):
-    async with session.request(method, url, json=json, timeout=_client_timeout(timeout)) as resp:
-        text = await resp.text()
-        return _decode(method, url, resp.status, text)
+    # orjson both ways: /generate bodies carry a token id (and back, a log-prob) per token
+    kw = {} if json is None else {"data": orjson.dumps(json), "headers": {"Content-Type": "application/json"}}
+    async with session.request(method, url, timeout=_client_timeout(timeout), **kw) as resp:
+        body = await resp.read()
+        if 200 <= resp.status < 300 and body.strip():
+            try:
+                return orjson.loads(body)
+            except orjson.JSONDecodeError:
+                pass  # _decode names the URL and shows the body
+        return _decode(method, url, resp.status, body.decode("utf-8", errors="replace"))
 
 
 async def generate(session: aiohttp.ClientSession, url: str, payload: dict, timeout: float | None = None) -> dict:

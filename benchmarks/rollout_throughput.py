@@ -3,9 +3,14 @@
 1. Measures the embedded engine's decode throughput at several concurrencies
    (C requests always in flight) and picks C*, the smallest C within 5% of the
    best (prints the curve and ms per decode step).
-2. Long-tailed workload: ignore_eos, each sample's budget 3q tokens with q from
-   the truncated Pareto of the subtract_chain task (alpha 1, cap --cap), so
-   max >= 20x median (printed).
+2. Long-tailed workload: ignore_eos, each sample's budget `--scale` x q tokens
+   with q from the truncated Pareto of the subtract_chain task (alpha 1, cap
+   --cap), so max >= 20x median (printed; 43x by default). The scale sets how
+   long a step is next to its fixed costs (abort, drain, restart: ~50-100 ms
+   of HTTP on this box) and how long parked contexts grow: every parked sample
+   is re-prefilled when it resumes, and on this CPU a prefilled token costs
+   ~1/4 of a decoded one (on a GPU ~1/100), so the per-round ratios fall as
+   the buffer fills with long-tail samples (round 0 starts empty).
 3. Modes, each with its own data source (same seed), buffer and policy version:
    sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
    at most C* in flight), pool (C* in flight), and the limit (C* requests in
@@ -19,7 +24,7 @@
    between steps, requests, resumed samples, tokens they re-prefill); the last
    line is one JSON.
 
-    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128]
+    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 6]
 """
 
 from __future__ import annotations
@@ -73,30 +78,30 @@ class ParetoSource:
         return out
 
 
-async def constant_load(args, engines, concurrency: int, seconds: float, source, running: list | None = None) -> float:
+async def constant_load(args, engines, session, concurrency: int, seconds: float, source,
+                        running: list | None = None) -> float:
     """Tokens/s with `concurrency` requests in flight the whole time (fresh samples as each finishes)."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session:
-        req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
-        deadline = time.monotonic() + seconds
-        stop = asyncio.Event()
+    req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
+    deadline = time.monotonic() + seconds
+    stop = asyncio.Event()
 
-        async def worker():
-            while time.monotonic() < deadline:
-                await req.generate(source.get_groups(1)[0][0], stop)
+    async def worker():
+        while time.monotonic() < deadline:
+            await req.generate(source.get_groups(1)[0][0], stop)
 
-        occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
-        t0 = time.monotonic()
-        occupancy.start()
-        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-        await asyncio.sleep(seconds)
-        stop.set()
-        await engines.abort_all_until_idle(timeout=60)
-        await asyncio.gather(*tasks)
-        tps = req.new_tokens / (time.monotonic() - t0)
-        occ = await occupancy.stop()
-        if running is not None:
-            running.append(occ.get("rollout/engine_running_reqs_mean", float("nan")))
-        return tps
+    occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
+    t0 = time.monotonic()
+    occupancy.start()
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    await asyncio.sleep(seconds)
+    stop.set()
+    await engines.abort_all_until_idle(timeout=60, session=session)
+    await asyncio.gather(*tasks)
+    tps = req.new_tokens / (time.monotonic() - t0)
+    occ = await occupancy.stop()
+    if running is not None:
+        running.append(occ.get("rollout/engine_running_reqs_mean", float("nan")))
+    return tps
 
 
 def bump_version(engines, version: int) -> None:
@@ -154,8 +159,8 @@ STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s",
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, seed, n, cap, vocab, scale):
-        self.name, self.args, self.engines = name, args, engines
+    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale):
+        self.name, self.args, self.engines, self.http = name, args, engines, http
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
         self.step = 0
@@ -174,8 +179,8 @@ class ModeRunner:
             bump_version(self.engines, self.step)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
             t0 = time.monotonic()
-            out = await generate_rollout_async(self.args, self.step, RolloutContext(self.source, self.buffer,
-                                                                                    self.engines, None, self.step))
+            out = await generate_rollout_async(self.args, self.step, RolloutContext(
+                self.source, self.buffer, self.engines, None, self.step, http_session=self.http))
             dt = time.monotonic() - t0
             m = out.metrics
             self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
@@ -244,55 +249,57 @@ async def main_async(opts, workdir):
           f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / _median(lens):.0f}x); "
           f"model hidden {opts.hidden} x {opts.layers} layers", flush=True)
     t_start = time.monotonic()
+    # one HTTP session for every mode and the limit: connections to the router stay open across steps
     with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines:
-        # (1) throughput curve
-        curve = {}
-        await constant_load(probe, engines, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
-        for p in range(opts.probe_passes):  # best of a few passes: a busy moment of the box must not pick C*
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(opts.concurrencies) + 64)) as http:
+            # (1) throughput curve
+            curve = {}
+            await constant_load(probe, engines, http, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
+            for p in range(opts.probe_passes):  # best of a few passes: a busy moment of the box must not pick C*
+                for c in opts.concurrencies:
+                    v = await constant_load(probe, engines, http, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
+                    curve[c] = max(curve.get(c, 0.0), v)
             for c in opts.concurrencies:
-                v = await constant_load(probe, engines, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
-                curve[c] = max(curve.get(c, 0.0), v)
-        for c in opts.concurrencies:
-            print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
-        best = max(curve.values())
-        c_star = opts.c_star or min(c for c, v in curve.items() if v >= 0.95 * best)  # smallest C within 5% of best
-        c_star = max(opts.n, c_star - c_star % opts.n)
-        if c_star not in curve:
-            curve[c_star] = await constant_load(probe, engines, c_star, opts.probe_seconds,
-                                                ParetoSource(1, 1, opts.cap, vocab, opts.scale))
-        b = c_star // opts.n
-        print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
-              f"{(c_star / curve[c_star]) / (min(curve) / curve[min(curve)]):.2f}x the step time at C={min(curve)}",
-              flush=True)
+                print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
+            best = max(curve.values())
+            c_star = opts.c_star or min(c for c, v in curve.items() if v >= 0.95 * best)  # smallest C within 5% of best
+            c_star = max(opts.n, c_star - c_star % opts.n)
+            if c_star not in curve:
+                curve[c_star] = await constant_load(probe, engines, http, c_star, opts.probe_seconds,
+                                                    ParetoSource(1, 1, opts.cap, vocab, opts.scale))
+            b = c_star // opts.n
+            print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
+                  f"{(c_star / curve[c_star]) / (min(curve) / curve[min(curve)]):.2f}x the step time at C={min(curve)}",
+                  flush=True)
 
-        def mode_args(*extra):
-            return parse_args(base + ["--rollout-batch-size", str(b), "--sglang-server-concurrency", str(c_star),
-                                      *extra]).replace(rollout_ignore_eos=True)
+            def mode_args(*extra):
+                return parse_args(base + ["--rollout-batch-size", str(b), "--sglang-server-concurrency", str(c_star),
+                                          *extra]).replace(rollout_ignore_eos=True)
 
-        runners = {
-            "sync": ModeRunner("sync", mode_args(), engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
-            "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size",
-                                                  str(opts.april_over_sampling * b)),
-                                engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
-            "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
-                                                 "--rollout-pool-size", str(c_star)),
-                               engines, opts.seed, opts.n, opts.cap, vocab, opts.scale),
-        }
-        limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
-        limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
-        limit_engine: dict = {}
-        for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
-            walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
-            secs = max(opts.min_seconds, walls["april"])
-            e0 = engine_stats(engines)
-            tps = await constant_load(probe, engines, c_star, secs, limit_source, limit_running)
-            for k, v in stats_delta(engine_stats(engines), e0).items():
-                limit_engine[k] = limit_engine.get(k, 0) + v
-            limit_tokens += tps * secs
-            limit_wall += secs
-            limit_rounds.append(tps)
-            print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items())
-                  + f"  limit {tps:.0f} tok/s", flush=True)
+            runners = {
+                "sync": ModeRunner("sync", mode_args(), engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+                "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size",
+                                                      str(opts.april_over_sampling * b)),
+                                    engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+                "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
+                                                     "--rollout-pool-size", str(c_star)),
+                                   engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+            }
+            limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
+            limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
+            limit_engine: dict = {}
+            for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
+                walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
+                secs = max(opts.min_seconds, walls["april"])
+                e0 = engine_stats(engines)
+                tps = await constant_load(probe, engines, http, c_star, secs, limit_source, limit_running)
+                for k, v in stats_delta(engine_stats(engines), e0).items():
+                    limit_engine[k] = limit_engine.get(k, 0) + v
+                limit_tokens += tps * secs
+                limit_wall += secs
+                limit_rounds.append(tps)
+                print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items())
+                      + f"  limit {tps:.0f} tok/s", flush=True)
     limit = limit_tokens / limit_wall
     res = {k: v.result() for k, v in runners.items()}
     print(f"\n{'mode':6s} {'tok/s':>8s} {'/sync':>6s} {'/limit':>6s} {'off-pol':>7s} {'steps':>5s} {'wall':>6s}  "
@@ -344,7 +351,8 @@ def main(argv=None):
     p.add_argument("--min-steps", type=int, default=3, help="at least this many steps per mode per round")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
     p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget 3q tokens)")
-    p.add_argument("--scale", type=int, default=3, help="tokens per chain step: a sample's budget is scale x q")
+    p.add_argument("--scale", type=int, default=6,
+                   help="tokens per chain step: a sample's budget is scale x q (6: median 18, max 768)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 16, 32, 64, 96, 128])
     p.add_argument("--probe-seconds", type=float, default=2.5)
     p.add_argument("--probe-passes", type=int, default=2, help="passes over the concurrencies (best of)")

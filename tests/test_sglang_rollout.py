@@ -286,3 +286,40 @@ def test_custom_generate_function_must_return_the_sample(env):
     args = make_args(env["root"], "--custom-generate-function-path", "tests.plugins_for_tests.returns_nothing_generate")
     with pytest.raises(Exception, match="--custom-generate-function-path .*returns_nothing_generate: must return the Sample"):
         run_steps(env, args, 1)
+
+
+def test_a_shared_http_session_is_reused_across_steps_and_left_open(env):
+    """RolloutContext.http_session: every step sends through the caller's session (keep-alive connections to
+    the router are reused), and the step never closes it; pool mode exercises the abort path through it too."""
+    import aiohttp
+
+    args = make_args(env["root"], "--partial-rollout", "--rollout-mode", "pool", "--rollout-pool-size", "6")
+    source, buffer = RecordingSource(args, env["tok"]), PartialRolloutBuffer(args)
+
+    async def main():
+        requests_sent = []
+        trace = aiohttp.TraceConfig()
+
+        async def on_start(session, ctx, params):
+            requests_sent.append((params.method, str(params.url)))
+
+        trace.on_request_start.append(on_start)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), trace_configs=[trace]) as session:
+            from slime.rollout.sglang_rollout import generate_rollout_async
+
+            outs = []
+            for step in range(3):
+                set_version(env, step)
+                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step, http_session=session)
+                outs.append(await generate_rollout_async(args, step, ctx))
+                buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
+                assert not session.closed
+            return outs, requests_sent
+
+    outs, sent = asyncio.run(main())
+    assert all(len(o.groups) == 3 for o in outs)
+    generates = [u for m, u in sent if u.endswith("/generate")]
+    aborts = [u for m, u in sent if u.endswith("/abort_request")]
+    assert len(generates) >= sum(o.metrics["rollout/requests"] for o in outs)  # every request went through it
+    assert len(aborts) >= 3  # each step's abort fan-out used it as well
+    buffer.check_balanced()

@@ -19,6 +19,9 @@ class RolloutContext:
     policy_version: int = 0
     # evaluation=True: the groups to generate (one eval set), instead of data_source/buffer
     eval_groups: list[list[Sample]] | None = None
+    # an aiohttp.ClientSession on the caller's running event loop, reused across steps so connections
+    # stay open (its connector must allow the in-flight cap); None: the step opens and closes its own
+    http_session: Any = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -120,8 +121,9 @@ class _RolloutStep:
         concurrency = int(getattr(self.args, "sglang_server_concurrency", 512)) * max(1, len(urls))
         pool_size = int(getattr(self.args, "rollout_pool_size", None) or concurrency)
         limit = pool_size if self.mode == "pool" else concurrency
-        connector = aiohttp.TCPConnector(limit=limit + 32)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        shared = getattr(self.ctx, "http_session", None)
+        async with contextlib.nullcontext(shared) if shared is not None else aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=limit + 32)) as session:
             self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
                                              sampling_params_from_args(self.args), self.rollout_id, self.version)
             occupancy = OccupancySampler(session, urls)

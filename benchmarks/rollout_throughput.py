@@ -13,18 +13,24 @@
    the buffer fills with long-tail samples (round 0 starts empty).
 3. Modes, each with its own data source (same seed), buffer and policy version:
    sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
-   at most C* in flight), pool (C* in flight), and the limit (C* requests in
-   flight the whole time). They run interleaved in --rounds rounds
-   (sync, april, pool, limit, ...), each mode for >= --min-seconds of rollout
-   time per round, so drift of the box hits all alike. The engines'
-   weight_version is bumped before every step to simulate training.
+   at most C* in flight), pool (C* in flight), april_kv and pool_kv (the same
+   with --reuse-stale-kv: a parked sample resumes on the KV it had instead of
+   being re-prefilled), and the limit (C* requests in flight the whole time:
+   one steady state across rounds, its unfinished samples continued from one
+   slice to the next, with no weight update and so on their cached KV).
+   They run interleaved in --rounds rounds (sync, april, pool, april_kv,
+   pool_kv, limit, ...), each mode for >= --min-seconds of rollout time per
+   round, so drift of the box hits all alike. Before every step a simulated
+   weight update bumps the engines' weight_version and, as a real update does
+   by default, flushes their cache (not for the _kv modes).
 4. Prints per-mode tokens/s (total tokens / total rollout time over all
    rounds), ratios, per-round ratios, the off-policy token ratio and a per-step
    breakdown (time to target, drain and abort->idle, time outside both, gap
-   between steps, requests, resumed samples, tokens they re-prefill); the last
-   line is one JSON.
+   between steps, requests, resumed samples, their tokens so far) and each
+   mode's engine time (prefill, decode, idle, cache hits, cost per token); the
+   last line is one JSON.
 
-    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 6]
+    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 24]
 """
 
 from __future__ import annotations
@@ -79,15 +85,22 @@ class ParetoSource:
 
 
 async def constant_load(args, engines, session, concurrency: int, seconds: float, source,
-                        running: list | None = None) -> float:
-    """Tokens/s with `concurrency` requests in flight the whole time (fresh samples as each finishes)."""
+                        running: list | None = None, carry: list | None = None) -> float:
+    """Tokens/s with `concurrency` requests in flight the whole time (a fresh sample as each finishes).
+
+    With `carry`, the samples still unfinished at the end are kept there and continued first next time, so
+    successive calls add up to one long steady state: long-tail samples stay in flight until they finish,
+    as the modes' must. Without it they would be dropped at every slice, the in-flight contexts would stay
+    short, and decode steps cheaper than the workload really allows."""
     req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
     deadline = time.monotonic() + seconds
     stop = asyncio.Event()
 
     async def worker():
         while time.monotonic() < deadline:
-            await req.generate(source.get_groups(1)[0][0], stop)
+            sample = carry.pop() if carry else source.get_groups(1)[0][0]
+            if not await req.generate(sample, stop) and carry is not None:
+                carry.append(sample)
 
     occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
     t0 = time.monotonic()
@@ -104,10 +117,14 @@ async def constant_load(args, engines, session, concurrency: int, seconds: float
     return tps
 
 
-def bump_version(engines, version: int) -> None:
+def bump_version(engines, version: int, flush: bool) -> None:
+    """A simulated weight update: the new version, and (as a real update does by default) a flushed cache, so
+    resumed samples are re-prefilled; flush=False is --reuse-stale-kv (flush_cache=false on the update)."""
     for url in engines.worker_urls():
         requests.post(url + "/update_weight_version", json={"new_version": str(version), "abort_all_requests": False},
                       timeout=30).raise_for_status()
+        if flush:
+            requests.post(url + "/flush_cache", timeout=30).raise_for_status()
 
 
 def engine_stats(engines) -> dict:
@@ -131,7 +148,10 @@ def engine_breakdown(d: dict) -> str:
             f"evict {d.get('evict_s', 0):.1f}s, idle {d.get('idle_s', 0):.1f}s; {busy:.1f}s busy; "
             f"decode steps {d.get('decode_steps', 0)} x {d.get('decode_rows', 0) / steps:.1f} rows "
             f"({1000 * d.get('decode_s', 0) / steps:.2f} ms/step); prefills {d.get('prefills', 0)} "
-            f"({d.get('prefill_rows', 0)} rows, {d.get('prefill_tokens', 0)} tok, {d.get('prefill_positions', 0)} padded)")
+            f"({d.get('prefill_rows', 0)} rows, {d.get('prefill_tokens', 0)} tok, {d.get('prefill_positions', 0)} padded); "
+            f"per token: prefill {1e6 * d.get('prefill_s', 0) / max(1, d.get('prefill_tokens', 0)):.1f} us, "
+            f"decode {1e6 * d.get('decode_s', 0) / max(1, d.get('decode_rows', 0)):.1f} us; "
+            f"cache hits {d.get('cache_hits', 0)} ({d.get('cache_hit_tokens', 0)} tok not re-prefilled)")
 
 
 class CountingBuffer(PartialRolloutBuffer):
@@ -161,6 +181,7 @@ class ModeRunner:
 
     def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale):
         self.name, self.args, self.engines, self.http = name, args, engines, http
+        self.flush = not args.reuse_stale_kv
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
         self.step = 0
@@ -176,7 +197,7 @@ class ModeRunner:
         e0 = engine_stats(self.engines)
         while wall < min_seconds or steps < min_steps:
             t_bump = time.monotonic()
-            bump_version(self.engines, self.step)  # simulated weight update: not rollout time
+            bump_version(self.engines, self.step, self.flush)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
@@ -285,14 +306,20 @@ async def main_async(opts, workdir):
                                                      "--rollout-pool-size", str(c_star)),
                                    engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
             }
+            if not opts.no_stale_kv_modes:  # the same two modes resuming on the KV they had (no re-prefill)
+                for k in ("april", "pool"):
+                    runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), engines,
+                                                    http, opts.seed, opts.n, opts.cap, vocab, opts.scale)
             limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
             limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
+            limit_carry: list = []  # the limit's unfinished samples, continued in its next slice
             limit_engine: dict = {}
             for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
                 walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
                 secs = max(opts.min_seconds, walls["april"])
                 e0 = engine_stats(engines)
-                tps = await constant_load(probe, engines, http, c_star, secs, limit_source, limit_running)
+                tps = await constant_load(probe, engines, http, c_star, secs, limit_source, limit_running,
+                                          limit_carry)
                 for k, v in stats_delta(engine_stats(engines), e0).items():
                     limit_engine[k] = limit_engine.get(k, 0) + v
                 limit_tokens += tps * secs
@@ -302,22 +329,22 @@ async def main_async(opts, workdir):
                       + f"  limit {tps:.0f} tok/s", flush=True)
     limit = limit_tokens / limit_wall
     res = {k: v.result() for k, v in runners.items()}
-    print(f"\n{'mode':6s} {'tok/s':>8s} {'/sync':>6s} {'/limit':>6s} {'off-pol':>7s} {'steps':>5s} {'wall':>6s}  "
+    print(f"\n{'mode':8s} {'tok/s':>8s} {'/sync':>6s} {'/limit':>6s} {'off-pol':>7s} {'steps':>5s} {'wall':>6s}  "
           f"per-step means: step, to-target, drain (abort->idle), outside, gap | requests, resumed, re-prefill tok, "
           f"new tok, engine running reqs")
     for k, r in res.items():
         mn = r["mean"]
-        print(f"{k:6s} {r['tok_s']:8.1f} {r['tok_s'] / res['sync']['tok_s']:6.2f} {r['tok_s'] / limit:6.2f} "
+        print(f"{k:8s} {r['tok_s']:8.1f} {r['tok_s'] / res['sync']['tok_s']:6.2f} {r['tok_s'] / limit:6.2f} "
               f"{r['off_policy']:7.3f} {r['steps']:5d} {r['wall_s']:5.1f}s  "
               f"{mn['step_s']:.3f}, {mn['to_target_s']:.3f}, {mn['drain_s']:.3f} ({mn['abort_to_idle_s']:.3f}), "
               f"{mn['outside_s']:.3f}, {mn['gap_s']:.3f} | {mn['requests']:.0f}, {mn['resumed_samples']:.0f}, "
               f"{mn['reprefill_tokens']:.0f}, {mn['new_tokens']:.0f}, {mn['occupancy']:.1f}")
-    print(f"limit  {limit:8.1f}  (C* = {c_star} in flight, {limit_wall:.1f}s, engine running reqs "
+    print(f"limit    {limit:8.1f}  (C* = {c_star} in flight, {limit_wall:.1f}s, engine running reqs "
           f"{sum(limit_running) / len(limit_running):.1f})   total benchmark "
           f"{time.monotonic() - t_start:.0f}s")
     for k, r in res.items():
-        print(f"{k:6s} {engine_breakdown(r['engine'])}")
-    print(f"limit  {engine_breakdown(limit_engine)}")
+        print(f"{k:8s} {engine_breakdown(r['engine'])}")
+    print(f"limit    {engine_breakdown(limit_engine)}")
     per_round = {f"{k}_over_limit_rounds": [round(x / y, 3) for x, y in zip(v["rounds"], limit_rounds)]
                  for k, v in res.items() if k != "sync"}
     per_round["april_over_sync_rounds"] = [round(x / y, 3) for x, y in zip(res["april"]["rounds"],
@@ -341,18 +368,29 @@ async def main_async(opts, workdir):
             "pool_over_limit>=0.9": res["pool"]["tok_s"] / limit >= 0.9,
         },
     }
+    if "april_kv" in res:  # --reuse-stale-kv: resumed on the KV they had, not re-prefilled
+        for k in ("april_kv", "pool_kv"):
+            summary[f"{k}_tok_s"] = round(res[k]["tok_s"], 1)
+            summary[f"{k}_over_limit"] = round(res[k]["tok_s"] / limit, 3)
+            summary[f"median_{k}_over_limit"] = round(_median(per_round[f"{k}_over_limit_rounds"]), 3)
+        summary["april_kv_over_sync"] = round(res["april_kv"]["tok_s"] / res["sync"]["tok_s"], 3)
+        summary["targets_met_reuse_stale_kv"] = {
+            "april_over_limit>=0.8": res["april_kv"]["tok_s"] / limit >= 0.8,
+            "april_over_sync>=1.5": res["april_kv"]["tok_s"] / res["sync"]["tok_s"] >= 1.5,
+            "pool_over_limit>=0.9": res["pool_kv"]["tok_s"] / limit >= 0.9,
+        }
     print(json.dumps(summary))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (sync, april, pool, limit) per mode")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (sync, april, pool, april_kv, pool_kv, limit)")
     p.add_argument("--min-seconds", type=float, default=10.0, help="rollout time of each mode in each round")
     p.add_argument("--min-steps", type=int, default=3, help="at least this many steps per mode per round")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
-    p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget 3q tokens)")
-    p.add_argument("--scale", type=int, default=6,
-                   help="tokens per chain step: a sample's budget is scale x q (6: median 18, max 768)")
+    p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget scale x q tokens)")
+    p.add_argument("--scale", type=int, default=24,
+                   help="tokens per chain step: a sample's budget is scale x q (24: median 72, max 3072)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 16, 32, 64, 96, 128])
     p.add_argument("--probe-seconds", type=float, default=2.5)
     p.add_argument("--probe-passes", type=int, default=2, help="passes over the concurrencies (best of)")
@@ -365,6 +403,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--april-over-sampling", type=int, default=2,
                    help="APRIL submits this many x B groups per chunk (--over-sampling-batch-size)")
+    p.add_argument("--no-stale-kv-modes", action="store_true",
+                   help="skip april_kv / pool_kv (the same modes with --reuse-stale-kv: no re-prefill on resume)")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,

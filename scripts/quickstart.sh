@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README's main-job command: install (idempotent), build the embedded subtract_chain task and a tiny
 # Qwen3, warm-start it with supervised training (cached), then run GRPO with APRIL partial rollouts
-# through train.py on the embedded engine behind sglang-router. CPU only, ~10 minutes on 2 cores.
+# through train.py on the embedded engine behind sglang-router. CPU only, ~6 minutes on 2 cores the
+# first time (~2 once the warm start is cached).
 #
 #   bash scripts/quickstart.sh                 # APRIL (partial rollout, over-sampling)
 #   bash scripts/quickstart.sh --no-partial    # the same job, synchronous, for comparison

@@ -108,6 +108,10 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
                    help="what happens to a resumed sample over --max-staleness")
+    g.add_argument("--reuse-stale-kv", action="store_true",
+                   help="weight updates keep the engines' cache (flush_cache=false), so a parked sample resumes on "
+                        "the KV its earlier tokens had (computed by older weights) instead of being re-prefilled; "
+                        "its tokens keep their versions and go through the same off-policy correction")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:

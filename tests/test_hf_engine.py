@@ -177,9 +177,34 @@ def test_abort_returns_partial_and_resume_continues(server, ref_model):
     assert len(part["meta_info"]["output_token_logprobs"]) == k
     assert part["output_ids"] == full[:k]
     rest = gen(server, prompt + part["output_ids"], sampling_params={**sp, "max_new_tokens": total - k})
+    # the aborted request's KV was kept: the resumption prefilled nothing (SGLang reports it as cached_tokens)
+    assert rest["meta_info"]["cached_tokens"] == len(prompt) + k - 1
     assert part["output_ids"] + rest["output_ids"] == full
     lps = [lp for lp, _, _ in part["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]]
     ref = teacher_forced_logprobs(ref_model, prompt, full, 0.0)
+    assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_flush_cache_drops_aborted_kv_and_resume_prefills(server, ref_model):
+    prompt, total = [1, 5, 6], 200
+    sp = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    box = {"ready": threading.Event()}
+    body = {"input_ids": prompt, "rid": "flush-me", "return_logprob": True, "sampling_params": sp}
+    t = threading.Thread(target=_stream_until, args=(server, body, 3, box))
+    t.start()
+    assert box["ready"].wait(30)
+    assert server.post("/abort_request", {"rid": "flush-me"}).status_code == 200
+    t.join(30)
+    part = box["final"]["output_ids"]
+    assert server.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"] >= 1
+    assert server.post("/flush_cache").status_code == 200
+    assert server.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"] == 0
+    rest = gen(server, prompt + part, sampling_params={**sp, "max_new_tokens": total - len(part)})
+    assert rest["meta_info"]["cached_tokens"] == 0  # prefilled again, same continuation
+    assert part + rest["output_ids"] == full
+    lps = [lp for lp, _, _ in rest["meta_info"]["output_token_logprobs"]]
+    ref = teacher_forced_logprobs(ref_model, prompt, full, 0.0)[len(part):]
     assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
 
 

@@ -197,3 +197,22 @@ def test_equal_length_prefill_takes_the_unmasked_path_and_matches(model):
     assert masks[0] is None and masks[1] is not None
     for _ in range(3):
         m.step()
+
+
+def test_row_kv_round_trip_rejoins_a_row_that_left(model):
+    """row_kv + join_kv (the prefix cache's path): a row saved, removed and joined back decodes exactly as
+    if it had never left."""
+    m = Mirror(model, seed=11)
+    m.join([7, 12, 5])
+    m.step()
+    i = 1
+    n = len(m.seqs[i]) - 1  # cached positions (all but the pending token)
+    kv = m.batch.row_kv(i, n)
+    seq = m.seqs[i]
+    m.remove([i])
+    m.join([9])  # the freed slot gets reused meanwhile
+    m.batch.join_kv(kv, len(seq) - 1, seq[-1])
+    m.seqs.append(seq)
+    m.check_layout()
+    for _ in range(3):
+        m.step()

@@ -102,3 +102,34 @@ def test_unreachable_engine_is_named(trainer):
     t = trainer(update_weights_from_disk=True)
     with pytest.raises(RuntimeError, match="127.0.0.1:9"):
         t.update_weights(["http://127.0.0.1:9"], 1)
+
+
+def _park_one_aborted_request(engine) -> int:
+    """Start a long request, abort it mid-way: the engine keeps its KV (for the request resuming it)."""
+    import threading
+    import time
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=engine.post("/generate", {
+        "input_ids": PROMPT, "rid": "to-park", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})))
+    t.start()
+    deadline = time.monotonic() + 30
+    while engine.get("/get_load").json()[0]["num_reqs"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.002)  # running: it has KV to keep
+    engine.post("/abort_request", {"abort_all": True})
+    t.join(30)
+    assert box["r"].status_code == 200, box["r"].text
+    assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    return engine.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_weight_sync_flushes_the_cache_unless_reuse_stale_kv(engine, trainer, reuse):
+    """Default: an update flushes the aborted requests' KV (computed by the old weights), so resumed samples
+    are re-prefilled; --reuse-stale-kv sends flush_cache=false and the engine keeps it."""
+    engine.post("/flush_cache")
+    t = trainer(update_weights_from_disk=True, reuse_stale_kv=reuse)
+    assert _park_one_aborted_request(engine) >= 1
+    t.update_weights([engine.url], int(engine_version(engine)) + 1)
+    left = engine.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
+    assert (left >= 1) if reuse else (left == 0)

@@ -108,6 +108,8 @@ class WeightUpdater:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync") if rank == 0 else None
         self.buffer_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUFFER_BYTES)
         self.timeout = float(getattr(args, "update_weights_timeout_s", None) or HTTP_TIMEOUT_S)
+        # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume)
+        self.flush_cache = not bool(getattr(args, "reuse_stale_kv", False))
 
     # ------------------------------------------------------------ public ----
     def update(self, urls: list[str], version: int) -> dict[str, float]:
@@ -224,7 +226,7 @@ class WeightUpdater:
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": self.group_name,
                 "weight_version": str(version),
-                "flush_cache": True,
+                "flush_cache": self.flush_cache,
             }
             futs = _post_all(self._pool, urls, "/update_weights_from_distributed", payload, self.timeout)
             try:
@@ -243,7 +245,7 @@ class WeightUpdater:
             self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_", dir=base)
         path = os.path.join(self._disk_dir, f"v{version}")
         write_hf_dir(self.model, state, path, getattr(self.args, "hf_checkpoint", None))
-        payload = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        payload = {"model_path": path, "weight_version": str(version), "flush_cache": self.flush_cache}
         _wait_all(_post_all(self._pool, urls, "/update_weights_from_disk", payload, self.timeout),
                   urls, "/update_weights_from_disk", self.timeout)
         for old in os.listdir(self._disk_dir):  # keep only the version the engines now serve

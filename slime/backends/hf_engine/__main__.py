@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="Max tokens in one batched prefill.")
     p.add_argument("--admit-wait-ms", type=float, default=20.0,
                    help="While decoding, let a few new requests wait up to this long to be prefilled together (default 20).")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="Do not keep aborted requests' KV for the requests that resume them (SGLang's flag name).")
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, admit_wait_s=args.admit_wait_ms / 1000.0,
+        prefix_cache=not args.disable_radix_cache,
     )
     try:
         engine = Engine(cfg)

@@ -199,6 +199,26 @@ class DecodeBatch:
         self.next_pos = torch.cat([self.next_pos, torch.tensor(next_pos, dtype=torch.long)])
         self.pending = torch.cat([self.pending, torch.tensor(pending, dtype=torch.long)])
 
+    def row_kv(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row `row`'s last `n` cached positions, per layer ([H, n, D] keys and values)."""
+        hi = self.hi
+        return [(k[row, :, hi - n: hi].clone(), v[row, :, hi - n: hi].clone()) for k, v in zip(self.k, self.v)]
+
+    @torch.inference_mode()
+    def join_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], next_pos: int, pending: int) -> None:
+        """Add one row from saved KV (`row_kv` of an earlier row: positions 0..n-1) with `pending` next."""
+        b, n = self.size, int(kv[0][0].shape[-2])
+        self._reserve(b + 1, n, like=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv])
+        hi = self.hi
+        self.lo = min(self.lo, hi - n) if b else hi - n
+        self.valid[b] = False
+        self.valid[b, hi - n: hi] = True
+        for i, (k, v) in enumerate(kv):
+            self.k[i][b, :, hi - n: hi] = k
+            self.v[i][b, :, hi - n: hi] = v
+        self.next_pos = torch.cat([self.next_pos, torch.tensor([next_pos], dtype=torch.long)])
+        self.pending = torch.cat([self.pending, torch.tensor([pending], dtype=torch.long)])
+
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:
         """Drop the rows `rows`: the last surviving rows move into their slots (only they are copied).

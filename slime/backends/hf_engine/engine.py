@@ -29,6 +29,7 @@ class EngineConfig:
     weight_version: str = "0"
     attn_implementation: str = "sdpa"
     admit_wait_s: float = 0.02
+    prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
 
 
 def load_model(path: str, dtype: str, attn_implementation: str):
@@ -69,6 +70,7 @@ class Engine:
             max_prefill_tokens=cfg.max_prefill_tokens,
             seed=cfg.seed,
             admit_wait_s=cfg.admit_wait_s,
+            prefix_cache_tokens=None if cfg.prefix_cache else 0,
         )
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()
@@ -93,7 +95,7 @@ class Engine:
         def notify(r: Request, finished: bool) -> None:
             snap = types.SimpleNamespace(
                 rid=r.rid, input_ids=r.input_ids, params=r.params, output_ids=list(r.output_ids),
-                logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason),
+                logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason), cached_tokens=r.cached_tokens,
             )
             on_event(snap, finished)
 
@@ -103,6 +105,8 @@ class Engine:
     def _apply(self, named: dict, version: str | None, flush_cache: bool) -> str:
         """On the scheduler thread: retract running requests (their KV is from the old weights), copy, bump version."""
         n_retracted = self.scheduler.retract()
+        if flush_cache:  # KV computed by the old weights; flush_cache=false keeps it for resumed requests
+            self.scheduler.prefix_cache.clear()
         weights.copy_into_model(self.model, named)
         self.weight_version = version if version is not None else _next_version(self.weight_version)
         return f"loaded {len(named)} tensors; weight_version={self.weight_version}; recomputed {n_retracted} running requests"

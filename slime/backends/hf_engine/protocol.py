@@ -169,7 +169,7 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
         "finish_reason": reason,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": getattr(req, "cached_tokens", 0),
         "weight_version": weight_version,
         "e2e_latency": None,
     }

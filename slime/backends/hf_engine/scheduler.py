@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.batch import DecodeBatch
+from slime.backends.hf_engine.prefix_cache import PrefixCache
 from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Request:
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
     created: float = field(default_factory=time.monotonic)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     enqueued: float = 0.0
 
     @property
@@ -88,6 +90,8 @@ class SchedulerStats:
     prefill_rows: int = 0
     prefill_tokens: int = 0
     prefill_positions: int = 0  # rows x longest row, i.e. with left padding
+    cache_hits: int = 0  # requests that resumed an aborted request's KV (no prefill)
+    cache_hit_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,7 +103,7 @@ def abort_reason(message: str) -> dict:
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None,
-                 admit_wait_s: float = 0.02):
+                 admit_wait_s: float = 0.02, prefix_cache_tokens: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
@@ -110,6 +114,8 @@ class Scheduler:
         self.admit_wait_s = admit_wait_s
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = DecodeBatch(model)
+        # aborted requests' KV, for the requests that resume them (None: as many positions as max_total_tokens)
+        self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens)
         self.running: list[Request] = []
         self._admitting: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
@@ -177,7 +183,10 @@ class Scheduler:
         """Finish the request `rid` (or every request when rid is None) with an abort reason."""
         gone = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
         for i in gone:
-            self._finish(self.running[i], abort_reason(message))
+            r = self.running[i]
+            if self.prefix_cache.enabled:  # every cached token but the pending one
+                self.prefix_cache.put(r.input_ids + r.output_ids, self.batch.row_kv(i, r.num_tokens - 1))
+            self._finish(r, abort_reason(message))
         if gone:
             t0 = time.perf_counter()
             self.running = [self.running[i] for i in self.batch.remove(gone)]
@@ -266,8 +275,16 @@ class Scheduler:
             if group and prefill_tokens + r.num_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            group.append(r)
             budget -= need
+            kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
+            if kv is not None:  # resumes an aborted request: its KV joins as is, its last token pending
+                self.batch.join_kv(kv, len(r.input_ids) - 1, r.input_ids[-1])
+                self.running.append(r)
+                r.cached_tokens = len(r.input_ids) - 1
+                self.stats.cache_hits += 1
+                self.stats.cache_hit_tokens += len(r.input_ids) - 1
+                continue
+            group.append(r)
             prefill_tokens += r.num_tokens
         if not group:
             return

@@ -258,6 +258,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     busy = await engine.call(lambda: sched.num_running + sched.num_waiting)
     if busy:
         return web.Response(status=400, text=f"Cache not flushed: {busy} requests are running or waiting.")
+    await engine.call(sched.prefix_cache.clear)
     return web.Response(status=200, text="Cache flushed.")
 
 
@@ -324,7 +325,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "version": SERVER_VERSION,
         "backend": "slime.hf_engine",
         "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
-                             "scheduler_stats": engine.scheduler.stats.as_dict()}],
+                             "scheduler_stats": engine.scheduler.stats.as_dict(),
+                             "prefix_cache_entries": len(engine.scheduler.prefix_cache)}],
     }
     return _json(info)
 

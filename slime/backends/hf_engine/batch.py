@@ -173,17 +173,31 @@ class DecodeBatch:
         if self.cache is None:
             self.cache = _cache_with(self.config, [_BatchLayer(self, i) for i in range(len(ks))])
 
-    @torch.inference_mode()
     def join(self, cache: DynamicCache, valid: torch.Tensor, rows: list[int], next_pos: list[int], pending: list[int]) -> None:
         """Add rows `rows` of a prefill (`cache`, `valid` from `prefill`; they hold everything but the
         pending token) as the batch's last rows. Copies only those rows."""
+        self._place([(layer.keys, layer.values) for layer in cache.layers], valid, rows, next_pos, pending)
+
+    def row_kv(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row `row`'s last `n` cached positions, per layer ([H, n, D] keys and values)."""
+        hi = self.hi
+        return [(k[row, :, hi - n: hi].clone(), v[row, :, hi - n: hi].clone()) for k, v in zip(self.k, self.v)]
+
+    def join_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], next_pos: int, pending: int) -> None:
+        """Add one row from saved KV (`row_kv` of an earlier row: positions 0..n-1) with `pending` next."""
+        valid = torch.ones(1, int(kv[0][0].shape[-2]), dtype=torch.bool)
+        self._place([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv], valid, [0], [next_pos], [pending])
+
+    @torch.inference_mode()
+    def _place(self, layers: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor, rows: list[int],
+               next_pos: list[int], pending: list[int]) -> None:
+        """Copy rows `rows` of left-padded per-layer KV ([n, H, L, D], `valid` [n, L]) into slots `B..`."""
         if not rows:
             return
         b, n, width = self.size, len(rows), valid.shape[1]
         idx = torch.tensor(rows, dtype=torch.long)
         new_valid = valid[idx]
         need = int(new_valid.sum(1).max())
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
         self._reserve(b + n, need, like=layers)
         hi, slots = self.hi, slice(b, b + n)
         self.lo = min(self.lo, hi - need) if b else hi - need
@@ -198,26 +212,6 @@ class DecodeBatch:
             self.v[i][slots, :, hi - need: hi] = v
         self.next_pos = torch.cat([self.next_pos, torch.tensor(next_pos, dtype=torch.long)])
         self.pending = torch.cat([self.pending, torch.tensor(pending, dtype=torch.long)])
-
-    def row_kv(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of row `row`'s last `n` cached positions, per layer ([H, n, D] keys and values)."""
-        hi = self.hi
-        return [(k[row, :, hi - n: hi].clone(), v[row, :, hi - n: hi].clone()) for k, v in zip(self.k, self.v)]
-
-    @torch.inference_mode()
-    def join_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], next_pos: int, pending: int) -> None:
-        """Add one row from saved KV (`row_kv` of an earlier row: positions 0..n-1) with `pending` next."""
-        b, n = self.size, int(kv[0][0].shape[-2])
-        self._reserve(b + 1, n, like=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv])
-        hi = self.hi
-        self.lo = min(self.lo, hi - n) if b else hi - n
-        self.valid[b] = False
-        self.valid[b, hi - n: hi] = True
-        for i, (k, v) in enumerate(kv):
-            self.k[i][b, :, hi - n: hi] = k
-            self.v[i][b, :, hi - n: hi] = v
-        self.next_pos = torch.cat([self.next_pos, torch.tensor([next_pos], dtype=torch.long)])
-        self.pending = torch.cat([self.pending, torch.tensor([pending], dtype=torch.long)])
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:

@@ -30,8 +30,6 @@ class PrefixCache:
         self.max_tokens = max(0, int(max_tokens))
         self._entries: OrderedDict[tuple[int, ...], RowKV] = OrderedDict()
         self.tokens = 0
-        self.hits = 0
-        self.hit_tokens = 0
 
     @property
     def enabled(self) -> bool:
@@ -63,10 +61,7 @@ class PrefixCache:
             return None
         kv = self._entries.pop(tuple(tokens), None)
         if kv is not None:
-            n = len(tokens) - 1
-            self.tokens -= n
-            self.hits += 1
-            self.hit_tokens += n
+            self.tokens -= len(tokens) - 1
         return kv
 
     def clear(self) -> int:

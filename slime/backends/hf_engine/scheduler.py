@@ -278,11 +278,11 @@ class Scheduler:
             budget -= need
             kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
             if kv is not None:  # resumes an aborted request: its KV joins as is, its last token pending
-                self.batch.join_kv(kv, len(r.input_ids) - 1, r.input_ids[-1])
-                self.running.append(r)
                 r.cached_tokens = len(r.input_ids) - 1
+                self.batch.join_kv(kv, r.cached_tokens, r.input_ids[-1])
+                self.running.append(r)
                 self.stats.cache_hits += 1
-                self.stats.cache_hit_tokens += len(r.input_ids) - 1
+                self.stats.cache_hit_tokens += r.cached_tokens
                 continue
             group.append(r)
             prefill_tokens += r.num_tokens

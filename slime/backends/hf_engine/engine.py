@@ -24,11 +24,12 @@ class EngineConfig:
     dtype: str = "float32"
     max_running_requests: int = 128
     max_total_tokens: int = 262144
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = 8192  # prefill tokens per engine step, over all rows
+    chunked_prefill_size: int = 512  # prefill tokens of one request per step (-1: its whole prompt)
+    block_size: int = 32  # positions per KV block
     seed: int | None = None
     weight_version: str = "0"
     attn_implementation: str = "sdpa"
-    admit_wait_s: float = 0.02
     prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
 
 
@@ -68,9 +69,11 @@ class Engine:
             max_running=cfg.max_running_requests,
             max_total_tokens=cfg.max_total_tokens,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            block_size=cfg.block_size,
             seed=cfg.seed,
-            admit_wait_s=cfg.admit_wait_s,
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
+            attention_kernel=cfg.attn_implementation,
         )
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()

@@ -16,6 +16,7 @@ import logging
 import random
 import time
 
+import aiohttp
 import requests
 
 from slime.ray.buffer import PartialRolloutBuffer
@@ -53,15 +54,19 @@ class ParetoSource:
 
 
 async def constant_load(args, engines, session, concurrency: int, seconds: float, source,
-                        running: list | None = None, carry: list | None = None) -> float:
+                        running: list | None = None, carry: list | None = None, ramp: float | None = None) -> float:
     """Tokens/s with `concurrency` requests in flight the whole time (a fresh sample as each finishes).
 
     With `carry`, the samples still unfinished at the end are kept there and continued first next time, so
     successive calls add up to one long steady state: long-tail samples stay in flight until they finish,
     as the modes' must. Without it they would be dropped at every slice, the in-flight contexts would stay
-    short, and decode steps cheaper than the workload really allows."""
+    short, and decode steps cheaper than the workload really allows.
+
+    Without `ramp`, tokens returned / time until the stop. With `ramp`, the steady state only: the engines'
+    own count of generated tokens between `ramp` seconds after the start and the stop (neither the ramp
+    up nor the abort and drain are the steady state's cost), so this is an upper bound."""
     req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + seconds + (ramp or 0.0)
     stop = asyncio.Event()
 
     async def worker():
@@ -70,19 +75,36 @@ async def constant_load(args, engines, session, concurrency: int, seconds: float
             if not await req.generate(sample, stop) and carry is not None:
                 carry.append(sample)
 
-    occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
+    urls = await asyncio.to_thread(engines.worker_urls)
+    occupancy = OccupancySampler(session, urls)
     t0 = time.monotonic()
     occupancy.start()
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    await asyncio.sleep(seconds)
+    if ramp:
+        await asyncio.sleep(ramp)
+        n0, t0 = await sampled_tokens(session, urls), time.monotonic()
+        await asyncio.sleep(seconds)
+        n1, t_stop = await sampled_tokens(session, urls), time.monotonic()
+    else:
+        await asyncio.sleep(seconds)
+        t_stop = time.monotonic()
     stop.set()
     await engines.abort_all_until_idle(timeout=60, session=session)
     await asyncio.gather(*tasks)
-    tps = req.new_tokens / (time.monotonic() - t0)
+    tps = (n1 - n0 if ramp else req.new_tokens) / (t_stop - t0)
     occ = await occupancy.stop()
     if running is not None:
         running.append(occ.get("rollout/engine_running_reqs_mean", float("nan")))
     return tps
+
+
+async def sampled_tokens(session, urls: list[str]) -> int:
+    """Tokens the engines have generated so far (their scheduler counters, summed)."""
+    total = 0
+    for url in urls:
+        async with session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            total += (await resp.json())["internal_states"][0]["scheduler_stats"]["sampled_tokens"]
+    return total
 
 
 def bump_version(engines, version: int, flush: bool) -> None:
@@ -145,19 +167,22 @@ class ModeRunner:
         self.stats = {k: [] for k in STAT_KEYS}
         self.engine: dict = {}
 
-    async def run_for(self, min_seconds: float, min_steps: int) -> float:
-        """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its tok/s."""
+    async def run_for(self, min_seconds: float, min_steps: int, after_step=None) -> float:
+        """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its
+        rollout time. `after_step(seconds)` is awaited after each step, outside the step's time."""
         tokens, wall, steps = 0.0, 0.0, 0
         prev_end = None
-        e0 = engine_stats(self.engines)
         while wall < min_seconds or steps < min_steps:
             t_bump = time.monotonic()
             bump_version(self.engines, self.step, self.flush)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
+            e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
                 self.source, self.buffer, self.engines, None, self.step, http_session=self.http))
             dt = time.monotonic() - t0
+            for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only
+                self.engine[k] = self.engine.get(k, 0) + v
             m = out.metrics
             self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
             tokens += m["rollout/new_tokens"]
@@ -177,6 +202,8 @@ class ModeRunner:
             st["reprefill_tokens"].append(self.buffer.reprefill_tokens - rp0)
             st["new_tokens"].append(m["rollout/new_tokens"])
             st["occupancy"].append(m.get("rollout/engine_running_reqs_mean", float("nan")))
+            if after_step is not None:
+                await after_step(dt)
             prev_end = time.monotonic()
             logger.info("%s step %d: %.0f tok/s in %.3fs (target %.3fs, drain %.3fs, abort->idle %.3fs), %d groups, "
                         "parked %d, in-flight peak %d, engine running mean %.1f, resumed %d (%d tok), off-policy %.3f", self.name, self.step, m["rollout/new_tokens"] / dt,
@@ -186,8 +213,6 @@ class ModeRunner:
                         m["rollout/off_policy_token_ratio"])
             self.step += 1
         self.buffer.check_balanced()
-        for k, v in stats_delta(engine_stats(self.engines), e0).items():
-            self.engine[k] = self.engine.get(k, 0) + v
         self.tokens += tokens
         self.wall += wall
         self.rounds.append(tokens / wall)

@@ -140,7 +140,7 @@ class _RolloutStep:
                 if self.mode == "pool":
                     await self._run_pool(pool_size)
                 elif self.mode == "chunked":
-                    await self._run_chunked(asyncio.Semaphore(concurrency))
+                    await self._run_chunked(asyncio.Semaphore(concurrency), concurrency)
                 else:
                     raise ValueError(f"--rollout-mode {self.mode!r} is not one of chunked, pool")
             except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
@@ -208,13 +208,21 @@ class _RolloutStep:
         return sum(1 for st in self.groups.values() if st.outcome is None)
 
     # ---- chunked mode ----------------------------------------------------------------
-    async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
+    async def _run_chunked(self, sem: asyncio.Semaphore, concurrency: int) -> None:
         while True:
             self.progress.clear()
             if self.errors or len(self.accepted) >= self.target:
                 return
             while not self.exhausted and self._active_groups() + len(self.accepted) < self.target:
                 groups = await self._next_groups(self.chunk)
+                for g in groups:
+                    self._start_group(g, sem)
+            # keep the engines full: as soon as fewer requests are in flight or queued than the
+            # concurrency, top up with parked, then fresh groups, instead of letting the chunk drain
+            free = concurrency - len(self.tasks)
+            if free > 0 and not self.exhausted and not self.stop.is_set():
+                groups = await self._next_groups(-(-free // self.n))
+                self.counts["refill_groups"] += len(groups)
                 for g in groups:
                     self._start_group(g, sem)
             if self._active_groups() == 0:
@@ -255,6 +263,7 @@ class _RolloutStep:
             st.outstanding -= 1
             if st.outstanding == 0:
                 self._group_generated(st)
+        self.progress.set()  # a request slot is free: chunked mode tops up
 
     def _fail(self, msg: str) -> None:
         if not self.errors:

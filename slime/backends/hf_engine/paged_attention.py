@@ -75,6 +75,50 @@ def _eager(q, k, v, mask, scale):
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
+# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores (what the
+# public SDPA does not): a chunk's attention is then split into its prefix (no mask) and its own causal
+# part, merged exactly; a mask over the whole chunk x context costs ~35% more on this CPU.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_lse(q, k, v, causal: bool, scale, kernel: str):
+    """Attention and per-query log-sum-exp of the scaled scores ([..., Lq, D], [..., Lq])."""
+    if kernel == "eager" or _FLASH_CPU is None:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if causal:
+            n = scores.shape[-1]
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+        return torch.matmul((scores - lse.unsqueeze(-1)).exp(), v), lse
+    out = _FLASH_CPU(q, k, v, is_causal=causal, scale=scale)
+    return out[0], out[1]
+
+
+def _prefill(q, k_new, v_new, prefix, g: int, scale, kernel: str):
+    """A bucket of prefill chunks of one shape: q [b, nq, H, D] (their queries), k_new/v_new
+    [b, Hkv, nq, D] (their own keys), prefix None (chunks starting at position 0) or (k, v)
+    [Hkv, b, p0, D] (every earlier position). Returns [b, nq, H, D]."""
+    b, nq, h, d = q.shape
+    hkv = k_new.shape[1]
+    qh = q.transpose(1, 2)  # [b, H, nq, D]
+    kh, vh = k_new.repeat_interleave(g, dim=1), v_new.repeat_interleave(g, dim=1)
+    if prefix is None:
+        if kernel == "eager":
+            o = _attend_lse(qh, kh, vh, True, scale, kernel)[0]
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        return o.transpose(1, 2)
+    o2, l2 = _attend_lse(qh, kh, vh, True, scale, kernel)
+    # the prefix: every query sees every earlier key; a KV head's G query heads stacked as G x nq queries
+    qs = q.view(b, nq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, b, g * nq, d)
+    o1, l1 = _attend_lse(qs, prefix[0], prefix[1], False, scale, kernel)
+    o1 = o1.view(hkv, b, g, nq, d).transpose(0, 1).reshape(b, h, nq, d)
+    l1 = l1.view(hkv, b, g, nq).transpose(0, 1).reshape(b, h, nq)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp().unsqueeze(-1), (l2 - m).exp().unsqueeze(-1)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).transpose(1, 2)
+
+
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """query [1, H, N, D], key/value [1, Hkv, N, D] for the packed tokens; returns [1, N, H, D]."""
@@ -93,14 +137,26 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     q_all = query[0].transpose(0, 1)  # [N, H, D]
     outs = []
     for bk in plan.buckets:
-        b, nq = bk.b, bk.q
+        b, nq, end = bk.b, bk.q, bk.start + bk.b * bk.q
+        q = q_all[bk.start: end].view(b, nq, h, d)
+        if nq > 1:  # prefill chunks of one shape: their own keys causally, plus the keys before them
+            k_new = key[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
+            v_new = value[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
+            p0 = int(bk.limit[0, 0])
+            prefix = None
+            if p0:
+                k, v = pool.gather(layer, bk.blocks, b)
+                prefix = (k[:, :, :p0], v[:, :, :p0])
+            outs.append(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d))
+            continue
         k, v = pool.gather(layer, bk.blocks, b)
-        q = q_all[bk.start: bk.start + b * nq].view(b, nq, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * g, d)
+        q = q.view(b, hkv, g, d).transpose(0, 1)  # [Hkv, b, G, D]: a KV head's G query heads as G queries
+        mask = bk.mask(g, bs)
         if plan.kernel == "eager":
-            o = _eager(q, k, v, bk.mask(g, bs), scaling)
+            o = _eager(q, k, v, mask, scaling)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask(g, bs), scale=scaling)
-        outs.append(o.view(hkv, b, nq, g, d).permute(1, 2, 0, 3, 4).reshape(b * nq, h, d))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        outs.append(o.transpose(0, 1).reshape(b, h, d))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None
 

@@ -73,8 +73,8 @@ class SchedulerStats:
     """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
 
     Every step is one packed forward: `decode_*` counts steps that only decoded, `mixed_*` steps that also
-    prefilled (chunks of prompts or resumed samples); the cost of a prefilled token is estimated as
-    (mixed_s - mixed_decode_rows x decode_s / decode_rows) / prefill_tokens."""
+    prefilled (chunks of prompts or resumed samples). The `fit_*` sums give a least-squares fit of the
+    step time over its decoding rows and prefill tokens (see benchmarks/rollout_report.py)."""
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
     mixed_s: float = 0.0  # forward + sampling of steps with prefill tokens
@@ -86,11 +86,35 @@ class SchedulerStats:
     mixed_decode_rows: int = 0  # rows decoded in mixed steps
     prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
     prefill_tokens: int = 0
+    sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
     cache_hits: int = 0  # requests that resumed an aborted request's KV
     cache_hit_tokens: int = 0  # positions they did not prefill
+    # sums for a least-squares fit of step time ~ a + b x decoding rows + c x prefill tokens (thousands),
+    # over any window of steps (differences of these sums): what a step, a row and a prefilled token cost
+    fit_n: int = 0
+    fit_d: float = 0.0
+    fit_p: float = 0.0
+    fit_dd: float = 0.0
+    fit_pp: float = 0.0
+    fit_dp: float = 0.0
+    fit_t: float = 0.0
+    fit_td: float = 0.0
+    fit_tp: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def add_step(self, seconds: float, decoded: int, prefill_tokens: int) -> None:
+        d, p = decoded / 1000.0, prefill_tokens / 1000.0
+        self.fit_n += 1
+        self.fit_d += d
+        self.fit_p += p
+        self.fit_dd += d * d
+        self.fit_pp += p * p
+        self.fit_dp += d * p
+        self.fit_t += seconds
+        self.fit_td += seconds * d
+        self.fit_tp += seconds * p
 
 
 def abort_reason(message: str) -> dict:
@@ -327,6 +351,8 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
         st = self.stats
         st.evict_s += time.perf_counter() - t1
+        st.add_step(t1 - t0, decoded, prefill_tokens)
+        st.sampled_tokens += len(samplers)
         if prefill_tokens:
             st.mixed_s += t1 - t0
             st.mixed_steps += 1

@@ -129,6 +129,8 @@ def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
         assert m["rollout/off_policy_token_ratio"] == pytest.approx(sum(v < step for v, _ in toks) / len(toks))
         assert sum(v for k, v in m.items() if k.startswith("rollout/staleness_hist/")) == len(toks)
         assert m["rollout/groups_parked"] == len(tr["unfinished"])
+    # requests finishing before the target free slots that are topped up at once (not when a chunk drains)
+    assert sum(o.metrics["rollout/groups_refilled"] for o in outs) > 0
     # resumed samples really span versions, and their log-probs line up with the tokens (resumed from ids)
     multi = [s for o in outs for g in o.groups for s in g if len(set(s.weight_versions)) > 1]
     assert multi, "no returned sample was resumed across a version bump"
@@ -156,6 +158,7 @@ def test_without_partial_rollout_unfinished_work_is_dropped_and_counted(env):
     for out in outs:
         m = out.metrics
         assert m["rollout/groups_parked"] == 0 and m["rollout/groups_resumed"] == 0
+        assert m["rollout/groups_refilled"] == 0  # no top-ups: unfinished work would be thrown away
         dropped = m.get("rollout/groups_dropped/discarded_unfinished", 0)
         assert m["rollout/groups_dropped"] >= dropped
         check_group_invariants(out.groups, 2, source.prompts, 1, 24)

@@ -217,10 +217,12 @@ class _RolloutStep:
                 groups = await self._next_groups(self.chunk)
                 for g in groups:
                     self._start_group(g, sem)
-            # keep the engines full: as soon as fewer requests are in flight or queued than the
-            # concurrency, top up with parked, then fresh groups, instead of letting the chunk drain
-            free = concurrency - len(self.tasks)
-            if free > 0 and not self.exhausted and not self.stop.is_set():
+            # APRIL keeps the engines full: as soon as fewer requests are in flight or queued than an
+            # over-sampling chunk's worth (at most the concurrency), top up with parked, then fresh groups,
+            # instead of letting the chunk drain. Not without --partial-rollout: what is unfinished at the
+            # target would be thrown away.
+            free = min(concurrency, self.chunk * self.n) - len(self.tasks)
+            if self.partial and free > 0 and not self.exhausted and not self.stop.is_set():
                 groups = await self._next_groups(-(-free // self.n))
                 self.counts["refill_groups"] += len(groups)
                 for g in groups:

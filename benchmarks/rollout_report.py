@@ -37,7 +37,10 @@ def engine_breakdown(d: dict) -> str:
     steps = g("decode_steps", 0) + g("mixed_steps", 0)
     rows = g("decode_rows", 0) + g("mixed_decode_rows", 0)
     fit = step_cost_fit(d)
-    cost = "n/a" if fit is None else f"{1e3 * fit[0]:.2f} ms/step + {1e6 * fit[1]:.1f} us/row + {1e6 * fit[2]:.1f} us/prefill tok"
+    if fit is None or min(fit) <= 0:  # a shared box's load swings make the fit meaningless
+        cost = "n/a (too few steps, or too noisy)"
+    else:
+        cost = f"{1e3 * fit[0]:.2f} ms/step + {1e6 * fit[1]:.1f} us/row + {1e6 * fit[2]:.1f} us/prefill tok"
     return (f"engine: decode-only steps {g('decode_s', 0):.1f}s, mixed steps {g('mixed_s', 0):.1f}s, "
             f"evict {g('evict_s', 0):.1f}s, idle {g('idle_s', 0):.1f}s; {busy:.1f}s busy; "
             f"{steps} steps x {rows / max(1, steps):.1f} decoding rows ({1000 * busy / max(1, steps):.2f} ms/step), "
@@ -96,7 +99,9 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
     print(f"box noise: a limit slice / the one before it: {_fmt(noise)}; load average {min(loads):.1f}-{max(loads):.1f} "
           f"(mean {sum(loads) / len(loads):.1f}); pinning {pinning}")
     for k, v in ratios.items():
-        print(f"{k:8s} x limit per round: {' '.join(f'{x:.3f}' for x in v)}"
+        half = len(v) // 2
+        drift = sum(v[half:]) / max(1, len(v) - half) - sum(v[:half]) / max(1, half)
+        print(f"{k:8s} x limit per round: {' '.join(f'{x:.3f}' for x in v)}  (second half - first half {drift:+.3f})"
               + (f"   x sync: {' '.join(f'{x:.2f}' for x in over_sync[k])}" if k in over_sync else ""))
     print("engine running rows (sampled /get_load, mean over steps) vs the limit's: "
           + ", ".join(f"{k} {r['mean']['occupancy']:.1f} ({r['mean']['occupancy'] / lim_rows:.2f}x)" for k, r in res.items()))

@@ -13,16 +13,21 @@
    sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
    at most C* in flight), pool (C* in flight), april_kv and pool_kv (the same
    with --reuse-stale-kv: a parked sample resumes on the KV it had instead of
-   being re-prefilled). Before every step a simulated weight update bumps the
-   engine's weight_version and, as a real update does by default, flushes its
-   cache (not for the _kv modes).
+   being re-prefilled; they run on an engine of their own, which nothing
+   flushes). Before every step a simulated weight update bumps the engine's
+   weight_version and, as a real update does by default, flushes its cache
+   (not for the _kv modes).
 4. The limit: C* requests in flight the whole time on a second engine (same
    command, same pinning), one steady state measured in slices: its unfinished
    samples continue on their KV from one slice to the next (no weight update
    touches that engine), and a slice counts the engine's generated tokens
    between 0.3 s after its start and its stop. It is an upper bound: no
    re-prefill, no ramp, no drain.
-5. Noise control: the engines run pinned to one CPU (--engine-cpus) and this
+5. Warm-up: each partial mode and the limit first run --warmup-seconds (30)
+   unmeasured, so that both are measured in the steady state of the long
+   tail (a 3,072-token sample needs ~3,000 decode steps; until the buffer and
+   the limit's carry hold their share of long contexts, steps are cheaper).
+6. Noise control: the engines run pinned to one CPU (--engine-cpus) and this
    driver and the routers to the others (--driver-cpus), the same for every
    mode and the limit. Every mode step is followed by a limit slice as long as
    the step (1-4 s), so each round's ratio compares measurements taken seconds
@@ -30,7 +35,7 @@
    is within --target-spread (0.05) after --min-rounds (4), at most --rounds
    (8). The box's own noise is printed: how much one limit slice differs from
    the previous one, and the load average.
-6. Prints per mode: tok/s, the ratio to the limit (mean over rounds +- the
+7. Prints per mode: tok/s, the ratio to the limit (mean over rounds +- the
    half-width of its 90% interval, and the std), the ratio to sync, per-round
    ratios, the off-policy token ratio, engine running rows against the
    limit's, a per-step breakdown (time to target, drain and abort->idle, time
@@ -88,9 +93,11 @@ async def main_async(opts, workdir):
     # Two engine groups, the same command and pinning: the modes' and the limit's. The limit never sees the
     # modes' cache flushes, so its in-flight samples continue on their KV from one slice to the next (an
     # honest upper bound); on one engine every slice would start by re-prefilling them.
+    # A third for the --reuse-stale-kv modes, whose parked samples' KV the other modes' flushes would drop.
     with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines, \
-            EngineGroup(probe, log_dir=os.path.join(workdir, "limit_logs")) as limit_engines:
-        pinning = pin_processes([engines, limit_engines], opts.engine_cpus, opts.driver_cpus)
+            EngineGroup(probe, log_dir=os.path.join(workdir, "limit_logs")) as limit_engines, \
+            EngineGroup(probe, log_dir=os.path.join(workdir, "kv_logs")) as kv_engines:
+        pinning = pin_processes([engines, limit_engines, kv_engines], opts.engine_cpus, opts.driver_cpus)
         print(f"pinning: {pinning}", flush=True)
         # one HTTP session for every mode and the limit: connections to the routers stay open across steps
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(opts.concurrencies) + 64)) as http:
@@ -129,9 +136,23 @@ async def main_async(opts, workdir):
             }
             if not opts.no_stale_kv_modes:  # the same two modes resuming on the KV they had (no re-prefill)
                 for k in ("april", "pool"):
-                    runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), engines,
+                    runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), kv_engines,
                                                     http, opts.seed, opts.n, opts.cap, vocab, opts.scale)
             limit = LimitRunner(probe, limit_engines, http, c_star, ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale))
+            # Warm-up, not measured: the long tail takes a while to reach its steady state (a 3,072-token
+            # sample needs ~3,000 decode steps), in the limit's carry as in each partial mode's buffer; until
+            # then contexts are shorter and steps cheaper, and a mode or the limit measured earlier in its
+            # own warm-up than the other would look better than it is.
+            t_warm = time.monotonic()
+            for k, runner in runners.items():
+                if runner.args.partial_rollout and opts.warmup_seconds > 0:
+                    await runner.run_for(opts.warmup_seconds, 1)
+                    runner.reset_measurements()
+            if opts.warmup_seconds > 0:
+                await limit.slice(opts.warmup_seconds)
+                limit.reset_measurements()
+            print(f"warm-up: {time.monotonic() - t_warm:.0f}s ({opts.warmup_seconds:.0f}s of rollout per partial mode "
+                  f"and of the limit)", flush=True)
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
             # Every mode step is followed by a slice of the limit as long as the step (within
@@ -188,6 +209,9 @@ class LimitRunner:
         self.seconds.append(seconds)
         return tps
 
+    def reset_measurements(self) -> None:
+        self.slices, self.seconds, self.running, self.engine = [], [], [], {}
+
     @property
     def tok_s(self) -> float:
         return sum(t * s for t, s in zip(self.slices, self.seconds)) / sum(self.seconds)
@@ -237,6 +261,8 @@ def main(argv=None):
     p.add_argument("--min-steps", type=int, default=2, help="at least this many steps per mode per round")
     p.add_argument("--limit-seconds", type=float, default=4.0, help="longest limit slice (one after each mode step)")
     p.add_argument("--limit-min-seconds", type=float, default=1.0, help="shortest limit slice")
+    p.add_argument("--warmup-seconds", type=float, default=30.0,
+                   help="unmeasured rollout time of each partial mode and of the limit first (to the steady state)")
     p.add_argument("--engine-cpus", default=None, help="CPUs for the engines, e.g. '1' (default: the last CPU)")
     p.add_argument("--driver-cpus", default=None, help="CPUs for this driver and the routers (default: the others)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")

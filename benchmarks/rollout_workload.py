@@ -218,6 +218,13 @@ class ModeRunner:
         self.rounds.append(tokens / wall)
         return wall
 
+    def reset_measurements(self) -> None:
+        """Forget what was measured so far (after a warm-up); the buffer and its parked samples stay."""
+        self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
+        self.rounds = []
+        self.stats = {k: [] for k in STAT_KEYS}
+        self.engine = {}
+
     def result(self) -> dict:
         mean = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.stats.items()}
         return {"tok_s": self.tokens / self.wall, "wall_s": self.wall, "steps": self.step, "rounds": self.rounds,

@@ -96,27 +96,31 @@ class PagedBatch:
         buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving)
         ids: list[int] = []
         pos: list[int] = []
-        row_of: list[int] = []
+        slots: list[int] = []  # pool slot of each packed token: its row's block for the position, and offset
         last = [0] * len(segments)  # packed index of each segment's last token
         for bk in buckets:
             for i in bk.segments:
                 row, toks, _ = segments[i]
                 q, p0 = shapes[i][0], shapes[i][1]
+                blocks = self._blocks[row]
                 ids.extend(toks)
                 if q == 1:
                     pos.append(p0)
-                    row_of.append(row)
+                    slots.append(blocks[p0 // bs] * bs + p0 % bs)
                 else:
                     pos.extend(range(p0, p0 + q))
-                    row_of.extend([row] * q)
+                    p, end = p0, p0 + q
+                    while p < end:  # one run of consecutive slots per block
+                        stop = min(end, (p // bs + 1) * bs)
+                        base = blocks[p // bs] * bs - (p // bs) * bs
+                        slots.extend(range(base + p, base + stop))
+                        p = stop
                 last[i] = len(ids) - 1
         keep = [last[i] for i, seg in enumerate(segments) if seg[2]]
-        pos_t = torch.tensor(pos, dtype=torch.long)
-        rows_t = torch.tensor(row_of, dtype=torch.long)
-        slots = self.tables[rows_t, pos_t // bs] * bs + pos_t % bs
-        plan = self.last_plan = StepPlan(self.pool, slots, buckets, self.kernel)
-        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos_t.unsqueeze(0),
-                         use_cache=False, logits_to_keep=torch.tensor(keep, dtype=torch.long), paged_step=plan)
+        packed = torch.tensor([ids, pos, slots], dtype=torch.long)
+        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel)
+        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], use_cache=False,
+                         logits_to_keep=torch.tensor(keep, dtype=torch.long), paged_step=plan)
         for row, toks, _ in segments:
             self._cached[row] += len(toks)
         return out.logits[0]

@@ -42,6 +42,7 @@ class Bucket:
     m: int
     blocks: torch.Tensor  # [b * m] block ids (rows padded with whatever their table holds; masked)
     limit: torch.Tensor  # [b, q] last key position each cell may attend (its own position)
+    keys: int | None = None  # decode buckets whose rows all attend this many keys need no mask
     start: int = 0
     _masks: dict = field(default_factory=dict)
 
@@ -71,7 +72,8 @@ class StepPlan:
 
 def _eager(q, k, v, mask, scale):
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
@@ -151,7 +153,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             continue
         k, v = pool.gather(layer, bk.blocks, b)
         q = q.view(b, hkv, g, d).transpose(0, 1)  # [Hkv, b, G, D]: a KV head's G query heads as G queries
-        mask = bk.mask(g, bs)
+        if bk.keys is not None:  # no padding: attend exactly the rows' keys, no mask (SDPA's fast path)
+            k, v, mask = k[:, :, : bk.keys], v[:, :, : bk.keys], None
+        else:
+            mask = bk.mask(g, bs)
         if plan.kernel == "eager":
             o = _eager(q, k, v, mask, scaling)
         else:
@@ -202,7 +207,11 @@ def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, blo
 
 
 def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> Bucket:
-    p0 = torch.tensor([segments[i][1] for i in idx], dtype=torch.long)
-    rows = torch.tensor([segments[i][2] for i in idx], dtype=torch.long)
-    blocks = tables.index_select(0, rows)[:, :m].reshape(-1)
-    return Bucket(idx, q, m, blocks, p0.unsqueeze(1) + torch.arange(q, dtype=torch.long))
+    starts = [segments[i][1] for i in idx]
+    if len(idx) == 1:
+        blocks = tables[segments[idx[0]][2], :m]
+    else:
+        blocks = tables.index_select(0, torch.tensor([segments[i][2] for i in idx], dtype=torch.long))[:, :m].reshape(-1)
+    limit = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q, dtype=torch.long)
+    same = q == 1 and min(starts) == max(starts)
+    return Bucket(idx, q, m, blocks, limit, keys=starts[0] + 1 if same else None)

@@ -100,8 +100,8 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
           f"(mean {sum(loads) / len(loads):.1f}); pinning {pinning}")
     for k, v in ratios.items():
         half = len(v) // 2
-        drift = sum(v[half:]) / max(1, len(v) - half) - sum(v[:half]) / max(1, half)
-        print(f"{k:8s} x limit per round: {' '.join(f'{x:.3f}' for x in v)}  (second half - first half {drift:+.3f})"
+        drift = f"  (second half - first half {sum(v[half:]) / (len(v) - half) - sum(v[:half]) / half:+.3f})" if half else ""
+        print(f"{k:8s} x limit per round: {' '.join(f'{x:.3f}' for x in v)}{drift}"
               + (f"   x sync: {' '.join(f'{x:.2f}' for x in over_sync[k])}" if k in over_sync else ""))
     print("engine running rows (sampled /get_load, mean over steps) vs the limit's: "
           + ", ".join(f"{k} {r['mean']['occupancy']:.1f} ({r['mean']['occupancy'] / lim_rows:.2f}x)" for k, r in res.items()))

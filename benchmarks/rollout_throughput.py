@@ -23,10 +23,11 @@
    touches that engine), and a slice counts the engine's generated tokens
    between 0.3 s after its start and its stop. It is an upper bound: no
    re-prefill, no ramp, no drain.
-5. Warm-up: each partial mode and the limit first run --warmup-seconds (30)
-   unmeasured, so that both are measured in the steady state of the long
-   tail (a 3,072-token sample needs ~3,000 decode steps; until the buffer and
-   the limit's carry hold their share of long contexts, steps are cheaper).
+5. Warm-up: each partial mode and the limit first run unmeasured until their
+   engine has taken --warmup-steps steps (default: the longest budget, 3,072),
+   so that both are measured in the long tail's steady state: until the
+   buffer and the limit's carry hold their share of long contexts, steps are
+   cheaper and, for the modes, re-prefills shorter.
 6. Noise control: the engines run pinned to one CPU (--engine-cpus) and this
    driver and the routers to the others (--driver-cpus), the same for every
    mode and the limit. Every mode step is followed by a limit slice as long as
@@ -139,20 +140,16 @@ async def main_async(opts, workdir):
                     runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), kv_engines,
                                                     http, opts.seed, opts.n, opts.cap, vocab, opts.scale)
             limit = LimitRunner(probe, limit_engines, http, c_star, ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale))
-            # Warm-up, not measured: the long tail takes a while to reach its steady state (a 3,072-token
-            # sample needs ~3,000 decode steps), in the limit's carry as in each partial mode's buffer; until
-            # then contexts are shorter and steps cheaper, and a mode or the limit measured earlier in its
-            # own warm-up than the other would look better than it is.
+            # Warm-up, not measured: the long tail takes a while to reach its steady state (the longest
+            # sample needs as many decode steps as its budget), in the limit's carry as in each partial mode's
+            # buffer; until then contexts are shorter and steps cheaper, and a mode or the limit measured
+            # earlier in its own warm-up than the other would look better than it is.
+            warm_steps = opts.scale * opts.cap if opts.warmup_steps is None else opts.warmup_steps
             t_warm = time.monotonic()
-            for k, runner in runners.items():
-                if runner.args.partial_rollout and opts.warmup_seconds > 0:
-                    await runner.run_for(opts.warmup_seconds, 1)
-                    runner.reset_measurements()
-            if opts.warmup_seconds > 0:
-                await limit.slice(opts.warmup_seconds)
-                limit.reset_measurements()
-            print(f"warm-up: {time.monotonic() - t_warm:.0f}s ({opts.warmup_seconds:.0f}s of rollout per partial mode "
-                  f"and of the limit)", flush=True)
+            warm = {k: await r.warm_up(warm_steps) for k, r in runners.items() if r.args.partial_rollout}
+            await limit.warm_up(warm_steps)
+            print(f"warm-up: {time.monotonic() - t_warm:.0f}s, {warm_steps} engine steps per partial mode "
+                  f"({', '.join(f'{k} {n} rollout steps' for k, n in warm.items())}) and for the limit", flush=True)
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
             # Every mode step is followed by a slice of the limit as long as the step (within
@@ -209,6 +206,12 @@ class LimitRunner:
         self.seconds.append(seconds)
         return tps
 
+    async def warm_up(self, engine_steps: int) -> None:
+        """Slices (not measured) until the engine ran `engine_steps` forward steps."""
+        while self.engine.get("decode_steps", 0) + self.engine.get("mixed_steps", 0) < engine_steps:
+            await self.slice(4.0)
+        self.reset_measurements()
+
     def reset_measurements(self) -> None:
         self.slices, self.seconds, self.running, self.engine = [], [], [], {}
 
@@ -261,8 +264,9 @@ def main(argv=None):
     p.add_argument("--min-steps", type=int, default=2, help="at least this many steps per mode per round")
     p.add_argument("--limit-seconds", type=float, default=4.0, help="longest limit slice (one after each mode step)")
     p.add_argument("--limit-min-seconds", type=float, default=1.0, help="shortest limit slice")
-    p.add_argument("--warmup-seconds", type=float, default=30.0,
-                   help="unmeasured rollout time of each partial mode and of the limit first (to the steady state)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="engine steps each partial mode and the limit run first, unmeasured, to reach the long "
+                        "tail's steady state (default: the longest budget, --scale x --cap)")
     p.add_argument("--engine-cpus", default=None, help="CPUs for the engines, e.g. '1' (default: the last CPU)")
     p.add_argument("--driver-cpus", default=None, help="CPUs for this driver and the routers (default: the others)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")

@@ -218,6 +218,16 @@ class ModeRunner:
         self.rounds.append(tokens / wall)
         return wall
 
+    async def warm_up(self, engine_steps: int) -> int:
+        """Steps (not measured) until the engine ran `engine_steps` forward steps for this mode; returns
+        how many rollout steps that took."""
+        done = 0
+        while self.engine.get("decode_steps", 0) + self.engine.get("mixed_steps", 0) < engine_steps:
+            await self.run_for(0.0, 1)
+            done += 1
+        self.reset_measurements()
+        return done
+
     def reset_measurements(self) -> None:
         """Forget what was measured so far (after a warm-up); the buffer and its parked samples stay."""
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0

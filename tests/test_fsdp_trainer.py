@@ -12,7 +12,7 @@ import torch
 from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import flatten_groups
+from slime.backends.training_utils.data import flatten_groups
 from slime.backends.fsdp_utils.update_weight import full_state_dict
 from slime.utils.types import Status
 
@@ -60,7 +60,7 @@ def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_tra
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
     rt_items = [it for g in flatten_groups(groups)[0] for it in g]
-    from slime.backends.fsdp_utils.loss import compute_rollout_tensors
+    from slime.backends.training_utils.loss import compute_rollout_tensors
 
     rt = compute_rollout_tensors(t.args, flatten_groups(groups)[0], t._log_probs(t.model, rt_items), None)
     assert all(torch.allclose(w, torch.ones_like(w), atol=1e-5) for w in rt.tis_weights)

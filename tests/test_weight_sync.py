@@ -10,7 +10,7 @@ import torch
 from test_fsdp_helpers import make_args, make_groups, make_model_dir
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import flatten_groups
+from slime.backends.training_utils.data import flatten_groups
 from slime.backends.hf_engine.testing import EngineServer
 from slime.utils.types import Sample
 

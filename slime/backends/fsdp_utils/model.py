@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.fsdp_utils.data import Batch, TrainItem, collate, response_slices
+from slime.backends.training_utils.data import Batch, TrainItem, collate, response_slices
 from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
 logger = logging.getLogger(__name__)

@@ -213,7 +213,8 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP (padded rows never get probability)")
+                   help="pad the vocabulary to a multiple of lcm(this, TP) (padded rows never get probability; "
+                        "one padded size for every TP that divides it, so checkpoints reshard across TP)")
 
     m = p.add_argument_group("megatron: model shape (optional; when given, must match --hf-checkpoint's config.json)")
     for name, typ in (("num-layers", int), ("hidden-size", int), ("ffn-hidden-size", int), ("num-attention-heads", int),

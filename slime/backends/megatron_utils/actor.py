@@ -140,18 +140,12 @@ class MegatronTrainer:
     # ------------------------------------------------------------- train ----
     def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
         t0 = time.perf_counter()
-        item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
-        items = [it for g in item_groups for it in g]
-        metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed)}
+        items, rt, metrics = self._prepare(groups)
         if not items:
-            logger.warning("rollout %d: no trainable samples (%d failed); skipping the update", rollout_id, n_failed)
+            logger.warning("rollout %d: no trainable samples (%d failed); skipping the update", rollout_id,
+                           int(metrics["num_failed_excluded"]))
             return metrics
-        old = self._log_probs(self.actor, items)
-        ref = self._log_probs(self.ref, items) if self.ref is not None else None
-        rt = compute_rollout_tensors(self.args, item_groups, old, ref)
-        metrics.update(rt.metrics)
         metrics["old_logprob_time_s"] = time.perf_counter() - t0
-
         steps = split_steps(len(items), self.args.global_batch_size)
         sums: dict[str, float] = defaultdict(float)
         for positions in steps:
@@ -165,20 +159,45 @@ class MegatronTrainer:
                     policy_version, len(items), len(steps), metrics.get("loss", 0.0), metrics.get("grad_norm", 0.0))
         return metrics
 
+    def _prepare(self, groups: list[list[Sample]]) -> tuple[list[TrainItem], RolloutTensors | None, dict]:
+        """Samples → items, old / reference log-probs, advantages and TIS weights."""
+        item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
+        items = [it for g in item_groups for it in g]
+        metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed)}
+        if not items:
+            return items, None, metrics
+        old = self._log_probs(self.actor, items)
+        ref = self._log_probs(self.ref, items) if self.ref is not None else None
+        rt = compute_rollout_tensors(self.args, item_groups, old, ref)
+        metrics.update(rt.metrics)
+        return items, rt, metrics
+
     def _train_step(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
+        parts = self._accumulate_grads(step_items, rt)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("the Megatron optimizer skipped its step (non-finite gradients)")
+        self.scheduler.step(increment=1)
+        keys = self._metric_keys()
+        out = dict(zip(keys, parallel.dp_sum([parts.get(k, 0.0) for k in keys])))
+        out["grad_norm"] = float(grad_norm)
+        return out
+
+    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
+        """Forward / backward over this replica's micro-batches of one
+        optimizer step, then the gradient reductions; returns this replica's
+        metric parts."""
         from megatron.core.distributed import finalize_model_grads
 
         lay, args = self.layout, self.args
         num_tokens = float(sum(float(it.loss_mask.sum()) for it in step_items))
         num_samples = float(len(step_items))
-        mbs = self._micro_batches(shard(step_items, lay.dp_rank, lay.dp_size))
-        parts: dict[str, float] = defaultdict(float)
         model = self.actor.model
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        entropy_grad = args.entropy_coef != 0.0
-        for mb in mbs:
-            lps, ents, _ = self._forward(self.actor, mb, with_entropy=True, entropy_grad=entropy_grad)
+        parts: dict[str, float] = defaultdict(float)
+        for mb in self._micro_batches(shard(step_items, lay.dp_rank, lay.dp_size)):
+            lps, ents, _ = self._forward(self.actor, mb, with_entropy=True, entropy_grad=args.entropy_coef != 0.0)
             loss, m = micro_batch_loss(args, lps, ents, [it.pos for it in mb], [it.loss_mask for it in mb], rt,
                                        num_tokens, num_samples)
             m["loss"] = float(loss.detach())
@@ -187,15 +206,7 @@ class MegatronTrainer:
             # Megatron's DDP averages gradients over replicas; the loss is already a global mean
             (loss * lay.dp_size).backward()
         finalize_model_grads([model])  # DP all-reduce + the TP-replicated (q/k-norm) gradients
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("the Megatron optimizer skipped its step (non-finite gradients)")
-        self.scheduler.step(increment=1)
-        keys = self._metric_keys()
-        totals = parallel.dp_sum([parts.get(k, 0.0) for k in keys])
-        out = dict(zip(keys, totals))
-        out["grad_norm"] = float(grad_norm)
-        return out
+        return parts
 
     # ---------------------------------------------------- weights, ckpt ----
     def update_weights(self, urls: list[str], version: int) -> dict[str, float]:

@@ -78,7 +78,7 @@ def save_model(built, path: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_model_sharded(built), path)
+    dist_checkpointing.save({"model": _model_sharded(built)}, path)
 
 
 def load_model(built, path: str) -> None:
@@ -88,9 +88,9 @@ def load_model(built, path: str) -> None:
     where = model_dir_of(path)
     if where is None:
         raise FileNotFoundError(f"{path!r} holds no megatron model checkpoint (no metadata.json)")
-    sharded = _model_sharded(built)
-    loaded = dist_checkpointing.load(sharded, where)
-    built.core.load_state_dict(loaded, strict=True)
+    # {"model": ...} as megatron-LM (and slime's converter) store it; the rest of the file is ignored
+    loaded = dist_checkpointing.load({"model": _model_sharded(built)}, where)
+    built.core.load_state_dict(loaded["model"], strict=True)
     logger.info("loaded model weights from %s", where)
 
 
@@ -238,6 +238,10 @@ def load(trainer, path: str) -> None:
     if meta.get("backend") != "megatron":
         raise ValueError(f"{path}: a checkpoint of the {meta.get('backend', 'fsdp')} backend; "
                          f"it cannot be resumed with --train-backend megatron")
+    if bool(meta["distributed_optimizer"]) != bool(trainer.args.use_distributed_optimizer):
+        raise ValueError(f"{path}: saved {'with' if meta['distributed_optimizer'] else 'without'} "
+                         f"--use-distributed-optimizer; resume {'with' if meta['distributed_optimizer'] else 'without'} "
+                         "it too (the two optimizers store their state differently)")
     load_state(trainer, os.path.join(path, "torch_dist"))
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     same_layout = (meta["tp"], meta["dp"]) == (trainer.layout.tp_size, trainer.layout.dp_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -9,8 +11,12 @@ from slime.utils.model_shape import ModelShape
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's vocabulary padding: a multiple of divisible_by x TP."""
-    multiple = divisible_by * tp
+    """The vocabulary padded to a multiple of lcm(divisible_by, TP).
+    Megatron-LM pads to divisible_by x TP, which changes the embedding's
+    global shape with TP (Qwen3's 151936 rows become 152064 at TP=2) and so
+    breaks resuming a checkpoint at another TP; lcm keeps one shape for
+    every TP that divides divisible_by (1..128 by default)."""
+    multiple = math.lcm(divisible_by, tp)
     return -(-vocab_size // multiple) * multiple
 
 
@@ -48,7 +54,9 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=not use_cuda,
-        perform_initialization=False,  # every weight is loaded (HF or checkpoint)
+        # (weights are loaded afterwards, but initialisation is also what marks TP-split parameters:
+        # without it the grad norm counts only rank 0's shards)
+        perform_initialization=True,
         # fused kernels come from apex / TE, which this backend does not use
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,

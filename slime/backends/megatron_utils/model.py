@@ -45,8 +45,7 @@ def layer_spec(args, shape: ModelShape):
 
 
 def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool) -> Built:
-    """Collective over the TP group only at forward time; weights are
-    uninitialised until `load_full` / a checkpoint fills them."""
+    """Weights are randomly initialised until `load_hf` / a checkpoint fills them."""
     from megatron.core.models.gpt import GPTModel
 
     cfg = transformer_config(args, shape, tp, use_cuda())
@@ -151,7 +150,8 @@ def vocab_parallel_log_probs(logits: Tensor, targets: Tensor, temperature: float
     lse = tp_sum(exp.sum(-1)).log()
     local_t = targets - start
     mine = (local_t >= 0) & (local_t < v_local)
-    picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+    picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: padded columns hold -inf
     log_probs = tp_sum(picked) - lse
     ent = None
     if with_entropy:

@@ -244,8 +244,11 @@ class MegatronTrainer:
         return self.rank
 
     def shutdown(self) -> None:
+        if self.layout is None:  # never initialised, or already shut down
+            return
         if self.updater is not None:
             self.updater.close()
             self.updater = None
         parallel.destroy_parallel(self._owns_pg)
         self._owns_pg = False
+        self.layout = None

@@ -3,8 +3,8 @@
 megatron-core 0.16 asks CUDA for things it does not need on CPU: the current
 device, `torch.cuda.synchronize`, the CUDA RNG (dropout / init forks),
 `device="cuda"` tensors in the optimizer, DDP buffers, grad clipping and the
-causal mask, `Tensor.cuda()`, and `param.type() == "torch.cuda.FloatTensor"`
-checks. This module answers them with the CPU from the outside (no edits to
+causal mask, `Tensor.cuda()`, `param.type() == "torch.cuda.FloatTensor"`
+checks, and the CUDA RNG state that recompute saves and restores. This module answers them with the CPU from the outside (no edits to
 megatron's files): it patches a few torch functions process-wide, once.
 What megatron does without it: /work/shared/megatron-cpu.md.
 
@@ -121,6 +121,9 @@ def apply() -> None:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.manual_seed = lambda *args, **kwargs: None
+        # recompute (activation checkpointing) saves and restores "the CUDA RNG": here, the CPU one
+        mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+        mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
         # model_parallel_cuda_manual_seed() reuses an initialised tracker: give it ours
         mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

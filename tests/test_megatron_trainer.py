@@ -236,3 +236,18 @@ def test_bf16_and_full_recompute_train(make_trainer, model_dir):
     assert m_bf["loss"] == pytest.approx(m_ref["loss"], abs=2e-2)  # bf16 tolerance
     w_bf = full_weights(bf)
     assert max_diff(w_bf, w_ref) < 5e-2
+
+
+def test_cpu_shim_leaves_transformers_alone(make_trainer, tmp_path):
+    """The shim is process-wide once applied: HF models built and loaded afterwards are intact
+    (a global patch of torch's factories once left their RoPE buffers uninitialised)."""
+    from transformers import AutoModelForCausalLM
+
+    make_trainer()
+    d = make_model_dir(tmp_path / "after_shim", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    head_dim = model.config.head_dim
+    theta = model.config.rope_parameters["rope_theta"]
+    want = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    assert torch.allclose(model.model.rotary_emb.inv_freq, want)
+    assert torch.zeros(2).device.type == "cpu" and torch.zeros is torch._C._VariableFunctions.zeros

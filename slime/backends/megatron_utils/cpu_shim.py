@@ -4,24 +4,29 @@ megatron-core 0.16 asks CUDA for things it does not need on CPU: the current
 device, `torch.cuda.synchronize`, the CUDA RNG (dropout / init forks),
 `device="cuda"` tensors in the optimizer, DDP buffers, grad clipping and the
 causal mask, `Tensor.cuda()`, `param.type() == "torch.cuda.FloatTensor"`
-checks, and the CUDA RNG state that recompute saves and restores. This module answers them with the CPU from the outside (no edits to
-megatron's files): it patches a few torch functions process-wide, once.
-What megatron does without it: /work/shared/megatron-cpu.md.
+checks, and the CUDA RNG state that recompute saves and restores. This
+module answers them with the CPU from the outside (no edits to megatron's
+files), once per process. What megatron does without it:
+/work/shared/megatron-cpu.md.
 
 Applied only when CUDA is absent (`parallel.prepare_platform`); the GPU path
-never imports it. In a CPU-only process the patches only turn calls that
-would raise ("Torch not compiled with CUDA enabled") into CPU calls; the one
-visible change is that `Tensor.type()` names CPU tensors `torch.cuda.*`.
-(A TorchFunctionMode would do the same per thread, at ~40% of a tiny
-model's step time: every op would go through Python.)
+never imports it. `device="cuda"` factories are redirected only inside the
+megatron modules that call them (their `torch` global becomes a proxy): a
+process-wide patch of `torch.zeros` & co. confuses torch's own device
+contexts (transformers then loads models with garbage RoPE buffers). The
+process-wide patches only turn calls that would raise ("Torch not compiled
+with CUDA enabled") into CPU calls; the one visible change is that
+`Tensor.type()` names CPU tensors `torch.cuda.*`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import threading
+import types
 
 import torch
 
@@ -29,9 +34,22 @@ logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _APPLIED = threading.Event()
-# torch factories megatron calls with device="cuda"
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "empty_like", "zeros_like",
-              "ones_like")
+# torch factories megatron calls with device="cuda", and the megatron modules that do
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "empty_like",
+                        "zeros_like", "ones_like"})
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.pipeline_parallel.schedules",
+)
 
 
 def _is_cuda(device) -> bool:
@@ -48,6 +66,18 @@ def _cpu_factory(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as one megatron module sees it: factories create CPU tensors
+    where megatron asks for CUDA ones; everything else is torch itself."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        return _cpu_factory(attr) if name in _FACTORIES else attr
 
 
 def _cuda_type_name(original):
@@ -114,8 +144,9 @@ def apply() -> None:
             return
         from megatron.core.tensor_parallel import random as mrandom
 
-        for name in _FACTORIES:
-            setattr(torch, name, _cpu_factory(getattr(torch, name)))
+        proxy = _CpuTorch()
+        for name in _CUDA_FACTORY_MODULES:
+            importlib.import_module(name).torch = proxy
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
         torch.Tensor.type = _cuda_type_name(torch.Tensor.type)
         torch.cuda.current_device = lambda: "cpu"

@@ -138,11 +138,9 @@ def flag_mismatches(args, shape: ModelShape, where: str) -> list[str]:
         want = getattr(shape, field)
         if (given != want) if not isinstance(want, float) else abs(float(given) - want) > 1e-12 * max(1.0, abs(want)):
             errors.append(f"--{flag.replace('_', '-')} {given} but {where} says {want}")
-    for flag, want in _bool_flags(shape).items():
-        given = getattr(args, flag)
-        if given is not None and bool(given) != want:
-            errors.append(f"--{flag.replace('_', '-')} is set but {where} describes a model without it"
-                          if given else f"--{flag.replace('_', '-')} is off but {where} needs it")
+    for flag, want in _bool_flags(shape).items():  # store_true flags: None when not given
+        if getattr(args, flag) and not want:
+            errors.append(f"--{flag.replace('_', '-')} is set but {where} describes a model without it")
     if args.normalization is not None and args.normalization != "RMSNorm":
         errors.append(f"--normalization {args.normalization}: {where} uses RMSNorm")
     if args.position_embedding_type is not None and args.position_embedding_type != "rope":

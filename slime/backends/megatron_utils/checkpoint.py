@@ -107,15 +107,28 @@ def _optimizer_sharded(trainer, model_sharded: dict, is_loading: bool) -> dict:
     return opt.sharded_state_dict(model_sharded, is_loading=is_loading)
 
 
+def _torch_adam() -> bool:
+    """The traps below are those of megatron's torch-Adam fallback (no apex / TransformerEngine); with
+    TE's FusedAdam the step lives in the param groups and megatron's own path is used."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    return not HAVE_APEX_OR_TE
+
+
 def _init_optimizer_state(optimizers) -> None:
-    """Trap (a): without apex/TE the distributed optimizer's `state_dict()`
-    reads a `step` from every parameter's Adam state, and a fresh optimizer
-    has none (`assert len(steps) == 1`, or `KeyError: 'step'` after megatron's
-    own `init_state_fn`). Zero moments and step 0 are exactly a fresh Adam."""
+    """Trap (a): the distributed optimizer's `state_dict()` needs Adam's
+    state to exist; without apex/TE it also reads a `step` from every
+    parameter's state, and a fresh optimizer has none (`assert len(steps) ==
+    1`, or `KeyError: 'step'` after megatron's own `init_state_fn`). Zero
+    moments and step 0 are exactly a fresh Adam."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for o in optimizers:
         if not isinstance(o, DistributedOptimizer):
+            continue
+        if not _torch_adam():
+            if not o.optimizer.state:
+                o.init_state_fn(o.optimizer, o.config)
             continue
         for group in o.optimizer.param_groups:
             for p in group["params"]:
@@ -136,8 +149,9 @@ def _load_optimizer(opt, inner: list, state: dict) -> None:
     require grad, hence `no_grad`."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if not any(isinstance(o, DistributedOptimizer) for o in inner):
-        opt.load_state_dict(state)
+    if not any(isinstance(o, DistributedOptimizer) for o in inner) or not _torch_adam():
+        with torch.no_grad():
+            opt.load_state_dict(state)
         return
     if len(inner) != 1:
         raise NotImplementedError(f"checkpoint load: {len(inner)} chained distributed optimizers (MoE?)")
@@ -156,6 +170,8 @@ def _load_optimizer(opt, inner: list, state: dict) -> None:
 def _restore_steps(optimizers, step: int) -> None:
     """Trap (c): after a load, every parameter needs its own `step` tensor
     (a shared or missing one makes Adam's bias correction wrong)."""
+    if not _torch_adam():
+        return
     for o in optimizers:
         for st in o.optimizer.state.values():
             if st:

@@ -103,5 +103,6 @@ def dp_all_gather_object(obj) -> list:
     from megatron.core import parallel_state as mpu
 
     out: list = [None] * mpu.get_data_parallel_world_size()
-    dist.all_gather_object(out, obj, group=mpu.get_data_parallel_group(with_context_parallel=False))
+    # the gloo twin of the DP group: pickled objects stay on the CPU even where the DP group is NCCL
+    dist.all_gather_object(out, obj, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
     return out

@@ -48,12 +48,13 @@ def gather_full(built: Built, layout: Layout) -> Iterator[tuple[str, torch.Tenso
 
 
 def gather_hf_weights(built: Built, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: HF-named CPU tensors on global rank 0; other ranks take
-    part in the gathers and yield nothing."""
+    """Collective: HF-named tensors (on the trainer's device, so a GPU
+    broadcast never round-trips through the host) on global rank 0; other
+    ranks take part in the gathers and yield nothing."""
     for name, full in gather_full(built, layout):
         if layout.rank == 0:
             for hf_name, t in hf_weights.full_to_hf(name, full, built.shape):
-                yield hf_name, t.to("cpu", copy=True).contiguous()
+                yield hf_name, t.detach().clone(memory_format=torch.contiguous_format)
 
 
 class MegatronWeightUpdater(WeightUpdater):
@@ -89,7 +90,7 @@ def write_hf_dir(state: dict[str, torch.Tensor], path: str, origin_hf_dir: str |
         if shards[-1] and size + nbytes > SAFETENSORS_SHARD_BYTES:
             shards.append({})
             size = 0
-        shards[-1][name] = t.contiguous()
+        shards[-1][name] = t.detach().cpu().contiguous()
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

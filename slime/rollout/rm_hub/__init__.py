@@ -21,8 +21,8 @@ import math
 import numbers
 
 from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
-from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
-from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, labels_of
+from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer
+from slime.rollout.rm_hub.math_utils import extract_boxed_answer
 from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
 from slime.rollout.rm_hub.remote_rm import remote_rm
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
@@ -82,7 +82,7 @@ async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
 
     if rm_type == "deepscaler":
         if answer_only:
-            return 1.0 if response and any(answers_match(response, g) for g in labels_of(label)) else 0.0
+            return 1.0 if response and grade_answer(response, label) else 0.0
         return get_deepscaler_rule_based_reward(response, label)
     if rm_type == "dapo":
         return compute_score_dapo_answer(response, label) if answer_only else compute_score_dapo(response, label)

@@ -6,7 +6,10 @@ of its optimizer step (tokens for ``token_mean``, samples for
 ``sample_mean``), counted over all ranks, so that summing micro-batches and
 averaging data-parallel gradients gives exactly the loss of the whole step in
 one batch. Reported metrics use the same denominators and are summed over
-micro-batches and ranks.
+micro-batches and ranks. ``pg_clipfrac`` is the share of tokens where the PPO
+clip is active (upstream slime's definition); with ``--eps-clip-c`` the dual
+clip's share is ``pg_dual_clipfrac`` (GSPO included). Conventions of the loss
+(log-ratio clamp, empty samples, GSPO with TIS) are in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations

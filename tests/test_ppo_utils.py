@@ -279,11 +279,9 @@ def test_token_mean_with_a_fully_masked_sample_divides_by_real_tokens():
     assert aggregate_loss(losses, masks, "sample_mean").item() == pytest.approx((0 + 1.5 + 4) / 3)
 
 
-def test_loss_agg_mode_follows_calculate_per_token_loss():
-    from types import SimpleNamespace
-
-    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=True)) == "token_mean"
-    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=False)) == "sample_mean"
+def test_loss_agg_mode_follows_calculate_per_token_loss(base_args):
+    assert loss_agg_mode(base_args.replace(calculate_per_token_loss=True)) == "token_mean"
+    assert loss_agg_mode(base_args) == "sample_mean"
 
 
 def test_sft_loss_is_negative_masked_mean_log_likelihood():

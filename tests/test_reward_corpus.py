@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from slime.arguments import parse_args
 from slime.rollout.rm_hub import async_rm
 from slime.utils.types import Sample, Status
 
@@ -48,13 +47,8 @@ CASES = [case for rm_type in RM_TYPES for case in load_corpus(rm_type)]
 
 
 @pytest.fixture(scope="module")
-def args_by_type(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus_args")
-    (d / "ckpt").mkdir()
-    (d / "prompts.jsonl").write_text('{"prompt": "1"}\n')
-    base = ["--hf-checkpoint", str(d / "ckpt"), "--prompt-data", str(d / "prompts.jsonl"),
-            "--rollout-batch-size", "1", "--num-rollout", "1"]
-    return {t: parse_args(base + ["--rm-type", t]) for t in RM_TYPES}
+def args_by_type(base_args):
+    return {t: base_args.replace(rm_type=t) for t in RM_TYPES}
 
 
 @pytest.mark.parametrize("rm_type", RM_TYPES)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 
-from slime.rollout.rm_hub import math_expr, math_value
+from slime.rollout.rm_hub.math_expr import NotEvaluable, read
+from slime.rollout.rm_hub.math_value import evaluate, same_value
 from slime.rollout.rm_hub.math_utils import strip_eos_text
 
 MAX_ANSWER_CHARS = 1000  # longer "answers" are compared as raw strings only
@@ -240,8 +241,8 @@ def _elements_equal(a: str, b: str) -> bool:
         return False
     if _WORD.match(a) and _WORD.match(b):  # words are never products of variables (`no` vs `on`)
         return a.casefold() == b.casefold()
-    ea, eb = math_expr.read(a), math_expr.read(b)
-    return ea is not None and eb is not None and math_value.same_value(ea, eb) is True
+    ea, eb = read(a), read(b)
+    return ea is not None and eb is not None and same_value(ea, eb) is True
 
 
 def _unordered_equal(xs: list[str], ys: list[str]) -> bool:
@@ -283,11 +284,11 @@ def answers_match(pred: str, gold: str) -> bool:
 
 def exact_value(normalized: str):
     """The exact rational value of a normalised constant answer (`0.5`, `\\frac{3}{4}`, `2^{10}`), else None."""
-    expr = math_expr.read(normalized)
+    expr = read(normalized)
     if expr is None or expr.variables:
         return None
     try:
-        value = math_value.evaluate(expr)
-    except math_expr.NotEvaluable:
+        value = evaluate(expr)
+    except NotEvaluable:
         return None
     return value if not isinstance(value, complex) else None

@@ -154,6 +154,11 @@ def test_log_ratio_clamp_keeps_the_gradient_straight_through():
     np.testing.assert_allclose(logp.grad.numpy(), [0.0, 0.0, -math.exp(-20), 2 * math.exp(0.1)], rtol=1e-5)
     # no gradient needed: the plain clamp
     assert policy_ratio(torch.tensor([30.0]), torch.zeros(1)).item() == pytest.approx(math.exp(20), rel=1e-6)
+    # an infinite log-ratio stays finite and NaN-free (no gradient there)
+    inf = torch.tensor([float("inf"), 0.0], requires_grad=True)
+    r = policy_ratio(inf, torch.zeros(2))
+    r.sum().backward()
+    assert torch.isfinite(r).all() and torch.isfinite(inf.grad).all() and inf.grad[0] == 0.0
 
 
 def test_policy_loss_gradients_zero_when_clipped_and_ratio_times_adv_otherwise():

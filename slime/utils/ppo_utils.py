@@ -101,7 +101,9 @@ def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
     clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if not log_ratio.requires_grad:
         return clamped
-    return log_ratio + (clamped - log_ratio).detach()
+    straight_through = log_ratio + (clamped - log_ratio).detach()
+    # an infinite log-ratio (a -inf log-prob) has no usable gradient: plain clamp there, never inf - inf = NaN
+    return torch.where(torch.isfinite(log_ratio), straight_through, clamped)
 
 
 def policy_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:

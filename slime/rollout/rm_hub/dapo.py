@@ -46,21 +46,34 @@ _DECORATIONS = ("**", "\\left", "\\right", "\\%", "%", "\\,", "\\!", "\\displays
 _INTEGER_VALUED = re.compile(r"^([+-]?\d+)\.0*$")
 _NUMBER = re.compile(r"^[+-]?\d+(\.\d+)?$")
 _THOUSANDS = re.compile(r"^\d{1,3}(,\d{3})+$")
+_FIRST_MATH_BLOCK = re.compile(r"(.*?)(\$)(.*?)(\$)(.*)")
+_UNWRAP_PATTERNS = tuple(re.compile(r"(\\" + cmd + r"\{)(.*?)(\})") for cmd in ("text", "textbf", "overline", "mathbf"))
+_BOXED = re.compile(r"(\\boxed\{)(.*)(\})")
+_FRAC_SHORT = re.compile(r"(frac)([^{])(.)")
+_SQRT_SHORT = re.compile(r"(sqrt)([^{])")
 
 
 def normalize_final_answer(answer: str) -> str:
     """Minerva normalisation: right of the last `=`, units and TeX wrappers dropped, `frac12` -> `frac{1}{2}`."""
-    s = answer.split("=")[-1].replace("$$", "$")  # display math (ours: DAPO's $...$ step empties `$$42$$`)
+    s = answer.split("=")[-1]
+    bare = s.strip()
+    if bare.isascii() and bare.lstrip("-").isdigit():  # a plain integer: every step below leaves it as is
+        return _canonical_number(bare)
+    s = s.replace("$$", "$")  # display math (ours: DAPO's $...$ step empties `$$42$$`)
     for before, after in _SUBSTITUTIONS:
         s = s.replace(before, after)
     for expr in _REMOVED:
         s = s.replace(expr, "")
-    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", s)  # keep the first $...$ block
-    for cmd in ("text", "textbf", "overline", "mathbf"):  # mathbf: ours
-        s = re.sub(r"(\\" + cmd + r"\{)(.*?)(\})", r"\2", s)
-    s = re.sub(r"(\\boxed\{)(.*)(\})", r"\2", s)
-    s = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", s)
-    s = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", s)
+    if "$" in s:
+        s = _FIRST_MATH_BLOCK.sub(r"$\3$", s)  # keep the first $...$ block
+    if "\\" in s:
+        for pattern in _UNWRAP_PATTERNS:
+            s = pattern.sub(r"\2", s)
+        s = _BOXED.sub(r"\2", s)
+    if "frac" in s:
+        s = _FRAC_SHORT.sub(r"frac{\2}{\3}", s)
+    if "sqrt" in s:
+        s = _SQRT_SHORT.sub(r"sqrt{\2}", s)
     s = s.replace("$", "")
     if _THOUSANDS.match(s):  # DAPO drops every comma between digits; we only thousands separators
         s = s.replace(",", "")

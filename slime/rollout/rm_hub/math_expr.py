@@ -51,6 +51,9 @@ class Expression:
     tree: tuple
     variables: frozenset
     has_decimal: bool  # a literal such as 0.33 or 6.28 (not 2.0): the writer approximated
+    # only numbers, letters other than e and i, pi, + - * / ^ and roots, written unambiguously: every reader
+    # (sympy, math-verify) gives it the value we do, so a different value is a wrong answer for them too
+    plain: bool = False
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
@@ -82,6 +85,7 @@ class _Parser:
         self.toks, self.i, self.depth = tokens, 0, 0
         self.variables: set[str] = set()
         self.has_decimal = False
+        self.plain = True
         self.in_abs = False
 
     def peek(self) -> tuple[str, str]:
@@ -163,6 +167,9 @@ class _Parser:
             node = self.exponent()
             node = ("neg", node) if tok[1] == "-" else node
         else:
+            kind, text = self.peek()
+            if kind == "num" and len(text) > 1:  # x^23: TeX reads x^2 3, plain text x^23
+                self.plain = False
             node = self.postfix()
             if self.peek() == ("op", "^"):  # right associative: 2^3^2 = 2^(3^2)
                 self.take()
@@ -174,6 +181,7 @@ class _Parser:
         node = self.primary()
         while self.peek() == ("op", "!"):
             self.take()
+            self.plain = False
             node = ("fact", node)
         return node
 
@@ -206,6 +214,7 @@ class _Parser:
             if text in "([{":
                 return self.group({"(": ")", "[": "]", "{": "}"}[text])
             if text == "|" and not self.in_abs:
+                self.plain = False
                 return ("abs", self.group("|"))
             raise NotEvaluable(f"unexpected {text!r}")
         name = text[1:]
@@ -216,6 +225,7 @@ class _Parser:
         if name == "frac":
             return ("div", self.argument(), self.argument())
         if name == "binom":
+            self.plain = False
             return ("binom", self.argument(), self.argument())
         if name == "sqrt":
             index = None
@@ -224,10 +234,12 @@ class _Parser:
                 index = self.group("]")
             return ("root", index, self.argument())
         if name in ("lfloor", "lceil"):
+            self.plain = False
             inner = self.sum()
             self.take("\\rfloor" if name == "lfloor" else "\\rceil")
             return (name[1:], inner)
         if name in FUNCTIONS:
+            self.plain = False
             return self.function(name)
         raise NotEvaluable(f"unknown command {tok[1]!r}")
 
@@ -277,4 +289,5 @@ def read(text: str) -> Expression | None:
         tree = parser.parse()
     except NotEvaluable:
         return None
-    return Expression(tree, frozenset(parser.variables), parser.has_decimal)
+    variables = frozenset(parser.variables)
+    return Expression(tree, variables, parser.has_decimal, parser.plain and not variables & {"e", "i"})

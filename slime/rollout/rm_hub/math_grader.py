@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import re
 
-from slime.rollout.rm_hub.math_expr import NotEvaluable, read
-from slime.rollout.rm_hub.math_value import evaluate, same_value
+from slime.rollout.rm_hub.math_expr import read
+from slime.rollout.rm_hub.math_value import same_value
 from slime.rollout.rm_hub.math_utils import strip_eos_text
 
 MAX_ANSWER_CHARS = 1000  # longer "answers" are compared as raw strings only
@@ -282,13 +282,10 @@ def answers_match(pred: str, gold: str) -> bool:
     return normalized_match(normalize_answer(pred), normalize_answer(gold))
 
 
-def exact_value(normalized: str):
-    """The exact rational value of a normalised constant answer (`0.5`, `\\frac{3}{4}`, `2^{10}`), else None."""
-    expr = read(normalized)
-    if expr is None or expr.variables:
-        return None
-    try:
-        value = evaluate(expr)
-    except NotEvaluable:
-        return None
-    return value if not isinstance(value, complex) else None
+def definitely_different(a: str, b: str) -> bool:
+    """Normalised answers that are both plain arithmetic (`math_expr.Expression.plain`) with different values
+    (a decimal approximation of an irrational value counts as different): wrong for any reader."""
+    ea, eb = read(a), read(b)
+    if ea is None or eb is None or not (ea.plain and eb.plain):
+        return False
+    return same_value(ea, eb) is False

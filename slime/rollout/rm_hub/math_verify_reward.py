@@ -6,9 +6,11 @@ last boxed answer, else the last explicit statement (`Answer: ...`, `the answer 
 whatever HF math-verify extracts.
 
 Cheap before slow: for a boxed or stated answer `math_grader` decides first, on the event loop
-(normalised strings, then exact values; bounded): right when they match, wrong when both are
-different exact numbers or different words. Only undecided answers go to math-verify (parse +
-symbolic verify), which runs in a daemon thread under `--reward-timeout`: math-verify's own
+(normalised strings, then values; bounded): right when they match, wrong when both are plain
+arithmetic with different values (`math_grader.definitely_different`: numbers, letters, pi,
++ - * / ^, roots; a decimal approximation of an irrational label included) or different words.
+Only undecided answers go to math-verify (parse + symbolic verify), which runs in a daemon
+thread under `--reward-timeout`: math-verify's own
 timeouts use `signal.alarm`, which works only in the main thread, so we switch them off
 (`parsing_timeout=None`, `timeout_seconds=None`) and bound the call ourselves (`run_in_daemon_thread`).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from slime.rollout.rm_hub.math_grader import answers_match, exact_value, is_word, normalize_answer, normalized_match
+from slime.rollout.rm_hub.math_grader import answers_match, definitely_different, is_word, normalize_answer, normalized_match
 from slime.rollout.rm_hub.math_utils import (
     THINK_END,
     extract_boxed_answer,
@@ -56,11 +58,7 @@ def quick_verdict(answer: str, golds: list[str]) -> bool | None:
         return False  # text answers (`yes`, `no`, `B`): math-verify would read `no` = `on` as products
     if "%" in answer or any("%" in g or _APPROXIMATE_DECIMAL.search(g) for g in golds):
         return None  # math-verify reads percentages and compares to a decimal label with tolerance
-    value = exact_value(pred)
-    if value is None:
-        return None
-    gold_values = [exact_value(g) for g in normalized]
-    if all(v is not None and v != value for v in gold_values):
+    if all(definitely_different(pred, g) for g in normalized):
         return False
     return None
 

@@ -124,6 +124,9 @@ def test_expression_values_exact_inexact_and_undecided():
     assert same_value(read("1/x"), read("1/x")) is True  # points where x is 0 are skipped, not fatal
     assert same_value(read("2^{100000}"), read("3")) is None  # too large to evaluate: undecided
     assert read(r"\mathbb{R}") is None and read("x > 3") is None and read("(1,2)") is None
+    # plain arithmetic (every reader agrees on its value) vs notation others may read differently
+    assert read(r"2\sqrt{3}+\pi x").plain and read(r"\frac{a}{b}").plain
+    assert not any(read(t).plain for t in ("x^23", r"\sin x", "e^2", "i+1", "5!", "|x|", r"\binom{5}{2}"))
 
 
 @pytest.mark.parametrize(

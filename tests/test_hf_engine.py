@@ -320,6 +320,40 @@ def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
     assert gen(server, [1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
 
 
+def test_control_endpoints_type_check_booleans(server):
+    """`{"abort_all": "no"}` used to abort everything (a truthy string); now it is a 400 that aborts nothing."""
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "keep-me", "sampling_params": sp}, 0, box))
+    t.start()
+    try:
+        assert _wait_load(server, "num_waiting_reqs", 1)
+        for body, field in [({"abort_all": "no"}, "abort_all"), ({"rid": 5}, "rid")]:
+            r = server.post("/abort_request", body)
+            assert r.status_code == 400 and field in r.json()["error"]["message"]
+        assert server.get("/get_load").json()[0]["num_waiting_reqs"] == 1  # still there
+        r = server.post("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "no"})
+        assert r.status_code == 400 and "flush_cache" in r.json()["error"]["message"]
+        r = server.post("/update_weight_version", {"new_version": "9", "abort_all_requests": "false"})
+        assert r.status_code == 400 and "abort_all_requests" in r.json()["error"]["message"]
+        assert server.get("/get_weight_version").json()["weight_version"] != "9"
+        assert server.post("/abort_request", {"rid": "keep-me"}).status_code == 200
+        t.join(10)
+        assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        server.post("/continue_generation", {})
+
+
+def _wait_load(server, key, value, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.get("/get_load").json()[0][key] == value:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_nonexistent_model_path_exits_nonzero(tmp_path):
     p = subprocess.run([sys.executable, "-m", "slime.backends.hf_engine", "--model-path", str(tmp_path / "nope"), "--port", "1"],
                        capture_output=True, text=True, timeout=60)

@@ -201,7 +201,7 @@ def test_upstream_slime_http_calls_replayed(stack, models):
     rounds, outs = asyncio.run(rollout_then_abort())
     assert rounds >= 1
     for out in outs:
-        ids, lps, text, version, finish = slime_parse(out)
+        ids, lps, _, version, finish = slime_parse(out)
         assert finish == "abort" and 0 < len(ids) < total and version == "0"
         assert ids == ref_ids[: len(ids)] and lps == pytest.approx(ref_lps[: len(ids)], abs=1e-4)
         # resume by tokens (max_new_tokens reduced by the tokens already generated), as slime's partial rollout does

@@ -94,7 +94,7 @@ def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise BadRequest(f"sampling_params.logit_bias: expected an object {{\"<token id>\": bias}}, got {bias!r}")
     out = {}
-    for key, value in bias.items():
+    for key in bias:
         try:
             tok = int(key)
         except ValueError:

@@ -285,7 +285,12 @@ class Scheduler:
             if group and prefill_tokens + r.num_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            fill_prompt_logprobs(self.model, r)  # no-op unless it asked for prompt log-probs
+            try:
+                fill_prompt_logprobs(self.model, r)  # no-op unless it asked for prompt log-probs
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                logger.exception("prompt log-probs of %s failed", r.rid)
+                self._finish(r, abort_reason(f"engine error: {e}"))
+                continue
             if r.params.max_new_tokens == 0:  # scoring only: nothing to sample
                 self._finish(r, {"type": "length", "length": 0})
                 continue

@@ -8,8 +8,10 @@ passed through to SGLang servers (`args.sglang_extra_args`).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 from typing import Any, Sequence
 
 
@@ -33,8 +35,15 @@ class Args(argparse.Namespace):
         return self
 
     def replace(self, **changes: Any) -> "Args":
-        """A new frozen copy with some values changed (for tests and tools)."""
+        """A new frozen copy with some values changed (for tests and tools); only existing flags can change.
+
+        Derived values (`num_engines`, `eval_datasets`, defaults filled from other flags) are not
+        recomputed: change them too when the flags they come from change.
+        """
         values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        unknown = sorted(set(changes) - set(values))
+        if unknown:
+            raise AttributeError(f"Args.replace: no flag named {unknown[0]!r} (misspelt?)")
         values.update(changes)
         return Args(**values)._freeze()
 
@@ -61,6 +70,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
+    g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -166,12 +176,15 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None, help="reference model (default: --hf-checkpoint)")
+    g.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
+                   help="attention kernel of the FSDP trainer's transformers model")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
     g.add_argument("--update-weights-from-disk", action="store_true",
                    help="sync weights through a saved directory instead of a broadcast group")
@@ -195,7 +208,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", type=str, default="slime-april")
     g.add_argument("--wandb-group", type=str, default=None)
     g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
-    g.add_argument("--run-dir", type=str, default=None, help="metrics.jsonl, traces, logs (default: runs/<time>)")
+    g.add_argument("--run-dir", type=str, default=None,
+                   help="metrics.jsonl, traces, logs (default: runs/<date-time> under the working directory)")
 
 
 def _add_debug_args(p: argparse.ArgumentParser) -> None:
@@ -253,6 +267,8 @@ def _split_sglang_extra(unknown: list[str]) -> dict[str, str | bool]:
 
 
 def _fill_defaults(a: Args) -> None:
+    if a.run_dir is None:
+        a.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if a.rollout_num_gpus is None:
         a.rollout_num_gpus = a.actor_num_nodes * a.actor_num_gpus_per_node if a.colocate else 1
     if a.over_sampling_batch_size is None:
@@ -267,7 +283,7 @@ def _fill_defaults(a: Args) -> None:
         a.eval_top_p = a.rollout_top_p
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
-    a.num_engines = max(1, a.rollout_num_gpus // a.rollout_num_gpus_per_engine)
+    a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
     pairs = a.eval_prompt_data or []
@@ -305,6 +321,10 @@ def validate_args(a: Args) -> None:
     _require(a.rollout_pool_size > 0, "--rollout-pool-size", "must be > 0")
     _require(a.max_staleness is None or a.max_staleness >= 0, "--max-staleness", "must be >= 0")
     _require(a.embedded_engine_threads > 0, "--embedded-engine-threads", "must be > 0")
+    _require(a.train_num_threads > 0, "--train-num-threads", "must be > 0")
+    _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
+    _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
+    _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")
@@ -334,7 +354,10 @@ def validate_args(a: Args) -> None:
     _require(a.micro_batch_size > 0, "--micro-batch-size", "must be > 0")
     _require(not a.use_dynamic_batch_size or (a.max_tokens_per_gpu or 0) > 0, "--max-tokens-per-gpu",
              "must be set (> 0) with --use-dynamic-batch-size")
-    _require(a.lr > 0, "--lr", "must be > 0")
+    _require(math.isfinite(a.lr) and a.lr > 0, "--lr", "must be a finite number > 0")
+    _require(a.adam_eps > 0, "--adam-eps", "must be > 0")
+    _require(0 <= a.adam_beta1 < 1 and 0 <= a.adam_beta2 < 1, "--adam-beta1", "Adam betas must be in [0, 1)")
+    _require(a.update_weight_buffer_size > 0, "--update-weight-buffer-size", "must be > 0")
     _require(a.eps_clip > 0 and a.eps_clip_high > 0, "--eps-clip", "clip ranges must be > 0")
     _require(0.0 <= a.gamma <= 1.0, "--gamma", "must be in [0, 1]")
     _require(a.eps_clip_c is None or a.eps_clip_c > 1.0, "--eps-clip-c", "must be > 1 (dual clip lower bound)")

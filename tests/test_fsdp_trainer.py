@@ -13,7 +13,7 @@ from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.fsdp_utils.data import flatten_groups
-from slime.backends.fsdp_utils.update_weight import full_state_dict
+from slime.backends.fsdp_utils.hf_weights import full_state_dict
 from slime.utils.types import Status
 
 torch.set_num_threads(1)

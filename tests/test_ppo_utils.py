@@ -219,11 +219,9 @@ def test_empty_masks_give_zero_and_keep_graph():
     np.testing.assert_allclose(x.grad.numpy(), [[0, 0], [0.25, 0.25]])
 
 
-def test_loss_agg_mode_follows_calculate_per_token_loss():
-    from types import SimpleNamespace
-
-    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=True)) == "token_mean"
-    assert loss_agg_mode(SimpleNamespace(calculate_per_token_loss=False)) == "sample_mean"
+def test_loss_agg_mode_follows_calculate_per_token_loss(base_args):
+    assert loss_agg_mode(base_args.replace(calculate_per_token_loss=True)) == "token_mean"
+    assert loss_agg_mode(base_args) == "sample_mean"
 
 
 def test_sft_loss_is_negative_masked_mean_log_likelihood():

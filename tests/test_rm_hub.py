@@ -5,7 +5,6 @@ import textwrap
 import threading
 import time
 import types
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -117,13 +116,13 @@ def test_metadata_rm_type_overrides_flag(make_args):
     assert asyncio.run(async_rm(make_args(rm_type="deepscaler"), s)) == 1.0
 
 
-def test_unknown_or_missing_rm_type_named(rm):
+def test_unknown_or_missing_rm_type_named(rm, base_args):
     with pytest.raises(ValueError, match=r"--rm-type 'nope'"):
         rm("nope", "x", "y")
     with pytest.raises(ValueError, match=r"--rm-type 'boxed_nope'"):
         rm("boxed_nope", r"\boxed{1}", "1")
     with pytest.raises(ValueError, match="--rm-type"):  # parse_args refuses this; the hub says so too
-        asyncio.run(async_rm(SimpleNamespace(rm_type=None, custom_rm_path=None), sample("x", "y")))
+        asyncio.run(async_rm(base_args.replace(rm_type=None), sample("x", "y")))
 
 
 def test_math_unparseable_label_fails_the_sample(make_args):
@@ -345,6 +344,6 @@ def test_remote_rm_errors_become_failures(rm_server, make_args):
     assert "without 'reward'/'score'" in fails[2]
 
 
-def test_remote_rm_needs_url():
+def test_remote_rm_needs_url(base_args):
     with pytest.raises(ValueError, match="--rm-url"):
-        asyncio.run(async_rm(SimpleNamespace(rm_type="remote_rm", custom_rm_path=None), sample("x", "y")))
+        asyncio.run(async_rm(base_args.replace(rm_type="remote_rm"), sample("x", "y")))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import types
 
 import pytest
 
@@ -91,10 +90,10 @@ def test_token_version_metrics_are_exact_per_token():
     assert m["rollout/versions_per_sample_max"] == 3 and m["rollout/versions_per_sample_mean"] == 2
 
 
-def test_requester_payload_budget_and_sampling_params():
-    args = types.SimpleNamespace(rollout_max_response_len=10, rollout_temperature=0.7, rollout_top_p=0.9,
-                                 rollout_top_k=5, rollout_stop=None, rollout_stop_token_ids=[2],
-                                 eval_temperature=0.0, eval_top_p=None)
+def test_requester_payload_budget_and_sampling_params(base_args):
+    args = base_args.replace(rollout_max_response_len=10, rollout_temperature=0.7, rollout_top_p=0.9,
+                             rollout_top_k=5, rollout_stop=None, rollout_stop_token_ids=[2],
+                             eval_temperature=0.0, eval_top_p=0.9)
     sp = sampling_params_from_args(args)
     assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["stop_token_ids"]) == (0.7, 0.9, 5, [2])
     assert sampling_params_from_args(args, evaluation=True)["temperature"] == 0.0
@@ -106,8 +105,8 @@ def test_requester_payload_budget_and_sampling_params():
     assert req.payload(sample([0], budget=4))["sampling_params"]["max_new_tokens"] == 3
 
 
-def test_sample_at_its_budget_is_truncated_without_a_request():
-    args = types.SimpleNamespace(rollout_max_response_len=3)
+def test_sample_at_its_budget_is_truncated_without_a_request(base_args):
+    args = base_args.replace(rollout_max_response_len=3)
     req = SampleRequester(args, None, "http://unused", {}, 0, 0)
     s = sample([0, 0, 0])
     assert asyncio.run(req.generate(s)) is True and s.status == Status.TRUNCATED and req.requests == 0

@@ -41,14 +41,14 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(models, tmp_path_factory):
+def stack(models, tmp_path_factory, base_args):
     logs = tmp_path_factory.mktemp("replay_logs")
     engine = EngineServer(models["m0"], ["--seed", "0"], log_path=str(logs / "engine.log"))
     router = None
     try:
         engine.wait_healthy()
         port, prom = pick_free_ports(2)
-        router = Router.start(SimpleNamespace(), port, prom, str(logs), timeout=60)
+        router = Router.start(base_args, port, prom, str(logs), timeout=60)
         router.add_worker(engine.url)
         router.wait_workers_healthy([engine.url], timeout=60)
         yield SimpleNamespace(engine=engine, router=router, url=router.url)

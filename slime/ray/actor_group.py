@@ -39,7 +39,7 @@ def wait_ranks(refs: list, what: str, timeout: float) -> list:
 
 
 def trainer_class(args):
-    backend = getattr(args, "train_backend", "fsdp") or "fsdp"
+    backend = args.train_backend
     if backend == "fsdp":
         from slime.backends.fsdp_utils.actor import FSDPTrainer
 
@@ -67,15 +67,15 @@ class RayTrainGroup:
             pg, bundles = pg
         else:
             bundles = None
-        n = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+        n = args.actor_num_nodes * args.actor_num_gpus_per_node
         bundles = list(range(n)) if bundles is None else list(bundles)
         if len(bundles) != n:
             raise ValueError(f"RayTrainGroup: {n} trainer ranks (--actor-num-nodes × --actor-num-gpus-per-node) "
                              f"but {len(bundles)} placement-group bundles")
         self.world_size = n
-        self.timeout = float(getattr(args, "train_timeout_s", None) or CALL_TIMEOUT_S)
+        self.timeout = CALL_TIMEOUT_S
         use_gpu = ray_has_gpus()
-        gpus = (0.4 if getattr(args, "colocate", False) else 1.0) if use_gpu else 0
+        gpus = (0.4 if args.colocate else 1.0) if use_gpu else 0
         cls = ray.remote(trainer_class(args))
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.actors = [

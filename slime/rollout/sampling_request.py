@@ -28,7 +28,6 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 MAX_UNEXPECTED_ABORTS = 3
 
 
@@ -51,25 +50,20 @@ async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 
 
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling_params (without max_new_tokens) from the rollout (or eval) flags."""
-    if evaluation:
-        temperature = getattr(args, "eval_temperature", None)
-        top_p = getattr(args, "eval_top_p", None)
-    else:
-        temperature = top_p = None
+    temperature = args.eval_temperature if evaluation else args.rollout_temperature
+    top_p = args.eval_top_p if evaluation else args.rollout_top_p
     sp: dict[str, Any] = {
-        "temperature": float(args.rollout_temperature if temperature is None else temperature),
-        "top_p": float(args.rollout_top_p if top_p is None else top_p),
-        "top_k": int(getattr(args, "rollout_top_k", -1)),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(args.rollout_top_k),
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    stop = getattr(args, "rollout_stop", None)
-    if stop:
-        sp["stop"] = list(stop)
-    stop_ids = getattr(args, "rollout_stop_token_ids", None)
-    if stop_ids:
-        sp["stop_token_ids"] = [int(t) for t in stop_ids]
-    if getattr(args, "rollout_ignore_eos", False):
+    if args.rollout_stop:
+        sp["stop"] = list(args.rollout_stop)
+    if args.rollout_stop_token_ids:
+        sp["stop_token_ids"] = [int(t) for t in args.rollout_stop_token_ids]
+    if args.rollout_ignore_eos:
         sp["ignore_eos"] = True
     return sp
 
@@ -137,10 +131,10 @@ class SampleRequester:
         self.sampling_params = sampling_params
         self.rollout_id, self.policy_version = rollout_id, policy_version
         self.max_len = int(max_response_len or args.rollout_max_response_len)
-        self.timeout = float(getattr(args, "rollout_request_timeout", None) or DEFAULT_REQUEST_TIMEOUT_S)
+        self.timeout = float(args.rollout_request_timeout)
         # --custom-generate-function-path: `async def generate(args, sample, sampling_params, ctx) -> Sample`,
         # called instead of the built-in request loop; `ctx` is this requester (url, session, versions).
-        path = getattr(args, "custom_generate_function_path", None)
+        path = args.custom_generate_function_path
         self.custom_generate = load_function(path) if path else None
         self.new_tokens = 0
         self.requests = 0

@@ -196,7 +196,7 @@ def compute_advantages_from_args(
         normalize_std=not args.disable_grpo_std_normalization,
         kl=kl,
         kl_coef=args.kl_coef,
-        gamma=getattr(args, "gamma", 1.0),
+        gamma=args.gamma,
         all_reduce=all_reduce,
     )
     if args.normalize_advantages and estimator in ("grpo", "gspo"):

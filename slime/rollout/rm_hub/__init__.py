@@ -9,7 +9,7 @@ Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's
   subtract_chain   the embedded task's checker (`slime.tasks.subtract_chain.compute_reward`)
   boxed_<type>     first extract the last `\\boxed{...}` of the response, then score that answer
                    with <type> (the answer alone: no `</think>` / `Answer:` format required)
-Every reward is bounded by `--reward-timeout` seconds (default 60; <= 0 means no limit).
+Every reward is bounded by `--reward-timeout` seconds (<= 0 means no limit).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REWARD_TIMEOUT = 60.0
 RM_TYPES = ("deepscaler", "dapo", "math", "remote_rm", "subtract_chain")
 BOXED_PREFIX = "boxed_"
 
@@ -40,7 +39,7 @@ __all__ = ["async_rm", "batched_async_rm", "reward_group", "reward_timeout", "RM
 
 def reward_timeout(args) -> float | None:
     """`--reward-timeout` in seconds, None when unlimited (<= 0)."""
-    t = getattr(args, "reward_timeout", DEFAULT_REWARD_TIMEOUT)
+    t = args.reward_timeout
     return None if t is None or float(t) <= 0 else float(t)
 
 
@@ -55,7 +54,7 @@ def _to_reward(value, source: str) -> float:
 
 def _rm_type(args, sample: Sample) -> str:
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    return str(metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+    return str(metadata.get("rm_type") or args.rm_type or "").strip()
 
 
 async def _call_plugin(fn, timeout: float | None, *call_args):
@@ -67,7 +66,7 @@ async def _call_plugin(fn, timeout: float | None, *call_args):
 
 
 async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
-    custom = getattr(args, "custom_rm_path", None)
+    custom = args.custom_rm_path
     if custom:
         return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}")
 
@@ -114,8 +113,8 @@ async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
 
     Raises on the first error (use `reward_group` for per-sample failure handling).
     """
-    custom = getattr(args, "custom_rm_path", None)
-    if custom and getattr(args, "group_rm", False):
+    custom = args.custom_rm_path
+    if custom and args.group_rm:
         return await _group_call(args, samples, custom)
     return list(await asyncio.gather(*(async_rm(args, s) for s in samples)))
 
@@ -150,8 +149,8 @@ async def reward_group(args, samples: list[Sample]) -> None:
     todo = [s for s in samples if s.status != Status.FAILED]
     if not todo:
         return
-    custom = getattr(args, "custom_rm_path", None)
-    if custom and getattr(args, "group_rm", False):
+    custom = args.custom_rm_path
+    if custom and args.group_rm:
         try:
             rewards = await _group_call(args, todo, custom)
         except Exception as e:

@@ -8,9 +8,11 @@ passed through to SGLang servers (`args.sglang_extra_args`).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 
 class ArgumentError(ValueError):
@@ -33,8 +35,15 @@ class Args(argparse.Namespace):
         return self
 
     def replace(self, **changes: Any) -> "Args":
-        """A new frozen copy with some values changed (for tests and tools)."""
+        """A new frozen copy with some values changed (for tests and tools); only existing flags can change.
+
+        Derived values (`num_engines`, `eval_datasets`, defaults filled from other flags) are not
+        recomputed: change them too when the flags they come from change.
+        """
         values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        unknown = sorted(set(changes) - set(values))
+        if unknown:
+            raise AttributeError(f"Args.replace: no flag named {unknown[0]!r} (misspelt?)")
         values.update(changes)
         return Args(**values)._freeze()
 
@@ -62,6 +71,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
+    g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +177,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
@@ -176,8 +187,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="reference model (default: --hf-checkpoint); with --train-backend megatron a torch_dist "
                         "checkpoint (tools/convert_hf_to_torch_dist.py) or a HF directory, which is also the "
                         "actor's starting point when --load has no checkpoint (as in slime)")
-    g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer rank (CPU)")
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
+                   help="attention kernel of the FSDP trainer's transformers model")
     g.add_argument("--optimizer", choices=["adam"], default="adam", help="Adam(W) with decoupled weight decay")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant",
                    help="learning-rate schedule over optimizer steps (non-constant: --train-backend megatron)")
@@ -249,7 +260,8 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", type=str, default="slime-april")
     g.add_argument("--wandb-group", type=str, default=None)
     g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
-    g.add_argument("--run-dir", type=str, default=None, help="metrics.jsonl, traces, logs (default: runs/<time>)")
+    g.add_argument("--run-dir", type=str, default=None,
+                   help="metrics.jsonl, traces, logs (default: runs/<date-time> under the working directory)")
 
 
 def _add_debug_args(p: argparse.ArgumentParser) -> None:
@@ -268,6 +280,18 @@ def _add_sglang_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-log-level", type=str, default="warn")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=None)
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="requests in flight per engine")
+
+
+def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
+                   extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Only the Megatron flags (MODEL_ARGS, TP, --bf16, ...), for the conversion tools; `extra` adds the
+    tool's own arguments. Model-shape flags are checked against the HF config by the tool."""
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_megatron_args(p)
+    if extra is not None:
+        extra(p)
+    return p.parse_args(list(argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,6 +350,8 @@ def _resolve_train_backend(requested: str) -> str:
 
 def _fill_defaults(a: Args) -> None:
     a.train_backend = _resolve_train_backend(a.train_backend)
+    if a.run_dir is None:
+        a.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if a.rollout_num_gpus is None:
         a.rollout_num_gpus = a.actor_num_nodes * a.actor_num_gpus_per_node if a.colocate else 1
     if a.over_sampling_batch_size is None:
@@ -340,7 +366,7 @@ def _fill_defaults(a: Args) -> None:
         a.eval_top_p = a.rollout_top_p
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
-    a.num_engines = max(1, a.rollout_num_gpus // a.rollout_num_gpus_per_engine)
+    a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
     if a.lr_decay_iters is None and a.lr_decay_style != "constant" and a.num_rollout and a.global_batch_size:
@@ -379,6 +405,10 @@ def validate_args(a: Args) -> None:
     _require(a.rollout_pool_size > 0, "--rollout-pool-size", "must be > 0")
     _require(a.max_staleness is None or a.max_staleness >= 0, "--max-staleness", "must be >= 0")
     _require(a.embedded_engine_threads > 0, "--embedded-engine-threads", "must be > 0")
+    _require(a.train_num_threads > 0, "--train-num-threads", "must be > 0")
+    _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
+    _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
+    _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")
@@ -408,7 +438,10 @@ def validate_args(a: Args) -> None:
     _require(a.micro_batch_size > 0, "--micro-batch-size", "must be > 0")
     _require(not a.use_dynamic_batch_size or (a.max_tokens_per_gpu or 0) > 0, "--max-tokens-per-gpu",
              "must be set (> 0) with --use-dynamic-batch-size")
-    _require(a.lr > 0, "--lr", "must be > 0")
+    _require(math.isfinite(a.lr) and a.lr > 0, "--lr", "must be a finite number > 0")
+    _require(a.adam_eps > 0, "--adam-eps", "must be > 0")
+    _require(0 <= a.adam_beta1 < 1 and 0 <= a.adam_beta2 < 1, "--adam-beta1", "Adam betas must be in [0, 1)")
+    _require(a.update_weight_buffer_size > 0, "--update-weight-buffer-size", "must be > 0")
     _require(a.eps_clip > 0 and a.eps_clip_high > 0, "--eps-clip", "clip ranges must be > 0")
     _require(0.0 <= a.gamma <= 1.0, "--gamma", "must be in [0, 1]")
     _require(a.eps_clip_c is None or a.eps_clip_c > 1.0, "--eps-clip-c", "must be > 1 (dual clip lower bound)")
@@ -475,7 +508,6 @@ def validate_trainer_args(a: Args) -> None:
         _require(a.recompute_method is None and a.recompute_num_layers is None, "--recompute-method",
                  "and --recompute-num-layers need --recompute-granularity full")
     _require(a.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by", "must be >= 1")
-    _require(a.adam_eps > 0, "--adam-eps", "must be > 0")
     _require(a.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
     _require(0 <= a.min_lr <= a.lr, "--min-lr", "must be in [0, --lr]")
     _require(a.lr_decay_style == "constant" or (a.lr_decay_iters or 0) > 0, "--lr-decay-iters",

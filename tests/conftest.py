@@ -8,3 +8,22 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def base_args(tmp_path_factory):
+    """Parsed default flags (`slime.arguments.parse_args` on the minimal valid command line).
+
+    Tests change what they need with `base_args.replace(flag=value)`: only real flags can be set
+    (a misspelt name raises), and every other value is the parser's own default.
+    """
+    from slime.arguments import parse_args
+
+    d = tmp_path_factory.mktemp("base_args")
+    (d / "hf").mkdir()
+    (d / "prompts.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    return parse_args(["--hf-checkpoint", str(d / "hf"), "--prompt-data", str(d / "prompts.jsonl"),
+                       "--rm-type", "math", "--rollout-batch-size", "1", "--num-rollout", "1",
+                       "--run-dir", str(d / "run")])

@@ -11,7 +11,8 @@ import ray
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
-from slime.ray.buffer import FINISHED, PARKED, TRAINED, Buffer
+from slime.ray.buffer import Buffer
+from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import RolloutError, generate_rollout
@@ -45,7 +46,7 @@ def make_args(root, *extra):
         "--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "prompts.jsonl"), "--label-key", "label",
         "--rm-type", "subtract_chain", "--num-rollout", "3", "--rollout-backend", "embedded", "--partial-rollout",
         "--rollout-batch-size", "3", "--over-sampling-batch-size", "6", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "32", "--sglang-server-concurrency", "6", *extra])
+        "--rollout-max-response-len", "32", "--sglang-server-concurrency", "6", "--run-dir", str(root / "run"), *extra])
 
 
 def ids(groups):

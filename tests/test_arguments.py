@@ -1,4 +1,5 @@
 import json
+import os
 import pickle
 
 import pytest
@@ -28,6 +29,12 @@ def test_defaults_are_derived(base):
     assert a.wandb_mode == "offline" and a.use_wandb  # wandb offline by default, never online unless asked
     assert parse_args(base + ["--no-use-wandb"]).use_wandb is False
     assert parse_args(base + ["--use-wandb"]).use_wandb is True  # slime's spelling still works
+
+
+def test_run_dir_default_is_written_at_parse_time(base, tmp_path):
+    a = parse_args(base)
+    assert a.run_dir.startswith("runs" + os.sep) and len(a.run_dir) > len("runs/")  # runs/<date-time>
+    assert parse_args(base + ["--run-dir", str(tmp_path)]).run_dir == str(tmp_path)
 
 
 def test_args_are_read_only_and_picklable(base):
@@ -88,6 +95,10 @@ def test_eval_pairs(base, tmp_path):
         (["--rollout-top-p", "0"], "--rollout-top-p"),
         (["--tis-clip-low", "3"], "--tis-clip"),
         (["--load", "/nonexistent/ckpt"], "--load"),
+        (["--lr", "inf"], "--lr"),
+        (["--actor-num-gpus-per-node", "0"], "--actor-num-gpus-per-node"),
+        (["--rollout-num-gpus", "0"], "--rollout-num-gpus"),
+        (["--adam-beta2", "1.5"], "--adam-beta1"),
     ],
 )
 def test_rule_errors_name_the_flag(base, extra, flag):

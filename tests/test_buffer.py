@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import pytest
 
-from slime.ray.buffer import (
-    DROPPED,
-    FINISHED,
-    ISSUED,
-    PARKED,
-    TRAINED,
-    Ledger,
-    LedgerError,
-    PartialRolloutBuffer,
-)
+from slime.ray.buffer import PartialRolloutBuffer
+from slime.utils.ledger import DROPPED, FINISHED, ISSUED, PARKED, TRAINED, Ledger, LedgerError
 from slime.utils.types import Sample, Status
 
 
@@ -180,8 +171,8 @@ def returns_dupes(args, parked, num):
     return [parked[0], parked[0]]
 
 
-def test_buffer_filter_plugin_picks_subset():
-    args = types.SimpleNamespace(buffer_filter_path=f"{__name__}.longest_first")
+def test_buffer_filter_plugin_picks_subset(base_args):
+    args = base_args.replace(buffer_filter_path=f"{__name__}.longest_first")
     buf = PartialRolloutBuffer(args)
     issue_and_park(buf, [make_group(1, tokens=1), make_group(2, tokens=5), make_group(3, tokens=3)])
     assert [g[0].group_index for g in buf.take_parked(2)] == [2, 3]
@@ -190,8 +181,8 @@ def test_buffer_filter_plugin_picks_subset():
 
 @pytest.mark.parametrize("fn,match", [("returns_copies", "not one of the parked"), ("returns_too_many", "only 1"),
                                       ("returns_dupes", "twice")])
-def test_buffer_filter_plugin_contract_enforced(fn, match):
-    args = types.SimpleNamespace(buffer_filter_path=f"{__name__}.{fn}")
+def test_buffer_filter_plugin_contract_enforced(fn, match, base_args):
+    args = base_args.replace(buffer_filter_path=f"{__name__}.{fn}")
     buf = PartialRolloutBuffer(args)
     issue_and_park(buf, [make_group(1, tokens=1), make_group(2, tokens=2)])
     with pytest.raises(ValueError, match=match):

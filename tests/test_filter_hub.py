@@ -1,5 +1,4 @@
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,57 +20,56 @@ def group(rewards, failed=()):
     return out
 
 
-ARGS = SimpleNamespace(reward_key=None)
 
 
-def test_mixed_rewards_kept():
-    assert check_reward_nonzero_std(ARGS, group([1.0, 0.0, 1.0, 1.0])) == DynamicFilterOutput(keep=True, reason=None)
+def test_mixed_rewards_kept(base_args):
+    assert check_reward_nonzero_std(base_args, group([1.0, 0.0, 1.0, 1.0])) == DynamicFilterOutput(keep=True, reason=None)
 
 
 @pytest.mark.parametrize("value", [1.0, 0.0, -1.0])
-def test_equal_rewards_rejected_with_value(value):
-    out = check_reward_nonzero_std(ARGS, group([value] * 4))
+def test_equal_rewards_rejected_with_value(value, base_args):
+    out = check_reward_nonzero_std(base_args, group([value] * 4))
     assert out.keep is False
     assert out.reason == f"all rewards equal (={value:g})"
 
 
-def test_failed_samples_excluded():
+def test_failed_samples_excluded(base_args):
     # the only differing reward belongs to a failed sample: the rest are all equal
-    out = check_reward_nonzero_std(ARGS, group([1.0, 1.0, 0.0, 1.0], failed={2}))
+    out = check_reward_nonzero_std(base_args, group([1.0, 1.0, 0.0, 1.0], failed={2}))
     assert (out.keep, out.reason) == (False, "all rewards equal (=1)")
     # failures do not hide real spread among the others
-    assert check_reward_nonzero_std(ARGS, group([1.0, 0.0, 0.0, 5.0], failed={3})).keep is True
+    assert check_reward_nonzero_std(base_args, group([1.0, 0.0, 0.0, 5.0], failed={3})).keep is True
 
 
-def test_all_failed_rejected():
-    out = check_reward_nonzero_std(ARGS, group([0.0, 0.0], failed={0, 1}))
+def test_all_failed_rejected(base_args):
+    out = check_reward_nonzero_std(base_args, group([0.0, 0.0], failed={0, 1}))
     assert (out.keep, out.reason) == (False, "all samples failed")
 
 
-def test_dict_rewards_need_reward_key():
+def test_dict_rewards_need_reward_key(base_args):
     samples = group([{"acc": 1.0, "len": 3}, {"acc": 0.0, "len": 3}])
-    assert check_reward_nonzero_std(SimpleNamespace(reward_key="acc"), samples).keep is True
-    assert check_reward_nonzero_std(SimpleNamespace(reward_key="len"), samples).keep is False
+    assert check_reward_nonzero_std(base_args.replace(reward_key="acc"), samples).keep is True
+    assert check_reward_nonzero_std(base_args.replace(reward_key="len"), samples).keep is False
     with pytest.raises(ValueError, match="--reward-key"):
-        check_reward_nonzero_std(SimpleNamespace(reward_key=None), samples)
+        check_reward_nonzero_std(base_args, samples)
 
 
-def test_builtin_loads_by_dotted_path_and_keeps_contract():
+def test_builtin_loads_by_dotted_path_and_keeps_contract(base_args):
     fn = load_function(BUILTIN)
     for rewards in ([1.0, 0.0], [0.5, 0.5]):
-        out = fn(ARGS, group(rewards))
+        out = fn(base_args, group(rewards))
         assert isinstance(out, DynamicFilterOutput)
-    assert call_dynamic_filter(BUILTIN, ARGS, group([0.0, 1.0])).keep is True
+    assert call_dynamic_filter(BUILTIN, base_args, group([0.0, 1.0])).keep is True
 
 
-def test_plugin_contract_enforced(tmp_path, monkeypatch):
+def test_plugin_contract_enforced(tmp_path, monkeypatch, base_args):
     (tmp_path / "my_filters.py").write_text(
         textwrap.dedent(
             """
             from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 
             def long_enough(args, samples):
-                ok = all(s.response_length >= args.min_len for s in samples)
+                ok = all(s.response_length >= args.rollout_max_response_len for s in samples)
                 return DynamicFilterOutput(keep=ok, reason=None if ok else "too short")
 
             def returns_bool(args, samples):
@@ -82,11 +80,11 @@ def test_plugin_contract_enforced(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     samples = group([1.0, 0.0])
     samples[0].append_response([5, 6, 7], [-0.1, -0.2, -0.3], 0)
-    out = call_dynamic_filter("my_filters.long_enough", SimpleNamespace(min_len=2), samples)
+    out = call_dynamic_filter("my_filters.long_enough", base_args.replace(rollout_max_response_len=2), samples)
     assert (out.keep, out.reason) == (False, "too short")
     samples[1].append_response([8, 9], [-0.1, -0.2], 0)
-    assert call_dynamic_filter("my_filters.long_enough", SimpleNamespace(min_len=2), samples).keep is True
+    assert call_dynamic_filter("my_filters.long_enough", base_args.replace(rollout_max_response_len=2), samples).keep is True
     with pytest.raises(TypeError, match="my_filters.returns_bool.*DynamicFilterOutput"):
-        call_dynamic_filter("my_filters.returns_bool", SimpleNamespace(), samples)
+        call_dynamic_filter("my_filters.returns_bool", base_args, samples)
     with pytest.raises(ImportError, match="no_such_module"):
-        call_dynamic_filter("no_such_module.f", SimpleNamespace(), samples)
+        call_dynamic_filter("no_such_module.f", base_args, samples)

@@ -90,10 +90,11 @@ def test_tp1_training_steps_and_time_per_step(trainer, tmp_path):
 def test_conversion_round_trip_on_gpu(qwen3_half_b, tmp_path):
     from safetensors.torch import load_file
 
-    from slime.backends.megatron_utils.convert import hf_to_torch_dist, model_flags_parser, torch_dist_to_hf
+    from slime.arguments import megatron_flags
+    from slime.backends.megatron_utils.convert import hf_to_torch_dist, torch_dist_to_hf
 
-    hf_to_torch_dist(model_flags_parser("").parse_args(["--bf16"]), qwen3_half_b, str(tmp_path / "td"))
-    torch_dist_to_hf(str(tmp_path / "td"), str(tmp_path / "hf"), qwen3_half_b)
+    hf_to_torch_dist(megatron_flags(["--bf16"]), qwen3_half_b, str(tmp_path / "td"))
+    torch_dist_to_hf(megatron_flags(), str(tmp_path / "td"), str(tmp_path / "hf"), qwen3_half_b)
     before = load_file(f"{qwen3_half_b}/model.safetensors")
     after = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(before) == sorted(after)

@@ -113,12 +113,13 @@ def test_torch_dist_is_a_ref_load(hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from slime.backends.megatron_utils.actor import MegatronTrainer
-    from slime.backends.megatron_utils.convert import hf_to_torch_dist, model_flags_parser
+    from slime.arguments import megatron_flags
+    from slime.backends.megatron_utils.convert import hf_to_torch_dist
     from slime.backends.training_utils.data import flatten_groups
 
     other = tmp_path / "other"
     build_tiny_qwen3(str(other), build_tokenizer(task.VOCAB), TinyQwen3Spec(), seed=4)
-    hf_to_torch_dist(model_flags_parser("").parse_args(model_args()), str(other), str(tmp_path / "torch_dist"))
+    hf_to_torch_dist(megatron_flags(model_args()), str(other), str(tmp_path / "torch_dist"))
     t = MegatronTrainer(megatron_args(hf_dir, "--ref-load", str(tmp_path / "torch_dist"), "--use-kl-loss",
                                       "--kl-loss-coef", "0.1"))
     t.init()
@@ -140,11 +141,11 @@ def test_bf16_storage_and_training_checkpoint_export(hf_dir, tmp_path):
     """--bf16 stores bf16; the HF side gets the origin's dtype back (exactly the bf16 values). A train.py
     checkpoint (iter dir with trainer/) converts the same way, and tools/export_hf.py handles it."""
     from slime.backends.megatron_utils.actor import MegatronTrainer
-    from slime.backends.megatron_utils.convert import hf_to_torch_dist, model_flags_parser, torch_dist_to_hf
+    from slime.arguments import megatron_flags
+    from slime.backends.megatron_utils.convert import hf_to_torch_dist, torch_dist_to_hf
 
-    flags = model_flags_parser("").parse_args([*model_args(), "--bf16"])
-    hf_to_torch_dist(flags, hf_dir, str(tmp_path / "td_bf16"))
-    torch_dist_to_hf(str(tmp_path / "td_bf16"), str(tmp_path / "hf_bf16"), hf_dir)
+    hf_to_torch_dist(megatron_flags([*model_args(), "--bf16"]), hf_dir, str(tmp_path / "td_bf16"))
+    torch_dist_to_hf(megatron_flags(), str(tmp_path / "td_bf16"), str(tmp_path / "hf_bf16"), hf_dir)
     before = load_file(os.path.join(hf_dir, "model.safetensors"))
     after = load_file(str(tmp_path / "hf_bf16" / "model.safetensors"))
     for k in before:
@@ -158,7 +159,7 @@ def test_bf16_storage_and_training_checkpoint_export(hf_dir, tmp_path):
     t.save(str(iter_dir / "trainer"))
     t.export_hf(str(tmp_path / "exported"))
     t.shutdown()
-    torch_dist_to_hf(str(iter_dir), str(tmp_path / "from_ckpt"), hf_dir)
+    torch_dist_to_hf(megatron_flags(), str(iter_dir), str(tmp_path / "from_ckpt"), hf_dir)
     export_hf = _load_tool("export_hf")
     export_hf.export(str(tmp_path / "save"), str(tmp_path / "export_tool"), iteration=0)
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))

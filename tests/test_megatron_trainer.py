@@ -58,7 +58,7 @@ def test_one_rl_step_equals_fsdp(model_dir, make_trainer, estimator):
     """Same flags, same batch: the FSDP and Megatron backends report the same
     loss and end with the same weights (one implementation of the RL math)."""
     from slime.backends.fsdp_utils.actor import FSDPTrainer
-    from slime.backends.fsdp_utils.update_weight import full_state_dict
+    from slime.backends.fsdp_utils.hf_weights import full_state_dict
 
     over = dict(lr=1e-2, use_tis=True, advantage_estimator=estimator, eps_clip_high=0.28, micro_batch_size=3)
     groups = make_groups(seed=31)

@@ -1,12 +1,11 @@
 import json
 import os
-from types import SimpleNamespace
 
 from slime.utils.metrics import MetricsLogger, read_metrics
 
 
-def test_jsonl_one_object_per_step(tmp_path):
-    args = SimpleNamespace(use_wandb=False, wandb_mode="offline")
+def test_jsonl_one_object_per_step(tmp_path, base_args):
+    args = base_args.replace(use_wandb=False)
     m = MetricsLogger(args, str(tmp_path))
     m.log(0, {"rollout/tokens_per_s": 10.5, "reward/mean": float("nan"), "hist": [1, 2]})
     m.log(1, {"rollout/tokens_per_s": 11.0, "eval/accuracy": 0.5})
@@ -16,9 +15,9 @@ def test_jsonl_one_object_per_step(tmp_path):
     assert rows[1]["eval/accuracy"] == 0.5 and "eval/accuracy" not in rows[0]
 
 
-def test_wandb_offline_writes_a_run(tmp_path, monkeypatch):
+def test_wandb_offline_writes_a_run(tmp_path, monkeypatch, base_args):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    args = SimpleNamespace(use_wandb=True, wandb_mode="offline", wandb_project="t", wandb_group=None)
+    args = base_args.replace(use_wandb=True, wandb_mode="offline", wandb_project="t")
     m = MetricsLogger(args, str(tmp_path))
     m.log(0, {"x": 1.0})
     m.close()

@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import requests
@@ -19,22 +18,23 @@ def flag_value(cmd, flag):
     return cmd[cmd.index(flag) + 1]
 
 
-def test_router_command_binds_loopback_and_uses_policy():
-    cmd = build_router_command(SimpleNamespace(sglang_router_policy=None), "127.0.0.1", 31000, 31001)
+def test_router_command_binds_loopback_and_uses_policy(base_args):
+    cmd = build_router_command(base_args, "127.0.0.1", 31000, 31001)
     assert cmd[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
     assert flag_value(cmd, "--host") == "127.0.0.1" and flag_value(cmd, "--prometheus-host") == "127.0.0.1"
     assert flag_value(cmd, "--port") == "31000" and flag_value(cmd, "--prometheus-port") == "31001"
     assert flag_value(cmd, "--policy") == "round_robin"
-    cmd = build_router_command(SimpleNamespace(sglang_router_policy="cache_aware"), "10.1.2.3", 1, 2)
+    assert "--disable-circuit-breaker" in cmd  # 0.3.2's flag (see `launch_router --help`)
+    cmd = build_router_command(base_args.replace(sglang_router_policy="cache_aware"), "10.1.2.3", 1, 2)
     assert flag_value(cmd, "--policy") == "cache_aware" and flag_value(cmd, "--host") == "10.1.2.3"
     with pytest.raises(ValueError, match="--sglang-router-policy"):
-        build_router_command(SimpleNamespace(sglang_router_policy="fastest"), "127.0.0.1", 1, 2)
+        build_router_command(base_args.replace(sglang_router_policy="fastest"), "127.0.0.1", 1, 2)
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
+def router(tmp_path_factory, base_args):
     port, prom = pick_free_ports(2)
-    r = Router.start(SimpleNamespace(), port, prom, str(tmp_path_factory.mktemp("router_logs")), timeout=60)
+    r = Router.start(base_args, port, prom, str(tmp_path_factory.mktemp("router_logs")), timeout=60)
     yield r
     r.shutdown()
 
@@ -76,9 +76,9 @@ def test_attach_to_existing_router(router):
         Router.attach(f"http://127.0.0.1:{pick_free_ports(1)[0]}", timeout=2)
 
 
-def test_dead_router_error_says_so_with_log_tail(tmp_path):
+def test_dead_router_error_says_so_with_log_tail(tmp_path, base_args):
     port, prom = pick_free_ports(2)
-    r = Router.start(SimpleNamespace(), port, prom, str(tmp_path), timeout=60)
+    r = Router.start(base_args, port, prom, str(tmp_path), timeout=60)
     try:
         os.kill(r.process.pid, signal.SIGKILL)
         r.process.proc.wait(timeout=10)

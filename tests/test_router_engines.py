@@ -33,7 +33,8 @@ def _args(model_dir, tmp, *extra):
     prompts = os.path.join(tmp, "prompts.jsonl")
     open(prompts, "a").close()
     return parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", prompts, "--rm-type", "math",
-                       "--num-rollout", "1", "--rollout-batch-size", "2", "--rollout-backend", "embedded", *extra])
+                       "--num-rollout", "1", "--rollout-batch-size", "2", "--rollout-backend", "embedded",
+                       "--run-dir", os.path.join(tmp, "run"), *extra])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import pytest
@@ -18,7 +17,8 @@ import torch
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
-from slime.ray.buffer import FINISHED, PARKED, TRAINED, PartialRolloutBuffer
+from slime.ray.buffer import PartialRolloutBuffer
+from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import generate_rollout
@@ -48,7 +48,7 @@ def make_args(root, *extra):
         "--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "prompts.jsonl"),
         "--label-key", "label", "--rm-type", "subtract_chain", "--num-rollout", "4", "--rollout-backend", "embedded",
         "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24",
-        "--sglang-server-concurrency", "6", "--rollout-seed", "7", *extra])
+        "--sglang-server-concurrency", "6", "--rollout-seed", "7", "--run-dir", str(root / "run"), *extra])
 
 
 class RecordingSource(RolloutDataSource):

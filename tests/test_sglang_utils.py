@@ -94,13 +94,21 @@ def test_embedded_command(tmp_path):
     assert flag_value(cmd, "--seed") == "8"
 
 
-def test_builders_name_the_missing_checkpoint_flag():
-    from types import SimpleNamespace
+def test_embedded_command_passes_sglang_flags_it_knows_and_refuses_the_rest(tmp_path):
+    args = make_args(tmp_path, "--sglang-disable-radix-cache", "--sglang-max-running-requests", "64")
+    cmd = build_embedded_engine_command(args, engine_rank=0, port=40000)
+    assert "--disable-radix-cache" in cmd and flag_value(cmd, "--max-running-requests") == "64"
+    with pytest.raises(ValueError, match="--sglang-mem-fraction-static: the embedded engine"):
+        build_embedded_engine_command(make_args(tmp_path, "--sglang-mem-fraction-static", "0.7"), 0, 40000)
+    with pytest.raises(ValueError, match="--sglang-port cannot be passed through"):
+        build_embedded_engine_command(make_args(tmp_path, "--sglang-port", "1"), 0, 40000)
 
+
+def test_builders_name_the_missing_checkpoint_flag(base_args):
     with pytest.raises(ValueError, match="--hf-checkpoint"):
-        build_sglang_server_command(SimpleNamespace(hf_checkpoint=None), 0, 1, 2, 0)
+        build_sglang_server_command(base_args.replace(hf_checkpoint=None), 0, 1, 2, 0)
     with pytest.raises(ValueError, match="--hf-checkpoint"):
-        build_embedded_engine_command(SimpleNamespace(hf_checkpoint=None), 0, 1)
+        build_embedded_engine_command(base_args.replace(hf_checkpoint=None), 0, 1)
 
 
 def test_backend_choice(tmp_path, monkeypatch):

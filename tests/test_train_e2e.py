@@ -1,6 +1,5 @@
 """train.py end to end on the embedded engine: a run, a kill -9 mid-run, and a resume from the checkpoint."""
 
-import glob
 import json
 import os
 import signal

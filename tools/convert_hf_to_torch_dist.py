@@ -17,14 +17,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.backends.megatron_utils.convert import hf_to_torch_dist, model_flags_parser  # noqa: E402
+from slime.arguments import megatron_flags  # noqa: E402
+from slime.backends.megatron_utils.convert import hf_to_torch_dist  # noqa: E402
+
+
+def _paths(p) -> None:
+    p.add_argument("--hf-checkpoint", required=True, help="the Hugging Face model directory")
+    p.add_argument("--save", required=True, help="the torch_dist checkpoint directory to write")
 
 
 def main(argv=None) -> int:
-    p = model_flags_parser(__doc__)
-    p.add_argument("--hf-checkpoint", required=True, help="the Hugging Face model directory")
-    p.add_argument("--save", required=True, help="the torch_dist checkpoint directory to write")
-    args = p.parse_args(argv)
+    args = megatron_flags(sys.argv[1:] if argv is None else argv, __doc__, _paths)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         hf_to_torch_dist(args, args.hf_checkpoint, args.save)

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from slime.arguments import megatron_flags  # noqa: E402
 from slime.backends.megatron_utils.convert import torch_dist_to_hf  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        torch_dist_to_hf(a.input_dir, a.output_dir, a.origin_hf_dir)
+        torch_dist_to_hf(megatron_flags(), a.input_dir, a.output_dir, a.origin_hf_dir)
     except (ValueError, FileNotFoundError) as e:
         print(f"convert_torch_dist_to_hf.py: error: {e}", file=sys.stderr)
         return 2

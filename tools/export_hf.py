@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.backends.fsdp_utils.checkpoint import TOKENIZER_FILES  # noqa: E402
+from slime.backends.fsdp_utils.hf_weights import TOKENIZER_FILES  # noqa: E402
 from slime.utils.checkpoint import iter_dir_name, latest_checkpoint  # noqa: E402
 
 logger = logging.getLogger("export_hf")
@@ -37,9 +37,10 @@ def export(load_dir: str, out_dir: str, iteration: int | None = None) -> str:
         with open(meta_file) as f:
             meta = json.load(f)
         if meta.get("backend") == "megatron":  # a torch_dist checkpoint: convert it
+            from slime.arguments import megatron_flags
             from slime.backends.megatron_utils.convert import torch_dist_to_hf
 
-            torch_dist_to_hf(trainer, out_dir, meta["hf_checkpoint"])
+            torch_dist_to_hf(megatron_flags(), trainer, out_dir, meta["hf_checkpoint"])
             logger.info("exported %s to %s", ckpt, out_dir)
             return out_dir
     for name in ("config.json", "model.safetensors", "trainer_meta.json"):

@@ -45,9 +45,9 @@ def trainer_class(args):
 
         return FSDPTrainer
     if args.train_backend == "megatron":
-        from slime.backends.megatron_utils import megatron_trainer_class
+        from slime.backends.megatron_utils.actor import MegatronTrainer
 
-        return megatron_trainer_class()
+        return MegatronTrainer
     raise ValueError(f"--train-backend={args.train_backend!r}: expected 'fsdp' or 'megatron'")
 
 
@@ -67,15 +67,15 @@ class RayTrainGroup:
             pg, bundles = pg
         else:
             bundles = None
-        n = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+        n = args.actor_num_nodes * args.actor_num_gpus_per_node
         bundles = list(range(n)) if bundles is None else list(bundles)
         if len(bundles) != n:
             raise ValueError(f"RayTrainGroup: {n} trainer ranks (--actor-num-nodes × --actor-num-gpus-per-node) "
                              f"but {len(bundles)} placement-group bundles")
         self.world_size = n
-        self.timeout = float(getattr(args, "train_timeout_s", None) or CALL_TIMEOUT_S)
+        self.timeout = CALL_TIMEOUT_S
         use_gpu = ray_has_gpus()
-        gpus = (0.4 if getattr(args, "colocate", False) else 1.0) if use_gpu else 0
+        gpus = (0.4 if args.colocate else 1.0) if use_gpu else 0
         cls = ray.remote(trainer_class(args))
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         if args.train_backend == "megatron":

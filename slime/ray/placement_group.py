@@ -15,6 +15,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 PG_READY_TIMEOUT_S = 60.0
+CPUS_PER_BUNDLE = 1.0
 
 
 def ray_has_gpus() -> bool:
@@ -41,13 +42,10 @@ class PlacementGroups:
 
 def bundle_plan(args, use_gpu: bool) -> tuple[list[dict], list[int], list[int]]:
     """(bundles, trainer bundle indices, rollout bundle indices) from the flags."""
-    n_actor = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
-    if n_actor < 1:
-        raise ValueError(f"--actor-num-nodes × --actor-num-gpus-per-node must be >= 1, got {n_actor}")
-    colocate = bool(getattr(args, "colocate", False))
-    n_rollout = 0 if colocate else int(getattr(args, "rollout_num_gpus", 0) or 0)
-    cpus = float(getattr(args, "num_cpus_per_bundle", None) or 1)
-    bundle = {"GPU": 1, "CPU": cpus} if use_gpu else {"CPU": cpus}
+    n_actor = args.actor_num_nodes * args.actor_num_gpus_per_node
+    colocate = args.colocate
+    n_rollout = 0 if colocate else args.rollout_num_gpus
+    bundle = {"GPU": 1, "CPU": CPUS_PER_BUNDLE} if use_gpu else {"CPU": CPUS_PER_BUNDLE}
     bundles = [dict(bundle) for _ in range(n_actor + n_rollout)]
     actor_idx = list(range(n_actor))
     rollout_idx = actor_idx if colocate else list(range(n_actor, n_actor + n_rollout))
@@ -65,7 +63,7 @@ def create_placement_groups(args, timeout_s: float = PG_READY_TIMEOUT_S) -> Plac
     if need_cpu > have_cpu:
         raise RuntimeError(
             f"placement group needs {need_cpu:g} CPUs ({len(actor_idx)} trainer + "
-            f"{0 if getattr(args, 'colocate', False) else len(rollout_idx)} rollout bundles) but Ray has {have_cpu:g}; "
+            f"{0 if args.colocate else len(rollout_idx)} rollout bundles) but Ray has {have_cpu:g}; "
             f"start Ray with more num_cpus or lower --actor-num-gpus-per-node / --rollout-num-gpus"
         )
     pg = placement_group(bundles, strategy="PACK")
@@ -75,7 +73,7 @@ def create_placement_groups(args, timeout_s: float = PG_READY_TIMEOUT_S) -> Plac
         raise TimeoutError(f"placement group {bundles} not ready after {timeout_s:.0f}s (resources: "
                            f"{ray.available_resources()})")
     logger.info("placement group: %d trainer + %d rollout bundles (%s, colocate=%s)", len(actor_idx),
-                len(rollout_idx), "GPU" if use_gpu else "CPU", bool(getattr(args, "colocate", False)))
+                len(rollout_idx), "GPU" if use_gpu else "CPU", args.colocate)
     return PlacementGroups(pg, actor_idx, rollout_idx, use_gpu)
 
 

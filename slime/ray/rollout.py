@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -103,8 +104,8 @@ class RolloutManager:
         self.policy_version = version
 
     def mark_trained(self, groups: list[list[Sample]]) -> None:
-        ids = sorted({g[0].group_index for g in groups if g})
-        ray.get(self.buffer.mark.remote(ids, "trained"), timeout=BUFFER_TIMEOUT_S)
+        ids = sorted(group_id(g) for g in groups)
+        ray.get(self.buffer.mark.remote(ids, TRAINED), timeout=BUFFER_TIMEOUT_S)
 
     def ledger_summary(self) -> dict[str, int]:
         return ray.get(self.buffer.ledger_summary.remote(), timeout=BUFFER_TIMEOUT_S)

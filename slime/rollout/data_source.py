@@ -124,10 +124,10 @@ def _prompt_text(prompt: Any, args, tokenizer, where: str, key: str) -> tuple[st
     """(text to tokenise, whether it came from the chat template)."""
     if isinstance(prompt, list):
         messages = _check_messages(prompt, where, key)
-        if not getattr(args, "apply_chat_template", False):
+        if not args.apply_chat_template:
             raise DataError(f"{where}: key {key!r} holds chat messages; pass --apply-chat-template to render them")
     elif isinstance(prompt, str):
-        if not getattr(args, "apply_chat_template", False):
+        if not args.apply_chat_template:
             return prompt, False
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -154,10 +154,8 @@ def _metadata(raw: Any, where: str, key: str) -> dict[str, Any]:
 
 def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data") -> tuple[list[PromptEntry], int]:
     """Read, validate, template and tokenise every row of `path`; return (entries, number dropped as too long)."""
-    input_key = getattr(args, "input_key", None) or "prompt"
-    label_key = getattr(args, "label_key", None)
-    metadata_key = getattr(args, "metadata_key", None) or "metadata"
-    max_len = getattr(args, "rollout_max_prompt_len", None)
+    input_key, label_key, metadata_key = args.input_key, args.label_key, args.metadata_key
+    max_len = args.rollout_max_prompt_len
     entries, dropped = [], 0
     for i, row in enumerate(read_rows(path, flag)):
         where = f"{path}: row {i}"
@@ -208,18 +206,16 @@ class RolloutDataSource:
 
     def __init__(self, args, tokenizer):
         self.args = args
-        self.path = getattr(args, "prompt_data", None)
+        self.path = args.prompt_data
         self.entries, self.num_dropped_too_long = prepare_entries(args, tokenizer, self.path)
         if not self.entries:
             raise DataError(
                 f"--prompt-data {self.path}: no usable prompts"
                 + (f" ({self.num_dropped_too_long} longer than --rollout-max-prompt-len)" if self.num_dropped_too_long else "")
             )
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1))
-        if self.n_samples_per_prompt < 1:
-            raise DataError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples_per_prompt}")
-        self.shuffle = bool(getattr(args, "rollout_shuffle", False))
-        self.seed = int(getattr(args, "rollout_seed", 0) or 0)
+        self.n_samples_per_prompt = args.n_samples_per_prompt
+        self.shuffle = args.rollout_shuffle
+        self.seed = args.rollout_seed
         self.epoch = 0
         self.offset = 0  # position in the current epoch's order
         self.group_counter = 0

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def eval_sets(args, ctx: RolloutContext) -> dict[str, list[list[Sample]]]:
-    given: Any = getattr(ctx, "eval_groups", None)
+    given: Any = ctx.eval_groups
     if isinstance(given, dict):
         return given
     if given is None:
@@ -35,9 +35,9 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
 
     sets = eval_sets(args, ctx)
     urls = await asyncio.to_thread(ctx.engines.worker_urls)
-    concurrency = int(getattr(args, "sglang_server_concurrency", 512)) * max(1, len(urls))
+    concurrency = args.sglang_server_concurrency * max(1, len(urls))
     sem = asyncio.Semaphore(concurrency)
-    max_len = int(getattr(args, "eval_max_response_len", None) or args.rollout_max_response_len)
+    max_len = args.eval_max_response_len
     clock = StepClock()
     metrics: dict[str, float] = {}
     all_groups: list[list[Sample]] = []

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
+from slime.utils.ledger import group_id
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,6 @@ class StepClock:
 
 def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
     """The `rollout/` metrics of one finished step (`step`: the `_RolloutStep`) and its trace line."""
-    from slime.ray.buffer import group_id
-
     m = step.clock.marks
     elapsed = m.get("drained", step.clock.now())
     new_tokens = step.requester.new_tokens
@@ -180,7 +179,7 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
     out.update(token_version_metrics(step.accepted, step.version))
     out.update(sample_metrics(step.accepted))
     out.update(occ)
-    append_trace(getattr(step.args, "run_dir", None), {
+    append_trace(step.args.run_dir, {
         "rollout_id": step.rollout_id, "policy_version": step.version, "mode": step.mode,
         "partial_rollout": step.partial, "submitted": step.submitted, "resumed": step.resumed,
         "abort": step.abort_point, "accepted": [group_id(g) for g in step.accepted],

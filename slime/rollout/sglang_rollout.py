@@ -33,21 +33,26 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 import aiohttp
 from tqdm import tqdm
 
-from slime.ray.buffer import DROPPED, FINISHED, group_id
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.pool_mode import SamplePool
+from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
-from slime.rollout.staleness import apply_staleness_policy, is_stale
+from slime.rollout.staleness import apply_staleness_policy
+from slime.utils.ledger import DROPPED, FINISHED, group_id
 from slime.utils.misc import load_function
-from slime.utils.types import Sample
+from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
+
+# with --reward-timeout <= 0 (no per-reward limit) the step still stops waiting for rewards after the drain
+UNLIMITED_REWARD_SETTLE_S = 300.0
 
 
 class RolloutError(RuntimeError):
@@ -89,16 +94,16 @@ class _RolloutStep:
         self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
         self.target = int(args.rollout_batch_size)
         self.n = int(args.n_samples_per_prompt)
-        self.chunk = int(getattr(args, "over_sampling_batch_size", None) or self.target)
-        self.mode = getattr(args, "rollout_mode", "chunked") or "chunked"
-        self.partial = bool(getattr(args, "partial_rollout", False))
+        self.chunk = int(args.over_sampling_batch_size)
+        self.mode = args.rollout_mode
+        self.partial = args.partial_rollout
         self.version = int(ctx.policy_version)
-        self.max_staleness = getattr(args, "max_staleness", None)
-        self.staleness_policy = getattr(args, "staleness_policy", "restart") or "restart"
-        fpath = getattr(args, "dynamic_sampling_filter_path", None)
+        self.max_staleness = args.max_staleness
+        self.staleness_policy = args.staleness_policy
+        fpath = args.dynamic_sampling_filter_path
         self.filter = load_function(fpath) if fpath else None
-        self.rpc_timeout = float(getattr(args, "rollout_rpc_timeout", 120.0) or 120.0)
-        self.abort_timeout = float(getattr(args, "rollout_abort_timeout", 120.0) or 120.0)
+        self.rpc_timeout = args.rollout_rpc_timeout
+        self.abort_timeout = args.rollout_abort_timeout
         self.groups: dict[int, _Group] = {}
         self.accepted: list[list[Sample]] = []
         self.overflow: list[list[Sample]] = []
@@ -118,10 +123,10 @@ class _RolloutStep:
     # ---- the step ------------------------------------------------------------------
     async def run(self) -> RolloutOutput:
         urls = await asyncio.to_thread(self.ctx.engines.worker_urls)
-        concurrency = int(getattr(self.args, "sglang_server_concurrency", 512)) * max(1, len(urls))
-        pool_size = int(getattr(self.args, "rollout_pool_size", None) or concurrency)
+        concurrency = self.args.sglang_server_concurrency * max(1, len(urls))
+        pool_size = self.args.rollout_pool_size
         limit = pool_size if self.mode == "pool" else concurrency
-        shared = getattr(self.ctx, "http_session", None)
+        shared = self.ctx.http_session
         async with contextlib.nullcontext(shared) if shared is not None else aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=limit + 32)) as session:
             self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
@@ -218,13 +223,17 @@ class _RolloutStep:
                 return
             await self.progress.wait()
 
-    def _start_group(self, group: list[Sample], sem: asyncio.Semaphore | None) -> None:
+    def _begin_group(self, group: list[Sample]) -> list[tuple[_Group, Sample]]:
+        """The group's unfinished members, to be generated; a group with none left is rewarded at once."""
         st = self.groups[group_id(group)]
         todo = [s for s in group if not s.status.is_finished]
         st.outstanding = len(todo)
         if not todo:  # everything finished already (e.g. a resumed group whose last member hit the budget)
             self._group_generated(st)
-        for s in todo:
+        return [(st, s) for s in todo]
+
+    def _start_group(self, group: list[Sample], sem: asyncio.Semaphore | None) -> None:
+        for st, s in self._begin_group(group):
             self._spawn(self._sample_task(st, s, sem), self.tasks)
 
     def _spawn(self, coro, bucket: set) -> None:
@@ -254,44 +263,15 @@ class _RolloutStep:
         self.stop.set()
         self.progress.set()
 
-    # ---- pool mode (CoPRIS) ------------------------------------------------------------
+    # ---- pool mode (CoPRIS): slime/rollout/pool_mode.py keeps the requests in flight ------------
     async def _run_pool(self, pool_size: int) -> None:
-        queue: deque[tuple[_Group, Sample]] = deque()
-        # the first fetch fills the whole pool in one buffer/data-source round trip (each is a Ray call);
-        # later top-ups take one group at a time
-        first_fetch = [max(1, -(-pool_size // self.n))]
+        async def fetch(num: int) -> list[tuple[_Group, Sample]]:
+            return [item for g in await self._next_groups(num) for item in self._begin_group(g)]
 
-        refill = asyncio.Lock()
-
-        async def next_sample():
-            while not queue:
-                if self.stop.is_set() or self.exhausted:
-                    return None
-                async with refill:  # one worker refills; the others then find the queue full (no over-fetching)
-                    if queue:
-                        break
-                    num, first_fetch[0] = first_fetch[0], 1
-                    for g in await self._next_groups(num):
-                        st = self.groups[group_id(g)]
-                        todo = [s for s in g if not s.status.is_finished]
-                        st.outstanding = len(todo)
-                        if not todo:
-                            self._group_generated(st)
-                        queue.extend((st, s) for s in todo)
-            return queue.popleft()
-
-        async def worker():
-            while not self.stop.is_set():
-                try:
-                    item = await next_sample()
-                except Exception as e:
-                    self._fail(f"fetching groups: {type(e).__name__}: {e}")
-                    return
-                if item is None or self.stop.is_set():
-                    return
-                await self._sample_task(*item, None)
-
-        workers = [asyncio.create_task(worker()) for _ in range(pool_size)]
+        pool = SamplePool(pool_size, first_fetch=-(-pool_size // self.n), fetch=fetch,
+                          run=lambda st, s: self._sample_task(st, s, None),
+                          stop=self.stop, exhausted=lambda: self.exhausted, fail=self._fail)
+        workers = pool.start()
         for w in workers:
             self.tasks.add(w)
             w.add_done_callback(self.tasks.discard)
@@ -314,13 +294,9 @@ class _RolloutStep:
         self._spawn(self._reward_task(st), self.reward_tasks)
 
     async def _reward_task(self, st: _Group) -> None:
-        from slime.rollout.rm_hub import reward_group
-
         try:
             await reward_group(self.args, st.samples)
         except Exception as e:  # reward_group promises not to raise; be safe anyway
-            from slime.utils.types import Status
-
             for s in st.samples:
                 if s.reward is None:
                     s.status = Status.FAILED
@@ -382,7 +358,7 @@ class _RolloutStep:
         self.clock.mark("drained")
 
     async def _settle_rewards(self) -> None:
-        timeout = float(getattr(self.args, "reward_timeout", None) or 300.0) + 30.0
+        timeout = (reward_timeout(self.args) or UNLIMITED_REWARD_SETTLE_S) + 30.0
         if self.reward_tasks:
             done, pending = await asyncio.wait(set(self.reward_tasks), timeout=timeout)
             for t in pending:
@@ -425,4 +401,4 @@ class _RolloutStep:
         return step_metrics(self, occ, in_flight_cap)
 
 
-__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync", "is_stale"]
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync"]

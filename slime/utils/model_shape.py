@@ -131,15 +131,16 @@ def _bool_flags(shape: ModelShape) -> dict[str, bool]:
 def flag_mismatches(args, shape: ModelShape, where: str) -> list[str]:
     """Every model-shape flag the user set that disagrees with the checkpoint."""
     errors = []
+    given_flags = vars(args)
     for flag, field in _VALUE_FLAGS.items():
-        given = getattr(args, flag)
+        given = given_flags[flag]
         if given is None:
             continue
         want = getattr(shape, field)
         if (given != want) if not isinstance(want, float) else abs(float(given) - want) > 1e-12 * max(1.0, abs(want)):
             errors.append(f"--{flag.replace('_', '-')} {given} but {where} says {want}")
     for flag, want in _bool_flags(shape).items():  # store_true flags: None when not given
-        if getattr(args, flag) and not want:
+        if given_flags[flag] and not want:
             errors.append(f"--{flag.replace('_', '-')} is set but {where} describes a model without it")
     if args.normalization is not None and args.normalization != "RMSNorm":
         errors.append(f"--normalization {args.normalization}: {where} uses RMSNorm")

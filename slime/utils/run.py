@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +19,8 @@ OFFLINE_ENV = {
 
 
 def resolve_run_dir(args) -> str:
-    if args.run_dir:
-        return os.path.abspath(args.run_dir)
-    return os.path.abspath(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    """`--run-dir` (parse_args fills its default, runs/<date-time>), absolute."""
+    return os.path.abspath(args.run_dir)
 
 
 def setup_logging(run_dir: str, level: int = logging.INFO) -> None:

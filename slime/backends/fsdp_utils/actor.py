@@ -30,7 +30,6 @@ from slime.backends.training_utils.data import (
 from slime.backends.training_utils.loss import (
     RolloutTensors,
     compute_rollout_tensors,
-    flag,
     micro_batch_loss,
     needs_ref,
 )
@@ -58,27 +57,27 @@ class FSDPTrainer:
 
     def init(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
         args = self.args
-        torch.set_num_threads(int(flag(args, "train_num_threads", 1)))
+        torch.set_num_threads(int(args.train_num_threads))
         if master_port is None:
             if self.world_size != 1:
                 raise ValueError("FSDPTrainer.init: master_port is required when world_size > 1")
             master_port = free_port()
         self._owns_pg = init_distributed(self.rank, self.world_size, master_addr, master_port)
-        torch.manual_seed(int(flag(args, "seed", 1234)) + self.rank)
-        hf = flag(args, "hf_checkpoint", None)
+        torch.manual_seed(int(args.seed) + self.rank)
+        hf = args.hf_checkpoint
         if not hf:
             raise ValueError("--hf-checkpoint is required for the FSDP trainer")
-        attn = flag(args, "attn_implementation", "sdpa")
+        attn = args.attn_implementation
         self.model = build_model(hf, trainable=True, attn_implementation=attn)
         self.model.train()
         if needs_ref(args):
-            self.ref_model = build_model(flag(args, "ref_load", None) or hf, trainable=False, attn_implementation=attn)
+            self.ref_model = build_model(args.ref_load or hf, trainable=False, attn_implementation=attn)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=float(flag(args, "lr", 1e-6)),
-            betas=(float(flag(args, "adam_beta1", 0.9)), float(flag(args, "adam_beta2", 0.999))),
-            eps=float(flag(args, "adam_eps", 1e-8)),
-            weight_decay=float(flag(args, "weight_decay", 0.0)),
+            lr=float(args.lr),
+            betas=(float(args.adam_beta1), float(args.adam_beta2)),
+            eps=float(args.adam_eps),
+            weight_decay=float(args.weight_decay),
         )
         cfg = self.model.config
         self.pad_id = next((v for v in (cfg.pad_token_id, cfg.eos_token_id, 0) if isinstance(v, int)), 0)
@@ -90,14 +89,14 @@ class FSDPTrainer:
     # ----------------------------------------------------------- helpers ----
     @property
     def temperature(self) -> float:
-        t = float(flag(self.args, "rollout_temperature", 1.0))
+        t = float(self.args.rollout_temperature)
         return t if t > 0 else 1.0  # greedy rollouts: log-probs of the raw logits
 
     def _micro_batches(self, items: list[TrainItem]) -> list[list[TrainItem]]:
-        max_tokens = flag(self.args, "max_tokens_per_gpu", None) if flag(self.args, "use_dynamic_batch_size", False) else None
-        if flag(self.args, "use_dynamic_batch_size", False) and not max_tokens:
+        max_tokens = self.args.max_tokens_per_gpu if self.args.use_dynamic_batch_size else None
+        if self.args.use_dynamic_batch_size and not max_tokens:
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
-        return micro_batches(items, int(flag(self.args, "micro_batch_size", 1)), max_tokens)
+        return micro_batches(items, int(self.args.micro_batch_size), max_tokens)
 
     def _max_over_ranks(self, n: int) -> int:
         if self.world_size == 1:
@@ -127,15 +126,16 @@ class FSDPTrainer:
         return out  # type: ignore[return-value]
 
     def _metric_keys(self) -> list[str]:
-        if flag(self.args, "loss_type", "policy_loss") == "sft_loss":
+        if self.args.loss_type == "sft_loss":
             return ["sft_loss", "loss"]
         keys = ["pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "loss"]
-        return keys + (["kl_loss"] if flag(self.args, "use_kl_loss", False) else [])
+        keys += ["pg_dual_clipfrac"] if self.args.eps_clip_c is not None else []
+        return keys + (["kl_loss"] if self.args.use_kl_loss else [])
 
     # ------------------------------------------------------------- train ----
     def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
         t0 = time.perf_counter()
-        item_groups, n_failed = flatten_groups(groups, flag(self.args, "reward_key", None))
+        item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
         items = [it for g in item_groups for it in g]
         metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed)}
         if not items:
@@ -147,7 +147,7 @@ class FSDPTrainer:
         metrics.update(rt.metrics)
         metrics["old_logprob_time_s"] = time.perf_counter() - t0
 
-        steps = split_steps(len(items), int(flag(self.args, "global_batch_size", len(items))))
+        steps = split_steps(len(items), int(self.args.global_batch_size))
         sums: dict[str, float] = defaultdict(float)
         for positions in steps:
             step = self._train_step([items[p] for p in positions], rt)
@@ -173,7 +173,7 @@ class FSDPTrainer:
             if k < len(mbs):
                 mb = mbs[k]
                 lps, ents, _ = forward_items(self.model, mb, self.pad_id, self.temperature, with_entropy=True,
-                                             entropy_grad=float(flag(self.args, "entropy_coef", 0.0)) != 0.0)
+                                             entropy_grad=float(self.args.entropy_coef) != 0.0)
                 loss, m = micro_batch_loss(self.args, lps, ents, [it.pos for it in mb], [it.loss_mask for it in mb],
                                            rt, num_tokens, num_samples)
                 m["loss"] = float(loss.detach())
@@ -184,7 +184,7 @@ class FSDPTrainer:
                 loss = logits.sum() * 0.0
             # FSDP averages gradients over ranks; the loss is already a global mean
             (loss * ws).backward()
-        clip = float(flag(self.args, "clip_grad", 1.0))
+        clip = float(self.args.clip_grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -203,13 +203,13 @@ class FSDPTrainer:
         return self.updater.update(list(urls), int(version))
 
     def save(self, path: str) -> None:
-        ckpt.save(self.model, self.optimizer, path, flag(self.args, "hf_checkpoint", None))
+        ckpt.save(self.model, self.optimizer, path, self.args.hf_checkpoint)
 
     def load(self, path: str) -> None:
         ckpt.load(self.model, self.optimizer, path)
 
     def export_hf(self, path: str) -> None:
-        ckpt.export_hf(self.model, path, flag(self.args, "hf_checkpoint", None))
+        ckpt.export_hf(self.model, path, self.args.hf_checkpoint)
 
     def offload(self) -> None:
         """Colocated runs: free accelerator memory for the engines. On CPU the

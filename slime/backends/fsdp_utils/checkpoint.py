@@ -19,51 +19,24 @@ import json
 import logging
 import os
 import random
-import shutil
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from slime.backends.fsdp_utils.hf_weights import full_state_dict, untie_for_safetensors, write_hf_dir
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
-
-
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
 
 
-def _untie(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: drop the tied output embedding."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    return {k: v.detach().contiguous() for k, v in state.items()}
-
-
-def write_hf_dir(model: nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None) -> None:
-    """Rank-0 only: a plain HF model directory (config, safetensors, tokenizer)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    model.config.save_pretrained(path)
-    save_file(_untie(model, state), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    if hf_checkpoint and os.path.isdir(hf_checkpoint):
-        for name in TOKENIZER_FILES:
-            src = os.path.join(hf_checkpoint, name)
-            if os.path.exists(src):
-                shutil.copy2(src, os.path.join(path, name))
-
-
 def export_hf(model: nn.Module, path: str, hf_checkpoint: str | None) -> None:
     """Collective (every rank calls it); rank 0 writes the HF directory."""
-    from slime.backends.fsdp_utils.update_weight import full_state_dict
-
     state = full_state_dict(model)
     if dist.get_rank() == 0:
         write_hf_dir(model, state, path, hf_checkpoint)
@@ -80,7 +53,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, hf_check
     optim_sd = get_optimizer_state_dict(model, optimizer, options=_options())
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        save_file(_untie(model, model_sd), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(untie_for_safetensors(model, model_sd), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         torch.save(optim_sd, os.path.join(path, "optimizer.pt"))
         model.config.save_pretrained(path)
         with open(os.path.join(path, "trainer_meta.json"), "w") as f:

@@ -30,28 +30,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slime.backends.fsdp_utils.hf_weights import full_state_dict, write_hf_dir
 from slime.backends.fsdp_utils.model import free_port, use_cuda
+from slime.backends.sglang_utils.http_client import post_json
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUFFER_BYTES = 512 * 1024**2
 HTTP_TIMEOUT_S = 600.0
 
 
 def _post(url: str, path: str, payload: dict, timeout: float) -> dict:
-    try:
-        from slime.backends.sglang_utils.http_client import post_json
-    except ImportError:  # pragma: no cover - the helper ships with the repo
-        post_json = None
     full = url.rstrip("/") + path
-    if post_json is not None:
-        out = post_json(full, payload, timeout=timeout)
-    else:
-        import requests
-
-        resp = requests.post(full, json=payload, timeout=timeout)
-        resp.raise_for_status()
-        out = resp.json() if resp.text.strip() else None
+    out = post_json(full, payload, timeout=timeout)
     if isinstance(out, dict) and out.get("success") is False:
         raise RuntimeError(f"POST {full} failed: {out.get('message')}")
     return out or {}
@@ -69,13 +59,6 @@ def _wait_all(futures, urls: list[str], path: str, timeout: float) -> list[dict]
         except Exception as e:
             raise RuntimeError(f"weight update: {path} on worker {url} failed: {e}") from e
     return out
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: every rank must call it; only rank 0 gets the tensors (CPU)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
@@ -111,10 +94,10 @@ class WeightUpdater:
         self._urls: tuple[str, ...] = ()
         self._disk_dir: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync") if rank == 0 else None
-        self.buffer_bytes = int(getattr(args, "update_weight_buffer_size", None) or DEFAULT_BUFFER_BYTES)
-        self.timeout = float(getattr(args, "update_weights_timeout_s", None) or HTTP_TIMEOUT_S)
+        self.buffer_bytes = args.update_weight_buffer_size
+        self.timeout = HTTP_TIMEOUT_S
         # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume)
-        self.flush_cache = not bool(getattr(args, "reuse_stale_kv", False))
+        self.flush_cache = not args.reuse_stale_kv
 
     # ------------------------------------------------------------ public ----
     def update(self, urls: list[str], version: int) -> dict[str, float]:
@@ -123,7 +106,7 @@ class WeightUpdater:
         if not urls:
             raise ValueError("update_weights: no engine worker URLs (is the EngineGroup started?)")
         t0 = time.perf_counter()
-        from_disk = bool(getattr(self.args, "update_weights_from_disk", False))
+        from_disk = self.args.update_weights_from_disk
         if not from_disk and self.rank == 0 and tuple(urls) != self._urls:
             try:
                 self._connect(list(urls))
@@ -161,8 +144,6 @@ class WeightUpdater:
 
     def write_hf(self, state: dict[str, torch.Tensor], path: str) -> None:
         """Rank 0: `state` as a HF model directory at `path`."""
-        from slime.backends.fsdp_utils.checkpoint import write_hf_dir
-
         write_hf_dir(self.model, state, path, self.args.hf_checkpoint)
 
     def close(self) -> None:
@@ -200,7 +181,7 @@ class WeightUpdater:
     def _connect(self, urls: list[str]) -> None:
         if self._pg is not None:
             self.close_group_only()
-        tp = int(getattr(self.args, "rollout_num_gpus_per_engine", None) or 1) if use_cuda() else 1
+        tp = self.args.rollout_num_gpus_per_engine if use_cuda() else 1
         world_size = 1 + len(urls) * tp
         port = free_port()
         backend = "nccl" if use_cuda() else "gloo"
@@ -258,9 +239,8 @@ class WeightUpdater:
         return n_bytes
 
     def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> int:
-        base = getattr(self.args, "update_weights_disk_dir", None)
         if self._disk_dir is None:
-            self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_", dir=base)
+            self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_")
         path = os.path.join(self._disk_dir, f"v{version}")
         self.write_hf(state, path)
         payload = {"model_path": path, "weight_version": str(version), "flush_cache": self.flush_cache}

@@ -22,9 +22,3 @@ import warnings
 # megatron-core says so at import, once per module, in every process: we do not use apex / TE on purpose
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
-
-
-def megatron_trainer_class():
-    from slime.backends.megatron_utils.actor import MegatronTrainer
-
-    return MegatronTrainer

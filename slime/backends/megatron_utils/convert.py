@@ -8,7 +8,6 @@ the ranks split the work as TP ranks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,15 +24,6 @@ from slime.utils.model_shape import flag_mismatches, read_shape
 logger = logging.getLogger(__name__)
 
 
-def model_flags_parser(description: str) -> argparse.ArgumentParser:
-    """The Megatron flags of train.py (MODEL_ARGS of scripts/models/*.sh, TP, --bf16, ...)."""
-    from slime.arguments import _add_megatron_args
-
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    _add_megatron_args(p)
-    return p
-
-
 def _init(tp: int):
     """A process group from torchrun's environment, else a single process."""
     rank = int(os.environ.get("RANK", 0))
@@ -44,7 +34,8 @@ def _init(tp: int):
 
 
 def hf_to_torch_dist(args, hf_dir: str, save_dir: str) -> str:
-    """`save_dir/iter_0000000/` (the model, as {"model": ...}) + the tracker file. Returns the iter dir."""
+    """`save_dir/iter_0000000/` (the model, as {"model": ...}) + the tracker file. Returns the iter dir.
+    `args`: the Megatron flags (`slime.arguments.megatron_flags`)."""
     shape = read_shape(hf_dir)
     errors = flag_mismatches(args, shape, os.path.join(hf_dir, "config.json"))
     if errors:
@@ -72,14 +63,14 @@ def _hf_dtype(hf_dir: str) -> torch.dtype | None:
     return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
 
 
-def torch_dist_to_hf(input_dir: str, output_dir: str, origin_hf_dir: str) -> str:
+def torch_dist_to_hf(flags, input_dir: str, output_dir: str, origin_hf_dir: str) -> str:
     """A plain HF directory (config + tokenizer of `origin_hf_dir`, weights in
     its dtype) from a torch_dist checkpoint: a converter output, a
-    `train.py --save` iter dir or a trainer dir."""
+    `train.py --save` iter dir or a trainer dir. `flags`: the Megatron flags
+    (defaults are right: the stored tensors do not depend on them)."""
     if ckpt.model_dir_of(input_dir) is None:
         raise FileNotFoundError(f"--input-dir {input_dir!r}: no megatron model checkpoint (metadata.json) in it")
     shape = read_shape(origin_hf_dir)
-    flags = model_flags_parser("").parse_args([])
     layout, owns = _init(1)
     try:
         built = build_gpt(flags, shape, layout.tp_size, trainable=False, wrap_ddp=False)

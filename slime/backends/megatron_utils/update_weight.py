@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.checkpoint import TOKENIZER_FILES
+from slime.backends.fsdp_utils.hf_weights import TOKENIZER_FILES
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.backends.megatron_utils import hf_weights
 from slime.backends.megatron_utils.model import Built, named_local_params

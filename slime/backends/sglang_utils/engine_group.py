@@ -47,11 +47,10 @@ def busy_requests(load) -> int:
 class EngineGroup(WeightUpdateMixin):
     def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None):
         self.args = args
-        tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
-        self.num_gpus_per_engine = tp
-        self.num_engines = max(1, int(getattr(args, "rollout_num_gpus", 1) or 1) // tp)
-        self.log_dir = log_dir or getattr(args, "engine_log_dir", None) or tempfile.mkdtemp(prefix="slime_engines_")
-        self.startup_timeout = startup_timeout or getattr(args, "engine_startup_timeout", None)
+        self.num_gpus_per_engine = args.rollout_num_gpus_per_engine
+        self.num_engines = args.num_engines
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="slime_engines_")
+        self.startup_timeout = startup_timeout or args.engine_startup_timeout
         self.backend: str | None = None
         self.engines: list[EngineProcess] = []
         self.router: Router | None = None
@@ -98,8 +97,7 @@ class EngineGroup(WeightUpdateMixin):
             return ports
 
     def _start_or_attach_router(self) -> Router:
-        ip = getattr(self.args, "sglang_router_ip", None)
-        port = getattr(self.args, "sglang_router_port", None)
+        ip, port = self.args.sglang_router_ip, self.args.sglang_router_port
         if ip and port:
             try:
                 return Router.attach(f"http://{ip}:{port}", timeout=5.0)

@@ -5,6 +5,13 @@ Facts this relies on (pinned by tests/test_router*.py): `POST /workers
 {"url"}` answers 202 and registers asynchronously; `GET /workers` lists
 `{"url", "is_healthy", ...}` once the worker passed the router's probes; a
 worker that cannot be reached is simply never listed.
+
+The router is launched with its circuit breaker off: 0.3.2 opens a worker's
+circuit after 10 consecutive failed requests (client errors included) and then
+answers every request, valid ones too, 503 `no_available_workers` for 60 s
+while `GET /workers` still says healthy; one batch of bad requests would stall
+a training run. Our workers' health is checked by their health probes and by
+EngineGroup, not by counting 400s.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manu
 
 
 def build_router_command(args, host: str, port: int, prometheus_port: int) -> list[str]:
-    policy = getattr(args, "sglang_router_policy", None) or "round_robin"
+    policy = args.sglang_router_policy
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"--sglang-router-policy: {policy!r} is not one of {ROUTER_POLICIES}")
     cmd = [
@@ -37,9 +44,10 @@ def build_router_command(args, host: str, port: int, prometheus_port: int) -> li
         "--prometheus-host", host,
         "--prometheus-port", str(prometheus_port),
         "--policy", policy,
-        "--log-level", getattr(args, "sglang_router_log_level", None) or "warn",
+        "--log-level", args.sglang_router_log_level,
+        "--disable-circuit-breaker",
     ]
-    timeout = getattr(args, "sglang_router_request_timeout_secs", None)
+    timeout = args.sglang_router_request_timeout_secs
     if timeout:
         cmd += ["--request-timeout-secs", str(int(timeout))]
     return cmd
@@ -62,7 +70,7 @@ class Router:
 
     @classmethod
     def start(cls, args, port: int, prometheus_port: int, log_dir: str, timeout: float = 60.0) -> "Router":
-        host = getattr(args, "sglang_router_ip", None) or "127.0.0.1"
+        host = args.sglang_router_ip or "127.0.0.1"
         cmd = build_router_command(args, host, port, prometheus_port)
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         proc = ManagedProcess("sglang-router", cmd, os.path.join(log_dir, "router.log")).start()

@@ -44,7 +44,7 @@ def _sglang_importable() -> bool:
 
 def resolve_rollout_backend(args) -> str:
     """'sglang' or 'embedded' from `--rollout-backend` (auto: sglang iff CUDA and sglang are both available)."""
-    choice = getattr(args, "rollout_backend", "auto") or "auto"
+    choice = args.rollout_backend
     if choice not in BACKENDS:
         raise ValueError(f"--rollout-backend: {choice!r} is not one of {BACKENDS}")
     if choice == "auto":
@@ -56,7 +56,7 @@ def resolve_rollout_backend(args) -> str:
             raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
         logger.info("--rollout-backend %s", choice)
         backend = choice
-    if backend == "sglang" and getattr(args, "colocate", False):
+    if backend == "sglang" and args.colocate:
         # Sharing GPUs with SGLang needs its memory release/resume around training (not built yet);
         # on CPU the embedded engines and trainers simply share the cores.
         raise RuntimeError("--colocate with SGLang engines needs GPU memory offload around each phase, which is not "
@@ -96,11 +96,11 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
     `args.sglang_extra_args` ({flag-name: str | True}). A user `--sglang-host`
     replaces the loopback default.
     """
-    if not getattr(args, "hf_checkpoint", None):
+    if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required to launch SGLang engines (it becomes --model-path)")
-    extra = dict(getattr(args, "sglang_extra_args", None) or {})
+    extra = dict(args.sglang_extra_args)
     names = _extra_flag_names(extra)
-    tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    tp = args.rollout_num_gpus_per_engine
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.hf_checkpoint),
@@ -111,9 +111,8 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
     ]
     if "host" not in names:
         cmd += ["--host", host]
-    seed = getattr(args, "seed", None)
-    if seed is not None and "random-seed" not in names:
-        cmd += ["--random-seed", str(int(seed) + engine_rank)]
+    if "random-seed" not in names:
+        cmd += ["--random-seed", str(args.seed + engine_rank)]
     if "weight-version" not in names:
         cmd += ["--weight-version", "0"]
     cmd += _extra_args_to_argv(extra, "sglang-", _RESERVED_SGLANG_FLAGS)
@@ -121,8 +120,13 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
 
 
 def build_embedded_engine_command(args, engine_rank: int, port: int, host: str = DEFAULT_HOST) -> list[str]:
-    """`python -m slime.backends.hf_engine ...` for engine `engine_rank` (CPU, one slot per engine)."""
-    if not getattr(args, "hf_checkpoint", None):
+    """`python -m slime.backends.hf_engine ...` for engine `engine_rank` (CPU, one slot per engine).
+
+    `--sglang-<flag>` options pass through when the embedded engine has the same flag (SGLang's names:
+    `--sglang-disable-radix-cache`, `--sglang-max-running-requests`, ...); any other is refused by name,
+    never silently dropped.
+    """
+    if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required to launch the embedded engine (it becomes --model-path)")
     cmd = [
         sys.executable, "-m", "slime.backends.hf_engine",
@@ -130,15 +134,23 @@ def build_embedded_engine_command(args, engine_rank: int, port: int, host: str =
         "--host", host,
         "--port", str(port),
     ]
-    threads = getattr(args, "embedded_engine_threads", None)
-    if threads:
-        cmd += ["--num-threads", str(int(threads))]
-    seed = getattr(args, "seed", None)
-    if seed is not None:
-        cmd += ["--seed", str(int(seed) + engine_rank)]
-    cmd += _extra_args_to_argv(getattr(args, "hf_engine_extra_args", None) or {}, "hf-engine-",
-                               {"model-path": "--hf-checkpoint", "host": "", "port": "(picked automatically)"})
+    cmd += ["--num-threads", str(args.embedded_engine_threads), "--seed", str(args.seed + engine_rank)]
+    known = _embedded_engine_flags()
+    unknown = sorted(f for f in _extra_flag_names(args.sglang_extra_args) if f not in known)
+    if unknown:
+        raise ValueError(f"--sglang-{unknown[0]}: the embedded engine (--rollout-backend embedded) has no --{unknown[0]}; "
+                         f"SGLang flags it understands: {', '.join('--sglang-' + f for f in sorted(known))}")
+    cmd += _extra_args_to_argv(args.sglang_extra_args, "sglang-",
+                               {"model-path": "--hf-checkpoint", "host": "", "port": "(picked automatically)",
+                                "num-threads": "--embedded-engine-threads", "seed": "--seed"})
     return cmd
+
+
+def _embedded_engine_flags() -> set[str]:
+    """The embedded engine's own flag names (SGLang's where they mean the same)."""
+    from slime.backends.hf_engine.__main__ import build_parser
+
+    return {opt[2:] for action in build_parser()._actions for opt in action.option_strings if opt.startswith("--")}
 
 
 class EngineProcess:
@@ -178,7 +190,7 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
     """Build (not start) engine `engine_rank` for `backend` ('sglang' or 'embedded')."""
     env = dict(os.environ)
     if backend == "sglang":
-        tp = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        tp = args.rollout_num_gpus_per_engine
         base_gpu_id = engine_rank * tp  # engines of one node share the visible GPUs in order
         if nccl_port is None:
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")

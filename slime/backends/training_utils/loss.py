@@ -6,7 +6,10 @@ of its optimizer step (tokens for ``token_mean``, samples for
 ``sample_mean``), counted over all ranks, so that summing micro-batches and
 averaging data-parallel gradients gives exactly the loss of the whole step in
 one batch. Reported metrics use the same denominators and are summed over
-micro-batches and ranks.
+micro-batches and ranks. ``pg_clipfrac`` is the share of tokens where the PPO
+clip is active (upstream slime's definition); with ``--eps-clip-c`` the dual
+clip's share is ``pg_dual_clipfrac`` (GSPO included). Conventions of the loss
+(log-ratio clamp, empty samples, GSPO with TIS) are in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -20,32 +23,23 @@ from torch import Tensor
 from slime.backends.training_utils.data import TrainItem
 from slime.utils.ppo_utils import (
     aggregate_loss,
+    clipped_surrogate,
     compute_advantages,
     compute_approx_kl,
-    compute_gspo_policy_loss,
-    compute_policy_loss,
+    compute_gspo_ratio,
     compute_tis_weights,
+    dual_clip_flags,
+    group_relative_rewards,
+    loss_agg_mode,
     normalize_advantages,
+    policy_ratio,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def flag(args, name: str, default=None):
-    """Read a flag that arguments.py may not define yet."""
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-def loss_agg_mode(args) -> str:
-    mode = getattr(args, "loss_agg_mode", None)
-    if mode:
-        return mode
-    return "token_mean" if flag(args, "calculate_per_token_loss", False) else "sample_mean"
-
-
 def needs_ref(args) -> bool:
-    return bool(flag(args, "use_kl_loss", False)) or float(flag(args, "kl_coef", 0.0)) > 0
+    return bool(args.use_kl_loss) or float(args.kl_coef) > 0
 
 
 @dataclass
@@ -70,19 +64,19 @@ def compute_rollout_tensors(
     items = [it for g in groups for it in g]
     masks = [it.loss_mask for it in items]
     metrics: dict[str, float] = {}
-    estimator = flag(args, "advantage_estimator", "grpo")
-    kl_coef = float(flag(args, "kl_coef", 0.0))
-    kl_type = flag(args, "kl_loss_type", "k1")
+    estimator = args.advantage_estimator
+    kl_coef = float(args.kl_coef)
+    kl_type = args.kl_loss_type
     kl = None
     if ref_log_probs is not None:
         kl = [compute_approx_kl(o, r, kl_type) for o, r in zip(old_log_probs, ref_log_probs)]
         metrics["ref_kl"] = _masked_token_mean(kl, masks)
 
-    if flag(args, "loss_type", "policy_loss") == "sft_loss":
+    if args.loss_type == "sft_loss":
         advantages = [torch.zeros_like(m) for m in masks]
     else:
         advantages = _advantages(args, estimator, groups, masks, kl, kl_coef)
-    if flag(args, "normalize_advantages", False) and estimator in ("grpo", "gspo"):
+    if args.normalize_advantages and estimator in ("grpo", "gspo"):
         advantages = normalize_advantages(advantages, masks)
 
     # engine (behaviour) vs trainer (old policy) log-prob mismatch
@@ -98,9 +92,9 @@ def compute_rollout_tensors(
     if items:
         w, tis_metrics = compute_tis_weights(
             torch.cat(old_log_probs), torch.cat([it.rollout_log_probs for it in items]), mk,
-            clip_high=float(flag(args, "tis_clip", 2.0)), clip_low=float(flag(args, "tis_clip_low", 0.0)),
+            clip_high=float(args.tis_clip), clip_low=float(args.tis_clip_low),
         )
-        if flag(args, "use_tis", False):
+        if args.use_tis:
             tis = list(torch.split(w, [m.numel() for m in masks]))
         metrics.update(tis_metrics)
     return RolloutTensors(old_log_probs, ref_log_probs, advantages, tis, metrics)
@@ -109,8 +103,8 @@ def compute_rollout_tensors(
 def _advantages(args, estimator, groups, masks, kl, kl_coef) -> list[Tensor]:
     rewards = torch.tensor([it.reward for g in groups for it in g], dtype=torch.float32)
     sizes = {len(g) for g in groups}
-    common = dict(normalize_std=not flag(args, "disable_grpo_std_normalization", False),
-                  kl=kl, kl_coef=kl_coef, gamma=float(flag(args, "gamma", 1.0)))
+    common = dict(normalize_std=not args.disable_grpo_std_normalization,
+                  kl=kl, kl_coef=kl_coef, gamma=float(args.gamma))
     if len(sizes) <= 1 or estimator == "reinforce_plus_plus":
         size = sizes.pop() if len(sizes) == 1 and estimator != "reinforce_plus_plus" else 1
         return compute_advantages(estimator, rewards, size, masks, **common)
@@ -126,10 +120,10 @@ def _advantages(args, estimator, groups, masks, kl, kl_coef) -> list[Tensor]:
     if estimator == "reinforce_plus_plus_baseline":
         per_token, start = [], 0
         for g in groups:
-            base = rewards[start : start + len(g)].mean()
+            centered = group_relative_rewards(rewards[start : start + len(g)], len(g), normalize_std=False)
             for j in range(len(g)):
                 i = start + j
-                adv = (rewards[i] - base) * torch.ones_like(masks[i])
+                adv = centered[j] * torch.ones_like(masks[i])
                 if kl is not None and kl_coef:
                     adv = adv - kl_coef * kl[i]
                 per_token.append(adv * masks[i])
@@ -166,41 +160,46 @@ def micro_batch_loss(
         return aggregate_loss(x, masks, mode, **agg)
 
     metrics: dict[str, float] = {}
-    if flag(args, "loss_type", "policy_loss") == "sft_loss":
+    if args.loss_type == "sft_loss":
         loss = -reduce(log_probs)
         metrics["sft_loss"] = float(loss.detach())
         return loss, metrics
 
     old = [rt.old_log_probs[p].to(dev) for p in positions]
     adv = [rt.advantages[p].to(dev) for p in positions]
-    eps, eps_high = float(flag(args, "eps_clip", 0.2)), getattr(args, "eps_clip_high", None)
     lengths = [m.numel() for m in masks]
-    if flag(args, "advantage_estimator", "grpo") == "gspo":
-        pg, clip = compute_gspo_policy_loss(log_probs, old, adv, masks, eps, eps_high)
+    # GSPO: the sequence ratio on every token; otherwise the token ratio. The
+    # same clipped surrogate (PPO clip, then the dual clip) applies to both.
+    if args.advantage_estimator == "gspo":
+        ratio = torch.cat(compute_gspo_ratio(log_probs, old, masks))
     else:
-        pg_flat, clip_flat = compute_policy_loss(torch.cat(log_probs), torch.cat(old), torch.cat(adv), eps, eps_high,
-                                                 getattr(args, "eps_clip_c", None))
-        pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
-    if rt.tis_weights is not None:
+        ratio = policy_ratio(torch.cat(log_probs), torch.cat(old))
+    adv_flat = torch.cat(adv)
+    pg_flat, clip_flat = clipped_surrogate(ratio, adv_flat, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
+    if rt.tis_weights is not None:  # per token, also under GSPO (see compute_gspo_ratio)
         pg = [x * rt.tis_weights[p].to(dev) for x, p in zip(pg, positions)]
     pg_loss = reduce(pg)
     loss = pg_loss
     metrics["pg_loss"] = float(pg_loss.detach())
     metrics["pg_clipfrac"] = float(reduce(clip).detach())
+    if args.eps_clip_c is not None:
+        dual = dual_clip_flags(ratio, adv_flat, args.eps_clip_c)
+        metrics["pg_dual_clipfrac"] = float(reduce(list(torch.split(dual, lengths))).detach())
     metrics["ppo_kl"] = float(reduce([(o - lp).detach() for o, lp in zip(old, log_probs)]))
 
     if entropies is not None:
         ent = reduce(entropies)
         metrics["entropy"] = float(ent.detach())
-        coef = float(flag(args, "entropy_coef", 0.0))
+        coef = float(args.entropy_coef)
         if coef:
             loss = loss - coef * ent
-    if flag(args, "use_kl_loss", False):
+    if args.use_kl_loss:
         if rt.ref_log_probs is None:
             raise RuntimeError("--use-kl-loss needs reference log-probs, but no reference model was built")
         ref = [rt.ref_log_probs[p].to(dev) for p in positions]
-        kl = [compute_approx_kl(lp, r, flag(args, "kl_loss_type", "k1")) for lp, r in zip(log_probs, ref)]
+        kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
         kl_loss = reduce(kl)
         metrics["kl_loss"] = float(kl_loss.detach())
-        loss = loss + float(flag(args, "kl_loss_coef", 0.0)) * kl_loss
+        loss = loss + float(args.kl_loss_coef) * kl_loss
     return loss, metrics

@@ -11,7 +11,7 @@ from slime.utils.types import Sample, Status
 def _scalar_reward(sample: Sample, args) -> float:
     reward = sample.reward
     if isinstance(reward, dict):
-        key = getattr(args, "reward_key", None)
+        key = args.reward_key
         if not key or key not in reward:
             raise ValueError(f"sample {sample.index}: reward is a dict {sorted(reward)}; set --reward-key to one of them")
         reward = reward[key]

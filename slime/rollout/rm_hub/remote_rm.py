@@ -33,7 +33,7 @@ async def remote_rm(args, sample, timeout: float | None = None, response: str | 
 
     `response` replaces `sample.response` in the payload (the `boxed_remote_rm` path sends the boxed answer).
     """
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
     payload = {"prompt": sample.prompt, "response": sample.response if response is None else response, "label": sample.label}

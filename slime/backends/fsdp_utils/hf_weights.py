@@ -1,0 +1,45 @@
+"""The trainer model's weights under their HF names, and a plain HF directory written from them.
+
+Shared by checkpoints (`checkpoint.py`: export, save) and weight sync
+(`update_weight.py`: the disk path), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it; only rank 0 gets the tensors (CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def untie_for_safetensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: drop the tied output embedding."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return {k: v.detach().contiguous() for k, v in state.items()}
+
+
+def write_hf_dir(model: nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None) -> None:
+    """Rank-0 only: a plain HF model directory (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    save_file(untie_for_safetensors(model, state), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if hf_checkpoint and os.path.isdir(hf_checkpoint):
+        for name in TOKENIZER_FILES:
+            src = os.path.join(hf_checkpoint, name)
+            if os.path.exists(src):
+                shutil.copy2(src, os.path.join(path, name))

@@ -1,0 +1,120 @@
+"""The house's structure, checked: defaults live only in slime/arguments.py, floors only look down, no cycles.
+
+Floors (DEVELOPERS.md): utils/tasks (1) <- backends (2) <- rollout (3) <- ray (4) <- entry points.
+`slime/arguments.py` is read by entry points only.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOORS = {"utils": 1, "tasks": 1, "backends": 2, "rollout": 3, "ray": 4}
+# `getattr(args, ...)` is allowed only where a plugin's contract makes a value optional; list such places here
+# (file, reason) so that every exception is written down.
+GETATTR_ALLOWED: dict[str, str] = {}
+
+
+def _py_files(*tops: str) -> list[str]:
+    out = []
+    for top in tops:
+        path = os.path.join(ROOT, top)
+        if os.path.isfile(path):
+            out.append(path)
+            continue
+        for d, _, files in os.walk(path):
+            out += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def _module_of(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _imports(path: str) -> set[str]:
+    """Every slime module `path` imports, at the top or inside functions (lazy imports count too)."""
+    tree = ast.parse(open(path).read(), path)
+    mods: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names if a.name.startswith("slime"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("slime") and node.level == 0:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names)  # `from slime.x import module`
+    return mods
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_of(p): p for p in _py_files("slime")}
+    graph = {}
+    for mod, path in files.items():
+        graph[mod] = {m for m in _imports(path) if m in files and m != mod}
+    return graph
+
+
+def _floor(mod: str) -> int | None:
+    parts = mod.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 2 else None
+
+
+def test_no_getattr_defaults_for_flags():
+    pattern = re.compile(r"getattr\(\s*(self\.)?_?args\s*,")
+    offenders = []
+    for path in _py_files("slime", "train.py", "train_async.py", "tools", "benchmarks"):
+        rel = os.path.relpath(path, ROOT)
+        if rel in GETATTR_ALLOWED or rel == os.path.join("slime", "arguments.py"):
+            continue
+        for i, line in enumerate(open(path), 1):
+            if pattern.search(line):
+                offenders.append(f"{rel}:{i}: {line.strip()}")
+    assert not offenders, "read flags as args.name (defaults live in slime/arguments.py):\n" + "\n".join(offenders)
+
+
+def test_floors_only_look_down():
+    graph = _graph()
+    up = []
+    for mod, deps in graph.items():
+        here = _floor(mod)
+        for dep in deps:
+            if dep == "slime.arguments":
+                up.append(f"{mod} imports slime.arguments (entry points parse flags; modules take args)")
+            there = _floor(dep)
+            if here is not None and there is not None and there > here:
+                up.append(f"{mod} (floor {here}) imports {dep} (floor {there})")
+    assert not up, "imports that climb back up:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_args_replace_refuses_unknown_flags(base_args):
+    import pytest
+
+    with pytest.raises(AttributeError, match="rollout_batch_sise"):
+        base_args.replace(rollout_batch_sise=3)
+    with pytest.raises(AttributeError):
+        _ = base_args.rollout_batch_sise  # a misspelt read fails loudly, no silent default
+    assert base_args.replace(rollout_batch_size=3).rollout_batch_size == 3

@@ -1,5 +1,6 @@
 """The Megatron trainer across layouts on CPU (gloo): TP=2 matches HF and
-TP=1 (logits, loss, gradients), and checkpoints resume exactly at another
+TP=1 (logits, loss, gradients; with sequence parallelism and token-budget
+micro-batches too), and checkpoints resume exactly at another
 TP / DP (weights bit-equal, the next step equal), with the distributed and
 the plain optimizer. Two spawned ranks run every 2-rank phase in one go
 (megatron's import costs seconds per process); the TP=1 side runs here."""
@@ -72,6 +73,12 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
     save("tp2_plain_next.pt", (m, full_weights(t)))
     t.shutdown()
 
+    # 4. TP=2 with sequence parallelism and dynamic micro-batches: the gradients of phase 1
+    t = trainer(ports[3], "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24")
+    save("tp2_sp_grads.pt", step_grads(t, groups()))
+    t.shutdown()
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -94,7 +101,7 @@ class TwoRanks:
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("megatron_2ranks"))
-    spawn(_two_rank_phases, 2, out, model_dir, [free_port() for _ in range(3)])
+    spawn(_two_rank_phases, 2, out, model_dir, [free_port() for _ in range(4)])
     return TwoRanks(out)
 
 
@@ -140,6 +147,9 @@ def test_tp2_loss_and_gradients_equal_tp1(two_ranks, tp1):
     assert _max_diff(grads1, grads2) <= 1e-6
     qk = [k for k in grads1 if "k_layernorm" in k]
     assert qk and all(float(grads1[k].abs().max()) > 0 for k in qk)  # the TP-replicated norms are reduced too
+    loss_sp, grads_sp = two_ranks("tp2_sp_grads.pt")  # + sequence parallel, token-budget micro-batches
+    assert abs(loss1 - loss_sp) <= 1e-6
+    assert _max_diff(grads1, grads_sp) <= 1e-6
 
 
 def test_resume_at_another_tp_dp_is_exact(two_ranks):

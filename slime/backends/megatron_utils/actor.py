@@ -23,7 +23,7 @@ import torch
 
 from slime.backends.megatron_utils import checkpoint as ckpt
 from slime.backends.megatron_utils import parallel
-from slime.backends.megatron_utils.model import Built, build_gpt, forward_items, load_full, load_hf
+from slime.backends.megatron_utils.model import Built, build_gpt, forward_items, load_hf
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
 from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
 from slime.backends.training_utils.data import TrainItem, flatten_groups, micro_batches, shard, split_steps

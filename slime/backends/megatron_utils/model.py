@@ -33,15 +33,24 @@ class Built:
     padded_vocab: int
 
 
-def layer_spec(args, shape: ModelShape):
+def block_spec(args, shape: ModelShape):
+    """megatron's local (TransformerEngine-free) layer spec with our RMSNorm
+    everywhere and, for `--attention-backend flash/auto`, SDPA attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from slime.backends.megatron_utils.norm import RMSNorm
 
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if shape.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     if args.attention_backend in ("auto", "flash"):
         from slime.backends.megatron_utils.attention import SDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+        attn.core_attention = SDPAttention
+    return TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers, layer_norm=RMSNorm)
 
 
 def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool) -> Built:
@@ -52,7 +61,7 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
     vocab = padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, tp)
     core = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(args, shape),
+        transformer_layer_spec=block_spec(args, shape),
         vocab_size=vocab,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,

@@ -218,24 +218,82 @@ def test_tied_embeddings_and_unfused_attention(tmp_path_factory):
         t.shutdown()
 
 
-def test_bf16_and_full_recompute_train(make_trainer, model_dir):
+def test_bf16_and_recompute_train(make_trainer, model_dir):
     groups = make_groups(seed=14)
     ref = make_trainer(lr=1e-2, micro_batch_size=8)
     m_ref = ref.train(0, copy.deepcopy(groups), 0)
     w_ref = full_weights(ref)
     ref.shutdown()
-    rec = make_trainer("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
-                       "1", lr=1e-2, micro_batch_size=8)
-    m_rec = rec.train(0, copy.deepcopy(groups), 0)
-    assert m_rec["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
-    assert max_diff(full_weights(rec), w_ref) <= 1e-6  # recompute changes memory, not numbers
-    rec.shutdown()
+    for recompute in (["full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], ["selective"]):
+        rec = make_trainer("--recompute-granularity", *recompute, lr=1e-2, micro_batch_size=8)
+        m_rec = rec.train(0, copy.deepcopy(groups), 0)
+        assert m_rec["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
+        assert max_diff(full_weights(rec), w_ref) <= 1e-6  # recompute changes memory, not numbers
+        rec.shutdown()
     bf = make_trainer("--bf16", lr=1e-2, micro_batch_size=8)
     assert next(bf.actor.core.parameters()).dtype == torch.bfloat16
     m_bf = bf.train(0, copy.deepcopy(groups), 0)
     assert m_bf["loss"] == pytest.approx(m_ref["loss"], abs=2e-2)  # bf16 tolerance
-    w_bf = full_weights(bf)
-    assert max_diff(w_bf, w_ref) < 5e-2
+    assert max_diff(full_weights(bf), w_ref) < 5e-2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_qwen2_and_llama_match_transformers_and_export_back(family, tmp_path):
+    """Qwen2 (q/k/v biases, no q/k norm) and Llama: same log-probs as transformers, and the HF export
+    gives back the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from slime.backends.megatron_utils.actor import MegatronTrainer
+    from slime.utils.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(list("0123456789+-="))
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(**common, head_dim=8)
+    torch.manual_seed(7)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    if family == "qwen2":  # random biases (from_config zeroes them)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0, 0.2)
+    d = tmp_path / family
+    hf.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    t = MegatronTrainer(megatron_args(str(d), *(["--add-qkv-bias"] if family == "qwen2" else [])))
+    t.init()
+    try:
+        groups = make_groups(seed=15)
+        items = [it for g in flatten_groups(groups)[0] for it in g]
+        for s, lp in zip([s for g in groups for s in g], t._log_probs(t.actor, items)):
+            assert torch.allclose(lp, model_log_probs(hf, s), atol=1e-5)
+        t.export_hf(str(tmp_path / "out"))
+    finally:
+        t.shutdown()
+    before, after = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(k.endswith("q_proj.bias") for k in before) == (family == "qwen2")
+
+
+def test_tp_shards_reassemble_every_weight_kind():
+    """shard / unshard (pure tensors): fused QKV per group, QKV bias, gate/up, row-parallel, vocab."""
+    from slime.backends.megatron_utils import hf_weights
+
+    names = ["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_qkv.bias",
+             "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+             "decoder.layers.0.self_attention.linear_proj.weight", "embedding.word_embeddings.weight",
+             "decoder.layers.0.input_layernorm.weight"]
+    for name in names:
+        full = torch.randn(24, 8) if not name.endswith(("bias", "layernorm.weight")) else torch.randn(24)
+        for tp in (1, 2, 4):
+            parts = [hf_weights.shard(name, full, r, tp) for r in range(tp)]
+            assert torch.equal(hf_weights.unshard(name, parts), full), (name, tp)
+    gate, up = torch.randn(8, 4), torch.randn(8, 4)
+    local = hf_weights.shard("decoder.layers.0.mlp.linear_fc1.weight", torch.cat([gate, up]), 1, 2)
+    assert torch.equal(local, torch.cat([gate[4:], up[4:]]))  # each rank holds its slice of both halves
 
 
 def test_cpu_shim_leaves_transformers_alone(make_trainer, tmp_path):

@@ -3,13 +3,14 @@ as the FSDP trainer, on GPU (NCCL, bf16) and on CPU (gloo, through a small
 runtime shim applied only where CUDA is absent).
 
 - `actor.MegatronTrainer`: one rank (a Ray actor via RayTrainGroup).
-- `config` / `model` / `attention`: GPTModel from the HF config (Qwen3,
-  Qwen2, Llama), local layer spec (no TransformerEngine), vocab-parallel
-  log-probs.
+- `config` / `model` / `attention` / `norm`: GPTModel from the HF config
+  (Qwen3, Qwen2, Llama), local layer spec (no TransformerEngine) with SDPA
+  attention and HF-exact RMSNorm, vocab-parallel log-probs.
 - `hf_weights`: HF ⇄ Megatron tensors (per-group QKV, gate/up, TP shards).
 - `optimizer`: Megatron's Adam + LR schedule.
 - `checkpoint`: dist-checkpoints inside our atomic iter_NNNNNNN/ layout.
 - `update_weight`: TP-gathered, HF-named weights to the engines.
+- `convert`: HF dir <-> torch_dist (tools/convert_*.py, tools/export_hf.py).
 - `parallel` / `cpu_shim`: process groups, seeds, the CPU shim.
 Data plans, advantages and the loss are shared with FSDP
 (`slime.backends.training_utils`).

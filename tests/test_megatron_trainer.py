@@ -175,6 +175,20 @@ def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
     assert m_a["lr"] == m_b["lr"] and 0 < m_a["lr"] < 1e-2  # the schedule resumed mid-decay
 
 
+def test_fresh_distributed_optimizer_saves_and_resumes(make_trainer, tmp_path):
+    """Trap (a): a never-stepped distributed optimizer has no Adam state to save; resuming it is a fresh Adam."""
+    groups = make_groups(seed=16)
+    a = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    a.save(str(tmp_path / "fresh"))
+    m_a = a.train(0, copy.deepcopy(groups), 0)
+    w_a = full_weights(a)
+    a.shutdown()
+    b = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    b.load(str(tmp_path / "fresh"))
+    m_b = b.train(0, copy.deepcopy(groups), 0)
+    assert max_diff(full_weights(b), w_a) == 0.0 and m_a["grad_norm"] == m_b["grad_norm"]
+
+
 def test_resume_refuses_another_optimizer_kind(make_trainer, tmp_path):
     a = make_trainer()
     a.save(str(tmp_path / "ckpt"))

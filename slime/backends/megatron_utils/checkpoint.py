@@ -6,11 +6,14 @@
     trainer/rng_rank{r}.pt  python / torch / megatron-tracker RNG state of each rank
     trainer/trainer_meta.json
 
-Both dist-checkpoints store global tensors with their sharding, so a
+A dist-checkpoint stores global tensors with their sharding, so a
 checkpoint saved at one TP/DP layout loads at another. The optimizer state
 is saved per model parameter (`fully_reshardable` with the distributed
-optimizer), which makes it reshardable in TP and DP alike; three traps of
-megatron-core 0.16.1 are handled here (see `_optimizer_state`).
+optimizer, megatron's own per-parameter format with the plain one), which
+makes it reshardable in TP and DP alike; three traps of megatron-core
+0.16.1's torch-Adam path are handled here: (a) `_init_optimizer_state`,
+(b) and the `KeyError: 'step'` of the fully-reshardable load
+`_load_optimizer`, (c) `_restore_steps`.
 
 `tools/convert_hf_to_torch_dist.py` writes the model part alone:
 `OUT/iter_0000000/` + `OUT/latest_checkpointed_iteration.txt`.

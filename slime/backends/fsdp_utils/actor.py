@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
-from slime.backends.fsdp_utils.data import (
+from slime.backends.training_utils.data import (
     TrainItem,
     dummy_item,
     flatten_groups,
@@ -27,7 +27,7 @@ from slime.backends.fsdp_utils.data import (
     shard,
     split_steps,
 )
-from slime.backends.fsdp_utils.loss import (
+from slime.backends.training_utils.loss import (
     RolloutTensors,
     compute_rollout_tensors,
     micro_batch_loss,
@@ -129,6 +129,7 @@ class FSDPTrainer:
         if self.args.loss_type == "sft_loss":
             return ["sft_loss", "loss"]
         keys = ["pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "loss"]
+        keys += ["pg_dual_clipfrac"] if self.args.eps_clip_c is not None else []
         return keys + (["kl_loss"] if self.args.use_kl_loss else [])
 
     # ------------------------------------------------------------- train ----

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.kv_pool import KVPool
-from slime.backends.hf_engine.paged_attention import ATTN_NAME, BUCKET_MIN_SAVING, StepPlan, plan_buckets, register
+from slime.backends.hf_engine.paged_attention import (ATTN_NAME, BUCKET_MIN_SAVING, STEP_MASK, StepPlan, plan_buckets,
+                                                       register)
 
 Segment = tuple[int, list[int], bool]  # (row, token ids to feed at its next positions, sample after the last)
 
@@ -119,7 +120,7 @@ class PagedBatch:
         keep = [last[i] for i, seg in enumerate(segments) if seg[2]]
         packed = torch.tensor([ids, pos, slots], dtype=torch.long)
         plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel)
-        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], use_cache=False,
+        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], attention_mask=STEP_MASK, use_cache=False,
                          logits_to_keep=torch.tensor(keep, dtype=torch.long), paged_step=plan)
         for row, toks, _ in segments:
             self._cached[row] += len(toks)

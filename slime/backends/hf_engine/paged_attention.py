@@ -124,9 +124,12 @@ def _prefill(q, k_new, v_new, prefix, g: int, scale, kernel: str):
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """query [1, H, N, D], key/value [1, Hkv, N, D] for the packed tokens; returns [1, N, H, D]."""
-    plan: StepPlan | None = kwargs.get("paged_step")
-    if plan is None:
-        raise RuntimeError(f"attention {ATTN_NAME!r} runs only inside an engine step (no paged_step given)")
+    plan: StepPlan | None = kwargs.pop("paged_step", None)
+    if plan is None:  # the model called outside an engine step (e.g. a prompt-log-prob pass): plain SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("the embedded engine's paged attention has no sliding-window layers")
     layer = module.layer_idx
@@ -166,11 +169,19 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.unsqueeze(0), None
 
 
+# What an engine step passes as `attention_mask`: a 4-D mask is used as given (transformers builds none),
+# and this function ignores it. Outside steps the model builds SDPA's masks (registered below) as usual.
+STEP_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
 def register() -> None:
-    """Make ATTN_NAME known to transformers (idempotent)."""
+    """Make ATTN_NAME known to transformers (idempotent): this function, and SDPA's mask builder for
+    forwards outside engine steps."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,

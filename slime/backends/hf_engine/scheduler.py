@@ -28,8 +28,10 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.batch import PagedBatch
+from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
 from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
 from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
+from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     enqueued: float = 0.0
+    logprobs_extra: LogprobRecord | None = None  # prompt / top-k / chosen-id log-probs, when asked for
+    # (first output index, weight version) each time the version that samples this request's tokens changes
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
     row: int | None = None  # its row in the batch while running
 
     def tokens(self, start: int, end: int) -> list[int]:
@@ -68,55 +73,6 @@ class Request:
         return len(self.input_ids) + len(self.output_ids)
 
 
-@dataclass
-class SchedulerStats:
-    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
-
-    Every step is one packed forward: `decode_*` counts steps that only decoded, `mixed_*` steps that also
-    prefilled (chunks of prompts or resumed samples). The `fit_*` sums give a least-squares fit of the
-    step time over its decoding rows and prefill tokens (see benchmarks/rollout_report.py)."""
-
-    decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
-    mixed_s: float = 0.0  # forward + sampling of steps with prefill tokens
-    evict_s: float = 0.0  # finishing rows: freeing or caching their blocks
-    idle_s: float = 0.0  # nothing to run (or paused)
-    decode_steps: int = 0
-    decode_rows: int = 0  # sum over decode-only steps of the rows decoded
-    mixed_steps: int = 0
-    mixed_decode_rows: int = 0  # rows decoded in mixed steps
-    prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
-    prefill_tokens: int = 0
-    sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
-    cache_hits: int = 0  # requests that resumed an aborted request's KV
-    cache_hit_tokens: int = 0  # positions they did not prefill
-    # sums for a least-squares fit of step time ~ a + b x decoding rows + c x prefill tokens (thousands),
-    # over any window of steps (differences of these sums): what a step, a row and a prefilled token cost
-    fit_n: int = 0
-    fit_d: float = 0.0
-    fit_p: float = 0.0
-    fit_dd: float = 0.0
-    fit_pp: float = 0.0
-    fit_dp: float = 0.0
-    fit_t: float = 0.0
-    fit_td: float = 0.0
-    fit_tp: float = 0.0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def add_step(self, seconds: float, decoded: int, prefill_tokens: int) -> None:
-        d, p = decoded / 1000.0, prefill_tokens / 1000.0
-        self.fit_n += 1
-        self.fit_d += d
-        self.fit_p += p
-        self.fit_dd += d * d
-        self.fit_pp += p * p
-        self.fit_dp += d * p
-        self.fit_t += seconds
-        self.fit_td += seconds * d
-        self.fit_tp += seconds * p
-
-
 def abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
 
@@ -124,8 +80,11 @@ def abort_reason(message: str) -> dict:
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int,
                  seed: int | None, chunked_prefill_size: int = -1, block_size: int = 32,
-                 prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa"):
+                 prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0"):
         self.model = model
+        # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
+        # token is stamped with the version that produced it
+        self.weight_version = weight_version
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
@@ -241,6 +200,9 @@ class Scheduler:
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
 
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
     # ---- the loop --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
@@ -292,6 +254,15 @@ class Scheduler:
             if need > budget and self.running:
                 break
             self.waiting.popleft()
+            try:
+                fill_prompt_logprobs(self.model, r)  # no-op unless it asked for prompt log-probs
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                logger.exception("prompt log-probs of %s failed", r.rid)
+                self._finish(r, abort_reason(f"engine error: {e}"))
+                continue
+            if r.params.max_new_tokens == 0:  # scoring only: nothing to sample
+                self._finish(r, {"type": "length", "length": 0})
+                continue
             budget -= need
             kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
             if kv is not None:
@@ -339,6 +310,7 @@ class Scheduler:
         if samplers:
             tokens, lps = sample_batch(logits, [r.params for r in samplers], [r.generator for r in samplers],
                                        self.default_generator)
+            record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])
                 if r.finished:
@@ -376,23 +348,35 @@ class Scheduler:
         r.row = None
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
+        if not r.version_spans or r.version_spans[-1][1] != self.weight_version:
+            r.version_spans.append((len(r.output_ids), self.weight_version))
         r.output_ids.append(token)
         r.logprobs.append(logprob)
-        p = r.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            self._finish(r, {"type": "stop", "matched": token})
-            return
-        if p.stop:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
-            for s in p.stop:
-                if s and text.endswith(s):
-                    self._finish(r, {"type": "stop", "matched": s})
-                    return
-        if len(r.output_ids) >= p.max_new_tokens:
-            self._finish(r, {"type": "length", "length": len(r.output_ids)})
-            return
-        if r.stream and r.notify is not None:
+        reason = self._finish_reason(r, token)
+        if reason is not None:
+            self._finish(r, reason)
+        elif r.stream and r.notify is not None:
             r.notify(r, False)
+
+    def _finish_reason(self, r: Request, token: int) -> dict | None:
+        """SGLang's order: the length limit, then stop tokens (EOS and stop_token_ids, both off with
+        ignore_eos, as in SGLang), then stop strings anywhere in the output text (also inside a
+        multi-character token; special tokens' text counts, as in SGLang's tail check), then stop regexes."""
+        p = r.params
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        if not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop or p.stop_regex:
+            full = self.tokenizer.decode(r.output_ids, skip_special_tokens=False)
+            shown = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if p.skip_special_tokens else full
+            for s in p.stop:
+                if s in full or s in shown:
+                    return {"type": "stop", "matched": s}
+            for rx in p.stop_regex:
+                if rx.search(full):
+                    return {"type": "stop", "matched": rx.pattern}
+        return None
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason

@@ -1,0 +1,98 @@
+"""The rollout benchmark's `--simulate`: the simulator's prediction of every mode beside the measurement.
+
+The engine is calibrated in passes interleaved with the benchmark's rounds (before the first and
+after each), so calibration and measurement see the same load of a shared machine; the fit uses
+each probe's median. Each mode is then simulated with the same flags, the same number of steps and
+the same workload (the benchmark's seeded budgets replayed group by group: the k-th fresh group
+has the same lengths in both), from an empty buffer as the benchmark starts.
+"""
+
+from __future__ import annotations
+
+from rollout_workload import ParetoSource
+
+from slime.rollout.simulator import ReplayLengths, SimConfig, simulate
+from slime.rollout.simulator.calibrate import Calibrator
+
+
+def make_calibrator(engines, vocab: int) -> Calibrator:
+    urls = engines.worker_urls()
+    if len(urls) != 1:
+        raise ValueError(f"--simulate calibrates one engine; the benchmark runs {len(urls)}")
+    return Calibrator(urls[0], vocab, client_url=engines.router_url, name="embedded engine (this benchmark)")
+
+
+def replay(opts, vocab: int, groups: int) -> ReplayLengths:
+    """The budgets `ParetoSource(opts.seed, ...)` hands out, in order (every mode's source uses this seed)."""
+    src = ParetoSource(opts.seed, opts.n, opts.cap, vocab, opts.scale)
+    out = []
+    for g in src.get_groups(groups):
+        out.append((len(g[0].tokens), [s.metadata["max_response_len"] for s in g]))
+    return ReplayLengths(out, opts.scale * opts.cap)
+
+
+def sim_config(runner, b: int, c_star: int) -> SimConfig:
+    a = runner.args
+    return SimConfig(mode=a.rollout_mode, rollout_batch_size=b, n_samples_per_prompt=a.n_samples_per_prompt,
+                     over_sampling_batch_size=int(a.over_sampling_batch_size), partial_rollout=a.partial_rollout,
+                     pool_size=a.rollout_pool_size, concurrency_per_engine=c_star, num_engines=1,
+                     max_response_len=a.rollout_max_response_len, reuse_stale_kv=a.reuse_stale_kv,
+                     steps=runner.step, warmup_steps=0, budgets_are_lengths=True, seed=0)
+
+
+def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int) -> dict:
+    """{mode: {measured, predicted, error, ...}}; prints the table."""
+    cost = cal.fit("median")
+    out = {}
+    print(f"\nsimulator ({cost.describe()}; decode fit rel. RMS {cost.extra['decode_fit_rel_rms']}, "
+          f"{cost.extra['passes']} calibration passes)")
+    print(f"{'mode':8s} {'measured':>9s} {'simulated':>9s} {'error':>7s} {'off-pol':>7s} {'sim':>5s} "
+          f"{'idle':>5s} {'steps':>5s}   engine decode: measured s, model on the measured steps, simulated s | prefill")
+    for name, runner in runners.items():
+        groups = runner.source.group_counter * 2 + 200
+        result = simulate(sim_config(runner, b, c_star), cost, replay(opts, vocab, groups))
+        sim = result.summary()
+        e, se = runner.engine, result.engine_stats
+        on_measured = (cost.decode_base_s * e.get("decode_steps", 0) + cost.decode_per_seq_s * e.get("decode_rows", 0)
+                       + cost.decode_per_token_s * e.get("decode_ctx_tokens", 0)
+                       + cost.decode_per_padded_s * e.get("decode_padded", 0))
+        measured = res[name]["tok_s"]
+        err = sim["tokens_per_s"] / measured - 1.0
+        out[name] = {"measured_tok_s": round(measured, 1), "sim_tok_s": round(sim["tokens_per_s"], 1),
+                     "error": round(err, 4), "measured_off_policy": round(res[name]["off_policy"], 4),
+                     "sim_off_policy": round(sim["off_policy_token_ratio"], 4),
+                     "sim_engine_idle_fraction": round(sim["engine_idle_fraction"], 4), "steps": runner.step}
+        print(f"{name:8s} {measured:9.1f} {sim['tokens_per_s']:9.1f} {100 * err:+6.1f}% "
+              f"{res[name]['off_policy']:7.3f} {sim['off_policy_token_ratio']:5.3f} {sim['engine_idle_fraction']:5.2f} "
+              f"{runner.step:5d}   {e.get('decode_s', 0):.2f} ({e.get('decode_steps', 0)} steps x "
+              f"{e.get('decode_rows', 0) / max(1, e.get('decode_steps', 0)):.1f}), {on_measured:.2f}, "
+              f"{se['decode_s']:.2f} ({se['decode_steps']} x {se['decode_rows'] / max(1, se['decode_steps']):.1f}) | "
+              f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {se['prefill_s']:.2f} ({se['prefills']})")
+    share_cal = cost.extra.get("engine_cpu_share")
+    if share_cal:  # the same prediction at the CPU share the engine had while each mode ran
+        print(f"contention-matched (engine CPU share while calibrating {share_cal:.2f}; a mode that ran at share s "
+              f"is simulated with every cost x {share_cal:.2f}/s):")
+        for name, runner in runners.items():
+            e = runner.engine
+            share = e.get("decode_cpu_s", 0) / max(1e-9, e.get("decode_s", 0))
+            groups = runner.source.group_counter * 2 + 200
+            sim = simulate(sim_config(runner, b, c_star), cost.scaled(share_cal / share), replay(opts, vocab, groups)).summary()
+            err = sim["tokens_per_s"] / res[name]["tok_s"] - 1.0
+            out[name].update(engine_cpu_share=round(share, 4), matched_sim_tok_s=round(sim["tokens_per_s"], 1),
+                             matched_error=round(err, 4))
+            print(f"  {name:8s} share {share:.2f}: simulated {sim['tokens_per_s']:9.1f} tok/s ({100 * err:+.1f}%)")
+    try:
+        cpu = cal.fit("median", clock="cpu")
+    except RuntimeError:
+        cpu = None
+    if cpu is not None:  # the engine thread's CPU time: the cost model without the shared machine's contention
+        print("engine CPU time (s): mode: decode measured / model on the measured steps | prefill measured / model")
+        for name, runner in runners.items():
+            e = runner.engine
+            dec = (cpu.decode_base_s * e.get("decode_steps", 0) + cpu.decode_per_seq_s * e.get("decode_rows", 0)
+                   + cpu.decode_per_token_s * e.get("decode_ctx_tokens", 0) + cpu.decode_per_padded_s * e.get("decode_padded", 0))
+            pre = (cpu.prefill_base_s * e.get("prefills", 0) + cpu.prefill_per_token_s * e.get("prefill_positions", 0))
+            print(f"  {name:8s} {e.get('decode_cpu_s', 0):.2f} / {dec:.2f} | {e.get('prefill_cpu_s', 0):.2f} / {pre:.2f}"
+                  f"   (wall decode {e.get('decode_s', 0):.2f}: CPU share {e.get('decode_cpu_s', 0) / max(1e-9, e.get('decode_s', 0)):.2f})")
+    out["cost_model"] = {k: v for k, v in cost.to_dict().items() if k != "extra"}
+    return out

@@ -23,6 +23,7 @@ setup(
         "requests>=2.31",
         "math-verify>=0.8,<1",
         "sglang-router==0.3.2",
+        "matplotlib>=3.7",  # tools/plot_run.py (Agg backend, no display)
     ],
     extras_require={
         "sglang": ["sglang>=0.5.0,<0.6"],

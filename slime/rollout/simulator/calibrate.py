@@ -20,6 +20,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Sequence
 
 import aiohttp
 
@@ -121,8 +122,15 @@ class Probe:
         return [steps, rows, rows * per_row, rows * (max(self.lengths) + grow)]
 
 
-async def _run_probe(session, url: str, probe: Probe, vocab: int, rng: random.Random, stats_ok: bool) -> None:
-    rows = [[1] + [rng.randrange(3, vocab) for _ in range(n - 1)] for n in probe.lengths]
+def random_ids(rng: random.Random, vocab: int | Sequence[int], n: int) -> list[int]:
+    """`n` token ids: [1] then random ids in [3, vocab) (or drawn from the given ids)."""
+    if isinstance(vocab, int):
+        return [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]
+    return [vocab[0]] + [rng.choice(vocab) for _ in range(n - 1)]
+
+
+async def _run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, stats_ok: bool) -> None:
+    rows = [random_ids(rng, vocab, n) for n in probe.lengths]
     if stats_ok:
         before = await _stats(session, url)
         await _batch(session, url, rows, probe.n)
@@ -151,9 +159,10 @@ async def _run_probe(session, url: str, probe: Probe, vocab: int, rng: random.Ra
         probe.runs.append((max(1e-6, w2 - w1), x))
 
 
-def default_probes(max_running: int, context: int, new_tokens: int = 64) -> list[Probe]:
+def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: bool = False) -> list[Probe]:
     """Short and long contexts at several batch sizes, and a batch of short rows with one long row
-    (which separates a padded engine's B x longest cost from a paged engine's total-context cost)."""
+    (which separates a padded engine's B x longest cost from a paged engine's total-context cost).
+    `quick`: five probes instead of ten (a run calibrating itself, the quick start)."""
     ctx = max(64, context - new_tokens - 8)
     big = max(1, min(64, max_running))
     levels = sorted({1, min(4, big), min(16, big), big})
@@ -163,6 +172,9 @@ def default_probes(max_running: int, context: int, new_tokens: int = 64) -> list
                Probe([long1] * min(8, big), new_tokens), Probe([long2] * min(8, big), new_tokens),
                Probe([long1] * min(32, big), new_tokens)]
     probes.append(Probe([long2] + [8] * (min(32, big) - 1), new_tokens))
+    if quick:
+        keep = {0, len(levels) - 1, len(levels), len(levels) + 3, len(probes) - 1}
+        probes = [p for i, p in enumerate(probes) if i in keep]
     return probes
 
 
@@ -172,10 +184,11 @@ class Calibrator:
     `fit()` turns the passes into an `EngineCostModel`. `client_url` (e.g. the router in front of
     the engine) is where a request's round trip is timed."""
 
-    def __init__(self, url: str, vocab: int, client_url: str | None = None, new_tokens: int = 64, seed: int = 0,
-                 name: str | None = None):
+    def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
+                 seed: int = 0, name: str | None = None, quick: bool = False):
+        # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
         self.url, self.vocab, self.client_url = url, vocab, client_url or url
-        self.new_tokens, self.rng, self.name = new_tokens, random.Random(seed), name
+        self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
         self.info: dict | None = None
         self.stats_ok = False
         self.probes: list[Probe] = []
@@ -189,13 +202,14 @@ class Calibrator:
         if self.info is None:
             self.info = await http_client.get(session, self.url, "/get_server_info", timeout=30)
             self.stats_ok = await _stats(session, self.url) is not None
-            self.probes = default_probes(self.max_running, int(self.info.get("context_length") or 2048), self.new_tokens)
-            await _gen(session, self.url, [1, 5, 6, 7], 8)  # warm-up
+            self.probes = default_probes(self.max_running, int(self.info.get("context_length") or 2048), self.new_tokens,
+                                         self.quick)
+            await _gen(session, self.url, random_ids(self.rng, self.vocab, 4), 8)  # warm-up
         for p in self.probes:
             await _run_probe(session, self.url, p, self.vocab, self.rng, self.stats_ok)
         for _ in range(6):  # one request's round trip (one token: one tiny prefill)
             t0 = time.perf_counter()
-            await _gen(session, self.client_url, [1, 5, 6, 7, 8, 9, 10, 11], 1)
+            await _gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
             self.latency.append(time.perf_counter() - t0)
         # bursts of requests sent at once: beyond the engine's work and one round trip, the client's serial work
         # (per request with one token each, then per token with long replies that all end together)
@@ -203,10 +217,10 @@ class Calibrator:
         lat = sorted(self.latency)[len(self.latency) // 2]
         per_req = await self._burst(session, burst, 1, lat)
         self.client.append(max(0.0, per_req / burst))
-        long_n = max(16, min(256, int(self.info.get("context_length") or 2048) - 16))
+        long_n = max(16, min(64 if self.quick else 256, int(self.info.get("context_length") or 2048) - 16))
         per_tok = await self._burst(session, burst, long_n, lat)
         self.client_tok.append(max(0.0, (per_tok - per_req) / (burst * (long_n - 1))))
-        prompts = [[1] + [self.rng.randrange(3, self.vocab) for _ in range(15)] for _ in range(64)]
+        prompts = [random_ids(self.rng, self.vocab, 16) for _ in range(64)]
         context = int(self.info.get("context_length") or 2048)
         self.abort.append(await abort_to_idle_s(session, self.url, prompts, min(16, self.max_running),
                                                 max(64, min(900, context - 32))))
@@ -218,7 +232,8 @@ class Calibrator:
         """Seconds of a burst of `n` requests beyond the engine's busy time and one round trip."""
         before = await _stats(session, self.url) if self.stats_ok else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(_gen(session, self.client_url, [1, 5, 6, 7, 8, 9, 10, 11], new_tokens) for _ in range(n)))
+        await asyncio.gather(*(_gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens)
+                               for _ in range(n)))
         wall = time.perf_counter() - t0
         engine = 0.0
         if before is not None:
@@ -280,15 +295,16 @@ class Calibrator:
             extra=extra)
 
 
-async def calibrate_async(url: str, vocab: int, passes: int = 3, curve_levels: tuple[int, ...] = (), stat: str = "median",
-                          client_url: str | None = None, name: str | None = None, seed: int = 0) -> EngineCostModel:
+async def calibrate_async(url: str, vocab: int | Sequence[int], passes: int = 3, curve_levels: tuple[int, ...] = (), stat: str = "median",
+                          client_url: str | None = None, name: str | None = None, seed: int = 0,
+                          quick: bool = False) -> EngineCostModel:
     """Measure `url` (one engine) `passes` times and fit a cost model."""
-    cal = Calibrator(url, vocab, client_url=client_url, seed=seed, name=name)
+    cal = Calibrator(url, vocab, client_url=client_url, seed=seed, name=name, quick=quick)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for i in range(passes):
             await cal.measure(session, curve_levels if i == 0 else ())
     return cal.fit(stat)
 
 
-def calibrate(url: str, vocab: int, **kw) -> EngineCostModel:
+def calibrate(url: str, vocab: int | Sequence[int], **kw) -> EngineCostModel:
     return asyncio.run(calibrate_async(url, vocab, **kw))

@@ -120,6 +120,7 @@ class SimEngine:
         self.jump: tuple | None = None  # (t0, alpha, beta, m, token)
         self.token = 0
         self._wake_at: float | None = None
+        self._more = False  # admission stopped at the prefill budget: admit again after one decode step
         self.version = 0
         self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
@@ -282,6 +283,7 @@ class SimEngine:
 
     def _admit(self, t: float) -> float:
         c = self.cost
+        self._more = False
         if not self.waiting or len(self.running) >= c.max_running:
             return t
         if self.running and c.admit_wait_s > 0:
@@ -308,6 +310,7 @@ class SimEngine:
             if need > budget and (self.running or group or hits):
                 break
             if group and prefill_tokens + req.n_input > c.max_prefill_tokens:
+                self._more = True  # the rest is admitted before the next decode step
                 break
             self.waiting.popleft()
             budget -= need
@@ -356,10 +359,13 @@ class SimEngine:
             self.timeline.append((t, self.eid, b))
         if b == 0:
             if self.waiting:
-                raise RuntimeError(f"SimEngine {self.eid}: requests wait with an empty batch (a request larger than the KV cache?)")
+                if not self._more:
+                    raise RuntimeError(f"SimEngine {self.eid}: requests wait with an empty batch "
+                                       "(one larger than the KV cache?)")
+                self._schedule(t)  # every admitted row finished at its prefill: admit the next ones
             return
         c = self.cost
-        m = self.finish_heap[0][0] - self.k
+        m = 1 if self._more else self.finish_heap[0][0] - self.k
         if c.kv_admission == "optimistic":
             room = (c.kv_capacity_tokens - self.tokens_now - b) // b
             m = min(m, max(1, room))

@@ -119,10 +119,20 @@ class EmpiricalLengths:
             return sum(self.pooled) / len(self.pooled)
         return sum(x * w for x, w in zip(self.pooled, self.weights)) / sum(self.weights)
 
+    def quantile(self, q: float) -> int:
+        w = self.weights or [1.0] * len(self.pooled)
+        pairs = sorted(zip(self.pooled, w))
+        total, acc = sum(w), 0.0
+        for x, wi in pairs:
+            acc += wi
+            if acc >= q * total:
+                return x
+        return pairs[-1][0]
+
     def describe(self):
-        xs = sorted(self.pooled)
-        return (f"empirical response lengths from {self.source}: {len(self.groups)} groups, {len(xs)} samples, "
-                f"mean {self.mean():.1f}, median {xs[len(xs) // 2]}, max {xs[-1]} (cap {self.cap})")
+        what = "distinct lengths" if self.weights is not None else f"{len(self.groups)} groups, {len(self.pooled)} samples"
+        return (f"empirical response lengths from {self.source}: {what}, mean {self.mean():.1f}, "
+                f"median {self.quantile(0.5)}, p90 {self.quantile(0.9)}, max {max(self.pooled)} (cap {self.cap})")
 
 
 class ReplayLengths:

@@ -256,7 +256,7 @@ class _StepBase:
         if not self.stopped or self.outstanding > 0 or t < self._t_abort_done or self.c.t_end is not None:
             return
         self.commit()
-        self.c.t_end = t + self.cost.step_overhead_s
+        self.c.t_end = t + self.cost.step_overhead_s / 2
         self.cluster.loop.at(self.c.t_end, lambda tt: self.on_end(tt, self))
 
     def commit(self) -> None:
@@ -277,7 +277,7 @@ class ChunkedStep(_StepBase):
     def start(self, t: float) -> None:
         self.concurrency = self.cfg.concurrency_per_engine * len(self.cluster.engines)
         self.queue: deque[SimSample] = deque()
-        t += self.cost.step_overhead_s
+        t += self.cost.step_overhead_s / 2  # before the first request (the rest after the drain)
         self.take_ready()
         self.progress(t)
 
@@ -319,7 +319,7 @@ class ChunkedStep(_StepBase):
 
 class PoolStep(_StepBase):
     def start(self, t: float) -> None:
-        t += self.cost.step_overhead_s
+        t += self.cost.step_overhead_s / 2  # before the first request (the rest after the drain)
         self.take_ready()
         self.queue: deque[SimSample] = deque()
         self.next_fetch = max(1, -(-self.cfg.pool_size // self.state.n))

@@ -1,0 +1,151 @@
+"""`--over-sampling-batch-size auto`: each step's over-sampling size, chosen with the rollout simulator.
+
+After every step the planner records what the step showed: the final response length of every
+sample that finished, the current length of every sample still unfinished (parked: a
+right-censored observation, exactly the long tail), which groups the dynamic filter rejected, and
+the prompt lengths. From the last `WINDOW_STEPS` steps it estimates the length distribution
+(Kaplan-Meier, so the unfinished tail is not mistaken for short) and the filter's pass rate, then
+simulates the run's own configuration (its flags: batch, samples per prompt, concurrency,
+engines, `--max-staleness` and its policy, `--reuse-stale-kv`) at each candidate size from the
+batch size to `MAX_FACTOR` x it, and picks the size with the best predicted goodput: rollout
+tokens per second that reach training (tokens restarted or masked by the staleness cap, in
+groups the filter rejects or in discarded groups do not count). Sizes within `TIE` of the best
+lose to the smallest one (fewer parked samples, fewer off-policy tokens). Before the first
+observation the size is 2 x the batch (APRIL's usual setting).
+
+The engine cost model is `--rollout-cost-model` (a calibration JSON or a modelled GPU), or a
+calibration of the first engine made once, after the first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from slime.rollout.simulator import SimConfig, kaplan_meier, simulate
+from slime.rollout.simulator.calibrate import calibrate_async
+from slime.rollout.simulator.cost_model import EngineCostModel
+from slime.rollout.simulator.gpu_presets import cost_model_from_spec
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_FACTORS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
+MAX_FACTOR = 4.0
+INITIAL_FACTOR = 2.0
+WINDOW_STEPS = 8
+SIM_STEPS, SIM_WARMUP = 8, 2
+TIE = 0.01  # sizes this close to the best lose to the smallest of them
+SWITCH = 0.03  # a new plan replaces the current size only if predicted this much better (no flip-flopping on noise)
+FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter's doing
+
+
+def step_observations(step) -> dict:
+    """What one finished `_RolloutStep` showed: each sample's final length once, when its group leaves
+    the rollout (accepted, finished after the target, rejected); the current length of every sample
+    still unfinished (censored); the filter's verdicts; prompt lengths."""
+    finished, unfinished, prompts = [], [], []
+    passed = rejected = 0
+    for gid, st in step.groups.items():
+        prompts.append(st.samples[0].prompt_length)
+        if st.outcome is None:
+            unfinished += [s.response_length for s in st.samples if not s.status.is_finished]
+            continue
+        finished += [s.response_length for s in st.samples]
+        if st.outcome in ("accepted", "overflow"):
+            passed += 1
+        elif step.rejected.get(gid) not in FILTER_REASONS_EXCLUDED:
+            rejected += 1
+    return {"finished": finished, "unfinished": unfinished, "passed": passed, "rejected": rejected, "prompts": prompts}
+
+
+class OverSamplingPlanner:
+    def __init__(self, args, cost_model: EngineCostModel | None = None):
+        self.args = args
+        self.batch = int(args.rollout_batch_size)
+        self.cost = cost_model
+        if self.cost is None and args.rollout_cost_model is not None:
+            self.cost = cost_model_from_spec(args.rollout_cost_model)
+        self.choice = max(1, round(INITIAL_FACTOR * self.batch))
+        self.finished: deque[list[int]] = deque(maxlen=WINDOW_STEPS)
+        self.filter: deque[tuple[int, int]] = deque(maxlen=WINDOW_STEPS)
+        self.prompts: deque[int] = deque(maxlen=4096)
+        self.unfinished: list[int] = []
+        self.steps_seen = 0
+        self.plan_info: dict[str, float] = {}
+        self.history: list[dict] = []  # every plan: step, predicted goodput per candidate, choice
+
+    def candidates(self) -> list[int]:
+        return sorted({max(1, round(f * self.batch)) for f in CANDIDATE_FACTORS if f <= MAX_FACTOR})
+
+    def size(self) -> int:
+        return self.choice
+
+    def observe(self, obs: dict) -> None:
+        self.finished.append(list(obs["finished"]))
+        self.filter.append((obs["passed"], obs["rejected"]))
+        self.prompts.extend(obs["prompts"])
+        self.unfinished = list(obs["unfinished"])
+        self.steps_seen += 1
+
+    def pass_rate(self) -> float:
+        passed = sum(p for p, _ in self.filter)
+        rejected = sum(r for _, r in self.filter)
+        return (passed + 1) / (passed + rejected + 2)  # Laplace: no observation -> 1/2 would be wrong, so prior 1/1
+
+    def due(self) -> bool:
+        """After steps 1, 2, 4, 8, 16, then every 16: often while little is known, rarely once it is."""
+        n = self.steps_seen
+        return (n & (n - 1)) == 0 if n <= 16 else n % 16 == 0
+
+    async def after_step(self, step) -> None:
+        """Record the step; calibrate the engines once (no cost model given); re-plan when due."""
+        self.observe(step_observations(step))
+        if self.cost is None:
+            urls = await asyncio.to_thread(step.ctx.engines.worker_urls)
+            ids = sorted({t for st in list(step.groups.values())[:8] for t in st.samples[0].prompt_tokens}) or [1, 2, 3]
+            logger.info("over-sampling auto: calibrating %s (once)", urls[0])
+            self.cost = await calibrate_async(urls[0], ids, passes=1, quick=True,
+                                              name="engines of this run (calibrated after step 0)")
+            logger.info("over-sampling auto: %s", self.cost.describe())
+        if self.due():
+            await asyncio.to_thread(self.plan)
+
+    def plan(self) -> dict:
+        """Simulate every candidate size on the observed workload; set and return the choice."""
+        t0 = time.monotonic()
+        obs = [x for step in self.finished for x in step]
+        if not obs and not self.unfinished:
+            return self.plan_info
+        cap = int(self.args.rollout_max_response_len)
+        lengths = kaplan_meier(obs, self.unfinished, cap, list(self.prompts) or [16])
+        rate = self.pass_rate()
+        results = {}
+        for c in self.candidates():
+            cfg = SimConfig.from_args(self.args, over_sampling_batch_size=c, steps=SIM_STEPS, warmup_steps=SIM_WARMUP,
+                                      pass_rate=rate, seed=0)  # one seed for all: the candidates see the same draws
+            results[c] = simulate(cfg, self.cost, lengths).summary()
+        best = max(r["goodput_tokens_per_s"] for r in results.values())
+        choice = min(c for c, r in results.items() if r["goodput_tokens_per_s"] >= (1 - TIE) * best)
+        current = results.get(self.choice)
+        if self.history and current is not None and results[choice]["goodput_tokens_per_s"] < (1 + SWITCH) * current["goodput_tokens_per_s"]:
+            choice = self.choice  # not clearly better than what runs now
+        self.choice = choice
+        self.history.append({"after_step": self.steps_seen, "choice": choice, "pass_rate": round(rate, 4),
+                             "finished": len(obs), "unfinished": len(self.unfinished),
+                             "goodput": {c: round(v["goodput_tokens_per_s"], 1) for c, v in results.items()}})
+        r = results[choice]
+        self.plan_info = {
+            "rollout/over_sampling_predicted_tokens_per_s": r["tokens_per_s"],
+            "rollout/over_sampling_predicted_goodput_tokens_per_s": r["goodput_tokens_per_s"],
+            "rollout/over_sampling_predicted_off_policy_token_ratio": r["off_policy_token_ratio"],
+            "rollout/over_sampling_pass_rate": rate,
+            "rollout/over_sampling_plan_s": time.monotonic() - t0,
+        }
+        logger.info("over-sampling auto: %d groups per chunk (predicted goodput %s; pass rate %.2f; %s)", choice,
+                    ", ".join(f"{c}: {v['goodput_tokens_per_s']:.0f}" for c, v in results.items()), rate, lengths.describe())
+        return self.plan_info
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.plan_info)

@@ -67,7 +67,10 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
               f"{runner.step:5d}   {e.get('decode_s', 0):.2f} ({e.get('decode_steps', 0)} steps x "
               f"{e.get('decode_rows', 0) / max(1, e.get('decode_steps', 0)):.1f}), {on_measured:.2f}, "
               f"{se['decode_s']:.2f} ({se['decode_steps']} x {se['decode_rows'] / max(1, se['decode_steps']):.1f}) | "
-              f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {se['prefill_s']:.2f} ({se['prefills']})")
+              f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {se['prefill_s']:.2f} ({se['prefills']}) | idle "
+              f"{e.get('idle_s', 0):.2f}, {sim['rollout_s'] - (se['prefill_s'] + se['decode_s'] + se['evict_s']):.2f} | "
+              f"wall {res[name]['wall_s']:.2f}, {sim['rollout_s']:.2f} | to-target {res[name]['mean']['to_target_s']:.3f}, "
+              f"{sim['time_to_target_s']:.3f}")
     share_cal = cost.extra.get("engine_cpu_share")
     if share_cal:  # the same prediction at the CPU share the engine had while each mode ran
         print(f"contention-matched (engine CPU share while calibrating {share_cal:.2f}; a mode that ran at share s "

@@ -92,7 +92,7 @@ class OverSamplingPlanner:
     def pass_rate(self) -> float:
         passed = sum(p for p, _ in self.filter)
         rejected = sum(r for _, r in self.filter)
-        return (passed + 1) / (passed + rejected + 2)  # Laplace: no observation -> 1/2 would be wrong, so prior 1/1
+        return (passed + 1) / (passed + rejected + 1)  # one prior pass: no rejection seen -> 1.0, not less
 
     def due(self) -> bool:
         """After steps 1, 2, 4, 8, 16, then every 16: often while little is known, rarely once it is."""

@@ -191,8 +191,13 @@ class _StepBase:
 
     def take_ready(self) -> None:
         ready, self.state.ready = self.state.ready[: self.target], self.state.ready[self.target:]
+        floor = None if self.cfg.max_staleness is None else self.version - self.cfg.max_staleness
         for g in ready:
-            self.accepted.append(g)
+            if floor is not None and any(v < floor for s in g.samples for v, _ in s.segments):
+                self.c.counts["stale_ready"] += 1  # finished at an older policy than the cap allows: dropped
+                self.c.wasted_tokens += sum(s.resp_len for s in g.samples)
+            else:
+                self.accepted.append(g)
         self.c.counts["ready_in"] = len(ready)
 
     def next_groups(self, num: int) -> list[SimGroup]:

@@ -65,7 +65,7 @@ async def main_async(opts, workdir) -> dict:
                 runners[f"os={size}"] = ModeRunner(f"os={size}", args_for(size), engines, http, opts.seed, opts.n,
                                                    opts.cap, vocab, opts.scale)
             auto_args = args_for("auto")
-            planner = OverSamplingPlanner(auto_args)
+            planner = OverSamplingPlanner.from_args(auto_args)
             cal = Calibrator(engines.worker_urls()[0], vocab, client_url=engines.router_url,
                              name="embedded engine (calibrated by auto)")
             await cal.measure(http)  # what a run does once after its first step; not timed here

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from rollout_workload import ParetoSource
 
-from slime.rollout.simulator import ReplayLengths, SimConfig, simulate
+from slime.rollout.simulator import ParetoLengths, ReplayLengths, SimConfig, simulate
 from slime.rollout.simulator.calibrate import Calibrator
+from slime.rollout.simulator.gpu_presets import gpu_cost_model
+
+GPU_SCALE_TOKENS = 16384  # the workload's cap at GPU scale (a reasoning model's --rollout-max-response-len)
 
 
 def make_calibrator(engines, vocab: int) -> Calibrator:
@@ -61,7 +64,13 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         out[name] = {"measured_tok_s": round(measured, 1), "sim_tok_s": round(sim["tokens_per_s"], 1),
                      "error": round(err, 4), "measured_off_policy": round(res[name]["off_policy"], 4),
                      "sim_off_policy": round(sim["off_policy_token_ratio"], 4),
-                     "sim_engine_idle_fraction": round(sim["engine_idle_fraction"], 4), "steps": runner.step}
+                     "sim_engine_idle_fraction": round(sim["engine_idle_fraction"], 4), "steps": runner.step,
+                     # what the engine did, whatever the wall clock: decode steps and rows per step
+                     "measured_decode_steps": e.get("decode_steps", 0), "sim_decode_steps": se["decode_steps"],
+                     "measured_rows_per_step": round(e.get("decode_rows", 0) / max(1, e.get("decode_steps", 0)), 2),
+                     "sim_rows_per_step": round(se["decode_rows"] / max(1, se["decode_steps"]), 2),
+                     "engine_cpu_share": round(e.get("decode_cpu_s", 0) / max(1e-9, e.get("decode_s", 0)), 4)
+                     if "decode_cpu_s" in e else None}
         print(f"{name:8s} {measured:9.1f} {sim['tokens_per_s']:9.1f} {100 * err:+6.1f}% "
               f"{res[name]['off_policy']:7.3f} {sim['off_policy_token_ratio']:5.3f} {sim['engine_idle_fraction']:5.2f} "
               f"{runner.step:5d}   {e.get('decode_s', 0):.2f} ({e.get('decode_steps', 0)} steps x "
@@ -98,4 +107,31 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
             print(f"  {name:8s} {e.get('decode_cpu_s', 0):.2f} / {dec:.2f} | {e.get('prefill_cpu_s', 0):.2f} / {pre:.2f}"
                   f"   (wall decode {e.get('decode_s', 0):.2f}: CPU share {e.get('decode_cpu_s', 0) / max(1e-9, e.get('decode_s', 0)):.2f})")
     out["cost_model"] = {k: v for k, v in cost.to_dict().items() if k != "extra"}
+    out["gpu_scale"] = gpu_scale(runners, opts)
     return out
+
+
+def gpu_scale(runners: dict, opts) -> dict:
+    """The same modes and workload shape at GPU scale, in simulation: Qwen3-4B on one H100 (modelled from
+    datasheets), budgets stretched to a 16K cap, 256 requests in flight (64 groups x 4)."""
+    cost = gpu_cost_model("h100", "qwen3-4b", tp=1)
+    scale = max(1, GPU_SCALE_TOKENS // opts.cap)
+    lengths = ParetoLengths(1.0, scale, opts.cap, prompt_len=256)
+    res = {}
+    for name, runner in runners.items():
+        a = runner.args
+        b = 64
+        cfg = SimConfig(mode=a.rollout_mode, rollout_batch_size=b, n_samples_per_prompt=a.n_samples_per_prompt,
+                        over_sampling_batch_size=b * int(a.over_sampling_batch_size) // a.rollout_batch_size,
+                        partial_rollout=a.partial_rollout, pool_size=b * a.n_samples_per_prompt,
+                        concurrency_per_engine=b * a.n_samples_per_prompt, max_response_len=scale * opts.cap,
+                        reuse_stale_kv=a.reuse_stale_kv, steps=12, warmup_steps=3, budgets_are_lengths=True)
+        res[name] = simulate(cfg, cost, lengths).summary()
+    sync = res["sync"]["tokens_per_s"]
+    print(f"GPU scale (simulated: {cost.name}; the same budget shape x{scale}, max {scale * opts.cap}; 64 groups x "
+          f"{runners['sync'].args.n_samples_per_prompt}, 256 in flight): " + "  ".join(
+              f"{k} {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / sync:.2f}x sync)" for k, v in res.items()))
+    return {k: {"tok_s": round(v["tokens_per_s"], 1), "over_sync": round(v["tokens_per_s"] / sync, 3),
+                "off_policy": round(v["off_policy_token_ratio"], 4)} for k, v in res.items()}
+
+

@@ -37,7 +37,7 @@ def test_flag_accepts_auto_and_refuses_nonsense(base_args, tmp_path):
                          "--rollout-cost-model", str(tmp_path / "missing.json")))
     a = parse_args(_argv(base_args, "--rollout-batch-size", "8", "--over-sampling-batch-size", "auto",
                          "--rollout-cost-model", "gpu:h100:qwen3-4b:tp1"))
-    assert OverSamplingPlanner(a).cost.name.startswith("Qwen3-4B on 1 x H100")
+    assert OverSamplingPlanner.from_args(a).cost.name.startswith("Qwen3-4B on 1 x H100")
 
 
 def _sample(gid, idx, resp, finished):
@@ -87,7 +87,7 @@ def _args(base_args, batch=8):
 def test_auto_is_within_five_percent_of_the_best_fixed_size_on_the_same_workload(base_args):
     args = _args(base_args)
     lengths = ParetoLengths(alpha=1.0, scale=8, cap_steps=128)
-    planner = OverSamplingPlanner(args, cost_model=FLAT)
+    planner = OverSamplingPlanner.from_args(args, cost_model=FLAT)
     assert planner.size() == 16  # no observation yet: 2 x batch
     _observe_from_sim(planner, lengths)
     planner.plan()
@@ -106,7 +106,7 @@ def test_auto_is_within_five_percent_of_the_best_fixed_size_on_the_same_workload
 def test_auto_does_not_over_sample_when_nothing_has_a_tail_and_resuming_is_dear(base_args):
     args = _args(base_args)
     # no tail to cut, and a parked sample's re-prefill costs more than decoding it did: over-sampling only loses
-    planner = OverSamplingPlanner(args, cost_model=FLAT.replace(prefill_per_token_s=2e-3))
+    planner = OverSamplingPlanner.from_args(args, cost_model=FLAT.replace(prefill_per_token_s=2e-3))
     for _ in range(3):
         planner.observe({"finished": [64] * 64, "unfinished": [], "passed": 8, "rejected": 0, "prompts": [6]})
     planner.plan()
@@ -114,7 +114,7 @@ def test_auto_does_not_over_sample_when_nothing_has_a_tail_and_resuming_is_dear(
 
 
 def test_planner_learns_the_filter_pass_rate(base_args):
-    planner = OverSamplingPlanner(_args(base_args), cost_model=FLAT)
+    planner = OverSamplingPlanner.from_args(_args(base_args), cost_model=FLAT)
     for _ in range(4):
         planner.observe({"finished": [10] * 8, "unfinished": [], "passed": 4, "rejected": 12, "prompts": [6]})
     assert planner.pass_rate() == pytest.approx(17 / 65)

@@ -340,8 +340,9 @@ def test_trace_records_the_workload_for_the_simulator(env, tmp_path):
         assert len(recorded) >= 6
         assert all(0 <= x < 24 for x in tr["unfinished_lengths"])
         occ = tr["occupancy"]
-        assert occ and max(n for _, n in occ) <= 6 and occ[-1][1] == 0
-        assert 0 <= tr["first_request_t"] <= tr["drained_t"] <= tr["step_time_s"]
+        if out.metrics["rollout/requests"]:  # (a step whose target the ready groups met sends nothing)
+            assert max(n for _, n in occ) <= 6 and occ[-1][1] == 0
+            assert 0 <= tr["first_request_t"] <= tr["drained_t"] <= tr["step_time_s"]
         assert out.metrics["rollout/over_sampling_batch_size"] == 6
 
 
@@ -349,7 +350,7 @@ def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
     from slime.rollout.over_sampling import OverSamplingPlanner
 
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "auto", "--run-dir", str(tmp_path))
-    planner = OverSamplingPlanner(args)
+    planner = OverSamplingPlanner.from_args(args)
     source = RecordingSource(args, env["tok"])
     buffer = PartialRolloutBuffer(args)
     with pytest.raises(ValueError, match="over_sampling_planner"):

@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=12)
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--auto", action="store_true",
+                   help="also print the size --over-sampling-batch-size auto would choose on this workload")
     r.add_argument("--json", action="store_true", help="print the summaries as JSON too")
     pp = sub.add_parser("paper", help="the APRIL paper's configuration: sync vs APRIL")
     pp.add_argument("--steps", type=int, default=20)
@@ -236,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_modes(cost, lengths, base, a.modes, a.over_sampling_batch_size or [2 * a.rollout_batch_size])
     print(f"engine: {cost.describe()}\nlengths: {lengths.describe()}")
     print_table(rows)
+    if a.auto:
+        from slime.rollout.over_sampling import OverSamplingPlanner
+
+        planner = OverSamplingPlanner(mode_config("april", base, a.rollout_batch_size), cost)
+        info = planner.choose(lengths, a.pass_rate)
+        print(f"auto would choose {planner.size()} groups per chunk (predicted goodput per candidate: "
+              f"{planner.history[-1]['goodput']}; {info['rollout/over_sampling_plan_s']:.1f}s to plan)")
     if a.json:
         print(json.dumps(rows))
     return 0

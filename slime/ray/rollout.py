@@ -61,7 +61,7 @@ class RolloutManager:
         if args.over_sampling_batch_size == "auto":
             from slime.rollout.over_sampling import OverSamplingPlanner
 
-            self.over_sampling_planner = OverSamplingPlanner(args)
+            self.over_sampling_planner = OverSamplingPlanner.from_args(args)
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 

@@ -61,12 +61,12 @@ def step_observations(step) -> dict:
 
 
 class OverSamplingPlanner:
-    def __init__(self, args, cost_model: EngineCostModel | None = None):
-        self.args = args
-        self.batch = int(args.rollout_batch_size)
+    """Sizes `base` (the run's simulated configuration) step by step; `cost` None: calibrate after step 0."""
+
+    def __init__(self, base: SimConfig, cost_model: EngineCostModel | None = None):
+        self.base = base
+        self.batch = base.rollout_batch_size
         self.cost = cost_model
-        if self.cost is None and args.rollout_cost_model is not None:
-            self.cost = cost_model_from_spec(args.rollout_cost_model)
         self.choice = max(1, round(INITIAL_FACTOR * self.batch))
         self.finished: deque[list[int]] = deque(maxlen=WINDOW_STEPS)
         self.filter: deque[tuple[int, int]] = deque(maxlen=WINDOW_STEPS)
@@ -75,6 +75,12 @@ class OverSamplingPlanner:
         self.steps_seen = 0
         self.plan_info: dict[str, float] = {}
         self.history: list[dict] = []  # every plan: step, predicted goodput per candidate, choice
+
+    @classmethod
+    def from_args(cls, args, cost_model: EngineCostModel | None = None) -> "OverSamplingPlanner":
+        if cost_model is None and args.rollout_cost_model is not None:
+            cost_model = cost_model_from_spec(args.rollout_cost_model)
+        return cls(SimConfig.from_args(args, over_sampling_batch_size=int(args.rollout_batch_size)), cost_model)
 
     def candidates(self) -> list[int]:
         return sorted({max(1, round(f * self.batch)) for f in CANDIDATE_FACTORS if f <= MAX_FACTOR})
@@ -113,18 +119,20 @@ class OverSamplingPlanner:
             await asyncio.to_thread(self.plan)
 
     def plan(self) -> dict:
-        """Simulate every candidate size on the observed workload; set and return the choice."""
-        t0 = time.monotonic()
+        """Estimate the workload from the observations, simulate every candidate size; set the choice."""
         obs = [x for step in self.finished for x in step]
         if not obs and not self.unfinished:
             return self.plan_info
-        cap = int(self.args.rollout_max_response_len)
-        lengths = kaplan_meier(obs, self.unfinished, cap, list(self.prompts) or [16])
-        rate = self.pass_rate()
+        lengths = kaplan_meier(obs, self.unfinished, self.base.max_response_len, list(self.prompts) or [16])
+        return self.choose(lengths, self.pass_rate(), seen=(len(obs), len(self.unfinished)))
+
+    def choose(self, lengths, pass_rate: float, seen: tuple[int, int] = (0, 0)) -> dict:
+        """Simulate every candidate size on `lengths` (a length model) at `pass_rate`; set and return the choice."""
+        t0 = time.monotonic()
         results = {}
         for c in self.candidates():
-            cfg = SimConfig.from_args(self.args, over_sampling_batch_size=c, steps=SIM_STEPS, warmup_steps=SIM_WARMUP,
-                                      pass_rate=rate, seed=0)  # one seed for all: the candidates see the same draws
+            cfg = self.base.replace(over_sampling_batch_size=c, steps=SIM_STEPS, warmup_steps=SIM_WARMUP,
+                                    pass_rate=pass_rate, seed=0, record_timeline=False)  # one seed: the same draws for all
             results[c] = simulate(cfg, self.cost, lengths).summary()
         best = max(r["goodput_tokens_per_s"] for r in results.values())
         choice = min(c for c, r in results.items() if r["goodput_tokens_per_s"] >= (1 - TIE) * best)
@@ -132,19 +140,20 @@ class OverSamplingPlanner:
         if self.history and current is not None and results[choice]["goodput_tokens_per_s"] < (1 + SWITCH) * current["goodput_tokens_per_s"]:
             choice = self.choice  # not clearly better than what runs now
         self.choice = choice
-        self.history.append({"after_step": self.steps_seen, "choice": choice, "pass_rate": round(rate, 4),
-                             "finished": len(obs), "unfinished": len(self.unfinished),
+        self.history.append({"after_step": self.steps_seen, "choice": choice, "pass_rate": round(pass_rate, 4),
+                             "finished": seen[0], "unfinished": seen[1],
                              "goodput": {c: round(v["goodput_tokens_per_s"], 1) for c, v in results.items()}})
         r = results[choice]
         self.plan_info = {
             "rollout/over_sampling_predicted_tokens_per_s": r["tokens_per_s"],
             "rollout/over_sampling_predicted_goodput_tokens_per_s": r["goodput_tokens_per_s"],
             "rollout/over_sampling_predicted_off_policy_token_ratio": r["off_policy_token_ratio"],
-            "rollout/over_sampling_pass_rate": rate,
+            "rollout/over_sampling_pass_rate": pass_rate,
             "rollout/over_sampling_plan_s": time.monotonic() - t0,
         }
         logger.info("over-sampling auto: %d groups per chunk (predicted goodput %s; pass rate %.2f; %s)", choice,
-                    ", ".join(f"{c}: {v['goodput_tokens_per_s']:.0f}" for c, v in results.items()), rate, lengths.describe())
+                    ", ".join(f"{c}: {v['goodput_tokens_per_s']:.0f}" for c, v in results.items()), pass_rate,
+                    lengths.describe())
         return self.plan_info
 
     def metrics(self) -> dict[str, float]:

@@ -37,7 +37,7 @@ def _sp(new_tokens: int) -> dict:
 
 
 async def _gen(session, url: str, ids: list[int], new_tokens: int, rid: str | None = None) -> dict:
-    body = {"input_ids": ids, "sampling_params": _sp(new_tokens)}
+    body = {"input_ids": ids, "sampling_params": _sp(new_tokens), "return_logprob": True}  # as the rollout asks
     if rid:
         body["rid"] = rid
     return await http_client.generate(session, url, body, timeout=600)

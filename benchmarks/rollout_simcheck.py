@@ -14,6 +14,7 @@ from rollout_workload import ParetoSource
 from slime.rollout.simulator import ParetoLengths, ReplayLengths, SimConfig, simulate
 from slime.rollout.simulator.calibrate import Calibrator
 from slime.rollout.simulator.gpu_presets import gpu_cost_model
+from slime.rollout.simulator.lengths import read_trace
 
 GPU_SCALE_TOKENS = 16384  # the workload's cap at GPU scale (a reasoning model's --rollout-max-response-len)
 
@@ -46,15 +47,16 @@ def sim_config(runner, b: int, c_star: int) -> SimConfig:
 def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int) -> dict:
     """{mode: {measured, predicted, error, ...}}; prints the table."""
     cost = cal.fit("median")
-    out = {}
+    out, sim_occ = {}, {}
     print(f"\nsimulator ({cost.describe()}; decode fit rel. RMS {cost.extra['decode_fit_rel_rms']}, "
           f"{cost.extra['passes']} calibration passes)")
     print(f"{'mode':8s} {'measured':>9s} {'simulated':>9s} {'error':>7s} {'off-pol':>7s} {'sim':>5s} "
           f"{'idle':>5s} {'steps':>5s}   engine decode: measured s, model on the measured steps, simulated s | prefill")
     for name, runner in runners.items():
         groups = runner.source.group_counter * 2 + 200
-        result = simulate(sim_config(runner, b, c_star), cost, replay(opts, vocab, groups))
+        result = simulate(sim_config(runner, b, c_star).replace(record_timeline=True), cost, replay(opts, vocab, groups))
         sim = result.summary()
+        sim_occ[name] = _sim_occupancy(result)
         e, se = runner.engine, result.engine_stats
         on_measured = (cost.decode_base_s * e.get("decode_steps", 0) + cost.decode_per_seq_s * e.get("decode_rows", 0)
                        + cost.decode_per_token_s * e.get("decode_ctx_tokens", 0)
@@ -80,6 +82,15 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
               f"{e.get('idle_s', 0):.2f}, {sim['rollout_s'] - (se['prefill_s'] + se['decode_s'] + se['evict_s']):.2f} | "
               f"wall {res[name]['wall_s']:.2f}, {sim['rollout_s']:.2f} | to-target {res[name]['mean']['to_target_s']:.3f}, "
               f"{sim['time_to_target_s']:.3f}")
+    print("the steps' own bookkeeping (seconds per step, from each mode's trace): before the first request / after the "
+          "drain; the simulator assumes " + f"{cost.step_overhead_s / 2:.3f} / {cost.step_overhead_s / 2:.3f}")
+    for name, runner in runners.items():
+        recs = read_trace(runner.args.run_dir)
+        pre = [r["first_request_t"] for r in recs if r.get("first_request_t") is not None]
+        post = [r["step_time_s"] - r["drained_t"] for r in recs if r.get("drained_t")]
+        print(f"  {name:8s} {sum(pre) / max(1, len(pre)):.3f} / {sum(post) / max(1, len(post)):.3f}; requests in "
+              f"flight (time-weighted mean, share of the step with none): measured {_occupancy(recs)}, simulated "
+              f"{sim_occ[name]}")
     share_cal = cost.extra.get("engine_cpu_share")
     if share_cal:  # the same prediction at the CPU share the engine had while each mode ran
         print(f"contention-matched (engine CPU share while calibrating {share_cal:.2f}; a mode that ran at share s "
@@ -109,6 +120,29 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
     out["cost_model"] = {k: v for k, v in cost.to_dict().items() if k != "extra"}
     out["gpu_scale"] = gpu_scale(runners, opts)
     return out
+
+
+def _sim_occupancy(result) -> str:
+    pts = result.client_timeline or []
+    end = result.steps[-1]["t_end"] if result.steps else 0.0
+    area = zero = 0.0
+    for (t0, n), (t1, _) in zip(pts, pts[1:] + [(end, 0)]):
+        area += n * (t1 - t0)
+        zero += (t1 - t0) if n == 0 else 0.0
+    zero += pts[0][0] if pts else 0.0
+    return f"{area / end:.1f}, {zero / end:.2f}" if end else "-"
+
+
+def _occupancy(recs: list[dict]) -> str:
+    area = zero = total = 0.0
+    for r in recs:
+        pts = r.get("occupancy") or []
+        for (t0, n), (t1, _) in zip(pts, pts[1:]):
+            area += n * (t1 - t0)
+            zero += (t1 - t0) if n == 0 else 0.0
+        total += r["step_time_s"]
+        zero += max(0.0, r["step_time_s"] - (pts[-1][0] if pts else 0.0)) + (pts[0][0] if pts else r["step_time_s"])
+    return f"{area / total:.1f}, {zero / total:.2f}" if total else "-"
 
 
 def gpu_scale(runners: dict, opts) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 
@@ -135,6 +136,8 @@ class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
     def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale, planner=None):
+        # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
+        args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
         self.planner = planner  # --over-sampling-batch-size auto
         self.flush = not args.reuse_stale_kv

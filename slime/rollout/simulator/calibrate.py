@@ -192,8 +192,7 @@ class Calibrator:
         self.stats_ok = False
         self.probes: list[Probe] = []
         self.latency: list[float] = []
-        self.client: list[float] = []
-        self.client_tok: list[float] = []
+        self.bursts: list[dict] = []
         self.abort: list[float] = []
         self.curve: dict[str, float] = {}
 
@@ -210,15 +209,14 @@ class Calibrator:
             t0 = time.perf_counter()
             await _gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
             self.latency.append(time.perf_counter() - t0)
-        # bursts of requests sent at once: beyond the engine's work and one round trip, the client's serial work
-        # (per request with one token each, then per token with long replies that all end together)
-        burst = min(64, self.max_running)
-        lat = sorted(self.latency)[len(self.latency) // 2]
-        per_req = await self._burst(session, burst, 1, lat)
-        self.client.append(max(0.0, per_req / burst))
-        long_n = max(16, min(64 if self.quick else 256, int(self.info.get("context_length") or 2048) - 16))
-        per_tok = await self._burst(session, burst, long_n, lat)
-        self.client_tok.append(max(0.0, (per_tok - per_req) / (burst * (long_n - 1))))
+        # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
+        # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
+        burst = min(32, self.max_running)
+        context = int(self.info.get("context_length") or 2048)
+        long_in = max(16, min(1024, context // 2))
+        long_n = max(16, min(64 if self.quick else 256, context - 16))
+        for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n)):
+            self.bursts.append(await self._burst(session, burst, in_len, out_n))
         prompts = [random_ids(self.rng, self.vocab, 16) for _ in range(64)]
         context = int(self.info.get("context_length") or 2048)
         self.abort.append(await abort_to_idle_s(session, self.url, prompts, min(16, self.max_running),
@@ -227,18 +225,45 @@ class Calibrator:
             tps = await closed_loop_tps(session, self.url, prompts, c, 64, 2)
             self.curve[str(c)] = round(max(self.curve.get(str(c), 0.0), tps), 1)
 
-    async def _burst(self, session, n: int, new_tokens: int, latency: float) -> float:
-        """Seconds of a burst of `n` requests beyond the engine's busy time and one round trip."""
+    async def _burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
+        """`n` requests sent at once: wall seconds, the engine's busy seconds and its HTTP side's CPU seconds."""
         before = await _stats(session, self.url) if self.stats_ok else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(_gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens)
+        await asyncio.gather(*(_gen(session, self.client_url, random_ids(self.rng, self.vocab, in_len), new_tokens)
                                for _ in range(n)))
-        wall = time.perf_counter() - t0
-        engine = 0.0
+        out = {"n": n, "in": n * in_len, "out": n * new_tokens, "wall": time.perf_counter() - t0, "busy": 0.0, "http_cpu": None}
         if before is not None:
             after = await _stats(session, self.url)
-            engine = sum(after[k] - before.get(k, 0) for k in ("prefill_s", "decode_s", "evict_s") if k in after)
-        return max(0.0, wall - engine - latency)
+            d = {k: after[k] - before.get(k, 0) for k in after}
+            out["busy"] = sum(d.get(k, 0.0) for k in ("prefill_s", "decode_s", "evict_s"))
+            if "process_cpu_s" in d and "thread_cpu_s" in d:
+                out["http_cpu"] = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"])
+        return out
+
+    def _client_and_http(self, latency: float, share: float | None) -> dict:
+        """The engine's HTTP costs (CPU seconds over the scheduler's CPU share: what it stalls the scheduler for)
+        and the client's serial costs, from the bursts."""
+        out: dict = {}
+        rows = [b for b in self.bursts if b["http_cpu"] is not None]
+        http = {"engine_per_request_s": 0.0, "engine_per_input_token_s": 0.0, "engine_per_output_token_s": 0.0}
+        if len(rows) >= 3 and share:
+            fit, _ = nnls_fit([[b["n"], b["in"], b["out"]] for b in rows], [b["http_cpu"] for b in rows], tuple(http),
+                              weights=[1.0 / max(1e-6, b["http_cpu"]) for b in rows])
+            http = {k: v / share for k, v in fit.items()}
+        out.update(http)
+
+        def extra_s(b):  # the burst's time beyond the engine (scheduler and HTTP side) and one round trip
+            h = http["engine_per_request_s"] * b["n"] + http["engine_per_input_token_s"] * b["in"] \
+                + http["engine_per_output_token_s"] * b["out"]
+            return max(0.0, b["wall"] - b["busy"] - h - latency)
+
+        short = sorted(extra_s(b) / b["n"] for b in self.bursts if b["out"] == b["n"] and b["in"] == 8 * b["n"])
+        per_req = short[(len(short) - 1) // 2] if short else 0.0
+        longs = sorted(max(0.0, extra_s(b) - per_req * b["n"]) / max(1, b["out"] - b["n"])
+                       for b in self.bursts if b["out"] > b["n"])
+        out["client_per_request_s"] = per_req
+        out["client_per_token_s"] = longs[(len(longs) - 1) // 2] if longs else 0.0
+        return out
 
     @property
     def max_running(self) -> int:
@@ -263,11 +288,10 @@ class Calibrator:
         lat = sorted(self.latency)
         latency = max(0.0, lat[len(lat) // 2] - one_prefill)
         ab = sorted(self.abort)
-        cl = sorted(self.client)
-        ct = sorted(self.client_tok)
         cpu = [r for p in self.probes for r in p.cpu_runs]
         wall = [r for p in self.probes for r in p.runs]
         share = sum(c for c, _ in cpu) / sum(w for w, _ in wall) if cpu and wall else None
+        client_http = self._client_and_http(latency, share if clock == "wall" else 1.0)
         info, embedded = self.info, self.info.get("backend") == EMBEDDED_BACKEND
         coef = [decode[k] for k in DECODE_TERMS]
         extra = {"probes": [{"rows": len(p.lengths), "lengths": sorted(set(p.lengths)), "new_tokens": p.n,
@@ -281,8 +305,7 @@ class Calibrator:
                  "engine_cpu_share": None if share is None else round(share, 4)}
         return EngineCostModel(
             **decode, **prefill, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
-            client_per_request_s=cl[(len(cl) - 1) // 2] if cl else 0.0,
-            client_per_token_s=ct[(len(ct) - 1) // 2] if ct else 0.0,
+            **client_http,
             admit_wait_s=0.02 if embedded else 0.0, max_running=self.max_running,
             kv_capacity_tokens=int(info.get("max_total_num_tokens") or 1 << 30),
             kv_admission="reserve" if embedded else "optimistic",

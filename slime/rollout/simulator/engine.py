@@ -121,11 +121,12 @@ class SimEngine:
         self.token = 0
         self._wake_at: float | None = None
         self._more = False  # admission stopped at the prefill budget: admit again after one decode step
+        self._http = 0.0  # HTTP work owed (parsing requests, writing replies): the scheduler waits for it
         self.version = 0
         self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
                       "prefill_tokens": 0, "prefills": 0, "cache_hits": 0, "cache_hit_tokens": 0, "retractions": 0,
-                      "update_s": 0.0}
+                      "update_s": 0.0, "http_s": 0.0}
         self.timeline = timeline
         self._scheduled_at: float | None = None
 
@@ -211,8 +212,9 @@ class SimEngine:
     def _take_inbox(self, t: float) -> float:
         items, self.inbox = self.inbox, []
         for kind, payload in items:
-            if kind == "request":
+            if kind == "request":  # the engine's HTTP side parses it (stalling the scheduler)
                 self.waiting.append(payload)
+                self._http += self.cost.engine_per_request_s / 2 + self.cost.engine_per_input_token_s * payload.n_input
             elif kind == "abort":
                 self._abort_all(t)
             elif kind == "update":  # weights reach the engine between two steps; running requests go on
@@ -246,6 +248,7 @@ class SimEngine:
             self._emit(t, req, req.produced, False)
 
     def _emit(self, t: float, req: SimRequest, produced: int, finished: bool) -> None:
+        self._http += self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced
         segs, prev = [], 0
         for upto, version in req.splits:
             segs.append((version, upto - prev))
@@ -354,6 +357,10 @@ class SimEngine:
         return -self.width_heap[0][0] + self.k if self.width_heap else 0
 
     def _start_jump(self, t: float) -> None:
+        if self._http:
+            t += self._http
+            self.stats["http_s"] += self._http
+            self._http = 0.0
         b = len(self.running)
         if self.timeline is not None:
             self.timeline.append((t, self.eid, b))
@@ -378,4 +385,4 @@ class SimEngine:
 
     def busy_s(self) -> float:
         st = self.stats
-        return st["prefill_s"] + st["decode_s"] + st["evict_s"] + st["update_s"]
+        return st["prefill_s"] + st["decode_s"] + st["evict_s"] + st["update_s"] + st["http_s"]

@@ -2,13 +2,13 @@
 
 The rollout benchmark's engine, model and long-tailed workload (`rollout_workload.py`): APRIL
 (`--partial-rollout`) at fixed over-sampling sizes B x {1, 1.5, 2, 3, 4} (B = C*/n groups) and
-`auto`, each with its own data source (same seed), buffer and policy version, interleaved in
-rounds so drift of the box hits all alike. `auto` starts knowing nothing: it calibrates the engine
+`auto`, each with its own data source (same seed), buffer and policy version, interleaved step by
+step so drift of the box hits all alike. `auto` starts knowing nothing: it calibrates the engine
 once before its first step (not timed, as a run does it once) and then sizes every step from what
 it saw (its planning time is counted). Prints every size's tokens/s, the best fixed size, auto's
 tokens/s and the sizes it chose; the last line is JSON.
 
-    python benchmarks/over_sampling_auto.py [--rounds 3] [--min-seconds 6] [--scale 8] [--c-star 64]
+    python benchmarks/over_sampling_auto.py [--seconds 30] [--scale 8] [--c-star 64]
 """
 
 from __future__ import annotations
@@ -72,10 +72,12 @@ async def main_async(opts, workdir) -> dict:
             planner.cost = cal.fit("median")
             runners["auto"] = ModeRunner("auto", auto_args, engines, http, opts.seed, opts.n, opts.cap, vocab,
                                          opts.scale, planner=planner)
-            for r in range(opts.rounds):
+            # one step of each size in turn, until every size has had its rollout time: a busy moment of the box
+            # falls on all sizes alike (slices of seconds would let one size take a whole busy spell)
+            while min(r.wall for r in runners.values()) < opts.seconds:
                 for runner in runners.values():
-                    await runner.run_for(opts.min_seconds, opts.min_steps)
-                print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items()), flush=True)
+                    await runner.run_for(0.0, 1)
+            print("per-size rollout seconds: " + "  ".join(f"{k} {v.wall:.1f}" for k, v in runners.items()), flush=True)
     res = {k: v.result() for k, v in runners.items()}
     fixed = {k: v["tok_s"] for k, v in res.items() if k != "auto"}
     best = max(fixed, key=fixed.get)
@@ -97,9 +99,7 @@ async def main_async(opts, workdir) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--min-seconds", type=float, default=6.0, help="rollout time of each size in each round")
-    p.add_argument("--min-steps", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=30.0, help="rollout time of every size (steps interleaved)")
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--cap", type=int, default=128)
     p.add_argument("--scale", type=int, default=8, help="tokens per chain step (8: median 24, max 1024)")

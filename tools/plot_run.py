@@ -94,7 +94,7 @@ def plot_off_policy(rows, out) -> str | None:
     if not steps:
         return None
     lags = sorted({int(k.rsplit("_", 1)[1]) for r in steps for k in r if k.startswith("rollout/staleness_hist/lag_")})
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     a1.plot([r["step"] for r in steps], [r["rollout/off_policy_token_ratio"] for r in steps], lw=1.5)
     a1.set_ylabel("off-policy token ratio")
     a1.set_ylim(0, 1)
@@ -109,7 +109,7 @@ def plot_off_policy(rows, out) -> str | None:
         bottom = [b + s for b, s in zip(bottom, share)]
     a2.set_ylabel("share of trained tokens")
     a2.set_xlabel("rollout step")
-    a2.legend(ncol=min(6, max(1, len(lags))), fontsize=8)
+    a2.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="lag (versions)", title_fontsize=8)
     return _save(fig, os.path.join(out, "off_policy.png"))
 
 

@@ -122,6 +122,7 @@ class SimEngine:
         self._wake_at: float | None = None
         self._more = False  # admission stopped at the prefill budget: admit again after one decode step
         self._http = 0.0  # HTTP work owed (parsing requests, writing replies): the scheduler waits for it
+        self._http_free = 0.0  # when the HTTP side is done with what it has
         self.version = 0
         self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
@@ -132,8 +133,21 @@ class SimEngine:
 
     # ---- inputs ----------------------------------------------------------------------
     def deliver(self, t: float, kind: str, payload) -> None:
-        """An input reaches the engine at `t`: it is taken at the first step boundary at or after `t`."""
+        """An input reaches the engine at `t`: it is taken at the first step boundary at or after `t`. A request
+        is first parsed by the engine's HTTP side, one at a time (and the scheduler waits meanwhile: one process)."""
+        if kind == "request":
+            parse = self.cost.engine_per_request_s / 2 + self.cost.engine_per_input_token_s * payload.n_input
+            if parse > 0:
+                done = max(t, self._http_free) + parse
+                self._http_free = done
+                self._http += parse
+                self.loop.at(done, self._parsed, payload)
+                return
         self.inbox.append((kind, payload))
+        self.poke(t)
+
+    def _parsed(self, t: float, req) -> None:
+        self.inbox.append(("request", req))
         self.poke(t)
 
     def poke(self, t: float) -> None:
@@ -212,9 +226,8 @@ class SimEngine:
     def _take_inbox(self, t: float) -> float:
         items, self.inbox = self.inbox, []
         for kind, payload in items:
-            if kind == "request":  # the engine's HTTP side parses it (stalling the scheduler)
+            if kind == "request":
                 self.waiting.append(payload)
-                self._http += self.cost.engine_per_request_s / 2 + self.cost.engine_per_input_token_s * payload.n_input
             elif kind == "abort":
                 self._abort_all(t)
             elif kind == "update":  # weights reach the engine between two steps; running requests go on
@@ -248,7 +261,11 @@ class SimEngine:
             self._emit(t, req, req.produced, False)
 
     def _emit(self, t: float, req: SimRequest, produced: int, finished: bool) -> None:
-        self._http += self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced
+        write = self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced
+        if write > 0:  # the HTTP side writes the reply, one at a time, while the scheduler waits
+            t = max(t, self._http_free) + write
+            self._http_free = t
+            self._http += write
         segs, prev = [], 0
         for upto, version in req.splits:
             segs.append((version, upto - prev))

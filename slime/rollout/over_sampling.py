@@ -14,7 +14,8 @@ lose to the smallest one (fewer parked samples, fewer off-policy tokens). Before
 observation the size is 2 x the batch (APRIL's usual setting).
 
 The engine cost model is `--rollout-cost-model` (a calibration JSON or a modelled GPU), or a
-calibration of the first engine made once, after the first step.
+calibration of the first engine made once, after the first step. The planner's observations are
+not checkpointed: after `--load` it starts again from 2 x the batch and relearns within a few steps.
 """
 
 from __future__ import annotations

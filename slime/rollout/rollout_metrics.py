@@ -193,7 +193,7 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
     return out
 
 
-MAX_TIMELINE_POINTS = 2000
+MAX_TIMELINE_POINTS = 500  # per step: a 3000-step run keeps its trace in tens of MB
 
 
 def workload_trace(step, in_flight_cap: int) -> dict[str, Any]:

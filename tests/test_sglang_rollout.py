@@ -361,6 +361,7 @@ def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
         out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
                                                           over_sampling_planner=planner))
         buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+        planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
         sizes.append(out.metrics["rollout/over_sampling_batch_size"])
         assert len(out.groups) == 3
         if step:  # from the second step on, the size comes from a plan with its prediction

@@ -109,7 +109,7 @@ def main(argv=None) -> None:
         for name, r in runs.items():
             d = r.measured()
             res[name] = (d, r.cpu)
-            rows = (d["decode_rows"] + d["mixed_decode_rows"]) / max(1, d["decode_steps"] + d["mixed_steps"])
+            rows = (d["decode_rows"] + d["prefill_decode_rows"]) / max(1, d["decode_steps"] + d["prefills"])
             print(f"{name:10s}: {d['sampled_tokens'] / r.cpu:8.0f} tok per CPU-second; "
                   f"{d['prefill_tokens'] / d['sampled_tokens']:.2f} prefilled tokens per generated token; "
                   f"{rows:.1f} rows per step", flush=True)

@@ -33,18 +33,18 @@ def engine_breakdown(d: dict) -> str:
     """The engine's counters over a mode's rounds: where its time went, how full its steps were, and what
     a step, a decoding row and a prefilled token cost (a least-squares fit over its steps)."""
     g = d.get
-    busy = g("decode_s", 0) + g("mixed_s", 0) + g("evict_s", 0)
-    steps = g("decode_steps", 0) + g("mixed_steps", 0)
-    rows = g("decode_rows", 0) + g("mixed_decode_rows", 0)
+    busy = g("decode_s", 0) + g("prefill_s", 0) + g("evict_s", 0)
+    steps = g("decode_steps", 0) + g("prefills", 0)
+    rows = g("decode_rows", 0) + g("prefill_decode_rows", 0)
     fit = step_cost_fit(d)
     if fit is None or min(fit) <= 0:  # a shared box's load swings make the fit meaningless
         cost = "n/a (too few steps, or too noisy)"
     else:
         cost = f"{1e3 * fit[0]:.2f} ms/step + {1e6 * fit[1]:.1f} us/row + {1e6 * fit[2]:.1f} us/prefill tok"
-    return (f"engine: decode-only steps {g('decode_s', 0):.1f}s, mixed steps {g('mixed_s', 0):.1f}s, "
+    return (f"engine: decode-only steps {g('decode_s', 0):.1f}s, mixed steps {g('prefill_s', 0):.1f}s, "
             f"evict {g('evict_s', 0):.1f}s, idle {g('idle_s', 0):.1f}s; {busy:.1f}s busy; "
             f"{steps} steps x {rows / max(1, steps):.1f} decoding rows ({1000 * busy / max(1, steps):.2f} ms/step), "
-            f"{g('mixed_steps', 0)} with prefill ({g('prefill_rows', 0)} chunks, {g('prefill_tokens', 0)} tok); "
+            f"{g('prefills', 0)} with prefill ({g('prefill_rows', 0)} chunks, {g('prefill_tokens', 0)} tok); "
             f"fit: {cost}; cache hits {g('cache_hits', 0)} ({g('cache_hit_tokens', 0)} tok not re-prefilled)")
 
 

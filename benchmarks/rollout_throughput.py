@@ -43,8 +43,10 @@
    outside both, gap between steps, requests, resumed samples, their tokens
    so far) and the engine's time and cost fit (ms per step, us per decoding
    row, us per prefilled token); the last line is one JSON with the spreads.
+8. With --simulate, calibrates the modes' engine in passes interleaved with the rounds and prints the
+   rollout simulator's prediction of every mode beside its measurement (rollout_simcheck.py).
 
-    python benchmarks/rollout_throughput.py [--rounds 8] [--min-seconds 6] [--cap 128] [--scale 24]
+    python benchmarks/rollout_throughput.py [--rounds 8] [--min-seconds 6] [--cap 128] [--scale 24] [--simulate]
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import time
 
 import aiohttp
 from rollout_report import median, report, spread
+from rollout_simcheck import make_calibrator, predict
 from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_stats, stats_delta
 
 from slime.arguments import parse_args
@@ -152,6 +155,9 @@ async def main_async(opts, workdir):
                   f"({', '.join(f'{k} {n} rollout steps' for k, n in warm.items())}) and for the limit", flush=True)
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
+            cal = make_calibrator(engines, vocab) if opts.simulate else None
+            if cal is not None:
+                await cal.measure(http)
             # Every mode step is followed by a slice of the limit as long as the step (within
             # [--limit-min-seconds, --limit-seconds]), and a mode's ratio in a round is its tok/s over the
             # limit's in the slices paired with its steps: both sides are measured seconds apart, so the
@@ -172,11 +178,18 @@ async def main_async(opts, workdir):
                 print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f} ({ratios[k][-1]:.3f}x limit)"
                                                  for k, v in runners.items())
                       + f"; load {loads[-1]:.1f}", flush=True)
+                if cal is not None:
+                    await cal.measure(http)
                 if r + 1 >= opts.min_rounds and spread(ratios["april"])["ci90"] <= opts.target_spread:
                     break
     res = {k: v.result() for k, v in runners.items()}
     summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, t_start)
+    if cal is not None:
+        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star)
     print(json.dumps(summary))
+    if opts.json_out:
+        with open(opts.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
 
 
 # a limit slice counts the engine's tokens from this long after its requests went in (the ramp up is not
@@ -208,7 +221,7 @@ class LimitRunner:
 
     async def warm_up(self, engine_steps: int) -> None:
         """Slices (not measured) until the engine ran `engine_steps` forward steps."""
-        while self.engine.get("decode_steps", 0) + self.engine.get("mixed_steps", 0) < engine_steps:
+        while self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0) < engine_steps:
             await self.slice(4.0)
         self.reset_measurements()
 
@@ -287,6 +300,9 @@ def main(argv=None):
                    help="APRIL submits this many x B groups per chunk (--over-sampling-batch-size)")
     p.add_argument("--no-stale-kv-modes", action="store_true",
                    help="skip april_kv / pool_kv (the same modes with --reuse-stale-kv: no re-prefill on resume)")
+    p.add_argument("--simulate", action="store_true",
+                   help="calibrate the engine (interleaved with the rounds) and print the simulator's prediction of each mode")
+    p.add_argument("--json-out", default=None, help="also write the summary JSON here")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 
@@ -150,14 +151,18 @@ class CountingBuffer(PartialRolloutBuffer):
 
 
 STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s", "gap_s", "requests",
-             "resumed_samples", "reprefill_tokens", "new_tokens", "occupancy")
+             "resumed_samples", "reprefill_tokens", "new_tokens", "occupancy", "over_sampling")
 
 
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale):
+    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale, planner=None):
+        # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
+        args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
+        self.planner = planner  # --over-sampling-batch-size auto
+        self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
         self.flush = not args.reuse_stale_kv
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
@@ -165,7 +170,8 @@ class ModeRunner:
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
         self.rounds: list[float] = []
         self.stats = {k: [] for k in STAT_KEYS}
-        self.engine: dict = {}
+        self.engine: dict = {}  # the engine's counters over the measured steps
+        self.engine_total: dict = {}  # and over every step, the warm-up's too
 
     async def run_for(self, min_seconds: float, min_steps: int, after_step=None) -> float:
         """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its
@@ -179,10 +185,12 @@ class ModeRunner:
             e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, http_session=self.http))
+                self.source, self.buffer, self.engines, None, self.step, http_session=self.http,
+                over_sampling_planner=self.planner))
             dt = time.monotonic() - t0
             for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only
                 self.engine[k] = self.engine.get(k, 0) + v
+                self.engine_total[k] = self.engine_total.get(k, 0) + v  # warm-up included
             m = out.metrics
             self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
             tokens += m["rollout/new_tokens"]
@@ -202,6 +210,7 @@ class ModeRunner:
             st["reprefill_tokens"].append(self.buffer.reprefill_tokens - rp0)
             st["new_tokens"].append(m["rollout/new_tokens"])
             st["occupancy"].append(m.get("rollout/engine_running_reqs_mean", float("nan")))
+            st["over_sampling"].append(m.get("rollout/over_sampling_batch_size", float("nan")))
             if after_step is not None:
                 await after_step(dt)
             prev_end = time.monotonic()
@@ -222,10 +231,11 @@ class ModeRunner:
         """Steps (not measured) until the engine ran `engine_steps` forward steps for this mode; returns
         how many rollout steps that took."""
         done = 0
-        while self.engine.get("decode_steps", 0) + self.engine.get("mixed_steps", 0) < engine_steps:
+        while self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0) < engine_steps:
             await self.run_for(0.0, 1)
             done += 1
         self.reset_measurements()
+        self.warmup_steps = done
         return done
 
     def reset_measurements(self) -> None:

@@ -105,9 +105,15 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("partial rollout (APRIL)")
     g.add_argument("--partial-rollout", action="store_true",
                    help="abort unfinished requests once the batch is full and park them in the buffer to resume next step")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+    g.add_argument("--over-sampling-batch-size", type=_int_or_auto, default=None,
                    help="groups submitted per chunk: > rollout batch size over-samples; smaller submits chunks until "
-                        "the target is met; equal (default) is synchronous")
+                        "the target is met; equal (default) is synchronous; 'auto': each step's size is chosen by the "
+                        "rollout simulator from what the last steps showed (response lengths incl. the unfinished "
+                        "tail, the dynamic filter's pass rate, --max-staleness), logged as rollout/over_sampling_batch_size")
+    g.add_argument("--rollout-cost-model", type=str, default=None,
+                   help="engine cost model for --over-sampling-batch-size auto: a JSON from `tools/simulate_rollout.py "
+                        "calibrate`, or gpu:<h100|h200|mi300x>:<model>:tp<N> (modelled from datasheets); default: "
+                        "calibrate the engines after the first step (a few seconds)")
     g.add_argument("--buffer-filter-path", type=str, default=None, help="order in which parked groups are resumed (default FIFO)")
     g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="e.g. slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
@@ -123,6 +129,15 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="weight updates keep the engines' cache (flush_cache=false), so a parked sample resumes on "
                         "the KV its earlier tokens had (computed by older weights) instead of being re-prefilled; "
                         "its tokens keep their versions and go through the same off-policy correction")
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -397,7 +412,15 @@ def validate_args(a: Args) -> None:
     _require(a.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
     _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")
-    _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0")
+    if a.over_sampling_batch_size == "auto":
+        _require(a.rollout_mode == "chunked", "--over-sampling-batch-size",
+                 "auto sizes chunked mode's over-sampling; pool mode keeps --rollout-pool-size requests in flight instead")
+    else:
+        _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0 (or auto)")
+    if a.rollout_cost_model is not None:
+        _require(a.over_sampling_batch_size == "auto", "--rollout-cost-model", "is used by --over-sampling-batch-size auto only")
+        _require(a.rollout_cost_model.startswith("gpu:") or os.path.isfile(a.rollout_cost_model), "--rollout-cost-model",
+                 f"{a.rollout_cost_model!r} is neither a file nor gpu:<gpu>:<model>:tp<N>")
     _require(a.rollout_num_gpus_per_engine > 0, "--rollout-num-gpus-per-engine", "must be > 0")
     _require(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
              f"({a.rollout_num_gpus}) must be divisible by --rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine})")

@@ -73,7 +73,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(model
         step(s)
         assert len(short.output_ids) == 4 + i  # the short row decoded at every one of these steps
         assert len(long.output_ids) == (1 if i == 6 else 0)
-    assert s.stats.mixed_steps == 7 + 1 and s.stats.prefill_rows == 7 + 1  # (+ the short prompt's own step)
+    assert s.stats.prefills == 7 + 1 and s.stats.prefill_rows == 7 + 1  # (+ the short prompt's own step)
     while not (short.finished and long.finished):
         step(s)
     assert short.output_ids == greedy_reference(ref, short.input_ids, 40)

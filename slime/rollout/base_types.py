@@ -22,6 +22,9 @@ class RolloutContext:
     # an aiohttp.ClientSession on the caller's running event loop, reused across steps so connections
     # stay open (its connector must allow the in-flight cap); None: the step opens and closes its own
     http_session: Any = None
+    # --over-sampling-batch-size auto: the OverSamplingPlanner (slime/rollout/over_sampling.py) that lives across
+    # steps (the RolloutManager owns it); it sizes each step and learns from it
+    over_sampling_planner: Any = None
 
 
 @dataclass

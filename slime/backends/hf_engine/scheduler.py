@@ -107,6 +107,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.num_steps = 0
+        self._decode_ctx = 0
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
@@ -141,6 +142,15 @@ class Scheduler:
 
     def add(self, req: Request) -> Future:
         return self.submit(self._add, req)
+
+    def cpu_times(self) -> dict:
+        """CPU seconds so far of this process and of the scheduler thread (the rest is the HTTP side's)."""
+        out = {"process_cpu_s": time.process_time()}
+        try:
+            out["thread_cpu_s"] = time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError, TypeError):  # no per-thread clocks here (not Linux), or not started
+            pass
+        return out
 
     @property
     def num_running(self) -> int:
@@ -286,6 +296,7 @@ class Scheduler:
             else:
                 prefilling.append((left, r))
         decoded = len(segments)
+        self._decode_ctx = sum(self.batch.cached(row) for row, _, _ in segments)  # keys they attend, but their own
         budget = self.max_prefill_tokens
         prefill_tokens = 0
         for left, r in sorted(prefilling, key=lambda x: x[0]):
@@ -303,7 +314,7 @@ class Scheduler:
         segments, samplers, decoded, prefill_tokens = self._plan()
         if not segments:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.batch.forward(segments)
         self.num_steps += 1
         done: list[Request] = []
@@ -315,7 +326,7 @@ class Scheduler:
                 self._append(r, tokens[i], lps[i])
                 if r.finished:
                     done.append(r)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if done:
             gone = {id(r) for r in done}
             for r in done:
@@ -326,15 +337,21 @@ class Scheduler:
         st.add_step(t1 - t0, decoded, prefill_tokens)
         st.sampled_tokens += len(samplers)
         if prefill_tokens:
-            st.mixed_s += t1 - t0
-            st.mixed_steps += 1
-            st.mixed_decode_rows += decoded
+            st.prefill_s += t1 - t0
+            st.prefill_cpu_s += c1 - c0
+            st.prefills += 1
+            st.prefill_decode_rows += decoded
+            st.prefill_decode_steps += decoded > 0
             st.prefill_rows += len(segments) - decoded
             st.prefill_tokens += prefill_tokens
+            st.prefill_positions += prefill_tokens  # packed: no padding
         else:
             st.decode_s += t1 - t0
+            st.decode_cpu_s += c1 - c0
             st.decode_steps += 1
             st.decode_rows += decoded
+            st.decode_ctx_tokens += self._decode_ctx
+            st.decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets) * self.batch.block_size
 
     def _leave(self, r: Request, cache: bool) -> None:
         """Take `r`'s row out of the batch; with `cache` (an abort) its KV goes to the prefix cache."""

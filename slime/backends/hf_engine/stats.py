@@ -9,20 +9,27 @@ from dataclasses import dataclass
 class SchedulerStats:
     """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
 
-    Every step is one packed forward: `decode_*` counts steps that only decoded, `mixed_*` steps that also
-    prefilled (chunks of prompts or resumed samples). The `fit_*` sums give a least-squares fit of the
-    step time over its decoding rows and prefill tokens (see benchmarks/rollout_report.py)."""
+    Every step is one packed forward: `decode_*` counts steps that only decoded, `prefill*` steps that also
+    prefilled (chunks of prompts or resumed samples, with the rows decoded alongside). The `fit_*` sums
+    give a least-squares fit of the step time over its decoding rows and prefill tokens (see
+    benchmarks/rollout_report.py)."""
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
-    mixed_s: float = 0.0  # forward + sampling of steps with prefill tokens
+    decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
+    prefill_s: float = 0.0  # forward + sampling of steps with prefill tokens (and the rows they also decoded)
+    prefill_cpu_s: float = 0.0
     evict_s: float = 0.0  # finishing rows: freeing or caching their blocks
     idle_s: float = 0.0  # nothing to run (or paused)
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode-only steps of the rows decoded
-    mixed_steps: int = 0
-    mixed_decode_rows: int = 0  # rows decoded in mixed steps
+    decode_ctx_tokens: int = 0  # sum over decode-only steps of the rows' cached tokens (the keys they attend)
+    decode_padded: int = 0  # sum over decode-only steps of the key positions gathered (buckets padded to blocks)
+    prefills: int = 0  # steps with prefill tokens
+    prefill_decode_steps: int = 0  # those of them that also decoded rows
+    prefill_decode_rows: int = 0  # rows decoded in those steps
     prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
     prefill_tokens: int = 0
+    prefill_positions: int = 0  # positions prefilled (packed, so no padding: = prefill_tokens)
     sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
     cache_hits: int = 0  # requests that resumed an aborted request's KV
     cache_hit_tokens: int = 0  # positions they did not prefill

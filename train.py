@@ -12,6 +12,7 @@ from tqdm import trange
 
 from slime.arguments import ArgumentError, parse_args
 from slime.ray.actor_group import RayTrainGroup
+from slime.ray.colocation import device_phases
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import RolloutManager
 from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state
@@ -55,28 +56,30 @@ def train(args) -> dict:
     if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
         metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
 
+    # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
+    phases = device_phases(args, actor_model, rollout_manager.engines)
     for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
-        if args.colocate and actor_model is not None:
-            actor_model.offload()  # the engines get the shared devices
-        rollout = rollout_manager.generate(rollout_id)
+        with phases.rollout():
+            rollout = rollout_manager.generate(rollout_id)
         step_metrics = dict(rollout.metrics)
 
         if actor_model is not None:
-            if args.colocate:
-                actor_model.onload()
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
+            with phases.train():
+                train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
             step_metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
             if not args.load_debug_rollout_data:
                 rollout_manager.mark_trained(rollout.groups)
 
             # 3. New policy version to every engine.
             new_version = rollout_manager.policy_version + 1
-            if rollout_manager.engines is not None:
-                sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
-                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
+            with phases.weight_sync():
+                if rollout_manager.engines is not None:
+                    sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
+                    step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
             rollout_manager.set_policy_version(new_version)
+            step_metrics.update(phases.metrics())
 
         # 4. Save (every --save-interval steps, and after the last one).
         last_step = rollout_id + 1 == rollout_manager.num_rollout

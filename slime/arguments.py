@@ -395,6 +395,10 @@ def validate_args(a: Args) -> None:
     _require(not a.offload or a.colocate, "--offload", "needs --colocate (the engines use the memory it frees)")
     _require(not a.update_weights_from_disk or a.update_weight_mode == "disk", "--update-weights-from-disk",
              f"contradicts --update-weight-mode {a.update_weight_mode}")
+    _require(not (a.colocate and a.reuse_stale_kv), "--reuse-stale-kv",
+             "contradicts --colocate: colocated engines release their KV cache while the trainer trains")
+    _require(not a.colocate or a.actor_num_nodes == 1, "--colocate",
+             "on more than one node needs engines launched on every node, which the launcher does not do yet")
     _require(a.update_weight_mode != "tensor" or a.colocate, "--update-weight-mode tensor",
              "needs --colocate (tensors are handed over on the devices trainer and engines share)")
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")

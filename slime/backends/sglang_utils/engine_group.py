@@ -227,6 +227,18 @@ class EngineGroup(WeightUpdateMixin):
         """POST /flush_cache through the router (which fans it out to every worker)."""
         return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
 
+    def release_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /release_memory_occupation {"tags"} to every engine this group launched (colocated: they share
+        devices with the trainer). SGLang needs idle engines and --enable-memory-saver (the launcher passes it
+        with --colocate)."""
+        self.wait_all(self._submit_all("POST", "/release_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /release_memory_occupation", timeout + 5)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /resume_memory_occupation {"tags"} to every engine this group launched."""
+        self.wait_all(self._submit_all("POST", "/resume_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /resume_memory_occupation", timeout + 5)
+
     def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True,
                                  abort_all_requests: bool = False, timeout: float = 600.0) -> dict[str, object]:
         """Every worker loads `path` and tags its outputs with weight_version str(version); checks success."""

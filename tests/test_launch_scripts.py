@@ -121,3 +121,20 @@ def test_fsdp_backend_gets_no_megatron_flags(tmp_path):
     a = run_script("scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh", tmp_path, TRAIN_BACKEND="fsdp",
                    ROLLOUT_TP="2")
     assert (a["train_backend"], a["tensor_model_parallel_size"], a["num_engines"]) == ("fsdp", 1, 4)
+
+
+@pytest.mark.parametrize("dockerfile", ["docker/Dockerfile", "docker/Dockerfile.rocm"])
+def test_dockerfiles_pin_what_setup_py_allows_and_hold_no_secrets(dockerfile):
+    import re
+
+    text = open(os.path.join(REPO, dockerfile)).read()
+    setup = open(os.path.join(REPO, "setup.py")).read()
+    pins = dict(re.findall(r"ARG (\w+_VERSION)=(\S+)", text))
+    assert {"SGLANG_VERSION", "SGLANG_ROUTER_VERSION", "MEGATRON_CORE_VERSION", "RAY_VERSION"} <= set(pins)
+    assert f'"sglang-router=={pins["SGLANG_ROUTER_VERSION"]}"' in setup
+    major, minor, _ = (int(x) for x in pins["MEGATRON_CORE_VERSION"].split("."))
+    assert '"megatron-core>=0.16.1,<0.17"' in setup and (major, minor) == (0, 16)
+    assert pins["SGLANG_VERSION"].startswith("0.5.") and '"sglang>=0.5.0,<0.6"' in setup
+    assert "docker build -f " + dockerfile in text and "docker run" in text  # how to build and run
+    assert "-e WANDB_API_KEY \\" in text and not re.search(r"(API_KEY|TOKEN|PASSWORD)\s*=", text)
+    assert re.search(r"pip install .*-e \"\.\[test\]\"", text)  # our package

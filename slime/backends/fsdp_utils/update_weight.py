@@ -102,8 +102,7 @@ class WeightUpdater:
         if mode == "tensor":
             feeds = feeds or feed_plan(list(urls), 1, None)
             urls = [f.url for f in feeds]
-            everywhere = any(r != 0 for f in feeds for r in f.ranks)
-            named = iter(self.named_weights(everywhere=everywhere))
+            named = iter(self.named_weights(everywhere=True))  # streamed: one copy, into the bucket
         else:
             named = iter(self.named_weights())
         n_bytes, error = 0, None

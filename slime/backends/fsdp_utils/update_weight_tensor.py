@@ -38,6 +38,9 @@ class TensorSender:
         self.flush_cache = flush_cache
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
+        # CPU: each bucket's shared-memory segment is kept for the next sync (creating and faulting in a
+        # segment per sync cost more than the copy); on a GPU buckets are freed (device memory is dearer)
+        self._buffers: dict[int, torch.Tensor] = {}
 
     def _group(self, ranks: tuple[int, ...]):
         """A gloo group over one engine's feeding ranks (created on every rank, in plan order: a collective)."""
@@ -53,10 +56,12 @@ class TensorSender:
                 self._group(f.ranks)
         mine = [f for f in feeds if self.rank in f.ranks]
         n_bytes, error = 0, None
-        for bucket in dtype_buckets(named, self.buffer_bytes):
+        for i, bucket in enumerate(dtype_buckets(named, self.buffer_bytes)):
             if not mine:
                 continue  # not a feeder: the stream's collectives still ran
-            flat = flatten_bucket(bucket)
+            flat = flatten_bucket(bucket, self._buffers.get(i))
+            if flat["flattened_tensor"].device.type == "cpu":
+                self._buffers[i] = flat["flattened_tensor"]
             n_bytes += flat["flattened_tensor"].numel() * flat["flattened_tensor"].element_size()
             try:
                 self._send_bucket(mine, flat, version, error is None)
@@ -101,3 +106,4 @@ class TensorSender:
             except Exception as e:  # noqa: BLE001 - teardown
                 logger.debug("destroy feed group: %s", e)
         self._groups.clear()
+        self._buffers.clear()

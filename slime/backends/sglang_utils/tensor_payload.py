@@ -90,16 +90,24 @@ def dtype_buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> 
         yield cur
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
-    """{"flattened_tensor", "metadata"} of one dtype's tensors (SGLang's FlattenedTensorBucket, element units).
-    On CPU the flat tensor is created in shared memory, so serializing it moves no bytes."""
+def shared_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat tensor to fill; on CPU it lives in shared memory (a named segment), so serializing it moves no bytes."""
+    flat = torch.empty(numel, dtype=dtype, device=device)
+    if flat.device.type == "cpu":
+        flat.untyped_storage()._share_filename_cpu_()
+    return flat
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> dict:
+    """{"flattened_tensor", "metadata"} of one dtype's tensors (SGLang's FlattenedTensorBucket, element units),
+    copied into `out` when it has the right size, dtype and device (a buffer reused across syncs), else into a
+    new `shared_buffer`."""
     if not bucket:
         raise ValueError("flatten_bucket: empty bucket")
     first = bucket[0][1]
     total = sum(t.numel() for _, t in bucket)
-    flat = torch.empty(total, dtype=first.dtype, device=first.device)
-    if flat.device.type == "cpu":
-        flat.untyped_storage()._share_filename_cpu_()
+    ok = out is not None and out.numel() == total and out.dtype == first.dtype and out.device == first.device
+    flat = out if ok else shared_buffer(total, first.dtype, first.device)
     metadata, start = [], 0
     with torch.no_grad():
         for name, t in bucket:

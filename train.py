@@ -8,16 +8,20 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm import trange
+from slime.utils.run import set_offline_defaults
 
-from slime.arguments import ArgumentError, parse_args
-from slime.ray.actor_group import RayTrainGroup
-from slime.ray.placement_group import create_placement_groups
-from slime.ray.rollout import RolloutManager
-from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state
-from slime.utils.metrics import MetricsLogger
-from slime.utils.run import init_ray, resolve_run_dir, setup_logging
-from slime.utils.summary import log_run_summary
+set_offline_defaults()  # before anything imports Ray: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (loopback node) at import
+
+from tqdm import trange  # noqa: E402
+
+from slime.arguments import ArgumentError, parse_args  # noqa: E402
+from slime.ray.actor_group import RayTrainGroup  # noqa: E402
+from slime.ray.placement_group import create_placement_groups  # noqa: E402
+from slime.ray.rollout import RolloutManager  # noqa: E402
+from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state  # noqa: E402
+from slime.utils.metrics import MetricsLogger  # noqa: E402
+from slime.utils.run import init_ray, resolve_run_dir, setup_logging  # noqa: E402
+from slime.utils.summary import log_run_summary  # noqa: E402
 
 logger = logging.getLogger("train")
 
@@ -29,7 +33,7 @@ def _is_due(rollout_id: int, interval: int | None) -> bool:
 def train(args) -> dict:
     run_dir = resolve_run_dir(args)
     setup_logging(run_dir)
-    init_ray()
+    init_ray(listen_host=args.listen_host)
     metrics = MetricsLogger(args, run_dir)
 
     # Engines + router + data + buffer on one side, trainers on the other.

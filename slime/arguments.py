@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from slime.utils.net import is_loopback
+
 
 class ArgumentError(ValueError):
     """A flag value breaks a rule; the message names the flag and the rule."""
@@ -71,6 +73,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
+    g.add_argument("--listen-host", type=str, default="127.0.0.1",
+                   help="address the trainer's process-group and weight-update stores, gloo and the local Ray node "
+                        "listen on (none of them authenticates): loopback by default; a multi-node run gives this "
+                        "node's interface address (or 0.0.0.0)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -325,6 +331,9 @@ def validate_args(a: Args) -> None:
     _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
     _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
     _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
+    _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
+             f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
+             "give this node's interface address (or 0.0.0.0)")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")

@@ -18,8 +18,9 @@ from slime.arguments import ArgumentError, parse_args  # noqa: E402
 from slime.ray.actor_group import RayTrainGroup  # noqa: E402
 from slime.ray.placement_group import create_placement_groups  # noqa: E402
 from slime.ray.rollout import RolloutManager  # noqa: E402
-from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state  # noqa: E402
-from slime.utils.metrics import MetricsLogger  # noqa: E402
+from slime.utils import checkpoint as ckpts  # noqa: E402
+from slime.utils.hf_dir import check_hf_checkpoint  # noqa: E402
+from slime.utils.metrics import MetricsLogger, truncate_run_logs  # noqa: E402
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging  # noqa: E402
 from slime.utils.summary import log_run_summary  # noqa: E402
 
@@ -33,6 +34,17 @@ def _is_due(rollout_id: int, interval: int | None) -> bool:
 def train(args) -> dict:
     run_dir = resolve_run_dir(args)
     setup_logging(run_dir)
+    # Checks before anything starts: the model dir, a writable --save with room, an intact checkpoint to resume.
+    check_hf_checkpoint(args.hf_checkpoint)
+    if args.ref_load:
+        check_hf_checkpoint(args.ref_load, "--ref-load", need_tokenizer=False)
+    if args.save:
+        ckpts.prepare_save_dir(args.save, 0 if args.debug_rollout_only else ckpts.checkpoint_size_estimate(args.hf_checkpoint))
+    ckpt = ckpts.resolve_checkpoint(args.load, args.ckpt_step) if args.load else None
+    state = ckpts.read_driver_state(ckpt) if ckpt is not None else None
+    if state is not None:
+        ckpts.check_data_contract(state.get("contract"), args)
+        truncate_run_logs(run_dir, state["rollout_id"])  # the steps after the checkpoint are re-run
     init_ray(listen_host=args.listen_host)
     metrics = MetricsLogger(args, run_dir)
 
@@ -43,14 +55,12 @@ def train(args) -> dict:
 
     # Resume: trainer state, data position, parked groups + ledger, policy version, RNG.
     start_rollout_id = 0
-    ckpt = latest_checkpoint(args.load) if args.load else None
     if ckpt is not None:
-        state = read_driver_state(ckpt)
         if actor_model is not None:
             actor_model.load(f"{ckpt}/trainer")
         rollout_manager.load_state_dict(state["rollout"])
         rollout_manager.load_buffer(f"{ckpt}/buffer")
-        set_rng_state(state["rng"])
+        ckpts.set_rng_state(state["rng"])
         start_rollout_id = state["rollout_id"] + 1
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start_rollout_id, rollout_manager.policy_version)
     if ckpt is not None and actor_model is not None and rollout_manager.engines is not None:
@@ -88,8 +98,9 @@ def train(args) -> dict:
             writers = {"buffer": rollout_manager.save_buffer}
             if actor_model is not None:
                 writers["trainer"] = actor_model.save
-            save_checkpoint(args.save, rollout_id, writers,
-                            {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(), "rng": rng_state()})
+            ckpts.save_checkpoint(args.save, rollout_id, writers,
+                                  {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(),
+                                   "rng": ckpts.rng_state(), "contract": ckpts.data_contract(args)})
 
         # 5. Eval (never enters the buffer, never trains).
         if rollout_manager.eval_sets and _is_due(rollout_id, args.eval_interval):

@@ -186,6 +186,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: resume from this rollout id's checkpoint (iter_N) instead of the newest")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None, help="reference model (default: --hf-checkpoint)")
@@ -375,6 +377,7 @@ def validate_args(a: Args) -> None:
     _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
              "must be > 0 and needs --save")
     _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+    _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")
 
     _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
              "takes name/path pairs")

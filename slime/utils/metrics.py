@@ -61,3 +61,41 @@ class MetricsLogger:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, key: str, last: int) -> int:
+    """Keep only the rows of a JSON-lines file whose `key` is <= `last` (and drop a torn last line).
+
+    A resume from the checkpoint of step `last` re-runs the steps after it; their old rows would otherwise
+    appear twice. Returns the number of rows removed; the file is replaced atomically.
+    """
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a line torn by a kill mid-write
+                continue
+            if isinstance(row, dict) and isinstance(row.get(key), int) and row[key] > last:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
+
+
+def truncate_run_logs(run_dir: str, last_step: int) -> None:
+    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl and rollout_trace.jsonl."""
+    for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id")):
+        n = truncate_jsonl(os.path.join(run_dir, name), key, last_step)
+        if n:
+            logger.info("resume from step %d: removed %d later row(s) of %s (they are re-run)", last_step, n, name)

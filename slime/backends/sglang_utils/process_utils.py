@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import requests
 
+from slime.utils.redact import redact_argv
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +78,7 @@ class ManagedProcess:
 
     def start(self) -> "ManagedProcess":
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        logger.info("starting %s: %s (log: %s)", self.name, " ".join(self.cmd), self.log_path)
+        logger.info("starting %s: %s (log: %s)", self.name, " ".join(redact_argv(self.cmd)), self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd,
@@ -105,7 +107,7 @@ class ManagedProcess:
 
     def error(self, what: str) -> ServerLaunchError:
         return ServerLaunchError(
-            f"{self.name} {what} (pid {self.pid}, cmd: {' '.join(self.cmd)}); last lines of {self.log_path}:\n{self.log_tail()}"
+            f"{self.name} {what} (pid {self.pid}, cmd: {' '.join(redact_argv(self.cmd))}); last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
     def check_alive(self, doing: str = "running") -> None:

@@ -15,11 +15,14 @@ set_offline_defaults()  # before anything imports Ray: it reads RAY_ENABLE_WINDO
 from tqdm import trange  # noqa: E402
 
 from slime.arguments import ArgumentError, parse_args  # noqa: E402
+from slime.backends.sglang_utils.watchdog import EngineFaultError  # noqa: E402
 from slime.ray.actor_group import RayTrainGroup  # noqa: E402
 from slime.ray.placement_group import create_placement_groups  # noqa: E402
-from slime.ray.rollout import RolloutManager  # noqa: E402
+from slime.ray.rollout import EngineRestartsExhausted, RolloutManager  # noqa: E402
+from slime.rollout.data_source import DataError  # noqa: E402
 from slime.utils import checkpoint as ckpts  # noqa: E402
-from slime.utils.hf_dir import check_hf_checkpoint  # noqa: E402
+from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable  # noqa: E402
+from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint  # noqa: E402
 from slime.utils.metrics import MetricsLogger, truncate_run_logs  # noqa: E402
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging  # noqa: E402
 from slime.utils.summary import log_run_summary  # noqa: E402
@@ -29,6 +32,15 @@ logger = logging.getLogger("train")
 
 def _is_due(rollout_id: int, interval: int | None) -> bool:
     return bool(interval) and (rollout_id + 1) % interval == 0
+
+
+def _save(args, rollout_id: int, rollout_manager, actor_model) -> None:
+    writers = {"buffer": rollout_manager.save_buffer}
+    if actor_model is not None:
+        writers["trainer"] = actor_model.save
+    ckpts.save_checkpoint(args.save, rollout_id, writers,
+                          {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(),
+                           "rng": ckpts.rng_state(), "contract": ckpts.data_contract(args)})
 
 
 def train(args) -> dict:
@@ -52,6 +64,8 @@ def train(args) -> dict:
     pgs = create_placement_groups(args)
     rollout_manager = RolloutManager(args, run_dir, start_engines=not args.debug_train_only)
     actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
+    if actor_model is not None:
+        rollout_manager.attach_weight_sync(actor_model.update_weights)  # a restarted engine gets the current weights
 
     # Resume: trainer state, data position, parked groups + ledger, policy version, RNG.
     start_rollout_id = 0
@@ -69,14 +83,24 @@ def train(args) -> dict:
     if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
         metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
 
+    empty_steps = EmptySteps(args.max_consecutive_empty_steps)
     for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
         if args.colocate and actor_model is not None:
             actor_model.offload()  # the engines get the shared devices
-        rollout = rollout_manager.generate(rollout_id)
+        try:
+            rollout = rollout_manager.generate(rollout_id)
+        except EngineRestartsExhausted:
+            if args.save and rollout_id > 0:  # keep what the run reached (parked samples included), then stop
+                _save(args, rollout_id - 1, rollout_manager, actor_model)
+            raise
         step_metrics = dict(rollout.metrics)
 
-        if actor_model is not None:
+        if actor_model is not None and count_trainable(rollout.groups) == 0:
+            # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
+            empty_steps.skipped(rollout_id, rollout.dropped)
+        elif actor_model is not None:
+            empty_steps.trained()
             if args.colocate:
                 actor_model.onload()
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
@@ -91,16 +115,12 @@ def train(args) -> dict:
                 sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
                 step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
             rollout_manager.set_policy_version(new_version)
+        step_metrics["train/skipped_empty_steps"] = float(empty_steps.total)
 
         # 4. Save (every --save-interval steps, and after the last one).
         last_step = rollout_id + 1 == rollout_manager.num_rollout
         if args.save and (last_step or _is_due(rollout_id, args.save_interval)):
-            writers = {"buffer": rollout_manager.save_buffer}
-            if actor_model is not None:
-                writers["trainer"] = actor_model.save
-            ckpts.save_checkpoint(args.save, rollout_id, writers,
-                                  {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(),
-                                   "rng": ckpts.rng_state(), "contract": ckpts.data_contract(args)})
+            _save(args, rollout_id, rollout_manager, actor_model)
 
         # 5. Eval (never enters the buffer, never trains).
         if rollout_manager.eval_sets and _is_due(rollout_id, args.eval_interval):
@@ -117,13 +137,24 @@ def train(args) -> dict:
     return summary
 
 
+# errors that name their cause (flag, file, engine, reward): one line, no traceback
+STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
+         EmptyStepsError)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except ArgumentError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    train(args)
+    try:
+        train(args)
+    except STOPS as e:
+        logger.debug("stopped", exc_info=True)
+        logger.error("stopped: %s", e)
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

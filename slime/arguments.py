@@ -106,6 +106,26 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for an engine to be healthy (default 180 embedded, 900 SGLang)")
 
 
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance (an engine watchdog always runs; restarts need --use-fault-tolerance)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="restart an engine that dies or freezes during a rollout, re-sync the current weights and "
+                        "resume its parked samples; without it such an engine stops the run with an error naming it")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between GET /health_generate checks of every engine while a step runs "
+                        "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="seconds an engine may take to answer /health_generate before it counts as frozen")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="seconds before the first HTTP health check of a step (slow first compilations)")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine restarts allowed in a run (--use-fault-tolerance); one more failure checkpoints "
+                        "(with --save) and stops the run")
+    g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
+                   help="stop the run when this many steps in a row have no trainable sample (every group failed); "
+                        "such steps are skipped (no update, no version bump) and counted")
+
+
 def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("partial rollout (APRIL)")
     g.add_argument("--partial-rollout", action="store_true",
@@ -245,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    for add in (_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
+    for add in (_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
                 _add_algorithm_args, _add_training_args, _add_reward_args, _add_logging_args, _add_debug_args,
                 _add_sglang_args):
         add(p)
@@ -357,6 +377,11 @@ def validate_args(a: Args) -> None:
     for flag in ("rollout_request_timeout", "rollout_abort_timeout", "rollout_rpc_timeout"):
         _require(getattr(a, flag) > 0, "--" + flag.replace("_", "-"), "must be > 0")
     _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
+    _require(a.rollout_health_check_interval >= 0, "--rollout-health-check-interval", "must be >= 0 (0: off)")
+    _require(a.rollout_health_check_timeout > 0, "--rollout-health-check-timeout", "must be > 0")
+    _require(a.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
+    _require(a.max_engine_restarts >= 0, "--max-engine-restarts", "must be >= 0")
+    _require(a.max_consecutive_empty_steps > 0, "--max-consecutive-empty-steps", "must be > 0")
 
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     _require(a.global_batch_size > 0, "--global-batch-size", "must be > 0")

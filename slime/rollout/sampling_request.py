@@ -7,7 +7,10 @@ per-sample `metadata["max_response_len"]`), appends the
 returned segment with `Sample.append_response` (tokens, log-probs, per-token
 versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
-abort -> ABORTED (still unfinished).
+abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
+e.g. a prompt over its context) fails that sample with
+`metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
+retried and never stops the step.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class SampleRequester:
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.refused = 0
         self._bad_versions = 0
 
     def budget(self, sample: Sample) -> int:
@@ -138,6 +142,11 @@ class SampleRequester:
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:
                 out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+            except http_client.EngineHTTPError as e:
+                if not e.is_refusal:
+                    raise
+                self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
+                return True
             finally:
                 self.in_flight -= 1
             ids, lps, version, text, ftype = parse_segment(out, self.url)
@@ -167,6 +176,13 @@ class SampleRequester:
                 raise GenerateResponseError(f"{self.url}/generate aborted sample {sample.index} {unexpected_aborts} "
                                             f"times in a row with no progress (last rid {payload['rid']})")
             logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
+
+    def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
+        sample.status = Status.FAILED
+        sample.metadata["failure"] = f"engine_refused: {error.message}"
+        self.refused += 1
+        logger.warning("engine refused sample %s (group %s, %d prompt tokens): HTTP %d %s", sample.index,
+                       sample.group_index, sample.prompt_length, error.status, error.message)
 
     async def _custom(self, sample: Sample) -> bool:
         """Run the user's generate function; it must grow the sample only through `append_response`."""

@@ -155,6 +155,26 @@ class ManagedProcess:
             logger.error("%s (pid %s) still alive after SIGKILL", self.name, pgid)
 
 
+def process_problem(proc: "ManagedProcess") -> str | None:
+    """Why `proc` cannot serve (exited, stopped, zombie), or None if it is running. Reads /proc only."""
+    rc = proc.returncode()
+    if rc is not None:
+        sig = f" (killed by {signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else ""
+        return f"exited with code {rc}{sig}"
+    if proc.pid is None:
+        return None
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    if state in ("T", "t"):
+        return f"is stopped (pid {proc.pid} in state {state}: SIGSTOP or a debugger), so it cannot serve"
+    if state == "Z":
+        return f"died (pid {proc.pid} is a zombie)"
+    return None
+
+
 def process_group_members(pgid: int) -> list[int]:
     """PIDs of live (non-zombie) processes whose process group is `pgid` (Linux /proc)."""
     members = []

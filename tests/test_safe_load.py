@@ -108,3 +108,30 @@ def test_rng_state_is_json_not_pickle(saved):
     state = json.loads((good / "rng_rank0.json").read_text())
     assert set(state) >= {"python", "numpy", "torch"}
     assert ckpt.read_rng_file(str(good), 0) == state
+
+
+def test_driver_refuses_a_planted_checkpoint_before_loading_anything(saved, tmp_path):
+    from slime.utils.checkpoint import CheckpointLoadError, resolve_checkpoint, save_checkpoint
+    import shutil
+
+    _, good = saved
+    save_dir = tmp_path / "save"
+
+    def trainer(d):
+        shutil.copytree(good, d, dirs_exist_ok=True)
+
+    def buffer(d):
+        with open(os.path.join(d, "buffer.json"), "w") as f:
+            f.write("{}")
+
+    for rid in (1, 2):
+        save_checkpoint(str(save_dir), rid, {"trainer": trainer, "buffer": buffer},
+                        {"rollout_id": rid, "rollout": {}, "rng": {}})
+    marker = tmp_path / "PLANTED_RAN"
+    torch.save({"state": Payload(str(marker))}, save_dir / "iter_0000002" / "trainer" / "optimizer.pt")
+    with pytest.raises(CheckpointLoadError) as err:
+        resolve_checkpoint(str(save_dir))
+    msg = str(err.value)
+    assert "iter_0000002/trainer/optimizer.pt: refused to load" in msg and "system" in msg
+    assert "iter_0000001 is intact: resume from it with --ckpt-step 1" in msg
+    assert not marker.exists()

@@ -6,6 +6,7 @@ import logging
 import os
 
 from slime.utils.net import WILDCARDS, advertised_address
+from slime.utils.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def init_ray(num_cpus: int | None = None, listen_host: str = "127.0.0.1") -> Non
         node_ip = None if listen_host in WILDCARDS else advertised_address(listen_host)
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 2),
                  include_dashboard=False, log_to_driver=True, _node_ip_address=node_ip)
+        start_reaper()  # its agents would outlive a SIGKILLed driver by ~60 s
         actual = ray.util.get_node_ip_address()
         if node_ip is not None and actual != node_ip:
             logger.warning("the local Ray node listens on %s, not --listen-host %s: Ray was imported before "

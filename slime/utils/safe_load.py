@@ -60,6 +60,27 @@ def safe_torch_load(path: str, allowed_globals: Iterable[Any] = ()) -> Any:
         raise CheckpointFileError(path, f"corrupt or truncated ({type(e).__name__}: {str(e)[:300]})") from None
 
 
+def check_torch_file(path: str, allowed_globals: Iterable[Any] = ()) -> None:
+    """Without loading any tensor or running anything: the file is an intact torch archive whose pickle names
+    only globals `safe_torch_load` accepts. Raises `CheckpointFileError` otherwise."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except FileNotFoundError:
+        raise CheckpointFileError(path, "missing") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointFileError(path, f"corrupt or truncated ({e})") from None
+    try:
+        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - an unreadable pickle is a corrupt file
+        raise CheckpointFileError(path, f"corrupt ({type(e).__name__}: {str(e)[:200]})") from None
+    names = {f"{g.__module__}.{g.__qualname__}" for g in allowed_globals if hasattr(g, "__qualname__")}
+    refused = [g for g in wanted if g not in names]
+    if refused:
+        raise CheckpointFileError(path, f"refused to load: it needs {', '.join(refused[:5])}, which could run code "
+                                        "(a planted or foreign file?)")
+
+
 def check_safetensors(path: str) -> dict[str, Any]:
     """Parse a .safetensors header and check that the data it describes is all there; returns the header.
 

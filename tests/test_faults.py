@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -299,11 +300,12 @@ def test_a_reward_failing_everywhere_stops_the_run_naming_the_cause(task, tmp_pa
     out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "2 rollout steps in a row trained nothing" in out.stderr
-    assert "8 of 8 groups dropped for reward_failed" in out.stderr and "ZeroDivisionError" in out.stderr
+    m = re.search(r"(\d+) of (\d+) groups dropped for reward_failed \(most often: 'reward_failed: ZeroDivisionError", out.stderr)
+    assert m and m[1] == m[2] and int(m[1]) >= 8  # every group of both steps (one may finish past the target)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0]  # the second empty step stopped the run before being logged
     assert rows[0]["train/skipped_empty_steps"] == 1 and not any(k.startswith("weight_sync/") for k in rows[0])
-    assert rows[0]["ledger/dropped/reward_failed"] == 4 and rows[0]["ledger/trained"] == 0
+    assert rows[0]["ledger/dropped/reward_failed"] >= 4 and rows[0]["ledger/trained"] == 0
 
 
 def test_an_engine_that_keeps_failing_checkpoints_then_stops_naming_it(task, tmp_path):

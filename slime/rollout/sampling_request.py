@@ -11,6 +11,11 @@ abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
 e.g. a prompt over its context) fails that sample with
 `metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
 retried and never stops the step.
+
+Per-token versions come from `meta_info.weight_versions` when the engine
+returns it (the embedded engine and newer SGLang: one span per weight version
+that sampled part of the segment, so a segment that crossed an in-flight
+weight update is labelled exactly), else from the single `weight_version`.
 """
 
 from __future__ import annotations
@@ -66,8 +71,38 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     return sp
 
 
-def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], int | None, str, str]:
-    """(token ids, log-probs, weight version or None if not an int, text, finish type) from one /generate reply."""
+def token_versions(meta: dict, n: int, where: str) -> list[int] | None:
+    """The weight version of each of a reply's `n` output tokens, or None when the versions are not ints.
+
+    `meta_info.weight_versions` (spans `{"version", "start", "end"}` covering output_ids[start:end], in order)
+    when present, else `meta_info.weight_version` for every token."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        try:
+            return [int(meta.get("weight_version"))] * n
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(spans, list) or not spans:
+        raise GenerateResponseError(f"{where}: meta_info.weight_versions must be a non-empty list, got {spans!r}")
+    versions: list[int] = []
+    for k, span in enumerate(spans):
+        ok = isinstance(span, dict) and all(isinstance(span.get(f), int) for f in ("start", "end"))
+        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
+            raise GenerateResponseError(f"{where}: meta_info.weight_versions[{k}] = {span!r} does not continue "
+                                        f"the spans at output token {len(versions)}")
+        try:
+            version = int(span.get("version"))
+        except (TypeError, ValueError):
+            return None
+        versions += [version] * (span["end"] - span["start"])
+    if len(versions) != n:
+        raise GenerateResponseError(f"{where}: meta_info.weight_versions cover {len(versions)} tokens, the reply has {n}")
+    return versions
+
+
+def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int] | None, str, str]:
+    """(token ids, log-probs, per-token weight versions or None if not ints, text, finish type) from one
+    /generate reply."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict):
         raise GenerateResponseError(f"{url}/generate: reply has no meta_info object: {str(out)[:300]}")
@@ -86,11 +121,8 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], int | No
     ftype = finish.get("type") if isinstance(finish, dict) else finish
     if ftype not in ("stop", "length", "abort"):
         raise GenerateResponseError(f"{url}/generate: unexpected finish_reason {finish!r} (rid {meta.get('id')})")
-    try:
-        version = int(meta.get("weight_version"))
-    except (TypeError, ValueError):
-        version = None
-    return [int(t) for t in ids], [float(e[0]) for e in lps], version, out.get("text") or "", ftype
+    versions = token_versions(meta, len(ids), f"{url}/generate (rid {meta.get('id')})")
+    return [int(t) for t in ids], [float(e[0]) for e in lps], versions, out.get("text") or "", ftype
 
 
 class SampleRequester:
@@ -149,17 +181,17 @@ class SampleRequester:
                 return True
             finally:
                 self.in_flight -= 1
-            ids, lps, version, text, ftype = parse_segment(out, self.url)
-            if version is None:
+            ids, lps, versions, text, ftype = parse_segment(out, self.url)
+            if versions is None:
                 self._bad_versions += 1
                 if self._bad_versions == 1:
                     logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
                                    out["meta_info"].get("weight_version"), self.policy_version)
-                version = self.policy_version
+                versions = self.policy_version
             if len(ids) > payload["sampling_params"]["max_new_tokens"]:
                 raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
                                             f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
-            sample.append_response(ids, lps, version, text)
+            sample.append_response(ids, lps, versions, text)
             self.new_tokens += len(ids)
             if ftype == "stop":
                 sample.status = Status.COMPLETED

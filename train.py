@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -43,6 +44,18 @@ def _save(args, rollout_id: int, rollout_manager, actor_model) -> None:
                            "rng": ckpts.rng_state(), "contract": ckpts.data_contract(args)})
 
 
+@contextlib.contextmanager
+def _checkpoint_if_engines_give_up(args, rollout_id: int, rollout_manager, actor_model):
+    """Engines that keep failing stop the run: checkpoint what it reached (`rollout_id`, parked samples
+    included) first, so `--load` resumes it."""
+    try:
+        yield
+    except EngineRestartsExhausted:
+        if args.save and rollout_id >= 0:
+            _save(args, rollout_id, rollout_manager, actor_model)
+        raise
+
+
 def train(args) -> dict:
     run_dir = resolve_run_dir(args)
     setup_logging(run_dir)
@@ -78,7 +91,7 @@ def train(args) -> dict:
         start_rollout_id = state["rollout_id"] + 1
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start_rollout_id, rollout_manager.policy_version)
     if ckpt is not None and actor_model is not None and rollout_manager.engines is not None:
-        actor_model.update_weights(rollout_manager.engines, rollout_manager.policy_version)
+        rollout_manager.sync_weights(rollout_manager.policy_version)
 
     if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
         metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
@@ -88,12 +101,8 @@ def train(args) -> dict:
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
         if args.colocate and actor_model is not None:
             actor_model.offload()  # the engines get the shared devices
-        try:
+        with _checkpoint_if_engines_give_up(args, rollout_id - 1, rollout_manager, actor_model):
             rollout = rollout_manager.generate(rollout_id)
-        except EngineRestartsExhausted:
-            if args.save and rollout_id > 0:  # keep what the run reached (parked samples included), then stop
-                _save(args, rollout_id - 1, rollout_manager, actor_model)
-            raise
         step_metrics = dict(rollout.metrics)
 
         if actor_model is not None and count_trainable(rollout.groups) == 0:
@@ -109,12 +118,13 @@ def train(args) -> dict:
             if not args.load_debug_rollout_data:
                 rollout_manager.mark_trained(rollout.groups)
 
-            # 3. New policy version to every engine.
+            # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
             new_version = rollout_manager.policy_version + 1
-            if rollout_manager.engines is not None:
-                sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
-                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
             rollout_manager.set_policy_version(new_version)
+            if rollout_manager.engines is not None:
+                with _checkpoint_if_engines_give_up(args, rollout_id, rollout_manager, actor_model):
+                    sync_metrics = rollout_manager.sync_weights(new_version)
+                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
         step_metrics["train/skipped_empty_steps"] = float(empty_steps.total)
 
         # 4. Save (every --save-interval steps, and after the last one).

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
-from slime.backends.sglang_utils.watchdog import EngineFaultError
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
@@ -140,8 +140,36 @@ class RolloutManager:
                     raise EngineFaultError(f"{e} (--use-fault-tolerance would restart it)", e.faults) from e
                 self.recover(e)
 
-    def recover(self, error: EngineFaultError) -> None:
-        """Restart every engine in `error.faults` and re-sync the current weights; raise when out of restarts."""
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights to every engine as `version` (the attached `update_weights`).
+
+        An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
+        instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
+        """
+        if self._weight_sync is None:
+            raise RuntimeError("sync_weights: no trainer attached (attach_weight_sync)")
+        while True:
+            with ProcessWatch(self.engines, on_fault=self._kill_faulty) as watch:
+                try:
+                    return self._weight_sync(self.engines, version)
+                except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
+                    faults = list(watch.faults.values()) or watch.check()
+                    if not faults:
+                        raise
+                    error = EngineFaultError(f"weight sync to version {version}: "
+                                             + "; ".join(f.describe() for f in faults) + f" ({type(e).__name__}: {e})",
+                                             faults)
+            if not self.args.use_fault_tolerance:
+                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from e
+            self.recover(error, resync=False)  # the loop pushes `version` to the fresh engines
+
+    def _kill_faulty(self, fault: EngineFault) -> None:
+        if fault.rank is not None:
+            self.engines.kill_engine(fault.rank)
+
+    def recover(self, error: EngineFaultError, resync: bool = True) -> None:
+        """Restart every engine in `error.faults` and (`resync`) re-sync the current weights; raise when out of
+        restarts."""
         budget = self.args.max_engine_restarts
         for fault in error.faults:
             if fault.rank is None:
@@ -159,8 +187,8 @@ class RolloutManager:
                     break
                 except ServerLaunchError as e:
                     logger.error("restarting engine %d failed: %s", fault.rank, e)
-        if self._weight_sync is not None:
-            self._weight_sync(self.engines, self.policy_version)
+        if resync and self._weight_sync is not None:
+            self.sync_weights(self.policy_version)
             logger.info("re-synced policy version %d to the engines", self.policy_version)
 
     def set_policy_version(self, version: int) -> None:

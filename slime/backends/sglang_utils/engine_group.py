@@ -142,6 +142,11 @@ class EngineGroup(WeightUpdateMixin):
             return None
         return process_problem(self.engines[rank].process)
 
+    def kill_engine(self, rank: int) -> None:
+        """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
+        if 0 <= rank < len(self.engines):
+            self.engines[rank].terminate(grace=0.5)
+
     def restart_engine(self, rank: int, timeout: float | None = None) -> str:
         """Replace engine `rank` (dead, frozen or misbehaving) with a fresh one; returns its URL.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -162,3 +163,49 @@ class EngineWatchdog:
         if self.faults:
             raise EngineFaultError("; ".join(f.describe() for f in self.faults.values()), list(self.faults.values()))
         return work.result()
+
+
+class ProcessWatch:
+    """For blocking phases (a weight sync): a thread that checks every engine process each second.
+
+    A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it
+    and calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
+    """
+
+    def __init__(self, engines, on_fault: Callable[[EngineFault], None] | None = None, interval: float = PROCESS_CHECK_S):
+        self.engines, self.on_fault, self.interval = engines, on_fault, interval
+        self.faults: dict[str, EngineFault] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-process-watch", daemon=True)
+
+    def __enter__(self) -> "ProcessWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def check(self) -> list[EngineFault]:
+        found = []
+        for url in list(self.engines.engine_urls):
+            if url in self.faults:
+                continue
+            problem = self.engines.engine_problem(url)
+            if problem is not None:
+                fault = EngineFault(url, self.engines.engine_rank(url), problem)
+                self.faults[url] = fault
+                logger.error("engine watchdog: %s", fault.describe())
+                found.append(fault)
+                if self.on_fault is not None:
+                    self.on_fault(fault)
+        return found
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - the watch must not die silently mid-sync
+                logger.warning("engine process watch: %s", e)
+            if self._stop.wait(self.interval):
+                return

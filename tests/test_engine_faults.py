@@ -101,3 +101,30 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
     out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 3}},
                         timeout=60).json()
     assert len(out["output_ids"]) == 3 and out["meta_info"]["weight_version"] == "0"  # fresh weights: re-sync next
+
+
+def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
+    """RolloutManager.sync_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
+    version is pushed to the fresh engine (the trainer's update_weights stands in as a blocking HTTP call)."""
+    from slime.ray.rollout import RolloutManager
+
+    args, group = engines
+    manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
+    manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
+    manager.engines, manager.engine_restarts, manager.policy_version = group, 0, 6
+    calls = []
+
+    def update_weights(engines, version):
+        urls = engines.worker_urls()
+        calls.append((version, urls))
+        if len(calls) == 1:
+            os.kill(engines.engines[0].process.pid, signal.SIGSTOP)
+            requests.post(urls[0] + "/generate", json=LONG, timeout=120)  # waits on the frozen engine
+        return {"weight_sync_time_s": 0.0}
+
+    manager.attach_weight_sync(update_weights)
+    t0 = time.monotonic()
+    assert manager.sync_weights(7) == {"weight_sync_time_s": 0.0}
+    assert time.monotonic() - t0 < 90  # killed, restarted and pushed again: never the 120 s timeout
+    assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
+    assert manager.engine_restarts == 1 and group.engine_problem(group.engine_urls[0]) is None

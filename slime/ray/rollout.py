@@ -159,8 +159,9 @@ class RolloutManager:
                     error = EngineFaultError(f"weight sync to version {version}: "
                                              + "; ".join(f.describe() for f in faults) + f" ({type(e).__name__}: {e})",
                                              faults)
+                    error.__cause__ = e
             if not self.args.use_fault_tolerance:
-                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from e
+                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
             self.recover(error, resync=False)  # the loop pushes `version` to the fresh engines
 
     def _kill_faulty(self, fault: EngineFault) -> None:

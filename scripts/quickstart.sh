@@ -7,6 +7,7 @@
 #   bash scripts/quickstart.sh                 # APRIL (partial rollout, over-sampling)
 #   bash scripts/quickstart.sh --no-partial    # the same job, synchronous, for comparison
 #   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
+#   bash scripts/quickstart.sh --train-backend megatron   # the same job on the Megatron-core trainer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +19,9 @@ RUN=${RUN:-runs/quickstart-$MODE}
 STEPS=${STEPS:-80}
 EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 
-bash scripts/install.sh
+# SLIME_SKIP_INSTALL=1: the package is already installed (tests, benchmarks, worktrees that must not
+# re-point an editable install at themselves)
+[[ "${SLIME_SKIP_INSTALL:-0}" == 1 ]] || bash scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 

@@ -9,8 +9,9 @@ import torch
 from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, is_loopback, listen_socket, serve_store
 
 
-def _listeners() -> set[str]:
-    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+def _listeners() -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
 
 
 def test_store_and_gloo_group_listen_on_loopback_only():
@@ -26,7 +27,8 @@ def test_store_and_gloo_group_listen_on_loopback_only():
     pg.broadcast(t, 0).wait()
     new = _listeners() - before
     assert new, "the store and gloo should be listening"
-    assert all(ipaddress.ip_address(ip).is_loopback for ip in new), new
+    assert port in {p for _, p in new}
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in new), new
     pg.shutdown()
 
 

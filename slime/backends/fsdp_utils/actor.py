@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
-from slime.backends.fsdp_utils.data import (
+from slime.backends.training_utils.data import (
     TrainItem,
     dummy_item,
     flatten_groups,
@@ -27,7 +27,7 @@ from slime.backends.fsdp_utils.data import (
     shard,
     split_steps,
 )
-from slime.backends.fsdp_utils.loss import (
+from slime.backends.training_utils.loss import (
     RolloutTensors,
     compute_rollout_tensors,
     micro_batch_loss,
@@ -35,7 +35,7 @@ from slime.backends.fsdp_utils.loss import (
 )
 from slime.backends.fsdp_utils.model import build_model, forward_items, init_distributed
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
-from slime.utils.net import advertised_address, listen_socket
+from slime.backends.training_utils.distributed import open_master_port
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class FSDPTrainer:
     def open_master_port(self) -> tuple[str, int]:
         """Rank 0: open the process-group store's listening socket on --listen-host now (so no other
         process can take the port before `init`); returns (address the other ranks connect to, port)."""
-        self._master_sock = listen_socket(self.args.listen_host)
-        return advertised_address(self.args.listen_host), self._master_sock.getsockname()[1]
+        self._master_sock, address, port = open_master_port(self.args.listen_host)
+        return address, port
 
     def init(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
         args = self.args

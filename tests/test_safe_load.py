@@ -135,3 +135,23 @@ def test_driver_refuses_a_planted_checkpoint_before_loading_anything(saved, tmp_
     assert "iter_0000002/trainer/optimizer.pt: refused to load" in msg and "system" in msg
     assert "iter_0000001 is intact: resume from it with --ckpt-step 1" in msg
     assert not marker.exists()
+
+
+def test_planted_dist_checkpoint_metadata_is_refused(tmp_path):
+    """torch.distributed.checkpoint (Megatron's torch_dist) unpickles `.metadata` with plain pickle: a real one
+    passes the check, a planted one is refused and its payload never runs."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from slime.utils.safe_load import check_dist_checkpoint
+
+    good = tmp_path / "torch_dist"
+    save({"w": torch.ones(2, 3), "step": 3}, storage_writer=FileSystemWriter(str(good)), no_dist=True)
+    check_dist_checkpoint(str(good))
+    marker = tmp_path / "METADATA_PAYLOAD_RAN"
+    with open(good / ".metadata", "wb") as f:
+        pickle.dump(Payload(str(marker)), f)
+    with pytest.raises(CheckpointFileError, match=r"\.metadata: refused to load: it needs posix\.system"):
+        check_dist_checkpoint(str(good))
+    assert not marker.exists()

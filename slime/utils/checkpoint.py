@@ -34,7 +34,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from slime.utils.safe_load import CheckpointFileError, check_safetensors, check_torch_file, read_json_file
+from slime.utils.safe_load import (
+    CheckpointFileError,
+    check_dist_checkpoint,
+    check_safetensors,
+    check_torch_file,
+    read_json_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +241,13 @@ def verify_checkpoint(ckpt_dir: str) -> None:
     read_json_file(os.path.join(ckpt_dir, "buffer", "buffer.json"))
     trainer = os.path.join(ckpt_dir, "trainer")
     if os.path.isdir(trainer):
-        check_safetensors(os.path.join(trainer, "model.safetensors"))
+        if os.path.isdir(os.path.join(trainer, "torch_dist")):  # the Megatron trainer's dist-checkpoint
+            check_dist_checkpoint(os.path.join(trainer, "torch_dist"))
+        else:  # the FSDP trainer's full state
+            check_safetensors(os.path.join(trainer, "model.safetensors"))
         for name in sorted(os.listdir(trainer)):
-            if name.endswith(".pt") and not name.startswith("rng_rank"):  # (old pickled RNG files allow numpy types)
+            if name.endswith(".pt") and not (name.startswith("rng_rank") and os.path.isfile(
+                    os.path.join(trainer, "optimizer.pt"))):  # (FSDP's old pickled RNG files hold numpy types)
                 check_torch_file(os.path.join(trainer, name))
             elif name.endswith(".json"):
                 read_json_file(os.path.join(trainer, name))

@@ -4,7 +4,10 @@
 `optimizer.pt` runs code on `--load`. Every torch file we read goes through
 `safe_torch_load`: `weights_only=True` (tensors, containers, numbers, strings)
 plus an explicit allow-list of extra globals; anything else is refused with
-the globals it asked for. Corrupt or truncated files (torch, safetensors,
+the globals it asked for. torch.distributed.checkpoint (Megatron's
+dist-checkpoints) reads its `.metadata` with plain `pickle.load`:
+`check_dist_checkpoint` reads it first with an unpickler that accepts only
+the checkpoint's own metadata classes. Corrupt or truncated files (torch, safetensors,
 JSON) raise `CheckpointFileError` naming the file and the cause. The Megatron
 trainer's own files (dist_checkpointing's common state) use the same helper.
 """
@@ -79,6 +82,68 @@ def check_torch_file(path: str, allowed_globals: Iterable[Any] = ()) -> None:
     if refused:
         raise CheckpointFileError(path, f"refused to load: it needs {', '.join(refused[:5])}, which could run code "
                                         "(a planted or foreign file?)")
+
+
+def _dcp_metadata_global(module: str, name: str) -> bool:
+    """What a torch.distributed.checkpoint `.metadata` pickle may name: its own dataclasses and enums,
+    torch dtypes / layouts / Size, and a few plain containers."""
+    if module.startswith("torch.distributed.checkpoint."):
+        return True
+    if module == "torch.serialization" and name == "_get_layout":
+        return True
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+    return (module, name) in {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                              ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytearray"),
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path")}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, f, allowed):
+        super().__init__(f)
+        self.allowed, self.refused = allowed, []
+
+    def find_class(self, module: str, name: str):
+        if not self.allowed(module, name):
+            self.refused.append(f"{module}.{name}")
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def check_pickle_file(path: str, allowed=_dcp_metadata_global) -> None:
+    """A raw pickle (a dist-checkpoint's `.metadata`, which torch reads with plain `pickle.load`) names only
+    globals `allowed(module, name)` accepts; read with an unpickler that refuses everything else, so nothing
+    else runs. Raises `CheckpointFileError`."""
+    try:
+        with open(path, "rb") as f:
+            unpickler = _RestrictedUnpickler(f, allowed)
+            try:
+                unpickler.load()
+            except pickle.UnpicklingError as e:
+                if unpickler.refused:
+                    raise CheckpointFileError(path, f"refused to load: it needs {', '.join(unpickler.refused)}, which "
+                                                    "could run code (a planted or foreign file?)") from None
+                raise CheckpointFileError(path, f"corrupt ({e})") from None
+    except CheckpointFileError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointFileError(path, "missing") from None
+    except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError) as e:
+        raise CheckpointFileError(path, f"corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def check_dist_checkpoint(path: str) -> None:
+    """A Megatron / torch.distributed.checkpoint directory: `.metadata` (a raw pickle) and every `.pt` name
+    no code, JSON parses. Cheap (no tensor is read). Raises `CheckpointFileError` naming the file."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointFileError(os.path.join(path, ".metadata"), "missing (not a complete dist-checkpoint)")
+    check_pickle_file(os.path.join(path, ".metadata"))
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.endswith(".pt"):
+            check_torch_file(full)
+        elif name.endswith(".json"):
+            read_json_file(full)
 
 
 def check_safetensors(path: str) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from slime.utils.net import is_loopback
+
 
 class ArgumentError(ValueError):
     """A flag value breaks a rule; the message names the flag and the rule."""
@@ -72,6 +74,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
+    g.add_argument("--listen-host", type=str, default="127.0.0.1",
+                   help="address the trainer's process-group and weight-update stores, gloo and the local Ray node "
+                        "listen on (none of them authenticates): loopback by default; a multi-node run gives this "
+                        "node's interface address (or 0.0.0.0)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +105,26 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-rpc-timeout", type=float, default=120.0, help="seconds for buffer / data-source calls")
     g.add_argument("--engine-startup-timeout", type=float, default=None,
                    help="seconds to wait for an engine to be healthy (default 180 embedded, 900 SGLang)")
+
+
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance (an engine watchdog always runs; restarts need --use-fault-tolerance)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="restart an engine that dies or freezes during a rollout, re-sync the current weights and "
+                        "resume its parked samples; without it such an engine stops the run with an error naming it")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between GET /health_generate checks of every engine while a step runs "
+                        "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="seconds an engine may take to answer /health_generate before it counts as frozen")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="seconds before the first HTTP health check of a step (slow first compilations)")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine restarts allowed in a run (--use-fault-tolerance); one more failure checkpoints "
+                        "(with --save) and stops the run")
+    g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
+                   help="stop the run when this many steps in a row have no trainable sample (every group failed); "
+                        "such steps are skipped (no update, no version bump) and counted")
 
 
 def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -196,6 +222,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: resume from this rollout id's checkpoint (iter_N) instead of the newest")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None,
@@ -316,8 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    for add in (_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
-                _add_algorithm_args, _add_training_args, _add_megatron_args, _add_reward_args, _add_logging_args, _add_debug_args,
+    for add in (_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
+                _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
+                _add_reward_args, _add_logging_args, _add_debug_args,
                 _add_sglang_args):
         add(p)
     return p
@@ -432,6 +461,9 @@ def validate_args(a: Args) -> None:
     _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
     _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
     _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
+    _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
+             f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
+             "give this node's interface address (or 0.0.0.0)")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")
@@ -453,6 +485,11 @@ def validate_args(a: Args) -> None:
     for flag in ("rollout_request_timeout", "rollout_abort_timeout", "rollout_rpc_timeout"):
         _require(getattr(a, flag) > 0, "--" + flag.replace("_", "-"), "must be > 0")
     _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
+    _require(a.rollout_health_check_interval >= 0, "--rollout-health-check-interval", "must be >= 0 (0: off)")
+    _require(a.rollout_health_check_timeout > 0, "--rollout-health-check-timeout", "must be > 0")
+    _require(a.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
+    _require(a.max_engine_restarts >= 0, "--max-engine-restarts", "must be >= 0")
+    _require(a.max_consecutive_empty_steps > 0, "--max-consecutive-empty-steps", "must be > 0")
 
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     _require(a.global_batch_size > 0, "--global-batch-size", "must be > 0")
@@ -473,6 +510,7 @@ def validate_args(a: Args) -> None:
     _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
              "must be > 0 and needs --save")
     _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+    _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")
 
     _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
              "takes name/path pairs")

@@ -27,6 +27,7 @@ setup(
         # release for Python 3.11. psutil: megatron's checkpoint writer needs it and does not declare it.
         "megatron-core>=0.16.1,<0.17",
         "psutil>=5.9",
+        "matplotlib>=3.7",  # tools/plot_run.py (Agg backend, no display)
     ],
     extras_require={
         "sglang": ["sglang>=0.5.0,<0.6"],

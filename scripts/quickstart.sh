@@ -8,6 +8,11 @@
 #   bash scripts/quickstart.sh --no-partial    # the same job, synchronous, for comparison
 #   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
 #   bash scripts/quickstart.sh --train-backend megatron   # the same job on the Megatron-core trainer
+#   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
+#
+# It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
+# rollout tokens/s, off-policy tokens and staleness, response lengths, engine occupancy over one rollout
+# (beside the other mode's run when both exist) and the rollout simulator's prediction vs the measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -50,3 +55,10 @@ $PY train.py \
   --save "$RUN/ckpt" --save-interval "$STEPS" \
   --run-dir "$RUN" \
   "$@"
+
+# Pictures. The simulator's prediction needs the engine's costs: calibrate it once on this machine (~20 s).
+if [[ "${SIMULATE:-1}" != 0 ]]; then
+  $PY tools/simulate_rollout.py calibrate --model-path "$WORK/model-sft" --quick --passes 2 --curve "" \
+    --out "$RUN/cost_model.json" || echo "[quickstart] engine calibration failed: plotting without the simulator" >&2
+fi
+$PY tools/plot_run.py "$RUN"

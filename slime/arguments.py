@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from slime.utils.net import is_loopback
+
 
 class ArgumentError(ValueError):
     """A flag value breaks a rule; the message names the flag and the rule."""
@@ -73,6 +75,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
+    g.add_argument("--listen-host", type=str, default="127.0.0.1",
+                   help="address the trainer's process-group and weight-update stores, gloo and the local Ray node "
+                        "listen on (none of them authenticates): loopback by default; a multi-node run gives this "
+                        "node's interface address (or 0.0.0.0)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -102,13 +108,39 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for an engine to be healthy (default 180 embedded, 900 SGLang)")
 
 
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance (an engine watchdog always runs; restarts need --use-fault-tolerance)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="restart an engine that dies or freezes during a rollout, re-sync the current weights and "
+                        "resume its parked samples; without it such an engine stops the run with an error naming it")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between GET /health_generate checks of every engine while a step runs "
+                        "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="seconds an engine may take to answer /health_generate before it counts as frozen")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="seconds before the first HTTP health check of a step (slow first compilations)")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine restarts allowed in a run (--use-fault-tolerance); one more failure checkpoints "
+                        "(with --save) and stops the run")
+    g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
+                   help="stop the run when this many steps in a row have no trainable sample (every group failed); "
+                        "such steps are skipped (no update, no version bump) and counted")
+
+
 def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("partial rollout (APRIL)")
     g.add_argument("--partial-rollout", action="store_true",
                    help="abort unfinished requests once the batch is full and park them in the buffer to resume next step")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+    g.add_argument("--over-sampling-batch-size", type=_int_or_auto, default=None,
                    help="groups submitted per chunk: > rollout batch size over-samples; smaller submits chunks until "
-                        "the target is met; equal (default) is synchronous")
+                        "the target is met; equal (default) is synchronous; 'auto': each step's size is chosen by the "
+                        "rollout simulator from what the last steps showed (response lengths incl. the unfinished "
+                        "tail, the dynamic filter's pass rate, --max-staleness), logged as rollout/over_sampling_batch_size")
+    g.add_argument("--rollout-cost-model", type=str, default=None,
+                   help="engine cost model for --over-sampling-batch-size auto: a JSON from `tools/simulate_rollout.py "
+                        "calibrate`, or gpu:<h100|h200|mi300x>:<model>:tp<N> (modelled from datasheets); default: "
+                        "calibrate the engines after the first step (a few seconds)")
     g.add_argument("--buffer-filter-path", type=str, default=None, help="order in which parked groups are resumed (default FIFO)")
     g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="e.g. slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
@@ -124,6 +156,15 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="weight updates keep the engines' cache (flush_cache=false), so a parked sample resumes on "
                         "the KV its earlier tokens had (computed by older weights) instead of being re-prefilled; "
                         "its tokens keep their versions and go through the same off-policy correction")
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +223,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: resume from this rollout id's checkpoint (iter_N) instead of the newest")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None,
@@ -306,8 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    for add in (_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
-                _add_algorithm_args, _add_training_args, _add_megatron_args, _add_reward_args, _add_logging_args, _add_debug_args,
+    for add in (_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
+                _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
+                _add_reward_args, _add_logging_args, _add_debug_args,
                 _add_sglang_args):
         add(p)
     return p
@@ -411,7 +455,15 @@ def validate_args(a: Args) -> None:
     _require(a.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
     _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")
-    _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0")
+    if a.over_sampling_batch_size == "auto":
+        _require(a.rollout_mode == "chunked", "--over-sampling-batch-size",
+                 "auto sizes chunked mode's over-sampling; pool mode keeps --rollout-pool-size requests in flight instead")
+    else:
+        _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0 (or auto)")
+    if a.rollout_cost_model is not None:
+        _require(a.over_sampling_batch_size == "auto", "--rollout-cost-model", "is used by --over-sampling-batch-size auto only")
+        _require(a.rollout_cost_model.startswith("gpu:") or os.path.isfile(a.rollout_cost_model), "--rollout-cost-model",
+                 f"{a.rollout_cost_model!r} is neither a file nor gpu:<gpu>:<model>:tp<N>")
     _require(a.rollout_num_gpus_per_engine > 0, "--rollout-num-gpus-per-engine", "must be > 0")
     _require(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
              f"({a.rollout_num_gpus}) must be divisible by --rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine})")
@@ -427,6 +479,9 @@ def validate_args(a: Args) -> None:
     _require(not a.colocate or a.rollout_num_gpus == actor_devices, "--rollout-num-gpus",
              f"({a.rollout_num_gpus}) must equal the trainer devices ({actor_devices}) with --colocate: every device "
              f"holds a trainer rank and a share of an engine")
+    _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
+             f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
+             "give this node's interface address (or 0.0.0.0)")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")
@@ -448,6 +503,11 @@ def validate_args(a: Args) -> None:
     for flag in ("rollout_request_timeout", "rollout_abort_timeout", "rollout_rpc_timeout"):
         _require(getattr(a, flag) > 0, "--" + flag.replace("_", "-"), "must be > 0")
     _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
+    _require(a.rollout_health_check_interval >= 0, "--rollout-health-check-interval", "must be >= 0 (0: off)")
+    _require(a.rollout_health_check_timeout > 0, "--rollout-health-check-timeout", "must be > 0")
+    _require(a.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
+    _require(a.max_engine_restarts >= 0, "--max-engine-restarts", "must be >= 0")
+    _require(a.max_consecutive_empty_steps > 0, "--max-consecutive-empty-steps", "must be > 0")
 
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     _require(a.global_batch_size > 0, "--global-batch-size", "must be > 0")
@@ -468,6 +528,7 @@ def validate_args(a: Args) -> None:
     _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
              "must be > 0 and needs --save")
     _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+    _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")
 
     _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
              "takes name/path pairs")

@@ -40,6 +40,12 @@ def test_quickstart_april_improves_on_the_warm_start(tmp_path, backend, extra):
     assert 0.0 < summary["off_policy_token_ratio"] < 1.0  # partial rollout resumed parked samples
     assert os.path.isdir(run / "ckpt" / "iter_0000039")
     assert "==== run summary ====" in out.stderr
+    # it ends with the run's pictures (and says where they are), the simulator's prediction among them
+    plots = run / "plots"
+    for name in ("reward", "throughput", "off_policy", "lengths", "occupancy", "simulator"):
+        assert (plots / f"{name}.png").stat().st_size > 5_000, name
+    assert f"plots written to {run / 'plots'}" in out.stdout
+    assert (run / "cost_model.json").is_file()
     if extra:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in records if "weight_sync/weight_sync_tensor" in r]

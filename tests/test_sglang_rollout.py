@@ -323,3 +323,93 @@ def test_a_shared_http_session_is_reused_across_steps_and_left_open(env):
     assert len(generates) >= sum(o.metrics["rollout/requests"] for o in outs)  # every request went through it
     assert len(aborts) >= 3  # each step's abort fan-out used it as well
     buffer.check_balanced()
+
+
+def test_trace_records_the_workload_for_the_simulator(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path))
+    _, _, outs = run_steps(env, args, 2)
+    trace = [json.loads(line) for line in open(tmp_path / "rollout_trace.jsonl")]
+    recorded = [sorted(g) for tr in trace for g in tr["finished_lengths"]]
+    for out, tr in zip(outs, trace):
+        assert tr["target"] == 3 and tr["n_samples_per_prompt"] == 2 and tr["over_sampling_batch_size"] == 6
+        assert tr["num_engines"] == 1 and tr["in_flight_cap"] == 6 and tr["max_response_len"] == 24
+        # every accepted group's final lengths were recorded (in the step it finished), and the unfinished
+        # samples' current lengths
+        for g in out.groups:
+            assert sorted(s.response_length for s in g) in recorded
+        assert len(recorded) >= 6
+        assert all(0 <= x < 24 for x in tr["unfinished_lengths"])
+        occ = tr["occupancy"]
+        if out.metrics["rollout/requests"]:  # (a step whose target the ready groups met sends nothing)
+            assert max(n for _, n in occ) <= 6 and occ[-1][1] == 0
+            assert 0 <= tr["first_request_t"] <= tr["drained_t"] <= tr["step_time_s"]
+        assert out.metrics["rollout/over_sampling_batch_size"] == 6
+
+
+def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
+    from slime.rollout.over_sampling import OverSamplingPlanner
+
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "auto", "--run-dir", str(tmp_path))
+    planner = OverSamplingPlanner.from_args(args)
+    source = RecordingSource(args, env["tok"])
+    buffer = PartialRolloutBuffer(args)
+    with pytest.raises(ValueError, match="over_sampling_planner"):
+        generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
+    sizes = []
+    for step in range(4):
+        set_version(env, step)
+        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
+                                                          over_sampling_planner=planner))
+        buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+        planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
+        sizes.append(out.metrics["rollout/over_sampling_batch_size"])
+        assert len(out.groups) == 3
+        if step:  # from the second step on, the size comes from a plan with its prediction
+            assert out.metrics["rollout/over_sampling_predicted_tokens_per_s"] > 0
+    assert sizes[0] == 6  # 2 x the batch before anything is known
+    assert all(s in planner.candidates() for s in sizes)
+    assert planner.cost is not None and planner.cost.extra["timed_from"] == "scheduler_stats"  # calibrated once
+    assert [h["after_step"] for h in planner.history] == [1, 2, 4]
+    buffer.check_balanced()
+
+
+class OverlongSource(RecordingSource):
+    """Group 1's prompt is made longer than the model's 256 positions after load (as a tokenizer or
+    template change on resume could): the engine refuses it mid-run."""
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            if g[0].group_index == 1:
+                for s in g:
+                    s.tokens = s.tokens * (300 // len(s.tokens) + 1)
+        return groups
+
+
+def test_a_prompt_the_engine_refuses_is_dropped_with_its_reason_not_fatal(env):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "4")
+    source = OverlongSource(args, env["tok"])
+    source, buffer, outs = run_steps(env, args, 1, source=source)
+    out = outs[0]
+    assert 1 not in [g[0].group_index for g in out.groups] and len(out.groups) == 2  # 1 failed group + 2 accepted
+    reason = buffer.ledger.reason(1)
+    assert reason.startswith("engine_refused: input_ids: prompt of") and "max positions (256)" in reason
+    assert out.dropped[1] == reason and out.metrics["rollout/groups_failed"] == 1
+    assert out.metrics["rollout/groups_dropped/engine_refused"] == 1
+    assert buffer.check_balanced()["dropped/engine_refused"] == 1
+
+
+async def always_failing_rm(args, sample):
+    raise ZeroDivisionError("division by zero")
+
+
+def test_groups_with_no_trainable_sample_count_toward_the_target(env):
+    """A reward that fails on every sample: each step stops at the target (no data drawn beyond it) and
+    returns no group; every group is dropped with the failure as its reason."""
+    args = make_args(env["root"], "--over-sampling-batch-size", "3", "--custom-rm-path", f"{__name__}.always_failing_rm")
+    source, buffer, outs = run_steps(env, args, 2, train=False)
+    for out in outs:
+        assert out.groups == [] and out.metrics["rollout/groups_failed"] == 3
+        assert set(out.dropped.values()) == {"reward_failed: ZeroDivisionError: division by zero"}
+    assert source.group_counter == 6  # 3 per step: the target, not the whole dataset
+    assert buffer.check_balanced()["dropped/reward_failed"] == 6

@@ -107,8 +107,8 @@ class RayTrainGroup:
         rank 0's report (num_params)."""
         import ray
 
-        port = ray.get(self.actors[0].get_free_port.remote(), timeout=INIT_TIMEOUT_S)
-        out = self._all("init", "127.0.0.1", port, timeout=INIT_TIMEOUT_S)
+        addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
+        out = self._all("init", addr, port, timeout=INIT_TIMEOUT_S)
         self.info = out[0]
         self.rank_devices = [o["device_index"] for o in out]  # node GPU of each rank (None on CPU)
         logger.info("%d trainer rank(s) ready (%s params)", self.world_size, self.info.get("num_params"))

@@ -22,9 +22,15 @@ class RolloutContext:
     # an aiohttp.ClientSession on the caller's running event loop, reused across steps so connections
     # stay open (its connector must allow the in-flight cap); None: the step opens and closes its own
     http_session: Any = None
+    # --over-sampling-batch-size auto: the OverSamplingPlanner (slime/rollout/over_sampling.py) that lives across
+    # steps (the RolloutManager owns it); it sizes each step and learns from it
+    over_sampling_planner: Any = None
 
 
 @dataclass
 class RolloutOutput:
     groups: list[list[Sample]]
     metrics: dict[str, float] = field(default_factory=dict)
+    # groups dropped this step: group id -> reason ("reward_failed: ...", a filter's reason, ...); the driver
+    # names the common cause when steps keep training nothing
+    dropped: dict[int, str] = field(default_factory=dict)

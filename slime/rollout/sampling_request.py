@@ -7,7 +7,10 @@ per-sample `metadata["max_response_len"]`), appends the
 returned segment with `Sample.append_response` (tokens, log-probs, per-token
 versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
-abort -> ABORTED (still unfinished).
+abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
+e.g. a prompt over its context) fails that sample with
+`metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
+retried and never stops the step.
 
 Per-token versions come from `meta_info.weight_versions` when the engine
 returns it (the embedded engine and newer SGLang: one span per weight version
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -140,6 +144,8 @@ class SampleRequester:
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.timeline: list[tuple[float, int]] | None = None  # (monotonic time, in flight) at each change, if a list
+        self.refused = 0
         self._bad_versions = 0
 
     def budget(self, sample: Sample) -> int:
@@ -166,12 +172,16 @@ class SampleRequester:
                 return False
             payload = self.payload(sample)
             self.requests += 1
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._in_flight(+1)
             try:
                 out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+            except http_client.EngineHTTPError as e:
+                if not e.is_refusal:
+                    raise
+                self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
+                return True
             finally:
-                self.in_flight -= 1
+                self._in_flight(-1)
             ids, lps, versions, text, ftype = parse_segment(out, self.url)
             if versions is None:
                 self._bad_versions += 1
@@ -200,16 +210,28 @@ class SampleRequester:
                                             f"times in a row with no progress (last rid {payload['rid']})")
             logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
 
+    def _in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self.timeline is not None:
+            self.timeline.append((time.monotonic(), self.in_flight))
+
+    def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
+        sample.status = Status.FAILED
+        sample.metadata["failure"] = f"engine_refused: {error.message}"
+        self.refused += 1
+        logger.warning("engine refused sample %s (group %s, %d prompt tokens): HTTP %d %s", sample.index,
+                       sample.group_index, sample.prompt_length, error.status, error.message)
+
     async def _custom(self, sample: Sample) -> bool:
         """Run the user's generate function; it must grow the sample only through `append_response`."""
         before = sample.response_length
         sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self._in_flight(+1)
         try:
             out = await self.custom_generate(self.args, sample, sp, self)
         finally:
-            self.in_flight -= 1
+            self._in_flight(-1)
         path = self.args.custom_generate_function_path
         if out is not sample:
             raise TypeError(f"--custom-generate-function-path {path}: must return the Sample it was given "

@@ -22,9 +22,18 @@ One step (`generate_rollout`):
 5. groups accepted after the target was met are kept `finished` in the buffer
    and returned first next step (nothing is thrown away).
 
-If a request fails (an engine died), the step stops the same way, keeps every
-finished group in the buffer and parks (or drops) the rest, then raises
-`RolloutError` naming the failure.
+A group whose every sample failed (its reward raised or timed out, the engine
+refused its prompt) has nothing to train on: it is dropped in the ledger with
+the failure as its reason and still counts toward the step's target (so a
+broken reward cannot make a step draw the whole dataset); a step can therefore
+return fewer groups, or none.
+
+An engine watchdog (`slime/backends/sglang_utils/watchdog.py`) runs during
+the step. If an engine dies or freezes (or a request fails), the step stops
+the same way, keeps every finished group in the buffer and parks (or drops)
+the rest, with the samples that were on the failed engine back at the tokens
+it last returned, then raises `EngineFaultError` naming the engine and what
+the step was doing (`RolloutError` for any other failure).
 """
 
 from __future__ import annotations
@@ -39,13 +48,15 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
+from slime.backends.sglang_utils.http_client import EngineHTTPError, EngineUnreachableError
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.pool_mode import SamplePool
 from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
 from slime.rollout.staleness import apply_staleness_policy
-from slime.utils.ledger import DROPPED, FINISHED, group_id
+from slime.utils.ledger import DROPPED, FINISHED, group_failure_reason, group_id
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -53,10 +64,19 @@ logger = logging.getLogger(__name__)
 
 # with --reward-timeout <= 0 (no per-reward limit) the step still stops waiting for rewards after the drain
 UNLIMITED_REWARD_SETTLE_S = 300.0
+# after an engine failed and the live ones are idle, requests still pending are on the failed one
+FAULT_DRAIN_GRACE_S = 2.0
 
 
 class RolloutError(RuntimeError):
     """A rollout step could not complete; finished groups were kept in the buffer first."""
+
+
+class RolloutEngineFaultError(RolloutError, EngineFaultError):
+    """A rollout step stopped because engines died or froze (`.faults` names them); nothing was lost."""
+
+    def __init__(self, message: str, faults: list[EngineFault]):
+        EngineFaultError.__init__(self, message, faults)
 
 
 @dataclass
@@ -64,7 +84,8 @@ class _Group:
     samples: list[Sample]
     resumed: bool
     outstanding: int = 0  # members still being generated in this step
-    outcome: str | None = None  # accepted | overflow | rejected
+    outcome: str | None = None  # accepted | overflow | rejected | failed (no trainable sample)
+    finished_t: float | None = None  # seconds into the step when its last member finished
 
 
 def run_sync(coro):
@@ -94,7 +115,11 @@ class _RolloutStep:
         self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
         self.target = int(args.rollout_batch_size)
         self.n = int(args.n_samples_per_prompt)
-        self.chunk = int(args.over_sampling_batch_size)
+        self.planner = ctx.over_sampling_planner if args.over_sampling_batch_size == "auto" else None
+        if args.over_sampling_batch_size == "auto" and self.planner is None:
+            raise ValueError("--over-sampling-batch-size auto: the RolloutContext has no over_sampling_planner "
+                             "(the RolloutManager makes one; other callers pass an OverSamplingPlanner)")
+        self.chunk = self.planner.size() if self.planner is not None else int(args.over_sampling_batch_size)
         self.mode = args.rollout_mode
         self.partial = args.partial_rollout
         self.version = int(ctx.policy_version)
@@ -108,6 +133,9 @@ class _RolloutStep:
         self.accepted: list[list[Sample]] = []
         self.overflow: list[list[Sample]] = []
         self.rejected: dict[int, str] = {}
+        self.failed: list[int] = []  # groups with no trainable sample, counted toward the target
+        self.faults: dict[str, EngineFault] = {}
+        self.watchdog: EngineWatchdog | None = None
         self.submitted: list[int] = []
         self.resumed: list[int] = []
         self.counts: Counter = Counter()
@@ -123,7 +151,8 @@ class _RolloutStep:
     # ---- the step ------------------------------------------------------------------
     async def run(self) -> RolloutOutput:
         urls = await asyncio.to_thread(self.ctx.engines.worker_urls)
-        concurrency = self.args.sglang_server_concurrency * max(1, len(urls))
+        self.num_engines = max(1, len(urls))
+        concurrency = self.args.sglang_server_concurrency * self.num_engines
         pool_size = self.args.rollout_pool_size
         limit = pool_size if self.mode == "pool" else concurrency
         shared = self.ctx.http_session
@@ -131,8 +160,10 @@ class _RolloutStep:
                 connector=aiohttp.TCPConnector(limit=limit + 32)) as session:
             self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
                                              sampling_params_from_args(self.args), self.rollout_id, self.version)
+            self.requester.timeline = []  # requests in flight over the step (the trace's occupancy)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
+            self.watchdog = EngineWatchdog(self.args, self.ctx.engines, session, on_fault=self._engine_fault).start()
             # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
             self.bar = tqdm(total=self.target, desc=f"rollout {self.rollout_id}", unit="group", leave=False, disable=None)
             try:
@@ -148,18 +179,35 @@ class _RolloutStep:
             finally:
                 self.bar.close()
                 await self._stop_and_drain(session)
+                if self.errors and not self.faults:
+                    await self.watchdog.check_once()  # did a request fail because an engine died?
+                await self.watchdog.stop()
                 occ = await occupancy.stop()
             await self._settle_rewards()
         await self._commit()
         if self.errors:
-            raise RolloutError(
-                f"rollout step {self.rollout_id} failed: {self.errors[0]}"
-                + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
-                + f"; kept {len(self.accepted) + len(self.overflow)} finished groups in the buffer, "
-                f"{self.counts['parked']} parked, {self.counts['discarded']} dropped"
-            )
+            cause = self.errors[0] + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
+            if self.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
+                cause = "; ".join(f.describe() for f in self.faults.values()) + f" (the step saw: {cause})"
+            msg = (f"rollout step {self.rollout_id} failed: {cause}; kept {len(self.accepted) + len(self.overflow)} "
+                   f"finished groups in the buffer, {self.counts['parked']} parked, {self.counts['discarded']} dropped")
+            if self.faults:
+                raise RolloutEngineFaultError(msg, list(self.faults.values()))
+            raise RolloutError(msg)
         metrics = self._metrics(occ, concurrency if self.mode == "chunked" else pool_size)
-        return RolloutOutput(groups=self.accepted, metrics=metrics)
+        if self.planner is not None:  # the prediction for this step's size, then learn from the step
+            metrics.update(self.planner.metrics())
+            await self.planner.after_step(self)
+        return RolloutOutput(groups=self.accepted, metrics=metrics, dropped=dict(self.rejected))
+
+    def _filled(self) -> bool:
+        """The step's target is met: accepted groups plus groups that failed outright (nothing to train)."""
+        return len(self.accepted) + len(self.failed) >= self.target
+
+    def _engine_fault(self, fault: EngineFault) -> None:
+        self.faults[fault.url] = fault
+        self._fail(f"{fault.describe()} while generating rollout step {self.rollout_id} "
+                   f"({self.requester.in_flight} requests in flight, {len(self.accepted)}/{self.target} groups accepted)")
 
     async def _take_ready(self) -> None:
         if self.ctx.buffer is None:
@@ -211,9 +259,9 @@ class _RolloutStep:
     async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
         while True:
             self.progress.clear()
-            if self.errors or len(self.accepted) >= self.target:
+            if self.errors or self._filled():
                 return
-            while not self.exhausted and self._active_groups() + len(self.accepted) < self.target:
+            while not self.exhausted and self._active_groups() + len(self.accepted) + len(self.failed) < self.target:
                 groups = await self._next_groups(self.chunk)
                 for g in groups:
                     self._start_group(g, sem)
@@ -221,7 +269,17 @@ class _RolloutStep:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
                                self.rollout_id, len(self.accepted), self.target)
                 return
-            await self.progress.wait()
+            await self._wait_progress()
+
+    async def _wait_progress(self) -> None:
+        """Wait for a group to settle, checking each second that open groups still have work running."""
+        while not self.progress.is_set():
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout=1.0)
+            except TimeoutError:
+                if self._active_groups() and not self.tasks and not self.reward_tasks:
+                    open_ids = [gid for gid, st in self.groups.items() if st.outcome is None]
+                    self._fail(f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
 
     def _begin_group(self, group: list[Sample]) -> list[tuple[_Group, Sample]]:
         """The group's unfinished members, to be generated; a group with none left is rewarded at once."""
@@ -249,6 +307,9 @@ class _RolloutStep:
                 async with sem:
                     done = await self.requester.generate(sample, self.stop)
         except Exception as e:
+            if self.faults and (isinstance(e, EngineUnreachableError)
+                                or (isinstance(e, EngineHTTPError) and e.status >= 500)):
+                return  # on the failed engine: the sample keeps the tokens it last returned and is parked
             self._fail(f"group {st.samples[0].group_index} sample {sample.index}: {type(e).__name__}: {e}")
             return
         if done:
@@ -277,7 +338,7 @@ class _RolloutStep:
             w.add_done_callback(self.tasks.discard)
         while True:
             self.progress.clear()
-            if self.errors or len(self.accepted) >= self.target:
+            if self.errors or self._filled():
                 return
             if all(w.done() for w in workers) and not self.reward_tasks:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
@@ -291,16 +352,37 @@ class _RolloutStep:
     # ---- reward + filter, one task per finished group -----------------------------------
     def _group_generated(self, st: _Group) -> None:
         self.counts["groups_finished"] += 1
+        st.finished_t = self.clock.now()
         self._spawn(self._reward_task(st), self.reward_tasks)
 
     async def _reward_task(self, st: _Group) -> None:
         try:
             await reward_group(self.args, st.samples)
+        except asyncio.CancelledError:  # the step gave up waiting (_settle_rewards): the group stays unsettled
+            self.progress.set()
+            raise
         except Exception as e:  # reward_group promises not to raise; be safe anyway
             for s in st.samples:
                 if s.reward is None:
                     s.status = Status.FAILED
                     s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"
+        try:
+            self._settle_group(st)
+        finally:
+            self.progress.set()  # whatever happened, the loops waiting on this group move on
+
+    def _settle_group(self, st: _Group) -> None:
+        gid = group_id(st.samples)
+        failure = group_failure_reason(st.samples)
+        if failure is not None:  # nothing to train on: dropped with its cause, counted toward the target
+            st.outcome = "failed"
+            self.rejected[gid] = failure
+            if not self._filled():
+                self.failed.append(gid)
+                if self._filled():
+                    self.clock.mark("target")
+                    self.stop.set()
+            return
         reason = None
         if self.filter is not None:
             try:
@@ -309,21 +391,19 @@ class _RolloutStep:
             except Exception as e:
                 reason = f"filter_error: {type(e).__name__}"
                 logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
-        gid = group_id(st.samples)
         if reason is not None:
             st.outcome = "rejected"
             self.rejected[gid] = reason
-        elif len(self.accepted) < self.target and not self.stop.is_set():
+        elif not self._filled() and not self.stop.is_set():
             st.outcome = "accepted"
             self.accepted.append(st.samples)
             self.bar.update(1)
-            if len(self.accepted) >= self.target:
+            if self._filled():
                 self.clock.mark("target")
                 self.stop.set()
         else:
             st.outcome = "overflow"
             self.overflow.append(st.samples)
-        self.progress.set()
 
     # ---- stop: abort, drain, settle ------------------------------------------------------
     async def _stop_and_drain(self, session) -> None:
@@ -335,7 +415,8 @@ class _RolloutStep:
         deadline = self.clock.now() + self.abort_timeout
         while True:
             try:
-                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session)
+                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
+                                                            exclude=set(self.faults))
                 res = await res if asyncio.iscoroutine(res) else res
                 self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:
@@ -346,8 +427,15 @@ class _RolloutStep:
             if not self.tasks:
                 break
             # requests that reached an engine after it reported idle are aborted in the next round
-            await asyncio.wait(set(self.tasks), timeout=1.0)
+            await asyncio.wait(set(self.tasks), timeout=FAULT_DRAIN_GRACE_S if self.faults else 1.0)
             if not self.tasks:
+                break
+            if self.faults:  # the live engines are idle: what is still pending waits on the failed engine
+                logger.warning("rollout step %d: %d requests were on the failed engine; their samples resume from "
+                               "the tokens it last returned", self.rollout_id, len(self.tasks))
+                for t in list(self.tasks):
+                    t.cancel()
+                await asyncio.wait(set(self.tasks), timeout=10)
                 break
             if self.clock.now() > deadline:
                 self._fail(f"{len(self.tasks)} requests still pending {self.abort_timeout}s after the abort")
@@ -401,4 +489,4 @@ class _RolloutStep:
         return step_metrics(self, occ, in_flight_cap)
 
 
-__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync"]
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "RolloutEngineFaultError", "run_sync"]

@@ -33,9 +33,9 @@ from slime.backends.training_utils.loss import (
     micro_batch_loss,
     needs_ref,
 )
-from slime.backends.fsdp_utils.model import build_model, forward_items, free_port, init_distributed
+from slime.backends.fsdp_utils.model import build_model, forward_items, init_distributed
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
-from slime.backends.training_utils.distributed import physical_device_index
+from slime.backends.training_utils.distributed import open_master_port, physical_device_index
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable, module_tensors, optimizer_tensors
 from slime.backends.training_utils.weight_feed import EngineFeed
 from slime.utils.types import Sample
@@ -54,19 +54,23 @@ class FSDPTrainer(Offloadable):
         self.updater = None
         self._owns_pg = False
         self.offloader = DeviceOffloader(f"FSDP trainer rank {rank}")
+        self._master_sock = None
 
     # ------------------------------------------------------------ set-up ----
-    def get_free_port(self) -> int:
-        return free_port()
+    def open_master_port(self) -> tuple[str, int]:
+        """Rank 0: open the process-group store's listening socket on --listen-host now (so no other
+        process can take the port before `init`); returns (address the other ranks connect to, port)."""
+        self._master_sock, address, port = open_master_port(self.args.listen_host)
+        return address, port
 
     def init(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
         args = self.args
         torch.set_num_threads(int(args.train_num_threads))
-        if master_port is None:
-            if self.world_size != 1:
-                raise ValueError("FSDPTrainer.init: master_port is required when world_size > 1")
-            master_port = free_port()
-        self._owns_pg = init_distributed(self.rank, self.world_size, master_addr, master_port)
+        if master_port is None and self.world_size != 1:
+            raise ValueError("FSDPTrainer.init: master_port is required when world_size > 1")
+        sock, self._master_sock = self._master_sock, None
+        self._owns_pg = init_distributed(self.rank, self.world_size, master_addr, master_port or 0,
+                                         listen_host=args.listen_host, listen_sock=sock)
         torch.manual_seed(int(args.seed) + self.rank)
         hf = args.hf_checkpoint
         if not hf:

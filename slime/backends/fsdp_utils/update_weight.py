@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.fsdp_utils.hf_weights import full_state_dict, iter_full_weights, write_hf_dir
-from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
-from slime.backends.fsdp_utils.model import free_port, use_cuda
 from slime.backends.fsdp_utils.engine_calls import post as _post, post_all as _post_all, wait_all as _wait_all
+from slime.backends.fsdp_utils.hf_weights import full_state_dict, iter_full_weights, write_hf_dir
+from slime.backends.fsdp_utils.model import use_cuda
+from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
 from slime.backends.training_utils.weight_feed import EngineFeed, feed_plan
+from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -195,23 +196,28 @@ class WeightUpdater:
             self.close_group_only()
         tp = self.args.rollout_num_gpus_per_engine if use_cuda() else 1
         world_size = 1 + len(urls) * tp
-        port = free_port()
+        # the store listens on --listen-host only (torch's own TCPStore server would bind every interface)
+        listen_host = self.args.listen_host
+        sock = listen_socket(listen_host)
+        port = sock.getsockname()[1]
+        address = advertised_address(listen_host)
         backend = "nccl" if use_cuda() else "gloo"
         futs = []
         for i, url in enumerate(urls):
-            payload = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + i * tp,
+            payload = {"master_address": address, "master_port": port, "rank_offset": 1 + i * tp,
                        "world_size": world_size, "group_name": self.group_name, "backend": backend}
             futs.append(self._pool.submit(_post, url, "/init_weights_update_group", payload, self.timeout))
         try:
             timeout = timedelta(seconds=min(self.timeout, 300))
+            store = serve_store(sock, world_size, timeout)
             if backend == "gloo":
-                store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
-                pg = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+                pg = gloo_group(store, 0, world_size, timeout, gloo_bind_host(listen_host, address))
             else:
-                store, pg = _nccl_group(port, world_size, self.group_name, timeout)
+                pg = _nccl_group(store, world_size, self.group_name)
         except Exception:
             for f in futs:
                 f.cancel()
+            sock.close()  # no-op once the store took it over
             raise
         _wait_all(futs, urls, "/init_weights_update_group", self.timeout)
         self._store, self._pg, self._urls = store, pg, tuple(urls)
@@ -264,10 +270,8 @@ class WeightUpdater:
         return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def _nccl_group(port: int, world_size: int, group_name: str, timeout: timedelta):
-    """Trainer side of SGLang's `init_custom_process_group` (GPU): a TCP
-    rendezvous store, prefixed by the group name, and an NCCL group on it."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
+def _nccl_group(store, world_size: int, group_name: str):
+    """Trainer side of SGLang's `init_custom_process_group` (GPU): an NCCL group on the
+    rendezvous store, prefixed by the group name."""
     prefixed = dist.PrefixStore(group_name, store)
-    pg = dist.ProcessGroupNCCL(prefixed, 0, world_size)
-    return store, pg
+    return dist.ProcessGroupNCCL(prefixed, 0, world_size)

@@ -27,7 +27,7 @@ from slime.backends.megatron_utils.model import Built, build_gpt, forward_items,
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
 from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
 from slime.backends.training_utils.data import TrainItem, flatten_groups, micro_batches, shard, split_steps
-from slime.backends.training_utils.distributed import free_port, physical_device_index
+from slime.backends.training_utils.distributed import open_master_port, physical_device_index
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable, module_tensors, optimizer_tensors
 from slime.backends.training_utils.weight_feed import EngineFeed
 from slime.backends.training_utils.loss import RolloutTensors, compute_rollout_tensors, micro_batch_loss, needs_ref
@@ -50,20 +50,24 @@ class MegatronTrainer(Offloadable):
         self.updater: MegatronWeightUpdater | None = None
         self._owns_pg = False
         self.offloader = DeviceOffloader(f"Megatron trainer rank {rank}")
+        self._master_sock = None
 
     # ------------------------------------------------------------ set-up ----
-    def get_free_port(self) -> int:
-        return free_port()
+    def open_master_port(self) -> tuple[str, int]:
+        """Rank 0: open the process-group store's listening socket on --listen-host now (kept for `init`);
+        returns (address the other ranks connect to, port)."""
+        self._master_sock, address, port = open_master_port(self.args.listen_host)
+        return address, port
 
     def init(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
         args = self.args
         torch.set_num_threads(args.train_num_threads)
-        if master_port is None:
-            if self.world_size != 1:
-                raise ValueError("MegatronTrainer.init: master_port is required when world_size > 1")
-            master_port = free_port()
-        self.layout, self._owns_pg = parallel.init_parallel(self.rank, self.world_size, master_addr, master_port,
-                                                            args.tensor_model_parallel_size, args.seed)
+        if master_port is None and self.world_size != 1:
+            raise ValueError("MegatronTrainer.init: master_port is required when world_size > 1")
+        sock, self._master_sock = self._master_sock, None
+        self.layout, self._owns_pg = parallel.init_parallel(self.rank, self.world_size, master_addr, master_port or 0,
+                                                            args.tensor_model_parallel_size, args.seed,
+                                                            listen_host=args.listen_host, listen_sock=sock)
         shape = read_shape(args.hf_checkpoint)
         tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
         self.actor = build_gpt(args, shape, tp, trainable=True, wrap_ddp=True)

@@ -45,8 +45,8 @@ def test_colocated_step_hands_the_devices_over_in_slimes_order():
     log: list[str] = []
     phases = ColocatedPhases(Recorder(log, "trainer"), Recorder(log, "engines"), offload=True)
     metrics = list(run_steps(phases, log))
-    one_step = ["engines.release weights,kv_cache", "trainer.onload", "train", "engines.resume weights", "sync",
-                "trainer.offload", "engines.resume kv_cache", "eval"]
+    one_step = ["engines.release weights,kv_cache,cuda_graph", "trainer.onload", "train", "engines.resume weights",
+                "sync", "trainer.offload", "engines.resume kv_cache,cuda_graph", "eval"]
     assert log == ["trainer.offload", "generate", *one_step, "generate", *one_step]
     assert metrics[1]["colocate/trainer_offload_bytes"] == 10.0
     assert {"colocate/engine_release_s", "colocate/engine_resume_s", "colocate/trainer_onload_s"} <= set(metrics[1])
@@ -55,7 +55,7 @@ def test_colocated_step_hands_the_devices_over_in_slimes_order():
 def test_colocated_without_offload_and_debug_modes():
     log: list[str] = []
     list(run_steps(ColocatedPhases(Recorder(log, "trainer"), Recorder(log, "engines"), offload=False), log, 1))
-    assert not any(x.startswith("trainer.") for x in log) and "engines.release weights,kv_cache" in log
+    assert not any(x.startswith("trainer.") for x in log) and "engines.release weights,kv_cache,cuda_graph" in log
     log.clear()
     list(run_steps(ColocatedPhases(None, Recorder(log, "engines"), offload=True), log, 1))  # --debug-rollout-only
     assert "trainer.offload" not in log

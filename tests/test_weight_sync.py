@@ -291,3 +291,37 @@ def test_tensor_sync_each_rank_feeds_the_engine_on_its_device(model_dir, tmp_pat
             received = {k: v for per_rank in buckets for k, v in per_rank[rank_entry].items()}
             assert received.keys() == want.keys()
             assert all(torch.equal(received[k], want[k]) for k in want), f"engine {i}, TP rank {rank_entry}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_payload_opens_in_another_process_without_a_copy(tmp_path):
+    """On a GPU the payload carries CUDA IPC handles (device as the GPU's UUID): another process opens the
+    trainer's memory, read both by the engine's reader and by the independent SGLang-format reader."""
+    import subprocess
+    import sys
+
+    from slime.backends.sglang_utils.tensor_payload import flatten_bucket, serialize
+
+    named = [("a", torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)),
+             ("b", torch.randn(7, device="cuda", dtype=torch.bfloat16))]
+    flat = flatten_bucket(named)
+    payload = serialize(flat)
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(__import__("os").path.dirname(__file__))!r})
+from slime.backends.hf_engine.tensor_payload import decode
+from sglang_format_reader import deserialize, reconstruct_bucket
+ours = dict(decode([sys.argv[1]], "flattened_bucket"))
+theirs = reconstruct_bucket(deserialize(sys.argv[1], []))
+for n in ("a", "b"):
+    assert ours[n].is_cuda and torch.equal(ours[n], theirs[n])
+    print(n, float(ours[n].float().sum()))
+ours["b"].fill_(1.0)  # the sender's memory, not a copy
+torch.cuda.synchronize()
+"""
+    out = subprocess.run([sys.executable, "-c", code, payload], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sums = dict(line.split() for line in out.stdout.splitlines())
+    for n, t in named:
+        assert abs(float(sums[n]) - float(t.float().sum())) < 1e-2
+    assert torch.equal(flat["flattened_tensor"][-7:], torch.ones(7, device="cuda", dtype=torch.bfloat16))

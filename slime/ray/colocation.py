@@ -5,10 +5,10 @@ Disaggregated (`Phases`): trainers and engines have devices of their own; nothin
 step hands the memory back and forth, as slime does:
 
     rollout       engines hold weights + KV cache; the trainer is offloaded (--offload)
-    train         engines release weights + KV cache; the trainer onloads and trains
+    train         engines release weights, KV cache and CUDA graphs; the trainer onloads and trains
     weight_sync   engines resume their weights; the trainer hands them the new ones (tensor sync);
-                  then the trainer offloads and the engines resume their KV cache (eval and the next
-                  rollout find them whole)
+                  then the trainer offloads and the engines resume their KV cache and CUDA graphs
+                  (eval and the next rollout find them whole)
 
 train.py wraps each phase in its context manager and reads the same either way. Each phase's cost goes
 to `metrics()` (`colocate/*`: seconds spent releasing, resuming, offloading, onloading; bytes moved).
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS, KV_CACHE = "weights", "kv_cache"
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
 
 
 class Phases:
@@ -87,12 +87,12 @@ class ColocatedPhases(Phases):
     @contextmanager
     def rollout(self):
         self._offload_trainer()  # the first step: the trainer comes from its set-up on the device
-        self._resume([WEIGHTS, KV_CACHE])
+        self._resume([WEIGHTS, KV_CACHE, CUDA_GRAPH])
         yield
 
     @contextmanager
     def train(self):
-        self._release([WEIGHTS, KV_CACHE])
+        self._release([WEIGHTS, KV_CACHE, CUDA_GRAPH])
         self._onload_trainer()
         yield
 
@@ -101,7 +101,7 @@ class ColocatedPhases(Phases):
         self._resume([WEIGHTS])
         yield
         self._offload_trainer()
-        self._resume([KV_CACHE])
+        self._resume([KV_CACHE, CUDA_GRAPH])
 
     def metrics(self) -> dict[str, float]:
         out, self._metrics = self._metrics, {}

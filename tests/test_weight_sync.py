@@ -325,3 +325,12 @@ torch.cuda.synchronize()
     for n, t in named:
         assert abs(float(sums[n]) - float(t.float().sum())) < 1e-2
     assert torch.equal(flat["flattened_tensor"][-7:], torch.ones(7, device="cuda", dtype=torch.bfloat16))
+
+
+def test_slime_disk_flag_replaced_without_the_mode_is_refused(model_dir):
+    from slime.backends.fsdp_utils.update_weight import WeightUpdater
+
+    args = make_args(model_dir)
+    with pytest.raises(ValueError, match="update_weight_mode='disk'"):
+        WeightUpdater(args.replace(update_weights_from_disk=True), torch.nn.Linear(1, 1), 0)
+    WeightUpdater(args.replace(update_weights_from_disk=True, update_weight_mode="disk"), torch.nn.Linear(1, 1), 0).close()

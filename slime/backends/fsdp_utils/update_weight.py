@@ -68,9 +68,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class WeightUpdater:
-    """Lives in every trainer rank; only rank 0 talks to engines."""
+    """Lives in every trainer rank; rank 0 talks to the engines (tensor mode: each engine's first feeding rank)."""
 
     def __init__(self, args, model: nn.Module, rank: int):
+        if args.update_weights_from_disk and args.update_weight_mode != "disk":  # e.g. Args.replace of one of them
+            raise ValueError(f"--update-weights-from-disk with --update-weight-mode {args.update_weight_mode}: "
+                             "set update_weight_mode='disk' (parse_args derives it from the slime flag)")
         self.args = args
         self.model = model
         self.rank = rank

@@ -15,16 +15,22 @@ One step (`generate_rollout`):
    reward never blocks generation or the drain), then filtered
    (`--dynamic-sampling-filter-path`); rejected groups are dropped in the ledger
    with the filter's reason;
-4. once `--rollout-batch-size` groups are accepted: abort every engine until
-   idle, drain every request (each returns its partial tokens), then with
-   `--partial-rollout` park every unfinished group in the buffer (finished
-   members kept), without it drop them ("discarded_unfinished");
-5. groups accepted after the target was met are kept `finished` in the buffer
-   and returned first next step (nothing is thrown away).
+4. once `--rollout-batch-size` groups are accepted: abort, drain, park (with
+   `--partial-rollout`) or drop the unfinished groups, keep groups finished
+   after the target for the next step (slime/rollout/step_end.py).
 
-If a request fails (an engine died), the step stops the same way, keeps every
-finished group in the buffer and parks (or drops) the rest, then raises
-`RolloutError` naming the failure.
+A group whose every sample failed (its reward raised or timed out, the engine
+refused its prompt) has nothing to train on: it is dropped in the ledger with
+the failure as its reason and still counts toward the step's target (so a
+broken reward cannot make a step draw the whole dataset); a step can therefore
+return fewer groups, or none.
+
+An engine watchdog (`slime/backends/sglang_utils/watchdog.py`) runs during
+the step. If an engine dies or freezes (or a request fails), the step stops
+the same way, keeps every finished group in the buffer and parks (or drops)
+the rest, with the samples that were on the failed engine back at the tokens
+it last returned, then raises `EngineFaultError` naming the engine and what
+the step was doing (`RolloutError` for any other failure).
 """
 
 from __future__ import annotations
@@ -34,38 +40,36 @@ import concurrent.futures
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import aiohttp
 from tqdm import tqdm
 
+from slime.backends.sglang_utils.http_client import EngineHTTPError, EngineUnreachableError
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.group_outcome import GroupOutcome, StepGroup
 from slime.rollout.pool_mode import SamplePool
-from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
 from slime.rollout.staleness import apply_staleness_policy
-from slime.utils.ledger import DROPPED, FINISHED, group_id
+from slime.rollout.step_end import StepEnd
+from slime.utils.ledger import group_id
 from slime.utils.misc import load_function
-from slime.utils.types import Sample, Status
+from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-# with --reward-timeout <= 0 (no per-reward limit) the step still stops waiting for rewards after the drain
-UNLIMITED_REWARD_SETTLE_S = 300.0
 
 
 class RolloutError(RuntimeError):
     """A rollout step could not complete; finished groups were kept in the buffer first."""
 
 
-@dataclass
-class _Group:
-    samples: list[Sample]
-    resumed: bool
-    outstanding: int = 0  # members still being generated in this step
-    outcome: str | None = None  # accepted | overflow | rejected
-    finished_t: float | None = None  # seconds into the step when its last member finished
+class RolloutEngineFaultError(RolloutError, EngineFaultError):
+    """A rollout step stopped because engines died or froze (`.faults` names them); nothing was lost."""
+
+    def __init__(self, message: str, faults: list[EngineFault]):
+        EngineFaultError.__init__(self, message, faults)
 
 
 def run_sync(coro):
@@ -90,7 +94,7 @@ async def generate_rollout_async(args, rollout_id: int, ctx: RolloutContext, eva
     return await _RolloutStep(args, rollout_id, ctx).run()
 
 
-class _RolloutStep:
+class _RolloutStep(GroupOutcome, StepEnd):
     def __init__(self, args, rollout_id: int, ctx: RolloutContext):
         self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
         self.target = int(args.rollout_batch_size)
@@ -109,10 +113,13 @@ class _RolloutStep:
         self.filter = load_function(fpath) if fpath else None
         self.rpc_timeout = args.rollout_rpc_timeout
         self.abort_timeout = args.rollout_abort_timeout
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, StepGroup] = {}
         self.accepted: list[list[Sample]] = []
         self.overflow: list[list[Sample]] = []
         self.rejected: dict[int, str] = {}
+        self.failed: list[int] = []  # groups with no trainable sample, counted toward the target
+        self.faults: dict[str, EngineFault] = {}
+        self.watchdog: EngineWatchdog | None = None
         self.submitted: list[int] = []
         self.resumed: list[int] = []
         self.counts: Counter = Counter()
@@ -140,6 +147,7 @@ class _RolloutStep:
             self.requester.timeline = []  # requests in flight over the step (the trace's occupancy)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
+            self.watchdog = EngineWatchdog(self.args, self.ctx.engines, session, on_fault=self._engine_fault).start()
             # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
             self.bar = tqdm(total=self.target, desc=f"rollout {self.rollout_id}", unit="group", leave=False, disable=None)
             try:
@@ -155,21 +163,35 @@ class _RolloutStep:
             finally:
                 self.bar.close()
                 await self._stop_and_drain(session)
+                if self.errors and not self.faults:
+                    await self.watchdog.check_once()  # did a request fail because an engine died?
+                await self.watchdog.stop()
                 occ = await occupancy.stop()
             await self._settle_rewards()
         await self._commit()
         if self.errors:
-            raise RolloutError(
-                f"rollout step {self.rollout_id} failed: {self.errors[0]}"
-                + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
-                + f"; kept {len(self.accepted) + len(self.overflow)} finished groups in the buffer, "
-                f"{self.counts['parked']} parked, {self.counts['discarded']} dropped"
-            )
+            cause = self.errors[0] + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
+            if self.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
+                cause = "; ".join(f.describe() for f in self.faults.values()) + f" (the step saw: {cause})"
+            msg = (f"rollout step {self.rollout_id} failed: {cause}; kept {len(self.accepted) + len(self.overflow)} "
+                   f"finished groups in the buffer, {self.counts['parked']} parked, {self.counts['discarded']} dropped")
+            if self.faults:
+                raise RolloutEngineFaultError(msg, list(self.faults.values()))
+            raise RolloutError(msg)
         metrics = self._metrics(occ, concurrency if self.mode == "chunked" else pool_size)
         if self.planner is not None:  # the prediction for this step's size, then learn from the step
             metrics.update(self.planner.metrics())
             await self.planner.after_step(self)
-        return RolloutOutput(groups=self.accepted, metrics=metrics)
+        return RolloutOutput(groups=self.accepted, metrics=metrics, dropped=dict(self.rejected))
+
+    def _filled(self) -> bool:
+        """The step's target is met: accepted groups plus groups that failed outright (nothing to train)."""
+        return len(self.accepted) + len(self.failed) >= self.target
+
+    def _engine_fault(self, fault: EngineFault) -> None:
+        self.faults[fault.url] = fault
+        self._fail(f"{fault.describe()} while generating rollout step {self.rollout_id} "
+                   f"({self.requester.in_flight} requests in flight, {len(self.accepted)}/{self.target} groups accepted)")
 
     async def _take_ready(self) -> None:
         if self.ctx.buffer is None:
@@ -210,7 +232,7 @@ class _RolloutStep:
                 gid = group_id(g)
                 if gid in self.groups:
                     raise RolloutError(f"group {gid} was handed out twice in step {self.rollout_id}")
-                self.groups[gid] = _Group(g, resumed=gid in self.resumed)
+                self.groups[gid] = StepGroup(g, resumed=gid in self.resumed)
                 self.submitted.append(gid)
             return out
 
@@ -221,9 +243,9 @@ class _RolloutStep:
     async def _run_chunked(self, sem: asyncio.Semaphore, concurrency: int) -> None:
         while True:
             self.progress.clear()
-            if self.errors or len(self.accepted) >= self.target:
+            if self.errors or self._filled():
                 return
-            while not self.exhausted and self._active_groups() + len(self.accepted) < self.target:
+            while not self.exhausted and self._active_groups() + len(self.accepted) + len(self.failed) < self.target:
                 groups = await self._next_groups(self.chunk)
                 for g in groups:
                     self._start_group(g, sem)
@@ -241,9 +263,19 @@ class _RolloutStep:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
                                self.rollout_id, len(self.accepted), self.target)
                 return
-            await self.progress.wait()
+            await self._wait_progress()
 
-    def _begin_group(self, group: list[Sample]) -> list[tuple[_Group, Sample]]:
+    async def _wait_progress(self) -> None:
+        """Wait for a group to settle, checking each second that open groups still have work running."""
+        while not self.progress.is_set():
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout=1.0)
+            except TimeoutError:
+                if self._active_groups() and not self.tasks and not self.reward_tasks:
+                    open_ids = [gid for gid, st in self.groups.items() if st.outcome is None]
+                    self._fail(f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
+
+    def _begin_group(self, group: list[Sample]) -> list[tuple[StepGroup, Sample]]:
         """The group's unfinished members, to be generated; a group with none left is rewarded at once."""
         st = self.groups[group_id(group)]
         todo = [s for s in group if not s.status.is_finished]
@@ -261,7 +293,7 @@ class _RolloutStep:
         bucket.add(task)
         task.add_done_callback(bucket.discard)
 
-    async def _sample_task(self, st: _Group, sample: Sample, sem: asyncio.Semaphore | None) -> None:
+    async def _sample_task(self, st: StepGroup, sample: Sample, sem: asyncio.Semaphore | None) -> None:
         try:
             if sem is None:
                 done = await self.requester.generate(sample, self.stop)
@@ -269,6 +301,9 @@ class _RolloutStep:
                 async with sem:
                     done = await self.requester.generate(sample, self.stop)
         except Exception as e:
+            if self.faults and (isinstance(e, EngineUnreachableError)
+                                or (isinstance(e, EngineHTTPError) and e.status >= 500)):
+                return  # on the failed engine: the sample keeps the tokens it last returned and is parked
             self._fail(f"group {st.samples[0].group_index} sample {sample.index}: {type(e).__name__}: {e}")
             return
         if done:
@@ -286,7 +321,7 @@ class _RolloutStep:
 
     # ---- pool mode (CoPRIS): slime/rollout/pool_mode.py keeps the requests in flight ------------
     async def _run_pool(self, pool_size: int) -> None:
-        async def fetch(num: int) -> list[tuple[_Group, Sample]]:
+        async def fetch(num: int) -> list[tuple[StepGroup, Sample]]:
             return [item for g in await self._next_groups(num) for item in self._begin_group(g)]
 
         pool = SamplePool(pool_size, first_fetch=-(-pool_size // self.n), fetch=fetch,
@@ -298,7 +333,7 @@ class _RolloutStep:
             w.add_done_callback(self.tasks.discard)
         while True:
             self.progress.clear()
-            if self.errors or len(self.accepted) >= self.target:
+            if self.errors or self._filled():
                 return
             if all(w.done() for w in workers) and not self.reward_tasks:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
@@ -309,118 +344,8 @@ class _RolloutStep:
             except TimeoutError:
                 pass
 
-    # ---- reward + filter, one task per finished group -----------------------------------
-    def _group_generated(self, st: _Group) -> None:
-        self.counts["groups_finished"] += 1
-        st.finished_t = self.clock.now()
-        self._spawn(self._reward_task(st), self.reward_tasks)
-
-    async def _reward_task(self, st: _Group) -> None:
-        try:
-            await reward_group(self.args, st.samples)
-        except Exception as e:  # reward_group promises not to raise; be safe anyway
-            for s in st.samples:
-                if s.reward is None:
-                    s.status = Status.FAILED
-                    s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"
-        reason = None
-        if self.filter is not None:
-            try:
-                out = self.filter(self.args, st.samples)
-                reason = None if out.keep else (out.reason or "filtered")
-            except Exception as e:
-                reason = f"filter_error: {type(e).__name__}"
-                logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
-        gid = group_id(st.samples)
-        if reason is not None:
-            st.outcome = "rejected"
-            self.rejected[gid] = reason
-        elif len(self.accepted) < self.target and not self.stop.is_set():
-            st.outcome = "accepted"
-            self.accepted.append(st.samples)
-            self.bar.update(1)
-            if len(self.accepted) >= self.target:
-                self.clock.mark("target")
-                self.stop.set()
-        else:
-            st.outcome = "overflow"
-            self.overflow.append(st.samples)
-        self.progress.set()
-
-    # ---- stop: abort, drain, settle ------------------------------------------------------
-    async def _stop_and_drain(self, session) -> None:
-        self.stop.set()
-        self.clock.mark("stop")
-        self.abort_point = {"t": round(self.clock.now(), 4), "accepted": len(self.accepted),
-                            "finished_groups": self.counts["groups_finished"], "in_flight": self.requester.in_flight}
-        self.abort_to_idle = 0.0
-        deadline = self.clock.now() + self.abort_timeout
-        while True:
-            try:
-                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session)
-                res = await res if asyncio.iscoroutine(res) else res
-                self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
-            except Exception as e:
-                if not self.errors:
-                    self._fail(f"aborting the engines: {type(e).__name__}: {e}")
-                else:
-                    logger.warning("abort after failure also failed: %s", e)
-            if not self.tasks:
-                break
-            # requests that reached an engine after it reported idle are aborted in the next round
-            await asyncio.wait(set(self.tasks), timeout=1.0)
-            if not self.tasks:
-                break
-            if self.clock.now() > deadline:
-                self._fail(f"{len(self.tasks)} requests still pending {self.abort_timeout}s after the abort")
-                for t in list(self.tasks):
-                    t.cancel()
-                await asyncio.wait(set(self.tasks), timeout=10)
-                break
-        self.clock.mark("drained")
-
-    async def _settle_rewards(self) -> None:
-        timeout = (reward_timeout(self.args) or UNLIMITED_REWARD_SETTLE_S) + 30.0
-        if self.reward_tasks:
-            done, pending = await asyncio.wait(set(self.reward_tasks), timeout=timeout)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=10)
-                self._fail(f"{len(pending)} reward tasks still running {timeout:.0f}s after the drain")
-        self.clock.mark("rewarded")
-
-    async def _commit(self) -> None:
-        """Ledger + buffer: finished groups, rejected, parked or discarded (one batch of buffer calls)."""
-        open_groups = [st.samples for st in self.groups.values() if st.outcome is None]
-        unfinished = [g for g in open_groups if not all(s.status.is_finished for s in g)]
-        for g in open_groups:  # generated but its reward never settled (timed out / cancelled)
-            if all(s.status.is_finished for s in g):
-                self.rejected[group_id(g)] = "reward_unsettled"
-        buf = self.ctx.buffer
-        finished_ids = [group_id(g) for g in self.accepted + self.overflow if group_id(g) in self.groups]
-        by_reason: dict[str, list[int]] = {}
-        for gid, reason in self.rejected.items():
-            by_reason.setdefault(reason, []).append(gid)
-        self.counts["parked"] = len(unfinished) if self.partial else 0
-        self.counts["discarded"] = 0 if self.partial else len(unfinished)
-        if buf is None:
-            return
-        calls = [("mark", finished_ids, FINISHED)] if finished_ids else []
-        calls += [("mark", ids, DROPPED, reason) for reason, ids in by_reason.items()]
-        if unfinished and self.partial:
-            calls.append(("park", unfinished))
-        elif unfinished:
-            calls.append(("mark", [group_id(g) for g in unfinished], DROPPED, "discarded_unfinished"))
-        if self.overflow:
-            calls.append(("hold_ready", self.overflow))
-        if self.errors and self.accepted:  # the caller never sees them: keep them for the next step
-            calls.append(("hold_ready", self.accepted))
-        for name, *a in calls:
-            await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)
-
     def _metrics(self, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
         return step_metrics(self, occ, in_flight_cap)
 
 
-__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync"]
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "RolloutEngineFaultError", "run_sync"]

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "alongside the decoding requests (-1: no chunking; default 512).")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="Do not keep aborted requests' KV for the requests that resume them (SGLang's flag name).")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="Let /release_memory_occupation free the weights' and KV cache's memory (SGLang's flag).")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="Keep released weights in host memory and restore them on resume (SGLang's flag); without "
+                        "it resumed weights wait for the next weight update.")
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
-        block_size=args.block_size, prefix_cache=not args.disable_radix_cache,
+        block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     try:
         engine = Engine(cfg)

@@ -81,6 +81,17 @@ class PagedBatch:
         for row in list(self._blocks):
             self.drop(row)
 
+    # ---- memory (SGLang's kv_cache tag) ----------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of the KV pool (the running rows' blocks and the prefix cache's are both in it)."""
+        return self.pool.nbytes()
+
+    def free_kv(self) -> int:
+        """Drop every row and free the pool's storage (the next write allocates it again); the prefix cache must
+        have given its blocks back first. Returns the bytes freed."""
+        self.clear()
+        return self.pool.release()
+
     # ---- the step ----------------------------------------------------------------------
     @torch.no_grad()  # not inference_mode: tables and pool grown here are updated outside steps too
     def forward(self, segments: list[Segment]) -> torch.Tensor:

@@ -28,9 +28,13 @@ class KVPool:
             raise ValueError(f"max_blocks must be >= 2 (block 0 is reserved), got {max_blocks}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.capacity = min(max(2, initial_blocks), max_blocks)
-        self._free: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() hands out low ids first
+        self.initial_blocks = initial_blocks
         self._kv: dict[int, torch.Tensor] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.capacity = min(max(2, self.initial_blocks), self.max_blocks)
+        self._free: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() hands out low ids first
 
     # ---- blocks ------------------------------------------------------------------------
     @property
@@ -87,6 +91,20 @@ class KVPool:
         g = kv.index_select(2, blocks)
         g = g.view(2, kv.shape[1], rows, -1, kv.shape[-1])
         return g[0], g[1]
+
+    def nbytes(self) -> int:
+        """Bytes held by the per-layer tensors (every block: a running row's, the prefix cache's, free ones)."""
+        return sum(t.numel() * t.element_size() for t in self._kv.values())
+
+    def release(self) -> int:
+        """Free the storage (SGLang's kv_cache tag); every block must be back. The pool starts again from
+        `initial_blocks`, layers allocated on their first write. Returns the bytes freed."""
+        if self.num_used:
+            raise RuntimeError(f"KV pool: {self.num_used} blocks still held (a running row or the prefix cache)")
+        freed = self.nbytes()
+        self._kv.clear()
+        self._reset()
+        return freed
 
     def clear_tensors(self) -> None:
         """Drop the per-layer tensors (e.g. after a dtype change); ids stay valid, contents are lost."""

@@ -210,6 +210,19 @@ class Scheduler:
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
 
+    # ---- KV memory (SGLang's kv_cache tag; see memory.py) ------------------------------
+    def kv_cache_bytes(self) -> int:
+        return self.batch.kv_bytes()  # one paged pool: the running rows' blocks and the prefix cache's
+
+    def release_kv_cache(self) -> int:
+        """Free the KV storage of an idle engine: the prefix cache's blocks go back, then the pool's tensors
+        are freed (SGLang flushes its cache on release too); returns the bytes freed."""
+        self.prefix_cache.clear()
+        return self.batch.free_kv()
+
+    def resume_kv_cache(self) -> None:
+        """Nothing to allocate ahead: the pool allocates a layer's blocks on its first write."""
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
 

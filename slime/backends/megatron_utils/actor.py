@@ -69,7 +69,7 @@ class MegatronTrainer(Offloadable):
                                                             args.tensor_model_parallel_size, args.seed,
                                                             listen_host=args.listen_host, listen_sock=sock)
         shape = read_shape(args.hf_checkpoint)
-        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
+        tp = self.layout.tp_size
         self.actor = build_gpt(args, shape, tp, trainable=True, wrap_ddp=True)
         self._load_initial(self.actor, args.ref_load)
         if needs_ref(args):
@@ -88,7 +88,7 @@ class MegatronTrainer(Offloadable):
     def _load_initial(self, built: Built, ref_load: str | None) -> None:
         """`--ref-load` (a torch_dist checkpoint, or a HF directory) when
         given, else `--hf-checkpoint`."""
-        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
+        tp = self.layout.tp_size
         if ref_load and ckpt.is_megatron_checkpoint(ref_load):
             ckpt.load_model(built, ref_load)
         else:

@@ -88,7 +88,7 @@ class MegatronTrainer(Offloadable):
     def _load_initial(self, built: Built, ref_load: str | None) -> None:
         """`--ref-load` (a torch_dist checkpoint, or a HF directory) when
         given, else `--hf-checkpoint`."""
-        tp = self.layout.tp_size
+        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
         if ref_load and ckpt.is_megatron_checkpoint(ref_load):
             ckpt.load_model(built, ref_load)
         else:

@@ -1,6 +1,9 @@
 """RL training with APRIL partial rollouts: read this file top to bottom.
 
     setup → for each step: rollout → train → update weights → save → eval
+
+`train_async.py` is the same loop with the rollout running ahead of the trainer; the pieces both use
+(set-up, resume, training step, weight push, checkpoints, eval, logging) are in slime/ray/train_loop.py.
 """
 
 from __future__ import annotations
@@ -8,98 +11,45 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm import trange
+from tqdm import tqdm
 
 from slime.arguments import ArgumentError, parse_args
-from slime.ray.actor_group import RayTrainGroup
-from slime.ray.placement_group import create_placement_groups
-from slime.ray.rollout import RolloutManager
-from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state
-from slime.utils.metrics import MetricsLogger
-from slime.utils.run import init_ray, resolve_run_dir, setup_logging
-from slime.utils.summary import log_run_summary
+from slime.ray.train_loop import TrainingRun
 
 logger = logging.getLogger("train")
 
 
-def _is_due(rollout_id: int, interval: int | None) -> bool:
-    return bool(interval) and (rollout_id + 1) % interval == 0
-
-
 def train(args) -> dict:
-    run_dir = resolve_run_dir(args)
-    setup_logging(run_dir)
-    init_ray()
-    metrics = MetricsLogger(args, run_dir)
+    # Engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
+    run = TrainingRun(args)
+    run.evaluate_start()
 
-    # Engines + router + data + buffer on one side, trainers on the other.
-    pgs = create_placement_groups(args)
-    rollout_manager = RolloutManager(args, run_dir, start_engines=not args.debug_train_only)
-    actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
-
-    # Resume: trainer state, data position, parked groups + ledger, policy version, RNG.
-    start_rollout_id = 0
-    ckpt = latest_checkpoint(args.load) if args.load else None
-    if ckpt is not None:
-        state = read_driver_state(ckpt)
-        if actor_model is not None:
-            actor_model.load(f"{ckpt}/trainer")
-        rollout_manager.load_state_dict(state["rollout"])
-        rollout_manager.load_buffer(f"{ckpt}/buffer")
-        set_rng_state(state["rng"])
-        start_rollout_id = state["rollout_id"] + 1
-        logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start_rollout_id, rollout_manager.policy_version)
-    if ckpt is not None and actor_model is not None and rollout_manager.engines is not None:
-        actor_model.update_weights(rollout_manager.engines, rollout_manager.policy_version)
-
-    if rollout_manager.eval_sets and args.eval_interval and start_rollout_id == 0:
-        metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
-
-    for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
+    for rollout_id in tqdm(run.steps(), desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
-        if args.colocate and actor_model is not None:
-            actor_model.offload()  # the engines get the shared devices
-        rollout = rollout_manager.generate(rollout_id)
+        if args.colocate and run.actor_model is not None:
+            run.actor_model.offload()  # the engines get the shared devices
+        rollout = run.rollout_manager.generate(rollout_id)
         step_metrics = dict(rollout.metrics)
 
-        if actor_model is not None:
+        if run.actor_model is not None:
             if args.colocate:
-                actor_model.onload()
+                run.actor_model.onload()
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
-            step_metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
-            if not args.load_debug_rollout_data:
-                rollout_manager.mark_trained(rollout.groups)
-
+            step_metrics.update(run.train(rollout_id, rollout))
             # 3. New policy version to every engine.
-            new_version = rollout_manager.policy_version + 1
-            if rollout_manager.engines is not None:
-                sync_metrics = actor_model.update_weights(rollout_manager.engines, new_version)
-                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
-            rollout_manager.set_policy_version(new_version)
+            step_metrics.update(run.update_weights())
 
         # 4. Save (every --save-interval steps, and after the last one).
-        last_step = rollout_id + 1 == rollout_manager.num_rollout
-        if args.save and (last_step or _is_due(rollout_id, args.save_interval)):
-            writers = {"buffer": rollout_manager.save_buffer}
-            if actor_model is not None:
-                writers["trainer"] = actor_model.save
-            save_checkpoint(args.save, rollout_id, writers,
-                            {"rollout_id": rollout_id, "rollout": rollout_manager.state_dict(), "rng": rng_state()})
+        if run.save_due(rollout_id):
+            run.save(rollout_id)
 
         # 5. Eval (never enters the buffer, never trains).
-        if rollout_manager.eval_sets and _is_due(rollout_id, args.eval_interval):
-            step_metrics.update(rollout_manager.evaluate(rollout_id))
+        if run.eval_due(rollout_id):
+            step_metrics.update(run.evaluate(rollout_id))
 
-        step_metrics.update({f"ledger/{k}": v for k, v in rollout_manager.ledger_summary().items()})
-        metrics.log(rollout_id, step_metrics)
+        run.log(rollout_id, step_metrics)
 
-    summary = log_run_summary(run_dir, metrics.path, args)
-    metrics.close()
-    if actor_model is not None:
-        actor_model.shutdown()  # releases the weight-update group on both sides
-    rollout_manager.shutdown()
-    return summary
+    return run.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,10 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        out = self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False)
+        return self.finish_batch(rollout_id, self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False))
+
+    def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
+        """A batch about to be trained (from `generate` or train_async.py's rollout): reward metrics, debug dump."""
         out.metrics.update(group_reward_metrics(out.groups, "reward"))
         if self.args.save_debug_rollout_data:
             self._save_debug(rollout_id, out)
@@ -109,6 +112,11 @@ class RolloutManager:
 
     def ledger_summary(self) -> dict[str, int]:
         return ray.get(self.buffer.ledger_summary.remote(), timeout=BUFFER_TIMEOUT_S)
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Groups the buffer holds now: parked (unfinished) and ready (finished, not yet trained)."""
+        parked, ready = ray.get([self.buffer.num_parked.remote(), self.buffer.num_ready.remote()], timeout=BUFFER_TIMEOUT_S)
+        return {"parked": int(parked), "ready": int(ready)}
 
     # ---- checkpoints --------------------------------------------------------
     def save_buffer(self, path: str) -> None:

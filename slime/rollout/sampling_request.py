@@ -8,16 +8,23 @@ returned segment with `Sample.append_response` (tokens, log-probs, per-token
 versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
 abort -> ABORTED (still unfinished).
+
+With a `VersionGate` (train_async.py) every request passes the gate first and is counted in flight
+while it runs; a sample whose request was aborted by a gate hold waits there and resumes from its
+token ids once the gate reopens, after `--max-staleness` is applied to it against the gate's
+`train_version` (`staleness.apply_to_sample`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.staleness import apply_to_sample
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -94,8 +101,9 @@ class SampleRequester:
     """Sends samples' requests through one URL (the router) and counts what came back."""
 
     def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
-                 policy_version: int, max_response_len: int | None = None):
+                 policy_version: int, max_response_len: int | None = None, gate=None):
         self.args, self.session, self.url = args, session, url
+        self.gate = gate  # VersionGate or None
         self.sampling_params = sampling_params
         self.rollout_id, self.policy_version = rollout_id, policy_version
         self.max_len = int(max_response_len or args.rollout_max_response_len)
@@ -126,27 +134,43 @@ class SampleRequester:
             return await self._custom(sample)
         unexpected_aborts = 0
         budget = self.budget(sample)
+        gate = self.gate
+        seen_version = gate.version if gate is not None else None
         while True:
             if sample.response_length >= budget:
                 sample.status = Status.TRUNCATED  # at its budget: never resumed forever
                 return True
             if stop is not None and stop.is_set():
                 return False
+            if gate is not None:
+                if not await gate.wait_open(stop):
+                    return False
+                if gate.version != seen_version:  # resumed across a weight update: apply the staleness cap
+                    seen_version = gate.version
+                    gate.staleness.update(apply_to_sample(sample, gate.train_version, self.args.max_staleness,
+                                                          self.args.staleness_policy))
             payload = self.payload(sample)
             self.requests += 1
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:
-                out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+                with gate.request() if gate is not None else contextlib.nullcontext():
+                    out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
             finally:
                 self.in_flight -= 1
             ids, lps, version, text, ftype = parse_segment(out, self.url)
             if version is None:
+                fallback = gate.version if gate is not None else self.policy_version
                 self._bad_versions += 1
                 if self._bad_versions == 1:
                     logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
-                                   out["meta_info"].get("weight_version"), self.policy_version)
-                version = self.policy_version
+                                   out["meta_info"].get("weight_version"), fallback)
+                version = fallback
+            elif gate is not None and version != gate.version:
+                raise GenerateResponseError(
+                    f"{self.url}/generate: reply tagged weight_version {version} but the engines serve version "
+                    f"{gate.version} and no update can run while our requests are in flight (rid {payload['rid']}); "
+                    "is something else updating the engines' weights?")
             if len(ids) > payload["sampling_params"]["max_new_tokens"]:
                 raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
                                             f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
@@ -161,6 +185,8 @@ class SampleRequester:
             sample.status = Status.ABORTED
             if stop is not None and stop.is_set():
                 return False
+            if gate is not None and not gate.is_open:
+                continue  # paused for a weight update (or backpressure, eval, a checkpoint): wait at the gate
             # aborted while the step still wants it (e.g. a weight update elsewhere): resume, a few times
             unexpected_aborts = 0 if ids else unexpected_aborts + 1
             if unexpected_aborts > MAX_UNEXPECTED_ABORTS:

@@ -1,0 +1,143 @@
+"""VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
+version exact (`train_async.py`).
+
+Every request of a rollout that has a gate passes it before it is sent (`SampleRequester`). `hold(reason)`
+closes the gate and, if it was open, drains the engines through SGLang's documented API: abort every
+request (`POST /abort_request {"abort_all": true}`, repeated until `/get_load` is idle) and wait until
+every request of ours has come back. Each returns its partial tokens and log-probs, tagged with the
+version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
+runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between
+tokens. `release(reason, version=...)` reopens the gate once no reason holds it; the waiting samples
+resume from their token ids under the new version (APRIL's abort -> park -> resume, without leaving the
+step), after the staleness cap is applied to each of them (`--max-staleness`).
+
+Versions: `version` is what the engines serve; `train_version` is the policy version that will train
+what the rollout is collecting now (one-step-off: the step's batch; stream: the batch the next
+accepted group joins). Staleness is measured against `train_version`, so a token that passes the cap at
+a resume is still within it when it is trained.
+
+The gate lives on the event loop of the rollout it guards; other threads reach it through
+`asyncio.run_coroutine_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+logger = logging.getLogger(__name__)
+
+
+class VersionGate:
+    def __init__(self, version: int, train_version: int | None = None):
+        self.version = int(version)
+        self.train_version = int(version if train_version is None else train_version)
+        self._holds: set[str] = set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._quiet = asyncio.Event()  # set while no request of ours is in flight
+        self._quiet.set()
+        self.in_flight = 0
+        self.staleness = Counter()  # what the cap did at in-flight resumes (keys as apply_staleness_policy's)
+        self.pauses = 0
+        self.held_s = 0.0
+        self.drain_s = 0.0
+        self._closed_at: float | None = None
+
+    # ---- the request side ------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    @property
+    def holds(self) -> frozenset[str]:
+        return frozenset(self._holds)
+
+    async def wait_open(self, stop: asyncio.Event | None = None) -> bool:
+        """Wait until the gate is open (True) or `stop` is set (False)."""
+        if self._open.is_set():
+            return not (stop is not None and stop.is_set())
+        if stop is None:
+            await self._open.wait()
+            return True
+        opened, stopped = asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({opened, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (opened, stopped):
+                t.cancel()
+        return not stop.is_set() and self._open.is_set()
+
+    @contextlib.contextmanager
+    def request(self):
+        """Count one request in flight (entered right after `wait_open`, with no await in between)."""
+        self.in_flight += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._quiet.set()
+
+    # ---- the controller side ------------------------------------------------------
+    async def hold(self, reason: str, engines, session=None, timeout: float = 120.0) -> float:
+        """Close the gate for `reason`; if it was open, abort our requests on every engine and wait until
+        all of them have come back. Returns the seconds the drain took (0 if the gate was already closed)."""
+        was_open = self._open.is_set()
+        self._holds.add(reason)
+        self._open.clear()
+        if not was_open:
+            return 0.0
+        self.pauses += 1
+        self._closed_at = time.monotonic()
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while self.in_flight:
+            # a request can reach an engine after it reported idle: abort again until ours are all back
+            res = engines.abort_all_until_idle(timeout=max(1.0, deadline - time.monotonic()), session=session)
+            if asyncio.iscoroutine(res):
+                await res
+            try:
+                await asyncio.wait_for(self._quiet.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+            if self.in_flight and time.monotonic() > deadline:
+                raise TimeoutError(f"version gate ({reason}): {self.in_flight} requests still in flight "
+                                   f"{timeout:.0f}s after aborting them")
+        dt = time.monotonic() - t0
+        self.drain_s += dt
+        return dt
+
+    def release(self, reason: str, version: int | None = None, train_version: int | None = None) -> bool:
+        """Drop `reason`'s hold (and set the new versions); reopen if nothing else holds it. True if open."""
+        self._holds.discard(reason)
+        if version is not None:
+            self.version = int(version)
+        if train_version is not None:
+            self.train_version = int(train_version)
+        if not self._holds and not self._open.is_set():
+            if self._closed_at is not None:
+                self.held_s += time.monotonic() - self._closed_at
+                self._closed_at = None
+            self._open.set()
+        return self._open.is_set()
+
+    def set_version(self, version: int) -> None:
+        """The engines now serve `version` (set while the gate is held, before it reopens)."""
+        if self._open.is_set():
+            raise RuntimeError("VersionGate.set_version: the gate is open (requests may be in flight)")
+        self.version = int(version)
+
+    def set_train_version(self, train_version: int) -> None:
+        self.train_version = int(train_version)
+
+    def stats(self) -> dict[str, float]:
+        held = self.held_s + (time.monotonic() - self._closed_at if self._closed_at is not None else 0.0)
+        return {"pauses": float(self.pauses), "held_s": held, "drain_s": self.drain_s}
+
+
+__all__ = ["VersionGate"]

@@ -48,6 +48,9 @@ class Args(argparse.Namespace):
         return Args(**values)._freeze()
 
 
+# the built-in APRIL rollout (--rollout-function-path's default); stream mode always runs it
+BUILTIN_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+
 # Flags whose component is still to be built: setting them fails at once
 # instead of being silently ignored.
 NOT_BUILT_YET = {
@@ -89,7 +92,7 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--num-rollout", type=int, default=None, help="number of rollout steps")
     g.add_argument("--num-epoch", type=int, default=None, help="epochs over the prompt data (sets --num-rollout)")
-    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout")
+    g.add_argument("--rollout-function-path", type=str, default=BUILTIN_ROLLOUT_FUNCTION)
     g.add_argument("--custom-generate-function-path", type=str, default=None)
     g.add_argument("--rollout-ignore-eos", action="store_true", help="generate to the full budget (benchmarks)")
     g.add_argument("--rollout-request-timeout", type=float, default=1800.0, help="seconds for one /generate request")
@@ -331,6 +334,8 @@ def validate_async_args(a: Args) -> None:
     for flag in ("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"):
         _require(not getattr(a, flag), "--" + flag.replace("_", "-"),
                  "has no rollout and training to overlap; use train.py")
+    _require(a.rollout_mode != "stream" or a.rollout_function_path == BUILTIN_ROLLOUT_FUNCTION, "--rollout-function-path",
+             f"--rollout-mode stream runs the built-in rollout ({BUILTIN_ROLLOUT_FUNCTION}), not {a.rollout_function_path}")
 
 
 def validate_args(a: Args, entry: str = "train.py") -> None:

@@ -44,10 +44,9 @@ class AsyncRollout:
         self.first_rollout_id = int(first_rollout_id)
         # the trainer trains batch j at policy version j + offset (one version per step since the run began)
         self.offset = int(manager.policy_version) - self.first_rollout_id
-        self.pausable = manager.rollout_fn is generate_rollout  # the built-in step honours the gate
-        if args.rollout_mode == "stream" and not self.pausable:
-            raise ValueError("--rollout-mode stream runs the built-in rollout; it cannot use a custom "
-                             f"--rollout-function-path ({args.rollout_function_path})")
+        # the built-in step honours the gate; a custom rollout function's steps are waited for instead
+        # (stream mode always runs the built-in one: slime/arguments.py)
+        self.pausable = manager.rollout_fn is generate_rollout
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="async-rollout", daemon=True)
         self.gate: VersionGate | None = None

@@ -95,7 +95,7 @@ def wait_for_tokens(rollout, timeout=30.0):
     raise AssertionError("no request in flight")
 
 
-@pytest.mark.parametrize("mode", ["stream", "chunked"])
+@pytest.mark.parametrize("mode", ["stream", "chunked", "pool"])
 def test_versions_are_exact_across_in_flight_updates(env, mode):
     # a lag of 3: the rollout always has work in flight when the update comes (it is never held back)
     args = make_args(env["root"], "--rollout-mode", mode, "--over-sampling-batch-size", "3", "--max-async-lag", "3")

@@ -132,7 +132,13 @@ class StreamRollout:
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None and self.error is None:  # e.g. the engines never drained
+            self.error = f"backpressure: {type(t.exception()).__name__}: {t.exception()}"
+            self.changed.set()
 
     async def rebalance(self) -> None:
         """Backpressure: hold the gate for "lag" while the batch being filled is beyond the lag, else release it."""

@@ -224,6 +224,12 @@ def _add_async_args(p: argparse.ArgumentParser) -> None:
                         "version P is collected while the engines serve versions >= P - lag (backpressure beyond)")
     g.add_argument("--update-weights-interval", type=int, default=1,
                    help="push the trainer's weights to the engines every N steps (in flight)")
+    g.add_argument("--in-flight-update", choices=["auto", "abort", "in_place"], default="auto",
+                   help="how a weight update reaches requests in flight. abort: every request is aborted, waits, and "
+                        "resumes from its tokens under the new version (SGLang's documented pause path; any engine). "
+                        "in_place: requests run on and the engine labels each token with the version that sampled it "
+                        "(meta_info.weight_versions; the embedded engine). auto: in_place on the embedded engine, "
+                        "abort on SGLang")
 
 
 def _add_debug_args(p: argparse.ArgumentParser) -> None:
@@ -329,6 +335,8 @@ def validate_async_args(a: Args) -> None:
     _require(a.max_async_lag >= a.update_weights_interval, "--max-async-lag",
              f"({a.max_async_lag}) must be >= --update-weights-interval ({a.update_weights_interval}): between two "
              "updates the engines fall that many versions behind, and a batch can only be collected within the lag")
+    _require(not (a.in_flight_update == "in_place" and a.rollout_backend == "sglang"), "--in-flight-update in_place",
+             "SGLang holds a weight update until the requests in flight finish (its model-update lock); use abort")
     _require(not a.colocate, "--colocate", "train_async.py overlaps rollout and training, so engines and trainers "
              "need their own devices; use train.py for colocated runs")
     for flag in ("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"):

@@ -69,6 +69,60 @@ def test_grpo_single_sample_groups_and_equal_rewards_give_zero_not_nan():
         assert torch.isfinite(a).all() and torch.equal(a, torch.zeros_like(a))
 
 
+def _upstream_group_norm(rewards: torch.Tensor, group_size: int, std_norm: bool) -> torch.Tensor:
+    """Upstream slime's group normalisation (RolloutManager._post_process_rewards), float32."""
+    r = rewards.reshape(-1, group_size)
+    r = r - r.mean(dim=-1, keepdim=True)
+    if std_norm:
+        r = r / (r.std(dim=-1, keepdim=True) + 1e-6)
+    return r.flatten()
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # size-1 groups in the upstream reference (all "equal")
+def test_equal_reward_groups_get_exactly_zero_for_any_value_and_size():
+    """Property: a group of equal rewards has advantage exactly 0 (any value, any size, with or without
+    the std division, for every estimator that centres on the group); other groups are untouched."""
+    rng = np.random.default_rng(0)
+    # the issue's cases: float32 mean residue / (std + 1e-6) used to give -0.32 and 0.03
+    for value in (7.7, 0.3):
+        assert torch.equal(group_relative_rewards(torch.full((8,), value), 8), torch.zeros(8))
+    for trial in range(300):
+        size = int(rng.integers(1, 17))
+        n_groups = int(rng.integers(1, 6))
+        groups = []
+        for _ in range(n_groups):
+            if rng.random() < 0.5:
+                groups.append(np.full(size, rng.choice([rng.normal() * 10.0 ** rng.integers(-3, 4), 0.1, 1 / 3, -2.7])))
+            else:
+                groups.append(rng.normal(size=size) * 10.0 ** rng.integers(-3, 4))
+        rewards = torch.tensor(np.concatenate(groups), dtype=torch.float32)
+        grouped = rewards.view(n_groups, size)
+        equal = (grouped == grouped[:, :1]).all(dim=1)
+        for std_norm in (True, False):
+            got = group_relative_rewards(rewards, size, normalize_std=std_norm).view(n_groups, size)
+            assert torch.equal(got[equal], torch.zeros_like(got[equal])), (trial, std_norm)
+            # every other group: bit for bit what upstream computes
+            want = _upstream_group_norm(rewards, size, std_norm).view(n_groups, size)
+            assert torch.equal(got[~equal], want[~equal]), (trial, std_norm)
+        masks = _masks([3] * rewards.numel())
+        for estimator in ("grpo", "gspo"):
+            advs = compute_advantages(estimator, rewards, size, masks)
+            for g in torch.nonzero(equal).flatten().tolist():
+                assert all(torch.equal(advs[g * size + j], torch.zeros(3)) for j in range(size))
+
+
+def test_reinforce_pp_baseline_equal_groups_center_to_zero_before_whitening():
+    rewards = torch.tensor([7.7] * 4 + [1.0, 0.0, 0.0, 0.0])
+    masks = _masks([2] * 8)
+    advs = compute_advantages("reinforce_plus_plus_baseline", rewards, 4, masks)
+    assert torch.equal(group_relative_rewards(rewards, 4, normalize_std=False)[:4], torch.zeros(4))
+    centered = np.array([0.0] * 4 + [0.75, -0.25, -0.25, -0.25])  # the equal group's residue is gone
+    expected = _np_whiten([[c, c] for c in centered], [m.numpy() for m in masks])
+    for a, e in zip(advs, expected):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-5, atol=1e-6)
+    assert len({round(float(a[0]), 6) for a in advs[:4]}) == 1
+
+
 def test_gspo_uses_grpo_advantages():
     rewards = torch.tensor([0.0, 1.0, 1.0, 0.2])
     masks = _masks([3, 2, 1, 4])

@@ -55,9 +55,10 @@ def make_args(root, *extra):
 
 
 def load_weights(env, name: str, version: int) -> dict:
-    """The engines load model `name` as `version` (what the trainer's push does, from disk)."""
-    env["engines"].update_weights_from_disk(str(env["root"] / name), version)
-    return {}
+    """The engines load model `name` as `version` (what the trainer's push does, from disk); returns how many
+    requests were in flight across the update (the engine's num_paused_requests)."""
+    replies = env["engines"].update_weights_from_disk(str(env["root"] / name), version)
+    return {"in_flight_across": sum(int(r.get("num_paused_requests", 0)) for r in replies.values())}
 
 
 def bump_version(env, version: int) -> dict:
@@ -95,26 +96,33 @@ def wait_for_tokens(rollout, timeout=30.0):
     raise AssertionError("no request in flight")
 
 
-@pytest.mark.parametrize("mode", ["stream", "chunked", "pool"])
-def test_versions_are_exact_across_in_flight_updates(env, mode):
+@pytest.mark.parametrize("mode, update", [("stream", "abort"), ("stream", "in_place"), ("chunked", "abort"),
+                                          ("pool", "in_place")])
+def test_versions_are_exact_across_in_flight_updates(env, mode, update):
     # a lag of 3: the rollout always has work in flight when the update comes (it is never held back)
-    args = make_args(env["root"], "--rollout-mode", mode, "--over-sampling-batch-size", "3", "--max-async-lag", "3")
+    args = make_args(env["root"], "--rollout-mode", mode, "--over-sampling-batch-size", "3", "--max-async-lag", "3",
+                     "--in-flight-update", update)
     manager, rollout = start(env, args)
     weights = {0: "A", 1: "B", 2: "A", 3: "B"}
-    batches = []
+    batches, across = [], 0
     try:
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
             wait_for_tokens(rollout)
-            drained = rollout.gate.stats()["pauses"]
-            rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
-            assert rollout.gate.stats()["pauses"] == drained + 1  # the update had requests of ours to abort
+            pushed = rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
+            if update == "abort":  # every request of ours was back before the update: none ran across it
+                assert pushed["in_flight_across"] == 0
+            across += pushed["in_flight_across"]
             manager.set_policy_version(step + 1)
         batches.append(rollout.next_batch(3))
         manager.mark_trained(batches[-1].groups)
     finally:
         rollout.stop()
+    if update == "abort":
+        assert rollout.gate.pauses_by_reason["update"] > 0  # the updates found requests of ours to abort
+    else:  # nothing was aborted for an update: requests ran on across them
+        assert rollout.gate.pauses_by_reason["update"] == 0 and across > 0
     samples = [s for b in batches for g in b.groups for s in g]
     spanning = [s for s in samples if len(set(s.weight_versions)) > 1]
     assert spanning, "no trained sample has tokens from two versions"
@@ -146,10 +154,10 @@ def ray_get(ref):
     return ray.get(ref, timeout=60)
 
 
-@pytest.mark.parametrize("policy", ["restart", "mask"])
-def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy):
+@pytest.mark.parametrize("policy, update", [("restart", "in_place"), ("mask", "in_place"), ("restart", "abort")])
+def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, update):
     args = make_args(env["root"], "--rollout-mode", "stream", "--rollout-max-response-len", "64",
-                     "--max-staleness", "1", "--staleness-policy", policy)
+                     "--max-staleness", "1", "--staleness-policy", policy, "--in-flight-update", update)
     manager, rollout = start(env, args)
     batches = []
     try:

@@ -209,3 +209,62 @@ def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
     s = groups[0][0]
     items = [it for g in flatten_groups(groups)[0] for it in g]
     assert torch.allclose(model_log_probs(model, s), t._log_probs(t.model, items)[0], atol=1e-5)
+
+
+# ------------------------------------------------- the trainer's policy loss ----
+def _loss_inputs(advantages, log_probs, tis=None):
+    from slime.backends.fsdp_utils.loss import RolloutTensors
+
+    lps = [torch.tensor(lp, requires_grad=True) for lp in log_probs]
+    masks = [torch.ones(len(lp)) for lp in log_probs]
+    rt = RolloutTensors(old_log_probs=[torch.zeros(len(lp)) for lp in log_probs], ref_log_probs=None,
+                        advantages=[a * torch.ones(len(lp)) for a, lp in zip(advantages, log_probs)],
+                        tis_weights=None if tis is None else [torch.tensor(w) for w in tis], metrics={})
+    return lps, masks, rt
+
+
+def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
+    """--advantage-estimator gspo --eps-clip-c 3: the trainer's micro-batch loss caps negative-advantage
+    sequences whose sequence ratio exceeds 3 (it used to ignore the flag)."""
+    import math
+
+    from slime.backends.fsdp_utils.loss import micro_batch_loss
+
+    # sequence ratios: e^1.5 ~ 4.48 with A=-1 (dual-clipped), e^0.5 with A=-2 (not), e^1.5 with A=+1 (PPO clip)
+    log_probs, advantages = [[1.0, 2.0], [0.5, 0.5], [1.5, 1.5]], [-1.0, -2.0, 1.0]
+    results = {}
+    for eps_c in (None, 3.0):
+        args = make_args(str(tmp_path), advantage_estimator="gspo", eps_clip_c=eps_c, calculate_per_token_loss=False)
+        lps, masks, rt = _loss_inputs(advantages, log_probs)
+        loss, metrics = micro_batch_loss(args, lps, None, [0, 1, 2], masks, rt, num_tokens=6.0, num_samples=3.0)
+        loss.backward()
+        results[eps_c] = (loss.item(), metrics, [lp.grad.clone() for lp in lps])
+    first = 3.0  # capped at -A * eps_clip_c
+    rest = 2 * math.exp(0.5) - 1.2
+    assert results[3.0][0] == pytest.approx((first + rest) / 3, rel=1e-6)
+    assert results[None][0] == pytest.approx((math.exp(1.5) + rest) / 3, rel=1e-6)
+    assert torch.equal(results[3.0][2][0], torch.zeros(2))  # no gradient through the cap
+    assert results[None][2][0].abs().min() > 0
+    torch.testing.assert_close(results[3.0][2][1], results[None][2][1])
+    m = results[3.0][1]
+    assert m["pg_dual_clipfrac"] == pytest.approx(1 / 3) and m["pg_clipfrac"] == pytest.approx(1 / 3)
+    assert "pg_dual_clipfrac" not in results[None][1]
+
+
+def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
+    """Convention: under GSPO the TIS weight of token t scales token t's gradient (upstream spreads mean(w))."""
+    from slime.backends.fsdp_utils.loss import micro_batch_loss
+
+    args = make_args(str(tmp_path), advantage_estimator="gspo", use_tis=True, calculate_per_token_loss=False)
+    lps, masks, rt = _loss_inputs([1.0], [[0.0, 0.0, 0.0]], tis=[[0.5, 2.0, 1.0]])
+    loss, _ = micro_batch_loss(args, lps, None, [0], masks, rt, num_tokens=3.0, num_samples=1.0)
+    loss.backward()
+    # loss = mean_t(-A * s * w_t) with s = 1: d/d logp_t = -w_t / 3 (upstream: -mean(w) / 3 for every token)
+    torch.testing.assert_close(lps[0].grad, torch.tensor([-0.5, -2.0, -1.0]) / 3)
+
+
+def test_gspo_with_dual_clip_trains_and_reports_the_dual_clipfrac(make_trainer):
+    t = make_trainer(advantage_estimator="gspo", eps_clip_c=3.0, global_batch_size=4)
+    m = t.train(0, make_groups(seed=13), 0)
+    assert m["pg_dual_clipfrac"] == 0.0  # the first step is on-policy (ratio 1)
+    assert m["num_optimizer_steps"] == 2 and torch.isfinite(torch.tensor(m["loss"]))

@@ -78,11 +78,16 @@ def test_generate_response_shape(server):
 def test_stop_token_and_text_input(server, ref_model):
     ids = [1, 5, 6, 7]
     free = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})["output_ids"]
-    stop_tok = free[2]
-    out = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_tok], "ignore_eos": True})
+    eos = 2
+    stop_tok = next(t for t in free[1:] if t != eos)
     first = free.index(stop_tok)
+    assert eos not in free[:first], "the tiny model's greedy output must reach the stop token before EOS"
+    out = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_tok]})
     assert out["output_ids"] == free[: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    # as in SGLang, ignore_eos also turns stop_token_ids off
+    out = gen(server, ids, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_tok], "ignore_eos": True})
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"]["type"] == "length"
     t = server.post("/generate", {"text": "567", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
     assert t["meta_info"]["prompt_tokens"] == 3
 
@@ -298,7 +303,6 @@ def test_client_disconnect_cancels(server):
 @pytest.mark.parametrize("body, field", [
     ("{not json", "body"),
     ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
     ({"input_ids": [1, 100000]}, "input_ids"),
     ({"input_ids": [1, -1]}, "input_ids"),
@@ -314,6 +318,40 @@ def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
     assert r.status_code == 400
     assert field in r.json()["error"]["message"]
     assert gen(server, [1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
+
+
+def test_control_endpoints_type_check_booleans(server):
+    """`{"abort_all": "no"}` used to abort everything (a truthy string); now it is a 400 that aborts nothing."""
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "keep-me", "sampling_params": sp}, 0, box))
+    t.start()
+    try:
+        assert _wait_load(server, "num_waiting_reqs", 1)
+        for body, field in [({"abort_all": "no"}, "abort_all"), ({"rid": 5}, "rid")]:
+            r = server.post("/abort_request", body)
+            assert r.status_code == 400 and field in r.json()["error"]["message"]
+        assert server.get("/get_load").json()[0]["num_waiting_reqs"] == 1  # still there
+        r = server.post("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "no"})
+        assert r.status_code == 400 and "flush_cache" in r.json()["error"]["message"]
+        r = server.post("/update_weight_version", {"new_version": "9", "abort_all_requests": "false"})
+        assert r.status_code == 400 and "abort_all_requests" in r.json()["error"]["message"]
+        assert server.get("/get_weight_version").json()["weight_version"] != "9"
+        assert server.post("/abort_request", {"rid": "keep-me"}).status_code == 200
+        t.join(10)
+        assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        server.post("/continue_generation", {})
+
+
+def _wait_load(server, key, value, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.get("/get_load").json()[0][key] == value:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_nonexistent_model_path_exits_nonzero(tmp_path):

@@ -98,8 +98,13 @@ def test_update_from_disk_then_distributed(server, models):
     assert r["success"] and server.get("/get_model_info").json()["weight_version"] == "7"
 
 
-def test_update_during_generation_switches_cleanly(server, models):
-    """Tokens before the update follow the old weights, tokens after follow the new ones (no stale KV)."""
+def test_update_during_generation_stamps_each_token_with_its_version(server, models):
+    """An update while a request runs (not paused): tokens before it follow the old weights and carry the old
+    version, tokens after it follow the new weights and carry the new one (meta_info.weight_versions), and
+    the rollout client labels every token accordingly. No stale KV, no mislabelled token."""
+    from slime.rollout.sampling_request import parse_segment
+    from slime.utils.types import Sample
+
     server.post("/update_weights_from_disk", {"model_path": str(models["a"][0]), "weight_version": "10"})
     (_, ma), (dir_b, mb) = models["a"], models["b"]
     n = 150
@@ -111,23 +116,31 @@ def test_update_during_generation_switches_cleanly(server, models):
         time.sleep(0.01)
     r = server.post("/update_weights_from_disk", {"model_path": str(dir_b), "weight_version": "11"}).json()
     assert r["success"], r
+    assert r["num_paused_requests"] == 1  # the running request went on across the update
     t.join(60)
     out = box["out"]
     ids = out["output_ids"]
     assert len(ids) == n and out["meta_info"]["weight_version"] == "11"
+    spans = out["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["10", "11"] and spans[0]["start"] == 0 and spans[1]["end"] == n
+    k = spans[0]["end"]
+    assert spans[1]["start"] == k and 5 <= k < n
     seq = torch.tensor([PROMPT + ids])
     with torch.no_grad():
         la = ma(seq).logits[0, len(PROMPT) - 1: -1]
         lb = mb(seq).logits[0, len(PROMPT) - 1: -1]
     tok = torch.tensor(ids)
-    ok_a = la.argmax(-1) == tok
-    ok_b = lb.argmax(-1) == tok
     lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     lp_a = torch.log_softmax(la, -1).gather(1, tok[:, None]).squeeze(1)
     lp_b = torch.log_softmax(lb, -1).gather(1, tok[:, None]).squeeze(1)
-    splits = [k for k in range(1, n) if bool(ok_a[:k].all()) and bool(ok_b[k:].all())
-              and torch.allclose(lps[:k], lp_a[:k], atol=1e-4) and torch.allclose(lps[k:], lp_b[k:], atol=1e-4)]
-    assert splits, "output is not old-weights tokens followed by new-weights tokens"
+    # exactly the stamped boundary: old weights produced tokens [0, k), new weights [k, n)
+    assert bool((la[:k].argmax(-1) == tok[:k]).all()) and bool((lb[k:].argmax(-1) == tok[k:]).all())
+    assert torch.allclose(lps[:k], lp_a[:k], atol=1e-4) and torch.allclose(lps[k:], lp_b[k:], atol=1e-4)
+    assert not torch.allclose(lps[k - 1: k + 1], lp_b[k - 1: k + 1], atol=1e-4)  # token k-1 was not from b
+    got, _, versions, _, _ = parse_segment(out, server.url)
+    sample = Sample(index=0, group_index=0, tokens=list(PROMPT))
+    sample.append_response(got, lps.tolist(), versions)
+    assert sample.weight_versions == [10] * k + [11] * (n - k)
 
 
 def test_update_errors_are_reported(server, tmp_path):

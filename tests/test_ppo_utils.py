@@ -17,7 +17,10 @@ from slime.utils.ppo_utils import (
     compute_log_probs,
     compute_policy_loss,
     compute_tis_weights,
+    dual_clip_flags,
     masked_mean,
+    MAX_LOG_RATIO,
+    policy_ratio,
     loss_agg_mode,
     sft_loss,
 )
@@ -93,14 +96,15 @@ def test_kl_estimators_known_values_and_zero_at_equal_inputs():
 
 # --------------------------------------------------------- PPO loss ----
 def _ref_ppo(logp, old, adv, eps, eps_high, eps_c=None):
+    """(loss, PPO-clip flag, dual-clip flag) for one token, in python floats."""
     r = math.exp(logp - old)
     l1 = -adv * r
     l2 = -adv * min(max(r, 1 - eps), 1 + eps_high)
     loss = max(l1, l2)
-    clipped = l2 > l1
+    clipped, dual = l2 > l1, False
     if eps_c is not None and adv < 0 and loss > -adv * eps_c:
-        loss, clipped = -adv * eps_c, True
-    return loss, float(clipped)
+        loss, dual = -adv * eps_c, True
+    return loss, float(clipped), float(dual)
 
 
 def test_policy_loss_matches_reference_with_asymmetric_and_dual_clip():
@@ -109,19 +113,52 @@ def test_policy_loss_matches_reference_with_asymmetric_and_dual_clip():
     adv = torch.tensor([1.0, 1.0, -1.0, -2.0, -1.0, 0.5])
     for eps_c in (None, 3.0):
         loss, clip = compute_policy_loss(logp, old, adv, 0.2, 0.28, eps_c)
+        dual = dual_clip_flags(policy_ratio(logp, old), adv, eps_c) if eps_c else torch.zeros(6)
         for i in range(6):
-            rl, rc = _ref_ppo(logp[i].item(), 0.0, adv[i].item(), 0.2, 0.28, eps_c)
+            rl, rc, rd = _ref_ppo(logp[i].item(), 0.0, adv[i].item(), 0.2, 0.28, eps_c)
             assert loss[i].item() == pytest.approx(rl, rel=1e-6), (i, eps_c)
             assert clip[i].item() == rc, (i, eps_c)
+            assert dual[i].item() == rd, (i, eps_c)
     # by hand: ratio 1.5 > 1.28 with A=1 -> -1.28 (clipped high side)
     loss, clip = compute_policy_loss(logp, old, adv, 0.2, 0.28, 3.0)
     assert loss[0].item() == pytest.approx(-1.28) and clip[0] == 1.0
     # ratio 0.5 < 0.8 with A=-1 -> 0.8 (clipped low side)
     assert loss[2].item() == pytest.approx(0.8) and clip[2] == 1.0
-    # ratio 5 with A=-1: unclipped 5, dual-clip bound 3
-    assert loss[4].item() == pytest.approx(3.0) and clip[4] == 1.0
+    # ratio 5 with A=-1: unclipped 5, dual-clip bound 3; pg_clipfrac does not count it (as upstream),
+    # pg_dual_clipfrac does
+    assert loss[4].item() == pytest.approx(3.0) and clip[4] == 0.0
+    assert dual_clip_flags(policy_ratio(logp, old), adv, 3.0).tolist() == [0, 0, 0, 0, 1, 0]
     # within the trust region: no clip
     assert loss[1].item() == pytest.approx(-1.1) and clip[1] == 0.0
+
+
+def test_log_ratio_clamp_keeps_the_gradient_straight_through():
+    """|log-ratio| > MAX_LOG_RATIO: the value is capped at e^±20, the gradient is not silently zeroed."""
+    old = torch.zeros(4)
+    logp = torch.tensor([25.0, 1000.0, -25.0, 0.1], requires_grad=True)
+    adv = torch.tensor([-1.0, -1.0, 1.0, -2.0])
+    ratio = policy_ratio(logp, old)
+    np.testing.assert_allclose(ratio.detach().numpy(), [math.exp(20), math.exp(20), math.exp(-20), math.exp(0.1)],
+                               rtol=1e-6)
+    loss, clip = compute_policy_loss(logp, old, adv, 0.2)  # no dual clip: A < 0 tokens are unclipped
+    assert torch.isfinite(loss).all()
+    loss.sum().backward()
+    # d(-A r)/d logp = -A r, with r the capped ratio: e^20 and e^-20 instead of a plain clamp's 0
+    np.testing.assert_allclose(logp.grad.numpy(), [math.exp(20), math.exp(20), -math.exp(-20), 2 * math.exp(0.1)],
+                               rtol=1e-5)
+    assert MAX_LOG_RATIO == 20.0
+    # with the dual clip the capped tokens' gradient is removed by the clip (a visible decision), not the clamp
+    logp.grad = None
+    loss, _ = compute_policy_loss(logp, old, adv, 0.2, 0.2, 3.0)
+    loss.sum().backward()
+    np.testing.assert_allclose(logp.grad.numpy(), [0.0, 0.0, -math.exp(-20), 2 * math.exp(0.1)], rtol=1e-5)
+    # no gradient needed: the plain clamp
+    assert policy_ratio(torch.tensor([30.0]), torch.zeros(1)).item() == pytest.approx(math.exp(20), rel=1e-6)
+    # an infinite log-ratio stays finite and NaN-free (no gradient there)
+    inf = torch.tensor([float("inf"), 0.0], requires_grad=True)
+    r = policy_ratio(inf, torch.zeros(2))
+    r.sum().backward()
+    assert torch.isfinite(r).all() and torch.isfinite(inf.grad).all() and inf.grad[0] == 0.0
 
 
 def test_policy_loss_gradients_zero_when_clipped_and_ratio_times_adv_otherwise():
@@ -183,6 +220,24 @@ def test_gspo_policy_loss_clips_on_the_sequence_ratio():
     torch.testing.assert_close(torch.stack(lst_loss), loss.detach())
 
 
+def test_gspo_dual_clip_caps_negative_advantage_sequences():
+    old = torch.zeros(3, 2)
+    # sequence ratios e^1.5 ~ 4.48 (A < 0: dual-clipped at 3), e^1.5 (A > 0: PPO-clipped), e^0.5 ~ 1.65 (A < 0, under 3)
+    logp = torch.tensor([[1.0, 2.0], [1.5, 1.5], [0.5, 0.5]], requires_grad=True)
+    adv = torch.tensor([[-1.0] * 2, [1.0] * 2, [-2.0] * 2])
+    mask = torch.ones(3, 2)
+    loss, clip = compute_gspo_policy_loss(logp, old, adv, mask, 0.2, 0.28, eps_clip_c=3.0)
+    np.testing.assert_allclose(loss.detach().numpy(), [[3.0] * 2, [-1.28] * 2, [2 * math.exp(0.5)] * 2], rtol=1e-6)
+    assert clip.tolist() == [[0.0] * 2, [1.0] * 2, [0.0] * 2]
+    loss.sum().backward()
+    assert torch.equal(logp.grad[:2], torch.zeros(2, 2))  # capped and clipped sequences: no gradient
+    np.testing.assert_allclose(logp.grad[2].numpy(), [2 * math.exp(0.5)] * 2, rtol=1e-6)
+    unclipped, _ = compute_gspo_policy_loss(logp.detach(), old, adv, mask, 0.2, 0.28)
+    assert unclipped[0, 0].item() == pytest.approx(math.exp(1.5), rel=1e-6)  # without --eps-clip-c: not capped
+    with pytest.raises(ValueError, match="eps-clip-c"):
+        compute_gspo_policy_loss(logp, old, adv, mask, 0.2, 0.28, eps_clip_c=0.5)
+
+
 # --------------------------------------------------------- aggregation ----
 def test_aggregate_token_and_sample_mean_by_hand():
     losses = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, float("nan")])]
@@ -217,6 +272,16 @@ def test_empty_masks_give_zero_and_keep_graph():
     assert got.item() == pytest.approx(1.25)
     got.backward()
     np.testing.assert_allclose(x.grad.numpy(), [[0, 0], [0.25, 0.25]])
+
+
+def test_token_mean_with_a_fully_masked_sample_divides_by_real_tokens():
+    """Convention: an empty sample adds no phantom token to the --calculate-per-token-loss denominator."""
+    losses = [torch.tensor([5.0, 7.0]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])]
+    masks = [torch.zeros(2), torch.tensor([1.0, 1.0, 0.0]), torch.ones(1)]
+    assert aggregate_loss(losses, masks, "token_mean").item() == pytest.approx((1 + 2 + 4) / 3)
+    # upstream's denominator would be sum(clamp_min(mask.sum(), 1)) = 1 + 2 + 1 = 4
+    assert aggregate_loss(losses, masks, "token_mean").item() != pytest.approx(7 / 4)
+    assert aggregate_loss(losses, masks, "sample_mean").item() == pytest.approx((0 + 1.5 + 4) / 3)
 
 
 def test_loss_agg_mode_follows_calculate_per_token_loss(base_args):

@@ -24,6 +24,7 @@ def test_router_command_binds_loopback_and_uses_policy(base_args):
     assert flag_value(cmd, "--host") == "127.0.0.1" and flag_value(cmd, "--prometheus-host") == "127.0.0.1"
     assert flag_value(cmd, "--port") == "31000" and flag_value(cmd, "--prometheus-port") == "31001"
     assert flag_value(cmd, "--policy") == "round_robin"
+    assert "--disable-circuit-breaker" in cmd  # 0.3.2's flag (see `launch_router --help`)
     cmd = build_router_command(base_args.replace(sglang_router_policy="cache_aware"), "10.1.2.3", 1, 2)
     assert flag_value(cmd, "--policy") == "cache_aware" and flag_value(cmd, "--host") == "10.1.2.3"
     with pytest.raises(ValueError, match="--sglang-router-policy"):

@@ -21,7 +21,7 @@ def reply(ids, finish="stop", version="3", lps=None):
 
 def test_parse_segment_checks_the_contract():
     ids, lps, v, text, f = parse_segment(reply([5, 6]), "u")
-    assert (ids, lps, v, text, f) == ([5, 6], [-0.5, -1.5], 3, "xx", "stop")
+    assert (ids, lps, v, text, f) == ([5, 6], [-0.5, -1.5], [3, 3], "xx", "stop")
     assert parse_segment(reply([], "abort"), "u")[4] == "abort"
     assert parse_segment(reply([5], version="default"), "u")[2] is None
     with pytest.raises(GenerateResponseError, match="output_token_logprobs"):
@@ -30,6 +30,28 @@ def test_parse_segment_checks_the_contract():
         parse_segment(reply([5], lps=[[-0.1, 9, None]]), "u")
     with pytest.raises(GenerateResponseError, match="finish_reason"):
         parse_segment(reply([5], finish="weird"), "u")
+
+
+def test_parse_segment_labels_each_token_from_weight_version_spans():
+    """A segment that crossed an in-flight weight update: tokens 0-1 from version 3, 2-4 from version 4."""
+    out = reply([5, 6, 7, 8, 9], version="4")
+    out["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    ids, lps, versions, _, _ = parse_segment(out, "u")
+    assert versions == [3, 3, 4, 4, 4]
+    s = Sample(index=0, group_index=0, tokens=[1, 2])
+    s.append_response(ids, lps, versions)
+    assert s.weight_versions == [3, 3, 4, 4, 4] and s.off_policy_tokens(4) == 2
+    empty = reply([], "abort")
+    empty["meta_info"]["weight_versions"] = [{"version": "7", "start": 0, "end": 0}]
+    assert parse_segment(empty, "u")[2] == []
+    out["meta_info"]["weight_versions"][1]["version"] = "v4"
+    assert parse_segment(out, "u")[2] is None  # not ints: the requester falls back to its policy version
+    for bad in ([{"version": "3", "start": 0, "end": 2}],  # covers 2 of 5 tokens
+                [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
+                []):
+        out["meta_info"]["weight_versions"] = bad
+        with pytest.raises(GenerateResponseError, match="weight_versions"):
+            parse_segment(out, "u")
 
 
 def sample(versions, status=Status.ABORTED, mask=None, budget=None):

@@ -35,6 +35,18 @@ CALL_SLACK_S = 60.0
 SESSION_EXTRA_CONNECTIONS = 32
 
 
+def resolve_in_flight_update(args, backend: str) -> str:
+    """`--in-flight-update` for engines of `backend`: auto is in_place on the embedded engine (it labels every
+    token with its version and applies an update between two steps), abort on SGLang."""
+    mode = args.in_flight_update
+    if mode == "in_place" and backend != "embedded":
+        raise ValueError(f"--in-flight-update in_place needs engines that label each token with its version across "
+                         f"an update (the embedded engine); these are {backend!r} engines: use abort")
+    if mode == "auto":
+        return "in_place" if backend == "embedded" else "abort"
+    return mode
+
+
 class AsyncRollout:
     def __init__(self, args, manager, first_rollout_id: int):
         if manager.engines is None:
@@ -47,6 +59,7 @@ class AsyncRollout:
         # the built-in step honours the gate; a custom rollout function's steps are waited for instead
         # (stream mode always runs the built-in one: slime/arguments.py)
         self.pausable = manager.rollout_fn is generate_rollout
+        self.in_place = self.pausable and resolve_in_flight_update(args, manager.engines.backend) == "in_place"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="async-rollout", daemon=True)
         self.gate: VersionGate | None = None
@@ -79,9 +92,10 @@ class AsyncRollout:
     def start(self) -> "AsyncRollout":
         self.thread.start()
         self._call(self._start(), self._drain_timeout)
-        logger.info("async rollout (%s) started at batch %d, policy version %d, max lag %d",
+        logger.info("async rollout (%s) started at batch %d, policy version %d, max lag %d, updates %s",
                     "stream" if self.args.rollout_mode == "stream" else f"one-step-off, {self.args.rollout_mode}",
-                    self.first_rollout_id, self.manager.policy_version, self.args.max_async_lag)
+                    self.first_rollout_id, self.manager.policy_version, self.args.max_async_lag,
+                    "in place" if self.in_place else "by abort and resume")
         return self
 
     async def _start(self) -> None:
@@ -128,20 +142,42 @@ class AsyncRollout:
 
     def _gate_metrics(self) -> dict[str, float]:
         g = self.gate.stats()
-        return {"async/gate_pauses": g["pauses"], "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
+        return {"async/in_place_updates": float(self.in_place), "async/gate_pauses": g["pauses"],
+                "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
                 "async/engine_version": float(self.gate.version), "async/update_pause_s": self.update_pause_s}
 
     def update_weights(self, push: Callable[[], dict], new_version: int) -> dict:
-        """Push new weights while the rollout runs: every request of ours is aborted and waits at the gate
-        (a custom rollout function's step is waited for instead), `push()` runs, then they resume as
-        `new_version`. Returns push()'s metrics."""
+        """Push new weights while the rollout runs, as `new_version`; returns push()'s metrics.
+
+        abort: every request of ours is aborted and waits at the gate (a custom rollout function's step is
+        waited for instead), `push()` runs, then they resume from their tokens. in_place: they run on
+        and the engine labels their tokens; afterwards the ones that may now exceed --max-staleness
+        (restart policy) are aborted by rid so they restart when they resume."""
         t0 = time.monotonic()
+        if self.in_place:
+            self._call(self._begin_in_place(int(new_version)), self._drain_timeout)
+            try:
+                return push()
+            finally:
+                self._call(self._end_in_place(), self._drain_timeout)
+                self.update_pause_s = time.monotonic() - t0
         self._call(self._before_update(), self._drain_timeout + self.args.rollout_request_timeout)
         try:
             return push()
         finally:
             self._call(self._after_update(int(new_version)), self._drain_timeout)
             self.update_pause_s = time.monotonic() - t0
+
+    async def _begin_in_place(self, version: int) -> None:
+        self.gate.begin_update(version)
+
+    async def _end_in_place(self) -> None:
+        self.gate.end_update()
+        await self.producer.rebalance()
+        a = self.args
+        if a.max_staleness is not None and a.staleness_policy == "restart":
+            stale = self.gate.stale_requests(self.gate.train_version - a.max_staleness)
+            await self.gate.abort_requests(stale, self.manager.engines, self.session)
 
     async def _before_update(self) -> None:
         await self._pause("update")

@@ -9,10 +9,17 @@ versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
 abort -> ABORTED (still unfinished).
 
+Per-token versions come from `meta_info.weight_versions` when the engine
+returns it (the embedded engine and newer SGLang: one span per weight version
+that sampled part of the segment, so a segment that crossed an in-flight
+weight update is labelled exactly), else from the single `weight_version`.
+
 With a `VersionGate` (train_async.py) every request passes the gate first and is counted in flight
-while it runs; a sample whose request was aborted by a gate hold waits there and resumes from its
-token ids once the gate reopens, after `--max-staleness` is applied to it against the gate's
-`train_version` (`staleness.apply_to_sample`).
+while it runs (with its rid and sample, so a stale one can be aborted); a sample whose request was
+aborted by a gate hold waits there and resumes from its token ids once the gate reopens. Whenever a
+sample is sent again after the engines changed version, `--max-staleness` is applied to it against the
+gate's `train_version` (`staleness.apply_to_sample`). Every token's version must lie between the
+version the engines served when the request was sent and the one they serve when it returns.
 """
 
 from __future__ import annotations
@@ -70,8 +77,38 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     return sp
 
 
-def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], int | None, str, str]:
-    """(token ids, log-probs, weight version or None if not an int, text, finish type) from one /generate reply."""
+def token_versions(meta: dict, n: int, where: str) -> list[int] | None:
+    """The weight version of each of a reply's `n` output tokens, or None when the versions are not ints.
+
+    `meta_info.weight_versions` (spans `{"version", "start", "end"}` covering output_ids[start:end], in order)
+    when present, else `meta_info.weight_version` for every token."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        try:
+            return [int(meta.get("weight_version"))] * n
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(spans, list) or not spans:
+        raise GenerateResponseError(f"{where}: meta_info.weight_versions must be a non-empty list, got {spans!r}")
+    versions: list[int] = []
+    for k, span in enumerate(spans):
+        ok = isinstance(span, dict) and all(isinstance(span.get(f), int) for f in ("start", "end"))
+        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
+            raise GenerateResponseError(f"{where}: meta_info.weight_versions[{k}] = {span!r} does not continue "
+                                        f"the spans at output token {len(versions)}")
+        try:
+            version = int(span.get("version"))
+        except (TypeError, ValueError):
+            return None
+        versions += [version] * (span["end"] - span["start"])
+    if len(versions) != n:
+        raise GenerateResponseError(f"{where}: meta_info.weight_versions cover {len(versions)} tokens, the reply has {n}")
+    return versions
+
+
+def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int] | None, str, str]:
+    """(token ids, log-probs, per-token weight versions or None if not ints, text, finish type) from one
+    /generate reply."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict):
         raise GenerateResponseError(f"{url}/generate: reply has no meta_info object: {str(out)[:300]}")
@@ -90,11 +127,8 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], int | No
     ftype = finish.get("type") if isinstance(finish, dict) else finish
     if ftype not in ("stop", "length", "abort"):
         raise GenerateResponseError(f"{url}/generate: unexpected finish_reason {finish!r} (rid {meta.get('id')})")
-    try:
-        version = int(meta.get("weight_version"))
-    except (TypeError, ValueError):
-        version = None
-    return [int(t) for t in ids], [float(e[0]) for e in lps], version, out.get("text") or "", ftype
+    versions = token_versions(meta, len(ids), f"{url}/generate (rid {meta.get('id')})")
+    return [int(t) for t in ids], [float(e[0]) for e in lps], versions, out.get("text") or "", ftype
 
 
 class SampleRequester:
@@ -150,31 +184,37 @@ class SampleRequester:
                     gate.staleness.update(apply_to_sample(sample, gate.train_version, self.args.max_staleness,
                                                           self.args.staleness_policy))
             payload = self.payload(sample)
+            sent_version = gate.version if gate is not None else None
             self.requests += 1
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:
-                with gate.request() if gate is not None else contextlib.nullcontext():
+                with gate.request(payload["rid"], sample) if gate is not None else contextlib.nullcontext():
                     out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
             finally:
                 self.in_flight -= 1
-            ids, lps, version, text, ftype = parse_segment(out, self.url)
-            if version is None:
+            stale_abort = gate is not None and gate.was_aborted(payload["rid"])
+            ids, lps, versions, text, ftype = parse_segment(out, self.url)
+            if versions is None:
+                if gate is not None and gate.version != sent_version:
+                    raise GenerateResponseError(
+                        f"{self.url}/generate: the engines changed version ({sent_version} -> {gate.version}) during "
+                        f"request {payload['rid']} and its reply does not say which version sampled which token")
                 fallback = gate.version if gate is not None else self.policy_version
                 self._bad_versions += 1
                 if self._bad_versions == 1:
                     logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
                                    out["meta_info"].get("weight_version"), fallback)
-                version = fallback
-            elif gate is not None and version != gate.version:
+                versions = fallback
+            elif gate is not None and any(v < sent_version or v > gate.newest_version for v in versions):
                 raise GenerateResponseError(
-                    f"{self.url}/generate: reply tagged weight_version {version} but the engines serve version "
-                    f"{gate.version} and no update can run while our requests are in flight (rid {payload['rid']}); "
+                    f"{self.url}/generate: reply tagged versions {sorted(set(versions))} but the engines served "
+                    f"versions {sent_version}..{gate.newest_version} while request {payload['rid']} ran; "
                     "is something else updating the engines' weights?")
             if len(ids) > payload["sampling_params"]["max_new_tokens"]:
                 raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
                                             f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
-            sample.append_response(ids, lps, version, text)
+            sample.append_response(ids, lps, versions, text)
             self.new_tokens += len(ids)
             if ftype == "stop":
                 sample.status = Status.COMPLETED
@@ -185,8 +225,8 @@ class SampleRequester:
             sample.status = Status.ABORTED
             if stop is not None and stop.is_set():
                 return False
-            if gate is not None and not gate.is_open:
-                continue  # paused for a weight update (or backpressure, eval, a checkpoint): wait at the gate
+            if gate is not None and (not gate.is_open or stale_abort):
+                continue  # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
             # aborted while the step still wants it (e.g. a weight update elsewhere): resume, a few times
             unexpected_aborts = 0 if ids else unexpected_aborts + 1
             if unexpected_aborts > MAX_UNEXPECTED_ABORTS:

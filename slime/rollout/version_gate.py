@@ -18,6 +18,13 @@ a resume is still within it when it is trained.
 
 The gate lives on the event loop of the rollout it guards; other threads reach it through
 `asyncio.run_coroutine_threadsafe`.
+
+In place (`--in-flight-update in_place`, the embedded engine): an engine that labels every token with
+the version that sampled it (`meta_info.weight_versions`) and applies an update between two decode
+steps lets requests run on across it: `begin_update(v)` / `end_update()` bracket the push without
+closing the gate (a reply may then carry versions up to `newest_version`), and `stale_requests` names
+the requests whose sample may now hold a token beyond the staleness cap, to be aborted by rid
+(`abort_requests`) so the cap is applied when they resume.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import contextlib
 import logging
 import time
 from collections import Counter
+
+from slime.backends.sglang_utils import http_client
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +50,12 @@ class VersionGate:
         self._quiet = asyncio.Event()  # set while no request of ours is in flight
         self._quiet.set()
         self.in_flight = 0
+        self.pending_version: int | None = None  # an in-place update to this version is being pushed
+        self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
+        self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
         self.staleness = Counter()  # what the cap did at in-flight resumes (keys as apply_staleness_policy's)
         self.pauses = 0
+        self.pauses_by_reason: Counter = Counter()  # holds that closed an open gate (drained), by reason
         self.held_s = 0.0
         self.drain_s = 0.0
         self._closed_at: float | None = None
@@ -71,17 +84,31 @@ class VersionGate:
                 t.cancel()
         return not stop.is_set() and self._open.is_set()
 
+    @property
+    def newest_version(self) -> int:
+        """The newest version a reply may carry now (the one being pushed in place, if any)."""
+        return self.version if self.pending_version is None else self.pending_version
+
     @contextlib.contextmanager
-    def request(self):
+    def request(self, rid: str, sample):
         """Count one request in flight (entered right after `wait_open`, with no await in between)."""
         self.in_flight += 1
+        self._requests[rid] = (sample, self.version)
         self._quiet.clear()
         try:
             yield
         finally:
             self.in_flight -= 1
+            self._requests.pop(rid, None)
             if self.in_flight == 0:
                 self._quiet.set()
+
+    def was_aborted(self, rid: str) -> bool:
+        """True (once) if `rid` was aborted by `abort_requests`."""
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            return True
+        return False
 
     # ---- the controller side ------------------------------------------------------
     async def hold(self, reason: str, engines, session=None, timeout: float = 120.0) -> float:
@@ -93,6 +120,7 @@ class VersionGate:
         if not was_open:
             return 0.0
         self.pauses += 1
+        self.pauses_by_reason[reason] += 1
         self._closed_at = time.monotonic()
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -131,6 +159,44 @@ class VersionGate:
         if self._open.is_set():
             raise RuntimeError("VersionGate.set_version: the gate is open (requests may be in flight)")
         self.version = int(version)
+
+    # ---- in place ----------------------------------------------------------------------
+    def begin_update(self, version: int) -> None:
+        """An in-place push of `version` starts: requests keep running and may come back with its tokens."""
+        self.pending_version = int(version)
+
+    def end_update(self) -> None:
+        """The push is done: every engine serves `pending_version`; requests sent from now on are at it."""
+        if self.pending_version is not None:
+            self.version, self.pending_version = self.pending_version, None
+
+    def stale_requests(self, min_version: int) -> list[str]:
+        """Requests in flight whose sample may hold a token older than `min_version` (its oldest known token,
+        or the version it was sent at)."""
+        out = []
+        for rid, (sample, sent) in self._requests.items():
+            known = sample.oldest_version()
+            if min(sent, known if known is not None else sent) < min_version:
+                out.append(rid)
+        return out
+
+    async def abort_requests(self, rids: list[str], engines, session=None, timeout: float = 30.0) -> None:
+        """POST /abort_request {"rid"} for each of `rids` to every worker (the router does not route aborts)."""
+        if not rids:
+            return
+        self._aborted.update(rids)
+        urls = await asyncio.to_thread(engines.worker_urls)
+        own = session is None
+        if own:
+            import aiohttp
+
+            session = aiohttp.ClientSession()
+        try:
+            await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"rid": rid}, timeout=timeout)
+                                   for u in urls for rid in rids))
+        finally:
+            if own:
+                await session.close()
 
     def set_train_version(self, train_version: int) -> None:
         self.train_version = int(train_version)

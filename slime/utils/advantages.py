@@ -10,7 +10,12 @@ samples ``[g * group_size, (g + 1) * group_size)`` belong to prompt group
 Conventions (documented because trainer and tests rely on them):
 - Returned per-token advantages are zero at masked-out positions.
 - GRPO's std is the unbiased group std (as ``torch.std``); a group of one
-  sample, or a group whose rewards are all equal, gets advantage 0.
+  sample, or a group whose rewards are all equal, gets advantage exactly 0
+  for any reward value and group size (a float32 mean of equal values can
+  differ from them in the last bit, e.g. ``[0.3] * 8``, and dividing that
+  residue by ``std + 1e-6`` would turn it into a spurious advantage; upstream
+  slime has that residue, we zero such groups explicitly). Every other group
+  is computed as upstream does.
 - REINFORCE++ folds ``-kl_coef * kl_t`` into every (masked-in) token's reward,
   adds the scalar reward at the last masked-in token and takes the discounted
   return backwards over positions; then whitens over all masked tokens of the
@@ -36,7 +41,8 @@ WHITEN_EPS = 1e-8
 def group_relative_rewards(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
     """Reward minus its group's mean, optionally divided by (group std + eps).
 
-    Groups of one sample, and groups with identical rewards, get exactly 0.
+    Groups of one sample, and groups with identical rewards, get exactly 0
+    (with or without the std division).
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1:
@@ -51,9 +57,10 @@ def group_relative_rewards(rewards: Tensor, group_size: int, normalize_std: bool
     grouped = rewards.view(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
-        std = grouped.std(dim=1, keepdim=True)  # unbiased, like torch.std / slime
+        std = centered.std(dim=1, keepdim=True)  # unbiased, of the centred rewards (as upstream: same float32 ops)
         centered = centered / (std + GRPO_STD_EPS)
-    # A single-sample group is its own mean: centered is already exactly 0.
+    equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # incl. single-sample groups
+    centered = torch.where(equal, torch.zeros((), dtype=centered.dtype), centered)
     return centered.reshape(-1)
 
 

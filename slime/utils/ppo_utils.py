@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token_mean", "sample_mean")
-# exp() of a log-ratio above this is treated as this (avoids inf * 0 = NaN)
+# |log-ratio| cap before exp() (avoids inf * 0 = NaN); see `clamp_log_ratio` for its gradient
 MAX_LOG_RATIO = 20.0
 
 TensorOrList = Tensor | Sequence[Tensor]
@@ -89,6 +89,28 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "
 
 
 # --------------------------------------------------------- policy losses ----
+def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
+    """``log_ratio`` with its VALUE clamped to ±MAX_LOG_RATIO and the gradient of the identity
+    (straight-through).
+
+    Convention: a token whose log-ratio is beyond ±20 (ratio e^20) keeps its gradient, computed at
+    the clamped ratio, instead of silently getting none (a plain clamp's derivative is 0 there).
+    Whether it then contributes is the PPO / dual clip's decision, as for any other token. GSPO's
+    sequence ratio and the TIS weights clamp detached values only, so this is their behaviour too.
+    """
+    clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if not log_ratio.requires_grad:
+        return clamped
+    straight_through = log_ratio + (clamped - log_ratio).detach()
+    # an infinite log-ratio (a -inf log-prob) has no usable gradient: plain clamp there, never inf - inf = NaN
+    return torch.where(torch.isfinite(log_ratio), straight_through, clamped)
+
+
+def policy_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    """Per-token importance ratio exp(logp − sg(old_logp)), log-ratio clamped straight-through."""
+    return torch.exp(clamp_log_ratio(log_probs.float() - old_log_probs.detach().float()))
+
+
 def _check_clip(eps_clip: float, eps_clip_high: float | None, eps_clip_c: float | None) -> float:
     high = eps_clip if eps_clip_high is None else eps_clip_high
     if not 0.0 <= eps_clip < 1.0:
@@ -110,8 +132,13 @@ def clipped_surrogate(
     """PPO clipped surrogate for a given ratio: per-token loss and clip flag.
 
     loss = max(−A·r, −A·clip(r, 1−eps, 1+eps_high)); with dual clip, tokens
-    with A < 0 are further capped at −A·eps_clip_c. The clip flag is 1.0
-    where a clip bound was active (either the PPO clip or the dual clip).
+    with A < 0 are further capped at −A·eps_clip_c (zero gradient there).
+
+    The clip flag (``pg_clipfrac``) is 1.0 where the PPO clip bound is the
+    active term, as in upstream slime; dual-clipped tokens are NOT counted
+    (a disjoint set: A < 0 and r > eps_clip_c, where the PPO clip is never
+    the active term; see ``dual_clip_flags`` and the ``pg_dual_clipfrac``
+    metric).
     """
     high = _check_clip(eps_clip, eps_clip_high, eps_clip_c)
     advantages = advantages.to(ratio.dtype)
@@ -121,10 +148,13 @@ def clipped_surrogate(
     clipped = loss_clipped > loss_unclipped
     if eps_clip_c is not None:
         cap = -advantages * eps_clip_c
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        clipped = clipped | dual
+        loss = torch.where((advantages < 0) & (loss > cap), cap, loss)
     return loss, clipped.to(ratio.dtype)
+
+
+def dual_clip_flags(ratio: Tensor, advantages: Tensor, eps_clip_c: float) -> Tensor:
+    """1.0 where the dual clip caps the loss (A < 0 and r > eps_clip_c), else 0.0 (``pg_dual_clipfrac``)."""
+    return ((advantages < 0) & (ratio.detach() > eps_clip_c)).to(ratio.dtype)
 
 
 def compute_policy_loss(
@@ -135,12 +165,11 @@ def compute_policy_loss(
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Token-level PPO loss with ratio exp(logp − old_logp).
+    """Token-level PPO loss with ratio exp(logp − old_logp) (``policy_ratio``).
 
     Returns (pg_losses, clipfrac), both per token, unaggregated.
     """
-    log_ratio = (log_probs.float() - old_log_probs.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return clipped_surrogate(torch.exp(log_ratio), advantages, eps_clip, eps_clip_high, eps_clip_c)
+    return clipped_surrogate(policy_ratio(log_probs, old_log_probs), advantages, eps_clip, eps_clip_high, eps_clip_c)
 
 
 def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mask: TensorOrList) -> TensorOrList:
@@ -151,6 +180,14 @@ def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mas
     Gradient: ratio_t = exp(logp_t − sg(logp_t) + sg(log s)), so d ratio_t /
     d logp_t = s (each token gets its own gradient, scaled by the sequence
     ratio). A sequence with an empty mask gets ratio 1.
+
+    Convention (GSPO with TIS): multiplying the per-token loss by per-token
+    TIS weights w_t then weights each token's gradient by its OWN w_t
+    (d loss / d logp_t ∝ A·s·w_t). Upstream slime differentiates through the
+    sequence mean, which spreads the weighted sum evenly (∝ A·s·mean(w)).
+    We keep ours on purpose: with partial rollouts the tokens of one
+    response come from different policy versions, and TIS exists to correct
+    each token for the policy that sampled it.
     """
     if isinstance(log_probs, Tensor):
         return _gspo_ratio(log_probs, old_log_probs, mask)
@@ -172,15 +209,17 @@ def compute_gspo_policy_loss(
     mask: TensorOrList,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
 ) -> tuple[TensorOrList, TensorOrList]:
     """GSPO loss: the clipped surrogate on the sequence-level ratio (GSPO uses
-    tiny clip ranges, e.g. 3e-4 / 4e-4). Returns per-token (pg_losses,
+    tiny clip ranges, e.g. 3e-4 / 4e-4), with the dual clip (``eps_clip_c``)
+    applied to it as upstream slime does. Returns per-token (pg_losses,
     clipfrac); aggregate with ``aggregate_loss(..., "sample_mean")`` to match
     the paper's per-sequence length normalisation."""
     ratio = compute_gspo_ratio(log_probs, old_log_probs, mask)
     if isinstance(ratio, Tensor):
-        return clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high)
-    pairs = [clipped_surrogate(r, a, eps_clip, eps_clip_high) for r, a in zip(ratio, advantages, strict=True)]
+        return clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+    pairs = [clipped_surrogate(r, a, eps_clip, eps_clip_high, eps_clip_c) for r, a in zip(ratio, advantages, strict=True)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -216,9 +255,13 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a per-token loss to a scalar (``--loss-agg-mode`` style).
 
-    - ``token_mean``: Σ over all masked tokens of the batch / Σ mask.
+    - ``token_mean`` (``--calculate-per-token-loss``): Σ over all masked
+      tokens of the batch / Σ mask. Convention: a fully masked sample adds
+      nothing to the denominator, so this is the true mean over real tokens;
+      upstream slime counts one phantom token per empty sample
+      (``clamp_min(mask.sum(), 1)``), which shrinks the loss slightly.
     - ``sample_mean``: mean over samples of each sample's masked token mean
-      (samples with an empty mask count as 0 in the mean).
+      (samples with an empty mask count as 0 in the mean, as upstream).
 
     ``num_tokens`` / ``num_samples`` override the denominator (e.g. the global
     count across micro-batches or data-parallel ranks, so that summing the

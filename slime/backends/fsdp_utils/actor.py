@@ -129,6 +129,7 @@ class FSDPTrainer:
         if self.args.loss_type == "sft_loss":
             return ["sft_loss", "loss"]
         keys = ["pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "loss"]
+        keys += ["pg_dual_clipfrac"] if self.args.eps_clip_c is not None else []
         return keys + (["kl_loss"] if self.args.use_kl_loss else [])
 
     # ------------------------------------------------------------- train ----

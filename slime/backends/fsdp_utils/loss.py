@@ -6,7 +6,10 @@ of its optimizer step (tokens for ``token_mean``, samples for
 ``sample_mean``), counted over all ranks, so that summing micro-batches and
 averaging data-parallel gradients gives exactly the loss of the whole step in
 one batch. Reported metrics use the same denominators and are summed over
-micro-batches and ranks.
+micro-batches and ranks. ``pg_clipfrac`` is the share of tokens where the PPO
+clip is active (upstream slime's definition); with ``--eps-clip-c`` the dual
+clip's share is ``pg_dual_clipfrac`` (GSPO included). Conventions of the loss
+(log-ratio clamp, empty samples, GSPO with TIS) are in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from torch import Tensor
 from slime.backends.fsdp_utils.data import TrainItem
 from slime.utils.ppo_utils import (
     aggregate_loss,
+    clipped_surrogate,
     compute_advantages,
     compute_approx_kl,
-    compute_gspo_policy_loss,
-    compute_policy_loss,
+    compute_gspo_ratio,
     compute_tis_weights,
+    dual_clip_flags,
+    group_relative_rewards,
     loss_agg_mode,
     normalize_advantages,
+    policy_ratio,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,10 +120,10 @@ def _advantages(args, estimator, groups, masks, kl, kl_coef) -> list[Tensor]:
     if estimator == "reinforce_plus_plus_baseline":
         per_token, start = [], 0
         for g in groups:
-            base = rewards[start : start + len(g)].mean()
+            centered = group_relative_rewards(rewards[start : start + len(g)], len(g), normalize_std=False)
             for j in range(len(g)):
                 i = start + j
-                adv = (rewards[i] - base) * torch.ones_like(masks[i])
+                adv = centered[j] * torch.ones_like(masks[i])
                 if kl is not None and kl_coef:
                     adv = adv - kl_coef * kl[i]
                 per_token.append(adv * masks[i])
@@ -161,20 +167,25 @@ def micro_batch_loss(
 
     old = [rt.old_log_probs[p].to(dev) for p in positions]
     adv = [rt.advantages[p].to(dev) for p in positions]
-    eps, eps_high = float(args.eps_clip), args.eps_clip_high
     lengths = [m.numel() for m in masks]
+    # GSPO: the sequence ratio on every token; otherwise the token ratio. The
+    # same clipped surrogate (PPO clip, then the dual clip) applies to both.
     if args.advantage_estimator == "gspo":
-        pg, clip = compute_gspo_policy_loss(log_probs, old, adv, masks, eps, eps_high)
+        ratio = torch.cat(compute_gspo_ratio(log_probs, old, masks))
     else:
-        pg_flat, clip_flat = compute_policy_loss(torch.cat(log_probs), torch.cat(old), torch.cat(adv), eps, eps_high,
-                                                 args.eps_clip_c)
-        pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
-    if rt.tis_weights is not None:
+        ratio = policy_ratio(torch.cat(log_probs), torch.cat(old))
+    adv_flat = torch.cat(adv)
+    pg_flat, clip_flat = clipped_surrogate(ratio, adv_flat, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
+    if rt.tis_weights is not None:  # per token, also under GSPO (see compute_gspo_ratio)
         pg = [x * rt.tis_weights[p].to(dev) for x, p in zip(pg, positions)]
     pg_loss = reduce(pg)
     loss = pg_loss
     metrics["pg_loss"] = float(pg_loss.detach())
     metrics["pg_clipfrac"] = float(reduce(clip).detach())
+    if args.eps_clip_c is not None:
+        dual = dual_clip_flags(ratio, adv_flat, args.eps_clip_c)
+        metrics["pg_dual_clipfrac"] = float(reduce(list(torch.split(dual, lengths))).detach())
     metrics["ppo_kl"] = float(reduce([(o - lp).detach() for o, lp in zip(old, log_probs)]))
 
     if entropies is not None:

@@ -4,10 +4,12 @@
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \
         [--max-prefill-tokens N] [--admit-wait-ms 20] [--seed S] [--weight-version 0] [--dtype float32]
 
-Modules: `__main__` (CLI), `server` (aiohttp routes), `engine` (model + scheduler + weight version),
-`scheduler` (continuous batching thread), `batch` (per-row KV cache in preallocated buffers), `sampling`,
-`protocol` (request validation, response shapes), `weights` (disk / gloo updates), `testing`
-(subprocess helper for tests and benchmarks).
+Modules: `__main__` (CLI), `server` (generate and control routes), `info` (read-only routes),
+`http_utils`, `engine` (model + scheduler + weight version), `scheduler` (continuous batching thread),
+`batch` (per-row KV cache in preallocated buffers), `sampling`, `logprobs` (prompt / top-k / chosen-id
+log-probs), `fields` (what is done with every SGLang request field), `protocol` (request validation,
+response shapes), `weights` (disk / gloo updates), `testing` (subprocess helper for tests and benchmarks).
+See docs/sglang-compat.md for where it differs from SGLang.
 
 Why our own decode loop rather than transformers' continuous batching: measured in one process on the
 same 1.1 M-param tiny Qwen3 (1 torch thread, 64 new tokens, KV sized num_blocks=128, block_size=32,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.backends.hf_engine import weights
+from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ class Engine:
         self.tokenizer_path = tok_path
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.weight_version = cfg.weight_version
         self.scheduler = Scheduler(
             self.model,
             self.tokenizer,
@@ -71,9 +71,18 @@ class Engine:
             seed=cfg.seed,
             admit_wait_s=cfg.admit_wait_s,
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
+            weight_version=cfg.weight_version,
         )
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the loaded weights (set on the scheduler thread: see `set_weight_version`)."""
+        return self.scheduler.weight_version
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.call(self.scheduler.set_weight_version, str(version))
 
     def start(self) -> None:
         self.scheduler.start()
@@ -93,37 +102,48 @@ class Engine:
             gen.manual_seed(int(inp.params.sampling_seed))
 
         def notify(r: Request, finished: bool) -> None:
+            extra = r.logprobs_extra
             snap = types.SimpleNamespace(
                 rid=r.rid, input_ids=r.input_ids, params=r.params, output_ids=list(r.output_ids),
                 logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason), cached_tokens=r.cached_tokens,
+                version_spans=list(r.version_spans), logprobs_extra=None if extra is None else extra.snapshot(),
             )
             on_event(snap, finished)
 
-        return Request(rid=inp.rid, input_ids=inp.input_ids, params=inp.params, stream=stream, notify=notify, generator=gen)
+        extra = LogprobRecord(inp.logprobs) if inp.return_logprob and inp.logprobs.any else None
+        return Request(rid=inp.rid, input_ids=inp.input_ids, params=inp.params, stream=stream, notify=notify, generator=gen,
+                       logprobs_extra=extra)
 
     # ---- weights ---------------------------------------------------------------------
-    def _apply(self, named: dict, version: str | None, flush_cache: bool) -> str:
-        """On the scheduler thread: retract running requests (their KV is from the old weights), copy, bump version."""
-        n_retracted = self.scheduler.retract()
+    def _apply(self, named: dict, version: str | None, flush_cache: bool) -> tuple[str, int]:
+        """On the scheduler thread, between two steps: retract the running requests (their KV is from the old
+        weights; they are recomputed and go on), copy, set the version. Requests in flight are not held back
+        (SGLang waits for them under its model-update lock): their tokens before this point keep the old
+        version and the tokens after it get the new one (`meta_info.weight_versions`), so no token is
+        mislabelled. Returns (message, requests in flight across the update)."""
+        sched = self.scheduler
+        n_running = sched.retract()
+        in_flight = sched.num_waiting  # the retracted requests are back at the head of the queue
         if flush_cache:  # KV computed by the old weights; flush_cache=false keeps it for resumed requests
-            self.scheduler.prefix_cache.clear()
+            sched.prefix_cache.clear()
         weights.copy_into_model(self.model, named)
-        self.weight_version = version if version is not None else _next_version(self.weight_version)
-        return f"loaded {len(named)} tensors; weight_version={self.weight_version}; recomputed {n_retracted} running requests"
+        sched.set_weight_version(version if version is not None else _next_version(sched.weight_version))
+        return (f"loaded {len(named)} tensors; weight_version={sched.weight_version}; {n_running} running requests "
+                f"recomputed on the new weights, {in_flight} requests in flight"), in_flight
 
-    async def update_from_tensors(self, named: dict, version: str | None, flush_cache: bool, abort_all: bool) -> str:
+    async def update_from_tensors(self, named: dict, version: str | None, flush_cache: bool, abort_all: bool) -> tuple[str, int]:
         if abort_all:
             await self.call(self.scheduler.abort, None, "aborted for a weight update")
         return await self.call(self._apply, named, version, flush_cache)
 
-    async def update_from_disk(self, model_path: str, version: str | None, flush_cache: bool, abort_all: bool) -> str:
+    async def update_from_disk(self, model_path: str, version: str | None, flush_cache: bool, abort_all: bool) -> tuple[str, int]:
         async with self._update_lock:
             named = await asyncio.to_thread(weights.read_state_dict, model_path, self.model.dtype)
-            msg = await self.update_from_tensors(named, version, flush_cache, abort_all)
+            out = await self.update_from_tensors(named, version, flush_cache, abort_all)
             self.model_path = model_path
-            return msg
+            return out
 
-    async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> str:
+    async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> tuple[str, int]:
         async with self._update_lock:
             named = await asyncio.to_thread(self.groups.receive, group_name, names, dtypes, shapes)
             return await self.update_from_tensors(named, version, flush_cache, abort_all)

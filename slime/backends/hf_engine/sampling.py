@@ -1,16 +1,20 @@
 """Per-row sampling for a decode batch.
 
-Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled
-token, *not* renormalised after top-k / top-p / min-p (those only restrict
-what may be drawn). Temperature 0 (or top_k == 1) is greedy, and its log-prob
-is log_softmax of the raw logits.
+Log-probs follow SGLang: log_softmax((logits + logit_bias) / temperature) of
+the sampled token, *not* renormalised after top-k / top-p / min-p (those only
+restrict what may be drawn). As in SGLang, a temperature below 1e-6 (0
+included) means greedy: it becomes top_k = 1 at temperature 1, so greedy
+log-probs are log_softmax of the raw (biased) logits and never NaN or null.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
+
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is greedy
 
 
 @dataclass
@@ -26,10 +30,42 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    stop_regex: list[re.Pattern] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode, as SGLang does
+    stream_interval: int | None = None  # stream a chunk every this many tokens (None: every token)
+
+    def __post_init__(self) -> None:
+        if 0.0 <= self.temperature < GREEDY_TEMPERATURE:
+            self.temperature, self.top_k = 1.0, 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.top_k == 1
+
+
+def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Float logits with each row's logit_bias added (a copy only when some row has a bias)."""
+    logits = logits.float()
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if rows:
+        logits = logits.clone()
+        for i in rows:
+            ids = torch.tensor(list(params[i].logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(params[i].logit_bias.values()), dtype=logits.dtype)
+    return logits
+
+
+def tempered_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """log_softmax((logits + bias) / T) per row: the distribution every returned log-prob is taken from."""
+    return _scaled_log_softmax(biased_logits(logits, params), params)
+
+
+def _scaled_log_softmax(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = [p.temperature for p in params]
+    if all(t == 1.0 for t in temps):
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1), dim=-1)
 
 
 def _restrict(logp: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -63,15 +99,11 @@ def sample_batch(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
 ) -> tuple[list[int], list[float]]:
-    """Draw one token per row; return (token ids, log-probs under log_softmax(logits / T))."""
-    logits = logits.float()
+    """Draw one token per row; return (token ids, log-probs under log_softmax((logits + bias) / T))."""
+    logits = biased_logits(logits, params)
     n = logits.shape[0]
     greedy = [p.greedy for p in params]
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if all(t == 1.0 for t in temps):
-        logp = torch.log_softmax(logits, dim=-1)
-    else:
-        logp = torch.log_softmax(logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1), dim=-1)
+    logp = _scaled_log_softmax(logits, params)
     tokens = logits.argmax(dim=-1)
     sample_rows = [i for i in range(n) if not greedy[i]]
     if sample_rows:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.batch import DecodeBatch
+from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
 from slime.backends.hf_engine.prefix_cache import PrefixCache
 from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
 
@@ -41,6 +42,9 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     enqueued: float = 0.0
+    logprobs_extra: LogprobRecord | None = None  # prompt / top-k / chosen-id log-probs, when asked for
+    # (first output index, weight version) each time the version that samples this request's tokens changes
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -103,8 +107,11 @@ def abort_reason(message: str) -> dict:
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None,
-                 admit_wait_s: float = 0.02, prefix_cache_tokens: int | None = None):
+                 admit_wait_s: float = 0.02, prefix_cache_tokens: int | None = None, weight_version: str = "0"):
         self.model = model
+        # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
+        # token is stamped with the version that produced it
+        self.weight_version = weight_version
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
@@ -217,6 +224,9 @@ class Scheduler:
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
 
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
     # ---- the loop --------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
@@ -275,6 +285,15 @@ class Scheduler:
             if group and prefill_tokens + r.num_tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
+            try:
+                fill_prompt_logprobs(self.model, r)  # no-op unless it asked for prompt log-probs
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                logger.exception("prompt log-probs of %s failed", r.rid)
+                self._finish(r, abort_reason(f"engine error: {e}"))
+                continue
+            if r.params.max_new_tokens == 0:  # scoring only: nothing to sample
+                self._finish(r, {"type": "length", "length": 0})
+                continue
             budget -= need
             kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
             if kv is not None:  # resumes an aborted request: its KV joins as is, its last token pending
@@ -299,6 +318,7 @@ class Scheduler:
         seqs = [r.input_ids + r.output_ids for r in group]
         logits, cache, valid = self.batch.prefill(seqs)
         tokens, lps = sample_batch(logits, [r.params for r in group], [r.generator for r in group], self.default_generator)
+        record_output_logprobs(group, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
         keep, next_pos, pending = [], [], []
         for i, r in enumerate(group):
             self._append(r, tokens[i], lps[i])
@@ -324,6 +344,7 @@ class Scheduler:
         self.num_steps += 1
         rs = self.running
         tokens, lps = sample_batch(logits, [r.params for r in rs], [r.generator for r in rs], self.default_generator)
+        record_output_logprobs(rs, logits)
         done = []
         for i, r in enumerate(rs):
             self._append(r, tokens[i], lps[i])
@@ -340,23 +361,35 @@ class Scheduler:
         st.decode_rows += len(rs)
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
+        if not r.version_spans or r.version_spans[-1][1] != self.weight_version:
+            r.version_spans.append((len(r.output_ids), self.weight_version))
         r.output_ids.append(token)
         r.logprobs.append(logprob)
-        p = r.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            self._finish(r, {"type": "stop", "matched": token})
-            return
-        if p.stop:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
-            for s in p.stop:
-                if s and text.endswith(s):
-                    self._finish(r, {"type": "stop", "matched": s})
-                    return
-        if len(r.output_ids) >= p.max_new_tokens:
-            self._finish(r, {"type": "length", "length": len(r.output_ids)})
-            return
-        if r.stream and r.notify is not None:
+        reason = self._finish_reason(r, token)
+        if reason is not None:
+            self._finish(r, reason)
+        elif r.stream and r.notify is not None:
             r.notify(r, False)
+
+    def _finish_reason(self, r: Request, token: int) -> dict | None:
+        """SGLang's order: the length limit, then stop tokens (EOS and stop_token_ids, both off with
+        ignore_eos, as in SGLang), then stop strings anywhere in the output text (also inside a
+        multi-character token; special tokens' text counts, as in SGLang's tail check), then stop regexes."""
+        p = r.params
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        if not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop or p.stop_regex:
+            full = self.tokenizer.decode(r.output_ids, skip_special_tokens=False)
+            shown = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if p.skip_special_tokens else full
+            for s in p.stop:
+                if s in full or s in shown:
+                    return {"type": "stop", "matched": s}
+            for rx in p.stop_regex:
+                if rx.search(full):
+                    return {"type": "stop", "matched": rx.pattern}
+        return None
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason

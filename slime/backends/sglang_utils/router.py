@@ -5,6 +5,13 @@ Facts this relies on (pinned by tests/test_router*.py): `POST /workers
 {"url"}` answers 202 and registers asynchronously; `GET /workers` lists
 `{"url", "is_healthy", ...}` once the worker passed the router's probes; a
 worker that cannot be reached is simply never listed.
+
+The router is launched with its circuit breaker off: 0.3.2 opens a worker's
+circuit after 10 consecutive failed requests (client errors included) and then
+answers every request, valid ones too, 503 `no_available_workers` for 60 s
+while `GET /workers` still says healthy; one batch of bad requests would stall
+a training run. Our workers' health is checked by their health probes and by
+EngineGroup, not by counting 400s.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ def build_router_command(args, host: str, port: int, prometheus_port: int) -> li
         "--prometheus-port", str(prometheus_port),
         "--policy", policy,
         "--log-level", args.sglang_router_log_level,
+        "--disable-circuit-breaker",
     ]
     timeout = args.sglang_router_request_timeout_secs
     if timeout:

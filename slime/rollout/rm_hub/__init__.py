@@ -9,7 +9,8 @@ Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's
   subtract_chain   the embedded task's checker (`slime.tasks.subtract_chain.compute_reward`)
   boxed_<type>     first extract the last `\\boxed{...}` of the response, then score that answer
                    with <type> (the answer alone: no `</think>` / `Answer:` format required)
-Every reward is bounded by `--reward-timeout` seconds (<= 0 means no limit).
+Every reward is bounded by `--reward-timeout` seconds (<= 0 means no limit); deepscaler and dapo
+are bounded by construction and computed inline (no task or timer per call).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import math
 import numbers
 
 from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
-from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
-from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, labels_of
+from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer
+from slime.rollout.rm_hub.math_utils import extract_boxed_answer
 from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
 from slime.rollout.rm_hub.remote_rm import remote_rm
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 RM_TYPES = ("deepscaler", "dapo", "math", "remote_rm", "subtract_chain")
 BOXED_PREFIX = "boxed_"
+INLINE_RM_TYPES = frozenset({"deepscaler", "dapo"})
 
 __all__ = ["async_rm", "batched_async_rm", "reward_group", "reward_timeout", "RM_TYPES", "extract_boxed_answer"]
 
@@ -65,26 +67,34 @@ async def _call_plugin(fn, timeout: float | None, *call_args):
     return await result if inspect.isawaitable(result) else result
 
 
+def _resolve(args, sample: Sample) -> tuple[str, str, str, bool]:
+    """(requested type, base type, response to score, answer only) for a sample without a custom reward."""
+    requested = _rm_type(args, sample)
+    if not requested:
+        raise ValueError(f"no reward configured: set --rm-type (one of {', '.join(RM_TYPES)}, or boxed_<type>) or --custom-rm-path")
+    if requested.startswith(BOXED_PREFIX):
+        return requested, requested[len(BOXED_PREFIX) :], extract_boxed_answer(sample.response) or "", True
+    return requested, requested, sample.response, False
+
+
+def _inline_reward(rm_type: str, response: str, label, answer_only: bool) -> float:
+    """deepscaler / dapo: pure string and arithmetic checks, bounded by construction (see math_expr)."""
+    if rm_type == "deepscaler":
+        if answer_only:
+            return 1.0 if response and grade_answer(response, label) else 0.0
+        return get_deepscaler_rule_based_reward(response, label)
+    return compute_score_dapo_answer(response, label) if answer_only else compute_score_dapo(response, label)
+
+
 async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
     custom = args.custom_rm_path
     if custom:
         return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}")
 
-    requested = _rm_type(args, sample)
-    if not requested:
-        raise ValueError(f"no reward configured: set --rm-type (one of {', '.join(RM_TYPES)}, or boxed_<type>) or --custom-rm-path")
-    rm_type, response, answer_only = requested, sample.response, False
-    if rm_type.startswith(BOXED_PREFIX):
-        rm_type, answer_only = rm_type[len(BOXED_PREFIX) :], True
-        response = extract_boxed_answer(sample.response) or ""
+    requested, rm_type, response, answer_only = _resolve(args, sample)
     label = sample.label
-
-    if rm_type == "deepscaler":
-        if answer_only:
-            return 1.0 if response and any(answers_match(response, g) for g in labels_of(label)) else 0.0
-        return get_deepscaler_rule_based_reward(response, label)
-    if rm_type == "dapo":
-        return compute_score_dapo_answer(response, label) if answer_only else compute_score_dapo(response, label)
+    if rm_type in INLINE_RM_TYPES:
+        return _inline_reward(rm_type, response, label, answer_only)
     if rm_type == "math":
         return await math_verify_reward(response, label, timeout, answer_only=answer_only)
     if rm_type == "remote_rm":
@@ -102,6 +112,10 @@ async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
 async def async_rm(args, sample: Sample) -> float:
     """The reward of one sample; raises on error, TimeoutError after `--reward-timeout` seconds."""
     timeout = reward_timeout(args)
+    if not args.custom_rm_path:
+        _, rm_type, response, answer_only = _resolve(args, sample)
+        if rm_type in INLINE_RM_TYPES:  # no task, no timer: microseconds each, bounded anyway
+            return _inline_reward(rm_type, response, sample.label, answer_only)
     try:
         return await asyncio.wait_for(_dispatch(args, sample, timeout), timeout)
     except TimeoutError as e:

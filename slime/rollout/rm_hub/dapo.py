@@ -1,20 +1,31 @@
 """DAPO's math reward (as in DAPO / verl `math_dapo`): +1 for a right `Answer:` line, -1 otherwise.
 
-Convention kept from DAPO: only the last 300 characters of the response are
-looked at; the prediction is the text after the last `Answer:` (case
-insensitive) up to the end of that line; prediction and gold go through the
-Minerva-style `normalize_final_answer` and must then be equal as strings
-(no numeric fallback); a missing `Answer:` line scores -1.
+Conventions kept from DAPO: only the last 300 characters of the response are looked at (after
+the EOS texts it ends with, `<|im_end|>`, `<|endoftext|>`...: the rollout decodes with
+`skip_special_tokens: false`); the prediction is the text after the last `Answer:` (case
+insensitive) up to the end of that line; prediction and gold go through the Minerva-style
+`normalize_final_answer` and must then be equal as strings (no symbolic or numeric equivalence:
+DAPO's labels are integers); a missing `Answer:` line scores -1.
+
+Deliberate differences from upstream slime (`math_dapo_utils`), all on unambiguous decorations:
+- an integer-valued number is its integer on BOTH sides (upstream casts only the label, and
+  raises on a non-numeric one): label `42.0` or `42` and `Answer: 42.0` or `Answer: 42` all match;
+  a non-numeric label is compared as a normalised string;
+- commas are dropped only as thousands separators (`1,234`; upstream: any, so `34, 35` is 3435);
+- also dropped: markdown bold (`**Answer:** 42`, `**Answer**: 42`), a trailing sentence period
+  (`Answer: 42.`), braces or parentheses around a number (`{42}`, `\\left(42\\right)`), a leading `+`,
+  `\\%`, thin spaces `1\\,234`, `\\displaystyle`, `\\(...\\)`, `\\mathbf{}`; `$$42$$` is `42`; `\\dfrac`/`\\tfrac`
+  read as `\\frac`; a Unicode minus is `-`; `days`, `years`, `seconds`, `weeks`, `months` join DAPO's unit words.
 """
 
 from __future__ import annotations
 
 import re
 
-from slime.rollout.rm_hub.math_utils import extract_boxed_answer
+from slime.rollout.rm_hub.math_utils import EOS_TEXTS, extract_boxed_answer, strip_eos_text
 
 TAIL_CHARS = 300
-ANSWER_PATTERN = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+ANSWER_PATTERN = re.compile(r"(?i)Answer\s*(?:\*\*)?\s*:\s*([^\n]+)")  # DAPO's, plus `**Answer**:`
 INVALID = "[INVALID]"
 
 # (before, after) substitutions, then whole expressions deleted (units, filler words, spacing macros)
@@ -25,34 +36,72 @@ _SUBSTITUTIONS = (
 _REMOVED = (
     "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
     "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "days", "years", "seconds", "weeks", "months",  # ours
     "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
     "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
+    ",\\!", "{,}", '"', "\\dots", *EOS_TEXTS,
 )
+# ours (see the module docstring): removed after the Minerva steps
+_DECORATIONS = ("**", "\\left", "\\right", "\\%", "%", "\\,", "\\!", "\\displaystyle", "\\(", "\\)")
+_INTEGER_VALUED = re.compile(r"^([+-]?\d+)\.0*$")
+_NUMBER = re.compile(r"^[+-]?\d+(\.\d+)?$")
+_THOUSANDS = re.compile(r"^\d{1,3}(,\d{3})+$")
+_FIRST_MATH_BLOCK = re.compile(r"(.*?)(\$)(.*?)(\$)(.*)")
+_UNWRAP_PATTERNS = tuple(re.compile(r"(\\" + cmd + r"\{)(.*?)(\})") for cmd in ("text", "textbf", "overline", "mathbf"))
+_BOXED = re.compile(r"(\\boxed\{)(.*)(\})")
+_FRAC_SHORT = re.compile(r"(frac)([^{])(.)")
+_SQRT_SHORT = re.compile(r"(sqrt)([^{])")
 
 
 def normalize_final_answer(answer: str) -> str:
     """Minerva normalisation: right of the last `=`, units and TeX wrappers dropped, `frac12` -> `frac{1}{2}`."""
     s = answer.split("=")[-1]
+    bare = s.strip()
+    if bare.isascii() and bare.lstrip("-").isdigit():  # a plain integer: every step below leaves it as is
+        return _canonical_number(bare)
+    s = s.replace("$$", "$")  # display math (ours: DAPO's $...$ step empties `$$42$$`)
     for before, after in _SUBSTITUTIONS:
         s = s.replace(before, after)
     for expr in _REMOVED:
         s = s.replace(expr, "")
-    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", s)  # keep the first $...$ block
-    for cmd in ("text", "textbf", "overline"):
-        s = re.sub(r"(\\" + cmd + r"\{)(.*?)(\})", r"\2", s)
-    s = re.sub(r"(\\boxed\{)(.*)(\})", r"\2", s)
-    s = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", s)
-    s = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", s)
+    if "$" in s:
+        s = _FIRST_MATH_BLOCK.sub(r"$\3$", s)  # keep the first $...$ block
+    if "\\" in s:
+        for pattern in _UNWRAP_PATTERNS:
+            s = pattern.sub(r"\2", s)
+        s = _BOXED.sub(r"\2", s)
+    if "frac" in s:
+        s = _FRAC_SHORT.sub(r"frac{\2}{\3}", s)
+    if "sqrt" in s:
+        s = _SQRT_SHORT.sub(r"sqrt{\2}", s)
     s = s.replace("$", "")
-    if s.replace(",", "").isdigit():
+    if _THOUSANDS.match(s):  # DAPO drops every comma between digits; we only thousands separators
         s = s.replace(",", "")
-    return s.strip()
+    return _canonical_number(s.strip())
+
+
+def _canonical_number(s: str) -> str:
+    for tok in _DECORATIONS:
+        if tok in s:
+            s = s.replace(tok, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\u2212", "-").strip()
+    while len(s) > 1 and (s[0], s[-1]) in (("{", "}"), ("(", ")")) and _NUMBER.match(s[1:-1].strip("{}")):
+        s = s[1:-1]
+    if s.endswith(".") and _NUMBER.match(s[:-1]):
+        s = s[:-1]
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    m = _INTEGER_VALUED.match(s)
+    if m is not None:
+        s = m.group(1)
+    if s.startswith("+") and _NUMBER.match(s):
+        s = s[1:]
+    return "0" if s == "-0" else s
 
 
 def extract_dapo_answer(response: str) -> str:
     """The normalised text after the last `Answer:` in the response tail, or `[INVALID]`-normalised."""
-    matches = ANSWER_PATTERN.findall(response[-TAIL_CHARS:])
+    matches = ANSWER_PATTERN.findall(strip_eos_text(response)[-TAIL_CHARS:])
     return normalize_final_answer(matches[-1] if matches else INVALID)
 
 

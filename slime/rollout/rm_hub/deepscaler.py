@@ -1,19 +1,34 @@
-"""DeepScaleR-style rule reward: the boxed answer after the reasoning, 1 if right else 0."""
+"""DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after the reasoning, 1 if right else 0.
+
+The format is part of the reward, as in DeepScaleR: a response without a finished reasoning block
+(`</think>`, or the `###Response` marker) or without a boxed answer after it scores 0. Right means
+`math_grader.answers_match` against any gold answer (a label may be a list of answers, or boxed).
+
+Deliberate differences from upstream slime's DeepScaleR grader (every one also listed in
+`math_grader`'s docstring where it concerns normalisation):
+- we split at the FIRST `</think>` (upstream: the last): everything after the reasoning is the
+  solution and its last boxed answer counts, so a stray `</think>` after the answer does not void it;
+- `\\boxed 42` without braces and `\\fbox{42}` are read (upstream: 0), thin spaces `1\\,234` dropped;
+- equal values are equal however they are written: `\\frac{2}{4}` is right for `\\frac{1}{2}` and
+  `\\frac{4}{2}` for `2` (upstream rejects unreduced fractions and any non-integer form of an
+  integer label);
+- equivalence is decided by exact / numeric evaluation (`math_expr`, `math_value`), not `sympy.simplify`: same
+  verdicts on the answers upstream's sympy accepts (`1+x^2` vs `x^2+1`, `\\sqrt{27}` vs `3\\sqrt{3}`,
+  `\\pi \\cdot 2` vs `2\\pi`, mixed numbers), bounded time per call, and decimal approximations of
+  irrational answers (`6.283185307` for `2\\pi`) are wrong as they are upstream;
+- `-2\\frac{1}{2}` is -5/2 (upstream reads the mixed number as -2 + 1/2).
+"""
 
 from __future__ import annotations
 
-from slime.rollout.rm_hub.math_utils import answers_match, extract_boxed_answer, labels_of
+from slime.rollout.rm_hub.math_grader import normalize_answer, normalized_match
+from slime.rollout.rm_hub.math_utils import THINK_END, extract_boxed_answer, labels_of
 
-THINK_END = "</think>"
 RESPONSE_MARKER = "###Response"
 
 
 def get_deepscaler_rule_based_reward(response: str, label) -> float:
-    """1.0 iff the last `\\boxed{}` after `</think>` (or `###Response`) matches any gold answer.
-
-    A response with no finished reasoning block, or no boxed answer after it,
-    gets 0.0 (as in DeepScaleR: the format is part of the reward).
-    """
+    """1.0 iff the last `\\boxed{}` after `</think>` (or `###Response`) matches any gold answer, else 0.0."""
     if THINK_END in response:
         solution = response.split(THINK_END, 1)[1]
     elif RESPONSE_MARKER in response:
@@ -23,4 +38,12 @@ def get_deepscaler_rule_based_reward(response: str, label) -> float:
     pred = extract_boxed_answer(solution)
     if pred is None:
         return 0.0
-    return 1.0 if any(answers_match(pred, gold) for gold in labels_of(label)) else 0.0
+    return 1.0 if grade_answer(pred, label) else 0.0
+
+
+def grade_answer(pred: str, label) -> bool:
+    """Does the extracted answer `pred` match any gold answer of `label`?"""
+    normalized = normalize_answer(pred)
+    if not normalized:
+        return False
+    return any(normalized_match(normalized, normalize_answer(gold)) for gold in labels_of(label))

@@ -1,15 +1,33 @@
-"""Answer extraction and normalisation shared by the rule-based rewards.
+"""Answer extraction shared by the rule-based rewards: the last boxed answer, EOS texts, labels.
 
-Pure string functions: no sympy, no timeouts needed (everything here is
-linear in the length of the answer).
+Pure string functions, linear in the length of the text. Normalising and comparing answers lives
+in `math_grader`.
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
+THINK_END = "</think>"
 _BOXED_COMMANDS = ("\\boxed", "\\fbox")
+# `Answer: 42`, `**Final answer:** 42`, `The answer is 42.`: the rest of that line
+_ANSWER_STATEMENT = re.compile(r"(?i)answer(?:\s*\**\s*:|\s+is\b:?)\s*\**\s*([^\n]+)")
+# special-token texts a response may end with when decoded with `skip_special_tokens: false`
+# (Qwen, Llama 3, Llama 2 / Mistral, DeepSeek)
+EOS_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>")
+
+
+def strip_eos_text(text: str) -> str:
+    """`text` without the special-token texts (and whitespace) it ends with."""
+    end = len(text)
+    while True:
+        stripped = text[:end].rstrip()
+        for eos in EOS_TEXTS:
+            if stripped.endswith(eos):
+                end = len(stripped) - len(eos)
+                break
+        else:
+            return stripped if end < len(text) else text
 
 
 def last_boxed_only_string(text: str) -> str | None:
@@ -55,89 +73,16 @@ def extract_boxed_answer(text: str) -> str | None:
     return None if boxed is None else remove_boxed(boxed)
 
 
-def _unwrap_command(s: str, command: str) -> str:
-    """Replace every `\\command{X}` by `X` (balanced braces)."""
-    key = command + "{"
-    while True:
-        start = s.find(key)
-        if start < 0:
-            return s
-        depth, j = 0, start + len(command)
-        for j in range(start + len(command), len(s)):
-            if s[j] == "{":
-                depth += 1
-            elif s[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-        else:
-            return s  # unbalanced; leave as is
-        s = s[:start] + s[start + len(key) : j] + s[j + 1 :]
-
-
-_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%", "\\displaystyle")
-_NUMBER_WITH_COMMAS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
-
-
-def normalize_answer(answer: str) -> str:
-    """A canonical string for a final answer (units/wrappers/spacing dropped, fractions in `\\frac{a}{b}` form)."""
-    s = str(answer).strip()
-    for cmd in ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox"):
-        s = _unwrap_command(s, cmd)
-    for tok in _DROP:
-        s = s.replace(tok, "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\s+", "", s)
-    # `x=5`, `k = 3`: keep the right-hand side of a short left-hand side
-    if s.count("=") == 1:
-        lhs, rhs = s.split("=")
-        if len(lhs) <= 2:
-            s = rhs
-    # `\frac12` -> `\frac{1}{2}`, `\frac1{2}` -> `\frac{1}{2}`, `\sqrt2` -> `\sqrt{2}`
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", s)
-    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-    s = s.rstrip(".")
-    if _NUMBER_WITH_COMMAS.match(s):
-        s = s.replace(",", "")
-    if s.startswith("."):
-        s = "0" + s
-    if s.startswith("-."):
-        s = "-0" + s[1:]
-    return s
-
-
-_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
-_SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
-_DECIMAL = re.compile(r"^-?\d+(\.\d+)?$")
-
-
-def to_number(normalized: str) -> Fraction | None:
-    """Exact value of an integer, decimal, `a/b` or `\\frac{a}{b}` answer (already normalised), else None."""
-    try:
-        if _DECIMAL.match(normalized):
-            return Fraction(normalized)
-        m = _SLASH.match(normalized)
-        if m:
-            return Fraction(int(m.group(1)), int(m.group(2)))
-        m = _FRAC.match(normalized)
-        if m:
-            value = Fraction(int(m.group(2)), int(m.group(3)))
-            return -value if m.group(1) else value
-    except ZeroDivisionError:
+def final_answer_statement(text: str) -> str | None:
+    """The answer stated on the last `Answer: ...` / `the answer is ...` line of `text` (math delimiters and a
+    trailing period dropped), or None."""
+    matches = _ANSWER_STATEMENT.findall(text)
+    if not matches:
         return None
-    return None
-
-
-def answers_match(pred: str, gold: str) -> bool:
-    """Equal after normalisation, or the same exact number (`0.5` == `\\frac{1}{2}` == `1/2`)."""
-    a, b = normalize_answer(pred), normalize_answer(gold)
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    x, y = to_number(a), to_number(b)
-    return x is not None and y is not None and x == y
+    answer = matches[-1].strip().rstrip(".").strip()
+    if answer.startswith("$") and answer.endswith("$"):
+        answer = answer.strip("$")
+    return answer or None
 
 
 def labels_of(label) -> list[str]:

@@ -1,50 +1,123 @@
-"""`--rm-type math`: HF math-verify (parse + symbolic verify), 1.0 if equivalent else 0.0.
+"""`--rm-type math`: 1.0 if the response's final answer equals a gold answer, else 0.0.
 
-math-verify's own timeouts use `signal.alarm`, which only works in the main
-thread; we switch them off (`parsing_timeout=None`, `timeout_seconds=None`)
-and run the check in a daemon thread under our own deadline instead
-(`run_in_daemon_thread`).
+Where the final answer is: only the text after the first `</think>` when there is one (the
+reasoning is not the answer; without `</think>` the whole response), EOS texts dropped; in it the
+last boxed answer, else the last explicit statement (`Answer: ...`, `the answer is ...`), else
+whatever HF math-verify extracts.
+
+Cheap before slow: for a boxed or stated answer `math_grader` decides first, on the event loop
+(normalised strings, then values; bounded): right when they match, wrong when both are plain
+arithmetic with different values (`math_grader.definitely_different`: numbers, letters, pi,
++ - * / ^, roots; a decimal approximation of an irrational label included) or different words.
+Only undecided answers go to math-verify (parse + symbolic verify), which runs in a daemon
+thread under `--reward-timeout`: math-verify's own
+timeouts use `signal.alarm`, which works only in the main thread, so we switch them off
+(`parsing_timeout=None`, `timeout_seconds=None`) and bound the call ourselves (`run_in_daemon_thread`).
+
+Conventions:
+- a decimal approximation is right only when the label itself is written with a decimal: math-verify
+  accepts `6.283185307` for `2\\pi` and `0.333333` for `\\frac{1}{3}`; we do not (an exact decimal
+  such as `0.25` for `\\frac{1}{4}` stays right). There is no tolerance flag.
+- a label math-verify cannot parse (e.g. `\\$25` on its own) is scored by the normalised-string match
+  (`math_grader.answers_match`), never raised on; a missing (empty) label raises.
 """
 
 from __future__ import annotations
 
-from slime.rollout.rm_hub.math_utils import labels_of
+import re
+
+from slime.rollout.rm_hub.math_grader import answers_match, definitely_different, is_word, normalize_answer, normalized_match
+from slime.rollout.rm_hub.math_utils import (
+    THINK_END,
+    extract_boxed_answer,
+    final_answer_statement,
+    labels_of,
+    strip_eos_text,
+)
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
+
+_APPROXIMATE_DECIMAL = re.compile(r"\d*\.\d*[1-9]")  # 0.33, 6.2831 (not 2.0)
+
+
+def golds_of(label) -> list[str]:
+    golds = [g for g in labels_of(label) if g.strip()]
+    if not golds:
+        raise ValueError("math reward needs a label (set --label-key)")
+    return golds
+
+
+def quick_verdict(answer: str, golds: list[str]) -> bool | None:
+    """Decide on the cheap path when we can: True (matches a gold), False (different exact numbers), None (ask math-verify)."""
+    pred = normalize_answer(answer)
+    if not pred:
+        return False
+    normalized = [normalize_answer(g) for g in golds]
+    if any(normalized_match(pred, g) for g in normalized):
+        return True
+    if is_word(pred) and all(is_word(g) for g in normalized):
+        return False  # text answers (`yes`, `no`, `B`): math-verify would read `no` = `on` as products
+    if "%" in answer or any("%" in g or _APPROXIMATE_DECIMAL.search(g) for g in golds):
+        return None  # math-verify reads percentages and compares to a decimal label with tolerance
+    if all(definitely_different(pred, g) for g in normalized):
+        return False
+    return None
 
 
 def _parse_gold(gold: str):
     from math_verify import parse
 
     # a bare expression such as `x^2+1` only parses inside math delimiters
-    candidates = [gold] if ("$" in gold or "\\boxed" in gold) else [f"${gold}$", gold]
+    candidates = [gold] if "\\boxed" in gold else [f"${gold}$", "\\boxed{" + gold + "}", gold]
     for text in candidates:
         parsed = parse(text, parsing_timeout=None)
         if parsed:
             return parsed
-    raise ValueError(f"math-verify cannot parse the label {gold[:120]!r}")
+    return None
 
 
-def math_verify_correct(response: str, label) -> bool:
-    """Blocking: does the answer in `response` equal any gold answer in `label` (math-verify)?"""
+def _is_approximation(pred_text: str, gold: str) -> bool:
+    return bool(_APPROXIMATE_DECIMAL.search(pred_text)) and not _APPROXIMATE_DECIMAL.search(gold)
+
+
+def math_verify_correct(text: str, golds: list[str]) -> bool:
+    """Blocking (math-verify): does the answer in `text` equal any gold answer?"""
     from math_verify import parse, verify
 
-    golds = labels_of(label)
-    if not golds:
-        raise ValueError("math reward needs a label (set --label-key)")
-    pred = parse(response, parsing_timeout=None)
+    pred = parse(text, parsing_timeout=None)
     if not pred:
         return False
-    return any(verify(_parse_gold(g), pred, timeout_seconds=None) for g in golds)
-
-
-def math_verify_answer_correct(answer: str, label) -> bool:
-    """Blocking: like `math_verify_correct` for an already extracted answer (`boxed_math`)."""
-    if not answer.strip():
-        return False
-    return math_verify_correct(f"${answer}$", label)
+    pred_text = pred[-1] if isinstance(pred[-1], str) else text
+    for gold in golds:
+        parsed = _parse_gold(gold)
+        if parsed is None:  # unreadable label: the normalised-string match decides
+            if answers_match(pred_text, gold):
+                return True
+            continue
+        if verify(parsed, pred, timeout_seconds=None):
+            if _is_approximation(pred_text, gold) and not answers_match(pred_text, gold):
+                continue
+            return True
+    return False
 
 
 async def math_verify_reward(response: str, label, timeout: float | None, answer_only: bool = False) -> float:
-    """1.0 / 0.0 from math-verify, computed off the event loop within `timeout` seconds."""
-    check = math_verify_answer_correct if answer_only else math_verify_correct
-    return 1.0 if await run_in_daemon_thread(check, response, label, timeout=timeout) else 0.0
+    """1.0 / 0.0: the cheap verdict when there is one, else math-verify off the event loop within `timeout` seconds."""
+    golds = golds_of(label)
+    if answer_only:
+        answer, text = response, "\\boxed{" + response + "}"
+    else:
+        text = strip_eos_text(response)
+        if THINK_END in text:
+            text = text.split(THINK_END, 1)[1]
+        answer = extract_boxed_answer(text)
+        if answer is not None:
+            text = "\\boxed{" + answer + "}"
+        else:
+            answer = final_answer_statement(text)
+    if answer is not None:
+        if not answer.strip():
+            return 0.0
+        verdict = quick_verdict(answer, golds)
+        if verdict is not None:
+            return 1.0 if verdict else 0.0
+    return 1.0 if await run_in_daemon_thread(math_verify_correct, text, golds, timeout=timeout) else 0.0

@@ -47,7 +47,7 @@ def engine_idle_seconds(engines) -> float | None:
     from slime.backends.sglang_utils.http_client import get_json
 
     total = 0.0
-    for url in engines.worker_urls():
+    for url in engines.engine_urls:  # the engines this run launched (no router round trip)
         info = get_json(url.rstrip("/") + "/get_server_info", timeout=ENGINE_INFO_TIMEOUT_S)
         states = info.get("internal_states") if isinstance(info, dict) else None
         stats = states[0].get("scheduler_stats") if isinstance(states, list) and states and isinstance(states[0], dict) else None

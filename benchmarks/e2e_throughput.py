@@ -125,9 +125,13 @@ def run_mode(opts, mode: str, round_id: int) -> dict:
         pinner.start()
         try:
             rc = proc.wait(timeout=opts.run_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise RuntimeError(f"{mode} round {round_id} ran past {opts.run_timeout}s (log: {run_dir}/stdout.log)")
+        except BaseException:  # timed out or interrupted: the run (and the engines it started) must not linger
+            proc.terminate()  # its engines, router and Ray processes die with it (as after a kill -9)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
         finally:
             pinner.stop.set()
     if rc != 0:
@@ -146,7 +150,7 @@ def run_mode(opts, mode: str, round_id: int) -> dict:
 def run_stats(path: str) -> dict:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     steps = [r for r in rows if r["step"] >= 0]
-    eval_s = sum(r.get("eval/time_s", 0.0) for r in steps)
+    eval_s = sum(r.get("perf/eval_time_s", 0.0) for r in steps)
     wall = sum(r["perf/step_time_s"] for r in steps) - eval_s
     lags: dict[int, float] = {}
     for r in steps:

@@ -14,8 +14,9 @@ and when the weights reach the engines.
     run.finish()
 
 Timing (`perf/` metrics, one set per step): the step's wall time, how long the trainer was busy
-(training and pushing weights) and how long the engines were idle (the embedded engine's scheduler
-counter; absent with SGLang), so a run's idle fractions are sums of these over its steps.
+(training and pushing weights), how long the engines were idle (the embedded engine's scheduler
+counter; absent with SGLang) and, on eval steps, how long the eval took, so a run's idle fractions
+are sums of these over its steps.
 """
 
 from __future__ import annotations
@@ -156,7 +157,10 @@ class TrainingRun:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Eval sets on the engines' current weights (never enters the buffer, never trains)."""
-        return self.rollout_manager.evaluate(rollout_id)
+        t0 = time.monotonic()
+        out = self.rollout_manager.evaluate(rollout_id)
+        out["perf/eval_time_s"] = time.monotonic() - t0
+        return out
 
     # ---- logging ---------------------------------------------------------------------------
     def _engine_idle(self) -> float | None:

@@ -26,10 +26,8 @@ If a request fails (an engine died), the step stops the same way, keeps every
 finished group in the buffer and parks (or drops) the rest, then raises
 `RolloutError` naming the failure.
 
-train_async.py runs steps with `ctx.gate` (every request passes a `VersionGate`, so a weight update
-can happen in flight) and `ctx.halt` (stop early for a checkpoint: everything goes to the buffer).
-Stream mode (slime/rollout/stream.py) reuses this step with no target (`_target_met`) and its own
-`_settle_group`.
+train_async.py passes `ctx.gate` (weight updates in flight) and `ctx.halt` (stop for a checkpoint);
+stream mode (slime/rollout/stream.py) reuses the step with no target and its own `_settle_group`.
 """
 
 from __future__ import annotations
@@ -307,7 +305,7 @@ class _RolloutStep:
             if self.errors or self.halted or self._target_met():
                 return
             if all(w.done() for w in workers) and not self.reward_tasks:
-                logger.warning("rollout step %d: data exhausted with %d/%s groups accepted",
+                logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
                                self.rollout_id, len(self.accepted), self.target)
                 return
             try:

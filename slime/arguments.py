@@ -118,7 +118,8 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                         "stream (train_async.py only): keep --rollout-pool-size requests in flight across steps, the "
                         "trainer takes the next --rollout-batch-size accepted groups as soon as they exist")
     g.add_argument("--rollout-pool-size", type=int, default=None,
-                   help="requests in flight in pool and stream modes (default: --sglang-server-concurrency x engines)")
+                   help="requests in flight in pool and stream modes (default: --sglang-server-concurrency x engines; "
+                        "stream: --rollout-batch-size x --n-samples-per-prompt, at most that)")
     g.add_argument("--max-staleness", type=int, default=None,
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
@@ -317,6 +318,9 @@ def _fill_defaults(a: Args) -> None:
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
+    if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
+        # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
+        a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
     pairs = a.eval_prompt_data or []

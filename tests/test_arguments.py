@@ -153,3 +153,9 @@ def test_train_async_rules_name_the_flag(base, extra, flag):
     with pytest.raises(ArgumentError) as e:
         parse_args(base + extra, entry="train_async.py")
     assert str(e.value).startswith(flag + ":")
+
+
+def test_stream_pool_defaults_to_one_batch_of_requests(base):
+    a = parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"], entry="train_async.py")
+    assert a.rollout_pool_size == 4 * 2  # --rollout-batch-size x --n-samples-per-prompt
+    assert parse_args(base + ["--rollout-mode", "pool"]).rollout_pool_size == 512

@@ -78,17 +78,33 @@ def quick_start_cmd(opts, mode: str, run_dir: str) -> list[str]:
 class Pinner(threading.Thread):
     """Pins the run's trainer actor to one core and every other process of the run to another, as they appear."""
 
-    def __init__(self, root_pid: int, engine_core: int, trainer_core: int):
+    def __init__(self, root_pid: int, engine_core: int, trainer_core: int, metrics_path: str):
         super().__init__(daemon=True)
         self.root, self.cores = root_pid, {"engine": {engine_core}, "trainer": {trainer_core}}
+        self.metrics_path = metrics_path
+        self.cpu_at_loop: dict[int, tuple[str, float]] | None = None  # when the first metrics line appears
         self.pinned: dict[int, str] = {}
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds when last seen)
         self.stop = threading.Event()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time each kind of process used from the start of the training loop (the first metrics line:
+        the starting eval) to the end of the run (as sampled every 0.5 s)."""
+        base = self.cpu_at_loop or {}
+        out: dict[str, float] = {}
+        for pid, (kind, secs) in self.cpu.items():
+            out[kind] = out.get(kind, 0.0) + secs - (base[pid][1] if pid in base else 0.0)
+        return out
+
     def _kind(self, proc: psutil.Process) -> str:
+        if proc.pid == self.root:
+            return "driver"
         cmd = " ".join(proc.cmdline())
         if "FSDPTrainer" in cmd:  # Ray names an actor's worker process ray::FSDPTrainer
             return "trainer"
-        return "engine" if "slime.backends.hf_engine" in cmd else "rollout side"
+        if "slime.backends.hf_engine" in cmd:
+            return "engine"
+        return "router" if "router" in cmd else "ray"
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -100,6 +116,8 @@ class Pinner(threading.Thread):
             for p in procs:
                 try:
                     kind = self._kind(p)
+                    t = p.cpu_times()
+                    self.cpu[p.pid] = (kind, t.user + t.system)
                     if self.pinned.get(p.pid) == kind:
                         continue
                     # a Ray worker becomes the trainer only once the actor is placed in it: re-check every round
@@ -107,6 +125,8 @@ class Pinner(threading.Thread):
                     self.pinned[p.pid] = kind
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
+            if self.cpu_at_loop is None and os.path.isfile(self.metrics_path) and os.path.getsize(self.metrics_path):
+                self.cpu_at_loop = dict(self.cpu)
             self.stop.wait(0.5)
 
 
@@ -121,7 +141,7 @@ def run_mode(opts, mode: str, round_id: int) -> dict:
     t0 = time.monotonic()
     with open(os.path.join(run_dir, "stdout.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        pinner = Pinner(proc.pid, opts.engine_core, opts.trainer_core)
+        pinner = Pinner(proc.pid, opts.engine_core, opts.trainer_core, os.path.join(run_dir, "metrics.jsonl"))
         pinner.start()
         try:
             rc = proc.wait(timeout=opts.run_timeout)
@@ -136,14 +156,15 @@ def run_mode(opts, mode: str, round_id: int) -> dict:
             pinner.stop.set()
     if rc != 0:
         raise RuntimeError(f"{mode} round {round_id} failed with exit code {rc}; see {run_dir}/stdout.log")
-    kinds = sorted(pinner.pinned.values())
+    kinds = sorted(pinner.pinned.values())  # (the driver, router and Ray's processes share the engine's core)
     if kinds.count("engine") < 1 or kinds.count("trainer") < 1:
         logger.warning("%s round %d: pinned only %s (engine and trainer share cores)", mode, round_id, kinds)
     stats = run_stats(os.path.join(run_dir, "metrics.jsonl"))
-    stats.update(mode=mode, round=round_id, total_s=time.monotonic() - t0, load_before=load_before, load_after=load())
+    stats.update(mode=mode, round=round_id, total_s=time.monotonic() - t0, load_before=load_before, load_after=load(),
+                 cpu_s=pinner.cpu_seconds())
     print(f"  {mode:<13} round {round_id}: loop {stats['wall_s']:6.1f}s  {stats['samples_per_s']:6.1f} samples/s  "
-          f"eval acc {stats['accuracy']:.3f}  (whole run {stats['total_s']:.0f}s, load {load_before} -> {stats['load_after']})",
-          flush=True)
+          f"eval acc {stats['accuracy']:.3f}  (whole run {stats['total_s']:.0f}s, load {load_before} -> {stats['load_after']}; "
+          f"CPU s: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(stats["cpu_s"].items())) + ")", flush=True)
     return stats
 
 

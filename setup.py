@@ -23,10 +23,15 @@ setup(
         "requests>=2.31",
         "math-verify>=0.8,<1",
         "sglang-router==0.3.2",
+        # the Megatron-core trainer (--train-backend megatron), tested on CPU in CI; 0.16.1 is the newest
+        # release for Python 3.11. psutil: megatron's checkpoint writer needs it and does not declare it.
+        "megatron-core>=0.16.1,<0.17",
+        "psutil>=5.9",
+        "matplotlib>=3.7",  # tools/plot_run.py (Agg backend, no display)
     ],
     extras_require={
         "sglang": ["sglang>=0.5.0,<0.6"],
-        "megatron": ["megatron-core>=0.16"],
+        "megatron": [],  # megatron-core is a core dependency now; kept so `.[sglang,megatron]` still installs
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
 )

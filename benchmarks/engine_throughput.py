@@ -20,6 +20,9 @@ import aiohttp
 import torch
 
 from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.sglang_utils import http_client
+from slime.rollout.simulator.calibrate import abort_to_idle_s, closed_loop_tps
+from slime.rollout.simulator.gpu_presets import gpu_cost_model
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 logger = logging.getLogger("engine_throughput")
@@ -39,55 +42,27 @@ def static_generate_tps(model, prompts: list[list[int]], new_tokens: int, repeat
 
 
 async def engine_tps(url: str, prompts: list[list[int]], in_flight: int, new_tokens: int, rounds: int) -> float:
-    """Closed loop: `in_flight` workers, each sending `rounds` requests back to back."""
-    sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    total = 0
-
-    async def worker(session, w):
-        nonlocal total
-        for r in range(rounds):
-            body = {"input_ids": prompts[(w * rounds + r) % len(prompts)], "sampling_params": sp, "return_logprob": True}
-            async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=600)) as resp:
-                out = await resp.json()
-            total += out["meta_info"]["completion_tokens"]
-
+    """Closed loop: `in_flight` workers, each sending `rounds` requests back to back (the simulator's
+    calibration measures the same curve: slime/rollout/simulator/calibrate.py)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async with session.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": {**sp, "max_new_tokens": 4}},
-                                timeout=aiohttp.ClientTimeout(total=60)) as resp:  # warm-up, not counted
-            await resp.read()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(session, w) for w in range(in_flight)))
-        return total / (time.perf_counter() - t0)
+        return await closed_loop_tps(session, url, prompts, in_flight, new_tokens, rounds)
 
 
 async def abort_to_idle_ms(url: str, prompts: list[list[int]], n: int) -> float:
     """Put `n` long requests in flight, abort all, time until every response is back and the engine is idle."""
-    sp = {"max_new_tokens": 900, "temperature": 1.0, "ignore_eos": True}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(i):
-            body = {"input_ids": prompts[i % len(prompts)], "sampling_params": sp, "rid": f"bench-abort-{i}"}
-            async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=600)) as resp:
-                return await resp.json()
+        ms = 1000 * await abort_to_idle_s(session, url, prompts, n)
+        load = await http_client.get(session, url, "/get_load", timeout=10)
+    load = load[0] if isinstance(load, list) else load
+    assert load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0, load
+    return ms
 
-        tasks = [asyncio.create_task(one(i)) for i in range(n)]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            async with session.get(url + "/get_load", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                load = (await resp.json())[0]
-            if load["num_reqs"] == n:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
-        t0 = time.perf_counter()
-        async with session.post(url + "/abort_request", json={"abort_all": True}, timeout=aiohttp.ClientTimeout(total=30)):
-            pass
-        outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        elapsed = time.perf_counter() - t0
-        async with session.get(url + "/get_load", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            load = (await resp.json())[0]
-        assert load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0, load
-        assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
-        return elapsed * 1000
+
+def gpu_scale(levels: list[int], prompt_len: int, new_tokens: int) -> str:
+    """The simulator's engine model of Qwen3-4B on one H100 (datasheet numbers) at the same levels."""
+    cost = gpu_cost_model("h100", "qwen3-4b", tp=1)
+    ctx = prompt_len + new_tokens // 2
+    return "  ".join(f"{c}: {cost.tokens_per_s(c, ctx):,.0f}" for c in levels) + f"  (x{cost.tokens_per_s(max(levels), ctx) / cost.tokens_per_s(min(levels), ctx):.0f})"
 
 
 def main() -> None:
@@ -133,6 +108,8 @@ def main() -> None:
     for c in levels:
         print(f"{c:>10} {engine[c]:>14.0f} {static[c]:>14.0f} {engine[c] / static[c]:>7.2f}")
     print(f"abort-all to idle with {top} in flight: {abort_ms:.1f} ms (best of 2)")
+    print(f"simulator, GPU scale (Qwen3-4B on 1 x H100, modelled from datasheets) tok/s at the same levels: "
+          f"{gpu_scale(levels, args.prompt_len, args.new_tokens)}")
     result = {
         "params_m": round(n_params / 1e6, 3), "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
         "engine_tok_s": {str(c): round(engine[c], 1) for c in levels},
@@ -140,6 +117,8 @@ def main() -> None:
         f"engine_vs_static_at_{top}": round(engine[top] / static[top], 3),
         f"engine_{top}_vs_{one}": round(engine[top] / engine[one], 2),
         "abort_all_to_idle_ms": round(abort_ms, 1),
+        "sim_gpu_h100_qwen3_4b_tok_s": {str(c): round(gpu_cost_model("h100", "qwen3-4b").tokens_per_s(
+            c, args.prompt_len + args.new_tokens // 2)) for c in levels},
         "targets_met": {"vs_static>=0.9": engine[top] / static[top] >= 0.9, "scaling>=8": engine[top] / engine[one] >= 8,
                         "abort<=100ms": abort_ms <= 100},
     }

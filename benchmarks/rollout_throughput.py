@@ -23,14 +23,16 @@
    round, so drift of the box hits all alike. Before every step a simulated
    weight update bumps the engines' weight_version and, as a real update does
    by default, flushes their cache (not for the _kv modes).
-4. Prints per-mode tokens/s (total tokens / total rollout time over all
+4. With --simulate, calibrates the engine in passes interleaved with the rounds and prints the
+   rollout simulator's prediction of every mode beside its measurement (rollout_simcheck.py).
+5. Prints per-mode tokens/s (total tokens / total rollout time over all
    rounds), ratios, per-round ratios, the off-policy token ratio and a per-step
    breakdown (time to target, drain and abort->idle, time outside both, gap
    between steps, requests, resumed samples, their tokens so far) and each
    mode's engine time (prefill, decode, idle, cache hits, cost per token); the
    last line is one JSON.
 
-    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 24]
+    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 24] [--simulate]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import time
 
 import aiohttp
 from rollout_report import median, report
+from rollout_simcheck import make_calibrator, predict
 from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_stats, stats_delta
 
 from slime.arguments import parse_args
@@ -121,6 +124,9 @@ async def main_async(opts, workdir):
             limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
             limit_carry: list = []  # the limit's unfinished samples, continued in its next slice
             limit_engine: dict = {}
+            cal = make_calibrator(engines, vocab) if opts.simulate else None
+            if cal is not None:
+                await cal.measure(http)
             for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
                 walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
                 secs = max(opts.min_seconds, walls["april"])
@@ -134,11 +140,18 @@ async def main_async(opts, workdir):
                 limit_rounds.append(tps)
                 print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items())
                       + f"  limit {tps:.0f} tok/s", flush=True)
+                if cal is not None:
+                    await cal.measure(http)
     limit = limit_tokens / limit_wall
     res = {k: v.result() for k, v in runners.items()}
     summary = report(res, limit, limit_rounds, limit_running, limit_wall, limit_engine, c_star, curve, opts.rounds,
                      t_start)
+    if cal is not None:
+        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star)
     print(json.dumps(summary))
+    if opts.json_out:
+        with open(opts.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
 
 
 def main(argv=None):
@@ -164,6 +177,9 @@ def main(argv=None):
                    help="APRIL submits this many x B groups per chunk (--over-sampling-batch-size)")
     p.add_argument("--no-stale-kv-modes", action="store_true",
                    help="skip april_kv / pool_kv (the same modes with --reuse-stale-kv: no re-prefill on resume)")
+    p.add_argument("--simulate", action="store_true",
+                   help="calibrate the engine (interleaved with the rounds) and print the simulator's prediction of each mode")
+    p.add_argument("--json-out", default=None, help="also write the summary JSON here")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,

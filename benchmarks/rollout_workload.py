@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 
@@ -128,14 +129,17 @@ class CountingBuffer(PartialRolloutBuffer):
 
 
 STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s", "gap_s", "requests",
-             "resumed_samples", "reprefill_tokens", "new_tokens", "occupancy")
+             "resumed_samples", "reprefill_tokens", "new_tokens", "occupancy", "over_sampling")
 
 
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale):
+    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale, planner=None):
+        # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
+        args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
+        self.planner = planner  # --over-sampling-batch-size auto
         self.flush = not args.reuse_stale_kv
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
@@ -156,7 +160,8 @@ class ModeRunner:
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, http_session=self.http))
+                self.source, self.buffer, self.engines, None, self.step, http_session=self.http,
+                over_sampling_planner=self.planner))
             dt = time.monotonic() - t0
             m = out.metrics
             self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
@@ -177,6 +182,7 @@ class ModeRunner:
             st["reprefill_tokens"].append(self.buffer.reprefill_tokens - rp0)
             st["new_tokens"].append(m["rollout/new_tokens"])
             st["occupancy"].append(m.get("rollout/engine_running_reqs_mean", float("nan")))
+            st["over_sampling"].append(m.get("rollout/over_sampling_batch_size", float("nan")))
             prev_end = time.monotonic()
             logger.info("%s step %d: %.0f tok/s in %.3fs (target %.3fs, drain %.3fs, abort->idle %.3fs), %d groups, "
                         "parked %d, in-flight peak %d, engine running mean %.1f, resumed %d (%d tok), off-policy %.3f", self.name, self.step, m["rollout/new_tokens"] / dt,

@@ -7,6 +7,12 @@
 #   bash scripts/quickstart.sh                 # APRIL (partial rollout, over-sampling)
 #   bash scripts/quickstart.sh --no-partial    # the same job, synchronous, for comparison
 #   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
+#   bash scripts/quickstart.sh --train-backend megatron   # the same job on the Megatron-core trainer
+#   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
+#
+# It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
+# rollout tokens/s, off-policy tokens and staleness, response lengths, engine occupancy over one rollout
+# (beside the other mode's run when both exist) and the rollout simulator's prediction vs the measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +24,9 @@ RUN=${RUN:-runs/quickstart-$MODE}
 STEPS=${STEPS:-80}
 EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 
-bash scripts/install.sh
+# SLIME_SKIP_INSTALL=1: the package is already installed (tests, benchmarks, worktrees that must not
+# re-point an editable install at themselves)
+[[ "${SLIME_SKIP_INSTALL:-0}" == 1 ]] || bash scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 
@@ -47,3 +55,10 @@ $PY train.py \
   --save "$RUN/ckpt" --save-interval "$STEPS" \
   --run-dir "$RUN" \
   "$@"
+
+# Pictures. The simulator's prediction needs the engine's costs: calibrate it once on this machine (~20 s).
+if [[ "${SIMULATE:-1}" != 0 ]]; then
+  $PY tools/simulate_rollout.py calibrate --model-path "$WORK/model-sft" --quick --passes 2 --curve "" \
+    --out "$RUN/cost_model.json" || echo "[quickstart] engine calibration failed: plotting without the simulator" >&2
+fi
+$PY tools/plot_run.py "$RUN"

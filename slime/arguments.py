@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 class ArgumentError(ValueError):
@@ -69,7 +69,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocate", action="store_true",
                    help="trainers and engines share the same devices (on CPU they always share the cores)")
     g.add_argument("--offload", action="store_true", help="offload trainer state during rollout (GPU only)")
-    g.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp")
+    g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
+                   help="trainer: Megatron-core or FSDP2 (auto: megatron when megatron-core and CUDA are present, else fsdp)")
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
@@ -107,9 +108,15 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("partial rollout (APRIL)")
     g.add_argument("--partial-rollout", action="store_true",
                    help="abort unfinished requests once the batch is full and park them in the buffer to resume next step")
-    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+    g.add_argument("--over-sampling-batch-size", type=_int_or_auto, default=None,
                    help="groups submitted per chunk: > rollout batch size over-samples; smaller submits chunks until "
-                        "the target is met; equal (default) is synchronous")
+                        "the target is met; equal (default) is synchronous; 'auto': each step's size is chosen by the "
+                        "rollout simulator from what the last steps showed (response lengths incl. the unfinished "
+                        "tail, the dynamic filter's pass rate, --max-staleness), logged as rollout/over_sampling_batch_size")
+    g.add_argument("--rollout-cost-model", type=str, default=None,
+                   help="engine cost model for --over-sampling-batch-size auto: a JSON from `tools/simulate_rollout.py "
+                        "calibrate`, or gpu:<h100|h200|mi300x>:<model>:tp<N> (modelled from datasheets); default: "
+                        "calibrate the engines after the first step (a few seconds)")
     g.add_argument("--buffer-filter-path", type=str, default=None, help="order in which parked groups are resumed (default FIFO)")
     g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="e.g. slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
@@ -128,6 +135,15 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="weight updates keep the engines' cache (flush_cache=false), so a parked sample resumes on "
                         "the KV its earlier tokens had (computed by older weights) instead of being re-prefilled; "
                         "its tokens keep their versions and go through the same off-policy correction")
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -188,12 +204,63 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--ref-load", type=str, default=None, help="reference model (default: --hf-checkpoint)")
+    g.add_argument("--ref-load", type=str, default=None,
+                   help="reference model (default: --hf-checkpoint); with --train-backend megatron a torch_dist "
+                        "checkpoint (tools/convert_hf_to_torch_dist.py) or a HF directory, which is also the "
+                        "actor's starting point when --load has no checkpoint (as in slime)")
     g.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
                    help="attention kernel of the FSDP trainer's transformers model")
+    g.add_argument("--optimizer", choices=["adam"], default="adam", help="Adam(W) with decoupled weight decay")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="learning-rate schedule over optimizer steps (non-constant: --train-backend megatron)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up from --lr-warmup-init")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="optimizer steps to decay over (linear / cosine)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
     g.add_argument("--update-weights-from-disk", action="store_true",
                    help="sync weights through a saved directory instead of a broadcast group")
+
+
+def _add_megatron_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags under their own names (what slime's scripts pass)."""
+    g = p.add_argument_group("megatron: parallelism, precision, recompute")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="only 1 (dense models)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="only 1 (dense models)")
+    g.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence over TP ranks")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP ranks")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights and optimizer")
+    g.add_argument("--fp16", action="store_true", help="not supported (use --bf16)")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+                   help="auto / flash: torch SDPA (flash kernels on GPU); unfused / local: megatron's own attention; "
+                        "fused needs TransformerEngine (not supported)")
+    g.add_argument("--attention-dropout", type=float, default=None, help="default: the HF config's")
+    g.add_argument("--hidden-dropout", type=float, default=None, help="default: 0")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of lcm(this, TP) (padded rows never get probability; "
+                        "one padded size for every TP that divides it, so checkpoints reshard across TP)")
+
+    m = p.add_argument_group("megatron: model shape (optional; when given, must match --hf-checkpoint's config.json)")
+    for name, typ in (("num-layers", int), ("hidden-size", int), ("ffn-hidden-size", int), ("num-attention-heads", int),
+                      ("num-query-groups", int), ("kv-channels", int), ("vocab-size", int),
+                      ("max-position-embeddings", int), ("norm-epsilon", float), ("rotary-base", float)):
+        m.add_argument(f"--{name}", type=typ, default=None)
+    for name in ("swiglu", "group-query-attention", "qk-layernorm", "add-qkv-bias", "disable-bias-linear",
+                 "untie-embeddings-and-output-weights", "use-rotary-position-embeddings"):
+        m.add_argument(f"--{name}", action="store_true", default=None)
+    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
+    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
+    m.add_argument("--rotary-percent", type=float, default=1.0, help="only 1.0 is supported")
+    m.add_argument("--use-rope-scaling", action="store_true", help="not supported (Llama 3.1+ rope scaling)")
+    m.add_argument("--rotary-scaling-factor", type=float, default=None, help="not supported")
 
 
 def _add_reward_args(p: argparse.ArgumentParser) -> None:
@@ -251,6 +318,18 @@ def _add_sglang_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="requests in flight per engine")
 
 
+def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
+                   extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Only the Megatron flags (MODEL_ARGS, TP, --bf16, ...), for the conversion tools; `extra` adds the
+    tool's own arguments. Model-shape flags are checked against the HF config by the tool."""
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_megatron_args(p)
+    if extra is not None:
+        extra(p)
+    return p.parse_args(list(argv))
+
+
 ENTRIES = {
     "train.py": "RL post-training with APRIL partial rollouts",
     "train_async.py": "asynchronous RL post-training: the rollout of the next steps overlaps training, with APRIL "
@@ -269,8 +348,8 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     adders = [_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
-              _add_algorithm_args, _add_training_args, _add_reward_args, _add_logging_args, _add_debug_args,
-              _add_sglang_args]
+              _add_algorithm_args, _add_training_args, _add_megatron_args, _add_reward_args, _add_logging_args,
+              _add_debug_args, _add_sglang_args]
     if entry == "train_async.py":
         adders.insert(3, _add_async_args)
     for add in adders:
@@ -300,7 +379,26 @@ def _split_sglang_extra(unknown: list[str]) -> dict[str, str | bool]:
     return extra
 
 
+def megatron_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _resolve_train_backend(requested: str) -> str:
+    """auto: Megatron where it is meant to run (megatron-core + CUDA), else FSDP."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "megatron" if megatron_importable() and torch.cuda.is_available() else "fsdp"
+
+
 def _fill_defaults(a: Args) -> None:
+    a.train_backend = _resolve_train_backend(a.train_backend)
     if a.run_dir is None:
         a.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if a.rollout_num_gpus is None:
@@ -323,6 +421,9 @@ def _fill_defaults(a: Args) -> None:
         a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
+    if a.lr_decay_iters is None and a.lr_decay_style != "constant" and a.num_rollout and a.global_batch_size:
+        steps_per_rollout = max(1, a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size)
+        a.lr_decay_iters = a.num_rollout * steps_per_rollout
     pairs = a.eval_prompt_data or []
     a.eval_datasets = [(pairs[i], pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)]
 
@@ -356,11 +457,9 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
         _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
     _require(not (a.colocate and a.rollout_backend == "sglang"), "--colocate",
              "with SGLang engines needs GPU memory offload around each phase, which is not built yet; run disaggregated")
-    _require(a.train_backend != "megatron", "--train-backend megatron",
-             "the Megatron-core trainer needs CUDA and is not built yet; use --train-backend fsdp")
-
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
     _require(os.path.isdir(a.hf_checkpoint), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
+    validate_trainer_args(a)
     _require(a.rollout_batch_size is not None and a.rollout_batch_size > 0, "--rollout-batch-size", "is required and must be > 0")
     _require(a.n_samples_per_prompt > 0, "--n-samples-per-prompt", "must be > 0")
     _require(a.rollout_max_response_len > 0, "--rollout-max-response-len", "must be > 0")
@@ -368,7 +467,15 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
     _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")
-    _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0")
+    if a.over_sampling_batch_size == "auto":
+        _require(a.rollout_mode == "chunked", "--over-sampling-batch-size",
+                 "auto sizes chunked mode's over-sampling; pool mode keeps --rollout-pool-size requests in flight instead")
+    else:
+        _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0 (or auto)")
+    if a.rollout_cost_model is not None:
+        _require(a.over_sampling_batch_size == "auto", "--rollout-cost-model", "is used by --over-sampling-batch-size auto only")
+        _require(a.rollout_cost_model.startswith("gpu:") or os.path.isfile(a.rollout_cost_model), "--rollout-cost-model",
+                 f"{a.rollout_cost_model!r} is neither a file nor gpu:<gpu>:<model>:tp<N>")
     _require(a.rollout_num_gpus_per_engine > 0, "--rollout-num-gpus-per-engine", "must be > 0")
     _require(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
              f"({a.rollout_num_gpus}) must be divisible by --rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine})")
@@ -435,6 +542,75 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.n_samples_per_eval_prompt > 0, "--n-samples-per-eval-prompt", "must be > 0")
     if entry == "train_async.py":
         validate_async_args(a)
+
+
+# Megatron-only flags: (name, value that means "not used")
+_MEGATRON_ONLY = (
+    ("tensor_model_parallel_size", 1), ("sequence_parallel", False), ("use_distributed_optimizer", False),
+    ("recompute_granularity", None), ("bf16", False), ("attention_backend", "auto"),
+    ("accumulate_allreduce_grads_in_fp32", False), ("attention_softmax_in_fp32", False), ("hidden_dropout", None),
+    ("attention_dropout", None), ("lr_decay_style", "constant"), ("lr_warmup_iters", 0),
+)
+# Features no backend has: (name, value that means "not used", why)
+_UNSUPPORTED = (
+    ("pipeline_model_parallel_size", 1, "pipeline parallelism is not supported yet; use tensor/data parallelism"),
+    ("context_parallel_size", 1, "context parallelism is not supported yet"),
+    ("expert_model_parallel_size", 1, "MoE models are not supported yet"),
+    ("fp16", False, "fp16 training is not supported; use --bf16"),
+    ("use_rope_scaling", False, "rope scaling (Llama 3.1+) is not supported yet"),
+    ("rotary_scaling_factor", None, "rope scaling (Llama 3.1+) is not supported yet"),
+)
+
+
+def validate_trainer_args(a: Args) -> None:
+    """The trainer backend's flags: Megatron's parallelism / precision / recompute and model-shape flags."""
+    from slime.utils.model_shape import ModelShapeError, flag_mismatches, read_shape
+
+    flag_of = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for name, unused, why in _UNSUPPORTED:
+        _require(getattr(a, name) == unused, flag_of(name), why)
+    _require(a.expert_tensor_parallel_size in (None, 1), "--expert-tensor-parallel-size", "MoE models are not supported yet")
+    _require(a.rotary_percent == 1.0, "--rotary-percent", "only 1.0 (rope on every channel) is supported")
+    _require(a.attention_backend != "fused", "--attention-backend fused",
+             "needs TransformerEngine, which this backend does not use; use flash (torch SDPA) or unfused")
+    if a.train_backend == "fsdp":
+        for name, unused in _MEGATRON_ONLY:
+            _require(getattr(a, name) == unused, flag_of(name), "is supported by --train-backend megatron only")
+    else:
+        _require(megatron_importable(), "--train-backend megatron",
+                 "megatron-core is not installed (pip install megatron-core psutil)")
+    tp = a.tensor_model_parallel_size
+    world = a.actor_num_nodes * a.actor_num_gpus_per_node
+    _require(tp >= 1 and world % tp == 0, "--tensor-model-parallel-size",
+             f"({tp}) must divide the trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node = {world})")
+    _require(not a.sequence_parallel or tp > 1, "--sequence-parallel", "needs --tensor-model-parallel-size > 1")
+    if a.recompute_granularity == "full":
+        _require(a.recompute_method is not None, "--recompute-method", "is required with --recompute-granularity full")
+        _require((a.recompute_num_layers or 0) >= 1, "--recompute-num-layers",
+                 "must be >= 1 with --recompute-granularity full")
+    else:
+        _require(a.recompute_method is None and a.recompute_num_layers is None, "--recompute-method",
+                 "and --recompute-num-layers need --recompute-granularity full")
+    _require(a.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by", "must be >= 1")
+    _require(a.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
+    _require(0 <= a.min_lr <= a.lr, "--min-lr", "must be in [0, --lr]")
+    _require(a.lr_decay_style == "constant" or (a.lr_decay_iters or 0) > 0, "--lr-decay-iters",
+             f"must be > 0 with --lr-decay-style {a.lr_decay_style} (or give --num-rollout)")
+
+    try:
+        shape = read_shape(a.hf_checkpoint)
+    except ModelShapeError as e:
+        if a.train_backend == "megatron":
+            raise ArgumentError(f"--hf-checkpoint: {e}") from e
+        return  # FSDP trains any HF causal LM; model-shape flags cannot be checked against this one
+    errors = flag_mismatches(a, shape, os.path.join(a.hf_checkpoint, "config.json"))
+    _require(not errors, "model-shape flags", "; ".join(errors))
+    if a.train_backend == "megatron":
+        _require(shape.num_attention_heads % tp == 0 and shape.num_query_groups % tp == 0,
+                 "--tensor-model-parallel-size", f"({tp}) must divide the attention heads "
+                 f"({shape.num_attention_heads}) and key/value heads ({shape.num_query_groups})")
+        _require(shape.ffn_hidden_size % tp == 0, "--tensor-model-parallel-size",
+                 f"({tp}) must divide the MLP width ({shape.ffn_hidden_size})")
 
 
 def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:

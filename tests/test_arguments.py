@@ -89,7 +89,9 @@ def test_eval_pairs(base, tmp_path):
         (["--rm-type", "remote_rm"], "--rm-url"),
         (["--offload"], "--offload"),
         (["--colocate", "--rollout-backend", "sglang"], "--colocate"),
-        (["--train-backend", "megatron"], "--train-backend megatron"),
+        (["--train-backend", "megatron"], "--hf-checkpoint"),  # an empty dir: no config.json to build from
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),  # fsdp (the CPU default)
         (["--rollout-top-p", "0"], "--rollout-top-p"),
         (["--tis-clip-low", "3"], "--tis-clip"),
         (["--load", "/nonexistent/ckpt"], "--load"),

@@ -51,3 +51,11 @@ def test_rng_state_round_trip_through_json():
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_load_of_a_converted_model_checkpoint_says_ref_load(tmp_path):
+    (tmp_path / "iter_0000000").mkdir()
+    (tmp_path / "iter_0000000" / "metadata.json").write_text("{}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("0")
+    with pytest.raises(FileNotFoundError, match="torch_dist checkpoint.*--ref-load"):
+        latest_checkpoint(str(tmp_path))

@@ -23,9 +23,10 @@ def make_model_dir(path, seed: int = 0, tie: bool = False) -> str:
     return str(path)
 
 
-def make_args(hf_dir: str, **over):
+def make_args(hf_dir: str, *extra_argv: str, **over):
     """Real parsed flags (slime.arguments.parse_args) for a 2×4-sample rollout;
-    `over` replaces values after parsing (Args.replace), e.g. lr=1e-2."""
+    `extra_argv` are more flags (validated), `over` replaces values after
+    parsing (Args.replace), e.g. lr=1e-2."""
     from slime.arguments import parse_args
 
     prompt_file = os.path.join(hf_dir, "prompts.jsonl")
@@ -36,7 +37,7 @@ def make_args(hf_dir: str, **over):
         "--hf-checkpoint", hf_dir, "--prompt-data", prompt_file, "--rm-type", "math", "--num-rollout", "1",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "1e-3", "--adam-beta2", "0.999", "--seed", "1",
-        "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14),
+        "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14), *extra_argv,
     ]
     args = parse_args(argv)
     return args.replace(**over) if over else args

@@ -12,8 +12,8 @@ import torch
 from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import flatten_groups
 from slime.backends.fsdp_utils.hf_weights import full_state_dict
+from slime.backends.training_utils.data import flatten_groups
 from slime.utils.types import Status
 
 torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_tra
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
     rt_items = [it for g in flatten_groups(groups)[0] for it in g]
-    from slime.backends.fsdp_utils.loss import compute_rollout_tensors
+    from slime.backends.training_utils.loss import compute_rollout_tensors
 
     rt = compute_rollout_tensors(t.args, flatten_groups(groups)[0], t._log_probs(t.model, rt_items), None)
     assert all(torch.allclose(w, torch.ones_like(w), atol=1e-5) for w in rt.tis_weights)
@@ -213,7 +213,7 @@ def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
 
 # ------------------------------------------------- the trainer's policy loss ----
 def _loss_inputs(advantages, log_probs, tis=None):
-    from slime.backends.fsdp_utils.loss import RolloutTensors
+    from slime.backends.training_utils.loss import RolloutTensors
 
     lps = [torch.tensor(lp, requires_grad=True) for lp in log_probs]
     masks = [torch.ones(len(lp)) for lp in log_probs]
@@ -228,7 +228,7 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
     sequences whose sequence ratio exceeds 3 (it used to ignore the flag)."""
     import math
 
-    from slime.backends.fsdp_utils.loss import micro_batch_loss
+    from slime.backends.training_utils.loss import micro_batch_loss
 
     # sequence ratios: e^1.5 ~ 4.48 with A=-1 (dual-clipped), e^0.5 with A=-2 (not), e^1.5 with A=+1 (PPO clip)
     log_probs, advantages = [[1.0, 2.0], [0.5, 0.5], [1.5, 1.5]], [-1.0, -2.0, 1.0]
@@ -253,7 +253,7 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
 
 def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
     """Convention: under GSPO the TIS weight of token t scales token t's gradient (upstream spreads mean(w))."""
-    from slime.backends.fsdp_utils.loss import micro_batch_loss
+    from slime.backends.training_utils.loss import micro_batch_loss
 
     args = make_args(str(tmp_path), advantage_estimator="gspo", use_tis=True, calculate_per_token_loss=False)
     lps, masks, rt = _loss_inputs([1.0], [[0.0, 0.0, 0.0]], tis=[[0.5, 2.0, 1.0]])

@@ -58,9 +58,11 @@ def test_cpu_placement_group_is_ready_and_never_asks_for_gpu(ray_session, model_
         create_placement_groups(too_big, timeout_s=5)
 
 
-def test_megatron_backend_fails_clearly(model_dir):
-    with pytest.raises(NotImplementedError, match="--train-backend megatron.*--train-backend fsdp"):
-        trainer_class(make_args(model_dir).replace(train_backend="megatron"))
+def test_trainer_class_follows_the_backend(model_dir):
+    from slime.backends.megatron_utils.actor import MegatronTrainer
+
+    assert trainer_class(make_args(model_dir)) is FSDPTrainer  # auto on CPU
+    assert trainer_class(make_args(model_dir, "--train-backend", "megatron")) is MegatronTrainer
 
 
 def test_wait_ranks_names_slow_and_failing_ranks(ray_session):

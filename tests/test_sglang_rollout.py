@@ -323,3 +323,51 @@ def test_a_shared_http_session_is_reused_across_steps_and_left_open(env):
     assert len(generates) >= sum(o.metrics["rollout/requests"] for o in outs)  # every request went through it
     assert len(aborts) >= 3  # each step's abort fan-out used it as well
     buffer.check_balanced()
+
+
+def test_trace_records_the_workload_for_the_simulator(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path))
+    _, _, outs = run_steps(env, args, 2)
+    trace = [json.loads(line) for line in open(tmp_path / "rollout_trace.jsonl")]
+    recorded = [sorted(g) for tr in trace for g in tr["finished_lengths"]]
+    for out, tr in zip(outs, trace):
+        assert tr["target"] == 3 and tr["n_samples_per_prompt"] == 2 and tr["over_sampling_batch_size"] == 6
+        assert tr["num_engines"] == 1 and tr["in_flight_cap"] == 6 and tr["max_response_len"] == 24
+        # every accepted group's final lengths were recorded (in the step it finished), and the unfinished
+        # samples' current lengths
+        for g in out.groups:
+            assert sorted(s.response_length for s in g) in recorded
+        assert len(recorded) >= 6
+        assert all(0 <= x < 24 for x in tr["unfinished_lengths"])
+        occ = tr["occupancy"]
+        if out.metrics["rollout/requests"]:  # (a step whose target the ready groups met sends nothing)
+            assert max(n for _, n in occ) <= 6 and occ[-1][1] == 0
+            assert 0 <= tr["first_request_t"] <= tr["drained_t"] <= tr["step_time_s"]
+        assert out.metrics["rollout/over_sampling_batch_size"] == 6
+
+
+def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
+    from slime.rollout.over_sampling import OverSamplingPlanner
+
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "auto", "--run-dir", str(tmp_path))
+    planner = OverSamplingPlanner.from_args(args)
+    source = RecordingSource(args, env["tok"])
+    buffer = PartialRolloutBuffer(args)
+    with pytest.raises(ValueError, match="over_sampling_planner"):
+        generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
+    sizes = []
+    for step in range(4):
+        set_version(env, step)
+        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
+                                                          over_sampling_planner=planner))
+        buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+        planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
+        sizes.append(out.metrics["rollout/over_sampling_batch_size"])
+        assert len(out.groups) == 3
+        if step:  # from the second step on, the size comes from a plan with its prediction
+            assert out.metrics["rollout/over_sampling_predicted_tokens_per_s"] > 0
+    assert sizes[0] == 6  # 2 x the batch before anything is known
+    assert all(s in planner.candidates() for s in sizes)
+    assert planner.cost is not None and planner.cost.extra["timed_from"] == "scheduler_stats"  # calibrated once
+    assert [h["after_step"] for h in planner.history] == [1, 2, 4]
+    buffer.check_balanced()

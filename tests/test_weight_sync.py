@@ -1,6 +1,7 @@
 """Trainer → real embedded engine weight sync: the broadcast group (gloo) and
-the disk path. After a sync the engine's sampled-token log-probs equal the
-trainer's teacher-forced ones and the engine reports the new version."""
+the disk path, from the FSDP and the Megatron trainer (HF names, buckets).
+After a sync the engine's sampled-token log-probs equal the trainer's
+teacher-forced ones and the engine reports the new version."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from test_fsdp_helpers import make_args, make_groups, make_model_dir
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
-from slime.backends.fsdp_utils.data import flatten_groups
+from slime.backends.training_utils.data import flatten_groups
 from slime.backends.hf_engine.testing import EngineServer
 from slime.utils.types import Sample
 
@@ -43,9 +44,10 @@ def sample_from_engine(engine, n: int = 8) -> tuple[Sample, str]:
     return s, meta["weight_version"]
 
 
-def mismatch(trainer: FSDPTrainer, s: Sample) -> float:
+def mismatch(trainer, s: Sample) -> float:
     items = [it for g in flatten_groups([[s]])[0] for it in g]
-    lp = trainer._log_probs(trainer.model, items)[0]
+    policy = trainer.model if isinstance(trainer, FSDPTrainer) else trainer.actor
+    lp = trainer._log_probs(policy, items)[0]
     return float((lp - torch.tensor(s.rollout_log_probs)).abs().max())
 
 
@@ -57,8 +59,14 @@ def engine_version(engine) -> str:
 def trainer(model_dir):
     made = []
 
-    def _make(**over):
-        t = FSDPTrainer(make_args(model_dir, lr=1e-2, **over))
+    def _make(backend: str = "fsdp", **over):
+        args = make_args(model_dir, "--train-backend", backend, lr=1e-2, **over)
+        if backend == "fsdp":
+            t = FSDPTrainer(args)
+        else:
+            from slime.backends.megatron_utils.actor import MegatronTrainer
+
+            t = MegatronTrainer(args)
         t.init()
         made.append(t)
         return t
@@ -79,8 +87,9 @@ def _train_then_sync(t, engine, version: int) -> dict:
     return metrics
 
 
-def test_distributed_sync_over_gloo(engine, trainer):
-    t = trainer()  # --update-weight-buffer-size 16 KiB: several buckets
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_distributed_sync_over_gloo(engine, trainer, backend):
+    t = trainer(backend)  # --update-weight-buffer-size 16 KiB: several buckets
     start = int(engine_version(engine))
     m1 = _train_then_sync(t, engine, start + 1)
     assert m1["weight_sync_from_disk"] == 0.0 and m1["weight_sync_time_s"] > 0
@@ -91,8 +100,9 @@ def test_distributed_sync_over_gloo(engine, trainer):
     assert engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"}).json()["success"] is False
 
 
-def test_disk_sync(engine, trainer):
-    t = trainer(update_weights_from_disk=True)
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_disk_sync(engine, trainer, backend):
+    t = trainer(backend, update_weights_from_disk=True)
     start = int(engine_version(engine))
     m = _train_then_sync(t, engine, start + 1)
     assert m["weight_sync_from_disk"] == 1.0

@@ -3,10 +3,11 @@
     python tools/export_hf.py --load CKPT_DIR --out HF_DIR [--iteration N]
 
 CKPT_DIR is what `train.py --save` wrote; the newest complete checkpoint is used
-unless --iteration is given. The trainer already stores full (unsharded)
+unless --iteration is given. The FSDP trainer already stores full (unsharded)
 weights as safetensors with the model config; this copies them together with
 the tokenizer files of the run's --hf-checkpoint, so `from_pretrained(HF_DIR)`
-and `--hf-checkpoint HF_DIR` work.
+and `--hf-checkpoint HF_DIR` work. A Megatron checkpoint (torch_dist) is
+converted (as tools/convert_torch_dist_to_hf.py does).
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def export(load_dir: str, out_dir: str, iteration: int | None = None) -> str:
     if ckpt is None:
         raise FileNotFoundError(f"--load {load_dir}: no checkpoint found")
     trainer = os.path.join(ckpt, "trainer")
+    meta_file = os.path.join(trainer, "trainer_meta.json")
+    if os.path.isfile(meta_file):
+        with open(meta_file) as f:
+            meta = json.load(f)
+        if meta.get("backend") == "megatron":  # a torch_dist checkpoint: convert it
+            from slime.arguments import megatron_flags
+            from slime.backends.megatron_utils.convert import torch_dist_to_hf
+
+            torch_dist_to_hf(megatron_flags(), trainer, out_dir, meta["hf_checkpoint"])
+            logger.info("exported %s to %s", ckpt, out_dir)
+            return out_dir
     for name in ("config.json", "model.safetensors", "trainer_meta.json"):
         if not os.path.isfile(os.path.join(trainer, name)):
             raise FileNotFoundError(f"--load: {trainer} has no {name}; is it a train.py checkpoint?")

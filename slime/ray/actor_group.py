@@ -39,16 +39,16 @@ def wait_ranks(refs: list, what: str, timeout: float) -> list:
 
 
 def trainer_class(args):
-    backend = args.train_backend
-    if backend == "fsdp":
+    """The trainer of `--train-backend` (parse_args resolved `auto`)."""
+    if args.train_backend == "fsdp":
         from slime.backends.fsdp_utils.actor import FSDPTrainer
 
         return FSDPTrainer
-    if backend == "megatron":
-        from slime.backends.megatron_utils import megatron_trainer_class
+    if args.train_backend == "megatron":
+        from slime.backends.megatron_utils.actor import MegatronTrainer
 
-        return megatron_trainer_class()
-    raise ValueError(f"--train-backend={backend!r}: expected 'fsdp' or 'megatron'")
+        return MegatronTrainer
+    raise ValueError(f"--train-backend={args.train_backend!r}: expected 'fsdp' or 'megatron'")
 
 
 class RayTrainGroup:
@@ -78,6 +78,8 @@ class RayTrainGroup:
         gpus = (0.4 if args.colocate else 1.0) if use_gpu else 0
         cls = ray.remote(trainer_class(args))
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if args.train_backend == "megatron":
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # megatron: TP / sequence-parallel comms keep kernel order
         self.actors = [
             cls.options(
                 num_cpus=0.5 if use_gpu else 1,

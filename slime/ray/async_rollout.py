@@ -86,6 +86,7 @@ class AsyncRollout:
         m = self.manager
         return RolloutContext(data_source=m.data_source, buffer=m.buffer, engines=m.engines, tokenizer=m.tokenizer,
                               policy_version=self.gate.version, http_session=self.session,
+                              over_sampling_planner=m.over_sampling_planner,
                               gate=self.gate if self.pausable else None, halt=halt)
 
     # ---- lifecycle ------------------------------------------------------------------------

@@ -57,6 +57,11 @@ class RolloutManager:
         }
         self.buffer = Buffer.remote(args)
         self.rollout_fn = load_function(args.rollout_function_path)
+        self.over_sampling_planner = None
+        if args.over_sampling_batch_size == "auto":
+            from slime.rollout.over_sampling import OverSamplingPlanner
+
+            self.over_sampling_planner = OverSamplingPlanner.from_args(args)
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
@@ -78,6 +83,7 @@ class RolloutManager:
             tokenizer=self.tokenizer,
             policy_version=self.policy_version,
             eval_groups=eval_groups,
+            over_sampling_planner=None if eval_groups is not None else self.over_sampling_planner,
         )
 
     def generate(self, rollout_id: int) -> RolloutOutput:

@@ -29,6 +29,9 @@ class RolloutContext:
     # train_async.py: an asyncio.Event on the step's loop; once set, the step stops as at its target,
     # parks its unfinished groups and keeps its accepted ones in the buffer (ready), returning no groups
     halt: Any = None
+    # --over-sampling-batch-size auto: the OverSamplingPlanner (slime/rollout/over_sampling.py) that lives across
+    # steps (the RolloutManager owns it); it sizes each step and learns from it
+    over_sampling_planner: Any = None
 
 
 @dataclass

@@ -176,6 +176,8 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         out[f"rollout/groups_dropped/{reason}"] = float(c)
     for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups"):
         out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
+    if step.mode == "chunked":
+        out["rollout/over_sampling_batch_size"] = float(step.chunk)
     out.update(token_version_metrics(step.accepted, step.version))
     out.update(sample_metrics(step.accepted))
     out.update(occ)
@@ -185,6 +187,37 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         "abort": step.abort_point, "accepted": [group_id(g) for g in step.accepted],
         "overflow": [group_id(g) for g in step.overflow], "rejected": step.rejected,
         "unfinished": [gid for gid, st in step.groups.items() if st.outcome is None],
-        "tokens_per_s": out["rollout/tokens_per_s"],
+        "tokens_per_s": out["rollout/tokens_per_s"], "new_tokens": new_tokens, "step_time_s": round(elapsed, 4),
+        **workload_trace(step, in_flight_cap),
     })
     return out
+
+
+MAX_TIMELINE_POINTS = 500  # per step: a 3000-step run keeps its trace in tens of MB
+
+
+def workload_trace(step, in_flight_cap: int) -> dict[str, Any]:
+    """The step's workload for the simulator and the plots: its sizes, every final response length
+    (once, when its group leaves the rollout), the lengths of the samples still unfinished, when each
+    group finished, and the requests in flight over the step."""
+    finished = [[s.response_length for s in st.samples] for st in step.groups.values() if st.outcome is not None]
+    prompts = [st.samples[0].prompt_length for st in step.groups.values()]
+    timeline = step.requester.timeline or []
+    if len(timeline) > MAX_TIMELINE_POINTS:
+        k = -(-len(timeline) // MAX_TIMELINE_POINTS)
+        timeline = timeline[::k] + [timeline[-1]]
+    return {
+        "target": step.target, "n_samples_per_prompt": step.n, "in_flight_cap": in_flight_cap,
+        "num_engines": step.num_engines, "ignore_eos": bool(step.args.rollout_ignore_eos),
+        "over_sampling_batch_size": step.chunk if step.mode == "chunked" else None,
+        "max_response_len": int(step.args.rollout_max_response_len),
+        "finished_lengths": finished,
+        "unfinished_lengths": [s.response_length for st in step.groups.values() if st.outcome is None
+                               for s in st.samples if not s.status.is_finished],
+        "prompt_len": round(sum(prompts) / len(prompts), 1) if prompts else None,
+        "group_finish_t": sorted(round(st.finished_t, 4) for st in step.groups.values() if st.finished_t is not None),
+        "occupancy": [[round(t - step.clock.t0, 4), n] for t, n in timeline],
+        # the step's own bookkeeping (buffer and data-source calls, commit): before the first request, after the drain
+        "first_request_t": round(timeline[0][0] - step.clock.t0, 4) if timeline else None,
+        "drained_t": round(step.clock.marks.get("drained", 0.0), 4),
+    }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -150,6 +151,7 @@ class SampleRequester:
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.timeline: list[tuple[float, int]] | None = None  # (monotonic time, in flight) at each change, if a list
         self._bad_versions = 0
 
     def budget(self, sample: Sample) -> int:
@@ -186,13 +188,12 @@ class SampleRequester:
             payload = self.payload(sample)
             sent_version = gate.version if gate is not None else None
             self.requests += 1
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._in_flight(+1)
             try:
                 with gate.request(payload["rid"], sample) if gate is not None else contextlib.nullcontext():
                     out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
             finally:
-                self.in_flight -= 1
+                self._in_flight(-1)
             stale_abort = gate is not None and gate.was_aborted(payload["rid"])
             ids, lps, versions, text, ftype = parse_segment(out, self.url)
             if versions is None:
@@ -234,16 +235,21 @@ class SampleRequester:
                                             f"times in a row with no progress (last rid {payload['rid']})")
             logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
 
+    def _in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self.timeline is not None:
+            self.timeline.append((time.monotonic(), self.in_flight))
+
     async def _custom(self, sample: Sample) -> bool:
         """Run the user's generate function; it must grow the sample only through `append_response`."""
         before = sample.response_length
         sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self._in_flight(+1)
         try:
             out = await self.custom_generate(self.args, sample, sp, self)
         finally:
-            self.in_flight -= 1
+            self._in_flight(-1)
         path = self.args.custom_generate_function_path
         if out is not sample:
             raise TypeError(f"--custom-generate-function-path {path}: must return the Sample it was given "

@@ -68,6 +68,7 @@ class _Group:
     resumed: bool
     outstanding: int = 0  # members still being generated in this step
     outcome: str | None = None  # accepted | overflow | rejected
+    finished_t: float | None = None  # seconds into the step when its last member finished
 
 
 def run_sync(coro):
@@ -97,7 +98,11 @@ class _RolloutStep:
         self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
         self.target = int(args.rollout_batch_size)
         self.n = int(args.n_samples_per_prompt)
-        self.chunk = int(args.over_sampling_batch_size)
+        self.planner = ctx.over_sampling_planner if args.over_sampling_batch_size == "auto" else None
+        if args.over_sampling_batch_size == "auto" and self.planner is None:
+            raise ValueError("--over-sampling-batch-size auto: the RolloutContext has no over_sampling_planner "
+                             "(the RolloutManager makes one; other callers pass an OverSamplingPlanner)")
+        self.chunk = self.planner.size() if self.planner is not None else int(args.over_sampling_batch_size)
         self.mode = args.rollout_mode
         self.partial = args.partial_rollout
         self.gate = ctx.gate
@@ -129,7 +134,8 @@ class _RolloutStep:
     # ---- the step ------------------------------------------------------------------
     async def run(self) -> RolloutOutput:
         urls = await asyncio.to_thread(self.ctx.engines.worker_urls)
-        concurrency = self.args.sglang_server_concurrency * max(1, len(urls))
+        self.num_engines = max(1, len(urls))
+        concurrency = self.args.sglang_server_concurrency * self.num_engines
         pool_size = self.args.rollout_pool_size
         limit = pool_size if self.mode == "pool" else concurrency
         shared = self.ctx.http_session
@@ -138,6 +144,7 @@ class _RolloutStep:
             self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
                                              sampling_params_from_args(self.args), self.rollout_id,
                                              int(self.ctx.policy_version), gate=self.gate)
+            self.requester.timeline = []  # requests in flight over the step (the trace's occupancy)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
             # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
@@ -171,6 +178,9 @@ class _RolloutStep:
                 f"{self.counts['parked']} parked, {self.counts['discarded']} dropped"
             )
         metrics = self._metrics(occ, concurrency if self.mode == "chunked" else pool_size)
+        if self.planner is not None:  # the prediction for this step's size, then learn from the step
+            metrics.update(self.planner.metrics())
+            await self.planner.after_step(self)
         return RolloutOutput(groups=self.accepted, metrics=metrics)
 
     async def _watch_halt(self) -> None:
@@ -316,6 +326,7 @@ class _RolloutStep:
     # ---- reward + filter, one task per finished group -----------------------------------
     def _group_generated(self, st: _Group) -> None:
         self.counts["groups_finished"] += 1
+        st.finished_t = self.clock.now()
         self._spawn(self._reward_task(st), self.reward_tasks)
 
     async def _reward_task(self, st: _Group) -> None:

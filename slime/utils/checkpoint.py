@@ -72,6 +72,10 @@ def latest_checkpoint(load_dir: str) -> str | None:
         raise ValueError(f"--load: {pointer} holds {text!r}, not a rollout id") from e
     path = os.path.join(load_dir, iter_dir_name(rollout_id))
     if not os.path.isfile(os.path.join(path, "driver_state.json")):
+        if os.path.isfile(os.path.join(path, "metadata.json")):
+            raise FileNotFoundError(f"--load: {load_dir} is a model-only torch_dist checkpoint (as "
+                                    "tools/convert_hf_to_torch_dist.py writes), not a train.py checkpoint; "
+                                    "pass it as --ref-load")
         raise FileNotFoundError(f"--load: {pointer} names {path}, which is missing or incomplete")
     return path
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
-from slime.backends.fsdp_utils.data import (
+from slime.backends.training_utils.data import (
     TrainItem,
     dummy_item,
     flatten_groups,
@@ -27,7 +27,7 @@ from slime.backends.fsdp_utils.data import (
     shard,
     split_steps,
 )
-from slime.backends.fsdp_utils.loss import (
+from slime.backends.training_utils.loss import (
     RolloutTensors,
     compute_rollout_tensors,
     micro_batch_loss,

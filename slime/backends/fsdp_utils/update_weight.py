@@ -1,11 +1,15 @@
 """Push the trainer's weights to every rollout engine.
 
 Distributed path (default): trainer rank 0 and the engines form one extra
-process group (rank 0 = trainer, engine i = 1 + i*tp); every update gathers
-the full state dict on rank 0 (a collective: every trainer rank calls it),
-cuts it into buckets of ``--update-weight-buffer-size`` bytes and, per
-bucket, POSTs ``/update_weights_from_distributed`` (names/dtypes/shapes) to
-every worker while broadcasting the tensors in that order.
+process group (rank 0 = trainer, engine i = 1 + i*tp); every update streams
+the weights under HF names to rank 0 (`named_weights`, a collective: every
+trainer rank drains it), cuts them into buckets of
+``--update-weight-buffer-size`` bytes and, per bucket, POSTs
+``/update_weights_from_distributed`` (names/dtypes/shapes) to every worker
+while broadcasting the tensors in that order.
+
+Backends plug in by overriding `named_weights` (FSDP: the full state dict;
+Megatron: TP-gathered, HF-named tensors, one at a time) and `write_hf`.
 
 Disk path (``--update-weights-from-disk``): rank 0 writes a HF safetensors
 directory and POSTs ``/update_weights_from_disk`` to every worker.
@@ -20,6 +24,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,21 +61,21 @@ def _wait_all(futures, urls: list[str], path: str, timeout: float) -> list[dict]
     return out
 
 
-def buckets(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def buckets(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+            max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive (name, tensor) pairs grouped so each bucket holds at most
-    `max_bytes` (a larger tensor travels alone)."""
-    out: list[list[tuple[str, torch.Tensor]]] = []
+    `max_bytes` (a larger tensor travels alone). Lazy: a bucket is cut as
+    soon as it is full, so a streaming source never holds more than one."""
     cur, size = [], 0
-    for name, t in state.items():
+    for name, t in (named.items() if isinstance(named, dict) else named):
         nbytes = t.numel() * t.element_size()
         if cur and size + nbytes > max_bytes:
-            out.append(cur)
+            yield cur
             cur, size = [], 0
         cur.append((name, t))
         size += nbytes
     if cur:
-        out.append(cur)
-    return out
+        yield cur
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,18 +114,19 @@ class WeightUpdater:
                 logger.warning("distributed weight update unavailable (%s); using the disk path", e)
                 from_disk = True
         from_disk = self._agree(from_disk)
-        state = full_state_dict(self.model)
+        named = iter(self.named_weights())
         n_bytes, error = 0, None
-        if self.rank == 0:
-            n_bytes = sum(t.numel() * t.element_size() for t in state.values())
-            try:
+        try:
+            if self.rank == 0:
                 if from_disk:
-                    self._send_disk(list(urls), state, version)
+                    n_bytes = self._send_disk(list(urls), dict(named), version)
                 else:
-                    self._send_distributed(list(urls), state, version)
-            except Exception as e:  # tell the other ranks before raising, so none waits forever
-                error = e
-        del state
+                    n_bytes = self._send_distributed(list(urls), named, version)
+        except Exception as e:  # tell the other ranks before raising, so none waits forever
+            error = e
+        finally:
+            for _ in named:  # every rank runs the gathers to the end, even after a failed send
+                pass
         if self._agree(error is not None):
             if error is not None:
                 raise error
@@ -130,6 +136,15 @@ class WeightUpdater:
                     "disk" if from_disk else "distributed", dt)
         return {"weight_sync_time_s": dt, "weight_sync_bytes": float(n_bytes),
                 "weight_sync_from_disk": float(from_disk)}
+
+    # ------------------------------------------------------ backend hooks ----
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Collective: (HF name, tensor) pairs, all of them on rank 0 (other ranks may yield nothing)."""
+        return full_state_dict(self.model).items()
+
+    def write_hf(self, state: dict[str, torch.Tensor], path: str) -> None:
+        """Rank 0: `state` as a HF model directory at `path`."""
+        write_hf_dir(self.model, state, path, self.args.hf_checkpoint)
 
     def close(self) -> None:
         if self.rank == 0 and self._pg is not None:
@@ -200,9 +215,11 @@ class WeightUpdater:
             logger.warning("destroy_weights_update_group: %s", e)
         self._release_local()
 
-    def _send_distributed(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> None:
+    def _send_distributed(self, urls: list[str], named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
-        for bucket in buckets(state, self.buffer_bytes):
+        n_bytes = 0
+        for bucket in buckets(named, self.buffer_bytes):
+            n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             payload = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [dtype_name(t.dtype) for _, t in bucket],
@@ -219,18 +236,20 @@ class WeightUpdater:
                 self._release_local()
                 raise RuntimeError(f"weight broadcast to {urls} failed: {e}") from e
             _wait_all(futs, urls, "/update_weights_from_distributed", self.timeout)
+        return n_bytes
 
-    def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> None:
+    def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> int:
         if self._disk_dir is None:
             self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_")
         path = os.path.join(self._disk_dir, f"v{version}")
-        write_hf_dir(self.model, state, path, self.args.hf_checkpoint)
+        self.write_hf(state, path)
         payload = {"model_path": path, "weight_version": str(version), "flush_cache": self.flush_cache}
         _wait_all(_post_all(self._pool, urls, "/update_weights_from_disk", payload, self.timeout),
                   urls, "/update_weights_from_disk", self.timeout)
         for old in os.listdir(self._disk_dir):  # keep only the version the engines now serve
             if old != f"v{version}":
                 shutil.rmtree(os.path.join(self._disk_dir, old), ignore_errors=True)
+        return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _nccl_group(port: int, world_size: int, group_name: str, timeout: timedelta):

@@ -70,7 +70,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "version": SERVER_VERSION,
         "backend": "slime.hf_engine",
         "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
-                             "scheduler_stats": engine.scheduler.stats.as_dict(),
+                             "scheduler_stats": {**engine.scheduler.stats.as_dict(), **engine.scheduler.cpu_times()},
                              "prefix_cache_entries": len(engine.scheduler.prefix_cache)}],
     }
     return json_response(info)

@@ -86,10 +86,14 @@ class SchedulerStats:
 
     prefill_s: float = 0.0  # batched prefills, sampling their first tokens, joining the decode batch
     decode_s: float = 0.0  # decode forwards + sampling
+    decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
+    prefill_cpu_s: float = 0.0
     evict_s: float = 0.0  # removing finished or aborted rows from the batch
     idle_s: float = 0.0  # nothing to run (or paused)
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode steps of the batch size
+    decode_ctx_tokens: int = 0  # sum over decode steps of the rows' cached tokens (what paged attention reads)
+    decode_padded: int = 0  # sum over decode steps of rows x the batch's attention window (what it reads here)
     prefills: int = 0
     prefill_rows: int = 0
     prefill_tokens: int = 0
@@ -167,6 +171,15 @@ class Scheduler:
 
     def add(self, req: Request) -> Future:
         return self.submit(self._add, req)
+
+    def cpu_times(self) -> dict:
+        """CPU seconds so far of this process and of the scheduler thread (the rest is the HTTP side's)."""
+        out = {"process_cpu_s": time.process_time()}
+        try:
+            out["thread_cpu_s"] = time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError, TypeError):  # no per-thread clocks here (not Linux), or not started
+            pass
+        return out
 
     @property
     def num_running(self) -> int:
@@ -314,7 +327,7 @@ class Scheduler:
 
     def _prefill_join(self, group: list[Request]) -> None:
         """One batched (left-padded) prefill of `group`, its first tokens sampled, the unfinished rows joined."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         seqs = [r.input_ids + r.output_ids for r in group]
         logits, cache, valid = self.batch.prefill(seqs)
         tokens, lps = sample_batch(logits, [r.params for r in group], [r.generator for r in group], self.default_generator)
@@ -331,6 +344,7 @@ class Scheduler:
             self.running.extend(group[i] for i in keep)
         st = self.stats
         st.prefill_s += time.perf_counter() - t0
+        st.prefill_cpu_s += time.thread_time() - c0
         st.prefills += 1
         st.prefill_rows += len(seqs)
         st.prefill_tokens += sum(len(x) for x in seqs)
@@ -339,10 +353,12 @@ class Scheduler:
     def _decode(self) -> None:
         if not self.running:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        rs = self.running
+        ctx = sum(len(r.input_ids) + len(r.output_ids) for r in rs) - len(rs)  # cached: all but the pending token
+        width = self.batch.width
         logits = self.batch.step()
         self.num_steps += 1
-        rs = self.running
         tokens, lps = sample_batch(logits, [r.params for r in rs], [r.generator for r in rs], self.default_generator)
         record_output_logprobs(rs, logits)
         done = []
@@ -351,14 +367,17 @@ class Scheduler:
             if r.finished:
                 done.append(i)
         self.batch.set_pending(tokens)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if done:
             self.running = [rs[i] for i in self.batch.remove(done)]
         st = self.stats
         st.decode_s += t1 - t0
+        st.decode_cpu_s += c1 - c0
         st.evict_s += time.perf_counter() - t1
         st.decode_steps += 1
         st.decode_rows += len(rs)
+        st.decode_ctx_tokens += ctx
+        st.decode_padded += len(rs) * width
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
         if not r.version_spans or r.version_spans[-1][1] != self.weight_version:

@@ -1,20 +1,25 @@
-"""Megatron-core trainer (GPU only): not built yet.
+"""Megatron-core trainer (`--train-backend megatron`): the same interface
+as the FSDP trainer, on GPU (NCCL, bf16) and on CPU (gloo, through a small
+runtime shim applied only where CUDA is absent).
 
-megatron-core's forward, optimizer and schedules call CUDA unconditionally,
-so this backend can only run on a GPU machine; until it is written,
-`--train-backend megatron` fails here with a message that says what to use.
+- `actor.MegatronTrainer`: one rank (a Ray actor via RayTrainGroup).
+- `config` / `model` / `attention` / `norm`: GPTModel from the HF config
+  (Qwen3, Qwen2, Llama), local layer spec (no TransformerEngine) with SDPA
+  attention and HF-exact RMSNorm, vocab-parallel log-probs.
+- `hf_weights`: HF ⇄ Megatron tensors (per-group QKV, gate/up, TP shards).
+- `optimizer`: Megatron's Adam + LR schedule.
+- `checkpoint`: dist-checkpoints inside our atomic iter_NNNNNNN/ layout.
+- `update_weight`: TP-gathered, HF-named weights to the engines.
+- `convert`: HF dir <-> torch_dist (tools/convert_*.py, tools/export_hf.py).
+- `parallel` / `cpu_shim`: process groups, seeds, the CPU shim.
+Data plans, advantages and the loss are shared with FSDP
+(`slime.backends.training_utils`).
 """
 
 from __future__ import annotations
 
+import warnings
 
-class MegatronNotAvailable(NotImplementedError):
-    pass
-
-
-def megatron_trainer_class():
-    import torch
-
-    why = ("the Megatron-core trainer is not built yet" if torch.cuda.is_available()
-           else "Megatron-core needs CUDA and this machine has no GPU; the Megatron-core trainer is also not built yet")
-    raise MegatronNotAvailable(f"--train-backend megatron: {why}; use --train-backend fsdp (FSDP2, CPU or GPU)")
+# megatron-core says so at import, once per module, in every process: we do not use apex / TE on purpose
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slime.backends.fsdp_utils.data import TrainItem
+from slime.backends.training_utils.data import TrainItem
 from slime.utils.ppo_utils import (
     aggregate_loss,
     clipped_surrogate,

@@ -1,0 +1,272 @@
+"""Megatron trainer checkpoints: megatron's distributed checkpoint format
+(torch_dist) inside the `trainer/` part of our atomic `iter_NNNNNNN/`.
+
+    trainer/torch_dist/     one dist-checkpoint: the GPTModel's weights (TP-independent global
+                            tensors), the optimizer state (reshardable) and the LR scheduler
+    trainer/rng_rank{r}.pt  python / torch / megatron-tracker RNG state of each rank
+    trainer/trainer_meta.json
+
+A dist-checkpoint stores global tensors with their sharding, so a
+checkpoint saved at one TP/DP layout loads at another. The optimizer state
+is saved per model parameter (`fully_reshardable` with the distributed
+optimizer, megatron's own per-parameter format with the plain one), which
+makes it reshardable in TP and DP alike; three traps of megatron-core
+0.16.1's torch-Adam path are handled here: (a) `_init_optimizer_state`,
+(b) and the `KeyError: 'step'` of the fully-reshardable load
+`_load_optimizer`, (c) `_restore_steps`.
+
+`tools/convert_hf_to_torch_dist.py` writes the model part alone:
+`OUT/iter_0000000/` + `OUT/latest_checkpointed_iteration.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+DIST_OPTIM_SHARDING = "fully_reshardable"
+
+
+def _require_psutil() -> None:
+    """megatron's checkpoint writer needs psutil; without it a save never returns."""
+    try:
+        import psutil  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise RuntimeError("megatron dist-checkpointing needs psutil (pip install psutil); without it a save hangs") from e
+
+
+# -------------------------------------------------------------- finding ----
+def model_dir_of(path: str) -> str | None:
+    """The dist-checkpoint directory of the model inside `path`: a torch_dist
+    dir itself, a trainer dir, a train.py iter dir, or a converter output
+    (tracker file + iter dir). None when there is none."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    for sub in ("torch_dist", os.path.join("trainer", "torch_dist")):
+        if os.path.isfile(os.path.join(path, sub, "metadata.json")):
+            return os.path.join(path, sub)
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is not None and os.path.isdir(os.path.join(path, name)):
+            return model_dir_of(os.path.join(path, name))
+    return None
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    return model_dir_of(path) is not None
+
+
+# ----------------------------------------------------------------- model ----
+def _model_sharded(built) -> dict:
+    return built.core.sharded_state_dict(prefix="")
+
+
+def save_model(built, path: str) -> None:
+    """Collective. The GPTModel's weights as a dist-checkpoint in `path`."""
+    from megatron.core import dist_checkpointing
+
+    _require_psutil()
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": _model_sharded(built)}, path)
+
+
+def load_model(built, path: str) -> None:
+    """Collective. Weights from any dist-checkpoint of the same model (any TP)."""
+    from megatron.core import dist_checkpointing
+
+    where = model_dir_of(path)
+    if where is None:
+        raise FileNotFoundError(f"{path!r} holds no megatron model checkpoint (no metadata.json)")
+    # {"model": ...} as megatron-LM (and slime's converter) store it; the rest of the file is ignored
+    loaded = dist_checkpointing.load({"model": _model_sharded(built)}, where)
+    built.core.load_state_dict(loaded["model"], strict=True)
+    logger.info("loaded model weights from %s", where)
+
+
+# ------------------------------------------------------------- optimizer ----
+def _optimizer_sharded(trainer, model_sharded: dict, is_loading: bool) -> dict:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opt = trainer.optimizer
+    inner = getattr(opt, "chained_optimizers", [opt])
+    if any(isinstance(o, DistributedOptimizer) for o in inner):
+        _init_optimizer_state(inner)
+        return opt.sharded_state_dict(model_sharded, is_loading=is_loading,
+                                      metadata={"distrib_optim_sharding_type": DIST_OPTIM_SHARDING})
+    return opt.sharded_state_dict(model_sharded, is_loading=is_loading)
+
+
+def _torch_adam() -> bool:
+    """The traps below are those of megatron's torch-Adam fallback (no apex / TransformerEngine); with
+    TE's FusedAdam the step lives in the param groups and megatron's own path is used."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    return not HAVE_APEX_OR_TE
+
+
+def _init_optimizer_state(optimizers) -> None:
+    """Trap (a): the distributed optimizer's `state_dict()` needs Adam's
+    state to exist; without apex/TE it also reads a `step` from every
+    parameter's state, and a fresh optimizer has none (`assert len(steps) ==
+    1`, or `KeyError: 'step'` after megatron's own `init_state_fn`). Zero
+    moments and step 0 are exactly a fresh Adam."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for o in optimizers:
+        if not isinstance(o, DistributedOptimizer):
+            continue
+        if not _torch_adam():
+            if not o.optimizer.state:
+                o.init_state_fn(o.optimizer, o.config)
+            continue
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                st = o.optimizer.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                st.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _load_optimizer(opt, inner: list, state: dict) -> None:
+    """The distributed optimizer's `load_state_dict` puts one shared `step`
+    tensor into every parameter's state and then, loading the
+    fully-reshardable parameter state, copies every state entry from the
+    file, which has no `step` (`KeyError: 'step'`). So: param groups first,
+    drop the steps, the parameter state, then per-parameter steps
+    (`_restore_steps`). Trap (b): the copies go into leaf tensors that
+    require grad, hence `no_grad`."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not any(isinstance(o, DistributedOptimizer) for o in inner) or not _torch_adam():
+        with torch.no_grad():
+            opt.load_state_dict(state)
+        return
+    if len(inner) != 1:
+        raise NotImplementedError(f"checkpoint load: {len(inner)} chained distributed optimizers (MoE?)")
+    o = inner[0]
+    param_state = state.pop("param_state")
+    kind = state.pop("param_state_sharding_type")
+    if kind != DIST_OPTIM_SHARDING:
+        raise ValueError(f"optimizer checkpoint in {kind!r} format; expected {DIST_OPTIM_SHARDING!r}")
+    with torch.no_grad():
+        o.load_state_dict(state)
+        for st in o.optimizer.state.values():
+            st.pop("step", None)
+        o.load_parameter_state_from_fully_reshardable(param_state)
+
+
+def _restore_steps(optimizers, step: int) -> None:
+    """Trap (c): after a load, every parameter needs its own `step` tensor
+    (a shared or missing one makes Adam's bias correction wrong)."""
+    if not _torch_adam():
+        return
+    for o in optimizers:
+        for st in o.optimizer.state.values():
+            if st:
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def save_state(trainer, path: str) -> None:
+    """Collective: weights + optimizer + scheduler as one dist-checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    _require_psutil()
+    model_sharded = _model_sharded(trainer.actor)
+    state = {"model": model_sharded,
+             "optimizer": _optimizer_sharded(trainer, model_sharded, is_loading=False),
+             "scheduler": trainer.scheduler.state_dict(),
+             "adam_step": trainer.scheduler.num_steps}
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, path)
+
+
+def load_state(trainer, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_sharded = _model_sharded(trainer.actor)
+    opt = trainer.optimizer
+    inner = getattr(opt, "chained_optimizers", [opt])
+    sharded = {"model": model_sharded, "optimizer": _optimizer_sharded(trainer, model_sharded, is_loading=True)}
+    loaded = dist_checkpointing.load(sharded, path)
+    trainer.actor.core.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(opt, inner, loaded["optimizer"])
+    _restore_steps(inner, int(loaded["adam_step"]))
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+
+
+# ------------------------------------------------------------------- RNG ----
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------- trainer ----
+def save(trainer, path: str) -> None:
+    """Collective: model, optimizer + scheduler, every rank's RNG, meta."""
+    lay = trainer.layout
+    rank = dist.get_rank()
+    save_state(trainer, os.path.join(path, "torch_dist"))
+    torch.save(rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        meta = {"format_version": FORMAT_VERSION, "backend": "megatron", "world_size": lay.world_size,
+                "tp": lay.tp_size, "dp": lay.dp_size, "hf_checkpoint": trainer.args.hf_checkpoint,
+                "distributed_optimizer": bool(trainer.args.use_distributed_optimizer)}
+        with open(os.path.join(path, "trainer_meta.json"), "w") as f:
+            json.dump(meta, f)
+    dist.barrier()
+
+
+def load(trainer, path: str) -> None:
+    meta_file = os.path.join(path, "trainer_meta.json")
+    if not os.path.isfile(meta_file):
+        raise FileNotFoundError(f"trainer checkpoint {path!r} has no trainer_meta.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    if meta.get("backend") != "megatron":
+        raise ValueError(f"{path}: a checkpoint of the {meta.get('backend', 'fsdp')} backend; "
+                         f"it cannot be resumed with --train-backend megatron")
+    if bool(meta["distributed_optimizer"]) != bool(trainer.args.use_distributed_optimizer):
+        raise ValueError(f"{path}: saved {'with' if meta['distributed_optimizer'] else 'without'} "
+                         f"--use-distributed-optimizer; resume {'with' if meta['distributed_optimizer'] else 'without'} "
+                         "it too (the two optimizers store their state differently)")
+    load_state(trainer, os.path.join(path, "torch_dist"))
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    same_layout = (meta["tp"], meta["dp"]) == (trainer.layout.tp_size, trainer.layout.dp_size)
+    if same_layout and os.path.exists(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("%s: saved at TP %d x DP %d, loading at TP %d x DP %d: RNG streams stay as seeded", path,
+                       meta["tp"], meta["dp"], trainer.layout.tp_size, trainer.layout.dp_size)
+    dist.barrier()

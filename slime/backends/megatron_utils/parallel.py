@@ -1,0 +1,108 @@
+"""Megatron's process groups on top of the default one, the seeds, and the
+small collectives the trainer needs (over the data-parallel group).
+
+On a machine without CUDA the CPU shim is applied first (gloo groups, CPU
+RNG tracker); on a GPU nothing here goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.training_utils.distributed import device, init_distributed, use_cuda
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_platform() -> None:
+    """Before any megatron object exists: the CPU shim where CUDA is absent."""
+    if not use_cuda():
+        from slime.backends.megatron_utils import cpu_shim
+
+        cpu_shim.apply()
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def is_weight_source(self) -> bool:
+        """The ranks that gather weights for the engines: data-parallel replica 0."""
+        return self.dp_rank == 0
+
+
+def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int) -> tuple[Layout, bool]:
+    """Default group + megatron's TP/DP groups + seeds. Returns (layout,
+    whether this call created the default group)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    prepare_platform()
+    owns_pg = init_distributed(rank, world_size, master_addr, master_port)
+    if mpu.model_parallel_is_initialized():
+        if mpu.get_tensor_model_parallel_world_size() != tp:
+            mpu.destroy_model_parallel()
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                      context_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    layout = Layout(world_size=world_size, rank=rank, tp_size=mpu.get_tensor_model_parallel_world_size(),
+                    tp_rank=mpu.get_tensor_model_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+                    dp_rank=mpu.get_data_parallel_rank())
+    logger.info("rank %d/%d: megatron TP %d (rank %d) x DP %d (rank %d) on %s", rank, world_size, layout.tp_size,
+                layout.tp_rank, layout.dp_size, layout.dp_rank, device())
+    return layout, owns_pg
+
+
+def destroy_parallel(owns_pg: bool) -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if owns_pg and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def dp_group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group()
+
+
+def tp_group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group()
+
+
+def dp_max(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.int64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group())
+    return int(t.item())
+
+
+def dp_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(t, group=dp_group())
+    return t.tolist()
+
+
+def dp_all_gather_object(obj) -> list:
+    """Over the data-parallel ranks (TP peers hold the same data)."""
+    from megatron.core import parallel_state as mpu
+
+    out: list = [None] * mpu.get_data_parallel_world_size()
+    # the gloo twin of the DP group: pickled objects stay on the CPU even where the DP group is NCCL
+    dist.all_gather_object(out, obj, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
+    return out

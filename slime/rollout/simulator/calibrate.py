@@ -1,0 +1,332 @@
+"""Calibrate an `EngineCostModel` on a live engine (any server speaking SGLang's /generate).
+
+Probes are synchronised batches: R requests sent together (`ignore_eos`, N new tokens each), so
+they share a prefill and decode in lockstep with known contexts. From the engine's own
+scheduler counters (`/get_server_info` -> `internal_states[0].scheduler_stats`, which the embedded
+engine reports: decode seconds / steps / rows, prefill seconds / forwards / positions) each probe
+gives the mean decode-step time at a known batch, total context and longest context, and the
+prefill time at known rows x lengths. Engines without those counters (SGLang) are timed from the
+outside: the same batch with two lengths N1 < N2, the difference being (N2 - N1) decode steps.
+The decode and prefill terms are least-squares fits with non-negative coefficients; a request's
+HTTP round trip and abort-to-idle are timed directly.
+
+`closed_loop_tps` (C requests always in flight) is `benchmarks/engine_throughput.py`'s curve;
+`abort_to_idle_s` its abort measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Sequence
+
+import aiohttp
+
+from slime.backends.sglang_utils import http_client
+from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_BACKEND = "slime.hf_engine"
+
+
+def _sp(new_tokens: int) -> dict:
+    return {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+
+
+async def _gen(session, url: str, ids: list[int], new_tokens: int, rid: str | None = None) -> dict:
+    body = {"input_ids": ids, "sampling_params": _sp(new_tokens), "return_logprob": True}  # as the rollout asks
+    if rid:
+        body["rid"] = rid
+    return await http_client.generate(session, url, body, timeout=600)
+
+
+async def closed_loop_tps(session, url: str, prompts: list[list[int]], in_flight: int, new_tokens: int, rounds: int) -> float:
+    """Tokens/s with `in_flight` workers each sending `rounds` requests back to back."""
+    total = 0
+
+    async def worker(w: int) -> None:
+        nonlocal total
+        for r in range(rounds):
+            out = await _gen(session, url, prompts[(w * rounds + r) % len(prompts)], new_tokens)
+            total += out["meta_info"]["completion_tokens"]
+
+    await _gen(session, url, prompts[0], 4)  # warm-up, not counted
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(in_flight)))
+    return total / (time.perf_counter() - t0)
+
+
+async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, new_tokens: int = 900) -> float:
+    """Put `n` long requests in flight, abort all, time until every response is back and the engine is idle."""
+    tasks = [asyncio.create_task(_gen(session, url, prompts[i % len(prompts)], new_tokens, f"calib-abort-{i}-{time.time_ns()}"))
+             for i in range(n)]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        load = await http_client.get(session, url, "/get_load", timeout=10)
+        load = load[0] if isinstance(load, list) else load
+        if int(load.get("num_reqs", 0)) + int(load.get("num_waiting_reqs", 0)) >= n:
+            break
+        await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await http_client.post(session, url, "/abort_request", {"abort_all": True}, timeout=30)
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    elapsed = time.perf_counter() - t0
+    if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs):
+        logger.info("%s: every probe request finished before the abort (short context); abort time is a lower bound", url)
+    return elapsed
+
+
+async def _stats(session, url: str) -> dict | None:
+    info = await http_client.get(session, url, "/get_server_info", timeout=30)
+    states = info.get("internal_states") or [{}]
+    st = states[0].get("scheduler_stats") if isinstance(states[0], dict) else None
+    return dict(st) if isinstance(st, dict) and "decode_s" in st else None
+
+
+async def _batch(session, url: str, rows: list[list[int]], new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_gen(session, url, r, new_tokens) for r in rows))
+    return time.perf_counter() - t0
+
+
+class Probe:
+    """A synchronised batch: rows of the given prompt lengths, N new tokens each."""
+
+    def __init__(self, lengths: list[int], new_tokens: int):
+        self.lengths, self.n = lengths, new_tokens
+        # per run: (decode seconds, [steps, rows, cached tokens, padded positions] summed over its decode steps);
+        # cpu_runs: the same in the engine thread's CPU seconds (when the engine reports them)
+        self.runs: list[tuple[float, list[float]]] = []
+        self.cpu_runs: list[tuple[float, list[float]]] = []
+        self.prefill: list[tuple[float, int, int, float]] = []  # (seconds, forwards, positions, sum of len^2)
+        self.cpu_prefill: list[tuple[float, int, int, float]] = []
+
+    def step(self, stat, clock: str = "wall") -> tuple[float, list[float]] | None:
+        """The run whose mean step time is the `stat` (min or median) of the runs."""
+        runs = self.runs if clock == "wall" else self.cpu_runs
+        if not runs:
+            return None
+        runs = sorted(runs, key=lambda r: r[0] / r[1][0])
+        return runs[0] if stat == "min" else runs[(len(runs) - 1) // 2]
+
+    def nominal(self, steps: float, rows: float) -> list[float]:
+        """[steps, rows, cached tokens, padded positions] when the engine does not count the last two:
+        the rows decode in lockstep, contexts growing by one token per step."""
+        r = len(self.lengths)
+        grow = (self.n - 2) / 2.0
+        per_row = (sum(self.lengths) + r * grow) / r
+        return [steps, rows, rows * per_row, rows * (max(self.lengths) + grow)]
+
+
+def random_ids(rng: random.Random, vocab: int | Sequence[int], n: int) -> list[int]:
+    """`n` token ids: [1] then random ids in [3, vocab) (or drawn from the given ids)."""
+    if isinstance(vocab, int):
+        return [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]
+    return [vocab[0]] + [rng.choice(vocab) for _ in range(n - 1)]
+
+
+async def _run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, stats_ok: bool) -> None:
+    rows = [random_ids(rng, vocab, n) for n in probe.lengths]
+    if stats_ok:
+        before = await _stats(session, url)
+        await _batch(session, url, rows, probe.n)
+        after = await _stats(session, url)
+        d = {k: after[k] - before.get(k, 0) for k in after}
+        if d.get("decode_steps", 0) > 0:
+            if "decode_padded" in d:  # the engine counts what each step read
+                x = [d["decode_steps"], d["decode_rows"], d["decode_ctx_tokens"], d["decode_padded"]]
+            else:
+                x = probe.nominal(d["decode_steps"], d["decode_rows"])
+            probe.runs.append((d["decode_s"], x))
+            if "decode_cpu_s" in d:
+                probe.cpu_runs.append((d["decode_cpu_s"], x))
+        if d.get("prefills", 0) > 0:  # attention's token pairs: each row's own (long rows prefill alone)
+            sq = sum(n * n for n in probe.lengths)
+            pos = int(d.get("prefill_positions", sum(probe.lengths)))
+            probe.prefill.append((d["prefill_s"], int(d["prefills"]), pos, sq))
+            if "prefill_cpu_s" in d:
+                probe.cpu_prefill.append((d["prefill_cpu_s"], int(d["prefills"]), pos, sq))
+    else:  # outside timing: the same batch at N and 2N; the difference is N decode steps
+        n1, n2 = probe.n, 2 * probe.n
+        w1 = await _batch(session, url, rows, n1)
+        w2 = await _batch(session, url, rows, n2)
+        r, steps, mid = len(rows), n2 - n1, (n1 + n2 - 1) / 2.0  # the extra steps' contexts: L_i + n1 .. L_i + n2 - 1
+        x = [steps, r * steps, steps * (sum(probe.lengths) + r * mid), steps * r * (max(probe.lengths) + mid)]
+        probe.runs.append((max(1e-6, w2 - w1), x))
+
+
+def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: bool = False) -> list[Probe]:
+    """Short and long contexts at several batch sizes, and a batch of short rows with one long row
+    (which separates a padded engine's B x longest cost from a paged engine's total-context cost).
+    `quick`: five probes instead of ten (a run calibrating itself, the quick start)."""
+    ctx = max(64, context - new_tokens - 8)
+    big = max(1, min(64, max_running))
+    levels = sorted({1, min(4, big), min(16, big), big})
+    long1, long2 = max(16, ctx // 4), max(32, ctx // 2)
+    probes = [Probe([8] * c, new_tokens) for c in levels]
+    probes += [Probe([long2], new_tokens), Probe([long2] * min(4, big), new_tokens),
+               Probe([long1] * min(8, big), new_tokens), Probe([long2] * min(8, big), new_tokens),
+               Probe([long1] * min(32, big), new_tokens)]
+    probes.append(Probe([long2] + [8] * (min(32, big) - 1), new_tokens))
+    if quick:
+        keep = {0, len(levels) - 1, len(levels), len(levels) + 3, len(probes) - 1}
+        probes = [p for i, p in enumerate(probes) if i in keep]
+    return probes
+
+
+class Calibrator:
+    """Probes one engine (`url`); `measure()` adds a pass over every probe (call it several times,
+    e.g. around a benchmark, so that a busy moment of a shared machine does not decide alone);
+    `fit()` turns the passes into an `EngineCostModel`. `client_url` (e.g. the router in front of
+    the engine) is where a request's round trip is timed."""
+
+    def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
+                 seed: int = 0, name: str | None = None, quick: bool = False):
+        # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
+        self.url, self.vocab, self.client_url = url, vocab, client_url or url
+        self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
+        self.info: dict | None = None
+        self.stats_ok = False
+        self.probes: list[Probe] = []
+        self.latency: list[float] = []
+        self.bursts: list[dict] = []
+        self.abort: list[float] = []
+        self.curve: dict[str, float] = {}
+
+    async def measure(self, session, curve_levels: tuple[int, ...] = ()) -> None:
+        if self.info is None:
+            self.info = await http_client.get(session, self.url, "/get_server_info", timeout=30)
+            self.stats_ok = await _stats(session, self.url) is not None
+            self.probes = default_probes(self.max_running, int(self.info.get("context_length") or 2048), self.new_tokens,
+                                         self.quick)
+            await _gen(session, self.url, random_ids(self.rng, self.vocab, 4), 8)  # warm-up
+        for p in self.probes:
+            await _run_probe(session, self.url, p, self.vocab, self.rng, self.stats_ok)
+        for _ in range(6):  # one request's round trip (one token: one tiny prefill)
+            t0 = time.perf_counter()
+            await _gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
+            self.latency.append(time.perf_counter() - t0)
+        # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
+        # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
+        burst = min(32, self.max_running)
+        context = int(self.info.get("context_length") or 2048)
+        long_in = max(16, min(1024, context // 2))
+        long_n = max(16, min(64 if self.quick else 256, context - 16))
+        for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n)):
+            self.bursts.append(await self._burst(session, burst, in_len, out_n))
+        prompts = [random_ids(self.rng, self.vocab, 16) for _ in range(64)]
+        context = int(self.info.get("context_length") or 2048)
+        self.abort.append(await abort_to_idle_s(session, self.url, prompts, min(16, self.max_running),
+                                                max(64, min(900, context - 32))))
+        for c in curve_levels:
+            tps = await closed_loop_tps(session, self.url, prompts, c, 64, 2)
+            self.curve[str(c)] = round(max(self.curve.get(str(c), 0.0), tps), 1)
+
+    async def _burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
+        """`n` requests sent at once: wall seconds, the engine's busy seconds and its HTTP side's CPU seconds."""
+        before = await _stats(session, self.url) if self.stats_ok else None
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_gen(session, self.client_url, random_ids(self.rng, self.vocab, in_len), new_tokens)
+                               for _ in range(n)))
+        out = {"n": n, "in": n * in_len, "out": n * new_tokens, "wall": time.perf_counter() - t0, "busy": 0.0, "http_cpu": None}
+        if before is not None:
+            after = await _stats(session, self.url)
+            d = {k: after[k] - before.get(k, 0) for k in after}
+            out["busy"] = sum(d.get(k, 0.0) for k in ("prefill_s", "decode_s", "evict_s"))
+            if "process_cpu_s" in d and "thread_cpu_s" in d:
+                out["http_cpu"] = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"])
+        return out
+
+    def _client_and_http(self, latency: float, share: float | None) -> dict:
+        """The engine's HTTP costs (CPU seconds over the scheduler's CPU share: what it stalls the scheduler for)
+        and the client's serial costs, from the bursts."""
+        out: dict = {}
+        rows = [b for b in self.bursts if b["http_cpu"] is not None]
+        http = {"engine_per_request_s": 0.0, "engine_per_input_token_s": 0.0, "engine_per_output_token_s": 0.0}
+        if len(rows) >= 3 and share:
+            fit, _ = nnls_fit([[b["n"], b["in"], b["out"]] for b in rows], [b["http_cpu"] for b in rows], tuple(http),
+                              weights=[1.0 / max(1e-6, b["http_cpu"]) for b in rows])
+            http = {k: v / share for k, v in fit.items()}
+        out.update(http)
+
+        def extra_s(b):  # the burst's time beyond the engine (scheduler and HTTP side) and one round trip
+            h = http["engine_per_request_s"] * b["n"] + http["engine_per_input_token_s"] * b["in"] \
+                + http["engine_per_output_token_s"] * b["out"]
+            return max(0.0, b["wall"] - b["busy"] - h - latency)
+
+        short = sorted(extra_s(b) / b["n"] for b in self.bursts if b["out"] == b["n"] and b["in"] == 8 * b["n"])
+        per_req = short[(len(short) - 1) // 2] if short else 0.0
+        longs = sorted(max(0.0, extra_s(b) - per_req * b["n"]) / max(1, b["out"] - b["n"])
+                       for b in self.bursts if b["out"] > b["n"])
+        out["client_per_request_s"] = per_req
+        out["client_per_token_s"] = longs[(len(longs) - 1) // 2] if longs else 0.0
+        return out
+
+    @property
+    def max_running(self) -> int:
+        return int((self.info or {}).get("max_running_requests") or 128)
+
+    def fit(self, stat: str = "median", clock: str = "wall") -> EngineCostModel:
+        """`clock` "cpu": the engine thread's CPU seconds instead of wall seconds (what the engine costs on
+        a machine of its own, when it reports them)."""
+        if self.info is None:
+            raise RuntimeError("Calibrator.fit: measure() first")
+        pts = [(p, p.step(stat, clock)) for p in self.probes if p.step(stat, clock)]
+        if not pts:
+            raise RuntimeError(f"Calibrator.fit: no {clock} measurements (the engine reports no such counters)")
+        decode, decode_err = nnls_fit([x for _, (_, x) in pts], [s for _, (s, _) in pts],
+                                      DECODE_TERMS, weights=[1.0 / s for _, (s, _) in pts])
+        prefill, prefill_err = {}, None
+        rows = [r for p in self.probes for r in (p.prefill if clock == "wall" else p.cpu_prefill)]
+        if len(rows) >= 3:
+            prefill, prefill_err = nnls_fit([[f, pos, sq] for _, f, pos, sq in rows], [s for s, *_ in rows],
+                                            PREFILL_TERMS, weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
+        one_prefill = prefill.get("prefill_base_s", 0.0) + 8 * prefill.get("prefill_per_token_s", 0.0)
+        lat = sorted(self.latency)
+        latency = max(0.0, lat[len(lat) // 2] - one_prefill)
+        ab = sorted(self.abort)
+        cpu = [r for p in self.probes for r in p.cpu_runs]
+        wall = [r for p in self.probes for r in p.runs]
+        share = sum(c for c, _ in cpu) / sum(w for w, _ in wall) if cpu and wall else None
+        client_http = self._client_and_http(latency, share if clock == "wall" else 1.0)
+        info, embedded = self.info, self.info.get("backend") == EMBEDDED_BACKEND
+        coef = [decode[k] for k in DECODE_TERMS]
+        extra = {"probes": [{"rows": len(p.lengths), "lengths": sorted(set(p.lengths)), "new_tokens": p.n,
+                             "step_ms": [round(1e3 * s / x[0], 4) for s, x in p.runs],
+                             "fit_ms": round(1e3 * sum(c * v for c, v in zip(coef, st[1])) / st[1][0], 4)}
+                            for p, st in pts],
+                 "stat": stat, "passes": max((len(p.runs) for p in self.probes), default=0),
+                 "decode_fit_rel_rms": round(decode_err, 4),
+                 "prefill_fit_rel_rms": None if prefill_err is None else round(prefill_err, 4),
+                 "timed_from": "scheduler_stats" if self.stats_ok else "wall_clock", "curve_tok_s": dict(self.curve),
+                 "engine_cpu_share": None if share is None else round(share, 4)}
+        return EngineCostModel(
+            **decode, **prefill, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
+            **client_http,
+            admit_wait_s=0.02 if embedded else 0.0, max_running=self.max_running,
+            kv_capacity_tokens=int(info.get("max_total_num_tokens") or 1 << 30),
+            kv_admission="reserve" if embedded else "optimistic",
+            max_prefill_tokens=int(info.get("chunked_prefill_size") or 8192),
+            pad_slack_tokens=1024 if embedded else 0, prefill_ragged=not embedded,
+            name=self.name or f"calibrated {info.get('backend', 'sglang')}",
+            source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "
+                   f"{extra['passes']} passes, {stat}) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            extra=extra)
+
+
+async def calibrate_async(url: str, vocab: int | Sequence[int], passes: int = 3, curve_levels: tuple[int, ...] = (), stat: str = "median",
+                          client_url: str | None = None, name: str | None = None, seed: int = 0,
+                          quick: bool = False) -> EngineCostModel:
+    """Measure `url` (one engine) `passes` times and fit a cost model."""
+    cal = Calibrator(url, vocab, client_url=client_url, seed=seed, name=name, quick=quick)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for i in range(passes):
+            await cal.measure(session, curve_levels if i == 0 else ())
+    return cal.fit(stat)
+
+
+def calibrate(url: str, vocab: int | Sequence[int], **kw) -> EngineCostModel:
+    return asyncio.run(calibrate_async(url, vocab, **kw))

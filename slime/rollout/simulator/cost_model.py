@@ -1,0 +1,204 @@
+"""What an engine's work costs, in seconds: the rollout simulator's engine model.
+
+One `EngineCostModel` describes one engine (one tensor-parallel group):
+
+- a decode step over B running sequences costs
+  `decode_base_s + decode_per_seq_s * B + decode_per_token_s * S + decode_per_padded_s * B * W`,
+  S the cached tokens summed over the running sequences (a paged KV cache reads each once: GPU
+  decode is memory-bound on weights + KV), W the longest one (an engine that pads every row to the
+  longest, like our embedded CPU engine's dense window, pays B * W);
+- a prefill forward over rows of lengths l_i costs
+  `prefill_base_s + prefill_per_token_s * sum(l_i) + prefill_per_token2_s * sum(l_i ** 2)`
+  (linear layers per token, attention per token pair);
+- `finish_s` per sequence leaving the batch, `abort_s` from the rollout's stop to the engines
+  processing the abort, `request_latency_s` for one request's HTTP round trip (client -> router ->
+  engine -> client, outside the engine's own work), `client_per_request_s` + `client_per_token_s` x
+  tokens the client's own work per request (one client does one thing at a time: a burst of
+  requests leaves one after another and replies wait to be read), `engine_per_request_s` +
+  `engine_per_input_token_s` / `engine_per_output_token_s` the engine's own HTTP work, during which
+  it does not decode (our embedded engine is one Python process; SGLang's HTTP side is not),
+  `step_overhead_s` per rollout step outside generation (buffer calls, bookkeeping),
+  `weight_update_s` per weight update;
+- admission: at most `max_running` sequences and `kv_capacity_tokens` tokens of KV. `kv_admission`
+  "reserve" admits a request only if prompt + max_new_tokens fit (our embedded engine: nothing is
+  ever evicted); "optimistic" admits on prompt + a fraction of the budget and retracts the newest
+  sequence when the cache overflows (SGLang); `admit_wait_s`: while decoding, a few new arrivals wait
+  this long to be prefilled together (the embedded engine's admission batching; 0 for SGLang).
+
+Numbers come from a calibration of a real engine (`calibrate.py`, written to JSON) or, for GPUs
+where we cannot measure, from `gpu_presets.py` (datasheet numbers, cited there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s")
+PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s")
+TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
+                                              "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
+                                              "engine_per_output_token_s", "step_overhead_s", "weight_update_s")
+
+
+@dataclass(frozen=True)
+class EngineCostModel:
+    decode_base_s: float
+    decode_per_seq_s: float = 0.0
+    decode_per_token_s: float = 0.0
+    decode_per_padded_s: float = 0.0
+    prefill_base_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    prefill_per_token2_s: float = 0.0
+    finish_s: float = 0.0
+    abort_s: float = 0.01
+    request_latency_s: float = 0.002
+    client_per_request_s: float = 0.0  # the client's own work per request (sending it, reading its reply)
+    client_per_token_s: float = 0.0  # the client's work per token of a reply (parsing, appending to the sample)
+    # the engine's own HTTP work, which stalls its scheduler (one Python process: the GIL); 0 for SGLang, whose
+    # HTTP server, tokenizer and scheduler are separate processes
+    engine_per_request_s: float = 0.0
+    engine_per_input_token_s: float = 0.0  # parsing a request's input_ids
+    engine_per_output_token_s: float = 0.0  # writing a reply's output ids and log-probs
+    step_overhead_s: float = 0.003
+    weight_update_s: float = 0.0
+    admit_wait_s: float = 0.0
+    max_running: int = 1024
+    kv_capacity_tokens: int = 1 << 40
+    kv_admission: str = "reserve"  # reserve | optimistic
+    optimistic_reserve_frac: float = 0.3  # "optimistic": share of the remaining budget reserved at admission
+    max_prefill_tokens: int = 8192  # tokens per batched prefill (later rows wait for the next one)
+    pad_slack_tokens: int = 1024  # padded prefills: rows of different lengths share one while rows x longest <= this
+    prefill_ragged: bool = False  # True: one unpadded forward per max_prefill_tokens (SGLang's ragged prefill)
+    name: str = "custom"
+    source: str = ""  # where the numbers come from (calibration command, datasheets)
+    extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
+
+    def __post_init__(self):
+        if self.kv_admission not in ("reserve", "optimistic"):
+            raise ValueError(f"EngineCostModel.kv_admission: {self.kv_admission!r} is not reserve or optimistic")
+        for f in TIME_FIELDS:
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"EngineCostModel.{f} must be >= 0, got {getattr(self, f)}")
+        if self.decode_base_s + self.decode_per_seq_s <= 0:
+            raise ValueError("EngineCostModel: a decode step must cost something (decode_base_s + decode_per_seq_s > 0)")
+        if self.max_running < 1 or self.kv_capacity_tokens < 1:
+            raise ValueError("EngineCostModel: max_running and kv_capacity_tokens must be >= 1")
+
+    # ---- costs ---------------------------------------------------------------------
+    def decode_step_s(self, batch: int, tokens: float, longest: float) -> float:
+        return (self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_token_s * tokens
+                + self.decode_per_padded_s * batch * longest)
+
+    def prefill_s(self, lengths: list[int]) -> float:
+        """Seconds to prefill rows of `lengths`, split into forwards as the engine would."""
+        if not lengths:
+            return 0.0
+        if self.prefill_ragged:  # one ragged forward per max_prefill_tokens, no padding (SGLang)
+            total = sum(lengths)
+            forwards = -(-total // max(1, self.max_prefill_tokens))
+            return (self.prefill_base_s * forwards + self.prefill_per_token_s * total
+                    + self.prefill_per_token2_s * sum(x * x for x in lengths))
+        cost = 0.0
+        for chunk in prefill_chunks(lengths, self.pad_slack_tokens):  # left-padded to the chunk's longest
+            rows, width = len(chunk), max(chunk)
+            cost += self.prefill_base_s + self.prefill_per_token_s * rows * width + self.prefill_per_token2_s * rows * width * width
+        return cost
+
+    def tokens_per_s(self, batch: int, context: int) -> float:
+        """Steady decode throughput of `batch` sequences of `context` cached tokens each."""
+        return batch / self.decode_step_s(batch, batch * context, context)
+
+    # ---- io --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "cost model") -> "EngineCostModel":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(sorted(names))})")
+        if "decode_base_s" not in d:
+            raise ValueError(f"{where}: missing field 'decode_base_s'")
+        return cls(**d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def load(cls, path: str) -> "EngineCostModel":
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a JSON cost model ({e})") from e
+        return cls.from_dict(d, where=path)
+
+    def replace(self, **kw) -> "EngineCostModel":
+        return dataclasses.replace(self, **kw)
+
+    def scaled(self, factor: float) -> "EngineCostModel":
+        """Every duration times `factor` (a machine `factor` times slower; admission waits are timers, kept)."""
+        return dataclasses.replace(self, **{f: getattr(self, f) * factor for f in TIME_FIELDS})
+
+    def describe(self) -> str:
+        return (f"{self.name}: decode step {1e3 * self.decode_base_s:.3f} ms + {1e6 * self.decode_per_seq_s:.2f} us/seq "
+                f"+ {1e9 * self.decode_per_token_s:.3f} ns/cached token + {1e9 * self.decode_per_padded_s:.3f} ns/padded "
+                f"position; prefill {1e3 * self.prefill_base_s:.3f} ms/forward + {1e6 * self.prefill_per_token_s:.3f} us/token "
+                f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2; abort {1e3 * self.abort_s:.1f} ms, request "
+                f"{1e3 * self.request_latency_s:.2f} ms, step overhead {1e3 * self.step_overhead_s:.1f} ms, weight update "
+                f"{self.weight_update_s:.2f} s, client {1e3 * self.client_per_request_s:.2f} ms/request + {1e6 * self.client_per_token_s:.2f} us/token, engine HTTP "
+                f"{1e3 * self.engine_per_request_s:.2f} ms/request + {1e6 * self.engine_per_input_token_s:.2f} us/input "
+                f"+ {1e6 * self.engine_per_output_token_s:.2f} us/output token; max running {self.max_running}, KV {self.kv_capacity_tokens} tokens "
+                f"({self.kv_admission})")
+
+
+def prefill_chunks(lengths: list[int], pad_slack: int) -> list[list[int]]:
+    """Rows grouped into padded prefill forwards, shortest first: equal lengths share one; different
+    lengths share one while rows x longest stays within `pad_slack` (the embedded engine's rule)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for n in sorted(lengths):
+        if cur and n != cur[0] and (len(cur) + 1) * n > pad_slack:
+            out.append(cur)
+            cur = []
+        cur.append(n)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def nnls_fit(rows: list[list[float]], targets: list[float], names: tuple[str, ...],
+             weights: list[float] | None = None) -> tuple[dict[str, float], float]:
+    """Least squares with every coefficient >= 0 (exhaustive over the active set: few terms).
+
+    Returns (coefficients, relative RMS residual). `weights` scale each row (e.g. 1/target for a
+    relative fit, so fast and slow probes count alike)."""
+    a = np.asarray(rows, dtype=float)
+    y = np.asarray(targets, dtype=float)
+    w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=float)
+    aw, yw = a * w[:, None], y * w
+    best = None
+    k = a.shape[1]
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            coef, *_ = np.linalg.lstsq(aw[:, cols], yw, rcond=None)
+            if (coef < 0).any():
+                continue
+            resid = float(np.sum((aw[:, cols] @ coef - yw) ** 2))
+            if best is None or resid < best[0] - 1e-18:
+                full = np.zeros(k)
+                full[list(cols)] = coef
+                best = (resid, full)
+    if best is None:
+        raise ValueError("nnls_fit: no non-negative fit")
+    full = best[1]
+    pred = a @ full
+    rel = float(np.sqrt(np.mean(((pred - y) / np.where(y > 0, y, 1)) ** 2)))
+    return {n: float(c) for n, c in zip(names, full)}, rel

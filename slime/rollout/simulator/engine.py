@@ -1,0 +1,405 @@
+"""Discrete-event model of engines serving requests (continuous batching), and the event loop.
+
+`EventLoop` orders everything in time: client callbacks, inputs reaching an engine (requests,
+aborts, weight updates) and engines reaching a step boundary. `SimEngine` behaves as our
+scheduler (and SGLang's) does, at step boundaries only: take commands, admit waiting requests
+(prefill), then decode every running sequence by one token per step. Between two things that can
+change the batch (a sequence finishing, an input arriving, the KV cache filling up) the batch is
+fixed, so the engine jumps over many decode steps at once: the step cost is linear in the step
+index there (contexts grow by one token per step), so the time of m steps has a closed form and a
+step boundary after any time can be solved for. A rollout of millions of tokens costs thousands
+of events, not millions.
+
+Tokens carry the engine's weight version when they are generated; a weight update applied while
+a request runs splits its tokens between the two versions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from typing import Callable
+
+from slime.rollout.simulator.cost_model import EngineCostModel
+
+
+class SimSample:
+    """One sample's progress: final length (known to the simulator, not to the engines), tokens so
+    far and the policy version of each run of them."""
+
+    __slots__ = ("sid", "gid", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv")
+
+    def __init__(self, sid: int, gid: int, prompt_len: int, final_len: int, budget: int):
+        self.sid, self.gid, self.prompt_len = sid, gid, prompt_len
+        self.final_len, self.budget = min(final_len, budget), budget
+        self.resp_len = 0
+        self.segments: list[list[int]] = []  # [version, tokens]
+        self.kv: tuple[int, int] | None = None  # (engine id, cached tokens) of its last abort
+
+    @property
+    def finished(self) -> bool:
+        return self.resp_len >= self.final_len
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_len + self.resp_len
+
+    def add(self, segments: list[tuple[int, int]]) -> None:
+        for version, n in segments:
+            if n <= 0:
+                continue
+            if self.segments and self.segments[-1][0] == version:
+                self.segments[-1][1] += n
+            else:
+                self.segments.append([version, n])
+            self.resp_len += n
+
+    def reset(self) -> int:
+        """Drop the response (a staleness restart); returns the tokens thrown away."""
+        n, self.resp_len, self.segments, self.kv = self.resp_len, 0, [], None
+        return n
+
+    def oldest_version(self) -> int | None:
+        return self.segments[0][0] if self.segments else None
+
+
+class SimRequest:
+    __slots__ = ("seq", "sample", "n_input", "target", "max_new", "arrive_t", "k_join", "finish_k", "gen0",
+                 "produced", "splits", "reserve", "on_done")
+
+    def __init__(self, seq, sample: SimSample, arrive_t: float, on_done: Callable):
+        self.seq, self.sample, self.arrive_t, self.on_done = seq, sample, arrive_t, on_done
+        self.n_input = sample.tokens
+        self.target = sample.final_len - sample.resp_len  # tokens it will produce unless aborted
+        self.max_new = sample.budget - sample.resp_len  # what the engine is told (max_new_tokens)
+        self.k_join = self.finish_k = self.gen0 = 0
+        self.produced = 0  # tokens produced before a retraction (kept, re-prefilled)
+        self.splits: list[tuple[int, int]] = []  # (tokens produced so far, version) at each weight update
+        self.reserve = 0
+
+
+class EventLoop:
+    """Time-ordered callbacks; equal times run in the order they were scheduled."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, until: Callable[[], bool] | None = None, max_events: int = 50_000_000) -> None:
+        n = 0
+        while self._heap:
+            if until is not None and until():
+                return
+            t, _, fn, args = heapq.heappop(self._heap)
+            self.now = max(self.now, t)
+            fn(t, *args)
+            n += 1
+            if n > max_events:
+                raise RuntimeError(f"simulation exceeded {max_events} events")
+
+
+class SimEngine:
+    def __init__(self, eid: int, cost: EngineCostModel, loop: EventLoop, prefix_cache: bool = True,
+                 timeline: list | None = None):
+        self.eid, self.cost, self.loop = eid, cost, loop
+        self.prefix_cache_on = prefix_cache
+        self.t = 0.0
+        self.k = 0
+        self.running: dict[int, SimRequest] = {}
+        self.finish_heap: list[tuple[int, int]] = []
+        self.width_heap: list[tuple[int, int]] = []
+        self.tokens_now = 0  # cached tokens over running rows at step k
+        self.waiting: deque[SimRequest] = deque()
+        self.inbox: list[tuple[str, object]] = []
+        self.jump: tuple | None = None  # (t0, alpha, beta, m, token)
+        self.token = 0
+        self._wake_at: float | None = None
+        self._more = False  # admission stopped at the prefill budget: admit again after one decode step
+        self._http = 0.0  # HTTP work owed (parsing requests, writing replies): the scheduler waits for it
+        self._http_free = 0.0  # when the HTTP side is done with what it has
+        self.version = 0
+        self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
+        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
+                      "prefill_tokens": 0, "prefills": 0, "cache_hits": 0, "cache_hit_tokens": 0, "retractions": 0,
+                      "update_s": 0.0, "http_s": 0.0}
+        self.timeline = timeline
+        self._scheduled_at: float | None = None
+
+    # ---- inputs ----------------------------------------------------------------------
+    def deliver(self, t: float, kind: str, payload) -> None:
+        """An input reaches the engine at `t`: it is taken at the first step boundary at or after `t`. A request
+        is first parsed by the engine's HTTP side, one at a time (and the scheduler waits meanwhile: one process)."""
+        if kind == "request":
+            parse = self.cost.engine_per_request_s / 2 + self.cost.engine_per_input_token_s * payload.n_input
+            if parse > 0:
+                done = max(t, self._http_free) + parse
+                self._http_free = done
+                self._http += parse
+                self.loop.at(done, self._parsed, payload)
+                return
+        self.inbox.append((kind, payload))
+        self.poke(t)
+
+    def _parsed(self, t: float, req) -> None:
+        self.inbox.append(("request", req))
+        self.poke(t)
+
+    def poke(self, t: float) -> None:
+        """Make sure a boundary happens at the first step end at or after `t`."""
+        if self.jump is None:
+            if self._scheduled_at is None or self._scheduled_at > t:
+                self._schedule(max(t, self.t))
+            return
+        t0, alpha, beta, m, _ = self.jump
+        j = self._steps_within(alpha, beta, t - t0)
+        new_m = max(1, min(m, j + 1))
+        if new_m < m:
+            self.jump = (t0, alpha, beta, new_m, self.jump[4])
+            self._schedule(t0 + self._jump_time(alpha, beta, new_m))
+
+    def _schedule(self, t: float) -> None:
+        self.token += 1
+        self._scheduled_at = t
+        if self.jump is not None:
+            self.jump = self.jump[:4] + (self.token,)
+        self.loop.at(t, self._boundary, self.token)
+
+    @staticmethod
+    def _jump_time(alpha: float, beta: float, m: int) -> float:
+        return m * alpha + beta * m * (m - 1) / 2.0
+
+    def _steps_within(self, alpha: float, beta: float, dt: float) -> int:
+        """Largest j with the time of j steps <= dt."""
+        if dt <= 0:
+            return 0
+        if beta <= 0:
+            j = int(dt / alpha)
+        else:
+            b = alpha - beta / 2.0
+            j = int((-b + math.sqrt(b * b + 2.0 * beta * dt)) / beta)
+        while j > 0 and self._jump_time(alpha, beta, j) > dt:
+            j -= 1
+        while self._jump_time(alpha, beta, j + 1) <= dt:
+            j += 1
+        return j
+
+    # ---- the boundary ------------------------------------------------------------------
+    def _boundary(self, t: float, token: int) -> None:
+        if token != self.token:
+            return  # superseded by an earlier boundary
+        self._scheduled_at = None
+        if self.jump is not None:
+            t0, alpha, beta, m, _ = self.jump
+            self.jump = None
+            b = len(self.running)
+            self.stats["decode_s"] += t - t0
+            self.stats["decode_steps"] += m
+            self.stats["decode_rows"] += m * b
+            self.k += m
+            self.tokens_now += m * b
+            done = []
+            while self.finish_heap and self.finish_heap[0][0] <= self.k:
+                _, seq = heapq.heappop(self.finish_heap)
+                req = self.running.pop(seq, None)
+                if req is not None:
+                    done.append(req)
+            for req in done:
+                self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
+                self._emit(t, req, req.target + req.produced, True)
+            if done:
+                ev = self.cost.finish_s * len(done)
+                self.stats["evict_s"] += ev
+                t += ev
+        self.t = t
+        t = self._take_inbox(t)
+        t = self._retract_if_full(t)
+        t = self._admit(t)
+        self.t = t
+        self._start_jump(t)
+
+    def _take_inbox(self, t: float) -> float:
+        items, self.inbox = self.inbox, []
+        for kind, payload in items:
+            if kind == "request":
+                self.waiting.append(payload)
+            elif kind == "abort":
+                self._abort_all(t)
+            elif kind == "update":  # weights reach the engine between two steps; running requests go on
+                version, flush, cost_s = payload
+                for req in self.running.values():
+                    req.splits.append((self._produced(req), self.version))
+                self.version = version
+                if flush:
+                    self.cache.clear()
+                self.stats["update_s"] += cost_s
+                t += cost_s
+            else:
+                raise ValueError(f"SimEngine: unknown input {kind!r}")
+        return t
+
+    def _produced(self, req: SimRequest) -> int:
+        return req.produced + req.gen0 + (self.k - req.k_join)
+
+    def _abort_all(self, t: float) -> None:
+        for req in list(self.running.values()):
+            n = self._produced(req)
+            if self.prefix_cache_on:  # SGLang's radix cache keeps an aborted request's KV
+                self.cache[req.sample.sid] = (req.sample.tokens + n - 1, self.version)
+            self._emit(t, req, n, False)
+        self.running.clear()
+        self.finish_heap.clear()
+        self.width_heap.clear()
+        self.tokens_now = 0
+        while self.waiting:
+            req = self.waiting.popleft()
+            self._emit(t, req, req.produced, False)
+
+    def _emit(self, t: float, req: SimRequest, produced: int, finished: bool) -> None:
+        write = self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced
+        if write > 0:  # the HTTP side writes the reply, one at a time, while the scheduler waits
+            t = max(t, self._http_free) + write
+            self._http_free = t
+            self._http += write
+        segs, prev = [], 0
+        for upto, version in req.splits:
+            segs.append((version, upto - prev))
+            prev = upto
+        segs.append((self.version, produced - prev))
+        self.loop.at(t + self.cost.request_latency_s / 2, req.on_done, req, segs, finished)
+
+    def _retract_if_full(self, t: float) -> float:
+        """SGLang-style: when the cache overflows, the newest sequences go back to the queue (their
+        tokens kept, their KV dropped: they are prefilled again when readmitted)."""
+        cap = self.cost.kv_capacity_tokens
+        if self.cost.kv_admission != "optimistic":
+            return t
+        while len(self.running) > 1 and self.tokens_now + len(self.running) > cap:
+            req = max(self.running.values(), key=lambda r: (r.k_join, r.seq))
+            n = self._produced(req)
+            del self.running[req.seq]
+            self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
+            req.produced = n
+            req.n_input = req.sample.tokens + n
+            req.splits = [(u, v) for u, v in req.splits]
+            self.waiting.appendleft(req)
+            self.stats["retractions"] += 1
+        self.finish_heap = [(fk, s) for fk, s in self.finish_heap if s in self.running]
+        heapq.heapify(self.finish_heap)
+        self.width_heap = [(w, s) for w, s in self.width_heap if s in self.running]
+        heapq.heapify(self.width_heap)
+        return t
+
+    def _reserve(self, req: SimRequest) -> int:
+        left = req.max_new - req.produced
+        if self.cost.kv_admission == "reserve":
+            return req.n_input + left
+        return req.n_input + int(self.cost.optimistic_reserve_frac * min(left, 4096))
+
+    def _admit(self, t: float) -> float:
+        c = self.cost
+        self._more = False
+        if not self.waiting or len(self.running) >= c.max_running:
+            return t
+        if self.running and c.admit_wait_s > 0:
+            free = c.max_running - len(self.running)
+            enough = min(free, max(1, len(self.running) // 4))
+            oldest = self.waiting[0].arrive_t
+            if len(self.waiting) < enough and t - oldest < c.admit_wait_s:
+                wake = oldest + c.admit_wait_s
+                if self._wake_at != wake:
+                    self._wake_at = wake
+                    self.loop.at(wake, lambda tt: self.poke(tt))
+                return t
+        if c.kv_admission == "reserve":
+            used = sum(r.reserve for r in self.running.values())
+        else:
+            used = self.tokens_now + len(self.running)
+        budget = c.kv_capacity_tokens - used
+        group: list[SimRequest] = []
+        hits: list[SimRequest] = []
+        prefill_tokens = 0
+        while self.waiting and len(self.running) + len(group) + len(hits) < c.max_running:
+            req = self.waiting[0]
+            need = self._reserve(req)
+            if need > budget and (self.running or group or hits):
+                break
+            if group and prefill_tokens + req.n_input > c.max_prefill_tokens:
+                self._more = True  # the rest is admitted before the next decode step
+                break
+            self.waiting.popleft()
+            budget -= need
+            req.reserve = need
+            cached = self.cache.pop(req.sample.sid, None) if req.produced == 0 else None
+            if cached is not None and cached[0] == req.n_input - 1:
+                hits.append(req)
+                self.stats["cache_hits"] += 1
+                self.stats["cache_hit_tokens"] += cached[0]
+            else:
+                group.append(req)
+                prefill_tokens += req.n_input
+        if group:
+            dt = c.prefill_s([r.n_input for r in group])
+            self.stats["prefill_s"] += dt
+            self.stats["prefills"] += 1
+            self.stats["prefill_tokens"] += prefill_tokens
+            t += dt
+        for req in group:  # prefilled: the first token is sampled by the prefill
+            req.gen0 = 1
+            if req.target - req.produced <= 1:
+                self._emit(t, req, req.produced + 1, True)
+                continue
+            self._join(req, req.n_input, req.target - req.produced - 1)
+        for req in hits:  # resumed on its cached KV: its last token is the pending one, no prefill
+            req.gen0 = 0
+            self._join(req, req.n_input - 1, req.target - req.produced)
+        return t
+
+    def _join(self, req: SimRequest, ctx0: int, steps_left: int) -> None:
+        req.k_join = self.k
+        req.finish_k = self.k + steps_left
+        self.running[req.seq] = req
+        heapq.heappush(self.finish_heap, (req.finish_k, req.seq))
+        heapq.heappush(self.width_heap, (-(ctx0 - self.k), req.seq))
+        self.tokens_now += ctx0
+
+    def _longest(self) -> int:
+        while self.width_heap and self.width_heap[0][1] not in self.running:
+            heapq.heappop(self.width_heap)
+        return -self.width_heap[0][0] + self.k if self.width_heap else 0
+
+    def _start_jump(self, t: float) -> None:
+        if self._http:
+            t += self._http
+            self.stats["http_s"] += self._http
+            self._http = 0.0
+        b = len(self.running)
+        if self.timeline is not None:
+            self.timeline.append((t, self.eid, b))
+        if b == 0:
+            if self.waiting:
+                if not self._more:
+                    raise RuntimeError(f"SimEngine {self.eid}: requests wait with an empty batch "
+                                       "(one larger than the KV cache?)")
+                self._schedule(t)  # every admitted row finished at its prefill: admit the next ones
+            return
+        c = self.cost
+        m = 1 if self._more else self.finish_heap[0][0] - self.k
+        if c.kv_admission == "optimistic":
+            room = (c.kv_capacity_tokens - self.tokens_now - b) // b
+            m = min(m, max(1, room))
+        m = max(1, m)
+        w = self._longest()
+        alpha = c.decode_step_s(b, self.tokens_now, w)
+        beta = (c.decode_per_token_s + c.decode_per_padded_s) * b
+        self.jump = (t, alpha, beta, m, 0)
+        self._schedule(t + self._jump_time(alpha, beta, m))
+
+    def busy_s(self) -> float:
+        st = self.stats
+        return st["prefill_s"] + st["decode_s"] + st["evict_s"] + st["update_s"] + st["http_s"]

@@ -1,0 +1,196 @@
+"""`simulate(config, cost, lengths) -> SimResult`: run a rollout mode for some steps in simulation.
+
+The result holds per-step records and the aggregates over the steps after `warmup_steps` (the
+buffer starts empty, so APRIL's and pool mode's first steps are not their steady state):
+rollout tokens/s (new tokens / rollout time, what `benchmarks/rollout_throughput.py` measures),
+end-to-end tokens/s (with `train_time_s` and weight updates between steps), goodput (tokens that
+reach training: not restarted, masked, rejected by the filter or discarded), engine idle fraction,
+off-policy token ratio and the per-token staleness histogram (lag in policy versions at training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+from slime.rollout.simulator.async_mode import AsyncRun
+from slime.rollout.simulator.cost_model import EngineCostModel
+from slime.rollout.simulator.engine import EventLoop, SimEngine
+from slime.rollout.simulator.modes import ChunkedStep, Cluster, PoolStep, RolloutState, StepCounters
+
+MODES = ("chunked", "pool", "async")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mode: str = "chunked"
+    rollout_batch_size: int = 8
+    n_samples_per_prompt: int = 8
+    over_sampling_batch_size: int | None = None  # None: rollout_batch_size (synchronous without partial)
+    partial_rollout: bool = False
+    pool_size: int = 64  # pool and async modes: requests in flight
+    concurrency_per_engine: int = 512  # chunked mode: --sglang-server-concurrency
+    num_engines: int = 1
+    max_response_len: int = 1024
+    pass_rate: float = 1.0  # share of finished groups the dynamic filter keeps
+    max_staleness: int | None = None
+    staleness_policy: str = "restart"
+    reuse_stale_kv: bool = False
+    prefix_cache: bool = True
+    steps: int = 10
+    warmup_steps: int = 2
+    train_time_s: float = 0.0  # per step (chunked/pool: the engines wait; async: the trainer's time)
+    max_async_lag: int = 1
+    seed: int = 0
+    budgets_are_lengths: bool = False  # each sample's length is its budget (ignore_eos benchmarks)
+    record_timeline: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"SimConfig.mode: {self.mode!r} is not one of {MODES}")
+        if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1 or self.steps < 1:
+            raise ValueError("SimConfig: rollout_batch_size, n_samples_per_prompt and steps must be >= 1")
+        if not 0 < self.pass_rate <= 1:
+            raise ValueError(f"SimConfig.pass_rate must be in (0, 1], got {self.pass_rate}")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
+            raise ValueError("SimConfig.over_sampling_batch_size must be >= 1")
+        if self.staleness_policy not in ("restart", "mask", "keep"):
+            raise ValueError(f"SimConfig.staleness_policy: {self.staleness_policy!r}")
+
+    @property
+    def chunk(self) -> int:
+        return self.over_sampling_batch_size or self.rollout_batch_size
+
+    @property
+    def label(self) -> str:
+        if self.mode != "chunked":
+            return self.mode
+        if not self.partial_rollout and self.chunk == self.rollout_batch_size:
+            return "sync"
+        return f"april(os={self.chunk})"
+
+    def replace(self, **kw) -> "SimConfig":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_args(cls, args, over_sampling_batch_size: int | None = None, **kw) -> "SimConfig":
+        """The simulated configuration of a run's flags (`over_sampling_batch_size` for `auto`)."""
+        osb = over_sampling_batch_size
+        if osb is None and args.over_sampling_batch_size != "auto":
+            osb = int(args.over_sampling_batch_size)
+        base = dict(mode=args.rollout_mode, rollout_batch_size=args.rollout_batch_size,
+                    n_samples_per_prompt=args.n_samples_per_prompt, over_sampling_batch_size=osb,
+                    partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size,
+                    concurrency_per_engine=args.sglang_server_concurrency, num_engines=args.num_engines,
+                    max_response_len=args.rollout_max_response_len, max_staleness=args.max_staleness,
+                    staleness_policy=args.staleness_policy, reuse_stale_kv=args.reuse_stale_kv,
+                    budgets_are_lengths=args.rollout_ignore_eos)
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    cost_name: str
+    lengths: str
+    steps: list[dict] = field(default_factory=list)
+    timeline: list | None = None  # (t, engine id, running sequences) at every change
+    engine_stats: dict = field(default_factory=dict)  # summed over engines, whole run
+    client_timeline: list | None = None  # (t, requests in flight)
+
+    def measured(self) -> list[dict]:
+        w = min(self.config.warmup_steps, max(0, len(self.steps) - 1))
+        return self.steps[w:]
+
+    def summary(self) -> dict:
+        st = self.measured()
+        rollout = sum(s["rollout_s"] for s in st)
+        wall = sum(s["wall_s"] for s in st)
+        new = sum(s["new_tokens"] for s in st)
+        wasted = sum(s["wasted_tokens"] for s in st)
+        hist: Counter = Counter()
+        for s in st:
+            hist.update(s["lag_tokens"])
+        trained = sum(hist.values())
+        off = sum(c for lag, c in hist.items() if lag > 0)
+        busy = sum(s["busy_s"] for s in st)
+        engines = self.config.num_engines
+        return {
+            "mode": self.config.label, "steps": len(st),
+            "tokens_per_s": new / rollout if rollout else 0.0,
+            "e2e_tokens_per_s": new / wall if wall else 0.0,
+            "goodput_tokens_per_s": (new - wasted) / wall if wall else 0.0,
+            "engine_idle_fraction": max(0.0, 1.0 - busy / (engines * rollout)) if rollout else 0.0,
+            "off_policy_token_ratio": off / trained if trained else 0.0,
+            "staleness_hist": {int(k): int(v) for k, v in sorted(hist.items())},
+            "step_s": rollout / len(st) if st else 0.0,
+            "time_to_target_s": sum(s["time_to_target_s"] for s in st) / len(st) if st else 0.0,
+            "requests_per_step": sum(s["requests"] for s in st) / len(st) if st else 0.0,
+            "reprefill_tokens_per_step": sum(s["reprefill_tokens"] for s in st) / len(st) if st else 0.0,
+            "new_tokens": new, "wasted_tokens": wasted, "rollout_s": rollout, "wall_s": wall,
+        }
+
+
+def _record(c: StepCounters, busy: float, requests: int, reprefill: int, wall_extra: float) -> dict:
+    rollout = c.t_end - c.t_start
+    return {
+        "t_start": c.t_start, "t_end": c.t_end, "rollout_s": rollout, "wall_s": rollout + wall_extra,
+        "time_to_target_s": (c.t_target if c.t_target is not None else c.t_end) - c.t_start,
+        "new_tokens": c.new_tokens, "wasted_tokens": c.wasted_tokens,
+        "trained_tokens": sum(c.lag_tokens.values()), "lag_tokens": dict(c.lag_tokens),
+        "accepted": len(c.accepted), "busy_s": busy, "requests": requests, "reprefill_tokens": reprefill,
+        "group_finish_t": list(c.group_finish_t), **{k: v for k, v in c.counts.items()},
+    }
+
+
+def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
+    loop = EventLoop()
+    timeline = [] if cfg.record_timeline else None
+    engines = [SimEngine(i, cost, loop, prefix_cache=cfg.prefix_cache, timeline=timeline) for i in range(cfg.num_engines)]
+    cluster = Cluster(loop, engines)
+    if cfg.record_timeline:
+        cluster.timeline = []
+    state = RolloutState(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
+    result = SimResult(cfg, cost.name, lengths.describe(), timeline=timeline, client_timeline=cluster.timeline)
+    marks = {"busy": 0.0, "requests": 0, "reprefill": 0}
+
+    def snapshot(c: StepCounters, extra: float) -> None:
+        busy = cluster.busy_s()
+        result.steps.append(_record(c, busy - marks["busy"], cluster.requests - marks["requests"],
+                                    cluster.reprefill_tokens - marks["reprefill"], extra))
+        marks.update(busy=busy, requests=cluster.requests, reprefill=cluster.reprefill_tokens)
+
+    def finish() -> SimResult:
+        for e in engines:
+            for k, v in e.stats.items():
+                result.engine_stats[k] = result.engine_stats.get(k, 0) + v
+        return result
+
+    if cfg.mode == "async":
+        run = AsyncRun(cfg, cluster, state, lambda t, c: snapshot(c, 0.0))
+        loop.at(0.0, run.start)
+        loop.run()
+        return finish()
+
+    step_cls = ChunkedStep if cfg.mode == "chunked" else PoolStep
+    between = cfg.train_time_s + cost.weight_update_s
+
+    def start_step(t: float) -> None:
+        state.version = len(result.steps)
+        for e in engines:  # the new weights: engines are idle between steps
+            e.version = state.version
+            if not cfg.reuse_stale_kv:
+                e.cache.clear()
+        step = step_cls(cfg, cluster, state, t, end_step)
+        step.start(t)
+
+    def end_step(t: float, step) -> None:
+        snapshot(step.c, between)
+        if len(result.steps) < cfg.steps:
+            loop.at(t + between, start_step)
+
+    loop.at(0.0, start_step)
+    loop.run()
+    return finish()

@@ -1,0 +1,325 @@
+"""The Megatron trainer at world size 1, in-process (gloo, CPU shim): the
+same RL step as FSDP (loss, updated weights), log-probs vs transformers and
+on-policy TIS, micro / dynamic batches, FAILED samples, KL / SFT losses,
+checkpoint round trip, HF export, bf16, recompute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron_helpers import full_weights, megatron_args
+from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
+
+from slime.backends.training_utils.data import flatten_groups
+from slime.utils.types import Status
+
+pytestmark = pytest.mark.timeout(600)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture
+def make_trainer(model_dir):
+    from slime.backends.megatron_utils.actor import MegatronTrainer
+
+    made = []
+
+    def _make(*argv, **over):
+        t = MegatronTrainer(megatron_args(model_dir, *argv, **over))
+        t.init()
+        made.append(t)
+        return t
+
+    yield _make
+    for t in made:
+        t.shutdown()
+
+
+def hf_weights_of(trainer) -> dict[str, torch.Tensor]:
+    from slime.backends.megatron_utils.update_weight import gather_hf_weights
+
+    return dict(gather_hf_weights(trainer.actor, trainer.layout))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(set(a) ^ set(b)))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
+def test_one_rl_step_equals_fsdp(model_dir, make_trainer, estimator):
+    """Same flags, same batch: the FSDP and Megatron backends report the same
+    loss and end with the same weights (one implementation of the RL math)."""
+    from slime.backends.fsdp_utils.actor import FSDPTrainer
+    from slime.backends.fsdp_utils.hf_weights import full_state_dict
+
+    over = dict(lr=1e-2, use_tis=True, advantage_estimator=estimator, eps_clip_high=0.28, micro_batch_size=3)
+    groups = make_groups(seed=31)
+    for g in groups:  # off-policy behaviour log-probs: TIS weights != 1
+        for s in g:
+            s.rollout_log_probs = [-0.4 * (i % 3) - 1.5 for i in range(s.response_length)]
+    fsdp = FSDPTrainer(make_args(model_dir, **over))
+    fsdp.init()
+    m_fsdp = fsdp.train(0, copy.deepcopy(groups), 0)
+    w_fsdp = {k: v.clone() for k, v in full_state_dict(fsdp.model).items()}
+    fsdp.shutdown()
+
+    meg = make_trainer(**over)
+    w0 = hf_weights_of(meg)
+    m_meg = meg.train(0, copy.deepcopy(groups), 0)
+    w_meg = hf_weights_of(meg)
+    for key in ("loss", "pg_loss", "pg_clipfrac", "entropy", "tis_ess", "logprob_abs_diff_max"):
+        assert m_meg[key] == pytest.approx(m_fsdp[key], abs=1e-5), key
+    assert m_meg["grad_norm"] == pytest.approx(m_fsdp["grad_norm"], rel=1e-5)
+    assert max_diff(w_meg, w_fsdp) <= 1e-5
+    assert max_diff(w_meg, w0) > 1e-3  # the step moved the weights
+
+
+def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, model_dir):
+    temperature = 0.7
+    t = make_trainer(rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
+    groups = make_groups(seed=3)
+    items = [it for g in flatten_groups(groups)[0] for it in g]
+    got = t._log_probs(t.actor, items)
+    for s, lp in zip([s for g in groups for s in g], got):
+        want = reference_log_probs(model_dir, s, temperature)
+        assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
+        s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
+    m = t.train(0, groups, policy_version=0)
+    assert m["logprob_abs_diff_max"] < 1e-5
+    assert m["tis_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert m["ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m["pg_clipfrac"] == 0.0
+
+
+def _grad_like_update(make_trainer, groups, *argv, **over) -> tuple[dict, dict]:
+    # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
+    t = make_trainer(*argv, lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
+    w0 = full_weights(t)
+    m = t.train(0, copy.deepcopy(groups), 0)
+    w1 = full_weights(t)
+    t.shutdown()
+    return {k: w0[k] - w1[k] for k in w0}, m
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sample_mean"])
+def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
+    groups = make_groups(seed=6)
+    over = dict(calculate_per_token_loss=agg == "token_mean")
+    g_full, m_full = _grad_like_update(make_trainer, groups, micro_batch_size=8, **over)
+    g_micro, m_micro = _grad_like_update(make_trainer, groups, micro_batch_size=3, **over)
+    g_dyn, m_dyn = _grad_like_update(make_trainer, groups, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20",
+                                     **over)
+    scale = max(float(v.abs().max()) for v in g_full.values())
+    assert scale > 1e-4
+    assert max_diff(g_full, g_micro) < 1e-5 * max(1.0, scale)
+    assert max_diff(g_full, g_dyn) < 1e-5 * max(1.0, scale)
+    for m in (m_micro, m_dyn):
+        assert m["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
+
+
+def test_failed_samples_never_enter_training(make_trainer):
+    groups = make_groups(seed=7)
+    failed = copy.deepcopy(groups)
+    victim = failed[0][1]
+    victim.status = Status.FAILED
+    victim.reward = None
+    without = copy.deepcopy(groups)
+    del without[0][1]
+    g_failed, m_failed = _grad_like_update(make_trainer, failed, global_batch_size=7)
+    g_without, m_without = _grad_like_update(make_trainer, without, global_batch_size=7)
+    assert m_failed["num_failed_excluded"] == 1 and m_failed["num_samples"] == 7
+    assert max_diff(g_failed, g_without) < 1e-7
+
+
+def test_sft_and_kl_losses(make_trainer, model_dir):
+    t = make_trainer(loss_type="sft_loss")
+    groups = make_groups(seed=9)
+    num, den = 0.0, 0.0
+    for s in [s for g in groups for s in g]:
+        lp = reference_log_probs(model_dir, s)
+        num += float(lp.sum())
+        den += s.response_length
+    assert t.train(0, groups, 0)["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
+    t.shutdown()
+
+    k = make_trainer(use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
+    assert k.ref is not None
+    m0 = k.train(0, make_groups(seed=10), 0)
+    assert m0["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    m1 = k.train(1, make_groups(seed=10), 1)
+    assert m1["ref_kl"] != 0.0 and m1["kl_loss"] != 0.0
+
+
+def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
+    groups = make_groups(seed=11)
+    a = make_trainer("--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
+    a.train(0, copy.deepcopy(groups), 0)
+    a.save(str(tmp_path / "ckpt"))
+    m_a = a.train(1, copy.deepcopy(groups), 1)
+    w_a = full_weights(a)
+    a.shutdown()
+
+    b = make_trainer("--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
+    b.load(str(tmp_path / "ckpt"))
+    m_b = b.train(1, copy.deepcopy(groups), 1)
+    assert max_diff(w_a, full_weights(b)) == 0.0
+    assert m_a["loss"] == m_b["loss"] and m_a["grad_norm"] == m_b["grad_norm"]
+    assert m_a["lr"] == m_b["lr"] and 0 < m_a["lr"] < 1e-2  # the schedule resumed mid-decay
+
+
+def test_fresh_distributed_optimizer_saves_and_resumes(make_trainer, tmp_path):
+    """Trap (a): a never-stepped distributed optimizer has no Adam state to save; resuming it is a fresh Adam."""
+    groups = make_groups(seed=16)
+    a = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    a.save(str(tmp_path / "fresh"))
+    m_a = a.train(0, copy.deepcopy(groups), 0)
+    w_a = full_weights(a)
+    a.shutdown()
+    b = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    b.load(str(tmp_path / "fresh"))
+    m_b = b.train(0, copy.deepcopy(groups), 0)
+    assert max_diff(full_weights(b), w_a) == 0.0 and m_a["grad_norm"] == m_b["grad_norm"]
+
+
+def test_resume_refuses_another_optimizer_kind(make_trainer, tmp_path):
+    a = make_trainer()
+    a.save(str(tmp_path / "ckpt"))
+    a.shutdown()
+    b = make_trainer("--use-distributed-optimizer")
+    with pytest.raises(ValueError, match="without --use-distributed-optimizer"):
+        b.load(str(tmp_path / "ckpt"))
+
+
+def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = make_trainer(lr=1e-2)
+    groups = make_groups(seed=12)
+    t.train(0, groups, 0)
+    out = tmp_path / "hf"
+    t.export_hf(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.decode(tok.encode("1+2=", add_special_tokens=False)) == "1+2="
+    items = [it for g in flatten_groups(groups)[0] for it in g]
+    assert torch.allclose(model_log_probs(model, groups[0][0]), t._log_probs(t.actor, items)[0], atol=1e-5)
+
+
+def test_tied_embeddings_and_unfused_attention(tmp_path_factory):
+    """A tied-embedding checkpoint (Qwen3-0.6B..4B style), megatron's own attention."""
+    from slime.backends.megatron_utils.actor import MegatronTrainer
+
+    tied = make_model_dir(tmp_path_factory.mktemp("tied"), seed=2, tie=True)
+    t = MegatronTrainer(megatron_args(tied, "--attention-backend", "unfused", "--qk-layernorm"))
+    t.init()
+    try:
+        groups = make_groups(seed=13)
+        items = [it for g in flatten_groups(groups)[0] for it in g]
+        for s, lp in zip([s for g in groups for s in g], t._log_probs(t.actor, items)):
+            assert torch.allclose(lp, reference_log_probs(tied, s), atol=1e-5)
+        t.train(0, groups, 0)
+        names = set(hf_weights_of(t))
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    finally:
+        t.shutdown()
+
+
+def test_bf16_and_recompute_train(make_trainer, model_dir):
+    groups = make_groups(seed=14)
+    ref = make_trainer(lr=1e-2, micro_batch_size=8)
+    m_ref = ref.train(0, copy.deepcopy(groups), 0)
+    w_ref = full_weights(ref)
+    ref.shutdown()
+    for recompute in (["full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], ["selective"]):
+        rec = make_trainer("--recompute-granularity", *recompute, lr=1e-2, micro_batch_size=8)
+        m_rec = rec.train(0, copy.deepcopy(groups), 0)
+        assert m_rec["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
+        assert max_diff(full_weights(rec), w_ref) <= 1e-6  # recompute changes memory, not numbers
+        rec.shutdown()
+    bf = make_trainer("--bf16", lr=1e-2, micro_batch_size=8)
+    assert next(bf.actor.core.parameters()).dtype == torch.bfloat16
+    m_bf = bf.train(0, copy.deepcopy(groups), 0)
+    assert m_bf["loss"] == pytest.approx(m_ref["loss"], abs=2e-2)  # bf16 tolerance
+    assert max_diff(full_weights(bf), w_ref) < 5e-2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_qwen2_and_llama_match_transformers_and_export_back(family, tmp_path):
+    """Qwen2 (q/k/v biases, no q/k norm) and Llama: same log-probs as transformers, and the HF export
+    gives back the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from slime.backends.megatron_utils.actor import MegatronTrainer
+    from slime.utils.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(list("0123456789+-="))
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(**common) if family == "qwen2" else LlamaConfig(**common, head_dim=8)
+    torch.manual_seed(7)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    if family == "qwen2":  # random biases (from_config zeroes them)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0, 0.2)
+    d = tmp_path / family
+    hf.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    t = MegatronTrainer(megatron_args(str(d), *(["--add-qkv-bias"] if family == "qwen2" else [])))
+    t.init()
+    try:
+        groups = make_groups(seed=15)
+        items = [it for g in flatten_groups(groups)[0] for it in g]
+        for s, lp in zip([s for g in groups for s in g], t._log_probs(t.actor, items)):
+            assert torch.allclose(lp, model_log_probs(hf, s), atol=1e-5)
+        t.export_hf(str(tmp_path / "out"))
+    finally:
+        t.shutdown()
+    before, after = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(k.endswith("q_proj.bias") for k in before) == (family == "qwen2")
+
+
+def test_tp_shards_reassemble_every_weight_kind():
+    """shard / unshard (pure tensors): fused QKV per group, QKV bias, gate/up, row-parallel, vocab."""
+    from slime.backends.megatron_utils import hf_weights
+
+    names = ["decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_qkv.bias",
+             "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+             "decoder.layers.0.self_attention.linear_proj.weight", "embedding.word_embeddings.weight",
+             "decoder.layers.0.input_layernorm.weight"]
+    for name in names:
+        full = torch.randn(24, 8) if not name.endswith(("bias", "layernorm.weight")) else torch.randn(24)
+        for tp in (1, 2, 4):
+            parts = [hf_weights.shard(name, full, r, tp) for r in range(tp)]
+            assert torch.equal(hf_weights.unshard(name, parts), full), (name, tp)
+    gate, up = torch.randn(8, 4), torch.randn(8, 4)
+    local = hf_weights.shard("decoder.layers.0.mlp.linear_fc1.weight", torch.cat([gate, up]), 1, 2)
+    assert torch.equal(local, torch.cat([gate[4:], up[4:]]))  # each rank holds its slice of both halves
+
+
+def test_cpu_shim_leaves_transformers_alone(make_trainer, tmp_path):
+    """The shim is process-wide once applied: HF models built and loaded afterwards are intact
+    (a global patch of torch's factories once left their RoPE buffers uninitialised)."""
+    from transformers import AutoModelForCausalLM
+
+    make_trainer()
+    d = make_model_dir(tmp_path / "after_shim", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    head_dim = model.config.head_dim
+    theta = model.config.rope_parameters["rope_theta"]
+    want = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    assert torch.allclose(model.model.rotary_emb.inv_freq, want)
+    assert torch.zeros(2).device.type == "cpu" and torch.zeros is torch._C._VariableFunctions.zeros

@@ -1,0 +1,202 @@
+"""The rollout simulator on its own (no engine): the engine model's arithmetic, the modes' logic,
+length estimation, cost fits, GPU presets and the APRIL-paper reproduction."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+
+import pytest
+
+from slime.rollout.simulator import (EngineCostModel, EmpiricalLengths, LogNormalLengths, ParetoLengths, ReplayLengths,
+                                     SimConfig, kaplan_meier, lengths_from_run, simulate)
+from slime.rollout.simulator.cost_model import nnls_fit
+from slime.rollout.simulator.engine import EventLoop, SimEngine
+from slime.rollout.simulator.gpu_presets import cost_model_from_spec, gpu_cost_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAT = EngineCostModel(decode_base_s=0.01, decode_per_seq_s=1e-5, prefill_per_token_s=1e-6, abort_s=0.01,
+                       request_latency_s=0.001, step_overhead_s=0.0, name="flat")
+
+
+def test_closed_form_jump_matches_step_by_step():
+    eng = SimEngine(0, FLAT, EventLoop())
+    rng = random.Random(0)
+    for _ in range(300):
+        alpha, beta, dt = rng.uniform(1e-4, 1e-2), rng.choice([0.0, rng.uniform(0, 1e-5)]), rng.uniform(0, 5.0)
+        t, j = 0.0, 0
+        while t + alpha + beta * j <= dt:
+            t += alpha + beta * j
+            j += 1
+        assert eng._steps_within(alpha, beta, dt) == j
+        assert math.isclose(eng._jump_time(alpha, beta, j), t, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_one_synchronous_batch_costs_what_the_model_says():
+    cost = EngineCostModel(decode_base_s=0.002, decode_per_seq_s=0.001, decode_per_token_s=1e-6, prefill_base_s=0.003,
+                           prefill_per_token_s=1e-4, abort_s=0.0, request_latency_s=0.0, step_overhead_s=0.0,
+                           pad_slack_tokens=0)
+    lens = [(10, [50, 50, 50, 50])]
+    res = simulate(SimConfig(rollout_batch_size=1, n_samples_per_prompt=4, max_response_len=64, steps=1, warmup_steps=0),
+                   cost, ReplayLengths(lens, 64))
+    # one prefill of 4 x 10 tokens (first token each), then 49 decode steps of 4 rows whose contexts grow
+    expect = 0.003 + 40 * 1e-4 + sum(0.002 + 4 * 0.001 + 1e-6 * 4 * (10 + j) for j in range(49))
+    step = res.steps[0]
+    assert step["new_tokens"] == 200
+    assert step["rollout_s"] == pytest.approx(expect, rel=1e-9)
+    assert res.engine_stats["decode_steps"] == 49 and res.engine_stats["decode_rows"] == 49 * 4
+
+
+def _long_tail(steps=10, **kw):
+    base = dict(rollout_batch_size=8, n_samples_per_prompt=4, max_response_len=1024, steps=steps, warmup_steps=2,
+                budgets_are_lengths=True)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_april_beats_sync_on_a_long_tail_with_a_flat_decode_cost():
+    lengths = ParetoLengths(alpha=1.0, scale=8, cap_steps=128)
+    sync = simulate(_long_tail(), FLAT, lengths).summary()
+    april = simulate(_long_tail(over_sampling_batch_size=16, partial_rollout=True), FLAT, lengths).summary()
+    pool = simulate(_long_tail(mode="pool", partial_rollout=True, pool_size=32), FLAT, lengths).summary()
+    assert april["tokens_per_s"] > 1.3 * sync["tokens_per_s"]
+    assert pool["tokens_per_s"] > 1.3 * sync["tokens_per_s"]
+    assert sync["off_policy_token_ratio"] == 0.0 and set(sync["staleness_hist"]) == {0}
+    assert 0.0 < april["off_policy_token_ratio"] < 1.0 and max(april["staleness_hist"]) >= 1
+    for s in (sync, april, pool):
+        assert 0.0 <= s["engine_idle_fraction"] <= 1.0
+
+
+def test_tokens_are_conserved_and_groups_are_never_lost():
+    cfg = _long_tail(over_sampling_batch_size=24, partial_rollout=True, record_timeline=True)
+    res = simulate(cfg, FLAT, ParetoLengths(1.0, 8, 128))
+    for s in res.steps:
+        assert s["accepted"] == cfg.rollout_batch_size
+        assert s["trained_tokens"] <= sum(x["new_tokens"] for x in res.steps)
+    # every token generated is either trained or still sits in a parked / finished-early group
+    trained = sum(s["trained_tokens"] for s in res.steps)
+    generated = sum(s["new_tokens"] for s in res.steps)
+    assert trained <= generated and trained > 0.5 * generated
+    assert max(n for _, n in res.client_timeline) <= 24 * 4
+
+
+def test_pool_mode_keeps_the_pool_full():
+    res = simulate(_long_tail(mode="pool", partial_rollout=True, pool_size=20, record_timeline=True), FLAT,
+                   ParetoLengths(1.0, 8, 128))
+    assert max(n for _, n in res.client_timeline) == 20
+
+
+def test_staleness_restart_wastes_tokens_and_a_filter_costs_groups():
+    lengths = ParetoLengths(1.0, 8, 128)
+    keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True), FLAT, lengths).summary()
+    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0), FLAT, lengths).summary()
+    assert keep["goodput_tokens_per_s"] == pytest.approx(keep["e2e_tokens_per_s"])
+    assert restart["wasted_tokens"] > 0 and restart["goodput_tokens_per_s"] < restart["e2e_tokens_per_s"]
+    # unfinished samples older than the cap restart; finished members of parked groups stay (as in staleness.py)
+    assert restart["off_policy_token_ratio"] < keep["off_policy_token_ratio"]
+    filtered = simulate(_long_tail(pass_rate=0.5), FLAT, lengths)
+    assert sum(s.get("rejected", 0) for s in filtered.steps) > 0
+    assert filtered.summary()["goodput_tokens_per_s"] < filtered.summary()["e2e_tokens_per_s"]
+
+
+def test_fully_async_mode_lags_and_respects_the_async_lag():
+    lengths = ParetoLengths(1.0, 8, 128)
+    fast = simulate(_long_tail(mode="async", pool_size=32, train_time_s=0.05, max_async_lag=1), FLAT, lengths).summary()
+    slow = simulate(_long_tail(mode="async", pool_size=32, train_time_s=5.0, max_async_lag=1), FLAT, lengths).summary()
+    assert fast["off_policy_token_ratio"] > 0.0
+    assert slow["engine_idle_fraction"] > fast["engine_idle_fraction"]  # the rollout waits for a slow trainer
+
+
+def test_optimistic_admission_retracts_when_the_cache_is_full():
+    cost = FLAT.replace(kv_admission="optimistic", kv_capacity_tokens=800, optimistic_reserve_frac=0.0)
+    res = simulate(_long_tail(steps=3, over_sampling_batch_size=16, partial_rollout=True), cost, ParetoLengths(1.0, 8, 128))
+    assert res.engine_stats["retractions"] > 0
+    assert all(s["accepted"] == 8 for s in res.steps)
+
+
+def test_kaplan_meier_weights_censored_tails():
+    plain = kaplan_meier([1, 2, 3, 4], [], cap=100)
+    assert plain.mean() == pytest.approx(2.5)
+    censored = kaplan_meier([1, 2, 3], [50], cap=100)  # one sample still running at 50: it ends beyond every finish
+    assert censored.quantile(1.0) == 100 and censored.mean() == pytest.approx((1 + 2 + 3 + 100) / 4)
+    early = kaplan_meier([10, 20, 30], [5], cap=100)  # censored early: removed from the risk set, no mass at the cap
+    assert early.quantile(1.0) == 30
+    assert sum(early.weights) == pytest.approx(1.0)
+
+
+def test_lengths_from_a_run_trace(tmp_path):
+    recs = [{"rollout_id": i, "target": 2, "finished_lengths": [[3, 5], [7, 9]], "unfinished_lengths": [40],
+             "max_response_len": 64, "prompt_len": 6} for i in range(3)]
+    (tmp_path / "rollout_trace.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    lengths = lengths_from_run(str(tmp_path))
+    assert lengths.cap == 64 and lengths.quantile(1.0) == 64  # the last step's unfinished sample is censored at 40
+    with pytest.raises(FileNotFoundError):
+        lengths_from_run(str(tmp_path / "nope"))
+
+
+def test_nnls_recovers_a_known_cost_and_never_goes_negative():
+    rng = random.Random(1)
+    rows = [[1.0, b, b * c] for b in (1, 4, 16, 64) for c in (10, 100, 1000)]
+    truth = [2e-3, 5e-5, 1e-8]
+    ys = [sum(t * x for t, x in zip(truth, r)) * rng.uniform(0.99, 1.01) for r in rows]
+    coef, err = nnls_fit(rows, ys, ("a", "b", "c"))
+    assert coef["a"] == pytest.approx(2e-3, rel=0.05) and coef["b"] == pytest.approx(5e-5, rel=0.1)
+    assert err < 0.02
+    coef, _ = nnls_fit([[1.0, 1.0], [1.0, 2.0]], [2.0, 1.0], ("a", "b"))  # slope would be negative
+    assert coef["b"] == 0.0
+
+
+def test_cost_model_io_and_errors(tmp_path):
+    path = str(tmp_path / "c.json")
+    FLAT.save(path)
+    assert EngineCostModel.load(path) == FLAT
+    (tmp_path / "bad.json").write_text(json.dumps({"decode_base_s": 1e-3, "decode_per_sek_s": 1}))
+    with pytest.raises(ValueError, match="decode_per_sek_s"):
+        EngineCostModel.load(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="kv_admission"):
+        FLAT.replace(kv_admission="lazy")
+    assert cost_model_from_spec(path) == FLAT
+    with pytest.raises(ValueError, match="tp"):
+        cost_model_from_spec("gpu:h100:qwen3-4b:2")
+
+
+def test_gpu_preset_is_flat_in_batch_and_cheap_to_prefill():
+    cost = gpu_cost_model("h100", "qwen3-4b", tp=2)
+    assert cost.tokens_per_s(128, 500) / cost.tokens_per_s(1, 500) > 60  # a step costs ~ the same for 1 or 128 rows
+    decode_per_token = cost.decode_step_s(64, 64 * 500, 500) / 64
+    assert cost.prefill_per_token_s < decode_per_token / 5
+    assert 400_000 < cost.kv_capacity_tokens < 800_000  # 2 x 80 GB x 0.6 minus 8 GB of weights, 144 KiB per token
+    with pytest.raises(ValueError, match="unknown GPU"):
+        gpu_cost_model("tpu")
+
+
+def test_paper_reproduction_lands_in_the_papers_range(capsys):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import simulate_rollout
+    finally:
+        sys.path.pop(0)
+    out = simulate_rollout.paper_reproduction(steps=16, warmup=4)
+    printed = capsys.readouterr().out
+    assert 0.17 <= out["gain"] <= 0.44, out["gain"]
+    for needle in ("Qwen3-4B", "over-sampling 64", "H100", "log-normal", "median 6000", "predicted APRIL rollout"):
+        assert needle in printed
+
+
+def test_lengths_specs_are_parsed_or_refused():
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import simulate_rollout
+    finally:
+        sys.path.pop(0)
+    ln = simulate_rollout.parse_lengths("lognormal:median=100,sigma=0.5,corr=0.2", 512)
+    assert isinstance(ln, LogNormalLengths) and ln.cap == 512
+    assert isinstance(simulate_rollout.parse_lengths("pareto:scale=4,cap=32", 512), ParetoLengths)
+    with pytest.raises(ValueError, match="sigma"):
+        simulate_rollout.parse_lengths("lognormal:median=100", 512)
+    with pytest.raises(ValueError, match="unknown keys"):
+        simulate_rollout.parse_lengths("pareto:alfa=1", 512)
+    assert isinstance(EmpiricalLengths([[1, 2]], 8).sample_group(random.Random(0), 2)[1], list)

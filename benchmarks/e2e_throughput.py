@@ -118,10 +118,15 @@ class Pinner(threading.Thread):
                     kind = self._kind(p)
                     t = p.cpu_times()
                     self.cpu[p.pid] = (kind, t.user + t.system)
-                    if self.pinned.get(p.pid) == kind:
-                        continue
-                    # a Ray worker becomes the trainer only once the actor is placed in it: re-check every round
-                    p.cpu_affinity(sorted(self.cores["trainer" if kind == "trainer" else "engine"]))
+                    # every thread, every round: affinity is per thread on Linux, and a Ray worker becomes the
+                    # trainer only once the actor is placed in it (its threads then move with it)
+                    cores = self.cores["trainer" if kind == "trainer" else "engine"]
+                    for th in p.threads():
+                        try:
+                            if os.sched_getaffinity(th.id) != cores:
+                                os.sched_setaffinity(th.id, cores)
+                        except (ProcessLookupError, PermissionError):
+                            continue
                     self.pinned[p.pid] = kind
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue

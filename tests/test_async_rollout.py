@@ -187,7 +187,8 @@ def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, update)
 
 def test_backpressure_keeps_the_rollout_within_the_lag(env):
     lag = 2
-    args = make_args(env["root"], "--rollout-mode", "stream", "--max-async-lag", str(lag))
+    # the stream's default pool (one batch of requests): what finishes while it is held fits the next batch
+    args = make_args(env["root"], "--rollout-mode", "stream", "--max-async-lag", str(lag), "--rollout-pool-size", "4")
     manager, rollout = start(env, args)
     try:
         b0 = rollout.next_batch(0)
@@ -197,11 +198,14 @@ def test_backpressure_keeps_the_rollout_within_the_lag(env):
         while "lag" not in rollout.gate.holds and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "lag" in rollout.gate.holds
+        # the requests already running finish (nothing is thrown away); then nothing new is sent
+        while rollout.gate.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rollout.gate.in_flight == 0
         producer = rollout.producer
         requests_before = producer.segment.requester.requests
         time.sleep(1.0)
-        assert producer.segment.requester.requests == requests_before  # nothing is sent while held
-        assert rollout.gate.in_flight == 0
+        assert producer.segment.requester.requests == requests_before and rollout.gate.in_flight == 0
         assert len(producer.queue) == lag * args.rollout_batch_size
         assert len(producer.waiting) <= args.rollout_pool_size // args.n_samples_per_prompt
         # the trainer catches up one version at a time; every batch respects the lag

@@ -149,7 +149,7 @@ class StreamRollout:
             elif "lag" not in self.gate.holds:
                 logger.debug("stream: batch %d is %d versions ahead of the engines (v%d); pausing", self._fill_batch(),
                              self.train_version(self._fill_batch()) - self.gate.version, self.gate.version)
-                await self.gate.hold("lag", self.engines, self.session, timeout=self.args.rollout_abort_timeout)
+                await self.gate.hold("lag", self.engines, self.session, drain=False)
             self.changed.set()
 
     # ---- segments ----------------------------------------------------------------------

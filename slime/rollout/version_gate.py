@@ -2,9 +2,9 @@
 version exact (`train_async.py`).
 
 Every request of a rollout that has a gate passes it before it is sent (`SampleRequester`). `hold(reason)`
-closes the gate and, if it was open, drains the engines through SGLang's documented API: abort every
-request (`POST /abort_request {"abort_all": true}`, repeated until `/get_load` is idle) and wait until
-every request of ours has come back. Each returns its partial tokens and log-probs, tagged with the
+closes the gate and drains the engines through SGLang's documented API: abort every request
+(`POST /abort_request {"abort_all": true}`, repeated until `/get_load` is idle) and wait until every
+request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
 version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
 runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between
 tokens. `release(reason, version=...)` reopens the gate once no reason holds it; the waiting samples
@@ -111,17 +111,18 @@ class VersionGate:
         return False
 
     # ---- the controller side ------------------------------------------------------
-    async def hold(self, reason: str, engines, session=None, timeout: float = 120.0) -> float:
-        """Close the gate for `reason`; if it was open, abort our requests on every engine and wait until
-        all of them have come back. Returns the seconds the drain took (0 if the gate was already closed)."""
-        was_open = self._open.is_set()
+    async def hold(self, reason: str, engines, session=None, timeout: float = 120.0, drain: bool = True) -> float:
+        """Close the gate for `reason`. With `drain` (a weight update by abort, an eval, a checkpoint) every
+        request of ours still running is aborted on every engine and waited for; without it (backpressure)
+        they run on and only new ones wait. Returns the seconds the drain took."""
+        if self._open.is_set():
+            self._closed_at = time.monotonic()
         self._holds.add(reason)
         self._open.clear()
-        if not was_open:
+        if not drain or not self.in_flight:
             return 0.0
         self.pauses += 1
         self.pauses_by_reason[reason] += 1
-        self._closed_at = time.monotonic()
         t0 = time.monotonic()
         deadline = t0 + timeout
         while self.in_flight:

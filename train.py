@@ -3,7 +3,9 @@
     setup → for each step: rollout → train → update weights → save → eval
 
 `train_async.py` is the same loop with the rollout running ahead of the trainer; the pieces both use
-(set-up, resume, training step, weight push, checkpoints, eval, logging) are in slime/ray/train_loop.py.
+(checks, set-up, resume, training step, weight push, checkpoints, eval, logging) are in
+slime/ray/train_loop.py. With --colocate, `run.phases` hands the shared devices back and forth
+(slime/ray/colocation.py); without it its phases do nothing.
 """
 
 from __future__ import annotations
@@ -11,33 +13,37 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm import tqdm
+from slime.utils.run import set_offline_defaults
 
-from slime.arguments import ArgumentError, parse_args
-from slime.ray.train_loop import TrainingRun
+set_offline_defaults()  # before anything imports Ray: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (loopback node) at import
+
+from tqdm import tqdm  # noqa: E402
+
+from slime.arguments import ArgumentError, parse_args  # noqa: E402
+from slime.ray.train_loop import TrainingRun, train_or_stop  # noqa: E402
 
 logger = logging.getLogger("train")
 
 
 def train(args) -> dict:
-    # Engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
+    # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
     run = TrainingRun(args)
     run.evaluate_start()
 
     for rollout_id in tqdm(run.steps(), desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
-        if args.colocate and run.actor_model is not None:
-            run.actor_model.offload()  # the engines get the shared devices
-        rollout = run.rollout_manager.generate(rollout_id)
+        with run.phases.rollout(), run.checkpoint_if_engines_give_up(rollout_id - 1):
+            rollout = run.rollout_manager.generate(rollout_id)
         step_metrics = dict(rollout.metrics)
 
-        if run.actor_model is not None:
-            if args.colocate:
-                run.actor_model.onload()
+        # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
+        if run.trainable(rollout_id, rollout):
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            step_metrics.update(run.train(rollout_id, rollout))
-            # 3. New policy version to every engine.
-            step_metrics.update(run.update_weights())
+            with run.phases.train():
+                step_metrics.update(run.train(rollout_id, rollout))
+            # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
+            with run.phases.weight_sync():
+                step_metrics.update(run.update_weights(rollout_id))
 
         # 4. Save (every --save-interval steps, and after the last one).
         if run.save_due(rollout_id):
@@ -58,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    train(args)
-    return 0
+    return train_or_stop("train.py", train, args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ stream` the engines keep `--rollout-pool-size` requests in flight across steps a
 ahead of the trainer, the new weights reach the engines as soon as training ends (requests in flight are
 aborted, wait, and resume from their tokens under the new version, so every token keeps the version that
 produced it), and a checkpoint parks everything in flight first.
+
+Engines and trainers need their own devices (`--colocate` is refused: rollout and training overlap), and
+an engine fault stops the run with the engine named (`--use-fault-tolerance`'s restarts are train.py's).
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ from __future__ import annotations
 import logging
 import sys
 
-from tqdm import tqdm
+from slime.utils.run import set_offline_defaults
 
-from slime.arguments import ArgumentError, parse_args
-from slime.ray.async_rollout import AsyncRollout
-from slime.ray.train_loop import TrainingRun, is_due
+set_offline_defaults()  # before anything imports Ray: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (loopback node) at import
+
+from tqdm import tqdm  # noqa: E402
+
+from slime.arguments import ArgumentError, parse_args  # noqa: E402
+from slime.ray.async_rollout import AsyncRollout  # noqa: E402
+from slime.ray.train_loop import TrainingRun, is_due, train_or_stop  # noqa: E402
 
 logger = logging.getLogger("train")
 
 
 def train(args) -> dict:
-    # Engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
+    # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
     run = TrainingRun(args)
     run.evaluate_start()
     rollout = AsyncRollout(args, run.rollout_manager, run.start_rollout_id).start()
@@ -37,13 +44,15 @@ def train(args) -> dict:
             batch = rollout.next_batch(rollout_id)
             step_metrics = dict(batch.metrics)
 
-            # 2. Train on it (off-policy tokens corrected against their behaviour log-probs).
-            step_metrics.update(run.train(rollout_id, batch))
+            # 2. Train on it (off-policy tokens corrected against their behaviour log-probs); a batch where
+            #    every group failed is skipped as in train.py, but still takes its version (one per batch).
+            if run.trainable(rollout_id, batch):
+                step_metrics.update(run.train(rollout_id, batch))
 
             # 3. New policy version, pushed to the engines in flight (every --update-weights-interval steps).
             eval_due = run.eval_due(rollout_id)
             push = is_due(rollout_id, args.update_weights_interval) or eval_due
-            step_metrics.update(run.update_weights(push=push, push_around=rollout.update_weights))
+            step_metrics.update(run.update_weights(rollout_id, push=push, push_around=rollout.update_weights))
 
             # 4. Save, with everything in flight parked in the buffer first.
             if run.save_due(rollout_id):
@@ -67,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(f"train_async.py: error: {e}", file=sys.stderr)
         return 2
-    train(args)
-    return 0
+    return train_or_stop("train_async.py", train, args)
 
 
 if __name__ == "__main__":

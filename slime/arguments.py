@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from slime.utils.net import is_loopback
+
 
 class ArgumentError(ValueError):
     """A flag value breaks a rule; the message names the flag and the rule."""
@@ -53,9 +55,7 @@ BUILTIN_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 
 # Flags whose component is still to be built: setting them fails at once
 # instead of being silently ignored.
-NOT_BUILT_YET = {
-    "offload": "--offload (moving weights/optimizer off the GPU between phases) needs the GPU path, which is not built yet",
-}
+NOT_BUILT_YET: dict[str, str] = {}
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -67,14 +67,21 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="devices for rollout engines (on CPU: engine slots); default 1, or all actor devices with --colocate")
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="tensor-parallel size of each engine")
     g.add_argument("--colocate", action="store_true",
-                   help="trainers and engines share the same devices (on CPU they always share the cores)")
-    g.add_argument("--offload", action="store_true", help="offload trainer state during rollout (GPU only)")
+                   help="trainers and engines time-share the same devices: one bundle per device holds a trainer rank "
+                        "and (a share of) an engine; the engines release their memory while the trainer trains")
+    g.add_argument("--offload", action="store_true",
+                   help="with --colocate: the trainer's parameters, gradients and optimizer state leave the device "
+                        "between training phases (host memory) and come back for the next one")
     g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
                    help="trainer: Megatron-core or FSDP2 (auto: megatron when megatron-core and CUDA are present, else fsdp)")
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
+    g.add_argument("--listen-host", type=str, default="127.0.0.1",
+                   help="address the trainer's process-group and weight-update stores, gloo and the local Ray node "
+                        "listen on (none of them authenticates): loopback by default; a multi-node run gives this "
+                        "node's interface address (or 0.0.0.0)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +109,26 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-rpc-timeout", type=float, default=120.0, help="seconds for buffer / data-source calls")
     g.add_argument("--engine-startup-timeout", type=float, default=None,
                    help="seconds to wait for an engine to be healthy (default 180 embedded, 900 SGLang)")
+
+
+def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance (an engine watchdog always runs; restarts need --use-fault-tolerance)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="restart an engine that dies or freezes during a rollout, re-sync the current weights and "
+                        "resume its parked samples; without it such an engine stops the run with an error naming it")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between GET /health_generate checks of every engine while a step runs "
+                        "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="seconds an engine may take to answer /health_generate before it counts as frozen")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="seconds before the first HTTP health check of a step (slow first compilations)")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine restarts allowed in a run (--use-fault-tolerance); one more failure checkpoints "
+                        "(with --save) and stops the run")
+    g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
+                   help="stop the run when this many steps in a row have no trainable sample (every group failed); "
+                        "such steps are skipped (no update, no version bump) and counted")
 
 
 def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -202,6 +229,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: resume from this rollout id's checkpoint (iter_N) instead of the newest")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (every --save-interval steps and after the last)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ref-load", type=str, default=None,
@@ -218,8 +247,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="optimizer steps to decay over (linear / cosine)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
+    g.add_argument("--update-weight-mode", choices=["tensor", "distributed", "disk"], default=None,
+                   help="how weights reach the engines: tensor (CUDA IPC handles / shared memory to the engine on the "
+                        "same devices; needs --colocate), distributed (a broadcast group) or disk (a saved directory); "
+                        "default: tensor with --colocate, else distributed")
     g.add_argument("--update-weights-from-disk", action="store_true",
-                   help="sync weights through a saved directory instead of a broadcast group")
+                   help="slime's flag: the same as --update-weight-mode disk")
 
 
 def _add_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -347,11 +380,11 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    adders = [_add_cluster_args, _add_rollout_args, _add_partial_rollout_args, _add_data_args, _add_eval_args,
-              _add_algorithm_args, _add_training_args, _add_megatron_args, _add_reward_args, _add_logging_args,
-              _add_debug_args, _add_sglang_args]
+    adders = [_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
+              _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
+              _add_reward_args, _add_logging_args, _add_debug_args, _add_sglang_args]
     if entry == "train_async.py":
-        adders.insert(3, _add_async_args)
+        adders.insert(4, _add_async_args)
     for add in adders:
         add(p)
     return p
@@ -419,6 +452,8 @@ def _fill_defaults(a: Args) -> None:
     if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
         # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
         a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
+    if a.update_weight_mode is None:
+        a.update_weight_mode = "disk" if a.update_weights_from_disk else ("tensor" if a.colocate else "distributed")
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
     if a.lr_decay_iters is None and a.lr_decay_style != "constant" and a.num_rollout and a.global_batch_size:
@@ -444,9 +479,11 @@ def validate_async_args(a: Args) -> None:
              "SGLang holds a weight update until the requests in flight finish (its model-update lock); use abort")
     _require(not a.colocate, "--colocate", "train_async.py overlaps rollout and training, so engines and trainers "
              "need their own devices; use train.py for colocated runs")
-    for flag in ("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"):
-        _require(not getattr(a, flag), "--" + flag.replace("_", "-"),
-                 "has no rollout and training to overlap; use train.py")
+    _require(not a.use_fault_tolerance, "--use-fault-tolerance", "train_async.py does not restart engines under a "
+             "running rollout yet (an engine fault stops the run, naming the engine); use train.py to restart them")
+    for value, flag in ((a.debug_rollout_only, "--debug-rollout-only"), (a.debug_train_only, "--debug-train-only"),
+                        (a.load_debug_rollout_data, "--load-debug-rollout-data")):
+        _require(not value, flag, "has no rollout and training to overlap; use train.py")
     _require(a.rollout_mode != "stream" or a.rollout_function_path == BUILTIN_ROLLOUT_FUNCTION, "--rollout-function-path",
              f"--rollout-mode stream runs the built-in rollout ({BUILTIN_ROLLOUT_FUNCTION}), not {a.rollout_function_path}")
 
@@ -455,8 +492,15 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     """All rules in one place; each error names the flag and the rule."""
     for name, why in NOT_BUILT_YET.items():
         _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
-    _require(not (a.colocate and a.rollout_backend == "sglang"), "--colocate",
-             "with SGLang engines needs GPU memory offload around each phase, which is not built yet; run disaggregated")
+    _require(not a.offload or a.colocate, "--offload", "needs --colocate (the engines use the memory it frees)")
+    _require(not a.update_weights_from_disk or a.update_weight_mode == "disk", "--update-weights-from-disk",
+             f"contradicts --update-weight-mode {a.update_weight_mode}")
+    _require(not (a.colocate and a.reuse_stale_kv), "--reuse-stale-kv",
+             "contradicts --colocate: colocated engines release their KV cache while the trainer trains")
+    _require(not a.colocate or a.actor_num_nodes == 1, "--colocate",
+             "on more than one node needs engines launched on every node, which the launcher does not do yet")
+    _require(a.update_weight_mode != "tensor" or a.colocate, "--update-weight-mode tensor",
+             "needs --colocate (tensors are handed over on the devices trainer and engines share)")
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
     _require(os.path.isdir(a.hf_checkpoint), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
     validate_trainer_args(a)
@@ -491,6 +535,13 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
     _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
     _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
+    actor_devices = a.actor_num_nodes * a.actor_num_gpus_per_node
+    _require(not a.colocate or a.rollout_num_gpus == actor_devices, "--rollout-num-gpus",
+             f"({a.rollout_num_gpus}) must equal the trainer devices ({actor_devices}) with --colocate: every device "
+             f"holds a trainer rank and a share of an engine")
+    _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
+             f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
+             "give this node's interface address (or 0.0.0.0)")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")
@@ -512,6 +563,11 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     for flag in ("rollout_request_timeout", "rollout_abort_timeout", "rollout_rpc_timeout"):
         _require(getattr(a, flag) > 0, "--" + flag.replace("_", "-"), "must be > 0")
     _require(a.reward_timeout > 0, "--reward-timeout", "must be > 0")
+    _require(a.rollout_health_check_interval >= 0, "--rollout-health-check-interval", "must be >= 0 (0: off)")
+    _require(a.rollout_health_check_timeout > 0, "--rollout-health-check-timeout", "must be > 0")
+    _require(a.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
+    _require(a.max_engine_restarts >= 0, "--max-engine-restarts", "must be >= 0")
+    _require(a.max_consecutive_empty_steps > 0, "--max-consecutive-empty-steps", "must be > 0")
 
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     _require(a.global_batch_size > 0, "--global-batch-size", "must be > 0")
@@ -532,6 +588,7 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
              "must be > 0 and needs --save")
     _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+    _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")
 
     _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
              "takes name/path pairs")

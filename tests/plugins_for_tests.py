@@ -37,3 +37,28 @@ async def tool_turn_generate(args, sample, sampling_params, ctx):
 async def returns_nothing_generate(args, sample, sampling_params, ctx):
     """Breaks the contract (returns None): the rollout must refuse it with a message naming the flag."""
     return None
+
+
+async def faulty_subtract_chain(args, sample):
+    """The quick-start reward (subtract_chain) with the faults a long run meets, by prompt (metadata n):
+    n % 10 == 7: every sample raises (the group has nothing to train on and is dropped);
+    n % 10 == 3: the group's first sample blocks inside `async def` past --reward-timeout;
+    n % 10 == 5: the group's first sample raises CancelledError."""
+    import asyncio
+    import time
+
+    from slime.tasks.subtract_chain import compute_reward
+
+    n = sample.metadata["n"]
+    first = sample.index % args.n_samples_per_prompt == 0
+    if n % 10 == 7:
+        raise ZeroDivisionError("division by zero")
+    if n % 10 == 3 and first:
+        time.sleep(4)
+    if n % 10 == 5 and first:
+        raise asyncio.CancelledError()
+    return compute_reward(sample.response, sample.label)
+
+
+async def always_failing_reward(args, sample):
+    raise ZeroDivisionError("division by zero")

@@ -102,9 +102,11 @@ def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeyp
     monkeypatch.setenv("APRIL_TEST_ENGINE_PID", str(engines.engines[0].process.pid))
     source = RolloutDataSource(args, env["tok"])
     buf = Buffer.remote(args)
-    with pytest.raises(RolloutError, match=r"rollout step 0 failed: .*(group|sample)") as info:
+    with pytest.raises(RolloutError, match=r"rollout step 0 failed: engine 0 \(http://.*\) exited with code -9 "
+                                           r"\(killed by SIGKILL\)") as info:
         generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0))
     assert "kept" in str(info.value)
+    assert [f.rank for f in info.value.faults] == [0]  # an EngineFaultError: restartable by rank
     summary = ray.get(buf.check_balanced.remote(), timeout=T)  # nothing left issued: every group accounted for
     assert summary["total"] == source.group_counter
     ready = ray.get(buf.take_ready.remote(100), timeout=T)

@@ -87,8 +87,10 @@ def test_eval_pairs(base, tmp_path):
         (["--save-interval", "2"], "--save-interval"),
         (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
         (["--rm-type", "remote_rm"], "--rm-url"),
-        (["--offload"], "--offload"),
-        (["--colocate", "--rollout-backend", "sglang"], "--colocate"),
+        (["--offload"], "--offload"),  # without --colocate
+        (["--update-weight-mode", "tensor"], "--update-weight-mode tensor"),  # without --colocate
+        (["--update-weights-from-disk", "--update-weight-mode", "distributed"], "--update-weights-from-disk"),
+        (["--colocate", "--rollout-num-gpus", "2"], "--rollout-num-gpus"),
         (["--train-backend", "megatron"], "--hf-checkpoint"),  # an empty dir: no config.json to build from
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),  # fsdp (the CPU default)
@@ -143,7 +145,8 @@ def test_train_async_flags_exist_only_for_train_async(base):
         (["--max-async-lag", "0"], "--max-async-lag"),
         (["--update-weights-interval", "0"], "--update-weights-interval"),
         (["--update-weights-interval", "2"], "--max-async-lag"),  # the lag must cover the versions between updates
-        (["--colocate"], "--colocate"),
+        (["--colocate"], "--colocate"),  # rollout and training overlap: they cannot share devices
+        (["--use-fault-tolerance"], "--use-fault-tolerance"),  # engine restarts are train.py's
         (["--debug-train-only"], "--debug-train-only"),
         (["--debug-rollout-only"], "--debug-rollout-only"),
         (["--rollout-mode", "stream"], "--rollout-mode stream"),  # without --partial-rollout
@@ -161,3 +164,15 @@ def test_stream_pool_defaults_to_one_batch_of_requests(base):
     a = parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"], entry="train_async.py")
     assert a.rollout_pool_size == 4 * 2  # --rollout-batch-size x --n-samples-per-prompt
     assert parse_args(base + ["--rollout-mode", "pool"]).rollout_pool_size == 512
+
+
+def test_update_weight_mode_defaults_and_slime_disk_flag(base):
+    assert parse_args(base).update_weight_mode == "distributed"
+    colo = parse_args(base + ["--colocate", "--offload"])
+    assert (colo.update_weight_mode, colo.offload, colo.rollout_num_gpus) == ("tensor", True, 1)
+    assert parse_args(base + ["--update-weights-from-disk"]).update_weight_mode == "disk"  # slime's flag
+    assert parse_args(base + ["--colocate", "--update-weights-from-disk"]).update_weight_mode == "disk"
+    assert parse_args(base + ["--colocate", "--update-weight-mode", "distributed"]).update_weight_mode == "distributed"
+    # colocated engines span bundles: 4 devices, TP-2 engines -> 2 engines
+    tp = parse_args(base + ["--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2"])
+    assert (tp.rollout_num_gpus, tp.num_engines) == (4, 2)

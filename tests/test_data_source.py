@@ -24,7 +24,7 @@ def write_jsonl(path, rows, raw_lines=()):
 
 def args_for(tmp_path, data, *extra):
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir(exist_ok=True)
+    ckpt.mkdir(exist_ok=True)  # no config.json: the context-length check is off
     return parse_args(["--hf-checkpoint", str(ckpt), "--rollout-batch-size", "2", "--prompt-data", data,
                        "--rm-type", "math", "--num-rollout", "3", *extra])
 
@@ -99,10 +99,56 @@ def test_too_long_prompts_dropped_and_counted(tmp_path, tok, caplog):
     with caplog.at_level(logging.INFO, logger="slime.rollout.data_source"):
         src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-prompt-len", "5"), tok)
     assert src.num_dropped_too_long == 2 and len(src) == 3
-    assert "dropped 2 of 5 prompts" in caplog.text
+    assert "row 1: dropped (over_max_prompt_len): 9 tokens > --rollout-max-prompt-len 5" in caplog.text
+    assert "dropped 2 of 5 rows (over_max_prompt_len: 2)" in caplog.text
     assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 2, 4]
-    with pytest.raises(DataError, match="no usable prompts.*2 longer"):
+    with pytest.raises(DataError, match="no usable prompts.*over_max_prompt_len: 2"):
         RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "e.jsonl", data[1:4:2]), "--rollout-max-prompt-len", "5"), tok)
+
+
+def test_rows_the_engine_would_refuse_are_dropped_at_load_with_file_row_and_reason(tmp_path, tok, caplog):
+    # the model's context: 16 positions; response budget 8 -> prompts over 8 tokens cannot be served
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 16}))
+    data = [{"prompt": "12-3="}, {"prompt": ""}, {"prompt": "1" * 9}, {"prompt": "  "}, {"prompt": "9-1="},
+            {"prompt": "5-1=", "metadata": {"max_response_len": 2}} | {"prompt": "1" * 12}]
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.data_source"):
+        src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-response-len", "8"), tok)
+    assert dict(src.dropped_rows) == {"empty_prompt": 2, "over_context_length": 1}
+    assert "d.jsonl: row 2: dropped (over_context_length): 9 prompt tokens + 8 response budget > the model's 16" in caplog.text
+    assert "d.jsonl: row 1: dropped (empty_prompt)" in caplog.text
+    # a smaller per-row budget (metadata max_response_len) fits: 12 + 2 <= 16
+    assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 4, 5]
+    assert src.offset == 6  # the position counts file rows, dropped ones included
+
+
+def test_dropping_rows_never_shifts_the_saved_position(tmp_path, tok):
+    """Adding --rollout-max-prompt-len on resume (to get past a bad row) keeps the order and the position."""
+    data = [{"prompt": f"{i}-1="} for i in range(10, 16)]
+    data[3] = {"prompt": "1" * 30}
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    before = RolloutDataSource(args_for(tmp_path, path, "--rollout-shuffle"), tok)
+    before.get_groups(2)
+    state = json.loads(json.dumps(before.state_dict()))
+    expected = [g[0].metadata["row"] for g in before.get_groups(4)]
+    after = RolloutDataSource(args_for(tmp_path, path, "--rollout-shuffle", "--rollout-max-prompt-len", "10"), tok)
+    after.load_state_dict(state)
+    got = [g[0].metadata["row"] for g in after.get_groups(3)]
+    assert got == [r for r in expected if r != 3][:3]
+    assert after.group_counter == state["group_counter"] + 3
+
+
+def test_binary_data_file_is_named(tmp_path, tok):
+    (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "1"}\n\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR')
+    with pytest.raises(DataError, match=r"d\.jsonl: line 2 is not UTF-8 text.*a binary"):
+        RolloutDataSource(args_for(tmp_path, str(tmp_path / "d.jsonl")), tok)
+    (tmp_path / "f.jsonl").write_bytes(b'{"prompt": "1"}\n\x00\x01\x02\n')
+    with pytest.raises(DataError, match=r"f\.jsonl: line 2 holds NUL bytes: a binary file"):
+        RolloutDataSource(args_for(tmp_path, str(tmp_path / "f.jsonl")), tok)
+    (tmp_path / "e.jsonl").write_bytes(b'{"prompt": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match=r"e\.jsonl: line 1 is not UTF-8 text"):
+        RolloutDataSource(args_for(tmp_path, str(tmp_path / "e.jsonl")), tok)
 
 
 def test_epochs_in_order_without_shuffle(tmp_path, tok):
@@ -149,7 +195,7 @@ def test_resume_with_different_data_refused(tmp_path, tok):
     src = RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "a.jsonl", rows(5))), tok)
     state = src.state_dict()
     other = RolloutDataSource(args_for(tmp_path, write_jsonl(tmp_path / "b.jsonl", rows(4))), tok)
-    with pytest.raises(DataError, match="saved with 5 prompts.*now yields 4"):
+    with pytest.raises(DataError, match="saved with 5 rows.*now has 4"):
         other.load_state_dict(state)
     with pytest.raises(DataError, match="missing"):
         other.load_state_dict({"epoch": 0})

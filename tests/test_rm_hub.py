@@ -292,6 +292,19 @@ PLUGIN = textwrap.dedent(
 
     async def short_group_rm(args, samples):
         return [1.0]
+
+    async def async_blocking_rm(args, sample):
+        if sample.response == "slow":
+            time.sleep(3)  # blocks inside async def: must not freeze the caller's event loop
+        return 1.0
+
+    async def cancelling_rm(args, sample):
+        if sample.response == "cancel":
+            raise asyncio.CancelledError("checker gave up")
+        return 1.0
+
+    async def dict_rm(args, sample):
+        return {"score": float(len(sample.response)), "acc": True, "pred": sample.response}
     """
 )
 
@@ -451,3 +464,53 @@ def test_remote_rm_errors_become_failures(rm_server, make_args):
 def test_remote_rm_needs_url(base_args):
     with pytest.raises(ValueError, match="--rm-url"):
         asyncio.run(async_rm(base_args.replace(rm_type="remote_rm"), sample("x", "y")))
+
+
+def test_reward_blocking_inside_async_def_cannot_freeze_the_loop(plugins, make_args):
+    args = make_args(custom_rm_path=f"{plugins}.async_blocking_rm", reward_timeout=0.3)
+    samples = [sample("fast", index=0), sample("slow", index=1)]
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        await reward_group(args, samples)
+        elapsed = time.monotonic() - t0
+        t.cancel()
+        return elapsed, ticks
+
+    elapsed, ticks = asyncio.run(run())
+    assert elapsed < 2, f"--reward-timeout 0.3 did not fire ({elapsed:.1f}s)"
+    assert ticks >= 5  # the loop kept running while the reward blocked
+    assert samples[0].reward == 1.0
+    assert samples[1].status == Status.FAILED and "TimeoutError" in samples[1].metadata["failure"]
+
+
+def test_reward_raising_cancelled_error_fails_its_sample_and_settles(plugins, make_args):
+    args = make_args(custom_rm_path=f"{plugins}.cancelling_rm")
+    samples = [sample("ok", index=0), sample("cancel", index=1)]
+    asyncio.run(asyncio.wait_for(reward_group(args, samples), 10))
+    assert samples[0].reward == 1.0
+    assert samples[1].status == Status.FAILED and "CancelledError" in samples[1].metadata["failure"]
+
+
+def test_dict_rewards_follow_reward_key(plugins, make_args):
+    s = sample("abc")
+    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="score"), [s]))
+    assert s.reward == {"score": 3.0, "acc": True, "pred": "abc"} and s.scalar_reward("score") == 3.0
+    s = sample("abc")
+    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm"), [s]))
+    assert s.status == Status.FAILED and "pass --reward-key" in s.metadata["failure"]
+    s = sample("abc")
+    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="reward"), [s]))
+    assert s.status == Status.FAILED and "no field 'reward' (--reward-key)" in s.metadata["failure"]
+    s = sample("abc")
+    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="pred"), [s]))
+    assert s.status == Status.FAILED and "field 'pred'" in s.metadata["failure"]

@@ -371,3 +371,45 @@ def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
     assert planner.cost is not None and planner.cost.extra["timed_from"] == "scheduler_stats"  # calibrated once
     assert [h["after_step"] for h in planner.history] == [1, 2, 4]
     buffer.check_balanced()
+
+
+class OverlongSource(RecordingSource):
+    """Group 1's prompt is made longer than the model's 256 positions after load (as a tokenizer or
+    template change on resume could): the engine refuses it mid-run."""
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            if g[0].group_index == 1:
+                for s in g:
+                    s.tokens = s.tokens * (300 // len(s.tokens) + 1)
+        return groups
+
+
+def test_a_prompt_the_engine_refuses_is_dropped_with_its_reason_not_fatal(env):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "4")
+    source = OverlongSource(args, env["tok"])
+    source, buffer, outs = run_steps(env, args, 1, source=source)
+    out = outs[0]
+    assert 1 not in [g[0].group_index for g in out.groups] and len(out.groups) == 2  # 1 failed group + 2 accepted
+    reason = buffer.ledger.reason(1)
+    assert reason.startswith("engine_refused: input_ids: prompt of") and "max positions (256)" in reason
+    assert out.dropped[1] == reason and out.metrics["rollout/groups_failed"] == 1
+    assert out.metrics["rollout/groups_dropped/engine_refused"] == 1
+    assert buffer.check_balanced()["dropped/engine_refused"] == 1
+
+
+async def always_failing_rm(args, sample):
+    raise ZeroDivisionError("division by zero")
+
+
+def test_groups_with_no_trainable_sample_count_toward_the_target(env):
+    """A reward that fails on every sample: each step stops at the target (no data drawn beyond it) and
+    returns no group; every group is dropped with the failure as its reason."""
+    args = make_args(env["root"], "--over-sampling-batch-size", "3", "--custom-rm-path", f"{__name__}.always_failing_rm")
+    source, buffer, outs = run_steps(env, args, 2, train=False)
+    for out in outs:
+        assert out.groups == [] and out.metrics["rollout/groups_failed"] == 3
+        assert set(out.dropped.values()) == {"reward_failed: ZeroDivisionError: division by zero"}
+    assert source.group_counter == 6  # 3 per step: the target, not the whole dataset
+    assert buffer.check_balanced()["dropped/reward_failed"] == 6

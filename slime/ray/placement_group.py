@@ -4,7 +4,10 @@ One placement group holds ``actor_num_nodes × actor_num_gpus_per_node``
 trainer bundles, plus ``rollout_num_gpus`` rollout bundles when the run is
 not colocated. Bundles ask for a GPU only where Ray sees GPUs: a GPU bundle
 on a CPU-only machine would wait forever without an error. Colocated runs
-give the rollout the trainer's bundles (on CPU they simply share the cores).
+give the rollout the trainer's bundles: one bundle per GPU, shared by a
+trainer rank (TRAINER_GPU_SHARE) and an engine TP rank; an engine with
+``--rollout-num-gpus-per-engine`` k spans k consecutive bundles (on CPU
+they simply share the cores).
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ logger = logging.getLogger(__name__)
 
 PG_READY_TIMEOUT_S = 60.0
 CPUS_PER_BUNDLE = 1.0
+# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does): a trainer rank takes this share
+# and the engine TP rank on the same GPU the rest (engines are launched by the driver on GPU e * tp + j today;
+# placing them as Ray actors on their bundles, with ENGINE_GPU_SHARE, is the next step)
+TRAINER_GPU_SHARE = 0.4
+ENGINE_GPU_SHARE = 0.2
 
 
 def ray_has_gpus() -> bool:

@@ -3,6 +3,15 @@
 It lives in the driver process (rollout functions are asyncio HTTP clients);
 the buffer is a Ray actor so that its contents have one owner and survive in
 checkpoints. The policy version that the engines serve is tracked here.
+
+Engine faults: a rollout or eval step that loses an engine raises
+`EngineFaultError` (its unfinished samples already parked). Without
+`--use-fault-tolerance` that ends the run with the engine named; with it the
+manager restarts the engine (`EngineGroup.restart_engine`), re-syncs the
+current weights (the trainer's `update_weights`, attached with
+`attach_weight_sync`) and runs the step again, parked samples first. After
+`--max-engine-restarts` restarts the next fault raises
+`EngineRestartsExhausted` (train.py checkpoints, then stops).
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from typing import Any
 
 import ray
 
+from slime.backends.sglang_utils.process_utils import ServerLaunchError
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
@@ -24,9 +35,14 @@ logger = logging.getLogger(__name__)
 BUFFER_TIMEOUT_S = 120.0
 
 
-def group_reward_metrics(groups: list[list[Sample]], prefix: str) -> dict[str, float]:
-    """Mean reward and accuracy (reward > 0) over the rewarded samples of `groups`."""
-    rewards = [float(s.reward) for g in groups for s in g if s.status is not Status.FAILED and isinstance(s.reward, (int, float))]
+class EngineRestartsExhausted(EngineFaultError):
+    """Engines kept failing after --max-engine-restarts restarts; the message names them."""
+
+
+def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: str | None = None) -> dict[str, float]:
+    """Mean reward and accuracy (reward > 0) over the rewarded samples of `groups` (dict rewards: `reward_key`)."""
+    rewards = [r for g in groups for s in g if s.status is not Status.FAILED
+               and (r := s.scalar_reward(reward_key)) is not None]
     failed = sum(1 for g in groups for s in g if s.status is Status.FAILED)
     lengths = [s.response_length for g in groups for s in g]
     out = {f"{prefix}/failed_samples": float(failed)}
@@ -62,6 +78,8 @@ class RolloutManager:
             from slime.rollout.over_sampling import OverSamplingPlanner
 
             self.over_sampling_planner = OverSamplingPlanner.from_args(args)
+        self.engine_restarts = 0
+        self._weight_sync = None
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
@@ -89,11 +107,17 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        return self.finish_batch(rollout_id, self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False))
+        out = self._surviving_engine_faults(
+            lambda: self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False))
+        return self.finish_batch(rollout_id, out)
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
-        """A batch about to be trained (from `generate` or train_async.py's rollout): reward metrics, debug dump."""
-        out.metrics.update(group_reward_metrics(out.groups, "reward"))
+        """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
+        metrics, debug dump."""
+        out.metrics.update(group_reward_metrics(out.groups, "reward", self.args.reward_key))
+        out.metrics["engine/restarts"] = float(self.engine_restarts)
+        if self.data_source is not None:
+            out.metrics.update({f"data/dropped_rows/{k}": float(v) for k, v in self.data_source.dropped_rows.items()})
         if self.args.save_debug_rollout_data:
             self._save_debug(rollout_id, out)
         return out
@@ -101,13 +125,83 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for name, groups in self.eval_sets.items():
-            fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
-            out = self.rollout_fn(self.args, rollout_id, self._context(eval_groups=fresh), evaluation=True)
-            metrics.update(group_reward_metrics(out.groups, f"eval/{name}"))
+            def run(groups=groups):
+                fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
+                return self.rollout_fn(self.args, rollout_id, self._context(eval_groups=fresh), evaluation=True)
+
+            out = self._surviving_engine_faults(run)
+            metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
         accs = [v for k, v in metrics.items() if k.endswith("/accuracy")]
         if accs:
             metrics["eval/accuracy"] = sum(accs) / len(accs)
         return metrics
+
+    # ---- engine faults ---------------------------------------------------------
+    def attach_weight_sync(self, update_weights) -> None:
+        """`update_weights(engines, version)` (the trainer's): how a restarted engine gets the current weights."""
+        self._weight_sync = update_weights
+
+    def _surviving_engine_faults(self, step):
+        """Run `step()`; with --use-fault-tolerance restart failed engines and run it again (bounded)."""
+        while True:
+            try:
+                return step()
+            except EngineFaultError as e:
+                if not self.args.use_fault_tolerance:
+                    raise EngineFaultError(f"{e} (--use-fault-tolerance would restart it)", e.faults) from e
+                self.recover(e)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights to every engine as `version` (the attached `update_weights`).
+
+        An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
+        instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
+        """
+        if self._weight_sync is None:
+            raise RuntimeError("sync_weights: no trainer attached (attach_weight_sync)")
+        while True:
+            with ProcessWatch(self.engines, on_fault=self._kill_faulty) as watch:
+                try:
+                    return self._weight_sync(self.engines, version)
+                except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
+                    faults = list(watch.faults.values()) or watch.check()
+                    if not faults:
+                        raise
+                    error = EngineFaultError(f"weight sync to version {version}: "
+                                             + "; ".join(f.describe() for f in faults) + f" ({type(e).__name__}: {e})",
+                                             faults)
+                    error.__cause__ = e
+            if not self.args.use_fault_tolerance:
+                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
+            self.recover(error, resync=False)  # the loop pushes `version` to the fresh engines
+
+    def _kill_faulty(self, fault: EngineFault) -> None:
+        if fault.rank is not None:
+            self.engines.kill_engine(fault.rank)
+
+    def recover(self, error: EngineFaultError, resync: bool = True) -> None:
+        """Restart every engine in `error.faults` and (`resync`) re-sync the current weights; raise when out of
+        restarts."""
+        budget = self.args.max_engine_restarts
+        for fault in error.faults:
+            if fault.rank is None:
+                raise EngineFaultError(f"{error}; {fault.url} was not launched by this run, so it cannot be restarted",
+                                       error.faults) from error
+            while True:
+                if self.engine_restarts >= budget:
+                    raise EngineRestartsExhausted(
+                        f"{error}; giving up after {self.engine_restarts} engine restart(s) (--max-engine-restarts "
+                        f"{budget})", error.faults) from error
+                self.engine_restarts += 1
+                logger.warning("restart %d/%d: %s", self.engine_restarts, budget, fault.describe())
+                try:
+                    self.engines.restart_engine(fault.rank)
+                    break
+                except ServerLaunchError as e:
+                    logger.error("restarting engine %d failed: %s", fault.rank, e)
+        if resync and self._weight_sync is not None:
+            self.sync_weights(self.policy_version)
+            logger.info("re-synced policy version %d to the engines", self.policy_version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version
@@ -158,7 +252,8 @@ class RolloutManager:
         with open(path) as f:
             d = json.load(f)
         groups = [[Sample.from_dict(s) for s in g] for g in d["groups"]]
-        return RolloutOutput(groups=groups, metrics={**d.get("metrics", {}), **group_reward_metrics(groups, "reward")})
+        return RolloutOutput(groups=groups, metrics={**d.get("metrics", {}),
+                                                     **group_reward_metrics(groups, "reward", self.args.reward_key)})
 
     def shutdown(self) -> None:
         if self.engines is not None:

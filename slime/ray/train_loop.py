@@ -1,13 +1,17 @@
-"""The pieces train.py and train_async.py share: set-up, resume, a training step, the weight push,
-checkpoints, eval and per-step logging. The two entry points differ only in where a batch comes from
-and when the weights reach the engines.
+"""The pieces train.py and train_async.py share: the checks before anything starts, set-up, resume,
+a training step, the weight push (engine faults named, or restarted with --use-fault-tolerance),
+checkpoints, eval, per-step logging and the entry points' error handling. The two loops differ only in
+where a batch comes from and when the weights reach the engines.
 
-    run = TrainingRun(args)              # run dir, logging, Ray, engines + buffer, trainers, resume
+    run = TrainingRun(args)              # checks, run dir, logging, Ray, engines + buffer, trainers, resume
     run.evaluate_start()
     for rollout_id in run.steps():
         ...                              # a batch from the rollout
-        metrics |= run.train(rollout_id, batch)
-        metrics |= run.update_weights()  # or with `push_around=` (in flight)
+        if run.trainable(rollout_id, batch):               # not a step where every group failed
+            with run.phases.train():                       # --colocate: who holds the devices
+                metrics |= run.train(rollout_id, batch)
+            with run.phases.weight_sync():
+                metrics |= run.update_weights(rollout_id)  # or with `push_around=` (in flight)
         if run.save_due(rollout_id): run.save(rollout_id)
         if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
         run.log(rollout_id, metrics)
@@ -21,16 +25,23 @@ are sums of these over its steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from typing import Callable
 
+from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import RayTrainGroup
+from slime.ray.colocation import device_phases
 from slime.ray.placement_group import create_placement_groups
-from slime.ray.rollout import RolloutManager
+from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
 from slime.rollout.base_types import RolloutOutput
-from slime.utils.checkpoint import latest_checkpoint, read_driver_state, rng_state, save_checkpoint, set_rng_state
-from slime.utils.metrics import MetricsLogger
+from slime.rollout.data_source import DataError
+from slime.utils import checkpoint as ckpts
+from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
+from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
+from slime.utils.metrics import MetricsLogger, truncate_run_logs
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
 from slime.utils.summary import log_run_summary
 
@@ -58,18 +69,41 @@ def engine_idle_seconds(engines) -> float | None:
     return total
 
 
+# errors that name their cause (flag, file, engine, reward): one line, no traceback
+STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
+         EmptyStepsError)
+
+
+def train_or_stop(entry: str, train: Callable, args) -> int:
+    """Run `train(args)`; an error that names its cause stops it with one line (exit 1), no traceback."""
+    try:
+        train(args)
+    except STOPS as e:
+        logger.debug("stopped", exc_info=True)
+        logger.error("stopped: %s", e)
+        print(f"{entry}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 class TrainingRun:
     def __init__(self, args):
         self.args = args
         self.run_dir = resolve_run_dir(args)
         setup_logging(self.run_dir)
-        init_ray()
+        ckpt, state = self._check_inputs()
+        init_ray(listen_host=args.listen_host)
         self.metrics = MetricsLogger(args, self.run_dir)
         # Engines + router + data + buffer on one side, trainers on the other.
         pgs = create_placement_groups(args)
         self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only)
         self.actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
-        self.start_rollout_id = self._resume()
+        if self.actor_model is not None:  # a restarted engine gets the current weights
+            self.rollout_manager.attach_weight_sync(self.actor_model.update_weights)
+        self.start_rollout_id = self._resume(ckpt, state)
+        # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
+        self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)
+        self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
         self._engine_idle_ok = self.rollout_manager.engines is not None
         self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), None, 0.0
 
@@ -85,23 +119,37 @@ class TrainingRun:
     def is_last(self, rollout_id: int) -> bool:
         return rollout_id + 1 == self.num_rollout
 
-    # ---- resume ------------------------------------------------------------------------
-    def _resume(self) -> int:
+    # ---- checks and resume ----------------------------------------------------------------
+    def _check_inputs(self):
+        """Before anything starts: the model dir, a writable --save with room, an intact checkpoint to resume
+        (and the data contract it was saved under). Returns (checkpoint dir or None, its driver state)."""
+        args = self.args
+        check_hf_checkpoint(args.hf_checkpoint)
+        if args.ref_load:
+            check_hf_checkpoint(args.ref_load, "--ref-load", need_tokenizer=False)
+        if args.save:
+            ckpts.prepare_save_dir(args.save, 0 if args.debug_rollout_only else ckpts.checkpoint_size_estimate(args.hf_checkpoint))
+        ckpt = ckpts.resolve_checkpoint(args.load, args.ckpt_step) if args.load else None
+        state = ckpts.read_driver_state(ckpt) if ckpt is not None else None
+        if state is not None:
+            ckpts.check_data_contract(state.get("contract"), args)
+            truncate_run_logs(self.run_dir, state["rollout_id"])  # the steps after the checkpoint are re-run
+        return ckpt, state
+
+    def _resume(self, ckpt, state) -> int:
         """Trainer state, data position, parked groups + ledger, policy version, RNG; the first rollout id."""
-        args, manager = self.args, self.rollout_manager
-        ckpt = latest_checkpoint(args.load) if args.load else None
+        manager = self.rollout_manager
         if ckpt is None:
             return 0
-        state = read_driver_state(ckpt)
         if self.actor_model is not None:
             self.actor_model.load(f"{ckpt}/trainer")
         manager.load_state_dict(state["rollout"])
         manager.load_buffer(f"{ckpt}/buffer")
-        set_rng_state(state["rng"])
+        ckpts.set_rng_state(state["rng"])
         start = state["rollout_id"] + 1
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start, manager.policy_version)
         if self.actor_model is not None and manager.engines is not None:
-            self.actor_model.update_weights(manager.engines, manager.policy_version)
+            manager.sync_weights(manager.policy_version)
         return start
 
     def evaluate_start(self) -> None:
@@ -110,6 +158,17 @@ class TrainingRun:
             self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
 
     # ---- one step ------------------------------------------------------------------------
+    def trainable(self, rollout_id: int, rollout: RolloutOutput) -> bool:
+        """Whether there is anything to train: not without a trainer (--debug-rollout-only), nor on a batch
+        where every group failed (counted; --max-consecutive-empty-steps in a row stop the run)."""
+        if self.actor_model is None:
+            return False
+        if count_trainable(rollout.groups) == 0:
+            self.empty_steps.skipped(rollout_id, rollout.dropped)
+            return False
+        self.empty_steps.trained()
+        return True
+
     def train(self, rollout_id: int, rollout: RolloutOutput) -> dict[str, float]:
         """Train on the batch (off-policy tokens corrected against their behaviour log-probs); mark it trained."""
         t0 = time.monotonic()
@@ -119,25 +178,38 @@ class TrainingRun:
             self.rollout_manager.mark_trained(rollout.groups)
         return {f"train/{k}": v for k, v in out.items()}
 
-    def update_weights(self, push: bool = True,
+    def update_weights(self, rollout_id: int, push: bool = True,
                        push_around: Callable[[Callable[[], dict], int], dict] | None = None) -> dict[str, float]:
         """The trainer's next policy version; pushed to every engine when `push` (through `push_around(push_fn,
-        version)` when given: train_async.py pauses its rollout in flight around it)."""
+        version)` when given: train_async.py pauses its rollout in flight around it). An engine that fails
+        meanwhile is named, or restarted and pushed again (--use-fault-tolerance)."""
         manager = self.rollout_manager
         new_version = manager.policy_version + 1
-        out: dict[str, float] = {}
-        if push and manager.engines is not None:
-            def push_fn() -> dict:
-                t0 = time.monotonic()
-                try:
-                    return self.actor_model.update_weights(manager.engines, new_version)
-                finally:
-                    self._trainer_busy += time.monotonic() - t0
+        manager.set_policy_version(new_version)  # the trainer's weights (what a restarted engine gets)
+        if not push or manager.engines is None:
+            return {}
 
-            sync = push_around(push_fn, new_version) if push_around is not None else push_fn()
-            out = {f"weight_sync/{k}": v for k, v in sync.items()}
-        manager.set_policy_version(new_version)
-        return out
+        def push_fn() -> dict:
+            t0 = time.monotonic()
+            try:
+                with self.checkpoint_if_engines_give_up(rollout_id):
+                    return manager.sync_weights(new_version)
+            finally:
+                self._trainer_busy += time.monotonic() - t0
+
+        sync = push_around(push_fn, new_version) if push_around is not None else push_fn()
+        return {f"weight_sync/{k}": v for k, v in sync.items()}
+
+    @contextlib.contextmanager
+    def checkpoint_if_engines_give_up(self, rollout_id: int):
+        """Engines that keep failing stop the run: checkpoint what it reached (`rollout_id`, parked samples
+        included) first, so `--load` resumes it."""
+        try:
+            yield
+        except EngineRestartsExhausted:
+            if self.args.save and rollout_id >= 0:
+                self.save(rollout_id)
+            raise
 
     # ---- checkpoints and eval -------------------------------------------------------------------
     def save_due(self, rollout_id: int) -> bool:
@@ -149,8 +221,9 @@ class TrainingRun:
         writers = {"buffer": manager.save_buffer}
         if self.actor_model is not None:
             writers["trainer"] = self.actor_model.save
-        save_checkpoint(self.args.save, rollout_id, writers,
-                        {"rollout_id": rollout_id, "rollout": manager.state_dict(), "rng": rng_state()})
+        ckpts.save_checkpoint(self.args.save, rollout_id, writers,
+                              {"rollout_id": rollout_id, "rollout": manager.state_dict(), "rng": ckpts.rng_state(),
+                               "contract": ckpts.data_contract(self.args)})
 
     def eval_due(self, rollout_id: int) -> bool:
         return bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
@@ -176,8 +249,11 @@ class TrainingRun:
         return idle
 
     def log(self, rollout_id: int, step_metrics: dict) -> None:
-        """Ledger counts and the step's `perf/` timings, then one metrics record."""
+        """Empty steps so far, ledger counts, the colocated phases' costs and the step's `perf/` timings, then
+        one metrics record."""
+        step_metrics.update(self.phases.metrics())
         now = time.monotonic()
+        step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
         step_metrics.update({f"ledger/{k}": v for k, v in self.rollout_manager.ledger_summary().items()})
         step_metrics["perf/step_time_s"] = now - self._step_start
         step_metrics["perf/trainer_busy_s"] = self._trainer_busy
@@ -200,4 +276,4 @@ class TrainingRun:
         self.rollout_manager.shutdown()
 
 
-__all__ = ["TrainingRun", "is_due", "engine_idle_seconds"]
+__all__ = ["STOPS", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]

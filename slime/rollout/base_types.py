@@ -38,3 +38,6 @@ class RolloutContext:
 class RolloutOutput:
     groups: list[list[Sample]]
     metrics: dict[str, float] = field(default_factory=dict)
+    # groups dropped this step: group id -> reason ("reward_failed: ...", a filter's reason, ...); the driver
+    # names the common cause when steps keep training nothing
+    dropped: dict[int, str] = field(default_factory=dict)

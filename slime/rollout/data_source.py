@@ -13,9 +13,16 @@ A prompt is a string or a list of chat messages `{"role", "content"}`. With
 tokenize=False, add_generation_prompt=True)` (a string becomes one user
 message) and the text is tokenised without special tokens (the template has
 them); a plain string prompt is tokenised with the tokenizer's defaults.
-`Sample.prompt` holds the text that was tokenised. Prompts longer than
-`--rollout-max-prompt-len` tokens are dropped at load (logged, counted in
-`num_dropped_too_long`).
+`Sample.prompt` holds the text that was tokenised.
+
+Rows the engine would refuse are dropped at load, each logged with its file,
+row and reason and counted in `dropped_rows` (reason -> count): `empty_prompt`
+(no text, or no tokens), `over_max_prompt_len` (longer than
+`--rollout-max-prompt-len`), `over_context_length` (prompt + response budget
+over the model's positions, `max_position_embeddings` or
+`--sglang-context-length`). The data order and the saved position count file
+rows, dropped ones included, so dropping a row (or adding
+`--rollout-max-prompt-len` on resume) never shifts what the next step draws.
 
 Ids: training groups get `group_index` 0, 1, 2, ... and samples `index` 0,
 1, 2, ... (run-wide counters saved in `state_dict`). Eval groups
@@ -32,9 +39,12 @@ import logging
 import os
 import random
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from slime.utils.hf_dir import max_positions
+from slime.utils.safe_load import CheckpointFileError, read_json_file
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -56,17 +66,29 @@ class PromptEntry:
 
 
 # ---------------------------------------------------------------- reading ----
+def _text_lines(path: str):
+    """(line number, line) of a UTF-8 text file; a binary file is named as one, not a UnicodeDecodeError."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if b"\x00" in raw:
+                raise DataError(f"{path}: line {lineno} holds NUL bytes: a binary file, not JSON lines")
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {lineno} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                                "a binary or differently encoded file?") from None
+
+
 def _read_jsonl(path: str) -> list[tuple[int, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {e.msg} at column {e.colno}") from e
-            rows.append((lineno, obj))
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {e.msg} at column {e.colno}") from e
+        rows.append((lineno, obj))
     return rows
 
 
@@ -91,14 +113,13 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
     elif path.endswith(".jsonl"):
         items = _read_jsonl(path)
     elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             head = f.read(4096).lstrip()
-        if head.startswith("["):
-            with open(path, encoding="utf-8") as f:
-                try:
-                    items = [(None, obj) for obj in json.load(f)]
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: invalid JSON: {e.msg} at line {e.lineno}") from e
+        if head.startswith(b"["):
+            try:
+                items = [(None, obj) for obj in read_json_file(path)]
+            except CheckpointFileError as e:
+                raise DataError(f"{path}: {e.cause}") from None
         else:
             items = _read_jsonl(path)
     else:
@@ -152,11 +173,45 @@ def _metadata(raw: Any, where: str, key: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data") -> tuple[list[PromptEntry], int]:
-    """Read, validate, template and tokenise every row of `path`; return (entries, number dropped as too long)."""
+DROP_EMPTY, DROP_MAX_PROMPT_LEN, DROP_CONTEXT = "empty_prompt", "over_max_prompt_len", "over_context_length"
+MAX_LOGGED_DROPS = 10
+
+
+def model_max_positions(args) -> int | None:
+    """The context length the engines refuse prompts against (None when --hf-checkpoint has no config)."""
+    config_path = os.path.join(args.hf_checkpoint or "", "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    config = read_json_file(config_path)
+    return max_positions(config, args.sglang_extra_args) if isinstance(config, dict) else None
+
+
+def _drop_reason(text: str, templated: bool, tokens: list[int], budget: int, max_len: int | None,
+                 context: int | None) -> tuple[str, str] | None:
+    if not tokens or (not templated and not text.strip()):
+        return DROP_EMPTY, "empty prompt" + (" (no tokens)" if not tokens else " (no chat template adds any text)")
+    if max_len is not None and len(tokens) > max_len:
+        return DROP_MAX_PROMPT_LEN, f"{len(tokens)} tokens > --rollout-max-prompt-len {max_len}"
+    if context is not None and len(tokens) + budget > context:
+        return DROP_CONTEXT, (f"{len(tokens)} prompt tokens + {budget} response budget > the model's "
+                              f"{context} positions")
+    return None
+
+
+def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
+                    response_budget: int | None = None) -> tuple[list[PromptEntry | None], Counter]:
+    """Read, validate, template and tokenise every row of `path`.
+
+    Returns (one entry per file row, None where the row was dropped; drop counts by reason). Structural errors
+    (missing keys, wrong types) raise `DataError`; rows the engine would refuse are dropped, each logged with
+    file, row and reason.
+    """
     input_key, label_key, metadata_key = args.input_key, args.label_key, args.metadata_key
     max_len = args.rollout_max_prompt_len
-    entries, dropped = [], 0
+    context = model_max_positions(args)
+    budget_flag = args.rollout_max_response_len if response_budget is None else response_budget
+    entries: list[PromptEntry | None] = []
+    dropped: Counter = Counter()
     for i, row in enumerate(read_rows(path, flag)):
         where = f"{path}: row {i}"
         if input_key not in row:
@@ -165,15 +220,23 @@ def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data") -> 
             raise DataError(f"{where}: missing key {label_key!r} (--label-key); row has {sorted(row)}")
         text, templated = _prompt_text(row[input_key], args, tokenizer, where, input_key)
         tokens = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
-        if max_len is not None and len(tokens) > max_len:
-            dropped += 1
-            continue
         metadata = _metadata(row.get(metadata_key), where, metadata_key)
+        own = metadata.get("max_response_len")
+        budget = budget_flag if not isinstance(own, int) else min(budget_flag, own)
+        drop = _drop_reason(text, templated, tokens, budget, max_len, context)
+        if drop is not None:
+            dropped[drop[0]] += 1
+            if sum(dropped.values()) <= MAX_LOGGED_DROPS:
+                logger.warning("%s: dropped (%s): %s", where, drop[0], drop[1])
+            entries.append(None)
+            continue
         metadata["row"] = i
         label = row[label_key] if label_key is not None else None
         entries.append(PromptEntry(row=i, prompt=text, tokens=tokens, label=label, metadata=metadata))
     if dropped:
-        logger.info("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%s tokens", path, dropped, dropped + len(entries), max_len)
+        logger.warning("%s: dropped %d of %d rows (%s)%s", path, sum(dropped.values()), len(entries),
+                       ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())),
+                       f"; only the first {MAX_LOGGED_DROPS} are listed" if sum(dropped.values()) > MAX_LOGGED_DROPS else "")
     return entries, dropped
 
 
@@ -198,8 +261,9 @@ def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, 
 class RolloutDataSource:
     """Fresh prompt groups for training, epoch after epoch, with exact resume.
 
-    Order: the rows in file order, or, with `--rollout-shuffle`, epoch `e`
-    uses the permutation from `random.Random(--rollout-seed + e)`. When an
+    Order: the file's rows in order, or, with `--rollout-shuffle`, epoch `e`
+    uses the permutation of the rows from `random.Random(--rollout-seed + e)`;
+    dropped rows keep their place in it and are skipped when drawn. When an
     epoch runs out mid-request the next epoch starts automatically (`epoch`
     tells which; `--num-epoch` is enforced by the caller).
     """
@@ -207,17 +271,19 @@ class RolloutDataSource:
     def __init__(self, args, tokenizer):
         self.args = args
         self.path = args.prompt_data
-        self.entries, self.num_dropped_too_long = prepare_entries(args, tokenizer, self.path)
+        self.rows, self.dropped_rows = prepare_entries(args, tokenizer, self.path)
+        self.entries = [e for e in self.rows if e is not None]
         if not self.entries:
             raise DataError(
                 f"--prompt-data {self.path}: no usable prompts"
-                + (f" ({self.num_dropped_too_long} longer than --rollout-max-prompt-len)" if self.num_dropped_too_long else "")
+                + (f" (all {len(self.rows)} rows dropped: "
+                   + ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped_rows.items())) + ")" if self.rows else "")
             )
         self.n_samples_per_prompt = args.n_samples_per_prompt
         self.shuffle = args.rollout_shuffle
         self.seed = args.rollout_seed
         self.epoch = 0
-        self.offset = 0  # position in the current epoch's order
+        self.offset = 0  # position in the current epoch's order of file rows
         self.group_counter = 0
         self.sample_counter = 0
         self._order = self._order_for(0)
@@ -225,8 +291,12 @@ class RolloutDataSource:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def num_dropped_too_long(self) -> int:
+        return self.dropped_rows[DROP_MAX_PROMPT_LEN]
+
     def _order_for(self, epoch: int) -> list[int]:
-        order = list(range(len(self.entries)))
+        order = list(range(len(self.rows)))
         if self.shuffle:
             random.Random(self.seed + epoch).shuffle(order)
         return order
@@ -237,14 +307,16 @@ class RolloutDataSource:
             raise ValueError(f"get_groups: num_groups must be >= 0, got {num_groups}")
         n = self.n_samples_per_prompt
         groups = []
-        for _ in range(num_groups):
+        while len(groups) < num_groups:
             if self.offset >= len(self._order):
                 self.epoch += 1
                 self.offset = 0
                 self._order = self._order_for(self.epoch)
                 logger.info("data source %s: starting epoch %d", self.path, self.epoch)
-            entry = self.entries[self._order[self.offset]]
+            entry = self.rows[self._order[self.offset]]
             self.offset += 1
+            if entry is None:  # dropped at load: its place in the order stays, it is never drawn
+                continue
             groups.append(_make_group(entry, self.group_counter, self.sample_counter, n, extra={"epoch": self.epoch}))
             self.group_counter += 1
             self.sample_counter += n
@@ -256,6 +328,7 @@ class RolloutDataSource:
             "offset": self.offset,
             "group_counter": self.group_counter,
             "sample_counter": self.sample_counter,
+            "num_rows": len(self.rows),
             "num_prompts": len(self.entries),
             "shuffle": self.shuffle,
             "seed": self.seed,
@@ -265,10 +338,21 @@ class RolloutDataSource:
         missing = {"epoch", "offset", "group_counter", "sample_counter"} - set(state)
         if missing:
             raise DataError(f"data source state is missing {sorted(missing)}")
-        if state.get("num_prompts", len(self.entries)) != len(self.entries):
+        if "num_rows" in state:
+            if state["num_rows"] != len(self.rows):
+                raise DataError(
+                    f"data source state was saved with {state['num_rows']} rows but --prompt-data {self.path} now "
+                    f"has {len(self.rows)}: the resumed order would not match"
+                )
+            if state.get("num_prompts", len(self.entries)) != len(self.entries):
+                logger.warning("data source: %d usable prompts at save, %d now (rows dropped differently); the "
+                               "position is in file rows, so the order is unchanged", state["num_prompts"],
+                               len(self.entries))
+        elif state.get("num_prompts", len(self.entries)) != len(self.entries) or len(self.entries) != len(self.rows):
+            # a state from before positions counted file rows: its offset counts usable prompts only
             raise DataError(
-                f"data source state was saved with {state['num_prompts']} prompts but --prompt-data {self.path} "
-                f"now yields {len(self.entries)}: the resumed order would not match"
+                f"data source state was saved with {state.get('num_prompts')} prompts but --prompt-data {self.path} "
+                f"now yields {len(self.entries)} of {len(self.rows)} rows: the resumed order would not match"
             )
         for key, now in (("shuffle", self.shuffle), ("seed", self.seed)):
             if key in state and state[key] != now:
@@ -289,10 +373,12 @@ def load_eval_groups(args, tokenizer, name: str, path: str, n_samples: int) -> l
     """
     if n_samples < 1:
         raise DataError(f"eval set {name!r}: n_samples must be >= 1, got {n_samples}")
-    entries, dropped = prepare_entries(args, tokenizer, path, flag=f"eval set {name!r}")
+    rows, dropped = prepare_entries(args, tokenizer, path, flag=f"eval set {name!r}",
+                                    response_budget=args.eval_max_response_len)
     if dropped:
-        logger.warning("eval set %r: %d prompts longer than --rollout-max-prompt-len were left out", name, dropped)
+        logger.warning("eval set %r: %d prompts were left out (%s)", name, sum(dropped.values()),
+                       ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())))
     groups = []
-    for g, entry in enumerate(entries):
+    for g, entry in enumerate(e for e in rows if e is not None):
         groups.append(_make_group(entry, -(g + 1), -(g * n_samples + 1), n_samples, step=-1, extra={"eval_name": name}))
     return groups

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.rollout_metrics import StepClock
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
@@ -41,7 +42,8 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
     clock = StepClock()
     metrics: dict[str, float] = {}
     all_groups: list[list[Sample]] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session, \
+            EngineWatchdog(args, ctx.engines, session) as watchdog:  # a dead / frozen engine: EngineFaultError
         req = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args, evaluation=True),
                               rollout_id, int(ctx.policy_version), max_response_len=max_len)
 
@@ -54,7 +56,7 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
             await reward_group(args, group)
 
         for name, groups in sets.items():
-            await asyncio.gather(*(one_group(g) for g in groups))
+            await watchdog.guard(asyncio.gather(*(one_group(g) for g in groups)))
             samples = [s for g in groups for s in g]
             ok = [float(s.reward) for s in samples if s.status != Status.FAILED and isinstance(s.reward, (int, float))]
             n = max(1, len(samples))

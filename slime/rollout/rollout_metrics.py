@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
-from slime.utils.ledger import group_id
+from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,10 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
     return out
 
 
-def sample_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     n = len(samples)
-    rewards = [float(s.reward) for s in samples if isinstance(s.reward, (int, float)) and not isinstance(s.reward, bool)]
+    rewards = [r for s in samples if (r := s.scalar_reward(reward_key)) is not None]
     return {
         "rollout/samples": float(n),
         "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
@@ -167,9 +167,10 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         "rollout/groups_ready_out": float(len(step.overflow)),
         "rollout/groups_parked": float(step.counts["parked"]),
         "rollout/groups_dropped": float(len(step.rejected) + step.counts["discarded"]),
+        "rollout/groups_failed": float(len(step.failed)),
         "rollout/policy_version": float(step.version),
     }
-    reasons = Counter(step.rejected.values())
+    reasons = Counter(reason_category(r) for r in step.rejected.values())
     if step.counts["discarded"]:
         reasons["discarded_unfinished"] += step.counts["discarded"]
     for reason, c in reasons.items():
@@ -179,7 +180,7 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
     if step.mode == "chunked":
         out["rollout/over_sampling_batch_size"] = float(step.chunk)
     out.update(token_version_metrics(step.accepted, step.version))
-    out.update(sample_metrics(step.accepted))
+    out.update(sample_metrics(step.accepted, step.args.reward_key))
     out.update(occ)
     append_trace(step.args.run_dir, {
         "rollout_id": step.rollout_id, "policy_version": step.version, "mode": step.mode,

@@ -7,7 +7,10 @@ per-sample `metadata["max_response_len"]`), appends the
 returned segment with `Sample.append_response` (tokens, log-probs, per-token
 versions and loss mask grow together) and sets the status from the finish
 reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
-abort -> ABORTED (still unfinished).
+abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
+e.g. a prompt over its context) fails that sample with
+`metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
+retried and never stops the step.
 
 Per-token versions come from `meta_info.weight_versions` when the engine
 returns it (the embedded engine and newer SGLang: one span per weight version
@@ -152,6 +155,7 @@ class SampleRequester:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.timeline: list[tuple[float, int]] | None = None  # (monotonic time, in flight) at each change, if a list
+        self.refused = 0
         self._bad_versions = 0
 
     def budget(self, sample: Sample) -> int:
@@ -192,6 +196,11 @@ class SampleRequester:
             try:
                 with gate.request(payload["rid"], sample) if gate is not None else contextlib.nullcontext():
                     out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+            except http_client.EngineHTTPError as e:
+                if not e.is_refusal:
+                    raise
+                self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
+                return True
             finally:
                 self._in_flight(-1)
             stale_abort = gate is not None and gate.was_aborted(payload["rid"])
@@ -240,6 +249,13 @@ class SampleRequester:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self.timeline is not None:
             self.timeline.append((time.monotonic(), self.in_flight))
+
+    def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
+        sample.status = Status.FAILED
+        sample.metadata["failure"] = f"engine_refused: {error.message}"
+        self.refused += 1
+        logger.warning("engine refused sample %s (group %s, %d prompt tokens): HTTP %d %s", sample.index,
+                       sample.group_index, sample.prompt_length, error.status, error.message)
 
     async def _custom(self, sample: Sample) -> bool:
         """Run the user's generate function; it must grow the sample only through `append_response`."""

@@ -22,12 +22,21 @@ One step (`generate_rollout`):
 5. groups accepted after the target was met are kept `finished` in the buffer
    and returned first next step (nothing is thrown away).
 
-If a request fails (an engine died), the step stops the same way, keeps every
-finished group in the buffer and parks (or drops) the rest, then raises
-`RolloutError` naming the failure.
+A group whose every sample failed (its reward raised or timed out, the engine
+refused its prompt) has nothing to train on: it is dropped in the ledger with
+the failure as its reason and still counts toward the step's target (so a
+broken reward cannot make a step draw the whole dataset); a step can therefore
+return fewer groups, or none.
+
+An engine watchdog (`slime/backends/sglang_utils/watchdog.py`) runs during
+the step. If an engine dies or freezes (or a request fails), the step stops
+the same way, keeps every finished group in the buffer and parks (or drops)
+the rest, with the samples that were on the failed engine back at the tokens
+it last returned, then raises `EngineFaultError` naming the engine and what
+the step was doing (`RolloutError` for any other failure).
 
 train_async.py passes `ctx.gate` (weight updates in flight) and `ctx.halt` (stop for a checkpoint);
-stream mode (slime/rollout/stream.py) reuses the step with no target and its own `_settle_group`.
+stream mode (slime/rollout/stream.py) reuses the step with no target and its own `_place_group`.
 """
 
 from __future__ import annotations
@@ -42,13 +51,15 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
+from slime.backends.sglang_utils.http_client import EngineHTTPError, EngineUnreachableError
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.pool_mode import SamplePool
 from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
 from slime.rollout.staleness import apply_staleness_policy
-from slime.utils.ledger import DROPPED, FINISHED, group_id
+from slime.utils.ledger import DROPPED, FINISHED, group_failure_reason, group_id
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -56,10 +67,19 @@ logger = logging.getLogger(__name__)
 
 # with --reward-timeout <= 0 (no per-reward limit) the step still stops waiting for rewards after the drain
 UNLIMITED_REWARD_SETTLE_S = 300.0
+# after an engine failed and the live ones are idle, requests still pending are on the failed one
+FAULT_DRAIN_GRACE_S = 2.0
 
 
 class RolloutError(RuntimeError):
     """A rollout step could not complete; finished groups were kept in the buffer first."""
+
+
+class RolloutEngineFaultError(RolloutError, EngineFaultError):
+    """A rollout step stopped because engines died or froze (`.faults` names them); nothing was lost."""
+
+    def __init__(self, message: str, faults: list[EngineFault]):
+        EngineFaultError.__init__(self, message, faults)
 
 
 @dataclass
@@ -67,7 +87,7 @@ class _Group:
     samples: list[Sample]
     resumed: bool
     outstanding: int = 0  # members still being generated in this step
-    outcome: str | None = None  # accepted | overflow | rejected
+    outcome: str | None = None  # accepted | overflow | rejected | failed (no trainable sample)
     finished_t: float | None = None  # seconds into the step when its last member finished
 
 
@@ -119,6 +139,9 @@ class _RolloutStep:
         self.accepted: list[list[Sample]] = []
         self.overflow: list[list[Sample]] = []
         self.rejected: dict[int, str] = {}
+        self.failed: list[int] = []  # groups with no trainable sample, counted toward the target
+        self.faults: dict[str, EngineFault] = {}
+        self.watchdog: EngineWatchdog | None = None
         self.submitted: list[int] = []
         self.resumed: list[int] = []
         self.counts: Counter = Counter()
@@ -147,6 +170,7 @@ class _RolloutStep:
             self.requester.timeline = []  # requests in flight over the step (the trace's occupancy)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
+            self.watchdog = EngineWatchdog(self.args, self.ctx.engines, session, on_fault=self._engine_fault).start()
             # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
             self.bar = tqdm(total=self.target, desc=f"rollout {self.rollout_id}", unit="group", leave=False, disable=None)
             watcher = asyncio.create_task(self._watch_halt()) if self.ctx.halt is not None else None
@@ -165,32 +189,43 @@ class _RolloutStep:
                 if watcher is not None:
                     watcher.cancel()
                 await self._stop_and_drain(session)
+                if self.errors and not self.faults:
+                    await self.watchdog.check_once()  # did a request fail because an engine died?
+                await self.watchdog.stop()
                 occ = await occupancy.stop()
             await self._settle_rewards()
         await self._commit()
         if self.halted and not self.errors:  # stopped for a checkpoint: everything is in the buffer now
             return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0})
         if self.errors:
-            raise RolloutError(
-                f"rollout step {self.rollout_id} failed: {self.errors[0]}"
-                + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
-                + f"; kept {len(self.accepted) + len(self.overflow)} finished groups in the buffer, "
-                f"{self.counts['parked']} parked, {self.counts['discarded']} dropped"
-            )
+            cause = self.errors[0] + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
+            if self.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
+                cause = "; ".join(f.describe() for f in self.faults.values()) + f" (the step saw: {cause})"
+            msg = (f"rollout step {self.rollout_id} failed: {cause}; kept {len(self.accepted) + len(self.overflow)} "
+                   f"finished groups in the buffer, {self.counts['parked']} parked, {self.counts['discarded']} dropped")
+            if self.faults:
+                raise RolloutEngineFaultError(msg, list(self.faults.values()))
+            raise RolloutError(msg)
         metrics = self._metrics(occ, concurrency if self.mode == "chunked" else pool_size)
         if self.planner is not None:  # the prediction for this step's size, then learn from the step
             metrics.update(self.planner.metrics())
             await self.planner.after_step(self)
-        return RolloutOutput(groups=self.accepted, metrics=metrics)
+        return RolloutOutput(groups=self.accepted, metrics=metrics, dropped=dict(self.rejected))
+
+    def _filled(self) -> bool:
+        """The step's target is met: accepted groups plus groups that failed outright (nothing to train)."""
+        return len(self.accepted) + len(self.failed) >= self.target
+
+    def _engine_fault(self, fault: EngineFault) -> None:
+        self.faults[fault.url] = fault
+        self._fail(f"{fault.describe()} while generating rollout step {self.rollout_id} "
+                   f"({self.requester.in_flight} requests in flight, {len(self.accepted)}/{self.target} groups accepted)")
 
     async def _watch_halt(self) -> None:
         await self.ctx.halt.wait()
         self.halted = True
         self.stop.set()
         self.progress.set()
-
-    def _target_met(self) -> bool:
-        return len(self.accepted) >= self.target
 
     def _train_version(self) -> int:
         """The version that will train what this step collects now (stream mode: it moves as batches are taken)."""
@@ -246,9 +281,9 @@ class _RolloutStep:
     async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
         while True:
             self.progress.clear()
-            if self.errors or self.halted or self._target_met():
+            if self.errors or self.halted or self._filled():
                 return
-            while not self.exhausted and self._active_groups() + len(self.accepted) < self.target:
+            while not self.exhausted and self._active_groups() + len(self.accepted) + len(self.failed) < self.target:
                 groups = await self._next_groups(self.chunk)
                 for g in groups:
                     self._start_group(g, sem)
@@ -256,7 +291,17 @@ class _RolloutStep:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
                                self.rollout_id, len(self.accepted), self.target)
                 return
-            await self.progress.wait()
+            await self._wait_progress()
+
+    async def _wait_progress(self) -> None:
+        """Wait for a group to settle, checking each second that open groups still have work running."""
+        while not self.progress.is_set():
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout=1.0)
+            except TimeoutError:
+                if self._active_groups() and not self.tasks and not self.reward_tasks:
+                    open_ids = [gid for gid, st in self.groups.items() if st.outcome is None]
+                    self._fail(f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
 
     def _begin_group(self, group: list[Sample]) -> list[tuple[_Group, Sample]]:
         """The group's unfinished members, to be generated; a group with none left is rewarded at once."""
@@ -284,6 +329,9 @@ class _RolloutStep:
                 async with sem:
                     done = await self.requester.generate(sample, self.stop)
         except Exception as e:
+            if self.faults and (isinstance(e, EngineUnreachableError)
+                                or (isinstance(e, EngineHTTPError) and e.status >= 500)):
+                return  # on the failed engine: the sample keeps the tokens it last returned and is parked
             self._fail(f"group {st.samples[0].group_index} sample {sample.index}: {type(e).__name__}: {e}")
             return
         if done:
@@ -312,7 +360,7 @@ class _RolloutStep:
             w.add_done_callback(self.tasks.discard)
         while True:
             self.progress.clear()
-            if self.errors or self.halted or self._target_met():
+            if self.errors or self.halted or self._filled():
                 return
             if all(w.done() for w in workers) and not self.reward_tasks:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
@@ -332,11 +380,31 @@ class _RolloutStep:
     async def _reward_task(self, st: _Group) -> None:
         try:
             await reward_group(self.args, st.samples)
+        except asyncio.CancelledError:  # the step gave up waiting (_settle_rewards): the group stays unsettled
+            self.progress.set()
+            raise
         except Exception as e:  # reward_group promises not to raise; be safe anyway
             for s in st.samples:
                 if s.reward is None:
                     s.status = Status.FAILED
                     s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"
+        try:
+            self._settle_group(st)
+        finally:
+            self.progress.set()  # whatever happened, the loops waiting on this group move on
+
+    def _settle_group(self, st: _Group) -> None:
+        gid = group_id(st.samples)
+        failure = group_failure_reason(st.samples)
+        if failure is not None:  # nothing to train on: dropped with its cause, counted toward the target
+            st.outcome = "failed"
+            self.rejected[gid] = failure
+            if not self._filled():
+                self.failed.append(gid)
+                if self._filled():
+                    self.clock.mark("target")
+                    self.stop.set()
+            return
         reason = None
         if self.filter is not None:
             try:
@@ -345,20 +413,20 @@ class _RolloutStep:
             except Exception as e:
                 reason = f"filter_error: {type(e).__name__}"
                 logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
-        self._settle_group(st, reason)
-        self.progress.set()
+        self._place_group(st, reason)
 
-    def _settle_group(self, st: _Group, reason: str | None) -> None:
-        """A rewarded group's outcome: rejected (filter), accepted toward the target, or overflow (kept ready)."""
+    def _place_group(self, st: _Group, reason: str | None) -> None:
+        """A rewarded group with something to train: rejected (filter), accepted toward the target, or overflow
+        (kept ready)."""
         gid = group_id(st.samples)
         if reason is not None:
             st.outcome = "rejected"
             self.rejected[gid] = reason
-        elif len(self.accepted) < self.target and not self.stop.is_set():
+        elif not self._filled() and not self.stop.is_set():
             st.outcome = "accepted"
             self.accepted.append(st.samples)
             self.bar.update(1)
-            if len(self.accepted) >= self.target:
+            if self._filled():
                 self.clock.mark("target")
                 self.stop.set()
         else:
@@ -377,7 +445,8 @@ class _RolloutStep:
             try:
                 # nothing of ours running (e.g. paused at a version gate while an eval uses the engines): no abort
                 if self.requester.in_flight:
-                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session)
+                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
+                                                                exclude=set(self.faults))
                     res = await res if asyncio.iscoroutine(res) else res
                     self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:
@@ -388,8 +457,15 @@ class _RolloutStep:
             if not self.tasks:
                 break
             # requests that reached an engine after it reported idle are aborted in the next round
-            await asyncio.wait(set(self.tasks), timeout=1.0)
+            await asyncio.wait(set(self.tasks), timeout=FAULT_DRAIN_GRACE_S if self.faults else 1.0)
             if not self.tasks:
+                break
+            if self.faults:  # the live engines are idle: what is still pending waits on the failed engine
+                logger.warning("rollout step %d: %d requests were on the failed engine; their samples resume from "
+                               "the tokens it last returned", self.rollout_id, len(self.tasks))
+                for t in list(self.tasks):
+                    t.cancel()
+                await asyncio.wait(set(self.tasks), timeout=10)
                 break
             if self.clock.now() > deadline:
                 self._fail(f"{len(self.tasks)} requests still pending {self.abort_timeout}s after the abort")
@@ -443,4 +519,4 @@ class _RolloutStep:
         return step_metrics(self, occ, in_flight_cap)
 
 
-__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "run_sync"]
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutError", "RolloutEngineFaultError", "run_sync"]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.sampling_request import call_maybe_remote
-from slime.rollout.sglang_rollout import RolloutError, generate_rollout_async
+from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, generate_rollout_async
 from slime.rollout.version_gate import VersionGate
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,8 @@ class StepsAhead:
             raise ValueError(f"asked for batch {rollout_id}, the next one is {self.next_batch}")
         t0 = time.monotonic()
         while rollout_id not in self.outputs:
+            if isinstance(self.error, RolloutEngineFaultError):
+                raise self.error  # it names the engine (train_async.py stops on it with one line)
             if self.error is not None:
                 raise RolloutError(f"rollout step {self.next_step} failed: {self.error}") from self.error
             if self._task is None or self._task.done():

@@ -37,7 +37,7 @@ from typing import Callable
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.sampling_request import call_maybe_remote
-from slime.rollout.sglang_rollout import RolloutError, _Group, _RolloutStep
+from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, _Group, _RolloutStep
 from slime.rollout.staleness import check_before_training
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
@@ -55,7 +55,7 @@ class _StreamSegment(_RolloutStep):
         super().__init__(args, rollout_id, ctx)
         self.stream = stream
 
-    def _target_met(self) -> bool:
+    def _filled(self) -> bool:
         return False
 
     async def _take_ready(self) -> None:
@@ -66,12 +66,12 @@ class _StreamSegment(_RolloutStep):
             return []
         return await super()._next_groups(num)
 
-    def _settle_group(self, st: _Group, reason: str | None) -> None:
+    def _place_group(self, st: _Group, reason: str | None) -> None:
         if reason is None and not self.stop.is_set():
             st.outcome = "accepted"
             self.stream.accept(st.samples)
         else:  # rejected, or finished while the segment was stopping: kept ready by the commit
-            super()._settle_group(st, reason)
+            super()._place_group(st, reason)
 
 
 class StreamRollout:
@@ -93,6 +93,7 @@ class StreamRollout:
         self.changed = asyncio.Event()
         self.exhausted = False
         self.error: str | None = None
+        self.engine_fault: RolloutEngineFaultError | None = None  # a segment that lost an engine (it names it)
         self.segment: _StreamSegment | None = None
         self._segment_task: asyncio.Task | None = None
         self._halt: asyncio.Event | None = None
@@ -175,6 +176,7 @@ class StreamRollout:
                 self.exhausted = True
         except Exception as e:  # noqa: BLE001 - handed to the trainer's take()
             self.error = f"{type(e).__name__}: {e}"
+            self.engine_fault = e if isinstance(e, RolloutEngineFaultError) else None
             logger.error("stream segment failed: %s", self.error)
         finally:
             requester = getattr(seg, "requester", None)
@@ -241,6 +243,8 @@ class StreamRollout:
 
     async def _wait_for_groups(self, t0: float, timeout: float) -> None:
         while not self.queue:
+            if self.engine_fault is not None:
+                raise self.engine_fault
             if self.error is not None:
                 raise RolloutError(f"stream rollout failed: {self.error}")
             if self.exhausted and not self.waiting:

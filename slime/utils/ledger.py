@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable
 
-from slime.utils.types import Sample
+from slime.utils.types import Sample, Status
 
 ISSUED, PARKED, FINISHED, TRAINED, DROPPED = "issued", "parked", "finished", "trained", "dropped"
 STATES = (ISSUED, PARKED, FINISHED, TRAINED, DROPPED)
@@ -75,12 +75,13 @@ class Ledger:
         return sorted(g for g, s in self._state.items() if s == state)
 
     def summary(self) -> dict[str, int]:
-        """Counts per state, per drop reason (`dropped/<reason>`), and the total."""
+        """Counts per state, per drop reason category (`dropped/<category>`, see `reason_category`), and the total."""
         counts = Counter(self._state.values())
         out = {s: counts.get(s, 0) for s in STATES}
         for g, r in self._reason.items():
             if self._state[g] == DROPPED:
-                out[f"dropped/{r}"] = out.get(f"dropped/{r}", 0) + 1
+                key = f"dropped/{reason_category(r)}"
+                out[key] = out.get(key, 0) + 1
         out["total"] = len(self._state)
         return out
 
@@ -138,3 +139,26 @@ def group_id(group: list[Sample]) -> int:
 
 def is_group_finished(group: list[Sample]) -> bool:
     return all(s.status.is_finished for s in group)
+
+
+def reason_category(reason: str) -> str:
+    """A drop reason's category, the part before its first ':' ("reward_failed: TimeoutError: ..." ->
+    "reward_failed"): reasons carry their detail, metrics and summaries count categories."""
+    return reason.split(":", 1)[0].strip() or reason
+
+
+def sample_failure(sample: Sample) -> str:
+    """Why a FAILED sample failed, as a drop reason: `reward_failed: ...`, `engine_refused: ...`, or `failed: ...`."""
+    failure = str(sample.metadata.get("failure") or "unknown") if isinstance(sample.metadata, dict) else "unknown"
+    if failure.startswith("reward: "):
+        return "reward_failed: " + failure[len("reward: "):]
+    if failure.startswith("engine_refused: "):
+        return failure
+    return "failed: " + failure
+
+
+def group_failure_reason(group: list[Sample]) -> str | None:
+    """The drop reason of a group with no trainable sample (every member FAILED), else None."""
+    if not group or any(s.status is not Status.FAILED for s in group):
+        return None
+    return sample_failure(group[0])

@@ -1,14 +1,25 @@
-"""One metrics path: wandb (offline unless asked) and `metrics.jsonl` in the run directory."""
+"""One metrics path: wandb (offline unless asked) and `metrics.jsonl` in the run directory.
+
+wandb keeps every file under the run directory (WANDB_DIR / _CACHE_DIR /
+_CONFIG_DIR / _DATA_DIR / _ARTIFACT_DIR, unless the user set them), and the
+flags it records as the run config are redacted (`slime.utils.redact`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 from typing import Any
 
+from slime.utils.redact import redact_flags
+
 logger = logging.getLogger(__name__)
+
+WANDB_DIRS = {"WANDB_DIR": "", "WANDB_CACHE_DIR": "wandb/cache", "WANDB_CONFIG_DIR": "wandb/config",
+              "WANDB_DATA_DIR": "wandb/data", "WANDB_ARTIFACT_DIR": "wandb/artifacts"}
 
 
 def _jsonable(value: Any) -> Any:
@@ -23,6 +34,18 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _env_defaults(values: dict[str, str]):
+    added = [k for k in values if k not in os.environ]
+    for k in added:
+        os.environ[k] = values[k]
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 class MetricsLogger:
     """Owns the wandb run (if any) and the JSONL file; one `log` call per step."""
 
@@ -34,14 +57,16 @@ class MetricsLogger:
         if args.use_wandb and args.wandb_mode != "disabled":
             import wandb
 
-            os.environ.setdefault("WANDB_DIR", run_dir)
-            self._wandb_run = wandb.init(
-                project=args.wandb_project,
-                group=args.wandb_group,
-                mode=args.wandb_mode,
-                dir=run_dir,
-                config={k: v for k, v in vars(args).items() if not k.startswith("_")},
-            )
+            # every wandb file under the run dir (its core process writes debug logs to ~/.cache/wandb otherwise);
+            # set only while wandb.init starts it, and never over a value the user chose
+            with _env_defaults({var: os.path.join(run_dir, sub) for var, sub in WANDB_DIRS.items()}):
+                self._wandb_run = wandb.init(
+                    project=args.wandb_project,
+                    group=args.wandb_group,
+                    mode=args.wandb_mode,
+                    dir=run_dir,
+                    config=redact_flags({k: v for k, v in vars(args).items() if not k.startswith("_")}),
+                )
             logger.info("wandb run %s (mode=%s)", self._wandb_run.id, args.wandb_mode)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -61,3 +86,41 @@ class MetricsLogger:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, key: str, last: int) -> int:
+    """Keep only the rows of a JSON-lines file whose `key` is <= `last` (and drop a torn last line).
+
+    A resume from the checkpoint of step `last` re-runs the steps after it; their old rows would otherwise
+    appear twice. Returns the number of rows removed; the file is replaced atomically.
+    """
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a line torn by a kill mid-write
+                continue
+            if isinstance(row, dict) and isinstance(row.get(key), int) and row[key] > last:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
+
+
+def truncate_run_logs(run_dir: str, last_step: int) -> None:
+    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl and rollout_trace.jsonl."""
+    for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id")):
+        n = truncate_jsonl(os.path.join(run_dir, name), key, last_step)
+        if n:
+            logger.info("resume from step %d: removed %d later row(s) of %s (they are re-run)", last_step, n, name)

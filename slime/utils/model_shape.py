@@ -64,6 +64,9 @@ def shape_from_config(cfg: dict, where: str = "config.json") -> ModelShape:
         raise ModelShapeError(f"{where}: sliding-window attention is not supported by the Megatron backend")
     if cfg.get("mlp_bias"):
         raise ModelShapeError(f"{where}: MLP biases are not supported by the Megatron backend")
+    missing = [k for k in ("num_attention_heads", "hidden_size") if k not in cfg]
+    if missing:
+        raise ModelShapeError(f"{where}: missing field {missing[0]!r}")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     qkv_bias = bool(cfg.get("attention_bias", mtype == "qwen2"))

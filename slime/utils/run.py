@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
+from slime.utils.net import WILDCARDS, advertised_address
+from slime.utils.ray_reaper import start_reaper
+
 logger = logging.getLogger(__name__)
 
 OFFLINE_ENV = {
@@ -45,8 +48,9 @@ def set_offline_defaults() -> None:
         os.environ.setdefault(k, v)
 
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Start (or join, if RAY_ADDRESS is set) Ray, bound to loopback."""
+def init_ray(num_cpus: int | None = None, listen_host: str = "127.0.0.1") -> None:
+    """Start (or join, if RAY_ADDRESS is set) Ray; a local Ray node listens on `listen_host`
+    (`--listen-host`, loopback by default: Ray binds its servers to the node address)."""
     import ray
 
     set_offline_defaults()
@@ -56,6 +60,12 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
+        node_ip = None if listen_host in WILDCARDS else advertised_address(listen_host)
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 2),
-                 include_dashboard=False, log_to_driver=True)
+                 include_dashboard=False, log_to_driver=True, _node_ip_address=node_ip)
+        start_reaper()  # its agents would outlive a SIGKILLed driver by ~60 s
+        actual = ray.util.get_node_ip_address()
+        if node_ip is not None and actual != node_ip:
+            logger.warning("the local Ray node listens on %s, not --listen-host %s: Ray was imported before "
+                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set (call set_offline_defaults() first)", actual, node_ip)
     logger.info("ray initialised: %s", ray.cluster_resources())

@@ -138,6 +138,15 @@ class Sample:
         return sum(1 for v in self.weight_versions if v < current_version)
 
     # ---- serialisation ----------------------------------------------------
+    def scalar_reward(self, reward_key: str | None = None) -> float | None:
+        """The reward as a number: a dict reward's `reward_key` field (`--reward-key`); None if unset/unusable."""
+        r = self.reward
+        if isinstance(r, dict):
+            r = r.get(reward_key) if reward_key is not None else None
+        if r is None or isinstance(r, bool) or not isinstance(r, (int, float)):
+            return None
+        return float(r)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from slime.utils.net import gloo_bind_host, gloo_group
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,7 +71,8 @@ class WeightUpdateGroups:
             logger.warning("backend 'nccl' requested; the CPU engine uses gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         store = torch.distributed.TCPStore(master_address, int(master_port), int(world_size), is_master=False, timeout=timeout)
-        pg = torch.distributed.ProcessGroupGloo(store, int(rank_offset), int(world_size), timeout)
+        # a trainer on loopback gets a peer on loopback: gloo's default device would listen on the hostname's address
+        pg = gloo_group(store, int(rank_offset), int(world_size), timeout, gloo_bind_host("", master_address))
         self._groups[group_name] = (store, pg)
         logger.info("weight update group %s: rank %s of %s via %s:%s", group_name, rank_offset, world_size, master_address, master_port)
 

@@ -29,6 +29,8 @@ import random
 import torch
 import torch.distributed as dist
 
+from slime.utils.safe_load import check_dist_checkpoint, safe_torch_load
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -92,6 +94,7 @@ def load_model(built, path: str) -> None:
     if where is None:
         raise FileNotFoundError(f"{path!r} holds no megatron model checkpoint (no metadata.json)")
     # {"model": ...} as megatron-LM (and slime's converter) store it; the rest of the file is ignored
+    check_dist_checkpoint(where)  # its .metadata is unpickled by torch: nothing else runs
     loaded = dist_checkpointing.load({"model": _model_sharded(built)}, where)
     built.core.load_state_dict(loaded["model"], strict=True)
     logger.info("loaded model weights from %s", where)
@@ -261,11 +264,12 @@ def load(trainer, path: str) -> None:
         raise ValueError(f"{path}: saved {'with' if meta['distributed_optimizer'] else 'without'} "
                          f"--use-distributed-optimizer; resume {'with' if meta['distributed_optimizer'] else 'without'} "
                          "it too (the two optimizers store their state differently)")
+    check_dist_checkpoint(os.path.join(path, "torch_dist"))  # its .metadata is unpickled by torch: nothing else runs
     load_state(trainer, os.path.join(path, "torch_dist"))
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     same_layout = (meta["tp"], meta["dp"]) == (trainer.layout.tp_size, trainer.layout.dp_size)
     if same_layout and os.path.exists(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(safe_torch_load(rng_file))
     else:
         logger.warning("%s: saved at TP %d x DP %d, loading at TP %d x DP %d: RNG streams stay as seeded", path,
                        meta["tp"], meta["dp"], trainer.layout.tp_size, trainer.layout.dp_size)

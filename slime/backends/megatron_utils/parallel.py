@@ -41,14 +41,16 @@ class Layout:
         return self.dp_rank == 0
 
 
-def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int) -> tuple[Layout, bool]:
-    """Default group + megatron's TP/DP groups + seeds. Returns (layout,
-    whether this call created the default group)."""
+def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp: int, seed: int,
+                  listen_host: str = "127.0.0.1", listen_sock=None) -> tuple[Layout, bool]:
+    """Default group (its store on `listen_host` / `listen_sock`, see `init_distributed`) + megatron's TP/DP
+    groups + seeds. Returns (layout, whether this call created the default group)."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     prepare_platform()
-    owns_pg = init_distributed(rank, world_size, master_addr, master_port)
+    owns_pg = init_distributed(rank, world_size, master_addr, master_port, listen_host=listen_host,
+                               listen_sock=listen_sock)
     if mpu.model_parallel_is_initialized():
         if mpu.get_tensor_model_parallel_world_size() != tp:
             mpu.destroy_model_parallel()

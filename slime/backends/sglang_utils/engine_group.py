@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import aiohttp
 
 from slime.backends.sglang_utils import http_client
-from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
+from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports, process_problem
 from slime.backends.sglang_utils.router import Router
 from slime.backends.sglang_utils.sglang_engine import EngineProcess, make_engine_process, resolve_rollout_backend
 from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
@@ -127,6 +127,52 @@ class EngineGroup(WeightUpdateMixin):
         for engine in self.engines:
             engine.process.check_alive("waiting for the router to list it")
 
+    # --- faults: which engine, what is wrong, restart it --------------------------------
+    def engine_rank(self, url: str) -> int | None:
+        """The rank of the engine this group launched at `url` (None: not ours)."""
+        for rank, engine in enumerate(self.engines):
+            if engine.url == url:
+                return rank
+        return None
+
+    def engine_problem(self, url: str) -> str | None:
+        """What is wrong with our engine process at `url` (exited, stopped, zombie), or None (no I/O)."""
+        rank = self.engine_rank(url)
+        if rank is None:
+            return None
+        return process_problem(self.engines[rank].process)
+
+    def kill_engine(self, rank: int) -> None:
+        """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
+        if 0 <= rank < len(self.engines):
+            self.engines[rank].terminate(grace=0.5)
+
+    def restart_engine(self, rank: int, timeout: float | None = None) -> str:
+        """Replace engine `rank` (dead, frozen or misbehaving) with a fresh one; returns its URL.
+
+        The old one is taken off the router and killed (SIGTERM, then SIGKILL: a stopped process gets it
+        too); the new one starts on fresh ports with the same flags (so it serves the --hf-checkpoint
+        weights at weight_version 0 until the caller re-syncs the current ones), and is added to the router
+        once healthy. Raises ServerLaunchError (with the log tail) if it does not come up.
+        """
+        if self.router is None or not 0 <= rank < len(self.engines):
+            raise ValueError(f"restart_engine: no engine {rank} (this group has {len(self.engines)})")
+        old = self.engines[rank]
+        timeout = timeout or self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
+        try:
+            self.router.remove_worker(old.url, timeout=10)
+        except Exception as e:  # noqa: BLE001 - a router that cannot drop it still must get the new one
+            logger.warning("could not remove %s from the router: %s", old.url, e)
+        old.terminate(grace=5)
+        logger.warning("restarting engine %d (was %s); its log continues in %s", rank, old.url, old.process.log_path)
+        self.engines[rank] = self._make_engine(rank).start()
+        self._wait_engine(rank, timeout)
+        new = self.engines[rank]
+        self.router.add_worker(new.url)
+        self.router.wait_workers_healthy([new.url], timeout=60.0, extra_check=self._check_engines_alive)
+        logger.warning("engine %d restarted at %s", rank, new.url)
+        return new.url
+
     def shutdown(self, grace: float = 10.0) -> None:
         """Terminate engines and the router we started (SIGTERM, SIGKILL after `grace`). Idempotent."""
         with self._lock:
@@ -227,6 +273,18 @@ class EngineGroup(WeightUpdateMixin):
         """POST /flush_cache through the router (which fans it out to every worker)."""
         return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
 
+    def release_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /release_memory_occupation {"tags"} to every engine this group launched (colocated: they share
+        devices with the trainer). SGLang needs idle engines and --enable-memory-saver (the launcher passes it
+        with --colocate)."""
+        self.wait_all(self._submit_all("POST", "/release_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /release_memory_occupation", timeout + 5)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /resume_memory_occupation {"tags"} to every engine this group launched."""
+        self.wait_all(self._submit_all("POST", "/resume_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /resume_memory_occupation", timeout + 5)
+
     def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True,
                                  abort_all_requests: bool = False, timeout: float = 600.0) -> dict[str, object]:
         """Every worker loads `path` and tags its outputs with weight_version str(version); checks success."""
@@ -236,20 +294,23 @@ class EngineGroup(WeightUpdateMixin):
 
     # --- async ---------------------------------------------------------------------
     async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.01,
-                                   session: aiohttp.ClientSession | None = None) -> float:
-        """POST /abort_request {"abort_all": true} to every worker, repeated until every
-        worker's /get_load shows no running or waiting request. Returns seconds elapsed."""
+                                   session: aiohttp.ClientSession | None = None,
+                                   exclude: set[str] | frozenset = frozenset()) -> float:
+        """POST /abort_request {"abort_all": true} to every worker (but `exclude`: known dead ones), repeated
+        until every worker's /get_load shows no running or waiting request. Every wait is bounded by
+        `timeout` (--rollout-abort-timeout). Returns seconds elapsed."""
         start = time.monotonic()
-        urls = await asyncio.to_thread(self.worker_urls)
+        urls = [u for u in await asyncio.to_thread(self.worker_urls) if u not in exclude]
         own = session is None
         session = session or aiohttp.ClientSession()
         try:
             rounds = 0
             while True:
                 rounds += 1
-                await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"abort_all": True}, timeout=30)
+                left = max(1.0, timeout - (time.monotonic() - start))
+                await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"abort_all": True}, timeout=left)
                                        for u in urls))
-                loads = await asyncio.gather(*(http_client.get(session, u, "/get_load", timeout=30) for u in urls))
+                loads = await asyncio.gather(*(http_client.get(session, u, "/get_load", timeout=left) for u in urls))
                 busy = {u: busy_requests(ld) for u, ld in zip(urls, loads)}
                 elapsed = time.monotonic() - start
                 if not any(busy.values()):

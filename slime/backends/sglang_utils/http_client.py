@@ -3,11 +3,14 @@
 Async helpers take an `aiohttp.ClientSession` the caller owns (one per event
 loop); sync helpers use `requests`. Every call has a timeout. A non-2xx reply
 raises `EngineHTTPError`, which carries the status, the body and the URL so the
-caller's error names the worker that failed.
+caller's error names the worker that failed; no reply (a timeout, a refused or
+reset connection) raises `EngineUnreachableError`, naming the URL and how long
+it waited. URLs in messages have their credentials redacted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json as _json
 import logging
 from typing import Any
@@ -15,6 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 import requests
+
+from slime.utils.redact import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,31 @@ class EngineHTTPError(RuntimeError):
         self.url = url
         self.status = status
         self.body = body
-        super().__init__(f"{method} {url} -> HTTP {status}: {body[:_BODY_PREVIEW]}")
+        super().__init__(f"{method} {redact_url(url)} -> HTTP {status}: {body[:_BODY_PREVIEW]}")
+
+    @property
+    def is_refusal(self) -> bool:
+        """The server refused this request itself (a 4xx other than timeout / rate limit / unknown route)."""
+        return 400 <= self.status < 500 and self.status not in (404, 408, 429)
+
+    @property
+    def message(self) -> str:
+        """The server's own reason: SGLang's `{"error": {"message"}}` (or `{"message"}`), else the body."""
+        try:
+            body = _json.loads(self.body)
+        except ValueError:
+            return self.body[:_BODY_PREVIEW]
+        err = body.get("error", body) if isinstance(body, dict) else body
+        msg = err.get("message") if isinstance(err, dict) else None
+        return str(msg if msg is not None else err)[:_BODY_PREVIEW]
+
+
+class EngineUnreachableError(RuntimeError):
+    """No reply at all: the request timed out, or the connection was refused or reset."""
+
+    def __init__(self, method: str, url: str, cause: str):
+        self.method, self.url, self.cause = method, url, cause
+        super().__init__(f"{method} {redact_url(url)}: {cause}")
 
 
 def join_url(base_url: str, path: str) -> str:
@@ -55,14 +84,21 @@ def _client_timeout(timeout: float | None) -> aiohttp.ClientTimeout:
 async def _request(session: aiohttp.ClientSession, method: str, url: str, json: Any, timeout: float | None):
     # orjson both ways: /generate bodies carry a token id (and back, a log-prob) per token
     kw = {} if json is None else {"data": orjson.dumps(json), "headers": {"Content-Type": "application/json"}}
-    async with session.request(method, url, timeout=_client_timeout(timeout), **kw) as resp:
-        body = await resp.read()
-        if 200 <= resp.status < 300 and body.strip():
-            try:
-                return orjson.loads(body)
-            except orjson.JSONDecodeError:
-                pass  # _decode names the URL and shows the body
-        return _decode(method, url, resp.status, body.decode("utf-8", errors="replace"))
+    try:
+        async with session.request(method, url, timeout=_client_timeout(timeout), **kw) as resp:
+            body = await resp.read()
+            status = resp.status
+    except asyncio.TimeoutError:
+        waited = timeout if timeout is not None else DEFAULT_TIMEOUT_S
+        raise EngineUnreachableError(method, url, f"no reply within {waited:g}s") from None
+    except aiohttp.ClientError as e:
+        raise EngineUnreachableError(method, url, f"{type(e).__name__}: {e}") from None
+    if 200 <= status < 300 and body.strip():
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # _decode names the URL and shows the body
+    return _decode(method, url, status, body.decode("utf-8", errors="replace"))
 
 
 async def generate(session: aiohttp.ClientSession, url: str, payload: dict, timeout: float | None = None) -> dict:

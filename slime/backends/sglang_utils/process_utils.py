@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import requests
 
+from slime.utils.redact import redact_argv
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +78,7 @@ class ManagedProcess:
 
     def start(self) -> "ManagedProcess":
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        logger.info("starting %s: %s (log: %s)", self.name, " ".join(self.cmd), self.log_path)
+        logger.info("starting %s: %s (log: %s)", self.name, " ".join(redact_argv(self.cmd)), self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd,
@@ -105,7 +107,7 @@ class ManagedProcess:
 
     def error(self, what: str) -> ServerLaunchError:
         return ServerLaunchError(
-            f"{self.name} {what} (pid {self.pid}, cmd: {' '.join(self.cmd)}); last lines of {self.log_path}:\n{self.log_tail()}"
+            f"{self.name} {what} (pid {self.pid}, cmd: {' '.join(redact_argv(self.cmd))}); last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
     def check_alive(self, doing: str = "running") -> None:
@@ -151,6 +153,26 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %s) still alive after SIGKILL", self.name, pgid)
+
+
+def process_problem(proc: "ManagedProcess") -> str | None:
+    """Why `proc` cannot serve (exited, stopped, zombie), or None if it is running. Reads /proc only."""
+    rc = proc.returncode()
+    if rc is not None:
+        sig = f" (killed by {signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else ""
+        return f"exited with code {rc}{sig}"
+    if proc.pid is None:
+        return None
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    if state in ("T", "t"):
+        return f"is stopped (pid {proc.pid} in state {state}: SIGSTOP or a debugger), so it cannot serve"
+    if state == "Z":
+        return f"died (pid {proc.pid} is a zombie)"
+    return None
 
 
 def process_group_members(pgid: int) -> list[int]:

@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from slime.utils.net import advertised_address, is_loopback, listen_socket, pin_collectives_to_loopback, serve_store
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,9 +26,18 @@ def use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600) -> bool:
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600,
+                     listen_host: str = "127.0.0.1", listen_sock: socket.socket | None = None) -> bool:
     """Create the default process group (gloo on CPU, nccl on GPU) unless one
-    exists. Returns True when this call created it (so the caller destroys it)."""
+    exists. Returns True when this call created it (so the caller destroys it).
+
+    Rank 0 serves the rendezvous store on `listen_sock` (or a new socket on
+    `listen_host`, port `master_port` or a free one), never on every interface
+    as torch's own store server would; the others connect to
+    `master_addr:master_port`. With a loopback `listen_host` the gloo / NCCL
+    bootstrap sockets stay on loopback too. Under torchrun (the tools), its
+    agent already serves the store at MASTER_PORT: the group joins that one.
+    """
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
@@ -34,15 +45,51 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                 f"wanted {rank}/{world_size}"
             )
         return False
+    timeout = timedelta(seconds=timeout_s)
+    if is_loopback(listen_host):
+        pin_collectives_to_loopback()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and listen_sock is None:
+        store = None  # torchrun's agent store (env://)
+    elif rank == 0:
+        sock = listen_sock if listen_sock is not None else listen_socket(listen_host, master_port or 0)
+        master_port = sock.getsockname()[1]
+        store = serve_store(sock, world_size, timeout)
+    else:
+        store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False, timeout=timeout)
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     backend = "nccl" if use_cuda() else "gloo"
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if store is None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     logger.info("rank %d/%d: %s process group on %s:%d", rank, world_size, backend, master_addr, master_port)
     return True
 
 
+def open_master_port(listen_host: str) -> tuple[socket.socket, str, int]:
+    """For a trainer's rank 0, before `init`: the store's listening socket on `listen_host` (kept open so no
+    other process takes the port), the address the other ranks connect to, and the port."""
+    sock = listen_socket(listen_host)
+    return sock, advertised_address(listen_host), sock.getsockname()[1]
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
+
+
+def physical_device_index() -> int | None:
+    """This process's accelerator as an index among the node's devices (None on CPU). Ray gives a GPU actor
+    CUDA_VISIBLE_DEVICES listing its node-level GPU ids; torch numbers them from 0."""
+    if not use_cuda():
+        return None
+    idx = torch.cuda.current_device()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return idx
+    if not visible[idx].isdigit():
+        raise RuntimeError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} names devices by UUID; "
+                           "colocated weight handover needs node-level GPU indices")
+    return int(visible[idx])

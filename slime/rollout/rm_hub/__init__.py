@@ -11,6 +11,12 @@ Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's
                    with <type> (the answer alone: no `</think>` / `Answer:` format required)
 Every reward is bounded by `--reward-timeout` seconds (<= 0 means no limit); deepscaler and dapo
 are bounded by construction and computed inline (no task or timer per call).
+A `--custom-rm-path` plugin runs off the rollout's event loop (a sync one in a
+daemon thread, an async one on its own event loop in a daemon thread), so one
+that blocks (even inside `async def`) cannot freeze generation and its timeout
+always fires; a plugin that raises `CancelledError` fails its sample like any
+other error. A reward may be a number, or with `--reward-key K` a dict whose
+field K is the number (the whole dict is kept as `sample.reward`).
 """
 
 from __future__ import annotations
@@ -45,13 +51,30 @@ def reward_timeout(args) -> float | None:
     return None if t is None or float(t) <= 0 else float(t)
 
 
-def _to_reward(value, source: str) -> float:
+def _to_number(value, source: str) -> float:
     """A finite float from a number (int, float, numpy or 0-d tensor scalar); bool counts as 0/1."""
-    if not isinstance(value, (str, bytes)) and (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+    if not isinstance(value, (str, bytes, dict)) and (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         reward = float(value)
         if math.isfinite(reward):
             return reward
     raise TypeError(f"reward from {source} must be a finite number, got {type(value).__name__} {str(value)[:80]!r}")
+
+
+def _to_reward(value, source: str, reward_key: str | None = None) -> float | dict:
+    """A number, or with `--reward-key` a dict whose field `reward_key` is a finite number (the dict is kept)."""
+    if isinstance(value, dict):
+        if reward_key is None:
+            raise TypeError(f"reward from {source} is a dict (keys {sorted(map(str, value))[:10]}); pass --reward-key "
+                            "to say which field is the reward")
+        if reward_key not in value:
+            raise KeyError(f"reward from {source} has no field {reward_key!r} (--reward-key); it has "
+                           f"{sorted(map(str, value))[:10]}")
+        return {**value, reward_key: _to_number(value[reward_key], f"{source} (field {reward_key!r})")}
+    return _to_number(value, source)
+
+
+class RewardCancelledError(RuntimeError):
+    """A reward plugin raised CancelledError itself (not the step cancelling it)."""
 
 
 def _rm_type(args, sample: Sample) -> str:
@@ -59,12 +82,24 @@ def _rm_type(args, sample: Sample) -> str:
     return str(metadata.get("rm_type") or args.rm_type or "").strip()
 
 
+def _run_plugin(fn, *call_args):
+    """Runs in a daemon thread: the plugin, its coroutine (if any) on a fresh event loop of its own."""
+    try:
+        result = fn(*call_args)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        return result
+    except asyncio.CancelledError as e:  # would look like the caller being cancelled on the other side
+        raise RewardCancelledError(f"the reward plugin raised CancelledError{f': {e}' if str(e) else ''}") from None
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
 async def _call_plugin(fn, timeout: float | None, *call_args):
-    """Await an async plugin; a sync one runs in a daemon thread (it would block the event loop)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*call_args)
-    result = await run_in_daemon_thread(fn, *call_args, timeout=timeout)
-    return await result if inspect.isawaitable(result) else result
+    """A user plugin (sync or async) in a daemon thread: a blocking one cannot freeze the rollout's loop."""
+    return await run_in_daemon_thread(_run_plugin, fn, *call_args, timeout=timeout)
 
 
 def _resolve(args, sample: Sample) -> tuple[str, str, str, bool]:
@@ -89,7 +124,8 @@ def _inline_reward(rm_type: str, response: str, label, answer_only: bool) -> flo
 async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
     custom = args.custom_rm_path
     if custom:
-        return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}")
+        return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}",
+                          args.reward_key)
 
     requested, rm_type, response, answer_only = _resolve(args, sample)
     label = sample.label
@@ -102,14 +138,14 @@ async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
     if rm_type == "subtract_chain":
         from slime.tasks.subtract_chain import compute_reward  # written alongside; imported only when used
 
-        return _to_reward(compute_reward(response, label), "subtract_chain")
+        return _to_number(compute_reward(response, label), "subtract_chain")
     raise ValueError(
         f"unknown --rm-type {requested!r}: expected one of {', '.join(RM_TYPES)}, "
         f"a '{BOXED_PREFIX}<type>' of those, or a --custom-rm-path"
     )
 
 
-async def async_rm(args, sample: Sample) -> float:
+async def async_rm(args, sample: Sample) -> float | dict:
     """The reward of one sample; raises on error, TimeoutError after `--reward-timeout` seconds."""
     timeout = reward_timeout(args)
     if not args.custom_rm_path:
@@ -142,7 +178,7 @@ async def _group_call(args, samples: list[Sample], custom: str) -> list[float]:
     if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
         got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
         raise ValueError(f"--custom-rm-path {custom} with --group-rm must return {len(samples)} rewards, got {got}")
-    return [_to_reward(r, f"--custom-rm-path {custom}") for r in rewards]
+    return [_to_reward(r, f"--custom-rm-path {custom}", args.reward_key) for r in rewards]
 
 
 def _mark_failed(sample: Sample, error: BaseException) -> None:
@@ -177,7 +213,10 @@ async def reward_group(args, samples: list[Sample]) -> None:
     results = await asyncio.gather(*(async_rm(args, s) for s in todo), return_exceptions=True)
     for s, r in zip(todo, results):
         if isinstance(r, asyncio.CancelledError):
-            raise r
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise r  # we are being cancelled (the step stopped waiting): let it through
+            r = RewardCancelledError("the reward raised CancelledError")  # a reward's own: fail that sample
         if isinstance(r, BaseException):
             _mark_failed(s, r)
         else:

@@ -11,6 +11,8 @@ import math
 
 import aiohttp
 
+from slime.utils.redact import redact_url
+
 
 def _reward_from_json(body, url: str) -> float:
     if isinstance(body, dict):
@@ -36,15 +38,16 @@ async def remote_rm(args, sample, timeout: float | None = None, response: str | 
     url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")
+    shown = redact_url(url)  # error messages end up in logs and sample metadata
     payload = {"prompt": sample.prompt, "response": sample.response if response is None else response, "label": sample.label}
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
         async with session.post(url, json=payload) as resp:
             text = await resp.text()
             if resp.status != 200:
-                raise RuntimeError(f"remote reward model {url} returned HTTP {resp.status}: {text[:200]}")
+                raise RuntimeError(f"remote reward model {shown} returned HTTP {resp.status}: {text[:200]}")
             try:
                 body = json.loads(text)
             except ValueError as e:
-                raise ValueError(f"remote reward model {url} returned invalid JSON: {text[:200]}") from e
-    return _reward_from_json(body, url)
+                raise ValueError(f"remote reward model {shown} returned invalid JSON: {text[:200]}") from e
+    return _reward_from_json(body, shown)

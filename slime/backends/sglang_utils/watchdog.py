@@ -1,0 +1,211 @@
+"""Engine watchdog: no rollout waits on a dead or frozen engine.
+
+While a rollout (or eval) step runs, `EngineWatchdog` checks every engine the
+group launched:
+- every `PROCESS_CHECK_S` its process (free, local): exited, or stopped
+  (SIGSTOP / a debugger) or a zombie;
+- every `--rollout-health-check-interval` s (after `--rollout-health-check-first-wait`)
+  `GET /health_generate`, which SGLang (and our embedded engine) answer only
+  when their scheduler makes progress, within `--rollout-health-check-timeout` s.
+A failing engine is reported once through `on_fault(EngineFault)`; the
+rollout then stops its step the way it stops at the target (abort, drain, park)
+and raises `EngineFaultError` naming the engine, what is wrong with it and what
+the step was doing, so the run fails with a clear error or (with
+`--use-fault-tolerance`) restarts the engine (`EngineGroup.restart_engine`).
+Engines not launched by this group (an external router's other workers) are
+probed over HTTP only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from slime.backends.sglang_utils import http_client
+
+logger = logging.getLogger(__name__)
+
+PROCESS_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    url: str
+    rank: int | None  # engine rank in the EngineGroup (None: a worker we did not launch)
+    problem: str  # e.g. "exited with code -9", "did not answer GET /health_generate within 30s"
+
+    def describe(self) -> str:
+        who = f"engine {self.rank} ({self.url})" if self.rank is not None else f"worker {self.url}"
+        return f"{who} {self.problem}"
+
+
+class EngineFaultError(RuntimeError):
+    """A rollout or eval step stopped because engines failed; `.faults` lists them (restartable by rank)."""
+
+    def __init__(self, message: str, faults: list[EngineFault]):
+        super().__init__(message)
+        self.faults = list(faults)
+
+
+class EngineWatchdog:
+    """Watches `engines` (an EngineGroup) while a step runs; reports each failing engine once."""
+
+    def __init__(self, args, engines, session, on_fault: Callable[[EngineFault], None] | None = None):
+        self.engines, self.session, self.on_fault = engines, session, on_fault
+        self.interval = float(args.rollout_health_check_interval)
+        self.timeout = float(args.rollout_health_check_timeout)
+        self.first_wait = float(args.rollout_health_check_first_wait)
+        self.faults: dict[str, EngineFault] = {}
+        self.checks = 0  # HTTP health probes sent (for the overhead measurement)
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def start(self) -> "EngineWatchdog":
+        if self._task is None and self.interval > 0:
+            self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - a probe error is not the step's error
+                pass
+            self._task = None
+
+    async def __aenter__(self) -> "EngineWatchdog":
+        return self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # ---- checks ------------------------------------------------------------------
+    def _urls(self) -> list[str]:
+        return list(self.engines.engine_urls)
+
+    def _report(self, fault: EngineFault) -> None:
+        if fault.url in self.faults:
+            return
+        self.faults[fault.url] = fault
+        logger.error("engine watchdog: %s", fault.describe())
+        self._changed.set()
+        if self.on_fault is not None:
+            self.on_fault(fault)
+
+    def check_processes(self) -> list[EngineFault]:
+        """Exited / stopped engine processes (no I/O); reported and returned."""
+        found = []
+        for url in self._urls():
+            if url in self.faults:
+                continue
+            problem = self.engines.engine_problem(url)
+            if problem is not None:
+                fault = EngineFault(url, self.engines.engine_rank(url), problem)
+                self._report(fault)
+                found.append(fault)
+        return found
+
+    async def _probe(self, url: str) -> EngineFault | None:
+        self.checks += 1
+        try:
+            await http_client.get(self.session, url, "/health_generate", timeout=self.timeout)
+            return None
+        except http_client.EngineUnreachableError as e:
+            problem = f"did not answer GET /health_generate ({e.cause})"
+        except http_client.EngineHTTPError as e:
+            problem = f"answered GET /health_generate with HTTP {e.status}"
+        # the process may explain it (stopped, exited): say that instead
+        return EngineFault(url, self.engines.engine_rank(url), self.engines.engine_problem(url) or problem)
+
+    async def check_once(self) -> list[EngineFault]:
+        """One full check (processes, then HTTP health of the rest, concurrently); new faults are reported."""
+        found = self.check_processes()
+        urls = [u for u in self._urls() if u not in self.faults]
+        for fault in await asyncio.gather(*(self._probe(u) for u in urls)):
+            if fault is not None and fault.url not in self.faults:
+                self._report(fault)
+                found.append(fault)
+        return found
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_http = loop.time() + max(self.first_wait, self.interval)
+        while True:
+            self.check_processes()
+            if loop.time() >= next_http:
+                try:
+                    await self.check_once()
+                except Exception as e:  # noqa: BLE001 - the watchdog must never take the step down itself
+                    logger.warning("engine watchdog: health check failed to run: %s", e)
+                next_http = loop.time() + self.interval
+            await asyncio.sleep(min(PROCESS_CHECK_S, self.interval))
+
+    async def guard(self, coro):
+        """Await `coro`; if an engine fails first, cancel it and raise `EngineFaultError`."""
+        work = asyncio.ensure_future(coro)
+        while not work.done():
+            self._changed.clear()
+            if self.faults:
+                break
+            waiter = asyncio.ensure_future(self._changed.wait())
+            await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        elif work.exception() is not None and not self.faults:
+            await self.check_once()  # a request failed: was it an engine dying before the next check?
+        if self.faults:
+            raise EngineFaultError("; ".join(f.describe() for f in self.faults.values()), list(self.faults.values()))
+        return work.result()
+
+
+class ProcessWatch:
+    """For blocking phases (a weight sync): a thread that checks every engine process each second.
+
+    A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it
+    and calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
+    """
+
+    def __init__(self, engines, on_fault: Callable[[EngineFault], None] | None = None, interval: float = PROCESS_CHECK_S):
+        self.engines, self.on_fault, self.interval = engines, on_fault, interval
+        self.faults: dict[str, EngineFault] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-process-watch", daemon=True)
+
+    def __enter__(self) -> "ProcessWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def check(self) -> list[EngineFault]:
+        found = []
+        for url in list(self.engines.engine_urls):
+            if url in self.faults:
+                continue
+            problem = self.engines.engine_problem(url)
+            if problem is not None:
+                fault = EngineFault(url, self.engines.engine_rank(url), problem)
+                self.faults[url] = fault
+                logger.error("engine watchdog: %s", fault.describe())
+                found.append(fault)
+                if self.on_fault is not None:
+                    self.on_fault(fault)
+        return found
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - the watch must not die silently mid-sync
+                logger.warning("engine process watch: %s", e)
+            if self._stop.wait(self.interval):
+                return

@@ -1,0 +1,130 @@
+"""Engine faults below the rollout: the watchdog names a stopped engine within seconds, a blocking call on it
+(a weight sync) fails at once when the process watch kills it, and restart_engine brings a fresh one back
+behind the router."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from slime.arguments import parse_args
+from slime.backends.sglang_utils.engine_group import EngineGroup
+from slime.backends.sglang_utils.watchdog import EngineFaultError, EngineWatchdog, ProcessWatch
+from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_faults")
+    build_tiny_qwen3(str(root / "model"), build_tokenizer(VOCAB),
+                     TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=64, max_position_embeddings=512))
+    write_dataset(str(root / "p.jsonl"), 4, seed=0)
+    args = parse_args(["--hf-checkpoint", str(root / "model"), "--prompt-data", str(root / "p.jsonl"),
+                       "--rm-type", "subtract_chain", "--rollout-batch-size", "1", "--num-rollout", "1",
+                       "--rollout-backend", "embedded", "--run-dir", str(root / "run"),
+                       "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"])
+    group = EngineGroup(args, log_dir=str(root / "logs")).start()
+    yield args, group
+    group.shutdown()
+
+
+LONG = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+
+def test_watchdog_names_a_stopped_engine_and_the_step_does_not_wait(engines):
+    args, group = engines
+    pid = group.engines[0].process.pid
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async def generate_forever():
+                while True:  # a step's requests on the engine
+                    async with session.post(group.router_url + "/generate", json=LONG) as r:
+                        await r.read()
+
+            wd = EngineWatchdog(args, group, session).start()
+            asyncio.get_running_loop().call_later(0.5, os.kill, pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(EngineFaultError) as err:
+                    await wd.guard(generate_forever())
+            finally:
+                await wd.stop()
+            return time.monotonic() - t0, err.value
+
+    try:
+        elapsed, error = asyncio.run(run())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert elapsed < 5
+    assert [f.rank for f in error.faults] == [0]
+    assert f"engine 0 ({group.engine_urls[0]}) is stopped (pid {pid} in state T" in str(error)
+
+
+def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_it_back(engines):
+    args, group = engines
+    old_url, pid = group.engine_urls[0], group.engines[0].process.pid
+    result = {}
+
+    def blocking_call():  # stands for a weight sync waiting on the engine
+        try:
+            requests.post(old_url + "/generate", json=LONG, timeout=120)
+            result["ok"] = True
+        except requests.RequestException as e:
+            result["error"] = e
+
+    caller = threading.Thread(target=blocking_call)
+    t0 = time.monotonic()
+    with ProcessWatch(group, on_fault=lambda f: group.kill_engine(f.rank)) as watch:
+        caller.start()
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        caller.join(timeout=30)
+    assert "error" in result and time.monotonic() - t0 < 10  # not the 120 s timeout
+    assert "is stopped" in watch.faults[old_url].problem
+    assert "exited with code" in group.engine_problem(old_url)
+
+    new_url = group.restart_engine(0)
+    assert new_url != old_url and group.engine_problem(new_url) is None
+    assert group.worker_urls() == [new_url]  # the dead one is off the router
+    out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 3}},
+                        timeout=60).json()
+    assert len(out["output_ids"]) == 3 and out["meta_info"]["weight_version"] == "0"  # fresh weights: re-sync next
+
+
+def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
+    """RolloutManager.sync_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
+    version is pushed to the fresh engine (the trainer's update_weights stands in as a blocking HTTP call)."""
+    from slime.ray.rollout import RolloutManager
+
+    args, group = engines
+    manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
+    manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
+    manager.engines, manager.engine_restarts, manager.policy_version = group, 0, 6
+    calls = []
+
+    def update_weights(engines, version):
+        urls = engines.worker_urls()
+        calls.append((version, urls))
+        if len(calls) == 1:
+            os.kill(engines.engines[0].process.pid, signal.SIGSTOP)
+            requests.post(urls[0] + "/generate", json=LONG, timeout=120)  # waits on the frozen engine
+        return {"weight_sync_time_s": 0.0}
+
+    manager.attach_weight_sync(update_weights)
+    t0 = time.monotonic()
+    assert manager.sync_weights(7) == {"weight_sync_time_s": 0.0}
+    assert time.monotonic() - t0 < 90  # killed, restarted and pushed again: never the 120 s timeout
+    assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
+    assert manager.engine_restarts == 1 and group.engine_problem(group.engine_urls[0]) is None

@@ -74,6 +74,12 @@ class GroupOutcome:
             except Exception as e:
                 reason = f"filter_error: {type(e).__name__}"
                 logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
+        self._place_group(st, reason)
+
+    def _place_group(self, st: StepGroup, reason: str | None) -> None:
+        """A rewarded group with something to train: rejected (filter), accepted toward the target, or overflow
+        (kept ready). Stream mode (slime/rollout/stream.py) places groups its own way."""
+        gid = group_id(st.samples)
         if reason is not None:
             st.outcome = "rejected"
             self.rejected[gid] = reason

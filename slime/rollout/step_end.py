@@ -9,7 +9,7 @@ reason, unfinished ones parked (`--partial-rollout`) or dropped, groups finished
 ready for the next step.
 
 `StepEnd` is a mixin of `_RolloutStep`: it reads the step's state (groups, accepted, overflow, rejected,
-tasks, reward_tasks, faults, clock, counts) and writes `abort_point`, `abort_to_idle` and the counts of
+tasks, reward_tasks, faults, halted, clock, counts) and writes `abort_point`, `abort_to_idle` and the counts of
 parked / discarded groups.
 """
 
@@ -40,10 +40,12 @@ class StepEnd:
         deadline = self.clock.now() + self.abort_timeout
         while True:
             try:
-                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
-                                                            exclude=set(self.faults))
-                res = await res if asyncio.iscoroutine(res) else res
-                self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
+                # nothing of ours running (e.g. paused at a version gate while an eval uses the engines): no abort
+                if self.requester.in_flight:
+                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
+                                                                exclude=set(self.faults))
+                    res = await res if asyncio.iscoroutine(res) else res
+                    self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:
                 if not self.errors:
                     self._fail(f"aborting the engines: {type(e).__name__}: {e}")
@@ -105,7 +107,7 @@ class StepEnd:
             calls.append(("mark", [group_id(g) for g in unfinished], DROPPED, "discarded_unfinished"))
         if self.overflow:
             calls.append(("hold_ready", self.overflow))
-        if self.errors and self.accepted:  # the caller never sees them: keep them for the next step
+        if (self.errors or self.halted) and self.accepted:  # the caller never sees them: keep them for the next step
             calls.append(("hold_ready", self.accepted))
         for name, *a in calls:
             await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)

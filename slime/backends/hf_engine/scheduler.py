@@ -108,6 +108,7 @@ class Scheduler:
         self._stop = False
         self.num_steps = 0
         self._decode_ctx = 0
+        self._prefill_pairs = 0
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
@@ -312,6 +313,7 @@ class Scheduler:
         self._decode_ctx = sum(self.batch.cached(row) for row, _, _ in segments)  # keys they attend, but their own
         budget = self.max_prefill_tokens
         prefill_tokens = 0
+        self._prefill_pairs = 0
         for left, r in sorted(prefilling, key=lambda x: x[0]):
             take = min(left, self.chunk, budget - prefill_tokens)
             if take <= 0:
@@ -319,6 +321,7 @@ class Scheduler:
             start = self.batch.cached(r.row)
             segments.append((r.row, r.tokens(start, start + take), take == left))
             prefill_tokens += take
+            self._prefill_pairs += take * start + take * (take + 1) // 2
             if take == left:
                 samplers.append(r)
         return segments, samplers, decoded, prefill_tokens
@@ -354,6 +357,10 @@ class Scheduler:
             st.prefill_cpu_s += c1 - c0
             st.prefills += 1
             st.prefill_decode_rows += decoded
+            st.prefill_decode_ctx_tokens += self._decode_ctx
+            st.prefill_decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets
+                                            if bk.q == 1) * self.batch.block_size
+            st.prefill_key_pairs += self._prefill_pairs
             st.prefill_decode_steps += decoded > 0
             st.prefill_rows += len(segments) - decoded
             st.prefill_tokens += prefill_tokens

@@ -27,6 +27,9 @@ class SchedulerStats:
     prefills: int = 0  # steps with prefill tokens
     prefill_decode_steps: int = 0  # those of them that also decoded rows
     prefill_decode_rows: int = 0  # rows decoded in those steps
+    prefill_decode_ctx_tokens: int = 0  # their cached tokens (the keys they attend), as decode_ctx_tokens
+    prefill_decode_padded: int = 0  # the key positions their decode buckets gathered, as decode_padded
+    prefill_key_pairs: int = 0  # (query, key) pairs of the prefill chunks' attention: a chunk of c at p0 has c x p0 + c(c+1)/2
     prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
     prefill_tokens: int = 0
     prefill_positions: int = 0  # positions prefilled (packed, so no padding: = prefill_tokens)

@@ -7,9 +7,16 @@ One `EngineCostModel` describes one engine (one tensor-parallel group):
   S the cached tokens summed over the running sequences (a paged KV cache reads each once: GPU
   decode is memory-bound on weights + KV), W the longest one (an engine that pads every row to the
   longest, like our embedded CPU engine's dense window, pays B * W);
-- a prefill forward over rows of lengths l_i costs
+- prefill, by `prefill_mode`:
+  "mixed" (our embedded engine's paged KV cache, and SGLang with mixed chunked prefill): every step is
+  one packed forward over the decoding rows' last tokens plus up to `max_prefill_tokens` prompt tokens
+  of the rows still being prefilled (at most `chunked_prefill_size` of one row per step, fewest left
+  first); a step with P prefill tokens whose chunks attend K (query, key) pairs costs the decode step
+  above plus `prefill_base_s + prefill_per_token_s * P + prefill_per_token2_s * K`;
+  "batched" (SGLang's default scheduling): a separate prefill forward over rows of lengths l_i costs
   `prefill_base_s + prefill_per_token_s * sum(l_i) + prefill_per_token2_s * sum(l_i ** 2)`
-  (linear layers per token, attention per token pair);
+  (linear layers per token, attention per token pair), padded or ragged (`prefill_ragged`), with
+  `admit_wait_s` of admission batching;
 - `finish_s` per sequence leaving the batch, `abort_s` from the rollout's stop to the engines
   processing the abort, `request_latency_s` for one request's HTTP round trip (client -> router ->
   engine -> client, outside the engine's own work), `client_per_request_s` + `client_per_token_s` x
@@ -40,6 +47,7 @@ import numpy as np
 
 DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s")
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s")
+PREFILL_MODES = ("batched", "mixed")
 TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
                                               "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
                                               "engine_per_output_token_s", "step_overhead_s", "weight_update_s")
@@ -74,11 +82,18 @@ class EngineCostModel:
     max_prefill_tokens: int = 8192  # tokens per batched prefill (later rows wait for the next one)
     pad_slack_tokens: int = 1024  # padded prefills: rows of different lengths share one while rows x longest <= this
     prefill_ragged: bool = False  # True: one unpadded forward per max_prefill_tokens (SGLang's ragged prefill)
+    prefill_mode: str = "batched"  # batched: separate prefill forwards | mixed: prompt chunks packed into decode steps
+    chunked_prefill_size: int = -1  # "mixed": prompt tokens of one row per step (-1: max_prefill_tokens)
     name: str = "custom"
     source: str = ""  # where the numbers come from (calibration command, datasheets)
     extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
 
     def __post_init__(self):
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"EngineCostModel.prefill_mode: {self.prefill_mode!r} is not one of {', '.join(PREFILL_MODES)}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1 or self.max_prefill_tokens < 1:
+            raise ValueError("EngineCostModel: chunked_prefill_size must be -1 or >= 1 and max_prefill_tokens >= 1, got "
+                             f"{self.chunked_prefill_size} / {self.max_prefill_tokens}")
         if self.kv_admission not in ("reserve", "optimistic"):
             raise ValueError(f"EngineCostModel.kv_admission: {self.kv_admission!r} is not reserve or optimistic")
         for f in TIME_FIELDS:
@@ -93,6 +108,34 @@ class EngineCostModel:
     def decode_step_s(self, batch: int, tokens: float, longest: float) -> float:
         return (self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_token_s * tokens
                 + self.decode_per_padded_s * batch * longest)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """"mixed": the most prompt tokens of one row in one step."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+
+    def mixed_step_s(self, batch: int, tokens: float, longest: float, prefill_tokens: int, key_pairs: float) -> float:
+        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens (`key_pairs` attended)."""
+        cost = self.decode_step_s(batch, tokens, longest)
+        if prefill_tokens:
+            cost += self.prefill_base_s + self.prefill_per_token_s * prefill_tokens + self.prefill_per_token2_s * key_pairs
+        return cost
+
+    def on_counters(self, st: dict) -> tuple[float, float]:
+        """The model's seconds for the steps an engine counted (`scheduler_stats` deltas): (decode-only steps,
+        steps with prefill tokens); the second only in "mixed" mode with the engine's mixed-step counters."""
+        g = st.get
+        dec = (self.decode_base_s * g("decode_steps", 0) + self.decode_per_seq_s * g("decode_rows", 0)
+               + self.decode_per_token_s * g("decode_ctx_tokens", 0) + self.decode_per_padded_s * g("decode_padded", 0))
+        if self.prefill_mode == "mixed":
+            pre = ((self.decode_base_s + self.prefill_base_s) * g("prefills", 0)
+                   + self.decode_per_seq_s * g("prefill_decode_rows", 0)
+                   + self.decode_per_token_s * g("prefill_decode_ctx_tokens", 0)
+                   + self.decode_per_padded_s * g("prefill_decode_padded", 0)
+                   + self.prefill_per_token_s * g("prefill_tokens", 0) + self.prefill_per_token2_s * g("prefill_key_pairs", 0))
+        else:
+            pre = self.prefill_base_s * g("prefills", 0) + self.prefill_per_token_s * g("prefill_positions", 0)
+        return dec, pre
 
     def prefill_s(self, lengths: list[int]) -> float:
         """Seconds to prefill rows of `lengths`, split into forwards as the engine would."""
@@ -151,7 +194,7 @@ class EngineCostModel:
         return (f"{self.name}: decode step {1e3 * self.decode_base_s:.3f} ms + {1e6 * self.decode_per_seq_s:.2f} us/seq "
                 f"+ {1e9 * self.decode_per_token_s:.3f} ns/cached token + {1e9 * self.decode_per_padded_s:.3f} ns/padded "
                 f"position; prefill {1e3 * self.prefill_base_s:.3f} ms/forward + {1e6 * self.prefill_per_token_s:.3f} us/token "
-                f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2; abort {1e3 * self.abort_s:.1f} ms, request "
+                f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2 ({self.prefill_mode}); abort {1e3 * self.abort_s:.1f} ms, request "
                 f"{1e3 * self.request_latency_s:.2f} ms, step overhead {1e3 * self.step_overhead_s:.1f} ms, weight update "
                 f"{self.weight_update_s:.2f} s, client {1e3 * self.client_per_request_s:.2f} ms/request + {1e6 * self.client_per_token_s:.2f} us/token, engine HTTP "
                 f"{1e3 * self.engine_per_request_s:.2f} ms/request + {1e6 * self.engine_per_input_token_s:.2f} us/input "

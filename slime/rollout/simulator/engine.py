@@ -2,8 +2,12 @@
 
 `EventLoop` orders everything in time: client callbacks, inputs reaching an engine (requests,
 aborts, weight updates) and engines reaching a step boundary. `SimEngine` behaves as our
-scheduler (and SGLang's) does, at step boundaries only: take commands, admit waiting requests
-(prefill), then decode every running sequence by one token per step. Between two things that can
+scheduler (and SGLang's) does, at step boundaries only: take commands, admit waiting requests, then
+run a step. With the cost model's `prefill_mode` "batched" admitted requests are prefilled by
+separate forwards and every running sequence then decodes one token per step; with "mixed" (our
+embedded engine's paged cache) an admitted request becomes a row at once and its prompt is prefilled
+in chunks packed into the decode steps (`max_prefill_tokens` per step, `chunked_prefill_size` per
+row, fewest tokens left first): while any row prefills, the engine goes one step at a time. Between two things that can
 change the batch (a sequence finishing, an input arriving, the KV cache filling up) the batch is
 fixed, so the engine jumps over many decode steps at once: the step cost is linear in the step
 index there (contexts grow by one token per step), so the time of m steps has a closed form and a
@@ -67,7 +71,7 @@ class SimSample:
 
 class SimRequest:
     __slots__ = ("seq", "sample", "n_input", "target", "max_new", "arrive_t", "k_join", "finish_k", "gen0",
-                 "produced", "splits", "reserve", "on_done")
+                 "produced", "splits", "reserve", "on_done", "cached")
 
     def __init__(self, seq, sample: SimSample, arrive_t: float, on_done: Callable):
         self.seq, self.sample, self.arrive_t, self.on_done = seq, sample, arrive_t, on_done
@@ -78,6 +82,7 @@ class SimRequest:
         self.produced = 0  # tokens produced before a retraction (kept, re-prefilled)
         self.splits: list[tuple[int, int]] = []  # (tokens produced so far, version) at each weight update
         self.reserve = 0
+        self.cached = 0  # "mixed" prefill: input tokens already in the KV cache
 
 
 class EventLoop:
@@ -116,6 +121,8 @@ class SimEngine:
         self.width_heap: list[tuple[int, int]] = []
         self.tokens_now = 0  # cached tokens over running rows at step k
         self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []  # "mixed": rows whose input is still being prefilled
+        self._chunks: list[tuple[SimRequest, int]] | None = None  # "mixed": the prefill chunks of the step under way
         self.inbox: list[tuple[str, object]] = []
         self.jump: tuple | None = None  # (t0, alpha, beta, m, token)
         self.token = 0
@@ -126,7 +133,7 @@ class SimEngine:
         self.version = 0
         self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
-                      "prefill_tokens": 0, "prefills": 0, "cache_hits": 0, "cache_hit_tokens": 0, "retractions": 0,
+                      "prefill_tokens": 0, "prefills": 0, "prefill_decode_steps": 0, "cache_hits": 0, "cache_hit_tokens": 0, "retractions": 0,
                       "update_s": 0.0, "http_s": 0.0}
         self.timeline = timeline
         self._scheduled_at: float | None = None
@@ -198,8 +205,14 @@ class SimEngine:
             t0, alpha, beta, m, _ = self.jump
             self.jump = None
             b = len(self.running)
-            self.stats["decode_s"] += t - t0
-            self.stats["decode_steps"] += m
+            if self._chunks is not None:  # a step that also prefilled (counted as the engine counts it)
+                self.stats["prefill_s"] += t - t0
+                self.stats["prefills"] += 1
+                self.stats["prefill_tokens"] += sum(n for _, n in self._chunks)
+                self.stats["prefill_decode_steps"] += b > 0
+            else:
+                self.stats["decode_s"] += t - t0
+            self.stats["decode_steps"] += m if b else 0  # steps that decoded rows, with or without prefill tokens
             self.stats["decode_rows"] += m * b
             self.k += m
             self.tokens_now += m * b
@@ -216,12 +229,29 @@ class SimEngine:
                 ev = self.cost.finish_s * len(done)
                 self.stats["evict_s"] += ev
                 t += ev
+            if self._chunks is not None:
+                self._prefilled(t)
         self.t = t
         t = self._take_inbox(t)
         t = self._retract_if_full(t)
         t = self._admit(t)
         self.t = t
         self._start_jump(t)
+
+    def _prefilled(self, t: float) -> None:
+        """ "mixed": the step's prompt chunks are in the KV cache; a row whose input is complete sampled its
+        first token in that step and decodes from the next one."""
+        chunks, self._chunks = self._chunks, None
+        for req, take in chunks:
+            req.cached += take
+            if req.cached < req.n_input:
+                continue
+            self.prefilling.remove(req)
+            req.gen0 = 1
+            if req.target - req.produced <= 1:
+                self._emit(t, req, req.produced + 1, True)
+            else:
+                self._join(req, req.n_input, req.target - req.produced - 1)
 
     def _take_inbox(self, t: float) -> float:
         items, self.inbox = self.inbox, []
@@ -256,6 +286,9 @@ class SimEngine:
         self.finish_heap.clear()
         self.width_heap.clear()
         self.tokens_now = 0
+        for req in self.prefilling:  # nothing sampled yet (its partial KV is not reused: a rare, small saving)
+            self._emit(t, req, req.produced, False)
+        self.prefilling.clear()
         while self.waiting:
             req = self.waiting.popleft()
             self._emit(t, req, req.produced, False)
@@ -302,6 +335,8 @@ class SimEngine:
         return req.n_input + int(self.cost.optimistic_reserve_frac * min(left, 4096))
 
     def _admit(self, t: float) -> float:
+        if self.cost.prefill_mode == "mixed":
+            return self._admit_rows(t)
         c = self.cost
         self._more = False
         if not self.waiting or len(self.running) >= c.max_running:
@@ -360,6 +395,54 @@ class SimEngine:
             self._join(req, req.n_input - 1, req.target - req.produced)
         return t
 
+    def _admit_rows(self, t: float) -> float:
+        """ "mixed": waiting requests become rows while the token reservations allow (no prefill here, no
+        admission wait); a request resuming on its cached KV decodes at once, any other is prefilled in steps."""
+        c = self.cost
+        rows = len(self.running) + len(self.prefilling)
+        if not self.waiting or rows >= c.max_running:
+            return t
+        if c.kv_admission == "reserve":
+            used = sum(r.reserve for r in self.running.values()) + sum(r.reserve for r in self.prefilling)
+        else:
+            used = self.tokens_now + len(self.running) + sum(r.cached for r in self.prefilling)
+        budget = c.kv_capacity_tokens - used
+        while self.waiting and rows < c.max_running:
+            req = self.waiting[0]
+            need = self._reserve(req)
+            if need > budget and rows:
+                break
+            self.waiting.popleft()
+            budget -= need
+            req.reserve = need
+            rows += 1
+            cached = self.cache.pop(req.sample.sid, None) if req.produced == 0 else None
+            if cached is not None and cached[0] == req.n_input - 1:
+                self.stats["cache_hits"] += 1
+                self.stats["cache_hit_tokens"] += cached[0]
+                req.gen0 = 0
+                self._join(req, req.n_input - 1, req.target - req.produced)
+            else:
+                req.cached = 0
+                self.prefilling.append(req)
+        return t
+
+    def _mixed_step(self, t: float, b: int) -> None:
+        """ "mixed": one step of the running rows' decode and the prefilling rows' next chunks."""
+        c = self.cost
+        room, chunks, tokens, pairs = c.max_prefill_tokens, [], 0, 0.0
+        for req in sorted(self.prefilling, key=lambda r: r.n_input - r.cached):
+            take = min(req.n_input - req.cached, c.chunk_tokens, room - tokens)
+            if take <= 0:
+                break
+            chunks.append((req, take))
+            tokens += take
+            pairs += take * req.cached + take * (take + 1) / 2
+        self._chunks = chunks
+        alpha = c.mixed_step_s(b, self.tokens_now, self._longest() if b else 0, tokens, pairs)
+        self.jump = (t, alpha, 0.0, 1, 0)
+        self._schedule(t + alpha)
+
     def _join(self, req: SimRequest, ctx0: int, steps_left: int) -> None:
         req.k_join = self.k
         req.finish_k = self.k + steps_left
@@ -381,6 +464,9 @@ class SimEngine:
         b = len(self.running)
         if self.timeline is not None:
             self.timeline.append((t, self.eid, b))
+        if self.prefilling:
+            self._mixed_step(t, b)
+            return
         if b == 0:
             if self.waiting:
                 if not self._more:

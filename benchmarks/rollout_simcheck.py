@@ -19,11 +19,15 @@ from slime.rollout.simulator.lengths import read_trace
 GPU_SCALE_TOKENS = 16384  # the workload's cap at GPU scale (a reasoning model's --rollout-max-response-len)
 
 
-def make_calibrator(engines, vocab: int) -> Calibrator:
+def make_calibrator(engines, vocab: int, args) -> Calibrator:
+    """The modes' engine, timed through their router; the client's cost through the rollout's request path
+    (`args`: the modes' flags), this driver's CPU time and the router's (pinned to the driver's CPU)."""
     urls = engines.worker_urls()
     if len(urls) != 1:
         raise ValueError(f"--simulate calibrates one engine; the benchmark runs {len(urls)}")
-    return Calibrator(urls[0], vocab, client_url=engines.router_url, name="embedded engine (this benchmark)")
+    router = engines.router.process.pid if engines.router is not None and engines.router.process is not None else None
+    return Calibrator(urls[0], vocab, client_url=engines.router_url, name="embedded engine (this benchmark)",
+                      args=args, client_pids=[router] if router else [])
 
 
 def replay(opts, vocab: int, groups: int) -> ReplayLengths:
@@ -51,7 +55,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
     print(f"\nsimulator ({cost.describe()}; decode fit rel. RMS {cost.extra['decode_fit_rel_rms']}, "
           f"{cost.extra['passes']} calibration passes)")
     print(f"{'mode':8s} {'measured':>9s} {'simulated':>9s} {'error':>7s} {'off-pol':>7s} {'sim':>5s} "
-          f"{'idle':>5s} {'steps':>5s}   engine decode: measured s, model on the measured steps, simulated s | prefill")
+          f"{'idle':>5s} {'steps':>5s}   engine decode: measured s, model on the measured steps, simulated s | prefill (the same)")
     for name, runner in runners.items():
         groups = runner.source.group_counter * 2 + 200
         result = simulate(sim_config(runner, b, c_star).replace(record_timeline=True), cost, replay(opts, vocab, groups))
@@ -63,9 +67,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         et = runner.engine_total
         dec_steps = et.get("decode_steps", 0) + et.get("prefill_decode_steps", 0)
         dec_rows = et.get("decode_rows", 0) + et.get("prefill_decode_rows", 0)
-        on_measured = (cost.decode_base_s * e.get("decode_steps", 0) + cost.decode_per_seq_s * e.get("decode_rows", 0)
-                       + cost.decode_per_token_s * e.get("decode_ctx_tokens", 0)
-                       + cost.decode_per_padded_s * e.get("decode_padded", 0))
+        on_measured, pre_on_measured = cost.on_counters(e)
         measured = res[name]["tok_s"]
         err = sim["tokens_per_s"] / measured - 1.0
         out[name] = {"measured_tok_s": round(measured, 1), "sim_tok_s": round(sim["tokens_per_s"], 1),
@@ -83,7 +85,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
               f"{runner.step:5d}   {e.get('decode_s', 0):.2f} ({e.get('decode_steps', 0)} steps x "
               f"{e.get('decode_rows', 0) / max(1, e.get('decode_steps', 0)):.1f}), {on_measured:.2f}, "
               f"{se['decode_s']:.2f} ({se['decode_steps']} x {se['decode_rows'] / max(1, se['decode_steps']):.1f}) | "
-              f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {se['prefill_s']:.2f} ({se['prefills']}) | idle "
+              f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {pre_on_measured:.2f}, {se['prefill_s']:.2f} ({se['prefills']}) | idle "
               f"{e.get('idle_s', 0):.2f}, {sim['rollout_s'] - (se['prefill_s'] + se['decode_s'] + se['evict_s']):.2f} | "
               f"wall {res[name]['wall_s']:.2f}, {sim['rollout_s']:.2f} | to-target {res[name]['mean']['to_target_s']:.3f}, "
               f"{sim['time_to_target_s']:.3f}")
@@ -117,9 +119,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         print("engine CPU time (s): mode: decode measured / model on the measured steps | prefill measured / model")
         for name, runner in runners.items():
             e = runner.engine
-            dec = (cpu.decode_base_s * e.get("decode_steps", 0) + cpu.decode_per_seq_s * e.get("decode_rows", 0)
-                   + cpu.decode_per_token_s * e.get("decode_ctx_tokens", 0) + cpu.decode_per_padded_s * e.get("decode_padded", 0))
-            pre = (cpu.prefill_base_s * e.get("prefills", 0) + cpu.prefill_per_token_s * e.get("prefill_positions", 0))
+            dec, pre = cpu.on_counters(e)
             print(f"  {name:8s} {e.get('decode_cpu_s', 0):.2f} / {dec:.2f} | {e.get('prefill_cpu_s', 0):.2f} / {pre:.2f}"
                   f"   (wall decode {e.get('decode_s', 0):.2f}: CPU share {e.get('decode_cpu_s', 0) / max(1e-9, e.get('decode_s', 0)):.2f})")
     out["cost_model"] = {k: v for k, v in cost.to_dict().items() if k != "extra"}

@@ -155,7 +155,7 @@ async def main_async(opts, workdir):
                   f"({', '.join(f'{k} {n} rollout steps' for k, n in warm.items())}) and for the limit", flush=True)
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
-            cal = make_calibrator(engines, vocab) if opts.simulate else None
+            cal = make_calibrator(engines, vocab, mode_args()) if opts.simulate else None
             if cal is not None:
                 await cal.measure(http)
             # Every mode step is followed by a slice of the limit as long as the step (within

@@ -10,6 +10,20 @@ outside: the same batch with two lengths N1 < N2, the difference being (N2 - N1)
 The decode and prefill terms are least-squares fits with non-negative coefficients; a request's
 HTTP round trip and abort-to-idle are timed directly.
 
+An engine that packs prompt chunks into its decode steps (the embedded engine's paged cache: its
+counters include `prefill_key_pairs`) is fitted as one step cost over every step it ran: decode-only
+steps [steps, rows, keys read, key positions gathered] and steps with prefill tokens [steps, decoded
+rows, their keys, their gathered positions, prefill tokens, prefill (query, key) pairs], so the fit
+gives a step's base, a decoded row, a key read, a prefilled token and a prefill step's extra base
+(`prefill_mode` "mixed"); a staggered probe (prompts arriving while rows decode) adds mixed steps.
+
+The client's own cost (`client_per_*`) is measured where the rollout spends it: with `args`, a pass
+sends bursts through the rollout's own request path (`SampleRequester`: payload, aiohttp, JSON with
+per-token log-probs, `Sample.append_response`) and reads this process's CPU time, plus that of
+`client_pids` (the router, which shares the driver's CPU in the benchmark), divided by the share
+of a CPU this process gets (a short busy loop): CPU seconds per request, per input and per output
+token of the one serial resource the simulator's client is.
+
 `closed_loop_tps` (C requests always in flight) is `benchmarks/engine_throughput.py`'s curve;
 `abort_to_idle_s` its abort measurement.
 """
@@ -18,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from typing import Sequence
@@ -26,6 +41,9 @@ import aiohttp
 
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
+
+STEP_TERMS = DECODE_TERMS + PREFILL_TERMS  # "mixed": the joint step fit's columns
+CLIENT_TERMS = ("client_per_request_s", "client_per_input_token_s", "client_per_token_s")
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +113,13 @@ async def _batch(session, url: str, rows: list[list[int]], new_tokens: int) -> f
 class Probe:
     """A synchronised batch: rows of the given prompt lengths, N new tokens each."""
 
-    def __init__(self, lengths: list[int], new_tokens: int):
+    def __init__(self, lengths: list[int], new_tokens: int, late: list[int] | None = None, delay_s: float = 0.0):
         self.lengths, self.n = lengths, new_tokens
+        self.late, self.delay_s = late or [], delay_s  # rows sent `delay_s` after the others (prefilled while they decode)
+        # "mixed" engines: (seconds, [steps, decoded rows, their keys, their positions, steps, prefill tokens, pairs])
+        # of the steps with prefill tokens, per run
+        self.mixed: list[tuple[float, list[float]]] = []
+        self.cpu_mixed: list[tuple[float, list[float]]] = []
         # per run: (decode seconds, [steps, rows, cached tokens, padded positions] summed over its decode steps);
         # cpu_runs: the same in the engine thread's CPU seconds (when the engine reports them)
         self.runs: list[tuple[float, list[float]]] = []
@@ -130,9 +153,15 @@ def random_ids(rng: random.Random, vocab: int | Sequence[int], n: int) -> list[i
 
 async def _run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, stats_ok: bool) -> None:
     rows = [random_ids(rng, vocab, n) for n in probe.lengths]
+    late = [random_ids(rng, vocab, n) for n in probe.late]
     if stats_ok:
         before = await _stats(session, url)
-        await _batch(session, url, rows, probe.n)
+
+        async def later():
+            await asyncio.sleep(probe.delay_s)
+            await _batch(session, url, late, probe.n)
+
+        await asyncio.gather(_batch(session, url, rows, probe.n), *([later()] if late else []))
         after = await _stats(session, url)
         d = {k: after[k] - before.get(k, 0) for k in after}
         if d.get("decode_steps", 0) > 0:
@@ -143,6 +172,12 @@ async def _run_probe(session, url: str, probe: Probe, vocab, rng: random.Random,
             probe.runs.append((d["decode_s"], x))
             if "decode_cpu_s" in d:
                 probe.cpu_runs.append((d["decode_cpu_s"], x))
+        if d.get("prefills", 0) > 0 and "prefill_key_pairs" in d:  # mixed steps, as the engine counted them
+            x = [d["prefills"], d["prefill_decode_rows"], d["prefill_decode_ctx_tokens"], d["prefill_decode_padded"],
+                 d["prefills"], d["prefill_tokens"], d["prefill_key_pairs"]]
+            probe.mixed.append((d["prefill_s"], x))
+            if "prefill_cpu_s" in d:
+                probe.cpu_mixed.append((d["prefill_cpu_s"], x))
         if d.get("prefills", 0) > 0:  # attention's token pairs: each row's own (long rows prefill alone)
             sq = sum(n * n for n in probe.lengths)
             pos = int(d.get("prefill_positions", sum(probe.lengths)))
@@ -174,6 +209,8 @@ def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: 
     if quick:
         keep = {0, len(levels) - 1, len(levels), len(levels) + 3, len(probes) - 1}
         probes = [p for i, p in enumerate(probes) if i in keep]
+    # rows decoding while long prompts arrive: an engine that mixes prefill into decode steps runs mixed steps
+    probes.append(Probe([8] * min(32, big), new_tokens, late=[long2] * min(4, big), delay_s=0.02))
     return probes
 
 
@@ -184,7 +221,8 @@ class Calibrator:
     the engine) is where a request's round trip is timed."""
 
     def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
-                 seed: int = 0, name: str | None = None, quick: bool = False):
+                 seed: int = 0, name: str | None = None, quick: bool = False, args=None,
+                 client_pids: Sequence[int] = ()):
         # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
         self.url, self.vocab, self.client_url = url, vocab, client_url or url
         self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
@@ -195,6 +233,11 @@ class Calibrator:
         self.bursts: list[dict] = []
         self.abort: list[float] = []
         self.curve: dict[str, float] = {}
+        # the rollout's client: parsed flags (None: time a bare client from the outside) and the processes besides
+        # this one whose CPU is the client's (the router)
+        self.args, self.client_pids = args, tuple(client_pids)
+        self.client_bursts: list[dict] = []
+        self.driver_share: list[float] = []
 
     async def measure(self, session, curve_levels: tuple[int, ...] = ()) -> None:
         if self.info is None:
@@ -217,6 +260,10 @@ class Calibrator:
         long_n = max(16, min(64 if self.quick else 256, context - 16))
         for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n)):
             self.bursts.append(await self._burst(session, burst, in_len, out_n))
+        if self.args is not None:
+            self.driver_share.append(_cpu_share())
+            for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n), (8, 1), (long_in, 1), (8, long_n)):
+                self.client_bursts.append(await self._rollout_burst(session, burst, in_len, out_n))
         prompts = [random_ids(self.rng, self.vocab, 16) for _ in range(64)]
         context = int(self.info.get("context_length") or 2048)
         self.abort.append(await abort_to_idle_s(session, self.url, prompts, min(16, self.max_running),
@@ -239,6 +286,24 @@ class Calibrator:
             if "process_cpu_s" in d and "thread_cpu_s" in d:
                 out["http_cpu"] = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"])
         return out
+
+    async def _rollout_burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
+        """`n` samples generated at once through the rollout's request path: this process's CPU seconds (and the
+        client processes')."""
+        from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
+        from slime.utils.types import Sample
+
+        args = self.args
+        req = SampleRequester(args, session, self.client_url, sampling_params_from_args(args), 0, 0,
+                              max_response_len=new_tokens)
+        samples = []
+        for i in range(n):
+            ids = random_ids(self.rng, self.vocab, in_len)
+            samples.append(Sample(index=i, group_index=i, tokens=ids, metadata={"max_response_len": new_tokens}))
+        c0, p0 = time.process_time(), _pids_cpu(self.client_pids)
+        await asyncio.gather(*(req.generate(s) for s in samples))
+        cpu = time.process_time() - c0 + _pids_cpu(self.client_pids) - p0
+        return {"n": n, "in": n * in_len, "out": sum(s.response_length for s in samples), "cpu": cpu}
 
     def _client_and_http(self, latency: float, share: float | None) -> dict:
         """The engine's HTTP costs (CPU seconds over the scheduler's CPU share: what it stalls the scheduler for)
@@ -263,6 +328,14 @@ class Calibrator:
                        for b in self.bursts if b["out"] > b["n"])
         out["client_per_request_s"] = per_req
         out["client_per_token_s"] = longs[(len(longs) - 1) // 2] if longs else 0.0
+        if len(self.client_bursts) >= 3:  # the rollout's own client, measured in CPU time
+            rows = self.client_bursts
+            fit, _ = nnls_fit([[b["n"], b["in"], b["out"]] for b in rows], [b["cpu"] for b in rows], CLIENT_TERMS,
+                              weights=[1.0 / max(1e-6, b["cpu"]) for b in rows])
+            ds = sorted(self.driver_share)
+            driver_share = max(0.05, min(1.0, ds[(len(ds) - 1) // 2])) if ds else 1.0
+            out.update({k: v / driver_share for k, v in fit.items()})
+            out["_driver_share"] = driver_share
         return out
 
     @property
@@ -277,11 +350,21 @@ class Calibrator:
         pts = [(p, p.step(stat, clock)) for p in self.probes if p.step(stat, clock)]
         if not pts:
             raise RuntimeError(f"Calibrator.fit: no {clock} measurements (the engine reports no such counters)")
-        decode, decode_err = nnls_fit([x for _, (_, x) in pts], [s for _, (s, _) in pts],
-                                      DECODE_TERMS, weights=[1.0 / s for _, (s, _) in pts])
+        mixed_rows = [r for p in self.probes for r in (p.mixed if clock == "wall" else p.cpu_mixed)]
+        mixed = len(mixed_rows) >= 3
         prefill, prefill_err = {}, None
         rows = [r for p in self.probes for r in (p.prefill if clock == "wall" else p.cpu_prefill)]
-        if len(rows) >= 3:
+        if mixed:  # one step cost over decode-only and mixed steps
+            fit_rows = [x + [0, 0, 0] for _, (_, x) in pts] + [x for _, x in mixed_rows]
+            fit_t = [s for _, (s, _) in pts] + [s for s, _ in mixed_rows]
+            both, decode_err = nnls_fit(fit_rows, fit_t, STEP_TERMS, weights=[1.0 / max(1e-9, s) for s in fit_t])
+            decode = {k: both[k] for k in DECODE_TERMS}
+            prefill = {k: both[k] for k in PREFILL_TERMS}
+            prefill_err = decode_err
+        else:
+            decode, decode_err = nnls_fit([x for _, (_, x) in pts], [s for _, (s, _) in pts],
+                                          DECODE_TERMS, weights=[1.0 / s for _, (s, _) in pts])
+        if len(rows) >= 3 and not mixed:
             prefill, prefill_err = nnls_fit([[f, pos, sq] for _, f, pos, sq in rows], [s for s, *_ in rows],
                                             PREFILL_TERMS, weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
         one_prefill = prefill.get("prefill_base_s", 0.0) + 8 * prefill.get("prefill_per_token_s", 0.0)
@@ -292,6 +375,7 @@ class Calibrator:
         wall = [r for p in self.probes for r in p.runs]
         share = sum(c for c, _ in cpu) / sum(w for w, _ in wall) if cpu and wall else None
         client_http = self._client_and_http(latency, share if clock == "wall" else 1.0)
+        driver_share = client_http.pop("_driver_share", None)
         info, embedded = self.info, self.info.get("backend") == EMBEDDED_BACKEND
         coef = [decode[k] for k in DECODE_TERMS]
         extra = {"probes": [{"rows": len(p.lengths), "lengths": sorted(set(p.lengths)), "new_tokens": p.n,
@@ -302,19 +386,48 @@ class Calibrator:
                  "decode_fit_rel_rms": round(decode_err, 4),
                  "prefill_fit_rel_rms": None if prefill_err is None else round(prefill_err, 4),
                  "timed_from": "scheduler_stats" if self.stats_ok else "wall_clock", "curve_tok_s": dict(self.curve),
-                 "engine_cpu_share": None if share is None else round(share, 4)}
+                 "engine_cpu_share": None if share is None else round(share, 4),
+                 "client": "rollout request path, CPU time" if self.client_bursts else "bare client, wall clock",
+                 "driver_cpu_share": None if driver_share is None else round(driver_share, 4)}
         return EngineCostModel(
             **decode, **prefill, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
             **client_http,
-            admit_wait_s=0.02 if embedded else 0.0, max_running=self.max_running,
+            admit_wait_s=0.02 if embedded and not mixed else 0.0, max_running=self.max_running,
             kv_capacity_tokens=int(info.get("max_total_num_tokens") or 1 << 30),
             kv_admission="reserve" if embedded else "optimistic",
-            max_prefill_tokens=int(info.get("chunked_prefill_size") or 8192),
-            pad_slack_tokens=1024 if embedded else 0, prefill_ragged=not embedded,
+            prefill_mode="mixed" if mixed else "batched",
+            max_prefill_tokens=int((info.get("max_prefill_tokens") if mixed else info.get("chunked_prefill_size")) or 8192),
+            chunked_prefill_size=int(info.get("chunked_prefill_size") or -1) if mixed else -1,
+            pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "
                    f"{extra['passes']} passes, {stat}) at {time.strftime('%Y-%m-%d %H:%M:%S')}",
             extra=extra)
+
+
+def _cpu_share(seconds: float = 0.03, tries: int = 3) -> float:
+    """The share of a CPU this process gets now: CPU seconds over wall seconds of a short busy loop."""
+    out = []
+    for _ in range(tries):
+        w0, c0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - w0 < seconds:
+            pass
+        out.append((time.process_time() - c0) / (time.perf_counter() - w0))
+    return sorted(out)[len(out) // 2]
+
+
+def _pids_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) so far of other processes (Linux /proc); 0 for one that is gone."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 async def calibrate_async(url: str, vocab: int | Sequence[int], passes: int = 3, curve_levels: tuple[int, ...] = (), stat: str = "median",

@@ -19,8 +19,9 @@ One `EngineCostModel` describes one engine (one tensor-parallel group):
   `admit_wait_s` of admission batching;
 - `finish_s` per sequence leaving the batch, `abort_s` from the rollout's stop to the engines
   processing the abort, `request_latency_s` for one request's HTTP round trip (client -> router ->
-  engine -> client, outside the engine's own work), `client_per_request_s` + `client_per_token_s` x
-  tokens the client's own work per request (one client does one thing at a time: a burst of
+  engine -> client, outside the engine's own work), `client_per_request_s` + `client_per_input_token_s` x input
+  tokens + `client_per_token_s` x reply tokens the client's own work per request (the driver process
+  and the router when they share a CPU, as in benchmarks/rollout_throughput.py) (one client does one thing at a time: a burst of
   requests leaves one after another and replies wait to be read), `engine_per_request_s` +
   `engine_per_input_token_s` / `engine_per_output_token_s` the engine's own HTTP work, during which
   it does not decode (our embedded engine is one Python process; SGLang's HTTP side is not),
@@ -49,7 +50,7 @@ DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "deco
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s")
 PREFILL_MODES = ("batched", "mixed")
 TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
-                                              "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
+                                              "client_per_input_token_s", "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
                                               "engine_per_output_token_s", "step_overhead_s", "weight_update_s")
 
 
@@ -66,6 +67,7 @@ class EngineCostModel:
     abort_s: float = 0.01
     request_latency_s: float = 0.002
     client_per_request_s: float = 0.0  # the client's own work per request (sending it, reading its reply)
+    client_per_input_token_s: float = 0.0  # the client's work per token of a request's input (building, sending it)
     client_per_token_s: float = 0.0  # the client's work per token of a reply (parsing, appending to the sample)
     # the engine's own HTTP work, which stalls its scheduler (one Python process: the GIL); 0 for SGLang, whose
     # HTTP server, tokenizer and scheduler are separate processes
@@ -196,7 +198,7 @@ class EngineCostModel:
                 f"position; prefill {1e3 * self.prefill_base_s:.3f} ms/forward + {1e6 * self.prefill_per_token_s:.3f} us/token "
                 f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2 ({self.prefill_mode}); abort {1e3 * self.abort_s:.1f} ms, request "
                 f"{1e3 * self.request_latency_s:.2f} ms, step overhead {1e3 * self.step_overhead_s:.1f} ms, weight update "
-                f"{self.weight_update_s:.2f} s, client {1e3 * self.client_per_request_s:.2f} ms/request + {1e6 * self.client_per_token_s:.2f} us/token, engine HTTP "
+                f"{self.weight_update_s:.2f} s, client {1e3 * self.client_per_request_s:.2f} ms/request + {1e6 * self.client_per_input_token_s:.2f} us/input + {1e6 * self.client_per_token_s:.2f} us/output token, engine HTTP "
                 f"{1e3 * self.engine_per_request_s:.2f} ms/request + {1e6 * self.engine_per_input_token_s:.2f} us/input "
                 f"+ {1e6 * self.engine_per_output_token_s:.2f} us/output token; max running {self.max_running}, KV {self.kv_capacity_tokens} tokens "
                 f"({self.kv_admission})")

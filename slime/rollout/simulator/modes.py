@@ -57,7 +57,7 @@ class Cluster:
         segments, finished)` runs when the client has read the reply."""
         eng = self.engines[self.rr % len(self.engines)]
         cost = eng.cost
-        t = max(t, self.client_free_at) + cost.client_per_request_s / 2
+        t = max(t, self.client_free_at) + cost.client_per_request_s / 2 + cost.client_per_input_token_s * sample.tokens
         self.client_free_at = t
         self.rr += 1
         self.seq += 1

@@ -432,9 +432,10 @@ def _pids_cpu(pids: Sequence[int]) -> float:
 
 async def calibrate_async(url: str, vocab: int | Sequence[int], passes: int = 3, curve_levels: tuple[int, ...] = (), stat: str = "median",
                           client_url: str | None = None, name: str | None = None, seed: int = 0,
-                          quick: bool = False) -> EngineCostModel:
-    """Measure `url` (one engine) `passes` times and fit a cost model."""
-    cal = Calibrator(url, vocab, client_url=client_url, seed=seed, name=name, quick=quick)
+                          quick: bool = False, args=None, client_pids: Sequence[int] = ()) -> EngineCostModel:
+    """Measure `url` (one engine) `passes` times and fit a cost model (`args`: also the rollout client's cost)."""
+    cal = Calibrator(url, vocab, client_url=client_url, seed=seed, name=name, quick=quick, args=args,
+                     client_pids=client_pids)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for i in range(passes):
             await cal.measure(session, curve_levels if i == 0 else ())

@@ -50,6 +50,47 @@ def test_one_synchronous_batch_costs_what_the_model_says():
     assert res.engine_stats["decode_steps"] == 49 and res.engine_stats["decode_rows"] == 49 * 4
 
 
+def test_mixed_prefill_chunks_prompts_into_decode_steps():
+    """"mixed" (the embedded engine's paged cache): prompts are prefilled in chunks of chunked_prefill_size,
+    packed into the steps, and a row decodes from the step after its last chunk."""
+    cost = EngineCostModel(decode_base_s=0.002, decode_per_seq_s=0.001, decode_per_token_s=1e-6, prefill_base_s=0.003,
+                           prefill_per_token_s=1e-4, prefill_per_token2_s=1e-9, abort_s=0.0, request_latency_s=0.0,
+                           step_overhead_s=0.0, prefill_mode="mixed", chunked_prefill_size=512, max_prefill_tokens=8192)
+    res = simulate(SimConfig(rollout_batch_size=1, n_samples_per_prompt=4, max_response_len=64, steps=1, warmup_steps=0),
+                   cost, ReplayLengths([(1000, [10, 10, 10, 10])], 64))
+    # step 1: 4 chunks of 512 (keys 0..511); step 2: 4 x 488 at 512 (first token each); then 9 decode steps
+    pairs1 = 4 * 512 * 513 / 2
+    pairs2 = 4 * (488 * 512 + 488 * 489 / 2)
+    expect = (2 * (0.002 + 0.003) + 1e-4 * 4000 + 1e-9 * (pairs1 + pairs2)
+              + sum(0.002 + 4 * 0.001 + 1e-6 * 4 * (1000 + j) for j in range(9)))
+    st = res.engine_stats
+    assert res.steps[0]["new_tokens"] == 40
+    assert st["prefills"] == 2 and st["prefill_tokens"] == 4000 and st["prefill_decode_steps"] == 0
+    assert st["decode_steps"] == 9 and st["decode_rows"] == 36
+    assert res.steps[0]["rollout_s"] == pytest.approx(expect, rel=1e-9)
+    # a per-step budget below the prompts': rows fewest-left first, and decoding rows ride along with prefill
+    tight = cost.replace(max_prefill_tokens=700)
+    res = simulate(SimConfig(rollout_batch_size=1, n_samples_per_prompt=4, max_response_len=64, steps=1, warmup_steps=0),
+                   tight, ReplayLengths([(1000, [10, 10, 10, 10])], 64))
+    st = res.engine_stats
+    assert st["prefill_tokens"] == 4000 and st["prefills"] == -(-4000 // 700)
+    assert st["prefill_decode_steps"] > 0 and res.steps[0]["new_tokens"] == 40
+    with pytest.raises(ValueError, match="prefill_mode"):
+        cost.replace(prefill_mode="ragged")
+
+
+def test_the_client_is_one_serial_resource():
+    """Every request's send and reply cost the client in turn: with a client far slower than the engine,
+    the rollout takes at least the client's total work."""
+    slow = FLAT.replace(client_per_request_s=0.01, client_per_input_token_s=1e-5, client_per_token_s=1e-4)
+    cfg = SimConfig(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=64, steps=1, warmup_steps=0)
+    lens = ReplayLengths([(10, [20] * 4)] * 8, 64)
+    res = simulate(cfg, slow, lens)
+    client = 16 * (0.01 + 1e-5 * 10 + 1e-4 * 20)
+    assert res.steps[0]["rollout_s"] >= client
+    assert res.steps[0]["rollout_s"] > simulate(cfg, FLAT, lens).steps[0]["rollout_s"] + 0.5 * client
+
+
 def _long_tail(steps=10, **kw):
     base = dict(rollout_batch_size=8, n_samples_per_prompt=4, max_response_len=1024, steps=steps, warmup_steps=2,
                 budgets_are_lengths=True)

@@ -53,7 +53,8 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
     cost = cal.fit("median")
     out, sim_occ = {}, {}
     print(f"\nsimulator ({cost.describe()}; decode fit rel. RMS {cost.extra['decode_fit_rel_rms']}, "
-          f"{cost.extra['passes']} calibration passes)")
+          f"{cost.extra['passes']} calibration passes; client: {cost.extra.get('client')}, driver CPU share "
+          f"{cost.extra.get('driver_cpu_share')})")
     print(f"{'mode':8s} {'measured':>9s} {'simulated':>9s} {'error':>7s} {'off-pol':>7s} {'sim':>5s} "
           f"{'idle':>5s} {'steps':>5s}   engine decode: measured s, model on the measured steps, simulated s | prefill (the same)")
     for name, runner in runners.items():

@@ -18,13 +18,15 @@ from tqdm import trange  # noqa: E402
 from slime.arguments import ArgumentError, parse_args  # noqa: E402
 from slime.backends.sglang_utils.watchdog import EngineFaultError  # noqa: E402
 from slime.ray.actor_group import RayTrainGroup  # noqa: E402
-from slime.ray.placement_group import create_placement_groups  # noqa: E402
+from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement  # noqa: E402
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager  # noqa: E402
 from slime.rollout.data_source import DataError  # noqa: E402
 from slime.utils import checkpoint as ckpts  # noqa: E402
 from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable  # noqa: E402
 from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint  # noqa: E402
 from slime.utils.metrics import MetricsLogger, truncate_run_logs  # noqa: E402
+from slime.utils.net import ListenHostError  # noqa: E402
+from slime.utils.paths import PathNotVisibleError  # noqa: E402
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging  # noqa: E402
 from slime.utils.summary import log_run_summary  # noqa: E402
 
@@ -75,10 +77,12 @@ def train(args) -> dict:
 
     # Engines + router + data + buffer on one side, trainers on the other.
     pgs = create_placement_groups(args)
-    rollout_manager = RolloutManager(args, run_dir, start_engines=not args.debug_train_only)
+    rollout_manager = RolloutManager(args, run_dir, start_engines=not args.debug_train_only,
+                                     engine_slots=pgs.engine_slots(args.num_engines, args.rollout_num_gpus_per_engine))
     actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
     if actor_model is not None:
         rollout_manager.attach_weight_sync(actor_model.update_weights)  # a restarted engine gets the current weights
+    write_placement(run_dir, pgs, actor_model, rollout_manager.engines)  # who runs where: RUN_DIR/placement.json
 
     # Resume: trainer state, data position, parked groups + ledger, policy version, RNG.
     start_rollout_id = 0
@@ -149,7 +153,7 @@ def train(args) -> dict:
 
 # errors that name their cause (flag, file, engine, reward): one line, no traceback
 STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
-         EmptyStepsError)
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from torch import nn
 from slime.backends.fsdp_utils.hf_weights import full_state_dict, write_hf_dir
 from slime.backends.fsdp_utils.model import use_cuda
 from slime.backends.sglang_utils.http_client import post_json
-from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, serve_store
+from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, resolve_listen_host, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +184,9 @@ class WeightUpdater:
             self.close_group_only()
         tp = self.args.rollout_num_gpus_per_engine if use_cuda() else 1
         world_size = 1 + len(urls) * tp
-        # the store listens on --listen-host only (torch's own TCPStore server would bind every interface)
-        listen_host = self.args.listen_host
+        # the store listens on --listen-host only (torch's own TCPStore server would bind every interface),
+        # resolved on this node: loopback on one machine, this node's address when engines run on others
+        listen_host = resolve_listen_host(self.args.listen_host)
         sock = listen_socket(listen_host)
         port = sock.getsockname()[1]
         address = advertised_address(listen_host)

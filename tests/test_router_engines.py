@@ -210,14 +210,15 @@ def test_engine_with_bad_model_path_fails_naming_it_and_cleans_up(models, tmp_pa
         g.start()
     msg = str(e.value)
     assert "engine 0 (embedded)" in msg and "exited with code" in msg and str(bad) in msg
-    last_line = [ln for ln in open(g.engines[0].process.log_path).read().splitlines() if ln.strip()][-1]
+    last_line = [ln for ln in open(g.engines[0].log_path).read().splitlines() if ln.strip()][-1]
     assert last_line.strip() in msg  # the engine's own log tail
-    for proc in [eng.process for eng in g.engines] + [g.router.process]:
-        assert not proc.is_alive() and process_group_members(proc.pid) == []
+    assert not g.router.process.is_alive()
+    for pid in [eng.pid for eng in g.engines] + [g.router.process.pid]:
+        assert process_group_members(pid) == []
 
 
 def test_shutdown_leaves_no_child_processes(group):
-    pids = [e.process.pid for e in group.engines] + [group.router.process.pid]
+    pids = [e.pid for e in group.engines] + [group.router.process.pid]
     assert all(os.path.exists(f"/proc/{p}") for p in pids)
     group.shutdown()
     for p in pids:

@@ -70,14 +70,20 @@ def _kill_then_resume(d, out, *extra):
     while _latest(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, f"train.py ended before it could be killed:\n{(out / 'first.log').read_text()[-3000:]}"
-    engines = _children(proc.pid)
+    children = _children(proc.pid)
+    router = [p for p in children if b"sglang_router" in open(f"/proc/{p}/cmdline", "rb").read()]
+    placement = json.loads((out / "run" / "placement.json").read_text())
+    # the engines' servers are children of their host actors (Ray workers), not of the driver
+    servers = [e["server_pid"] for e in placement["engines"]]
+    hosts = [e["pid"] for e in placement["engines"]] + [t["pid"] for t in placement["trainers"]]
+    assert servers and all(b"hf_engine" in open(f"/proc/{p}/cmdline", "rb").read() for p in servers)
+    assert not set(servers) & set(children) and router
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     killed_at = _latest(out)
     assert 1 <= killed_at < STEPS - 1
-    # Engines and the router die with the driver (no orphans serving stale weights).
-    engine_like = [p for p in engines if b"hf_engine" in open(f"/proc/{p}/cmdline", "rb").read() or b"sglang_router" in open(f"/proc/{p}/cmdline", "rb").read()] if engines else []
-    assert _wait_gone(engine_like) == []
+    # Engines, their hosts, the trainers and the router die with the driver (no orphans serving stale weights).
+    assert _wait_gone(router + servers + hosts) == []
 
     done = subprocess.run(_cmd(d, *extra, "--load", str(out / "ckpt"), out=out), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)

@@ -190,13 +190,18 @@ class EngineGroup(WeightUpdateMixin):
 
     def engine_problem(self, url: str) -> str | None:
         """What is wrong with our engine process at `url` (exited, stopped, zombie; a host actor gone), or None.
-        No I/O: local processes are read from /proc, placed ones from the host monitor's last round (<= 0.5 s)."""
+        Local processes are read from /proc; placed ones from the host monitor's last round (<= 0.5 s old, no I/O
+        while it says running; a problem it saw is asked again before it is returned, so a stale one is never
+        acted on)."""
         rank = self.engine_rank(url)
         if rank is None:
             return None
         if not self.placed:
             return self.engines[rank].problem()
-        return self._monitor.problems.get(url) if self._monitor is not None else None
+        if self._monitor is None or self._monitor.problems.get(url) is None:
+            return None
+        self._monitor.refresh([self.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
+        return self._monitor.problems.get(url)
 
     def kill_engine(self, rank: int) -> None:
         """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""

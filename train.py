@@ -18,6 +18,7 @@ from tqdm import trange  # noqa: E402
 from slime.arguments import ArgumentError, parse_args  # noqa: E402
 from slime.backends.sglang_utils.watchdog import EngineFaultError  # noqa: E402
 from slime.ray.actor_group import RayTrainGroup  # noqa: E402
+from slime.ray.colocation import device_phases  # noqa: E402
 from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement  # noqa: E402
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager  # noqa: E402
 from slime.rollout.data_source import DataError  # noqa: E402
@@ -101,11 +102,11 @@ def train(args) -> dict:
         metrics.log(-1, rollout_manager.evaluate(rollout_id=-1))  # the starting point
 
     empty_steps = EmptySteps(args.max_consecutive_empty_steps)
+    # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
+    phases = device_phases(args, actor_model, rollout_manager.engines)
     for rollout_id in trange(start_rollout_id, rollout_manager.num_rollout, desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
-        if args.colocate and actor_model is not None:
-            actor_model.offload()  # the engines get the shared devices
-        with _checkpoint_if_engines_give_up(args, rollout_id - 1, rollout_manager, actor_model):
+        with phases.rollout(), _checkpoint_if_engines_give_up(args, rollout_id - 1, rollout_manager, actor_model):
             rollout = rollout_manager.generate(rollout_id)
         step_metrics = dict(rollout.metrics)
 
@@ -114,10 +115,9 @@ def train(args) -> dict:
             empty_steps.skipped(rollout_id, rollout.dropped)
         elif actor_model is not None:
             empty_steps.trained()
-            if args.colocate:
-                actor_model.onload()
             # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
+            with phases.train():
+                train_metrics = actor_model.train(rollout_id, rollout.groups, rollout_manager.policy_version)
             step_metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
             if not args.load_debug_rollout_data:
                 rollout_manager.mark_trained(rollout.groups)
@@ -125,10 +125,12 @@ def train(args) -> dict:
             # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
             new_version = rollout_manager.policy_version + 1
             rollout_manager.set_policy_version(new_version)
-            if rollout_manager.engines is not None:
-                with _checkpoint_if_engines_give_up(args, rollout_id, rollout_manager, actor_model):
-                    sync_metrics = rollout_manager.sync_weights(new_version)
-                step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
+            with phases.weight_sync():
+                if rollout_manager.engines is not None:
+                    with _checkpoint_if_engines_give_up(args, rollout_id, rollout_manager, actor_model):
+                        sync_metrics = rollout_manager.sync_weights(new_version)
+                    step_metrics.update({f"weight_sync/{k}": v for k, v in sync_metrics.items()})
+            step_metrics.update(phases.metrics())
         step_metrics["train/skipped_empty_steps"] = float(empty_steps.total)
 
         # 4. Save (every --save-interval steps, and after the last one).

@@ -52,9 +52,7 @@ class Args(argparse.Namespace):
 
 # Flags whose component is still to be built: setting them fails at once
 # instead of being silently ignored.
-NOT_BUILT_YET = {
-    "offload": "--offload (moving weights/optimizer off the GPU between phases) needs the GPU path, which is not built yet",
-}
+NOT_BUILT_YET: dict[str, str] = {}
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -66,8 +64,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="devices for rollout engines (on CPU: engine slots); default 1, or all actor devices with --colocate")
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="tensor-parallel size of each engine")
     g.add_argument("--colocate", action="store_true",
-                   help="trainers and engines share the same devices (on CPU they always share the cores)")
-    g.add_argument("--offload", action="store_true", help="offload trainer state during rollout (GPU only)")
+                   help="trainers and engines time-share the same devices: one bundle per device holds a trainer rank "
+                        "and (a share of) an engine; the engines release their memory while the trainer trains")
+    g.add_argument("--offload", action="store_true",
+                   help="with --colocate: the trainer's parameters, gradients and optimizer state leave the device "
+                        "between training phases (host memory) and come back for the next one")
     g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
                    help="trainer: Megatron-core or FSDP2 (auto: megatron when megatron-core and CUDA are present, else fsdp)")
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
@@ -242,8 +243,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="optimizer steps to decay over (linear / cosine)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
+    g.add_argument("--update-weight-mode", choices=["tensor", "distributed", "disk"], default=None,
+                   help="how weights reach the engines: tensor (CUDA IPC handles / shared memory to the engine on the "
+                        "same devices; needs --colocate), distributed (a broadcast group) or disk (a saved directory); "
+                        "default: tensor with --colocate, else distributed")
     g.add_argument("--update-weights-from-disk", action="store_true",
-                   help="sync weights through a saved directory instead of a broadcast group")
+                   help="slime's flag: the same as --update-weight-mode disk")
 
 
 def _add_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -434,6 +439,8 @@ def _fill_defaults(a: Args) -> None:
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
+    if a.update_weight_mode is None:
+        a.update_weight_mode = "disk" if a.update_weights_from_disk else ("tensor" if a.colocate else "distributed")
     if a.rollout_pool_size is None:
         a.rollout_pool_size = a.sglang_server_concurrency * a.num_engines
     if a.lr_decay_iters is None and a.lr_decay_style != "constant" and a.num_rollout and a.global_batch_size:
@@ -452,8 +459,16 @@ def validate_args(a: Args) -> None:
     """All rules in one place; each error names the flag and the rule."""
     for name, why in NOT_BUILT_YET.items():
         _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
-    _require(not (a.colocate and a.rollout_backend == "sglang"), "--colocate",
-             "with SGLang engines needs GPU memory offload around each phase, which is not built yet; run disaggregated")
+    _require(not a.offload or a.colocate, "--offload", "needs --colocate (the engines use the memory it frees)")
+    _require(not a.update_weights_from_disk or a.update_weight_mode == "disk", "--update-weights-from-disk",
+             f"contradicts --update-weight-mode {a.update_weight_mode}")
+    _require(not (a.colocate and a.reuse_stale_kv), "--reuse-stale-kv",
+             "contradicts --colocate: colocated engines release their KV cache while the trainer trains")
+    _require(not a.colocate or a.actor_num_nodes == 1, "--colocate",
+             "on more than one node is not built yet: engines are placed on every node's trainer bundles, but the "
+             "weight handover by tensor (CUDA IPC / shared memory) and the device plan that feeds it are per node")
+    _require(a.update_weight_mode != "tensor" or a.colocate, "--update-weight-mode tensor",
+             "needs --colocate (tensors are handed over on the devices trainer and engines share)")
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
     _require(os.path.isdir(a.hf_checkpoint), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
     validate_trainer_args(a)
@@ -488,6 +503,10 @@ def validate_args(a: Args) -> None:
              or a.listen_host in interface_addresses(), "--listen-host",
              f"{a.listen_host!r} is neither auto, an IP address nor an interface of this machine "
              f"({', '.join(sorted(interface_addresses()))})")
+    actor_devices = a.actor_num_nodes * a.actor_num_gpus_per_node
+    _require(not a.colocate or a.rollout_num_gpus == actor_devices, "--rollout-num-gpus",
+             f"({a.rollout_num_gpus}) must equal the trainer devices ({actor_devices}) with --colocate: every device "
+             f"holds a trainer rank and a share of an engine")
     _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
              f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
              "leave it at auto (each node's own IP), or give an interface name or 0.0.0.0")

@@ -120,8 +120,10 @@ def test_eval_pairs(base, tmp_path):
         (["--save-interval", "2"], "--save-interval"),
         (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
         (["--rm-type", "remote_rm"], "--rm-url"),
-        (["--offload"], "--offload"),
-        (["--colocate", "--rollout-backend", "sglang"], "--colocate"),
+        (["--offload"], "--offload"),  # without --colocate
+        (["--update-weight-mode", "tensor"], "--update-weight-mode tensor"),  # without --colocate
+        (["--update-weights-from-disk", "--update-weight-mode", "distributed"], "--update-weights-from-disk"),
+        (["--colocate", "--rollout-num-gpus", "2"], "--rollout-num-gpus"),
         (["--train-backend", "megatron"], "--hf-checkpoint"),  # an empty dir: no config.json to build from
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),  # fsdp (the CPU default)
@@ -154,3 +156,15 @@ def test_required_inputs_named(tmp_path, base):
 def test_over_sampling_modes(base):
     assert parse_args(base + ["--over-sampling-batch-size", "8", "--partial-rollout"]).over_sampling_batch_size == 8
     assert parse_args(base + ["--over-sampling-batch-size", "2"]).over_sampling_batch_size == 2
+
+
+def test_update_weight_mode_defaults_and_slime_disk_flag(base):
+    assert parse_args(base).update_weight_mode == "distributed"
+    colo = parse_args(base + ["--colocate", "--offload"])
+    assert (colo.update_weight_mode, colo.offload, colo.rollout_num_gpus) == ("tensor", True, 1)
+    assert parse_args(base + ["--update-weights-from-disk"]).update_weight_mode == "disk"  # slime's flag
+    assert parse_args(base + ["--colocate", "--update-weights-from-disk"]).update_weight_mode == "disk"
+    assert parse_args(base + ["--colocate", "--update-weight-mode", "distributed"]).update_weight_mode == "distributed"
+    # colocated engines span bundles: 4 devices, TP-2 engines -> 2 engines
+    tp = parse_args(base + ["--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2"])
+    assert (tp.rollout_num_gpus, tp.num_engines) == (4, 2)

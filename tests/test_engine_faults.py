@@ -114,7 +114,9 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
     caller = threading.Thread(target=blocking_call)
     t0 = time.monotonic()
     with ProcessWatch(group, on_fault=lambda f: group.kill_engine(f.rank)) as watch:
-        os.kill(pid, signal.SIGSTOP)  # before the call: a tiny model could finish it before a later stop
+        # stopped before the call, so the call cannot finish first on a fast box; the kernel still accepts
+        # the connection, so the caller blocks exactly as on an engine that froze mid-request
+        os.kill(pid, signal.SIGSTOP)
         caller.start()
         caller.join(timeout=30)
     assert "error" in result and time.monotonic() - t0 < 10  # not the 120 s timeout

@@ -80,6 +80,7 @@ def test_round_trip_loads_in_transformers_and_in_our_engine(converted, hf_dir):
 
     out = str(converted / "hf")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not any(torch.isnan(p).any() for p in model.parameters())  # every weight came back as a number
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode("47-5=", add_special_tokens=False)) == "47-5="
     srv = EngineServer(out, ["--seed", "0"], log_path=str(converted / "engine.log")).wait_healthy()

@@ -12,15 +12,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # a fresh clone also runs the ~3.5 min warm start
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_quickstart_april_improves_on_the_warm_start(tmp_path, backend):
+COLOCATED = ["--colocate", "--offload", "--update-weight-mode", "tensor"]
+
+
+@pytest.mark.parametrize("backend, extra", [("fsdp", []), ("megatron", []), ("fsdp", COLOCATED)],
+                         ids=["fsdp", "megatron", "fsdp-colocated"])
+def test_quickstart_april_improves_on_the_warm_start(tmp_path, backend, extra):
+    """Colocated (trainer and engine time-share the devices: engines release their memory, the trainer is
+    offloaded, weights handed over by tensor) learns like the disaggregated run."""
     run = tmp_path / "run"
     # The task and warm start are cached under runs/tiny (as the quick start itself does), so a
     # second test run skips the ~3.5 minutes of supervised training.
     # the suite runs after install (scripts/test.sh): never re-point the editable install at a worktree
     env = {**os.environ, "RUN": str(run), "STEPS": "40", "EVAL_INTERVAL": "40", "PYTHONUNBUFFERED": "1",
            "SLIME_SKIP_INSTALL": "1"}
-    out = subprocess.run(["bash", os.path.join(REPO, "scripts/quickstart.sh"), "--train-backend", backend], cwd=REPO,
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts/quickstart.sh"), "--train-backend", backend, *extra], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -40,3 +46,8 @@ def test_quickstart_april_improves_on_the_warm_start(tmp_path, backend):
         assert (plots / f"{name}.png").stat().st_size > 5_000, name
     assert f"plots written to {run / 'plots'}" in out.stdout
     assert (run / "cost_model.json").is_file()
+    if extra:
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "weight_sync/weight_sync_tensor" in r]
+        assert len(steps) == 40 and all(r["weight_sync/weight_sync_tensor"] == 1.0 for r in steps)
+        assert all(r["colocate/trainer_offload_bytes"] > 0 and "colocate/engine_release_s" in r for r in steps)

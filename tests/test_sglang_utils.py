@@ -310,9 +310,17 @@ def test_children_die_with_a_killed_parent(tmp_path):
     assert process_group_members(child) == []
 
 
-def test_colocate_refused_with_sglang_engines_but_fine_with_embedded(tmp_path, monkeypatch):
+def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypatch):
+    """--colocate with SGLang engines: the launcher passes --enable-memory-saver (release/resume free real GPU
+    memory only with it), and so it does for the embedded engine."""
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
     monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: True)
-    with pytest.raises(RuntimeError, match="--colocate with SGLang engines"):
-        resolve_rollout_backend(make_args(tmp_path, "--colocate"))  # auto resolves to sglang on a GPU box
-    assert resolve_rollout_backend(make_args(tmp_path, "--colocate", "--rollout-backend", "embedded")) == "embedded"
+    colo = make_args(tmp_path, "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2")
+    assert resolve_rollout_backend(colo) == "sglang"  # no longer refused
+    cmd = build_sglang_server_command(colo, 1, 31001, 32001, base_gpu_id=2)
+    assert cmd.count("--enable-memory-saver") == 1 and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert "--enable-memory-saver" not in build_sglang_server_command(make_args(tmp_path), 0, 1, 2, 0)
+    from slime.backends.sglang_utils.sglang_engine import build_embedded_engine_command
+
+    assert "--enable-memory-saver" in build_embedded_engine_command(make_args(tmp_path, "--colocate"), 0, 1)
+    assert "--enable-memory-saver" not in build_embedded_engine_command(make_args(tmp_path), 0, 1)

@@ -102,14 +102,14 @@ def test_distributed_sync_over_gloo(engine, trainer, backend):
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_disk_sync(engine, trainer, backend):
-    t = trainer(backend, update_weights_from_disk=True)
+    t = trainer(backend, update_weight_mode="disk")
     start = int(engine_version(engine))
     m = _train_then_sync(t, engine, start + 1)
     assert m["weight_sync_from_disk"] == 1.0
 
 
 def test_unreachable_engine_is_named(trainer):
-    t = trainer(update_weights_from_disk=True)
+    t = trainer(update_weight_mode="disk")
     with pytest.raises(RuntimeError, match="127.0.0.1:9"):
         t.update_weights(["http://127.0.0.1:9"], 1)
 
@@ -138,8 +138,199 @@ def test_weight_sync_flushes_the_cache_unless_reuse_stale_kv(engine, trainer, re
     """Default: an update flushes the aborted requests' KV (computed by the old weights), so resumed samples
     are re-prefilled; --reuse-stale-kv sends flush_cache=false and the engine keeps it."""
     engine.post("/flush_cache")
-    t = trainer(update_weights_from_disk=True, reuse_stale_kv=reuse)
+    t = trainer(update_weight_mode="disk", reuse_stale_kv=reuse)
     assert _park_one_aborted_request(engine) >= 1
     t.update_weights([engine.url], int(engine_version(engine)) + 1)
     left = engine.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
     assert (left >= 1) if reuse else (left == 0)
+
+
+# ---- --update-weight-mode tensor ------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_tensor_sync_to_the_engine(engine, trainer, backend):
+    """Shared memory on CPU (CUDA IPC handles on a GPU): the engine serves the trained weights."""
+    t = trainer(backend, update_weight_mode="tensor")  # 16 KiB buckets: several POSTs
+    start = int(engine_version(engine))
+    m = _train_then_sync(t, engine, start + 1)
+    assert m["weight_sync_tensor"] == 1.0 and m["weight_sync_bytes"] > 1 << 14
+    _train_then_sync(t, engine, start + 2)
+
+
+class ReaderServer:
+    """tests/sglang_format_reader.py as a worker: reads payloads as SGLang does, saves what it read."""
+
+    def __init__(self, out_dir):
+        import subprocess
+        import sys
+
+        from slime.backends.hf_engine.testing import free_port
+
+        self.out = out_dir
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
+        script = __import__("os").path.join(__import__("os").path.dirname(__file__), "sglang_format_reader.py")
+        self.proc = subprocess.Popen([sys.executable, script, "--port", str(port), "--out", str(out_dir)])
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(self.url, timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise TimeoutError("sglang_format_reader did not start")
+
+    def received(self) -> tuple[list[list[dict]], list[dict]]:
+        import json
+
+        buckets = [torch.load(p) for p in sorted(self.out.glob("bucket_*.pt"))]
+        reqs = [json.loads(line) for line in (self.out / "requests.jsonl").read_text().splitlines()]
+        return buckets, reqs
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def trainer_hf_weights(t) -> dict[str, torch.Tensor]:
+    if isinstance(t, FSDPTrainer):
+        from slime.backends.fsdp_utils.hf_weights import full_state_dict
+
+        return {k: v.clone() for k, v in full_state_dict(t.model).items()}
+    from slime.backends.megatron_utils.update_weight import gather_hf_weights
+
+    return dict(gather_hf_weights(t.actor, t.layout))
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_tensor_payload_read_by_an_independent_sglang_reader(trainer, backend, tmp_path):
+    reader = ReaderServer(tmp_path)
+    try:
+        t = trainer(backend, update_weight_mode="tensor")
+        t.train(0, make_groups(seed=3), 0)
+        t.update_weights([reader.url], 5)
+        buckets, reqs = reader.received()
+    finally:
+        reader.stop()
+    assert len(buckets) == len(reqs) > 1  # --update-weight-buffer-size 16 KiB
+    got: dict[str, torch.Tensor] = {}
+    for per_rank in buckets:
+        assert len(per_rank) == 1  # one TP rank
+        got.update(per_rank[0])
+    want = trainer_hf_weights(t)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for r in reqs:
+        assert (r["load_format"], r["weight_version"], r["flush_cache"], r["entries"]) == ("flattened_bucket", "5", True, 1)
+        assert set(r["globals"]) <= {"torch.multiprocessing.reductions.rebuild_tensor",
+                                     "torch.multiprocessing.reductions.rebuild_typed_storage",
+                                     "torch.multiprocessing.reductions.rebuild_storage_filename", "torch.Tensor",
+                                     "torch.storage.UntypedStorage", "torch.Size", "torch.float32",
+                                     "types.SimpleNamespace"}, r["globals"]
+
+
+def _feed_two_ranks(rank, world, out_dir, model_dir, port, urls):
+    """Each of 2 FSDP ranks feeds the engine on 'its device' (engines 0 and 1), then both feed one TP-2 engine."""
+    from slime.backends.training_utils.weight_feed import EngineFeed
+
+    args = make_args(model_dir, "--train-backend", "fsdp", lr=1e-2, update_weight_mode="tensor")
+    t = FSDPTrainer(args, rank, world)
+    t.init("127.0.0.1", port)
+    try:
+        t.train(0, make_groups(seed=5), 0)
+        t.update_weights(urls[:2], 4, [EngineFeed(urls[0], (0,)), EngineFeed(urls[1], (1,))])
+        t.update_weights(urls[2:], 5, [EngineFeed(urls[2], (1, 0))])  # TP rank 0 on trainer rank 1's device
+        want = trainer_hf_weights(t)  # collective
+        if rank == 0:
+            torch.save(want, f"{out_dir}/want.pt")
+    finally:
+        t.shutdown()
+    open(f"{out_dir}/done{rank}", "w").close()
+
+
+def test_tensor_sync_each_rank_feeds_the_engine_on_its_device(model_dir, tmp_path):
+    """The GPU plan on CPU: every trainer rank gathers the full weights and hands them to its own engine; a
+    TP-2 engine gets its two entries (one per TP rank) gathered from the two trainer ranks, in TP order."""
+    from megatron_helpers import free_port, spawn
+
+    import threading
+    import time
+
+    readers = [ReaderServer(tmp_path / f"reader{i}") for i in range(3) if (tmp_path / f"reader{i}").mkdir() is None]
+    ranks_dir, box = tmp_path / "ranks", {}
+
+    def run():
+        try:
+            spawn(_feed_two_ranks, 2, str(ranks_dir), model_dir, free_port(), [r.url for r in readers])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        # a rank's exit is seen once torch's shared-memory manager, which it started (and which inherited the
+        # rank's exit pipe), ends: that is when the readers, its last clients, are gone
+        deadline = time.monotonic() + 500
+        while not all((ranks_dir / f"done{r}").exists() for r in range(2)) and runner.is_alive():
+            assert time.monotonic() < deadline, "ranks did not finish"
+            time.sleep(0.2)
+        got = [r.received() for r in readers]
+    finally:
+        for r in readers:
+            r.stop()
+        runner.join(120)
+    assert "error" not in box, box.get("error")
+    want = torch.load(tmp_path / "ranks" / "want.pt")
+    for i, (buckets, reqs) in enumerate(got):
+        tp = 2 if i == 2 else 1
+        assert all(r["entries"] == tp for r in reqs) and {r["weight_version"] for r in reqs} == {"5" if tp == 2 else "4"}
+        for rank_entry in range(tp):
+            received = {k: v for per_rank in buckets for k, v in per_rank[rank_entry].items()}
+            assert received.keys() == want.keys()
+            assert all(torch.equal(received[k], want[k]) for k in want), f"engine {i}, TP rank {rank_entry}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_payload_opens_in_another_process_without_a_copy(tmp_path):
+    """On a GPU the payload carries CUDA IPC handles (device as the GPU's UUID): another process opens the
+    trainer's memory, read both by the engine's reader and by the independent SGLang-format reader."""
+    import subprocess
+    import sys
+
+    from slime.backends.sglang_utils.tensor_payload import flatten_bucket, serialize
+
+    named = [("a", torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)),
+             ("b", torch.randn(7, device="cuda", dtype=torch.bfloat16))]
+    flat = flatten_bucket(named)
+    payload = serialize(flat)
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(__import__("os").path.dirname(__file__))!r})
+from slime.backends.hf_engine.tensor_payload import decode
+from sglang_format_reader import deserialize, reconstruct_bucket
+ours = dict(decode([sys.argv[1]], "flattened_bucket"))
+theirs = reconstruct_bucket(deserialize(sys.argv[1], []))
+for n in ("a", "b"):
+    assert ours[n].is_cuda and torch.equal(ours[n], theirs[n])
+    print(n, float(ours[n].float().sum()))
+ours["b"].fill_(1.0)  # the sender's memory, not a copy
+torch.cuda.synchronize()
+"""
+    out = subprocess.run([sys.executable, "-c", code, payload], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sums = dict(line.split() for line in out.stdout.splitlines())
+    for n, t in named:
+        assert abs(float(sums[n]) - float(t.float().sum())) < 1e-2
+    assert torch.equal(flat["flattened_tensor"][-7:], torch.ones(7, device="cuda", dtype=torch.bfloat16))
+
+
+def test_slime_disk_flag_replaced_without_the_mode_is_refused(model_dir):
+    from slime.backends.fsdp_utils.update_weight import WeightUpdater
+
+    args = make_args(model_dir)
+    with pytest.raises(ValueError, match="update_weight_mode='disk'"):
+        WeightUpdater(args.replace(update_weights_from_disk=True), torch.nn.Linear(1, 1), 0)
+    WeightUpdater(args.replace(update_weights_from_disk=True, update_weight_mode="disk"), torch.nn.Linear(1, 1), 0).close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+from slime.backends.training_utils.weight_feed import feed_plan
+
 logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 600.0
@@ -58,7 +60,7 @@ class RayTrainGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from slime.ray.placement_group import PlacementGroups, ray_has_gpus
+        from slime.ray.placement_group import TRAINER_GPU_SHARE, PlacementGroups, ray_has_gpus
 
         self.args = args
         if isinstance(pg, PlacementGroups):
@@ -75,7 +77,7 @@ class RayTrainGroup:
         self.world_size = n
         self.timeout = CALL_TIMEOUT_S
         use_gpu = ray_has_gpus()
-        gpus = (0.4 if args.colocate else 1.0) if use_gpu else 0
+        gpus = (TRAINER_GPU_SHARE if args.colocate else 1.0) if use_gpu else 0
         cls = ray.remote(trainer_class(args))
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         if args.train_backend == "megatron":
@@ -92,6 +94,7 @@ class RayTrainGroup:
         ]
         self._closed = False
         self.info: dict = {}
+        self.rank_devices: list[int | None] = []
 
     def _all(self, method: str, *a, timeout: float | None = None, **kw) -> list:
         refs = [getattr(actor, method).remote(*a, **kw) for actor in self.actors]
@@ -107,6 +110,7 @@ class RayTrainGroup:
         addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
         out = self._all("init", addr, port, timeout=INIT_TIMEOUT_S)
         self.info = out[0]
+        self.rank_devices = [o["device_index"] for o in out]  # node GPU of each rank (None on CPU)
         logger.info("%d trainer rank(s) ready (%s params)", self.world_size, self.info.get("num_params"))
         return self
 
@@ -131,11 +135,17 @@ class RayTrainGroup:
         (SGLang's documented pause → update → continue); the default assumes
         the caller already drained them (APRIL aborts before training)."""
         is_group = not isinstance(engines, (list, tuple))
-        urls = list(engines.worker_urls()) if is_group else list(engines)
+        feeds = None
+        if self.args.update_weight_mode == "tensor":  # by reference: each engine from the ranks on its devices
+            urls = list(engines.engine_urls) if is_group else list(engines)
+            feeds = feed_plan(urls, self.args.rollout_num_gpus_per_engine, self.rank_devices,
+                              engines.engine_devices() if is_group else None)
+        else:
+            urls = list(engines.worker_urls()) if is_group else list(engines)
         if pause_mode and is_group:
             engines.pause(pause_mode)
         try:
-            return self._all("update_weights", urls, int(new_version))[0]
+            return self._all("update_weights", urls, int(new_version), feeds)[0]
         finally:
             if pause_mode and is_group:
                 engines.continue_generation()
@@ -149,11 +159,12 @@ class RayTrainGroup:
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)
 
-    def offload(self) -> None:
-        self._all("offload")
+    def offload(self) -> dict[str, float]:
+        """--offload: every rank's parameters, gradients and optimizer state leave its device; rank 0's report."""
+        return self._all("offload")[0]
 
-    def onload(self) -> None:
-        self._all("onload")
+    def onload(self) -> dict[str, float]:
+        return self._all("onload")[0]
 
     def shutdown(self, timeout: float = 60.0) -> None:
         import ray

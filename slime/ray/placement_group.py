@@ -4,7 +4,11 @@ One placement group holds ``actor_num_nodes × actor_num_gpus_per_node``
 trainer bundles, plus ``rollout_num_gpus`` rollout bundles when the run is
 not colocated. Bundles ask for a GPU only where Ray sees GPUs: a GPU bundle
 on a CPU-only machine would wait forever without an error. Colocated runs
-give the rollout the trainer's bundles (on CPU they simply share the cores).
+give the rollout the trainer's bundles: one bundle per GPU, shared by a
+trainer rank (TRAINER_GPU_SHARE) and an engine TP rank (the engine's host
+actor takes ENGINE_GPU_SHARE of its first bundle); an engine with
+``--rollout-num-gpus-per-engine`` k spans k consecutive bundles (on CPU
+they simply share the cores).
 
 Once the group is ready, every bundle is located (node, IP, and on GPUs the
 GPU Ray gave it, from a tiny task in the bundle), the bundle lists are sorted
@@ -20,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from slime.backends.sglang_utils.engine_host import EngineSlot
+from slime.backends.sglang_utils.engine_host import HOST_NUM_GPUS, EngineSlot
 from slime.utils.paths import SHARED_STORAGE_HINT, PathNotVisibleError, path_problems, shared_marker
 
 logger = logging.getLogger(__name__)
@@ -29,6 +33,11 @@ PG_READY_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 120.0
 CPUS_PER_BUNDLE = 1.0
 PROBE_GPUS = 0.01  # a probe task's share of its bundle's GPU: enough for Ray to say which GPU it is
+# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does): a trainer rank takes this share,
+# the engine's host actor on the same bundle ENGINE_GPU_SHARE (its server sees the bundle's GPU)
+TRAINER_GPU_SHARE = 0.4
+ENGINE_GPU_SHARE = HOST_NUM_GPUS
+assert TRAINER_GPU_SHARE + ENGINE_GPU_SHARE + PROBE_GPUS <= 1.0
 
 
 class PlacementError(RuntimeError):

@@ -35,13 +35,15 @@ from slime.backends.training_utils.loss import (
 )
 from slime.backends.fsdp_utils.model import build_model, forward_items, init_distributed
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
-from slime.backends.training_utils.distributed import open_master_port
+from slime.backends.training_utils.distributed import open_master_port, physical_device_index
+from slime.backends.training_utils.offload import DeviceOffloader, Offloadable, module_tensors, optimizer_tensors
+from slime.backends.training_utils.weight_feed import EngineFeed
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 
-class FSDPTrainer:
+class FSDPTrainer(Offloadable):
     def __init__(self, args, rank: int = 0, world_size: int = 1):
         self.args = args
         self.rank = rank
@@ -51,6 +53,7 @@ class FSDPTrainer:
         self.optimizer = None
         self.updater = None
         self._owns_pg = False
+        self.offloader = DeviceOffloader(f"FSDP trainer rank {rank}")
         self._master_sock = None
 
     # ------------------------------------------------------------ set-up ----
@@ -89,7 +92,7 @@ class FSDPTrainer:
         self.updater = WeightUpdater(args, self.model, self.rank)
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("rank %d: loaded %s (%d params, ref=%s)", self.rank, hf, n_params, self.ref_model is not None)
-        return {"num_params": n_params}
+        return {"num_params": n_params, "device_index": physical_device_index()}
 
     # ----------------------------------------------------------- helpers ----
     @property
@@ -139,6 +142,10 @@ class FSDPTrainer:
 
     # ------------------------------------------------------------- train ----
     def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
+        with self.on_device("train"):
+            return self._train(rollout_id, groups, policy_version)
+
+    def _train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
         items = [it for g in item_groups for it in g]
@@ -204,28 +211,35 @@ class FSDPTrainer:
         return out
 
     # ---------------------------------------------------- weights, ckpt ----
-    def update_weights(self, urls: list[str], version: int) -> dict[str, float]:
-        return self.updater.update(list(urls), int(version))
+    def update_weights(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+        with self.on_device("update_weights"):
+            return self.updater.update(list(urls), int(version), feeds)
 
     def save(self, path: str) -> None:
-        ckpt.save(self.model, self.optimizer, path, self.args.hf_checkpoint)
+        with self.on_device("save"):
+            ckpt.save(self.model, self.optimizer, path, self.args.hf_checkpoint)
 
     def load(self, path: str) -> None:
-        ckpt.load(self.model, self.optimizer, path)
+        with self.on_device("load"):
+            ckpt.load(self.model, self.optimizer, path)
 
     def export_hf(self, path: str) -> None:
-        ckpt.export_hf(self.model, path, self.args.hf_checkpoint)
+        with self.on_device("export_hf"):
+            ckpt.export_hf(self.model, path, self.args.hf_checkpoint)
 
-    def offload(self) -> None:
-        """Colocated runs: free accelerator memory for the engines. On CPU the
-        trainer and engines just share the cores, so there is nothing to move."""
-        if torch.cuda.is_available():
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+    # ----------------------------------------------------------- offload ----
+    def _state_tensors(self):
+        """Parameters, gradients and optimizer state (policy and reference model)."""
+        from torch.distributed.fsdp import FSDPModule
 
-    def onload(self) -> None:
-        if torch.cuda.is_available():
-            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        for model in (self.model, self.ref_model):
+            if model is None:
+                continue
+            for m in model.modules():  # only the sharded parameters stay registered
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            yield from module_tensors(model)
+        yield from optimizer_tensors(self.optimizer)
 
     def ready(self) -> int:
         return self.rank

@@ -23,6 +23,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def iter_full_weights(model: nn.Module):
+    """Collective: every rank gets every (name, full tensor) in turn, on its own device (one all-gather per
+    tensor, so no rank ever holds the whole model twice)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        yield name, t.detach()
+
+
 def untie_for_safetensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses shared storage: drop the tied output embedding."""
     cfg = getattr(model, "config", None)

@@ -11,8 +11,12 @@ while broadcasting the tensors in that order.
 Backends plug in by overriding `named_weights` (FSDP: the full state dict;
 Megatron: TP-gathered, HF-named tensors, one at a time) and `write_hf`.
 
-Disk path (``--update-weights-from-disk``): rank 0 writes a HF safetensors
-directory and POSTs ``/update_weights_from_disk`` to every worker.
+Disk path (``--update-weight-mode disk``, slime's ``--update-weights-from-disk``):
+rank 0 writes a HF safetensors directory and POSTs ``/update_weights_from_disk``
+to every worker.
+
+Tensor path (``--update-weight-mode tensor``, colocated): CUDA IPC handles /
+shared memory to ``/update_weights_from_tensor`` (update_weight_tensor.py).
 """
 
 from __future__ import annotations
@@ -30,36 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.fsdp_utils.hf_weights import full_state_dict, write_hf_dir
+from slime.backends.fsdp_utils.engine_calls import post as _post, post_all as _post_all, wait_all as _wait_all
+from slime.backends.fsdp_utils.hf_weights import full_state_dict, iter_full_weights, write_hf_dir
 from slime.backends.fsdp_utils.model import use_cuda
-from slime.backends.sglang_utils.http_client import post_json
+from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
+from slime.backends.training_utils.weight_feed import EngineFeed, feed_plan
 from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, resolve_listen_host, serve_store
 
 logger = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 600.0
-
-
-def _post(url: str, path: str, payload: dict, timeout: float) -> dict:
-    full = url.rstrip("/") + path
-    out = post_json(full, payload, timeout=timeout)
-    if isinstance(out, dict) and out.get("success") is False:
-        raise RuntimeError(f"POST {full} failed: {out.get('message')}")
-    return out or {}
-
-
-def _post_all(pool: ThreadPoolExecutor, urls: list[str], path: str, payload: dict, timeout: float):
-    return [pool.submit(_post, u, path, payload, timeout) for u in urls]
-
-
-def _wait_all(futures, urls: list[str], path: str, timeout: float) -> list[dict]:
-    out = []
-    for fut, url in zip(futures, urls):
-        try:
-            out.append(fut.result(timeout=timeout))
-        except Exception as e:
-            raise RuntimeError(f"weight update: {path} on worker {url} failed: {e}") from e
-    return out
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
@@ -84,9 +68,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class WeightUpdater:
-    """Lives in every trainer rank; only rank 0 talks to engines."""
+    """Lives in every trainer rank; rank 0 talks to the engines (tensor mode: each engine's first feeding rank)."""
 
     def __init__(self, args, model: nn.Module, rank: int):
+        if args.update_weights_from_disk and args.update_weight_mode != "disk":  # e.g. Args.replace of one of them
+            raise ValueError(f"--update-weights-from-disk with --update-weight-mode {args.update_weight_mode}: "
+                             "set update_weight_mode='disk' (parse_args derives it from the slime flag)")
         self.args = args
         self.model = model
         self.rank = rank
@@ -94,32 +81,40 @@ class WeightUpdater:
         self._pg = None
         self._urls: tuple[str, ...] = ()
         self._disk_dir: str | None = None
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync") if rank == 0 else None
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
+        self._tensor: TensorSender | None = None
         self.buffer_bytes = args.update_weight_buffer_size
         self.timeout = HTTP_TIMEOUT_S
         # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume)
         self.flush_cache = not args.reuse_stale_kv
 
     # ------------------------------------------------------------ public ----
-    def update(self, urls: list[str], version: int) -> dict[str, float]:
-        """Send the current weights to every worker in `urls` as `version`.
-        Call on every trainer rank (the state-dict gather is a collective)."""
-        if not urls:
+    def update(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+        """Send the current weights to every worker in `urls` as `version` (tensor mode: to the engines of
+        `feeds`, default every URL fed by rank 0). Call on every trainer rank (the gathers are collectives)."""
+        if not urls and not feeds:
             raise ValueError("update_weights: no engine worker URLs (is the EngineGroup started?)")
         t0 = time.perf_counter()
-        from_disk = self.args.update_weights_from_disk
-        if not from_disk and self.rank == 0 and tuple(urls) != self._urls:
+        mode = self.args.update_weight_mode
+        if mode == "distributed" and self.rank == 0 and tuple(urls) != self._urls:
             try:
                 self._connect(list(urls))
             except Exception as e:
                 logger.warning("distributed weight update unavailable (%s); using the disk path", e)
-                from_disk = True
-        from_disk = self._agree(from_disk)
-        named = iter(self.named_weights())
+                mode = "disk"
+        mode = ("tensor", "distributed", "disk")[self._agree(("tensor", "distributed", "disk").index(mode))]
+        if mode == "tensor":
+            feeds = feeds or feed_plan(list(urls), 1, None)
+            urls = [f.url for f in feeds]
+            named = iter(self.named_weights(everywhere=True))  # streamed: one copy, into the bucket
+        else:
+            named = iter(self.named_weights())
         n_bytes, error = 0, None
         try:
-            if self.rank == 0:
-                if from_disk:
+            if mode == "tensor":
+                n_bytes = self._tensor_sender().send(feeds, named, version)
+            elif self.rank == 0:
+                if mode == "disk":
                     n_bytes = self._send_disk(list(urls), dict(named), version)
                 else:
                     n_bytes = self._send_distributed(list(urls), named, version)
@@ -128,19 +123,28 @@ class WeightUpdater:
         finally:
             for _ in named:  # every rank runs the gathers to the end, even after a failed send
                 pass
-        if self._agree(error is not None):
+        failed_rank = self._first_failed(error is not None)
+        if failed_rank is not None:
             if error is not None:
                 raise error
-            raise RuntimeError(f"weight update to version {version} failed on trainer rank 0 (see its log)")
+            raise RuntimeError(f"weight update to version {version} failed on trainer rank {failed_rank} (see its log)")
         dt = time.perf_counter() - t0
-        logger.info("weights v%d -> %d engine(s) via %s in %.3fs", version, len(urls),
-                    "disk" if from_disk else "distributed", dt)
+        logger.info("weights v%d -> %d engine(s) via %s in %.3fs", version, len(urls), mode, dt)
         return {"weight_sync_time_s": dt, "weight_sync_bytes": float(n_bytes),
-                "weight_sync_from_disk": float(from_disk)}
+                "weight_sync_from_disk": float(mode == "disk"), "weight_sync_tensor": float(mode == "tensor")}
+
+    def _tensor_sender(self) -> TensorSender:
+        if self._tensor is None:
+            self._tensor = TensorSender(self.rank, dist.get_world_size(), self._pool, self.buffer_bytes,
+                                        self.flush_cache, self.timeout)
+        return self._tensor
 
     # ------------------------------------------------------ backend hooks ----
-    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """Collective: (HF name, tensor) pairs, all of them on rank 0 (other ranks may yield nothing)."""
+    def named_weights(self, everywhere: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+        """Collective: (HF name, full tensor) pairs on rank 0 (other ranks may yield nothing), or with
+        `everywhere` on every rank and on its device (tensor mode: each rank feeds the engine on its GPU)."""
+        if everywhere:
+            return iter_full_weights(self.model)
         return full_state_dict(self.model).items()
 
     def write_hf(self, state: dict[str, torch.Tensor], path: str) -> None:
@@ -159,14 +163,25 @@ class WeightUpdater:
         if self._disk_dir:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
             self._disk_dir = None
+        if self._tensor is not None:
+            self._tensor.close()
+            self._tensor = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------- helpers ----
-    def _agree(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int64)
+    def _agree(self, value: int) -> int:
+        """Rank 0's value, on every rank."""
+        t = torch.tensor([int(value)], dtype=torch.int64)
         dist.broadcast(t, src=0)
-        return bool(t.item())
+        return int(t.item())
+
+    def _first_failed(self, failed: bool) -> int | None:
+        """The lowest rank that failed, on every rank (None if none did)."""
+        ws = dist.get_world_size()
+        t = torch.tensor([self.rank if failed else ws], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return None if int(t.item()) == ws else int(t.item())
 
     def _release_local(self) -> None:
         pg, self._pg, self._urls = self._pg, None, ()

@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="While decoding, let a few new requests wait up to this long to be prefilled together (default 20).")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="Do not keep aborted requests' KV for the requests that resume them (SGLang's flag name).")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="Let /release_memory_occupation free the weights' and KV cache's memory (SGLang's flag).")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="Keep released weights in host memory and restore them on resume (SGLang's flag); without "
+                        "it resumed weights wait for the next weight update.")
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, admit_wait_s=args.admit_wait_ms / 1000.0,
-        prefix_cache=not args.disable_radix_cache,
+        prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     try:
         engine = Engine(cfg)

@@ -115,6 +115,19 @@ class DecodeBatch:
         self.next_pos = torch.zeros(0, dtype=torch.long)
         self.pending = torch.zeros(0, dtype=torch.long)
 
+    def kv_bytes(self) -> int:
+        """Bytes held by the KV buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + self.valid.numel()
+
+    def free_kv(self) -> int:
+        """Drop every row and free the KV buffers (the next join allocates new ones); returns the bytes freed."""
+        freed = self.kv_bytes()
+        self.clear()
+        self.k, self.v = [], []
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+        self.lo = self.hi = 0
+        return freed
+
     @torch.inference_mode()
     def prefill(self, seqs: list[list[int]]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         """Run `seqs` (left-padded together); return (last-position logits [n, V], cache, valid [n, L])."""

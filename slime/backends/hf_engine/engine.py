@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.backends.hf_engine import weights
+from slime.backends.hf_engine import tensor_payload, weights
 from slime.backends.hf_engine.logprobs import LogprobRecord
+from slime.backends.hf_engine.memory import EngineMemory
 from slime.backends.hf_engine.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ class EngineConfig:
     attn_implementation: str = "sdpa"
     admit_wait_s: float = 0.02
     prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
+    memory_saver: bool = False  # SGLang's --enable-memory-saver: /release_memory_occupation frees memory
+    weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: released weights kept in host memory
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot generate now (its memory is released); the message says what to do."""
 
 
 def load_model(path: str, dtype: str, attn_implementation: str):
@@ -73,6 +80,7 @@ class Engine:
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
             weight_version=cfg.weight_version,
         )
+        self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()
 
@@ -94,6 +102,22 @@ class Engine:
     async def call(self, fn, *args, timeout: float = 600.0):
         """Run fn(*args) on the scheduler thread at the next step boundary."""
         return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(fn, *args)), timeout)
+
+    def admit(self, req: Request) -> None:
+        """Scheduler thread: queue `req`, unless the engine's memory is released (checked in the same step as a
+        release, so no request slips in between)."""
+        blocker = self.memory.generation_blocker()
+        if blocker is not None:
+            raise EngineUnavailable(blocker)
+        self.scheduler._add(req)
+
+    async def release_memory(self, tags: list[str]) -> str:
+        async with self._update_lock:
+            return await self.call(self.memory.release, tags)
+
+    async def resume_memory(self, tags: list[str]) -> str:
+        async with self._update_lock:
+            return await self.call(self.memory.resume, tags)
 
     def make_request(self, inp, stream: bool, on_event) -> Request:
         gen = None
@@ -122,11 +146,15 @@ class Engine:
         version and the tokens after it get the new one (`meta_info.weight_versions`), so no token is
         mislabelled. Returns (message, requests in flight across the update)."""
         sched = self.scheduler
+        if self.memory.weights_released:
+            raise ValueError("the weights are released (/release_memory_occupation); POST /resume_memory_occupation "
+                             "with tags [\"weights\"] before updating them")
         n_running = sched.retract()
         in_flight = sched.num_waiting  # the retracted requests are back at the head of the queue
         if flush_cache:  # KV computed by the old weights; flush_cache=false keeps it for resumed requests
             sched.prefix_cache.clear()
         weights.copy_into_model(self.model, named)
+        self.memory.note_loaded(named)
         sched.set_weight_version(version if version is not None else _next_version(sched.weight_version))
         return (f"loaded {len(named)} tensors; weight_version={sched.weight_version}; {n_running} running requests "
                 f"recomputed on the new weights, {in_flight} requests in flight"), in_flight
@@ -142,6 +170,19 @@ class Engine:
             out = await self.update_from_tensors(named, version, flush_cache, abort_all)
             self.model_path = model_path
             return out
+
+    async def update_from_tensor(self, serialized, load_format, version, flush_cache, abort_all) -> tuple[str, int]:
+        """SGLang's /update_weights_from_tensor: the tensors are mapped from the sender's memory (shared memory
+        or CUDA IPC), copied into the model between two steps, and released before the reply."""
+        async with self._update_lock:
+            pairs = await asyncio.to_thread(tensor_payload.decode, serialized, load_format)
+            named = dict(pairs)
+            if len(named) != len(pairs):
+                raise tensor_payload.PayloadError("serialized_named_tensors: a tensor name appears twice")
+            try:
+                return await self.update_from_tensors(named, version, flush_cache, abort_all)
+            finally:
+                del named, pairs  # unmap the sender's memory
 
     async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> tuple[str, int]:
         async with self._update_lock:

@@ -66,12 +66,15 @@ async def get_server_info(request: web.Request) -> web.Response:
         "context_length": engine.max_positions,
         "dtype": cfg.dtype,
         "random_seed": cfg.seed,
+        "enable_memory_saver": cfg.memory_saver,
+        "enable_weights_cpu_backup": cfg.weights_cpu_backup,
         "disaggregation_mode": "null",
         "version": SERVER_VERSION,
         "backend": "slime.hf_engine",
         "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
                              "scheduler_stats": {**engine.scheduler.stats.as_dict(), **engine.scheduler.cpu_times()},
-                             "prefix_cache_entries": len(engine.scheduler.prefix_cache)}],
+                             "prefix_cache_entries": len(engine.scheduler.prefix_cache),
+                             "memory": await engine.call(engine.memory.state, timeout=30)}],
     }
     return json_response(info)
 

@@ -64,6 +64,10 @@ class PrefixCache:
             self.tokens -= len(tokens) - 1
         return kv
 
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for kv in self._entries.values() for k, v in kv)
+
     def clear(self) -> int:
         n = len(self._entries)
         self._entries.clear()

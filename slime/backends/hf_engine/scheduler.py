@@ -237,6 +237,20 @@ class Scheduler:
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
 
+    # ---- KV memory (SGLang's kv_cache tag; see memory.py) ------------------------------
+    def kv_cache_bytes(self) -> int:
+        return self.batch.kv_bytes() + self.prefix_cache.nbytes()
+
+    def release_kv_cache(self) -> int:
+        """Free the KV storage (an idle engine's buffers and the prefix cache); returns the bytes freed."""
+        freed = self.kv_cache_bytes()
+        self.prefix_cache.clear()
+        self.batch.free_kv()
+        return freed
+
+    def resume_kv_cache(self) -> None:
+        """Nothing to allocate ahead: the next join allocates the KV buffers it needs."""
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
 

@@ -11,11 +11,13 @@ import time
 import orjson
 from aiohttp import web
 
-from slime.backends.hf_engine.engine import Engine
+from slime.backends.hf_engine.engine import Engine, EngineUnavailable
 from slime.backends.hf_engine.fields import BadRequest
 from slime.backends.hf_engine.http_utils import (
-    ENGINE_KEY, bad_request_middleware, body_field, json_body, json_response, result_response,
+    ENGINE_KEY, bad_request_middleware, body_field, error_response, json_body, json_response, result_response,
 )
+from slime.backends.hf_engine.memory import MemoryStateError, parse_tags
+from slime.backends.hf_engine.tensor_payload import PayloadError
 from slime.backends.hf_engine.info import add_info_routes
 from slime.backends.hf_engine.protocol import GenerateInput, build_response, parse_generate
 from slime.backends.hf_engine.sampling import SamplingParams
@@ -38,7 +40,7 @@ class _Run:
 
     async def start(self) -> None:
         try:
-            await self.engine.call(self.engine.scheduler._add, self.req, timeout=60)
+            await self.engine.call(self.engine.admit, self.req, timeout=60)
         except ValueError as e:
             raise BadRequest(f"rid: {e}") from None
 
@@ -73,6 +75,13 @@ async def _run_to_end(engine: Engine, inp) -> dict:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
+    try:
+        return await _generate(request, engine)
+    except EngineUnavailable as e:  # memory released: a deliberate state, not a client error
+        return error_response(503, str(e))
+
+
+async def _generate(request: web.Request, engine: Engine) -> web.StreamResponse:
     body = await json_body(request)
     inputs, is_batch = parse_generate(body, engine.tokenizer, engine.vocab_size, engine.max_positions)
     if is_batch:
@@ -139,6 +148,54 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return result_response(False, f"update_weights_from_disk: {e}", num_paused_requests=0)
     # SGLang's reply field: requests held across the update (ours went on, each token stamped with its version)
     return result_response(True, msg, num_paused_requests=in_flight)
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """SGLang's UpdateWeightsFromTensorReqInput: serialized_named_tensors (one MultiprocessingSerializer payload per
+    TP rank), load_format, flush_cache, abort_all_requests, weight_version."""
+    engine = request.app[ENGINE_KEY]
+    body = await json_body(request)
+    unknown = sorted(set(body) - {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                                  "weight_version"})
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field (not a field of SGLang's UpdateWeightsFromTensorReqInput)")
+    serialized = body_field(body, "serialized_named_tensors", list)
+    load_format = body_field(body, "load_format", str, None, allow_none=True)
+    version, flush, abort_all = _update_flags(body)
+    try:
+        msg, in_flight = await engine.update_from_tensor(serialized, load_format, version, flush, abort_all)
+    except PayloadError as e:
+        raise BadRequest(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - reported to the caller
+        logger.exception("update_weights_from_tensor failed")
+        return result_response(False, f"update_weights_from_tensor: {e}")
+    return result_response(True, msg, num_paused_requests=in_flight)
+
+
+async def _memory_call(request: web.Request, release: bool) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = await json_body(request, required=False)
+    extra = sorted(set(body) - {"tags"})
+    if extra:
+        raise BadRequest(f"{extra[0]}: unknown field (SGLang's memory occupation requests have only tags)")
+    try:
+        tags = parse_tags(body.get("tags"))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    try:
+        msg = await (engine.release_memory(tags) if release else engine.resume_memory(tags))
+    except MemoryStateError as e:
+        return result_response(False, str(e))
+    logger.info("%s", msg)
+    return result_response(True, msg)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory_call(request, release=True)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory_call(request, release=False)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -231,8 +288,8 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.scheduler._thread.is_alive():
         return web.Response(status=503)
-    if engine.scheduler.paused:
-        return web.Response(status=200)
+    if engine.scheduler.paused or engine.memory.generation_blocker() is not None:
+        return web.Response(status=200)  # alive, deliberately not generating (paused, or memory released)
     bos = engine.tokenizer.bos_token_id or 0
     inp = GenerateInput(f"HEALTH_CHECK_{time.time_ns()}", [bos], SamplingParams(max_new_tokens=1, temperature=0.0), False, False)
     try:
@@ -249,6 +306,9 @@ def build_app(engine: Engine, host: str, port: int) -> web.Application:
     post = [
         ("/generate", generate), ("/abort_request", abort_request),
         ("/update_weights_from_disk", update_weights_from_disk),
+        ("/update_weights_from_tensor", update_weights_from_tensor),
+        ("/release_memory_occupation", release_memory_occupation),
+        ("/resume_memory_occupation", resume_memory_occupation),
         ("/init_weights_update_group", init_weights_update_group),
         ("/update_weights_from_distributed", update_weights_from_distributed),
         ("/destroy_weights_update_group", destroy_weights_update_group),

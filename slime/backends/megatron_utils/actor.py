@@ -27,7 +27,9 @@ from slime.backends.megatron_utils.model import Built, build_gpt, forward_items,
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
 from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
 from slime.backends.training_utils.data import TrainItem, flatten_groups, micro_batches, shard, split_steps
-from slime.backends.training_utils.distributed import open_master_port
+from slime.backends.training_utils.distributed import open_master_port, physical_device_index
+from slime.backends.training_utils.offload import DeviceOffloader, Offloadable, module_tensors, optimizer_tensors
+from slime.backends.training_utils.weight_feed import EngineFeed
 from slime.backends.training_utils.loss import RolloutTensors, compute_rollout_tensors, micro_batch_loss, needs_ref
 from slime.utils.model_shape import read_shape
 from slime.utils.types import Sample
@@ -35,7 +37,7 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 
-class MegatronTrainer:
+class MegatronTrainer(Offloadable):
     def __init__(self, args, rank: int = 0, world_size: int = 1):
         self.args = args
         self.rank = rank
@@ -47,6 +49,7 @@ class MegatronTrainer:
         self.scheduler = None
         self.updater: MegatronWeightUpdater | None = None
         self._owns_pg = False
+        self.offloader = DeviceOffloader(f"Megatron trainer rank {rank}")
         self._master_sock = None
 
     # ------------------------------------------------------------ set-up ----
@@ -66,7 +69,7 @@ class MegatronTrainer:
                                                             args.tensor_model_parallel_size, args.seed,
                                                             listen_host=args.listen_host, listen_sock=sock)
         shape = read_shape(args.hf_checkpoint)
-        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
+        tp = self.layout.tp_size
         self.actor = build_gpt(args, shape, tp, trainable=True, wrap_ddp=True)
         self._load_initial(self.actor, args.ref_load)
         if needs_ref(args):
@@ -80,7 +83,7 @@ class MegatronTrainer:
         n_params = sum(p.numel() for p in self.actor.core.parameters())
         logger.info("rank %d: Megatron GPTModel from %s (%d local params, TP %d, DP %d, ref=%s)", self.rank,
                     args.ref_load or args.hf_checkpoint, n_params, tp, self.layout.dp_size, self.ref is not None)
-        return {"num_params": n_params, "tp": tp, "dp": self.layout.dp_size}
+        return {"num_params": n_params, "tp": tp, "dp": self.layout.dp_size, "device_index": physical_device_index()}
 
     def _load_initial(self, built: Built, ref_load: str | None) -> None:
         """`--ref-load` (a torch_dist checkpoint, or a HF directory) when
@@ -143,6 +146,10 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------- train ----
     def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
+        with self.on_device("train"):
+            return self._train(rollout_id, groups, policy_version)
+
+    def _train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         items, rt, metrics = self._prepare(groups)
         if not items:
@@ -213,36 +220,35 @@ class MegatronTrainer:
         return parts
 
     # ---------------------------------------------------- weights, ckpt ----
-    def update_weights(self, urls: list[str], version: int) -> dict[str, float]:
-        return self.updater.update(list(urls), int(version))
+    def update_weights(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+        with self.on_device("update_weights"):
+            return self.updater.update(list(urls), int(version), feeds)
 
     def save(self, path: str) -> None:
-        ckpt.save(self, path)
+        with self.on_device("save"):
+            ckpt.save(self, path)
 
     def load(self, path: str) -> None:
-        ckpt.load(self, path)
+        with self.on_device("load"):
+            ckpt.load(self, path)
 
     def export_hf(self, path: str) -> None:
         import torch.distributed as dist
 
-        state = dict(gather_hf_weights(self.actor, self.layout))
-        if self.rank == 0:
-            write_hf_dir(state, path, self.args.hf_checkpoint)
+        with self.on_device("export_hf"):
+            state = dict(gather_hf_weights(self.actor, self.layout))
+            if self.rank == 0:
+                write_hf_dir(state, path, self.args.hf_checkpoint)
         dist.barrier()
 
-    def offload(self) -> None:
-        """Colocated runs, between phases: free accelerator memory for the
-        engines. On CPU the trainer and the engines share the cores: nothing
-        to move."""
-        if torch.cuda.is_available():  # gradients and optimizer state (incl. fp32 main weights) leave the GPU
-            self.actor.model.offload_grad_buffers()
-            self.optimizer.offload_to_cpu()
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if torch.cuda.is_available():
-            self.optimizer.restore_from_cpu()
-            self.actor.model.restore_grad_buffers()
+    def _state_tensors(self):
+        """--offload: parameters (and Megatron's contiguous parameter / gradient buffers behind them), the
+        optimizer's fp32 main weights and Adam state, for the policy and the reference model."""
+        for built in (self.actor, self.ref):
+            if built is not None:
+                yield from module_tensors(built.model)
+        for opt in megatron_inner_optimizers(self.optimizer):
+            yield from optimizer_tensors(opt)
 
     def ready(self) -> int:
         return self.rank
@@ -256,3 +262,10 @@ class MegatronTrainer:
         parallel.destroy_parallel(self._owns_pg)
         self._owns_pg = False
         self.layout = None
+
+
+def megatron_inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (a ChainedOptimizer holds several)."""
+    chained = optimizer.__dict__.get("chained_optimizers")
+    parts = chained if chained is not None else [optimizer]
+    return [p.optimizer for p in parts if p.__dict__.get("optimizer") is not None]

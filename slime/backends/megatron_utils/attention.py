@@ -10,7 +10,6 @@ real ones and no mask is needed.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType

@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 SAFETENSORS_SHARD_BYTES = 4 * 1024**3
 
 
-def gather_full(built: Built, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective over each TP group of DP replica 0: (Megatron name, full
-    tensor) on that replica's ranks, in `megatron_names` order."""
-    if not layout.is_weight_source:
+def gather_full(built: Built, layout: Layout, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over each TP group of DP replica 0 (with `everywhere`, of every replica): (Megatron name,
+    full tensor) on those ranks, in `megatron_names` order."""
+    if not (everywhere or layout.is_weight_source):
         return
     params = named_local_params(built.core)
     group = tp_group()
@@ -47,12 +47,13 @@ def gather_full(built: Built, layout: Layout) -> Iterator[tuple[str, torch.Tenso
         yield name, full
 
 
-def gather_hf_weights(built: Built, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_weights(built: Built, layout: Layout, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: HF-named tensors (on the trainer's device, so a GPU
-    broadcast never round-trips through the host) on global rank 0; other
-    ranks take part in the gathers and yield nothing."""
-    for name, full in gather_full(built, layout):
-        if layout.rank == 0:
+    broadcast never round-trips through the host) on global rank 0, or with
+    `everywhere` on every rank (tensor sync: each rank feeds the engine on its
+    GPU); other ranks take part in the gathers and yield nothing."""
+    for name, full in gather_full(built, layout, everywhere):
+        if everywhere or layout.rank == 0:
             for hf_name, t in hf_weights.full_to_hf(name, full, built.shape):
                 yield hf_name, t.detach().clone(memory_format=torch.contiguous_format)
 
@@ -63,8 +64,8 @@ class MegatronWeightUpdater(WeightUpdater):
         self.built = built
         self.layout = layout
 
-    def named_weights(self):
-        return gather_hf_weights(self.built, self.layout)
+    def named_weights(self, everywhere: bool = False):
+        return gather_hf_weights(self.built, self.layout, everywhere)
 
     def write_hf(self, state: dict[str, torch.Tensor], path: str) -> None:
         write_hf_dir(state, path, self.args.hf_checkpoint)

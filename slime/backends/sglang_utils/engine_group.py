@@ -180,6 +180,15 @@ class EngineGroup(WeightUpdateMixin):
             return [e.host.node() for e in self.engines]
         return self._gather([e.actor.node.remote() for e in self.engines], "node", 30.0)
 
+    def engine_devices(self) -> list[tuple[int, ...] | None]:
+        """Per engine rank: the node GPU indices its server runs on (its bundles' GPUs, in TP order), or None
+        where no bundle says (hosted in this process, or on CPU)."""
+        out: list[tuple[int, ...] | None] = []
+        for rank in range(self.num_engines):
+            ids = self.slots[rank].gpu_ids if self.placed else ()
+            out.append(tuple(int(g) for g in ids) if ids and all(str(g).isdigit() for g in ids) else None)
+        return out
+
     # --- faults: which engine, what is wrong, restart it --------------------------------
     def engine_rank(self, url: str) -> int | None:
         """The rank of the engine this group launched at `url` (None: not ours)."""
@@ -345,6 +354,18 @@ class EngineGroup(WeightUpdateMixin):
     def flush_cache(self, timeout: float = 60.0) -> dict | None:
         """POST /flush_cache through the router (which fans it out to every worker)."""
         return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
+
+    def release_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /release_memory_occupation {"tags"} to every engine this group launched (colocated: they share
+        devices with the trainer). SGLang needs idle engines and --enable-memory-saver (the launcher passes it
+        with --colocate)."""
+        self.wait_all(self._submit_all("POST", "/release_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /release_memory_occupation", timeout + 5)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
+        """POST /resume_memory_occupation {"tags"} to every engine this group launched."""
+        self.wait_all(self._submit_all("POST", "/resume_memory_occupation", {"tags": tags}, timeout,
+                                       urls=self.engine_urls), "POST /resume_memory_occupation", timeout + 5)
 
     def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True,
                                  abort_all_requests: bool = False, timeout: float = 600.0) -> dict[str, object]:

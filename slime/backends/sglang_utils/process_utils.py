@@ -153,6 +153,13 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %s) still alive after SIGKILL", self.name, pgid)
+        # SIGKILL is delivered asynchronously: a straggler may still run for a moment (longer on a loaded box);
+        # return only once the group is gone, so a caller that frees the port or the GPU next finds them free
+        deadline = time.monotonic() + 5
+        while process_group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if process_group_members(pgid):
+            logger.error("%s: processes %s of group %s still alive after SIGKILL", self.name, process_group_members(pgid), pgid)
 
 
 def process_problem(proc: "ManagedProcess") -> str | None:

@@ -57,11 +57,6 @@ def resolve_rollout_backend(args) -> str:
             raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
         logger.info("--rollout-backend %s", choice)
         backend = choice
-    if backend == "sglang" and args.colocate:
-        # Sharing GPUs with SGLang needs its memory release/resume around training (not built yet);
-        # on CPU the embedded engines and trainers simply share the cores.
-        raise RuntimeError("--colocate with SGLang engines needs GPU memory offload around each phase, which is not "
-                           "built yet; run disaggregated (--rollout-num-gpus N without --colocate)")
     return backend
 
 
@@ -92,8 +87,8 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
     """`python -m sglang.launch_server ...` for engine `engine_rank`.
 
     Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our
-    flags, a per-engine --random-seed (args.seed + rank) and --weight-version 0
-    unless the user passed them, then appends every `--sglang-<flag>` from
+    flags, a per-engine --random-seed (args.seed + rank), --weight-version 0 and,
+    with --colocate, --enable-memory-saver unless the user passed them, then appends every `--sglang-<flag>` from
     `args.sglang_extra_args` ({flag-name: str | True}). A user `--sglang-host`
     replaces the loopback default.
     """
@@ -116,6 +111,8 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
         cmd += ["--random-seed", str(args.seed + engine_rank)]
     if "weight-version" not in names:
         cmd += ["--weight-version", "0"]
+    if args.colocate and "enable-memory-saver" not in names:
+        cmd += ["--enable-memory-saver"]  # /release_memory_occupation frees the GPU memory only with it
     cmd += _extra_args_to_argv(extra, "sglang-", _RESERVED_SGLANG_FLAGS)
     return cmd
 
@@ -136,6 +133,8 @@ def build_embedded_engine_command(args, engine_rank: int, port: int, host: str =
         "--port", str(port),
     ]
     cmd += ["--num-threads", str(args.embedded_engine_threads), "--seed", str(args.seed + engine_rank)]
+    if args.colocate and "enable-memory-saver" not in _extra_flag_names(args.sglang_extra_args):
+        cmd += ["--enable-memory-saver"]  # as for SGLang: colocated engines release their memory around training
     known = _embedded_engine_flags()
     unknown = sorted(f for f in _extra_flag_names(args.sglang_extra_args) if f not in known)
     if unknown:

@@ -82,3 +82,18 @@ def open_master_port(listen_host: str) -> tuple[socket.socket, str, int]:
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
+
+
+def physical_device_index() -> int | None:
+    """This process's accelerator as an index among the node's devices (None on CPU). Ray gives a GPU actor
+    CUDA_VISIBLE_DEVICES listing its node-level GPU ids; torch numbers them from 0."""
+    if not use_cuda():
+        return None
+    idx = torch.cuda.current_device()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return idx
+    if not visible[idx].isdigit():
+        raise RuntimeError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} names devices by UUID; "
+                           "colocated weight handover needs node-level GPU indices")
+    return int(visible[idx])

@@ -1,0 +1,140 @@
+"""An independent reader of SGLang's /update_weights_from_tensor payload, written from SGLang's format
+(io_struct.UpdateWeightsFromTensorReqInput, utils.MultiprocessingSerializer + SafeUnpickler,
+patch_torch.monkey_patch_torch_reductions, weight_sync/tensor_bucket.FlattenedTensorBucket); it imports
+nothing from slime. Run as a tiny HTTP worker:
+
+    python tests/sglang_format_reader.py --port P --out DIR
+
+Each POST /update_weights_from_tensor is read the way an SGLang TP worker reads it: entry `tp_rank` of
+`serialized_named_tensors` is base64-decoded (validate=True) and unpickled with SGLang's module allow-list
+(after its reductions patch, so a CUDA device may be a GPU UUID); a "flattened_bucket" entry is rebuilt
+from metadata read by attribute, both ways SGLang has done it (element slices in the bucket's dtype, and
+byte slices viewed as the tensor's dtype), which must agree. Every TP rank's entry is read; the tensors go
+to DIR/bucket_NNNN.pt and the request's fields to DIR/requests.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import pickle
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+from torch.multiprocessing import reductions
+
+# SGLang's SafeUnpickler allow-list (module prefixes) and deny-list
+ALLOWED_PREFIXES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
+    "peft.", "transformers.", "huggingface_hub.", "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.", "sglang.srt.utils.",
+)
+DENIED = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
+          ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
+          ("types", "FunctionType")}
+
+
+def rebuild_cuda_tensor_by_uuid(*args):
+    """What SGLang's patched rebuild does with argument 6: a GPU UUID becomes this process's device index."""
+    dev = args[6]
+    if isinstance(dev, str):
+        dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
+    return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
+
+
+class SGLangUnpickler(pickle.Unpickler):
+    globals_seen: list
+
+    def find_class(self, module, name):
+        self.globals_seen.append(f"{module}.{name}")
+        if (module, name) in DENIED or not (module + ".").startswith(ALLOWED_PREFIXES):
+            raise pickle.UnpicklingError(f"SGLang would refuse {module}.{name}")
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return rebuild_cuda_tensor_by_uuid  # monkey_patch_torch_reductions() runs before deserializing
+        return super().find_class(module, name)
+
+
+def deserialize(entry: str, globals_seen: list):
+    raw = base64.b64decode(entry, validate=True)
+    u = SGLangUnpickler(io.BytesIO(raw))
+    u.globals_seen = globals_seen
+    return u.load()
+
+
+def reconstruct_bucket(obj) -> dict[str, torch.Tensor]:
+    flat, metadata = obj["flattened_tensor"], obj["metadata"]
+    out = {}
+    for meta in metadata:
+        piece = flat[meta.start_idx: meta.end_idx]
+        newer = piece.view(meta.dtype).reshape(meta.shape)  # uint8-capable reader
+        older = piece.reshape(meta.shape)  # element-indexed reader
+        if older.dtype != meta.dtype:
+            older = older.to(meta.dtype)
+        assert meta.numel == meta.end_idx - meta.start_idx, meta
+        assert torch.equal(newer, older), f"{meta.name}: the two SGLang readers disagree"
+        out[meta.name] = newer.clone()
+    return out
+
+
+class Handler(BaseHTTPRequestHandler):
+    out_dir = "."
+    lock = threading.Lock()
+    count = [0]
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _reply(self, code: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._reply(200, {"ok": True})
+
+    def do_POST(self):
+        if self.path != "/update_weights_from_tensor":
+            return self._reply(404, {"error": self.path})
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        try:
+            entries = req["serialized_named_tensors"]
+            seen: list = []
+            per_rank = []
+            for entry in entries:  # each TP worker reads its own entry
+                obj = deserialize(entry, seen)
+                if req.get("load_format") == "flattened_bucket":
+                    per_rank.append(reconstruct_bucket(obj))
+                else:
+                    per_rank.append({n: t.clone() for n, t in obj})
+                del obj
+        except Exception as e:  # noqa: BLE001 - reported like SGLang does
+            return self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+        with self.lock:
+            i = self.count[0]
+            self.count[0] += 1
+            torch.save(per_rank, os.path.join(self.out_dir, f"bucket_{i:04d}.pt"))
+            with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
+                f.write(json.dumps({k: v for k, v in req.items() if k != "serialized_named_tensors"}
+                                   | {"entries": len(entries), "globals": sorted(set(seen))}) + "\n")
+        self._reply(200, {"success": True, "message": "Success"})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    Handler.out_dir = a.out
+    ThreadingHTTPServer(("127.0.0.1", a.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def _kill_then_resume(d, out, *extra):
         time.sleep(0.05)
     assert proc.poll() is None, f"train.py ended before it could be killed:\n{(out / 'first.log').read_text()[-3000:]}"
     children = _children(proc.pid)
-    router = [p for p in children if b"sglang_router" in open(f"/proc/{p}/cmdline", "rb").read()]
+    # sglang-router renames itself (setproctitle "sglang::router") once it has started
+    router = [p for p in children if re.search(rb"sglang_router|sglang::router", open(f"/proc/{p}/cmdline", "rb").read())]
     placement = json.loads((out / "run" / "placement.json").read_text())
     # the engines' servers are children of their host actors (Ray workers), not of the driver
     servers = [e["server_pid"] for e in placement["engines"]]

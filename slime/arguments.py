@@ -50,6 +50,9 @@ class Args(argparse.Namespace):
         return Args(**values)._freeze()
 
 
+# the built-in APRIL rollout (--rollout-function-path's default); stream mode always runs it
+BUILTIN_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+
 # Flags whose component is still to be built: setting them fails at once
 # instead of being silently ignored.
 NOT_BUILT_YET: dict[str, str] = {}
@@ -99,7 +102,7 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--num-rollout", type=int, default=None, help="number of rollout steps")
     g.add_argument("--num-epoch", type=int, default=None, help="epochs over the prompt data (sets --num-rollout)")
-    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout")
+    g.add_argument("--rollout-function-path", type=str, default=BUILTIN_ROLLOUT_FUNCTION)
     g.add_argument("--custom-generate-function-path", type=str, default=None)
     g.add_argument("--rollout-ignore-eos", action="store_true", help="generate to the full budget (benchmarks)")
     g.add_argument("--rollout-request-timeout", type=float, default=1800.0, help="seconds for one /generate request")
@@ -146,10 +149,13 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffer-filter-path", type=str, default=None, help="order in which parked groups are resumed (default FIFO)")
     g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="e.g. slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
-    g.add_argument("--rollout-mode", choices=["chunked", "pool"], default="chunked",
-                   help="chunked: submit whole chunks of groups; pool: keep --rollout-pool-size requests in flight (CoPRIS)")
+    g.add_argument("--rollout-mode", choices=["chunked", "pool", "stream"], default="chunked",
+                   help="chunked: submit whole chunks of groups; pool: keep --rollout-pool-size requests in flight (CoPRIS); "
+                        "stream (train_async.py only): keep --rollout-pool-size requests in flight across steps, the "
+                        "trainer takes the next --rollout-batch-size accepted groups as soon as they exist")
     g.add_argument("--rollout-pool-size", type=int, default=None,
-                   help="requests in flight in pool mode (default: --sglang-server-concurrency x engines)")
+                   help="requests in flight in pool and stream modes (default: --sglang-server-concurrency x engines; "
+                        "stream: --rollout-batch-size x --n-samples-per-prompt, at most that)")
     g.add_argument("--max-staleness", type=int, default=None,
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
@@ -314,6 +320,21 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="metrics.jsonl, traces, logs (default: runs/<date-time> under the working directory)")
 
 
+def _add_async_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("asynchronous training (train_async.py)")
+    g.add_argument("--max-async-lag", type=int, default=1,
+                   help="how many policy versions the rollout may run ahead of the trainer: a batch trained at "
+                        "version P is collected while the engines serve versions >= P - lag (backpressure beyond)")
+    g.add_argument("--update-weights-interval", type=int, default=1,
+                   help="push the trainer's weights to the engines every N steps (in flight)")
+    g.add_argument("--in-flight-update", choices=["auto", "abort", "in_place"], default="auto",
+                   help="how a weight update reaches requests in flight. abort: every request is aborted, waits, and "
+                        "resumes from its tokens under the new version (SGLang's documented pause path; any engine). "
+                        "in_place: requests run on and the engine labels each token with the version that sampled it "
+                        "(meta_info.weight_versions; the embedded engine). auto: in_place on the embedded engine, "
+                        "abort on SGLang")
+
+
 def _add_debug_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("debug")
     g.add_argument("--debug-rollout-only", action="store_true")
@@ -344,17 +365,29 @@ def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
     return p.parse_args(list(argv))
 
 
-def build_parser() -> argparse.ArgumentParser:
+ENTRIES = {
+    "train.py": "RL post-training with APRIL partial rollouts",
+    "train_async.py": "asynchronous RL post-training: the rollout of the next steps overlaps training, with APRIL "
+                      "partial rollouts and exact per-token policy versions",
+}
+
+
+def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
+    """The parser of one entry point; the asynchronous flags exist only for train_async.py."""
+    if entry not in ENTRIES:
+        raise ValueError(f"build_parser: unknown entry point {entry!r} (one of {sorted(ENTRIES)})")
     p = argparse.ArgumentParser(
-        prog="train.py",
-        description="RL post-training with APRIL partial rollouts",
+        prog=entry,
+        description=ENTRIES[entry],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    for add in (_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
-                _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
-                _add_reward_args, _add_logging_args, _add_debug_args,
-                _add_sglang_args):
+    adders = [_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
+              _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
+              _add_reward_args, _add_logging_args, _add_debug_args, _add_sglang_args]
+    if entry == "train_async.py":
+        adders.insert(4, _add_async_args)
+    for add in adders:
         add(p)
     return p
 
@@ -439,6 +472,9 @@ def _fill_defaults(a: Args) -> None:
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
+    if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
+        # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
+        a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
     if a.update_weight_mode is None:
         a.update_weight_mode = "disk" if a.update_weights_from_disk else ("tensor" if a.colocate else "distributed")
     if a.rollout_pool_size is None:
@@ -455,7 +491,27 @@ def _require(cond: bool, flag: str, rule: str) -> None:
         raise ArgumentError(f"{flag}: {rule}")
 
 
-def validate_args(a: Args) -> None:
+def validate_async_args(a: Args) -> None:
+    """train_async.py's rules (its flags exist only in its parser)."""
+    _require(a.max_async_lag >= 1, "--max-async-lag", "must be >= 1 (0 is synchronous training: use train.py)")
+    _require(a.update_weights_interval >= 1, "--update-weights-interval", "must be >= 1")
+    _require(a.max_async_lag >= a.update_weights_interval, "--max-async-lag",
+             f"({a.max_async_lag}) must be >= --update-weights-interval ({a.update_weights_interval}): between two "
+             "updates the engines fall that many versions behind, and a batch can only be collected within the lag")
+    _require(not (a.in_flight_update == "in_place" and a.rollout_backend == "sglang"), "--in-flight-update in_place",
+             "SGLang holds a weight update until the requests in flight finish (its model-update lock); use abort")
+    _require(not a.colocate, "--colocate", "train_async.py overlaps rollout and training, so engines and trainers "
+             "need their own devices; use train.py for colocated runs")
+    _require(not a.use_fault_tolerance, "--use-fault-tolerance", "train_async.py does not restart engines under a "
+             "running rollout yet (an engine fault stops the run, naming the engine); use train.py to restart them")
+    for value, flag in ((a.debug_rollout_only, "--debug-rollout-only"), (a.debug_train_only, "--debug-train-only"),
+                        (a.load_debug_rollout_data, "--load-debug-rollout-data")):
+        _require(not value, flag, "has no rollout and training to overlap; use train.py")
+    _require(a.rollout_mode != "stream" or a.rollout_function_path == BUILTIN_ROLLOUT_FUNCTION, "--rollout-function-path",
+             f"--rollout-mode stream runs the built-in rollout ({BUILTIN_ROLLOUT_FUNCTION}), not {a.rollout_function_path}")
+
+
+def validate_args(a: Args, entry: str = "train.py") -> None:
     """All rules in one place; each error names the flag and the rule."""
     for name, why in NOT_BUILT_YET.items():
         _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
@@ -493,6 +549,10 @@ def validate_args(a: Args) -> None:
              f"({a.rollout_num_gpus}) must be divisible by --rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine})")
     _require(a.sglang_server_concurrency > 0, "--sglang-server-concurrency", "must be > 0")
     _require(a.rollout_pool_size > 0, "--rollout-pool-size", "must be > 0")
+    _require(a.rollout_mode != "stream" or entry == "train_async.py", "--rollout-mode stream",
+             "keeps requests in flight while the trainer trains, which needs train_async.py")
+    _require(a.rollout_mode != "stream" or a.partial_rollout, "--rollout-mode stream",
+             "needs --partial-rollout (requests in flight at a checkpoint or an update are parked and resumed)")
     _require(a.max_staleness is None or a.max_staleness >= 0, "--max-staleness", "must be >= 0")
     _require(a.embedded_engine_threads > 0, "--embedded-engine-threads", "must be > 0")
     _require(a.train_num_threads > 0, "--train-num-threads", "must be > 0")
@@ -565,6 +625,8 @@ def validate_args(a: Args) -> None:
     _require(a.eval_interval is None or (a.eval_interval > 0 and a.eval_datasets), "--eval-interval",
              "must be > 0 and needs --eval-prompt-data")
     _require(a.n_samples_per_eval_prompt > 0, "--n-samples-per-eval-prompt", "must be > 0")
+    if entry == "train_async.py":
+        validate_async_args(a)
 
 
 # Megatron-only flags: (name, value that means "not used")
@@ -636,12 +698,13 @@ def validate_trainer_args(a: Args) -> None:
                  f"({tp}) must divide the MLP width ({shape.ffn_hidden_size})")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Args:
-    """Parse, fill derived defaults, validate, freeze; raises `ArgumentError` naming the flag and rule."""
-    parser = build_parser()
+def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:
+    """Parse `entry`'s flags (train.py or train_async.py), fill derived defaults, validate, freeze;
+    raises `ArgumentError` naming the flag and rule."""
+    parser = build_parser(entry)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
     ns.sglang_extra_args = _split_sglang_extra(unknown)
     _fill_defaults(ns)
-    validate_args(ns)
+    validate_args(ns, entry)
     return ns._freeze()

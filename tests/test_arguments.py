@@ -158,6 +158,47 @@ def test_over_sampling_modes(base):
     assert parse_args(base + ["--over-sampling-batch-size", "2"]).over_sampling_batch_size == 2
 
 
+def test_train_async_flags_exist_only_for_train_async(base):
+    a = parse_args(base, entry="train_async.py")
+    assert a.max_async_lag == 1 and a.update_weights_interval == 1
+    assert parse_args(base + ["--max-async-lag", "3", "--rollout-mode", "stream", "--partial-rollout"],
+                      entry="train_async.py").max_async_lag == 3
+    # train.py has no rollout running ahead: the flag is unknown there, and stream mode is refused by name
+    with pytest.raises(ArgumentError, match="--max-async-lag"):
+        parse_args(base + ["--max-async-lag", "2"])
+    with pytest.raises(ArgumentError, match="^--rollout-mode stream: .*train_async.py"):
+        parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"])
+    with pytest.raises(ValueError, match="unknown entry point"):
+        parse_args(base, entry="nope.py")
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--max-async-lag", "0"], "--max-async-lag"),
+        (["--update-weights-interval", "0"], "--update-weights-interval"),
+        (["--update-weights-interval", "2"], "--max-async-lag"),  # the lag must cover the versions between updates
+        (["--colocate"], "--colocate"),  # rollout and training overlap: they cannot share devices
+        (["--use-fault-tolerance"], "--use-fault-tolerance"),  # engine restarts are train.py's
+        (["--debug-train-only"], "--debug-train-only"),
+        (["--debug-rollout-only"], "--debug-rollout-only"),
+        (["--rollout-mode", "stream"], "--rollout-mode stream"),  # without --partial-rollout
+        (["--rollout-mode", "stream", "--partial-rollout", "--rollout-function-path", "my.rollout"],
+         "--rollout-function-path"),
+    ],
+)
+def test_train_async_rules_name_the_flag(base, extra, flag):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(base + extra, entry="train_async.py")
+    assert str(e.value).startswith(flag + ":")
+
+
+def test_stream_pool_defaults_to_one_batch_of_requests(base):
+    a = parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"], entry="train_async.py")
+    assert a.rollout_pool_size == 4 * 2  # --rollout-batch-size x --n-samples-per-prompt
+    assert parse_args(base + ["--rollout-mode", "pool"]).rollout_pool_size == 512
+
+
 def test_update_weight_mode_defaults_and_slime_disk_flag(base):
     assert parse_args(base).update_weight_mode == "distributed"
     colo = parse_args(base + ["--colocate", "--offload"])

@@ -104,8 +104,8 @@ def test_staleness_restart_wastes_tokens_and_a_filter_costs_groups():
 
 def test_fully_async_mode_lags_and_respects_the_async_lag():
     lengths = ParetoLengths(1.0, 8, 128)
-    fast = simulate(_long_tail(mode="async", pool_size=32, train_time_s=0.05, max_async_lag=1), FLAT, lengths).summary()
-    slow = simulate(_long_tail(mode="async", pool_size=32, train_time_s=5.0, max_async_lag=1), FLAT, lengths).summary()
+    fast = simulate(_long_tail(mode="stream", pool_size=32, train_time_s=0.05, max_async_lag=1), FLAT, lengths).summary()
+    slow = simulate(_long_tail(mode="stream", pool_size=32, train_time_s=5.0, max_async_lag=1), FLAT, lengths).summary()
     assert fast["off_policy_token_ratio"] > 0.0
     assert slow["engine_idle_fraction"] > fast["engine_idle_fraction"]  # the rollout waits for a slow trainer
 

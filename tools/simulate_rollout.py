@@ -6,7 +6,7 @@
     python tools/simulate_rollout.py run --cost gpu:h100:qwen3-4b:tp2 --num-engines 4 \
         --rollout-batch-size 32 --n-samples-per-prompt 8 --over-sampling-batch-size 64 \
         --rollout-max-response-len 16384 --lengths lognormal:median=6000,sigma=0.8,corr=0.5,prompt=200 \
-        --modes sync april pool async
+        --modes sync april pool stream
     python tools/simulate_rollout.py run --cost cost.json --lengths run:runs/quickstart-april ...
     # the APRIL paper's configuration (Qwen3-4B, DAPO-Math-17k-like lengths, 32 x 8, over-sampling 64, 8 H100s)
     python tools/simulate_rollout.py paper
@@ -67,24 +67,28 @@ def parse_lengths(spec: str, max_response_len: int):
     return ParetoLengths(kv.get("alpha", 1.0), int(kv.get("scale", 1)), int(kv.get("cap", 64)), int(kv.get("prompt", 6)))
 
 
-def mode_config(mode: str, base: SimConfig, over_sampling: int | None) -> SimConfig:
+def mode_config(mode: str, base: SimConfig, over_sampling: int | None, stream_pool_size: int | None = None) -> SimConfig:
+    """A mode's config; the names are the real runs': sync and april (train.py with and without
+    --partial-rollout), pool (--rollout-mode pool), stream (train_async.py --rollout-mode stream, whose
+    pool defaults to one batch of requests: `stream_pool_size`)."""
     if mode == "sync":
         return base.replace(mode="chunked", partial_rollout=False, over_sampling_batch_size=None)
     if mode == "april":
         return base.replace(mode="chunked", partial_rollout=True, over_sampling_batch_size=over_sampling)
     if mode == "pool":
         return base.replace(mode="pool", partial_rollout=True)
-    if mode == "async":
-        return base.replace(mode="async")
-    raise ValueError(f"unknown mode {mode!r} (sync, april, pool, async)")
+    if mode == "stream":
+        return base.replace(mode="stream", pool_size=stream_pool_size or base.pool_size)
+    raise ValueError(f"unknown mode {mode!r} (sync, april, pool, stream)")
 
 
-def run_modes(cost: EngineCostModel, lengths, base: SimConfig, modes: list[str], over_sampling: list[int]) -> list[dict]:
+def run_modes(cost: EngineCostModel, lengths, base: SimConfig, modes: list[str], over_sampling: list[int],
+              stream_pool_size: int | None = None) -> list[dict]:
     """Simulate every mode (APRIL once per over-sampling size); one summary dict each."""
     out = []
     for mode in modes:
         for os_size in (over_sampling if mode == "april" else [None]):
-            out.append(simulate(mode_config(mode, base, os_size), cost, lengths).summary())
+            out.append(simulate(mode_config(mode, base, os_size, stream_pool_size), cost, lengths).summary())
     return out
 
 
@@ -191,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--rollout-max-response-len", type=int, required=True)
     r.add_argument("--num-engines", type=int, default=1)
     r.add_argument("--sglang-server-concurrency", type=int, default=512)
-    r.add_argument("--rollout-pool-size", type=int, default=None, help="default: concurrency x engines")
+    r.add_argument("--rollout-pool-size", type=int, default=None,
+                   help="default: concurrency x engines (stream: one batch of requests, capped by that, as train_async.py)")
     r.add_argument("--pass-rate", type=float, default=1.0, help="share of finished groups the dynamic filter keeps")
     r.add_argument("--max-staleness", type=int, default=None)
     r.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart")
     r.add_argument("--reuse-stale-kv", action="store_true")
     r.add_argument("--train-time", type=float, default=0.0, help="seconds of training per step")
-    r.add_argument("--max-async-lag", type=int, default=1)
+    r.add_argument("--max-async-lag", type=int, default=1, help="stream mode: train_async.py's flag")
     r.add_argument("--ignore-eos", action="store_true", help="every sample runs to its drawn length as its budget")
     r.add_argument("--steps", type=int, default=12)
     r.add_argument("--warmup", type=int, default=3)
@@ -235,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                      staleness_policy=a.staleness_policy, reuse_stale_kv=a.reuse_stale_kv, train_time_s=a.train_time,
                      max_async_lag=a.max_async_lag, budgets_are_lengths=a.ignore_eos, steps=a.steps,
                      warmup_steps=a.warmup, seed=a.seed)
-    rows = run_modes(cost, lengths, base, a.modes, a.over_sampling_batch_size or [2 * a.rollout_batch_size])
+    stream_pool = a.rollout_pool_size or min(a.rollout_batch_size * a.n_samples_per_prompt,
+                                             a.sglang_server_concurrency * a.num_engines)
+    rows = run_modes(cost, lengths, base, a.modes, a.over_sampling_batch_size or [2 * a.rollout_batch_size], stream_pool)
     print(f"engine: {cost.describe()}\nlengths: {lengths.describe()}")
     print_table(rows)
     if a.auto:

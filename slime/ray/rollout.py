@@ -114,6 +114,11 @@ class RolloutManager:
             return self._load_debug(rollout_id)
         out = self._surviving_engine_faults(
             lambda: self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False))
+        return self.finish_batch(rollout_id, out)
+
+    def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
+        """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
+        metrics, debug dump."""
         out.metrics.update(group_reward_metrics(out.groups, "reward", self.args.reward_key))
         out.metrics["engine/restarts"] = float(self.engine_restarts)
         if self.data_source is not None:
@@ -212,6 +217,11 @@ class RolloutManager:
 
     def ledger_summary(self) -> dict[str, int]:
         return ray.get(self.buffer.ledger_summary.remote(), timeout=BUFFER_TIMEOUT_S)
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Groups the buffer holds now: parked (unfinished) and ready (finished, not yet trained)."""
+        parked, ready = ray.get([self.buffer.num_parked.remote(), self.buffer.num_ready.remote()], timeout=BUFFER_TIMEOUT_S)
+        return {"parked": int(parked), "ready": int(ready)}
 
     # ---- checkpoints --------------------------------------------------------
     def save_buffer(self, path: str) -> None:

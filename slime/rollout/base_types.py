@@ -22,6 +22,13 @@ class RolloutContext:
     # an aiohttp.ClientSession on the caller's running event loop, reused across steps so connections
     # stay open (its connector must allow the in-flight cap); None: the step opens and closes its own
     http_session: Any = None
+    # train_async.py: a VersionGate (slime/rollout/version_gate.py) that every request passes, so the
+    # caller can pause the step for an in-flight weight update; the step's staleness cap and version
+    # metrics use gate.train_version (the version that will train this batch) instead of policy_version
+    gate: Any = None
+    # train_async.py: an asyncio.Event on the step's loop; once set, the step stops as at its target,
+    # parks its unfinished groups and keeps its accepted ones in the buffer (ready), returning no groups
+    halt: Any = None
     # --over-sampling-batch-size auto: the OverSamplingPlanner (slime/rollout/over_sampling.py) that lives across
     # steps (the RolloutManager owns it); it sizes each step and learns from it
     over_sampling_planner: Any = None

@@ -16,17 +16,26 @@ Per-token versions come from `meta_info.weight_versions` when the engine
 returns it (the embedded engine and newer SGLang: one span per weight version
 that sampled part of the segment, so a segment that crossed an in-flight
 weight update is labelled exactly), else from the single `weight_version`.
+
+With a `VersionGate` (train_async.py) every request passes the gate first and is counted in flight
+while it runs (with its rid and sample, so a stale one can be aborted); a sample whose request was
+aborted by a gate hold waits there and resumes from its token ids once the gate reopens. Whenever a
+sample is sent again after the engines changed version, `--max-staleness` is applied to it against the
+gate's `train_version` (`staleness.apply_to_sample`). Every token's version must lie between the
+version the engines served when the request was sent and the one they serve when it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.staleness import apply_to_sample
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -130,8 +139,9 @@ class SampleRequester:
     """Sends samples' requests through one URL (the router) and counts what came back."""
 
     def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
-                 policy_version: int, max_response_len: int | None = None):
+                 policy_version: int, max_response_len: int | None = None, gate=None):
         self.args, self.session, self.url = args, session, url
+        self.gate = gate  # VersionGate or None
         self.sampling_params = sampling_params
         self.rollout_id, self.policy_version = rollout_id, policy_version
         self.max_len = int(max_response_len or args.rollout_max_response_len)
@@ -164,17 +174,28 @@ class SampleRequester:
             return await self._custom(sample)
         unexpected_aborts = 0
         budget = self.budget(sample)
+        gate = self.gate
+        seen_version = gate.version if gate is not None else None
         while True:
             if sample.response_length >= budget:
                 sample.status = Status.TRUNCATED  # at its budget: never resumed forever
                 return True
             if stop is not None and stop.is_set():
                 return False
+            if gate is not None:
+                if not await gate.wait_open(stop):
+                    return False
+                if gate.version != seen_version:  # resumed across a weight update: apply the staleness cap
+                    seen_version = gate.version
+                    gate.staleness.update(apply_to_sample(sample, gate.train_version, self.args.max_staleness,
+                                                          self.args.staleness_policy))
             payload = self.payload(sample)
+            sent_version = gate.version if gate is not None else None
             self.requests += 1
             self._in_flight(+1)
             try:
-                out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+                with gate.request(payload["rid"], sample) if gate is not None else contextlib.nullcontext():
+                    out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
             except http_client.EngineHTTPError as e:
                 if not e.is_refusal:
                     raise
@@ -182,13 +203,24 @@ class SampleRequester:
                 return True
             finally:
                 self._in_flight(-1)
+            stale_abort = gate is not None and gate.was_aborted(payload["rid"])
             ids, lps, versions, text, ftype = parse_segment(out, self.url)
             if versions is None:
+                if gate is not None and gate.version != sent_version:
+                    raise GenerateResponseError(
+                        f"{self.url}/generate: the engines changed version ({sent_version} -> {gate.version}) during "
+                        f"request {payload['rid']} and its reply does not say which version sampled which token")
+                fallback = gate.version if gate is not None else self.policy_version
                 self._bad_versions += 1
                 if self._bad_versions == 1:
                     logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
-                                   out["meta_info"].get("weight_version"), self.policy_version)
-                versions = self.policy_version
+                                   out["meta_info"].get("weight_version"), fallback)
+                versions = fallback
+            elif gate is not None and any(v < sent_version or v > gate.newest_version for v in versions):
+                raise GenerateResponseError(
+                    f"{self.url}/generate: reply tagged versions {sorted(set(versions))} but the engines served "
+                    f"versions {sent_version}..{gate.newest_version} while request {payload['rid']} ran; "
+                    "is something else updating the engines' weights?")
             if len(ids) > payload["sampling_params"]["max_new_tokens"]:
                 raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
                                             f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
@@ -203,6 +235,8 @@ class SampleRequester:
             sample.status = Status.ABORTED
             if stop is not None and stop.is_set():
                 return False
+            if gate is not None and (not gate.is_open or stale_abort):
+                continue  # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
             # aborted while the step still wants it (e.g. a weight update elsewhere): resume, a few times
             unexpected_aborts = 0 if ids else unexpected_aborts + 1
             if unexpected_aborts > MAX_UNEXPECTED_ABORTS:

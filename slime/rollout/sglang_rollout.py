@@ -34,6 +34,9 @@ the same way, keeps every finished group in the buffer and parks (or drops)
 the rest, with the samples that were on the failed engine back at the tokens
 it last returned, then raises `EngineFaultError` naming the engine and what
 the step was doing (`RolloutError` for any other failure).
+
+train_async.py passes `ctx.gate` (weight updates in flight) and `ctx.halt` (stop for a checkpoint);
+stream mode (slime/rollout/stream.py) reuses the step with no target and its own `_place_group`.
 """
 
 from __future__ import annotations
@@ -122,7 +125,10 @@ class _RolloutStep:
         self.chunk = self.planner.size() if self.planner is not None else int(args.over_sampling_batch_size)
         self.mode = args.rollout_mode
         self.partial = args.partial_rollout
-        self.version = int(ctx.policy_version)
+        self.gate = ctx.gate
+        # the version that will train this step's groups: staleness and version metrics are measured against it
+        self.version = int(ctx.gate.train_version if ctx.gate is not None else ctx.policy_version)
+        self.halted = False
         self.max_staleness = args.max_staleness
         self.staleness_policy = args.staleness_policy
         fpath = args.dynamic_sampling_filter_path
@@ -159,25 +165,29 @@ class _RolloutStep:
         async with contextlib.nullcontext(shared) if shared is not None else aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=limit + 32)) as session:
             self.requester = SampleRequester(self.args, session, self.ctx.engines.router_url,
-                                             sampling_params_from_args(self.args), self.rollout_id, self.version)
+                                             sampling_params_from_args(self.args), self.rollout_id,
+                                             int(self.ctx.policy_version), gate=self.gate)
             self.requester.timeline = []  # requests in flight over the step (the trace's occupancy)
             occupancy = OccupancySampler(session, urls)
             occupancy.start()
             self.watchdog = EngineWatchdog(self.args, self.ctx.engines, session, on_fault=self._engine_fault).start()
             # groups accepted toward the target; off when stderr is not a terminal (logs stay clean)
             self.bar = tqdm(total=self.target, desc=f"rollout {self.rollout_id}", unit="group", leave=False, disable=None)
+            watcher = asyncio.create_task(self._watch_halt()) if self.ctx.halt is not None else None
             try:
                 await self._take_ready()
-                if self.mode == "pool":
+                if self.mode in ("pool", "stream"):
                     await self._run_pool(pool_size)
                 elif self.mode == "chunked":
                     await self._run_chunked(asyncio.Semaphore(concurrency))
                 else:
-                    raise ValueError(f"--rollout-mode {self.mode!r} is not one of chunked, pool")
+                    raise ValueError(f"--rollout-mode {self.mode!r} is not one of chunked, pool, stream")
             except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
                 self._fail(f"{type(e).__name__}: {e}")
             finally:
                 self.bar.close()
+                if watcher is not None:
+                    watcher.cancel()
                 await self._stop_and_drain(session)
                 if self.errors and not self.faults:
                     await self.watchdog.check_once()  # did a request fail because an engine died?
@@ -185,6 +195,8 @@ class _RolloutStep:
                 occ = await occupancy.stop()
             await self._settle_rewards()
         await self._commit()
+        if self.halted and not self.errors:  # stopped for a checkpoint: everything is in the buffer now
+            return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0})
         if self.errors:
             cause = self.errors[0] + (f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
             if self.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
@@ -209,6 +221,16 @@ class _RolloutStep:
         self._fail(f"{fault.describe()} while generating rollout step {self.rollout_id} "
                    f"({self.requester.in_flight} requests in flight, {len(self.accepted)}/{self.target} groups accepted)")
 
+    async def _watch_halt(self) -> None:
+        await self.ctx.halt.wait()
+        self.halted = True
+        self.stop.set()
+        self.progress.set()
+
+    def _train_version(self) -> int:
+        """The version that will train what this step collects now (stream mode: it moves as batches are taken)."""
+        return self.gate.train_version if self.gate is not None else self.version
+
     async def _take_ready(self) -> None:
         if self.ctx.buffer is None:
             return
@@ -216,7 +238,7 @@ class _RolloutStep:
         for g in ready:
             gid = group_id(g)
             if self.max_staleness is not None and any(
-                    v < self.version - self.max_staleness for s in g for v in s.weight_versions):
+                    v < self._train_version() - self.max_staleness for s in g for v in s.weight_versions):
                 self.rejected[gid] = "stale_ready"  # finished at an older policy than the cap allows
             else:
                 self.accepted.append(g)
@@ -229,7 +251,7 @@ class _RolloutStep:
             out: list[list[Sample]] = []
             if self.ctx.buffer is not None and num > 0:
                 parked = await call_maybe_remote(self.ctx.buffer, "take_parked", num, timeout=self.rpc_timeout)
-                st = apply_staleness_policy(parked, self.version, self.max_staleness, self.staleness_policy)
+                st = apply_staleness_policy(parked, self._train_version(), self.max_staleness, self.staleness_policy)
                 self.counts.update({f"staleness_{k}": v for k, v in st.items()})
                 out.extend(parked)
                 self.resumed.extend(group_id(g) for g in parked)
@@ -259,7 +281,7 @@ class _RolloutStep:
     async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
         while True:
             self.progress.clear()
-            if self.errors or self._filled():
+            if self.errors or self.halted or self._filled():
                 return
             while not self.exhausted and self._active_groups() + len(self.accepted) + len(self.failed) < self.target:
                 groups = await self._next_groups(self.chunk)
@@ -338,7 +360,7 @@ class _RolloutStep:
             w.add_done_callback(self.tasks.discard)
         while True:
             self.progress.clear()
-            if self.errors or self._filled():
+            if self.errors or self.halted or self._filled():
                 return
             if all(w.done() for w in workers) and not self.reward_tasks:
                 logger.warning("rollout step %d: data exhausted with %d/%d groups accepted",
@@ -391,6 +413,12 @@ class _RolloutStep:
             except Exception as e:
                 reason = f"filter_error: {type(e).__name__}"
                 logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
+        self._place_group(st, reason)
+
+    def _place_group(self, st: _Group, reason: str | None) -> None:
+        """A rewarded group with something to train: rejected (filter), accepted toward the target, or overflow
+        (kept ready)."""
+        gid = group_id(st.samples)
         if reason is not None:
             st.outcome = "rejected"
             self.rejected[gid] = reason
@@ -415,10 +443,12 @@ class _RolloutStep:
         deadline = self.clock.now() + self.abort_timeout
         while True:
             try:
-                res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
-                                                            exclude=set(self.faults))
-                res = await res if asyncio.iscoroutine(res) else res
-                self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
+                # nothing of ours running (e.g. paused at a version gate while an eval uses the engines): no abort
+                if self.requester.in_flight:
+                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
+                                                                exclude=set(self.faults))
+                    res = await res if asyncio.iscoroutine(res) else res
+                    self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:
                 if not self.errors:
                     self._fail(f"aborting the engines: {type(e).__name__}: {e}")
@@ -480,7 +510,7 @@ class _RolloutStep:
             calls.append(("mark", [group_id(g) for g in unfinished], DROPPED, "discarded_unfinished"))
         if self.overflow:
             calls.append(("hold_ready", self.overflow))
-        if self.errors and self.accepted:  # the caller never sees them: keep them for the next step
+        if (self.errors or self.halted) and self.accepted:  # the caller never sees them: keep them for the next step
             calls.append(("hold_ready", self.accepted))
         for name, *a in calls:
             await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)

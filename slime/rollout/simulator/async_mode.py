@@ -1,4 +1,4 @@
-"""Fully asynchronous rollout in the simulator (issue 13's "stream" mode, modelled from its design).
+"""Fully asynchronous rollout in the simulator: mode "stream", train_async.py's `--rollout-mode stream`.
 
 Engines keep `pool_size` requests in flight across steps (nothing is aborted between steps); a
 finished group that passes the filter joins a queue; the trainer takes the next
@@ -6,7 +6,8 @@ finished group that passes the filter joins a queue; the trainer takes the next
 then sends the new weights to the engines, which apply them between two decode steps while their
 requests run (later tokens carry the new version). The rollout runs ahead of the trainer by at
 most `max_async_lag` batches: while that many accepted batches wait, no new group is started (the
-requests in flight go on).
+requests in flight go on). That is the real stream's backpressure (slime/rollout/stream.py) with updates
+as `--in-flight-update in_place` applies them; it does not model `abort` mode's abort + resume cost.
 """
 
 from __future__ import annotations

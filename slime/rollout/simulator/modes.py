@@ -7,7 +7,7 @@
   keep groups finished after the target for the next step.
 - `PoolStep`: `--rollout-mode pool`: `pool_size` workers each generating the next unfinished
   sample; the first fetch fills the pool, later ones take one group at a time.
-- `AsyncRun`: fully asynchronous: `pool_size` requests in flight across steps, the trainer takes the
+- `AsyncRun`: fully asynchronous (stream): `pool_size` requests in flight across steps, the trainer takes the
   next `rollout_batch_size` accepted groups as they finish, weight updates reach the engines while
   requests run, and the rollout stops starting groups while `max_async_lag` batches wait.
 
@@ -125,7 +125,7 @@ class RolloutState:
 
 
 class StepCounters:
-    """What one step (or one trainer step in async mode) did."""
+    """What one step (or one trainer step in stream mode) did."""
 
     def __init__(self, t_start: float):
         self.t_start = t_start

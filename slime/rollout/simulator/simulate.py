@@ -19,7 +19,7 @@ from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.engine import EventLoop, SimEngine
 from slime.rollout.simulator.modes import ChunkedStep, Cluster, PoolStep, RolloutState, StepCounters
 
-MODES = ("chunked", "pool", "async")
+MODES = ("chunked", "pool", "stream")  # --rollout-mode's names (stream: train_async.py)
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class SimConfig:
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = None  # None: rollout_batch_size (synchronous without partial)
     partial_rollout: bool = False
-    pool_size: int = 64  # pool and async modes: requests in flight
+    pool_size: int = 64  # pool and stream modes: requests in flight
     concurrency_per_engine: int = 512  # chunked mode: --sglang-server-concurrency
     num_engines: int = 1
     max_response_len: int = 1024
@@ -168,7 +168,7 @@ def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
                 result.engine_stats[k] = result.engine_stats.get(k, 0) + v
         return result
 
-    if cfg.mode == "async":
+    if cfg.mode == "stream":
         run = AsyncRun(cfg, cluster, state, lambda t, c: snapshot(c, 0.0))
         loop.at(0.0, run.start)
         loop.run()

@@ -1,0 +1,222 @@
+"""AsyncRollout: train_async.py's rollout side, running ahead of the trainer on its own thread.
+
+The rollout runs on a background thread with its own asyncio loop, one aiohttp session to the router
+and one `VersionGate`; the driver thread (the training loop) calls in with blocking methods:
+
+    rollout = AsyncRollout(args, rollout_manager, first_rollout_id).start()
+    batch = rollout.next_batch(rollout_id)              # waits only if the rollout is behind
+    rollout.update_weights(push, new_version)           # in flight: pause at the gate, push, resume
+    with rollout.paused("eval"): ...                    # nothing of ours on the engines meanwhile
+    with rollout.quiesced(): save_checkpoint(...)       # everything in flight parked in the buffer first
+    rollout.stop()                                      # parks everything, closes the loop
+
+The production itself is `slime/rollout/steps_ahead.py` (one-step-off APRIL steps, `--rollout-mode
+chunked|pool`) or `slime/rollout/stream.py` (`--rollout-mode stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.steps_ahead import StepsAhead
+from slime.rollout.stream import StreamRollout
+from slime.rollout.version_gate import VersionGate
+
+logger = logging.getLogger(__name__)
+
+CALL_SLACK_S = 60.0
+SESSION_EXTRA_CONNECTIONS = 32
+
+
+def resolve_in_flight_update(args, backend: str) -> str:
+    """`--in-flight-update` for engines of `backend`: auto is in_place on the embedded engine (it labels every
+    token with its version and applies an update between two steps), abort on SGLang."""
+    mode = args.in_flight_update
+    if mode == "in_place" and backend != "embedded":
+        raise ValueError(f"--in-flight-update in_place needs engines that label each token with its version across "
+                         f"an update (the embedded engine); these are {backend!r} engines: use abort")
+    if mode == "auto":
+        return "in_place" if backend == "embedded" else "abort"
+    return mode
+
+
+class AsyncRollout:
+    def __init__(self, args, manager, first_rollout_id: int):
+        if manager.engines is None:
+            raise ValueError("train_async.py needs rollout engines (no --debug-train-only)")
+        self.args = args
+        self.manager = manager
+        self.first_rollout_id = int(first_rollout_id)
+        # the trainer trains batch j at policy version j + offset (one version per step since the run began)
+        self.offset = int(manager.policy_version) - self.first_rollout_id
+        # the built-in step honours the gate; a custom rollout function's steps are waited for instead
+        # (stream mode always runs the built-in one: slime/arguments.py)
+        self.pausable = manager.rollout_fn is generate_rollout
+        self.in_place = self.pausable and resolve_in_flight_update(args, manager.engines.backend) == "in_place"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="async-rollout", daemon=True)
+        self.gate: VersionGate | None = None
+        self.producer: StepsAhead | StreamRollout | None = None
+        self.session = None
+        self._stopped = False
+        self.update_pause_s = 0.0
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _call(self, coro, timeout: float) -> Any:
+        """Run `coro` on the rollout's loop and wait for its result (with a deadline)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout=timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"async rollout: {getattr(coro, '__name__', coro)} did not finish in {timeout:.0f}s") from None
+
+    @property
+    def _drain_timeout(self) -> float:
+        return self.args.rollout_abort_timeout + CALL_SLACK_S
+
+    def _make_ctx(self, halt: asyncio.Event) -> RolloutContext:
+        m = self.manager
+        return RolloutContext(data_source=m.data_source, buffer=m.buffer, engines=m.engines, tokenizer=m.tokenizer,
+                              policy_version=self.gate.version, http_session=self.session,
+                              over_sampling_planner=m.over_sampling_planner,
+                              gate=self.gate if self.pausable else None, halt=halt)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "AsyncRollout":
+        self.thread.start()
+        self._call(self._start(), self._drain_timeout)
+        logger.info("async rollout (%s) started at batch %d, policy version %d, max lag %d, updates %s",
+                    "stream" if self.args.rollout_mode == "stream" else f"one-step-off, {self.args.rollout_mode}",
+                    self.first_rollout_id, self.manager.policy_version, self.args.max_async_lag,
+                    "in place" if self.in_place else "by abort and resume")
+        return self
+
+    async def _start(self) -> None:
+        import aiohttp
+
+        a = self.args
+        limit = max(a.rollout_pool_size, a.sglang_server_concurrency * a.num_engines) + SESSION_EXTRA_CONNECTIONS
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit))
+        version = int(self.manager.policy_version)
+        self.gate = VersionGate(version, train_version=version)
+        m = self.manager
+        if a.rollout_mode == "stream":
+            self.producer = StreamRollout(a, self._make_ctx, self.gate, m.buffer, m.engines, self.first_rollout_id,
+                                          m.num_rollout, self.offset, session=self.session)
+        else:
+            self.producer = StepsAhead(a, self._make_ctx, self.gate, m.buffer, self.first_rollout_id, m.num_rollout,
+                                       self.offset, rollout_fn=None if self.pausable else m.rollout_fn)
+        await self.producer.resume()
+
+    def stop(self) -> None:
+        """Park everything in flight in the buffer, close the session and the loop. Idempotent."""
+        if self._stopped or not self.thread.is_alive():
+            self._stopped = True
+            return
+        self._stopped = True
+        try:
+            if self.producer is not None:
+                self._call(self.producer.quiesce(), self._drain_timeout + self.args.reward_timeout)
+        finally:
+            if self.session is not None:
+                with contextlib.suppress(Exception):
+                    self._call(self.session.close(), 30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+
+    # ---- the training loop's calls --------------------------------------------------------------
+    def next_batch(self, rollout_id: int) -> RolloutOutput:
+        """Batch `rollout_id`: its groups (finished, rewarded, accepted) and rollout metrics."""
+        timeout = self.args.rollout_request_timeout
+        out = self._call(self.producer.take(rollout_id, timeout), timeout + CALL_SLACK_S)
+        out.metrics.update(self._gate_metrics())
+        out.metrics.update({f"async/buffer_{k}": float(v) for k, v in self.manager.buffer_sizes().items()})
+        return self.manager.finish_batch(rollout_id, out)
+
+    def _gate_metrics(self) -> dict[str, float]:
+        g = self.gate.stats()
+        return {"async/in_place_updates": float(self.in_place), "async/gate_pauses": g["pauses"],
+                "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
+                "async/engine_version": float(self.gate.version), "async/update_pause_s": self.update_pause_s}
+
+    def update_weights(self, push: Callable[[], dict], new_version: int) -> dict:
+        """Push new weights while the rollout runs, as `new_version`; returns push()'s metrics.
+
+        abort: every request of ours is aborted and waits at the gate (a custom rollout function's step is
+        waited for instead), `push()` runs, then they resume from their tokens. in_place: they run on
+        and the engine labels their tokens; afterwards the ones that may now exceed --max-staleness
+        (restart policy) are aborted by rid so they restart when they resume."""
+        t0 = time.monotonic()
+        if self.in_place:
+            self._call(self._begin_in_place(int(new_version)), self._drain_timeout)
+            try:
+                return push()
+            finally:
+                self._call(self._end_in_place(), self._drain_timeout)
+                self.update_pause_s = time.monotonic() - t0
+        self._call(self._before_update(), self._drain_timeout + self.args.rollout_request_timeout)
+        try:
+            return push()
+        finally:
+            self._call(self._after_update(int(new_version)), self._drain_timeout)
+            self.update_pause_s = time.monotonic() - t0
+
+    async def _begin_in_place(self, version: int) -> None:
+        self.gate.begin_update(version)
+
+    async def _end_in_place(self) -> None:
+        self.gate.end_update()
+        await self.producer.rebalance()
+        a = self.args
+        if a.max_staleness is not None and a.staleness_policy == "restart":
+            stale = self.gate.stale_requests(self.gate.train_version - a.max_staleness)
+            await self.gate.abort_requests(stale, self.manager.engines, self.session)
+
+    async def _before_update(self) -> None:
+        await self._pause("update")
+
+    async def _after_update(self, version: int) -> None:
+        self.gate.set_version(version)
+        await self._unpause("update")  # backpressure is decided for the new version before the gate reopens
+
+    @contextlib.contextmanager
+    def paused(self, reason: str):
+        """Nothing of ours runs on the engines inside (e.g. an eval shares them)."""
+        self._call(self._pause(reason), self._drain_timeout + self.args.rollout_request_timeout)
+        try:
+            yield
+        finally:
+            self._call(self._unpause(reason), self._drain_timeout)
+
+    async def _pause(self, reason: str) -> None:
+        if not self.pausable:  # a custom step cannot be paused: wait until it ends (nothing passes the gate)
+            await self.producer.step_lock.acquire()
+        await self.gate.hold(reason, self.manager.engines, self.session, timeout=self.args.rollout_abort_timeout)
+
+    async def _unpause(self, reason: str) -> None:
+        await self.producer.rebalance()  # may add a "lag" hold while the gate is still closed
+        self.gate.release(reason)
+        if not self.pausable:
+            self.producer.step_lock.release()
+
+    @contextlib.contextmanager
+    def quiesced(self, resume: bool = True):
+        """Everything in flight parked (and every finished group not yet trained kept ready) in the buffer
+        inside, so a checkpoint holds it all; production resumes afterwards unless `resume` is False."""
+        self._call(self.producer.quiesce(), self._drain_timeout + self.args.reward_timeout + CALL_SLACK_S)
+        try:
+            yield
+        finally:
+            if resume:
+                self._call(self.producer.resume(), self._drain_timeout)
+
+
+__all__ = ["AsyncRollout"]

@@ -1,0 +1,286 @@
+"""The pieces train.py and train_async.py share: the checks before anything starts, set-up, resume,
+a training step, the weight push (engine faults named, or restarted with --use-fault-tolerance),
+checkpoints, eval, per-step logging and the entry points' error handling. The two loops differ only in
+where a batch comes from and when the weights reach the engines.
+
+    run = TrainingRun(args)              # checks, run dir, logging, Ray, engines + buffer, trainers, resume
+    run.evaluate_start()
+    for rollout_id in run.steps():
+        ...                              # a batch from the rollout
+        if run.trainable(rollout_id, batch):               # not a step where every group failed
+            with run.phases.train():                       # --colocate: who holds the devices
+                metrics |= run.train(rollout_id, batch)
+            with run.phases.weight_sync():
+                metrics |= run.update_weights(rollout_id)  # or with `push_around=` (in flight)
+        if run.save_due(rollout_id): run.save(rollout_id)
+        if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
+        run.log(rollout_id, metrics)
+    run.finish()
+
+Timing (`perf/` metrics, one set per step): the step's wall time, how long the trainer was busy
+(training and pushing weights), how long the engines were idle (the embedded engine's scheduler
+counter; absent with SGLang) and, on eval steps, how long the eval took, so a run's idle fractions
+are sums of these over its steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from typing import Callable
+
+from slime.backends.sglang_utils.watchdog import EngineFaultError
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.colocation import device_phases
+from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement
+from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
+from slime.rollout.base_types import RolloutOutput
+from slime.rollout.data_source import DataError
+from slime.utils import checkpoint as ckpts
+from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
+from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
+from slime.utils.metrics import MetricsLogger, truncate_run_logs
+from slime.utils.net import ListenHostError
+from slime.utils.paths import PathNotVisibleError
+from slime.utils.run import init_ray, resolve_run_dir, setup_logging
+from slime.utils.summary import log_run_summary
+
+logger = logging.getLogger("train")
+
+ENGINE_INFO_TIMEOUT_S = 10.0
+
+
+def is_due(rollout_id: int, interval: int | None) -> bool:
+    return bool(interval) and (rollout_id + 1) % interval == 0
+
+
+def engine_idle_seconds(engines) -> float | None:
+    """Sum over workers of the embedded engine's cumulative scheduler idle time (None if an engine has none)."""
+    from slime.backends.sglang_utils.http_client import get_json
+
+    total = 0.0
+    for url in engines.engine_urls:  # the engines this run launched (no router round trip)
+        info = get_json(url.rstrip("/") + "/get_server_info", timeout=ENGINE_INFO_TIMEOUT_S)
+        states = info.get("internal_states") if isinstance(info, dict) else None
+        stats = states[0].get("scheduler_stats") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+        if not isinstance(stats, dict) or "idle_s" not in stats:
+            return None
+        total += float(stats["idle_s"])
+    return total
+
+
+# errors that name their cause (flag, file, engine, reward): one line, no traceback
+STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError)
+
+
+def train_or_stop(entry: str, train: Callable, args) -> int:
+    """Run `train(args)`; an error that names its cause stops it with one line (exit 1), no traceback."""
+    try:
+        train(args)
+    except STOPS as e:
+        logger.debug("stopped", exc_info=True)
+        logger.error("stopped: %s", e)
+        print(f"{entry}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class TrainingRun:
+    def __init__(self, args):
+        self.args = args
+        self.run_dir = resolve_run_dir(args)
+        setup_logging(self.run_dir)
+        ckpt, state = self._check_inputs()
+        init_ray(listen_host=args.listen_host)
+        self.metrics = MetricsLogger(args, self.run_dir)
+        # Engines + router + data + buffer on one side, trainers on the other.
+        pgs = create_placement_groups(args)
+        # each engine's host actor on its bundles (colocated: the trainers' bundles)
+        self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only,
+                                              engine_slots=pgs.engine_slots(args.num_engines,
+                                                                            args.rollout_num_gpus_per_engine))
+        self.actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
+        if self.actor_model is not None:  # a restarted engine gets the current weights
+            self.rollout_manager.attach_weight_sync(self.actor_model.update_weights)
+        # who runs where: RUN_DIR/placement.json
+        write_placement(self.run_dir, pgs, self.actor_model, self.rollout_manager.engines)
+        self.start_rollout_id = self._resume(ckpt, state)
+        # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
+        self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)
+        self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
+        self._engine_idle_ok = self.rollout_manager.engines is not None
+        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), None, 0.0
+
+    @property
+    def num_rollout(self) -> int:
+        return self.rollout_manager.num_rollout
+
+    def steps(self) -> range:
+        """The rollout ids still to run (the per-step clock starts here)."""
+        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), self._engine_idle(), 0.0
+        return range(self.start_rollout_id, self.num_rollout)
+
+    def is_last(self, rollout_id: int) -> bool:
+        return rollout_id + 1 == self.num_rollout
+
+    # ---- checks and resume ----------------------------------------------------------------
+    def _check_inputs(self):
+        """Before anything starts: the model dir, a writable --save with room, an intact checkpoint to resume
+        (and the data contract it was saved under). Returns (checkpoint dir or None, its driver state)."""
+        args = self.args
+        check_hf_checkpoint(args.hf_checkpoint)
+        if args.ref_load:
+            check_hf_checkpoint(args.ref_load, "--ref-load", need_tokenizer=False)
+        if args.save:
+            ckpts.prepare_save_dir(args.save, 0 if args.debug_rollout_only else ckpts.checkpoint_size_estimate(args.hf_checkpoint))
+        ckpt = ckpts.resolve_checkpoint(args.load, args.ckpt_step) if args.load else None
+        state = ckpts.read_driver_state(ckpt) if ckpt is not None else None
+        if state is not None:
+            ckpts.check_data_contract(state.get("contract"), args)
+            truncate_run_logs(self.run_dir, state["rollout_id"])  # the steps after the checkpoint are re-run
+        return ckpt, state
+
+    def _resume(self, ckpt, state) -> int:
+        """Trainer state, data position, parked groups + ledger, policy version, RNG; the first rollout id."""
+        manager = self.rollout_manager
+        if ckpt is None:
+            return 0
+        if self.actor_model is not None:
+            self.actor_model.load(f"{ckpt}/trainer")
+        manager.load_state_dict(state["rollout"])
+        manager.load_buffer(f"{ckpt}/buffer")
+        ckpts.set_rng_state(state["rng"])
+        start = state["rollout_id"] + 1
+        logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start, manager.policy_version)
+        if self.actor_model is not None and manager.engines is not None:
+            manager.sync_weights(manager.policy_version)
+        return start
+
+    def evaluate_start(self) -> None:
+        """The starting point's eval (fresh runs only)."""
+        if self.rollout_manager.eval_sets and self.args.eval_interval and self.start_rollout_id == 0:
+            self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
+
+    # ---- one step ------------------------------------------------------------------------
+    def trainable(self, rollout_id: int, rollout: RolloutOutput) -> bool:
+        """Whether there is anything to train: not without a trainer (--debug-rollout-only), nor on a batch
+        where every group failed (counted; --max-consecutive-empty-steps in a row stop the run)."""
+        if self.actor_model is None:
+            return False
+        if count_trainable(rollout.groups) == 0:
+            self.empty_steps.skipped(rollout_id, rollout.dropped)
+            return False
+        self.empty_steps.trained()
+        return True
+
+    def train(self, rollout_id: int, rollout: RolloutOutput) -> dict[str, float]:
+        """Train on the batch (off-policy tokens corrected against their behaviour log-probs); mark it trained."""
+        t0 = time.monotonic()
+        out = self.actor_model.train(rollout_id, rollout.groups, self.rollout_manager.policy_version)
+        self._trainer_busy += time.monotonic() - t0
+        if not self.args.load_debug_rollout_data:
+            self.rollout_manager.mark_trained(rollout.groups)
+        return {f"train/{k}": v for k, v in out.items()}
+
+    def update_weights(self, rollout_id: int, push: bool = True,
+                       push_around: Callable[[Callable[[], dict], int], dict] | None = None) -> dict[str, float]:
+        """The trainer's next policy version; pushed to every engine when `push` (through `push_around(push_fn,
+        version)` when given: train_async.py pauses its rollout in flight around it). An engine that fails
+        meanwhile is named, or restarted and pushed again (--use-fault-tolerance)."""
+        manager = self.rollout_manager
+        new_version = manager.policy_version + 1
+        manager.set_policy_version(new_version)  # the trainer's weights (what a restarted engine gets)
+        if not push or manager.engines is None:
+            return {}
+
+        def push_fn() -> dict:
+            t0 = time.monotonic()
+            try:
+                with self.checkpoint_if_engines_give_up(rollout_id):
+                    return manager.sync_weights(new_version)
+            finally:
+                self._trainer_busy += time.monotonic() - t0
+
+        sync = push_around(push_fn, new_version) if push_around is not None else push_fn()
+        return {f"weight_sync/{k}": v for k, v in sync.items()}
+
+    @contextlib.contextmanager
+    def checkpoint_if_engines_give_up(self, rollout_id: int):
+        """Engines that keep failing stop the run: checkpoint what it reached (`rollout_id`, parked samples
+        included) first, so `--load` resumes it."""
+        try:
+            yield
+        except EngineRestartsExhausted:
+            if self.args.save and rollout_id >= 0:
+                self.save(rollout_id)
+            raise
+
+    # ---- checkpoints and eval -------------------------------------------------------------------
+    def save_due(self, rollout_id: int) -> bool:
+        """--save every --save-interval steps, and after the last one."""
+        return bool(self.args.save) and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval))
+
+    def save(self, rollout_id: int) -> None:
+        manager = self.rollout_manager
+        writers = {"buffer": manager.save_buffer}
+        if self.actor_model is not None:
+            writers["trainer"] = self.actor_model.save
+        ckpts.save_checkpoint(self.args.save, rollout_id, writers,
+                              {"rollout_id": rollout_id, "rollout": manager.state_dict(), "rng": ckpts.rng_state(),
+                               "contract": ckpts.data_contract(self.args)})
+
+    def eval_due(self, rollout_id: int) -> bool:
+        return bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Eval sets on the engines' current weights (never enters the buffer, never trains)."""
+        t0 = time.monotonic()
+        out = self.rollout_manager.evaluate(rollout_id)
+        out["perf/eval_time_s"] = time.monotonic() - t0
+        return out
+
+    # ---- logging ---------------------------------------------------------------------------
+    def _engine_idle(self) -> float | None:
+        if not self._engine_idle_ok:
+            return None
+        try:
+            idle = engine_idle_seconds(self.rollout_manager.engines)
+        except Exception as e:  # a metric: never stop training for it
+            logger.warning("engine idle time not measured (%s)", e)
+            idle = None
+        if idle is None:
+            self._engine_idle_ok = False
+        return idle
+
+    def log(self, rollout_id: int, step_metrics: dict) -> None:
+        """Empty steps so far, ledger counts, the colocated phases' costs and the step's `perf/` timings, then
+        one metrics record."""
+        step_metrics.update(self.phases.metrics())
+        now = time.monotonic()
+        step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
+        step_metrics.update({f"ledger/{k}": v for k, v in self.rollout_manager.ledger_summary().items()})
+        step_metrics["perf/step_time_s"] = now - self._step_start
+        step_metrics["perf/trainer_busy_s"] = self._trainer_busy
+        idle = self._engine_idle()
+        if idle is not None and self._engine_idle_start is not None:
+            step_metrics["perf/engine_idle_s"] = idle - self._engine_idle_start
+        self.metrics.log(rollout_id, step_metrics)
+        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), idle, 0.0
+
+    def finish(self) -> dict:
+        summary = log_run_summary(self.run_dir, self.metrics.path, self.args)
+        self.metrics.close()
+        self.shutdown()
+        return summary
+
+    def shutdown(self) -> None:
+        if self.actor_model is not None:
+            self.actor_model.shutdown()  # releases the weight-update group on both sides
+            self.actor_model = None
+        self.rollout_manager.shutdown()
+
+
+__all__ = ["STOPS", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]

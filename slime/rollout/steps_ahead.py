@@ -1,0 +1,162 @@
+"""One-step-off (train_async.py with `--rollout-mode chunked|pool`): APRIL steps run ahead of the trainer.
+
+Rollout step j (over-sample, stop at the target, abort, park, resume parked first: exactly train.py's
+step) runs while the trainer trains on earlier batches. Step j starts once the engines serve a version
+>= P(j) - `--max-async-lag` (P(j) = j + offset, the version that trains batch j), so with the default
+lag of 1 step j+1 overlaps training on step j. The step's staleness cap and version metrics use P(j)
+(`gate.train_version`), so they are exact for the version that trains it.
+
+A weight update that lands while a step runs pauses it at the `VersionGate` (abort, the samples wait,
+update, they resume from their tokens under the new version). A custom `--rollout-function-path` cannot
+be paused that way: its steps run on a worker thread and an update waits until the running step ends
+(as upstream slime's train_async.py does).
+
+`quiesce()` halts the running step (unfinished groups parked, accepted and overflow groups kept ready)
+and moves the finished steps not yet taken to the buffer's ready list; `resume()` restarts production
+at the first batch not yet taken, whose step takes the ready groups first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.sampling_request import call_maybe_remote
+from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, generate_rollout_async
+from slime.rollout.version_gate import VersionGate
+
+logger = logging.getLogger(__name__)
+
+TAKE_POLL_S = 5.0
+
+
+class StepsAhead:
+    """Rollout steps produced ahead of the trainer, on the rollout's event loop (driven by `AsyncRollout`)."""
+
+    def __init__(self, args, make_ctx: Callable[[asyncio.Event], RolloutContext], gate: VersionGate, buffer,
+                 first_rollout_id: int, num_rollout: int, version_offset: int, rollout_fn: Callable | None = None):
+        """`rollout_fn`: None for the built-in APRIL step (paused in flight at the gate), else a custom
+        synchronous rollout function, run on a worker thread (updates wait for its step to end)."""
+        self.args, self.make_ctx, self.gate, self.buffer = args, make_ctx, gate, buffer
+        self.rollout_fn = rollout_fn
+        self.max_lag = int(args.max_async_lag)
+        self.offset = int(version_offset)
+        self.num_rollout = int(num_rollout)
+        self.rpc_timeout = args.rollout_rpc_timeout
+        self.next_batch = int(first_rollout_id)  # next batch take() hands out
+        self.next_step = int(first_rollout_id)  # next step to produce
+        self.outputs: dict[int, RolloutOutput] = {}
+        self.changed = asyncio.Event()
+        self.error: BaseException | None = None
+        self.step_lock = asyncio.Lock()  # held while a custom (not pausable) step runs
+        self.running_step: int | None = None
+        self._halt: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.max_queue = 0
+
+    def train_version(self, batch: int) -> int:
+        return batch + self.offset
+
+    def _admitted(self, j: int) -> bool:
+        return self.gate.version >= self.train_version(j) - self.max_lag
+
+    # ---- production ------------------------------------------------------------------------
+    async def resume(self) -> None:
+        self._halt = asyncio.Event()
+        self._task = asyncio.ensure_future(self._produce(self._halt))
+
+    async def rebalance(self) -> None:
+        self.changed.set()  # a new version may admit the next step
+
+    async def _produce(self, halt: asyncio.Event) -> None:
+        try:
+            while self.next_step < self.num_rollout and not halt.is_set():
+                j = self.next_step
+                while not self._admitted(j) and not halt.is_set():
+                    self.changed.clear()
+                    await _wait_either(self.changed, halt)
+                if halt.is_set():
+                    return
+                out = await self._run_step(j, halt)
+                if out.groups or not out.metrics.get("rollout/halted"):
+                    self.outputs[j] = out
+                    self.next_step = j + 1
+                    self.max_queue = max(self.max_queue, len(self.outputs))
+                    self.changed.set()
+        except Exception as e:  # noqa: BLE001 - handed to the trainer's take()
+            logger.error("rollout step %d failed: %s", self.next_step, e)
+            self.error = e
+            self.changed.set()
+
+    async def _run_step(self, j: int, halt: asyncio.Event) -> RolloutOutput:
+        self.gate.set_train_version(self.train_version(j))
+        self.running_step = j
+        try:
+            if self.rollout_fn is None:
+                return await generate_rollout_async(self.args, j, self.make_ctx(halt))
+            async with self.step_lock:
+                return await asyncio.to_thread(self.rollout_fn, self.args, j, self.make_ctx(halt), False)
+        finally:
+            self.running_step = None
+
+    async def quiesce(self) -> None:
+        """Halt the running step and move finished steps not yet taken to the buffer's ready list."""
+        if self._task is not None:
+            self._halt.set()
+            await self._task
+            self._task = None
+        for j in sorted(self.outputs):
+            groups = self.outputs[j].groups
+            if groups:  # `finished` in the ledger (the step's commit marked them)
+                await call_maybe_remote(self.buffer, "hold_ready", groups, timeout=self.rpc_timeout)
+        self.outputs.clear()
+        self.next_step = self.next_batch
+        self.changed.set()
+
+    # ---- the trainer's side -------------------------------------------------------------------
+    async def take(self, rollout_id: int, timeout: float) -> RolloutOutput:
+        if rollout_id != self.next_batch:
+            raise ValueError(f"asked for batch {rollout_id}, the next one is {self.next_batch}")
+        t0 = time.monotonic()
+        while rollout_id not in self.outputs:
+            if isinstance(self.error, RolloutEngineFaultError):
+                raise self.error  # it names the engine (train_async.py stops on it with one line)
+            if self.error is not None:
+                raise RolloutError(f"rollout step {self.next_step} failed: {self.error}") from self.error
+            if self._task is None or self._task.done():
+                raise RolloutError(f"batch {rollout_id} was asked for but no rollout step is running")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), TAKE_POLL_S)
+            except TimeoutError:
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"rollout step {rollout_id} not done after {timeout:.0f}s") from None
+        out = self.outputs.pop(rollout_id)
+        self.next_batch += 1
+        self.changed.set()
+        waited = time.monotonic() - t0
+        out.metrics.update({
+            "rollout/wait_s": waited,
+            "async/queue_groups": float(sum(len(o.groups) for o in self.outputs.values())),
+            "async/queue_steps_max": float(self.max_queue),
+        })
+        self.max_queue = len(self.outputs)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"running_step": self.running_step, "queued_steps": sorted(self.outputs)}
+
+
+async def _wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
+    ta, tb = asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())
+    try:
+        await asyncio.wait({ta, tb}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ta.cancel()
+        tb.cancel()
+
+
+__all__ = ["StepsAhead"]

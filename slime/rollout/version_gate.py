@@ -1,0 +1,210 @@
+"""VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
+version exact (`train_async.py`).
+
+Every request of a rollout that has a gate passes it before it is sent (`SampleRequester`). `hold(reason)`
+closes the gate and drains the engines through SGLang's documented API: abort every request
+(`POST /abort_request {"abort_all": true}`, repeated until `/get_load` is idle) and wait until every
+request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
+version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
+runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between
+tokens. `release(reason, version=...)` reopens the gate once no reason holds it; the waiting samples
+resume from their token ids under the new version (APRIL's abort -> park -> resume, without leaving the
+step), after the staleness cap is applied to each of them (`--max-staleness`).
+
+Versions: `version` is what the engines serve; `train_version` is the policy version that will train
+what the rollout is collecting now (one-step-off: the step's batch; stream: the batch the next
+accepted group joins). Staleness is measured against `train_version`, so a token that passes the cap at
+a resume is still within it when it is trained.
+
+The gate lives on the event loop of the rollout it guards; other threads reach it through
+`asyncio.run_coroutine_threadsafe`.
+
+In place (`--in-flight-update in_place`, the embedded engine): an engine that labels every token with
+the version that sampled it (`meta_info.weight_versions`) and applies an update between two decode
+steps lets requests run on across it: `begin_update(v)` / `end_update()` bracket the push without
+closing the gate (a reply may then carry versions up to `newest_version`), and `stale_requests` names
+the requests whose sample may now hold a token beyond the staleness cap, to be aborted by rid
+(`abort_requests`) so the cap is applied when they resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+from slime.backends.sglang_utils import http_client
+
+logger = logging.getLogger(__name__)
+
+
+class VersionGate:
+    def __init__(self, version: int, train_version: int | None = None):
+        self.version = int(version)
+        self.train_version = int(version if train_version is None else train_version)
+        self._holds: set[str] = set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._quiet = asyncio.Event()  # set while no request of ours is in flight
+        self._quiet.set()
+        self.in_flight = 0
+        self.pending_version: int | None = None  # an in-place update to this version is being pushed
+        self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
+        self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
+        self.staleness = Counter()  # what the cap did at in-flight resumes (keys as apply_staleness_policy's)
+        self.pauses = 0
+        self.pauses_by_reason: Counter = Counter()  # holds that closed an open gate (drained), by reason
+        self.held_s = 0.0
+        self.drain_s = 0.0
+        self._closed_at: float | None = None
+
+    # ---- the request side ------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    @property
+    def holds(self) -> frozenset[str]:
+        return frozenset(self._holds)
+
+    async def wait_open(self, stop: asyncio.Event | None = None) -> bool:
+        """Wait until the gate is open (True) or `stop` is set (False)."""
+        if self._open.is_set():
+            return not (stop is not None and stop.is_set())
+        if stop is None:
+            await self._open.wait()
+            return True
+        opened, stopped = asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({opened, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (opened, stopped):
+                t.cancel()
+        return not stop.is_set() and self._open.is_set()
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version a reply may carry now (the one being pushed in place, if any)."""
+        return self.version if self.pending_version is None else self.pending_version
+
+    @contextlib.contextmanager
+    def request(self, rid: str, sample):
+        """Count one request in flight (entered right after `wait_open`, with no await in between)."""
+        self.in_flight += 1
+        self._requests[rid] = (sample, self.version)
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._requests.pop(rid, None)
+            if self.in_flight == 0:
+                self._quiet.set()
+
+    def was_aborted(self, rid: str) -> bool:
+        """True (once) if `rid` was aborted by `abort_requests`."""
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            return True
+        return False
+
+    # ---- the controller side ------------------------------------------------------
+    async def hold(self, reason: str, engines, session=None, timeout: float = 120.0, drain: bool = True) -> float:
+        """Close the gate for `reason`. With `drain` (a weight update by abort, an eval, a checkpoint) every
+        request of ours still running is aborted on every engine and waited for; without it (backpressure)
+        they run on and only new ones wait. Returns the seconds the drain took."""
+        if self._open.is_set():
+            self._closed_at = time.monotonic()
+        self._holds.add(reason)
+        self._open.clear()
+        if not drain or not self.in_flight:
+            return 0.0
+        self.pauses += 1
+        self.pauses_by_reason[reason] += 1
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while self.in_flight:
+            # a request can reach an engine after it reported idle: abort again until ours are all back
+            res = engines.abort_all_until_idle(timeout=max(1.0, deadline - time.monotonic()), session=session)
+            if asyncio.iscoroutine(res):
+                await res
+            try:
+                await asyncio.wait_for(self._quiet.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+            if self.in_flight and time.monotonic() > deadline:
+                raise TimeoutError(f"version gate ({reason}): {self.in_flight} requests still in flight "
+                                   f"{timeout:.0f}s after aborting them")
+        dt = time.monotonic() - t0
+        self.drain_s += dt
+        return dt
+
+    def release(self, reason: str, version: int | None = None, train_version: int | None = None) -> bool:
+        """Drop `reason`'s hold (and set the new versions); reopen if nothing else holds it. True if open."""
+        self._holds.discard(reason)
+        if version is not None:
+            self.version = int(version)
+        if train_version is not None:
+            self.train_version = int(train_version)
+        if not self._holds and not self._open.is_set():
+            if self._closed_at is not None:
+                self.held_s += time.monotonic() - self._closed_at
+                self._closed_at = None
+            self._open.set()
+        return self._open.is_set()
+
+    def set_version(self, version: int) -> None:
+        """The engines now serve `version` (set while the gate is held, before it reopens)."""
+        if self._open.is_set():
+            raise RuntimeError("VersionGate.set_version: the gate is open (requests may be in flight)")
+        self.version = int(version)
+
+    # ---- in place ----------------------------------------------------------------------
+    def begin_update(self, version: int) -> None:
+        """An in-place push of `version` starts: requests keep running and may come back with its tokens."""
+        self.pending_version = int(version)
+
+    def end_update(self) -> None:
+        """The push is done: every engine serves `pending_version`; requests sent from now on are at it."""
+        if self.pending_version is not None:
+            self.version, self.pending_version = self.pending_version, None
+
+    def stale_requests(self, min_version: int) -> list[str]:
+        """Requests in flight whose sample may hold a token older than `min_version` (its oldest known token,
+        or the version it was sent at)."""
+        out = []
+        for rid, (sample, sent) in self._requests.items():
+            known = sample.oldest_version()
+            if min(sent, known if known is not None else sent) < min_version:
+                out.append(rid)
+        return out
+
+    async def abort_requests(self, rids: list[str], engines, session=None, timeout: float = 30.0) -> None:
+        """POST /abort_request {"rid"} for each of `rids` to every worker (the router does not route aborts)."""
+        if not rids:
+            return
+        self._aborted.update(rids)
+        urls = await asyncio.to_thread(engines.worker_urls)
+        own = session is None
+        if own:
+            import aiohttp
+
+            session = aiohttp.ClientSession()
+        try:
+            await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"rid": rid}, timeout=timeout)
+                                   for u in urls for rid in rids))
+        finally:
+            if own:
+                await session.close()
+
+    def set_train_version(self, train_version: int) -> None:
+        self.train_version = int(train_version)
+
+    def stats(self) -> dict[str, float]:
+        held = self.held_s + (time.monotonic() - self._closed_at if self._closed_at is not None else 0.0)
+        return {"pauses": float(self.pauses), "held_s": held, "drain_s": self.drain_s}
+
+
+__all__ = ["VersionGate"]

@@ -3,8 +3,8 @@
 Runs the embedded engine's HTTP server in this process (a thread), measures the
 process RSS at idle, after a burst of concurrent long requests, and after
 /flush_cache; then accounts for what is still allocated:
-- ours: the DecodeBatch's KV / mask buffers (kept, by design, for the next
-  rows) and every other live torch tensor;
+- ours: the paged KV pool (its blocks kept, by design, for the next rows;
+  /release_memory_occupation frees it) and every other live torch tensor;
 - the allocator: what `malloc_trim(0)` gives back to the OS (freed memory
   glibc kept in its arenas).
 
@@ -59,9 +59,8 @@ def live_tensor_mb() -> float:
     return tensor_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-def batch_buffer_mb(sched) -> float:
-    b = sched.batch
-    return tensor_bytes([b.valid, b.next_pos, b.pending, *b.k, *b.v])
+def kv_pool_mb(sched) -> float:
+    return sched.kv_cache_bytes() / MB
 
 
 def free_port() -> int:
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
     requests.post(url + "/flush_cache", timeout=60).raise_for_status()
     after_flush = rss()
     tensors_after = live_tensor_mb()
-    kv_after = batch_buffer_mb(engine.scheduler)
+    kv_after = kv_pool_mb(engine.scheduler)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     after_trim = rss()
     out = {
@@ -129,7 +128,7 @@ def main(argv=None) -> int:
         "after_flush_rss_mb": round(after_flush, 1),
         "retained_after_flush_mb": round(after_flush - idle, 1),
         "ours_live_tensors_growth_mb": round(tensors_after - tensors_idle, 1),
-        "ours_decode_batch_buffers_mb": round(kv_after, 1),
+        "ours_kv_pool_mb": round(kv_after, 1),
         "allocator_returned_by_malloc_trim_mb": round(after_flush - after_trim, 1),
         "after_malloc_trim_rss_mb": round(after_trim, 1),
     }

@@ -41,7 +41,7 @@ def sim_config(runner, b: int, c_star: int) -> SimConfig:
                      over_sampling_batch_size=int(a.over_sampling_batch_size), partial_rollout=a.partial_rollout,
                      pool_size=a.rollout_pool_size, concurrency_per_engine=c_star, num_engines=1,
                      max_response_len=a.rollout_max_response_len, reuse_stale_kv=a.reuse_stale_kv,
-                     steps=runner.step, warmup_steps=0, budgets_are_lengths=True, seed=0)
+                     steps=runner.step, warmup_steps=runner.warmup_steps, budgets_are_lengths=True, seed=0)
 
 
 def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int) -> dict:
@@ -58,6 +58,11 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         sim = result.summary()
         sim_occ[name] = _sim_occupancy(result)
         e, se = runner.engine, result.engine_stats
+        # what the engine did, over the whole run as the simulator counts it (the warm-up's steps too); the
+        # embedded engine decodes rows in its prefill steps as well (one packed forward per step)
+        et = runner.engine_total
+        dec_steps = et.get("decode_steps", 0) + et.get("prefill_decode_steps", 0)
+        dec_rows = et.get("decode_rows", 0) + et.get("prefill_decode_rows", 0)
         on_measured = (cost.decode_base_s * e.get("decode_steps", 0) + cost.decode_per_seq_s * e.get("decode_rows", 0)
                        + cost.decode_per_token_s * e.get("decode_ctx_tokens", 0)
                        + cost.decode_per_padded_s * e.get("decode_padded", 0))
@@ -68,8 +73,8 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
                      "sim_off_policy": round(sim["off_policy_token_ratio"], 4),
                      "sim_engine_idle_fraction": round(sim["engine_idle_fraction"], 4), "steps": runner.step,
                      # what the engine did, whatever the wall clock: decode steps and rows per step
-                     "measured_decode_steps": e.get("decode_steps", 0), "sim_decode_steps": se["decode_steps"],
-                     "measured_rows_per_step": round(e.get("decode_rows", 0) / max(1, e.get("decode_steps", 0)), 2),
+                     "measured_decode_steps": dec_steps, "sim_decode_steps": se["decode_steps"],
+                     "measured_rows_per_step": round(dec_rows / max(1, dec_steps), 2),
                      "sim_rows_per_step": round(se["decode_rows"] / max(1, se["decode_steps"]), 2),
                      "engine_cpu_share": round(e.get("decode_cpu_s", 0) / max(1e-9, e.get("decode_s", 0)), 4)
                      if "decode_cpu_s" in e else None}

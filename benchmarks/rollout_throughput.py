@@ -1,38 +1,52 @@
-"""Rollout throughput: synchronous vs APRIL vs pool mode vs the engine's limit.
+"""Rollout throughput: synchronous vs APRIL vs pool mode vs the engine's limit, with its spread.
 
 1. Measures the embedded engine's decode throughput at several concurrencies
    (C requests always in flight) and picks C*, the smallest C within 5% of the
    best (prints the curve and ms per decode step).
 2. Long-tailed workload: ignore_eos, each sample's budget `--scale` x q tokens
    with q from the truncated Pareto of the subtract_chain task (alpha 1, cap
-   --cap), so max >= 20x median (printed; 43x by default). The scale sets how
-   long a step is next to its fixed costs (abort, drain, restart: ~50-100 ms
-   of HTTP on this box) and how long parked contexts grow: every parked sample
-   is re-prefilled when it resumes, and on this CPU a prefilled token costs
-   ~1/4 of a decoded one (on a GPU ~1/100), so the per-round ratios fall as
-   the buffer fills with long-tail samples (round 0 starts empty).
+   --cap), so max >= 20x median (printed; 43x by default). Every parked sample
+   is re-prefilled when it resumes (the simulated weight update flushed its
+   KV), which on this CPU costs a good fraction of decoding it (on a GPU
+   ~1/100): see the engine cost fit printed per mode.
 3. Modes, each with its own data source (same seed), buffer and policy version:
    sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
    at most C* in flight), pool (C* in flight), april_kv and pool_kv (the same
    with --reuse-stale-kv: a parked sample resumes on the KV it had instead of
-   being re-prefilled), and the limit (C* requests in flight the whole time:
-   one steady state across rounds, its unfinished samples continued from one
-   slice to the next, with no weight update and so on their cached KV).
-   They run interleaved in --rounds rounds (sync, april, pool, april_kv,
-   pool_kv, limit, ...), each mode for >= --min-seconds of rollout time per
-   round, so drift of the box hits all alike. Before every step a simulated
-   weight update bumps the engines' weight_version and, as a real update does
-   by default, flushes their cache (not for the _kv modes).
-4. With --simulate, calibrates the engine in passes interleaved with the rounds and prints the
+   being re-prefilled; they run on an engine of their own, which nothing
+   flushes). Before every step a simulated weight update bumps the engine's
+   weight_version and, as a real update does by default, flushes its cache
+   (not for the _kv modes).
+4. The limit: C* requests in flight the whole time on a second engine (same
+   command, same pinning), one steady state measured in slices: its unfinished
+   samples continue on their KV from one slice to the next (no weight update
+   touches that engine), and a slice counts the engine's generated tokens
+   between 0.3 s after its start and its stop. It is an upper bound: no
+   re-prefill, no ramp, no drain.
+5. Warm-up: each partial mode and the limit first run unmeasured until their
+   engine has taken --warmup-steps steps (default: the longest budget, 3,072),
+   so that both are measured in the long tail's steady state: until the
+   buffer and the limit's carry hold their share of long contexts, steps are
+   cheaper and, for the modes, re-prefills shorter.
+6. Noise control: the engines run pinned to one CPU (--engine-cpus) and this
+   driver and the routers to the others (--driver-cpus), the same for every
+   mode and the limit. Every mode step is followed by a limit slice as long as
+   the step (1-4 s), so each round's ratio compares measurements taken seconds
+   apart; rounds (every mode in turn) go on until APRIL/limit's 90% interval
+   is within --target-spread (0.05) after --min-rounds (4), at most --rounds
+   (8). The box's own noise is printed: how much one limit slice differs from
+   the previous one, and the load average.
+7. Prints per mode: tok/s, the ratio to the limit (mean over rounds +- the
+   half-width of its 90% interval, and the std), the ratio to sync, per-round
+   ratios, the off-policy token ratio, engine running rows against the
+   limit's, a per-step breakdown (time to target, drain and abort->idle, time
+   outside both, gap between steps, requests, resumed samples, their tokens
+   so far) and the engine's time and cost fit (ms per step, us per decoding
+   row, us per prefilled token); the last line is one JSON with the spreads.
+8. With --simulate, calibrates the modes' engine in passes interleaved with the rounds and prints the
    rollout simulator's prediction of every mode beside its measurement (rollout_simcheck.py).
-5. Prints per-mode tokens/s (total tokens / total rollout time over all
-   rounds), ratios, per-round ratios, the off-policy token ratio and a per-step
-   breakdown (time to target, drain and abort->idle, time outside both, gap
-   between steps, requests, resumed samples, their tokens so far) and each
-   mode's engine time (prefill, decode, idle, cache hits, cost per token); the
-   last line is one JSON.
 
-    python benchmarks/rollout_throughput.py [--rounds 3] [--min-seconds 10] [--cap 128] [--scale 24] [--simulate]
+    python benchmarks/rollout_throughput.py [--rounds 8] [--min-seconds 6] [--cap 128] [--scale 24] [--simulate]
 """
 
 from __future__ import annotations
@@ -48,7 +62,7 @@ import tempfile
 import time
 
 import aiohttp
-from rollout_report import median, report
+from rollout_report import median, report, spread
 from rollout_simcheck import make_calibrator, predict
 from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_stats, stats_delta
 
@@ -80,15 +94,23 @@ async def main_async(opts, workdir):
           f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / median(lens):.0f}x); "
           f"model hidden {opts.hidden} x {opts.layers} layers", flush=True)
     t_start = time.monotonic()
-    # one HTTP session for every mode and the limit: connections to the router stay open across steps
-    with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines:
+    # Two engine groups, the same command and pinning: the modes' and the limit's. The limit never sees the
+    # modes' cache flushes, so its in-flight samples continue on their KV from one slice to the next (an
+    # honest upper bound); on one engine every slice would start by re-prefilling them.
+    # A third for the --reuse-stale-kv modes, whose parked samples' KV the other modes' flushes would drop.
+    with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines, \
+            EngineGroup(probe, log_dir=os.path.join(workdir, "limit_logs")) as limit_engines, \
+            EngineGroup(probe, log_dir=os.path.join(workdir, "kv_logs")) as kv_engines:
+        pinning = pin_processes([engines, limit_engines, kv_engines], opts.engine_cpus, opts.driver_cpus)
+        print(f"pinning: {pinning}", flush=True)
+        # one HTTP session for every mode and the limit: connections to the routers stay open across steps
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(opts.concurrencies) + 64)) as http:
-            # (1) throughput curve
+            # (1) throughput curve (on the limit's engine)
             curve = {}
-            await constant_load(probe, engines, http, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
+            await constant_load(probe, limit_engines, http, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
             for p in range(opts.probe_passes):  # best of a few passes: a busy moment of the box must not pick C*
                 for c in opts.concurrencies:
-                    v = await constant_load(probe, engines, http, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
+                    v = await constant_load(probe, limit_engines, http, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
                     curve[c] = max(curve.get(c, 0.0), v)
             for c in opts.concurrencies:
                 print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
@@ -96,7 +118,7 @@ async def main_async(opts, workdir):
             c_star = opts.c_star or min(c for c, v in curve.items() if v >= 0.95 * best)  # smallest C within 5% of best
             c_star = max(opts.n, c_star - c_star % opts.n)
             if c_star not in curve:
-                curve[c_star] = await constant_load(probe, engines, http, c_star, opts.probe_seconds,
+                curve[c_star] = await constant_load(probe, limit_engines, http, c_star, opts.probe_seconds,
                                                     ParetoSource(1, 1, opts.cap, vocab, opts.scale))
             b = c_star // opts.n
             print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
@@ -118,34 +140,50 @@ async def main_async(opts, workdir):
             }
             if not opts.no_stale_kv_modes:  # the same two modes resuming on the KV they had (no re-prefill)
                 for k in ("april", "pool"):
-                    runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), engines,
+                    runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), kv_engines,
                                                     http, opts.seed, opts.n, opts.cap, vocab, opts.scale)
-            limit_tokens, limit_wall, limit_rounds, limit_running = 0.0, 0.0, [], []
-            limit_source = ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale)
-            limit_carry: list = []  # the limit's unfinished samples, continued in its next slice
-            limit_engine: dict = {}
+            limit = LimitRunner(probe, limit_engines, http, c_star, ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale))
+            # Warm-up, not measured: the long tail takes a while to reach its steady state (the longest
+            # sample needs as many decode steps as its budget), in the limit's carry as in each partial mode's
+            # buffer; until then contexts are shorter and steps cheaper, and a mode or the limit measured
+            # earlier in its own warm-up than the other would look better than it is.
+            warm_steps = opts.scale * opts.cap if opts.warmup_steps is None else opts.warmup_steps
+            t_warm = time.monotonic()
+            warm = {k: await r.warm_up(warm_steps) for k, r in runners.items() if r.args.partial_rollout}
+            await limit.warm_up(warm_steps)
+            print(f"warm-up: {time.monotonic() - t_warm:.0f}s, {warm_steps} engine steps per partial mode "
+                  f"({', '.join(f'{k} {n} rollout steps' for k, n in warm.items())}) and for the limit", flush=True)
+            ratios: dict[str, list[float]] = {k: [] for k in runners}
+            loads = [os.getloadavg()[0]]
             cal = make_calibrator(engines, vocab) if opts.simulate else None
             if cal is not None:
                 await cal.measure(http)
-            for r in range(opts.rounds):  # interleaved, so drift of the box hits every mode alike
-                walls = {k: await runner.run_for(opts.min_seconds, opts.min_steps) for k, runner in runners.items()}
-                secs = max(opts.min_seconds, walls["april"])
-                e0 = engine_stats(engines)
-                tps = await constant_load(probe, engines, http, c_star, secs, limit_source, limit_running,
-                                          limit_carry)
-                for k, v in stats_delta(engine_stats(engines), e0).items():
-                    limit_engine[k] = limit_engine.get(k, 0) + v
-                limit_tokens += tps * secs
-                limit_wall += secs
-                limit_rounds.append(tps)
-                print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f}" for k, v in runners.items())
-                      + f"  limit {tps:.0f} tok/s", flush=True)
+            # Every mode step is followed by a slice of the limit as long as the step (within
+            # [--limit-min-seconds, --limit-seconds]), and a mode's ratio in a round is its tok/s over the
+            # limit's in the slices paired with its steps: both sides are measured seconds apart, so the
+            # load of a shared box hits them alike. Rounds go on until APRIL/limit's 90% interval is within
+            # --target-spread (after --min-rounds, at most --rounds).
+            for r in range(opts.rounds):
+                for k, runner in runners.items():
+                    paired = []
+
+                    async def after_step(dt, paired=paired):
+                        d = min(max(dt, opts.limit_min_seconds), opts.limit_seconds)
+                        paired.append((await limit.slice(d), d))
+
+                    await runner.run_for(opts.min_seconds, opts.min_steps, after_step)
+                    lim = sum(t * d for t, d in paired) / sum(d for _, d in paired)
+                    ratios[k].append(runner.rounds[-1] / lim)
+                    loads.append(os.getloadavg()[0])
+                print(f"round {r}: " + "  ".join(f"{k} {v.rounds[-1]:.0f} ({ratios[k][-1]:.3f}x limit)"
+                                                 for k, v in runners.items())
+                      + f"; load {loads[-1]:.1f}", flush=True)
                 if cal is not None:
                     await cal.measure(http)
-    limit = limit_tokens / limit_wall
+                if r + 1 >= opts.min_rounds and spread(ratios["april"])["ci90"] <= opts.target_spread:
+                    break
     res = {k: v.result() for k, v in runners.items()}
-    summary = report(res, limit, limit_rounds, limit_running, limit_wall, limit_engine, c_star, curve, opts.rounds,
-                     t_start)
+    summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, t_start)
     if cal is not None:
         summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star)
     print(json.dumps(summary))
@@ -154,11 +192,96 @@ async def main_async(opts, workdir):
             json.dump(summary, f, indent=2)
 
 
+# a limit slice counts the engine's tokens from this long after its requests went in (the ramp up is not
+# the steady state) until its stop
+RAMP_S = 0.3
+
+
+class LimitRunner:
+    """The full-occupancy limit: C* requests in flight the whole time, as one steady state measured in
+    slices (its unfinished samples continue, on their KV, in the next slice)."""
+
+    def __init__(self, args, engines, http, concurrency: int, source):
+        self.args, self.engines, self.http, self.concurrency, self.source = args, engines, http, concurrency, source
+        self.carry: list = []
+        self.slices: list[float] = []
+        self.seconds: list[float] = []
+        self.running: list[float] = []
+        self.engine: dict = {}
+
+    async def slice(self, seconds: float) -> float:
+        e0 = engine_stats(self.engines)
+        tps = await constant_load(self.args, self.engines, self.http, self.concurrency, seconds, self.source,
+                                  self.running, self.carry, ramp=RAMP_S)
+        for k, v in stats_delta(engine_stats(self.engines), e0).items():
+            self.engine[k] = self.engine.get(k, 0) + v
+        self.slices.append(tps)
+        self.seconds.append(seconds)
+        return tps
+
+    async def warm_up(self, engine_steps: int) -> None:
+        """Slices (not measured) until the engine ran `engine_steps` forward steps."""
+        while self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0) < engine_steps:
+            await self.slice(4.0)
+        self.reset_measurements()
+
+    def reset_measurements(self) -> None:
+        self.slices, self.seconds, self.running, self.engine = [], [], [], {}
+
+    @property
+    def tok_s(self) -> float:
+        return sum(t * s for t, s in zip(self.slices, self.seconds)) / sum(self.seconds)
+
+
+def pin_processes(groups, engine_cpus: str | None, driver_cpus: str | None) -> dict:
+    """Pin every engine process (all its threads) to `engine_cpus` and this driver and the routers to
+    `driver_cpus` (default on a box of >= 2 CPUs: engines on the last CPU, the rest for the driver), the same
+    for every mode and the limit, so modes never differ in where their work runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 and not (engine_cpus or driver_cpus):
+        return {"engines": cpus, "driver": cpus, "note": "one CPU: nothing pinned"}
+    eng = _cpu_list(engine_cpus) if engine_cpus else cpus[-1:]
+    drv = _cpu_list(driver_cpus) if driver_cpus else [c for c in cpus if c not in eng] or cpus
+    for g in groups:
+        for e in g.engines:
+            _pin_all_threads(e.process.pid, eng)
+        if g.router.process is not None:
+            _pin_all_threads(g.router.process.pid, drv)
+    _pin_all_threads(os.getpid(), drv)
+    return {"engines": eng, "driver": drv, "engine_threads": 1}
+
+
+def _cpu_list(spec: str) -> list[int]:
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _pin_all_threads(pid: int, cpus: list[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (sync, april, pool, april_kv, pool_kv, limit)")
-    p.add_argument("--min-seconds", type=float, default=10.0, help="rollout time of each mode in each round")
-    p.add_argument("--min-steps", type=int, default=3, help="at least this many steps per mode per round")
+    p.add_argument("--rounds", type=int, default=8, help="at most this many rounds (each: every mode in turn)")
+    p.add_argument("--min-rounds", type=int, default=4, help="at least this many rounds")
+    p.add_argument("--target-spread", type=float, default=0.05,
+                   help="stop after --min-rounds once APRIL/limit's 90%% interval half-width is at most this")
+    p.add_argument("--min-seconds", type=float, default=6.0, help="rollout time of each mode in each round")
+    p.add_argument("--min-steps", type=int, default=2, help="at least this many steps per mode per round")
+    p.add_argument("--limit-seconds", type=float, default=4.0, help="longest limit slice (one after each mode step)")
+    p.add_argument("--limit-min-seconds", type=float, default=1.0, help="shortest limit slice")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="engine steps each partial mode and the limit run first, unmeasured, to reach the long "
+                        "tail's steady state (default: the longest budget, --scale x --cap)")
+    p.add_argument("--engine-cpus", default=None, help="CPUs for the engines, e.g. '1' (default: the last CPU)")
+    p.add_argument("--driver-cpus", default=None, help="CPUs for this driver and the routers (default: the others)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
     p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget scale x q tokens)")
     p.add_argument("--scale", type=int, default=24,

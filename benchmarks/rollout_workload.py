@@ -17,6 +17,7 @@ import os
 import random
 import time
 
+import aiohttp
 import requests
 
 from slime.ray.buffer import PartialRolloutBuffer
@@ -54,15 +55,19 @@ class ParetoSource:
 
 
 async def constant_load(args, engines, session, concurrency: int, seconds: float, source,
-                        running: list | None = None, carry: list | None = None) -> float:
+                        running: list | None = None, carry: list | None = None, ramp: float | None = None) -> float:
     """Tokens/s with `concurrency` requests in flight the whole time (a fresh sample as each finishes).
 
     With `carry`, the samples still unfinished at the end are kept there and continued first next time, so
     successive calls add up to one long steady state: long-tail samples stay in flight until they finish,
     as the modes' must. Without it they would be dropped at every slice, the in-flight contexts would stay
-    short, and decode steps cheaper than the workload really allows."""
+    short, and decode steps cheaper than the workload really allows.
+
+    Without `ramp`, tokens returned / time until the stop. With `ramp`, the steady state only: the engines'
+    own count of generated tokens between `ramp` seconds after the start and the stop (neither the ramp
+    up nor the abort and drain are the steady state's cost), so this is an upper bound."""
     req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args), 0, 0)
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + seconds + (ramp or 0.0)
     stop = asyncio.Event()
 
     async def worker():
@@ -71,19 +76,36 @@ async def constant_load(args, engines, session, concurrency: int, seconds: float
             if not await req.generate(sample, stop) and carry is not None:
                 carry.append(sample)
 
-    occupancy = OccupancySampler(session, await asyncio.to_thread(engines.worker_urls))
+    urls = await asyncio.to_thread(engines.worker_urls)
+    occupancy = OccupancySampler(session, urls)
     t0 = time.monotonic()
     occupancy.start()
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    await asyncio.sleep(seconds)
+    if ramp:
+        await asyncio.sleep(ramp)
+        n0, t0 = await sampled_tokens(session, urls), time.monotonic()
+        await asyncio.sleep(seconds)
+        n1, t_stop = await sampled_tokens(session, urls), time.monotonic()
+    else:
+        await asyncio.sleep(seconds)
+        t_stop = time.monotonic()
     stop.set()
     await engines.abort_all_until_idle(timeout=60, session=session)
     await asyncio.gather(*tasks)
-    tps = req.new_tokens / (time.monotonic() - t0)
+    tps = (n1 - n0 if ramp else req.new_tokens) / (t_stop - t0)
     occ = await occupancy.stop()
     if running is not None:
         running.append(occ.get("rollout/engine_running_reqs_mean", float("nan")))
     return tps
+
+
+async def sampled_tokens(session, urls: list[str]) -> int:
+    """Tokens the engines have generated so far (their scheduler counters, summed)."""
+    total = 0
+    for url in urls:
+        async with session.get(url + "/get_server_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            total += (await resp.json())["internal_states"][0]["scheduler_stats"]["sampled_tokens"]
+    return total
 
 
 def bump_version(engines, version: int, flush: bool) -> None:
@@ -140,6 +162,7 @@ class ModeRunner:
         args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
         self.planner = planner  # --over-sampling-batch-size auto
+        self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
         self.flush = not args.reuse_stale_kv
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
@@ -147,22 +170,27 @@ class ModeRunner:
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
         self.rounds: list[float] = []
         self.stats = {k: [] for k in STAT_KEYS}
-        self.engine: dict = {}
+        self.engine: dict = {}  # the engine's counters over the measured steps
+        self.engine_total: dict = {}  # and over every step, the warm-up's too
 
-    async def run_for(self, min_seconds: float, min_steps: int) -> float:
-        """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its tok/s."""
+    async def run_for(self, min_seconds: float, min_steps: int, after_step=None) -> float:
+        """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its
+        rollout time. `after_step(seconds)` is awaited after each step, outside the step's time."""
         tokens, wall, steps = 0.0, 0.0, 0
         prev_end = None
-        e0 = engine_stats(self.engines)
         while wall < min_seconds or steps < min_steps:
             t_bump = time.monotonic()
             bump_version(self.engines, self.step, self.flush)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
+            e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
                 self.source, self.buffer, self.engines, None, self.step, http_session=self.http,
                 over_sampling_planner=self.planner))
             dt = time.monotonic() - t0
+            for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only
+                self.engine[k] = self.engine.get(k, 0) + v
+                self.engine_total[k] = self.engine_total.get(k, 0) + v  # warm-up included
             m = out.metrics
             self.buffer.mark([g[0].group_index for g in out.groups], TRAINED)
             tokens += m["rollout/new_tokens"]
@@ -183,6 +211,8 @@ class ModeRunner:
             st["new_tokens"].append(m["rollout/new_tokens"])
             st["occupancy"].append(m.get("rollout/engine_running_reqs_mean", float("nan")))
             st["over_sampling"].append(m.get("rollout/over_sampling_batch_size", float("nan")))
+            if after_step is not None:
+                await after_step(dt)
             prev_end = time.monotonic()
             logger.info("%s step %d: %.0f tok/s in %.3fs (target %.3fs, drain %.3fs, abort->idle %.3fs), %d groups, "
                         "parked %d, in-flight peak %d, engine running mean %.1f, resumed %d (%d tok), off-policy %.3f", self.name, self.step, m["rollout/new_tokens"] / dt,
@@ -192,12 +222,28 @@ class ModeRunner:
                         m["rollout/off_policy_token_ratio"])
             self.step += 1
         self.buffer.check_balanced()
-        for k, v in stats_delta(engine_stats(self.engines), e0).items():
-            self.engine[k] = self.engine.get(k, 0) + v
         self.tokens += tokens
         self.wall += wall
         self.rounds.append(tokens / wall)
         return wall
+
+    async def warm_up(self, engine_steps: int) -> int:
+        """Steps (not measured) until the engine ran `engine_steps` forward steps for this mode; returns
+        how many rollout steps that took."""
+        done = 0
+        while self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0) < engine_steps:
+            await self.run_for(0.0, 1)
+            done += 1
+        self.reset_measurements()
+        self.warmup_steps = done
+        return done
+
+    def reset_measurements(self) -> None:
+        """Forget what was measured so far (after a warm-up); the buffer and its parked samples stay."""
+        self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
+        self.rounds = []
+        self.stats = {k: [] for k in STAT_KEYS}
+        self.engine = {}
 
     def result(self) -> dict:
         mean = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.stats.items()}

@@ -75,8 +75,10 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
     for step in (1, 2):
         out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step))
         assert len(out.groups) == 3
-        if step == 1:  # the parked groups were resumed first
-            assert out.metrics["rollout/groups_resumed"] == len(parked_before)
+        if step == 1:  # the parked groups were resumed first: no fresh group before every parked one
+            m = out.metrics
+            assert m["rollout/groups_resumed"] > 0
+            assert m["rollout/groups_resumed"] == len(parked_before) or m["rollout/groups_fresh"] == 0
         assert not set(ids(out.groups)) & set(trained)
         ray.get(buf2.mark.remote(ids(out.groups), TRAINED), timeout=T)
         trained += ids(out.groups)

@@ -1,5 +1,6 @@
-"""DecodeBatch (the engine's KV layout) against an independent reference: every row run alone through the
-model, one plain forward over its full token sequence, after every join, leave and decode step."""
+"""PagedBatch (the engine's paged KV cache and packed steps) against an independent reference: every
+row's logits, after every join, leave, resume and step, equal one plain forward of the model over that
+row's full token sequence alone."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import random
 import pytest
 import torch
 
-from slime.backends.hf_engine.batch import DecodeBatch
+from slime.backends.hf_engine.batch import PagedBatch
+from slime.backends.hf_engine.kv_pool import KVPool, OutOfBlocks
+from slime.backends.hf_engine.paged_attention import plan_buckets
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -18,201 +21,196 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("batch_model")
-    return build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0).float().eval()
+    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
+    return d
+
+
+def load(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_dir):
+    return load(model_dir)
 
 
 class Mirror:
-    """Drives a DecodeBatch and mirrors it: seqs[i] is row i's full sequence (its cache + its pending token)."""
+    """Drives a PagedBatch and mirrors it: seqs[row] is the row's full known sequence (cached positions
+    first, then the tokens not yet fed)."""
 
-    def __init__(self, model, seed: int = 0):
-        self.model, self.batch, self.rng = model, DecodeBatch(model), random.Random(seed)
-        self.vocab = model.config.vocab_size
-        self.seqs: list[list[int]] = []
+    def __init__(self, model_dir, ref, seed=0, block_size=4, kernel="sdpa", **kw):
+        self.batch = PagedBatch(load(model_dir), block_size=block_size, kernel=kernel, **kw)
+        self.ref, self.rng = ref, random.Random(seed)
+        self.vocab = ref.config.vocab_size
+        self.seqs: dict[int, list[int]] = {}
+        self.held: list[tuple[list[int], list[int], int]] = []  # detached rows: (seq, blocks, cached)
+        self.buckets_seen = 0
+        self.external: list[int] = []  # blocks held outside the batch and `held` (a stand-in prefix cache)
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(n)]
 
     @torch.no_grad()
     def reference(self, seq: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([seq])).logits[0, -1]
+        return self.ref(torch.tensor([seq])).logits[0, -1]
 
-    def join(self, lengths: list[int], drop: tuple[int, ...] = ()) -> None:
-        """Prefill prompts of `lengths`; the rows in `drop` finish at prefill and do not join."""
-        prompts = [self.tokens(n) for n in lengths]
-        logits, cache, valid = self.batch.prefill(prompts)
-        for i, p in enumerate(prompts):
-            torch.testing.assert_close(logits[i], self.reference(p), atol=ATOL, rtol=0)
-        rows = [i for i in range(len(prompts)) if i not in drop]
-        pending = self.tokens(len(rows))
-        self.batch.join(cache, valid, rows, [len(prompts[i]) for i in rows], pending)
-        self.seqs += [prompts[i] + [t] for i, t in zip(rows, pending)]
-        self.check_layout()
+    def add(self, n: int) -> int:
+        row = self.batch.add_row()
+        self.seqs[row] = self.tokens(n)
+        self.check()
+        return row
 
-    def step(self) -> None:
-        masks = []
-        hook = self.model.register_forward_pre_hook(lambda mod, args, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
-        try:
-            logits = self.batch.step()
-        finally:
-            hook.remove()
-        assert logits.shape[0] == len(self.seqs)
-        # the mask we pass covers exactly the keys the cache returns, in every layer
-        for layer in self.batch.cache.layers:
-            assert masks[0].shape == (len(self.seqs), 1, 1, layer.keys.shape[-2])
-        for i, s in enumerate(self.seqs):
-            torch.testing.assert_close(logits[i], self.reference(s), atol=ATOL, rtol=0)
-        pending = self.tokens(len(self.seqs))
-        self.batch.set_pending(pending)
-        self.seqs = [s + [t] for s, t in zip(self.seqs, pending)]
-        self.check_layout()
+    def step(self, max_chunk: int = 1000, whole: bool = False) -> None:
+        """One packed step: decoding rows feed their last token, the others a random chunk of their prompt."""
+        segs, sampled = [], []
+        for row, seq in self.seqs.items():
+            left = len(seq) - self.batch.cached(row)
+            take = left if whole else self.rng.randint(1, min(left, max_chunk))
+            start = self.batch.cached(row)
+            segs.append((row, seq[start: start + take], take == left))
+            if take == left:
+                sampled.append(row)
+        logits = self.batch.forward(segs)
+        self.buckets_seen = max(self.buckets_seen, sum(1 for bk in self.batch.last_plan.buckets if bk.q == 1))
+        assert logits.shape[0] == len(sampled)
+        for i, row in enumerate(sampled):
+            torch.testing.assert_close(logits[i], self.reference(self.seqs[row]), atol=ATOL, rtol=0)
+            self.seqs[row].append(self.tokens(1)[0])  # the "sampled" token, fed next step
+        self.check()
 
-    def remove(self, rows: list[int]) -> None:
-        order = self.batch.remove(rows)
-        assert sorted(order) == sorted(set(range(len(self.seqs))) - set(rows))
-        self.seqs = [self.seqs[i] for i in order]
-        self.check_layout()
+    def drop(self, row: int) -> None:
+        self.batch.drop(row)
+        del self.seqs[row]
+        self.check()
 
-    def check_layout(self) -> None:
-        b = self.batch
-        assert b.size == len(self.seqs)
-        assert b.next_pos.tolist() == [len(s) - 1 for s in self.seqs]
-        assert b.pending.tolist() == [s[-1] for s in self.seqs]
-        if not self.seqs:
-            return
-        assert b.hi <= b.valid.shape[1]
-        for i, s in enumerate(self.seqs):  # right-aligned at hi, exactly the cached tokens, nothing stale
-            assert b.valid[i].nonzero().flatten().tolist() == list(range(b.hi - (len(s) - 1), b.hi))
-        assert b.lo == b.hi - max(len(s) - 1 for s in self.seqs) and b.width == b.hi - b.lo
+    def detach(self, row: int) -> None:
+        blocks, cached = self.batch.detach(row)
+        self.held.append((self.seqs.pop(row), blocks, cached))
+        self.check()
 
-    @property
-    def capacity(self) -> tuple[int, int]:
-        return tuple(self.batch.valid.shape)
+    def resume(self) -> int:
+        seq, blocks, cached = self.held.pop(self.rng.randrange(len(self.held)))
+        row = self.batch.add_row(blocks, cached)
+        self.seqs[row] = seq
+        self.check()
+        return row
+
+    def check(self) -> None:
+        b, bs = self.batch, self.batch.block_size
+        owned = [blk for row in self.seqs for blk in b._blocks[row]] + [blk for _, blks, _ in self.held for blk in blks]
+        owned += self.external
+        assert len(owned) == len(set(owned)) and 0 not in owned  # no block shared, block 0 never handed out
+        assert b.pool.num_used == len(owned)  # nothing leaked
+        for row, seq in self.seqs.items():
+            c = b.cached(row)
+            assert 0 <= c < len(seq) and len(b._blocks[row]) == -(-c // bs) or len(b._blocks[row]) * bs >= c
+            assert b.tables[row, : len(b._blocks[row])].tolist() == b._blocks[row]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_joins_leaves_and_steps_match_per_row_reference(model, seed):
-    m = Mirror(model, seed)
+def test_random_joins_leaves_resumes_and_chunked_steps_match_per_row_reference(model_dir, ref_model, seed):
+    m = Mirror(model_dir, ref_model, seed, min_bucket_saving=16)  # split buckets even at these short lengths
     rng = random.Random(seed)
-    shifts = 0  # joins into a non-empty batch of rows longer than the columns left of hi
-    for t in range(70):
+    for t in range(60):
         op = rng.random()
-        if m.seqs and t % 20 == 19:  # a row longer than the columns left of hi
-            m.join([m.batch.hi + rng.randint(1, 30), rng.randint(1, 5)])
-            shifts += 1
-        elif not m.seqs or op < 0.2:
-            n = rng.randint(1, 4)
-            lengths = [rng.randint(1, 160 if rng.random() < 0.3 else 12) for _ in range(n)]
-            drop = tuple(i for i in range(1, n) if rng.random() < 0.2)
-            shifts += bool(m.seqs) and max(x for i, x in enumerate(lengths) if i not in drop) > m.batch.hi
-            m.join(lengths, drop)
-        elif op < 0.35:
-            m.remove(rng.sample(range(len(m.seqs)), rng.randint(1, len(m.seqs))))
+        if not m.seqs or op < 0.15:
+            for _ in range(rng.randint(1, 4)):
+                m.add(rng.randint(1, 120 if rng.random() < 0.3 else 10))
+        elif op < 0.22 and len(m.seqs) > 1:
+            m.drop(rng.choice(list(m.seqs)))
+        elif op < 0.3 and m.seqs:
+            m.detach(rng.choice(list(m.seqs)))  # an abort: its blocks go to the prefix cache
+        elif op < 0.36 and m.held:
+            m.resume()
         else:
-            m.step()
-    assert shifts >= 1
+            m.step(max_chunk=rng.choice([3, 16, 1000]))
+    assert m.buckets_seen >= 2  # rows of different lengths were split into several decode buckets
 
 
-def test_join_longer_than_the_window_shifts_the_batch(model):
-    m = Mirror(model)
-    m.join([3, 5])
-    for _ in range(3):
-        m.step()
-    hi = m.batch.hi
-    m.join([hi + 30, 2])  # longer than every column left of hi
-    assert m.batch.hi >= hi + 30
-    for _ in range(3):
-        m.step()
-    m.remove([2])  # the long row leaves: the window narrows back to the short rows
-    assert m.batch.width == max(len(s) for s in m.seqs) - 1 < 20
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_long_and_short_rows_share_steps(model_dir, ref_model, kernel):
+    """A long prompt prefilled in chunks while short rows decode, across many blocks; both kernels."""
+    m = Mirror(model_dir, ref_model, seed=5, block_size=8, kernel=kernel)
+    for n in (3, 5, 200, 2, 70):
+        m.add(n)
+    for _ in range(12):
+        m.step(max_chunk=48)
+    assert all(m.batch.cached(r) == len(s) - 1 for r, s in m.seqs.items())  # everyone is decoding now
+    m.add(150)
+    for _ in range(6):
+        m.step(max_chunk=64)
+
+
+def test_join_and_leave_copy_no_kv(model_dir, ref_model):
+    """Rows joining, leaving and resuming never move another row's KV: the pool tensors stay the same
+    objects and a surviving row's blocks keep their contents bit for bit."""
+    m = Mirror(model_dir, ref_model, seed=3, block_size=4)
+    a = m.add(9)
+    m.add(5)
+    m.step()
+    m.step()
+    pool = m.batch.pool
+    ptrs = [t.data_ptr() for t in pool._kv.values()]
+    blocks, cached = torch.tensor(m.batch._blocks[a]), m.batch.cached(a)
+
+    def row_a():  # row a's cached positions, every layer, keys and values
+        return [t.index_select(1, blocks).flatten(1, 2)[:, :cached].clone() for i in pool._kv for t in pool.layer(i)]
+
+    before = row_a()
+    b = m.add(7)
+    m.step()
+    m.detach(b)
+    m.drop([r for r in m.seqs if r != a][0])
+    m.resume()
+    assert all(torch.equal(x, y) for x, y in zip(row_a(), before))
+    assert [t.data_ptr() for t in pool._kv.values()] == ptrs
     m.step()
 
 
-def test_join_and_leave_copy_only_their_rows(model):
-    m = Mirror(model)
-    m.join([4, 6, 5, 7])
-    m.step()
-    ptrs = [k.data_ptr() for k in m.batch.k + m.batch.v]
-    hi, row0 = m.batch.hi, m.batch.k[0][0].clone()
-    m.remove([1])  # row 3 moves into slot 1; row 0 stays where it is
-    assert torch.equal(m.batch.k[0][0], row0)
-    m.join([3, 8])
-    m.step()
-    m.remove([0, 2])
-    m.step()
-    assert [k.data_ptr() for k in m.batch.k + m.batch.v] == ptrs and m.batch.hi == hi + 2
-    m.remove(list(range(len(m.seqs))))  # empty: buffers are kept for the next rows
-    assert m.batch.size == 0
-    m.join([9])
-    m.step()
-    assert [k.data_ptr() for k in m.batch.k + m.batch.v] == ptrs
+def test_pool_grows_mid_run_and_rows_stay_exact(model_dir, ref_model):
+    m = Mirror(model_dir, ref_model, seed=9, block_size=4)
+    m.batch.pool = KVPool(4, max_blocks=10_000, initial_blocks=4)  # tiny: the first steps grow it
+    for n in (30, 50, 12):
+        m.add(n)
+    for _ in range(8):
+        m.step(max_chunk=20)
+    assert m.batch.pool.capacity > 4
 
 
-def test_compaction_when_hi_reaches_the_last_column(model):
-    m = Mirror(model)
-    m.join([5])
-    r, w = m.capacity
-    while m.batch.hi < w - 40:
-        m.step()
-    m.join([2])
-    m.remove([0])  # the long-lived row leaves: a narrow window sits near the right edge
-    compacted = False
-    for _ in range(60):
-        hi = m.batch.hi
-        m.step()
-        compacted |= m.batch.hi < hi
-    assert compacted and m.capacity == (r, w)
+def test_pool_reclaims_then_refuses_past_its_cap(model_dir, ref_model):
+    m = Mirror(model_dir, ref_model, seed=4, block_size=4, max_tokens=16, max_rows=1)
+    asked = []
+    held = m.external = m.batch.pool.alloc(3)  # someone else (the prefix cache) holds blocks
+    m.batch.reclaim = lambda n: (asked.append(n), m.batch.pool.free([held.pop() for _ in range(min(n, len(held)))]))
+    m.add(20)
+    m.step(whole=True)  # 5 blocks of 4 needed; 2 of the 5 usable ones are free: the holder gives 3 back
+    assert asked == [3] and not held
+    m.add(4)
+    with pytest.raises(OutOfBlocks):
+        m.step(whole=True)
 
 
-def test_rows_and_columns_grow(model):
-    m = Mirror(model)
-    m.join([4, 6, 3])
-    r, w = m.capacity
-    m.join([2, 5, 7, 3, 1, 6, 4, 2])  # more rows than slots
-    assert m.capacity[0] >= 11 > r
-    m.step()
-    while m.capacity[1] == w:  # long-lived rows: the window outgrows the columns
-        m.step()
-    assert m.capacity[1] > w
-    m.step()
-
-
-def test_equal_length_prefill_takes_the_unmasked_path_and_matches(model):
-    """Rows of one length are prefilled without a mask (transformers' causal path); logits and the joined
-    cache must match the per-row reference exactly as the masked (padded) path does."""
-    m = Mirror(model, seed=7)
-    masks = []
-    def record(mod, args, kw):  # the engine's forwards only (the reference passes no cache)
-        if kw.get("past_key_values") is not None:
-            masks.append(kw.get("attention_mask"))
-
-    hook = model.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        m.join([40, 40, 40])  # equal: unmasked
-        m.join([9, 30])  # unequal: masked
-    finally:
-        hook.remove()
-    assert masks[0] is None and masks[1] is not None
-    for _ in range(3):
-        m.step()
-
-
-def test_row_kv_round_trip_rejoins_a_row_that_left(model):
-    """row_kv + join_kv (the prefix cache's path): a row saved, removed and joined back decodes exactly as
-    if it had never left."""
-    m = Mirror(model, seed=11)
-    m.join([7, 12, 5])
-    m.step()
-    i = 1
-    n = len(m.seqs[i]) - 1  # cached positions (all but the pending token)
-    kv = m.batch.row_kv(i, n)
-    seq = m.seqs[i]
-    m.remove([i])
-    m.join([9])  # the freed slot gets reused meanwhile
-    m.batch.join_kv(kv, len(seq) - 1, seq[-1])
-    m.seqs.append(seq)
-    m.check_layout()
-    for _ in range(3):
-        m.step()
+def test_plan_buckets_cover_every_segment_once():
+    tables = torch.arange(64 * 100).view(64, 100)
+    rng = random.Random(0)
+    segs = []
+    for row in range(60):
+        segs.append((1 if row < 50 else rng.randint(2, 9), rng.choice([1, 5, 40, 300, 2900]), row))
+    segs += [(4, 0, 60), (4, 0, 61)]  # two fresh prompts of one length: one bucket
+    buckets = plan_buckets(segs, tables, block_size=32)
+    assert sorted(i for bk in buckets for i in bk.segments) == list(range(len(segs)))
+    start = 0
+    for bk in buckets:  # cells are numbered bucket after bucket, row by row
+        assert bk.start == start and all(segs[i][0] == bk.q for i in bk.segments)
+        start += bk.b * bk.q
+        assert bk.blocks.numel() == bk.b * bk.m
+        assert bk.blocks.view(bk.b, bk.m).tolist() == [tables[segs[i][2], : bk.m].tolist() for i in bk.segments]
+        assert int(bk.limit.max()) < bk.m * 32  # every cell's keys fit in the bucket's blocks
+    decode = [bk for bk in buckets if bk.q == 1]
+    assert len(decode) >= 3 and sum(bk.b for bk in decode) == 50  # lengths 1..2900: several buckets
+    assert any(bk.q == 4 and bk.b == 2 for bk in buckets)

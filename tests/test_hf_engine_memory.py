@@ -229,3 +229,46 @@ def test_bad_tensor_payloads_are_refused_and_the_engine_keeps_serving(server, mo
         assert expected in msg, (expected, msg)
         assert greedy(server) == before  # serving, on unchanged weights
     assert server.get("/get_model_info").json()["weight_version"] == "20"
+
+
+def _abort_a_running_request(server) -> dict:
+    """A long request aborted mid-generation: its KV blocks go to the prefix cache (for its resumption)."""
+    out = {}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: out.update(r=server.post("/generate", body)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while server.get("/get_load").json()[0]["num_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+    t.join(60)
+    meta = out["r"].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    return meta
+
+
+def _prefix_entries(server) -> int:
+    return server.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
+
+
+def test_paged_kv_is_flushed_by_tensor_updates_and_freed_by_release(server, models):
+    """The paged KV pool holds the running rows' and the prefix cache's blocks: a tensor weight update flushes
+    the cache unless it says flush_cache: false (SGLang), and releasing kv_cache gives back every block."""
+    (_, ma), _ = models["a"], models["b"]
+    meta = _abort_a_running_request(server)
+    assert meta["completion_tokens"] > 0 and _prefix_entries(server) == 1
+    for body in tensor_body(ma, 30):  # the same weights, keeping KV computed by them
+        r = server.post("/update_weights_from_tensor", {**body, "flush_cache": False})
+        assert r.status_code == 200 and r.json()["success"], r.text
+    assert _prefix_entries(server) == 1
+    push(server, ma, 31)  # flush_cache: true
+    assert _prefix_entries(server) == 0
+
+    _abort_a_running_request(server)
+    assert _prefix_entries(server) == 1 and memory(server)["kv_cache_bytes"] > 0
+    assert server.post("/release_memory_occupation", {"tags": ["kv_cache"]}).json()["success"]
+    assert _prefix_entries(server) == 0 and memory(server)["kv_cache_bytes"] == 0
+    assert server.post("/resume_memory_occupation", {"tags": ["kv_cache"]}).json()["success"]
+    assert greedy(server) == greedy_reference(ma, PROMPT, 6)  # the pool is allocated again on its first write
+    assert memory(server)["kv_cache_bytes"] > 0

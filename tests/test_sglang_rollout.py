@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -115,31 +116,48 @@ def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
     assert len(trace) == 4
     returned = [s[0].group_index for o in outs for s in o.groups]
     assert len(returned) == len(set(returned)) == 12  # 3 per step, never a group twice
+    parked: list[int] = []  # the buffer's parked groups, FIFO
     for step, (out, tr) in enumerate(zip(outs, trace)):
         check_group_invariants(out.groups, 2, source.prompts, step, 24)
         m = out.metrics
-        # parked groups (from the previous step, FIFO) are submitted before any fresh one
-        if step:
-            prev_unfinished = trace[step - 1]["unfinished"]
-            assert tr["resumed"] == tr["submitted"][: len(tr["resumed"])] == prev_unfinished[: len(tr["resumed"])]
-            assert m["rollout/groups_resumed"] == len(prev_unfinished) > 0
+        # parked groups (FIFO) are submitted before any fresh one; a step whose target the groups finished
+        # after the last one's (ready) already meet submits nothing
+        assert tr["resumed"] == tr["submitted"][: len(tr["resumed"])] == parked[: len(tr["resumed"])]
+        assert m["rollout/groups_resumed"] == len(parked) or m["rollout/groups_fresh"] == 0
+        assert m["rollout/groups_submitted"] or m["rollout/groups_ready_in"] >= 3
+        parked = parked[len(tr["resumed"]):] + tr["unfinished"]
         assert m["rollout/groups_accepted"] == 3 and m["rollout/in_flight_peak"] <= 6
         # exact off-policy ratio over the returned groups' loss-masked tokens
         toks = [(v, k) for g in out.groups for s in g for v, k in zip(s.weight_versions, s.loss_mask) if k]
         assert m["rollout/off_policy_token_ratio"] == pytest.approx(sum(v < step for v, _ in toks) / len(toks))
         assert sum(v for k, v in m.items() if k.startswith("rollout/staleness_hist/")) == len(toks)
         assert m["rollout/groups_parked"] == len(tr["unfinished"])
-    # resumed samples really span versions, and their log-probs line up with the tokens (resumed from ids)
-    multi = [s for o in outs for g in o.groups for s in g if len(set(s.weight_versions)) > 1]
+    # resumed samples really span versions, and their log-probs line up with the tokens (resumed from ids).
+    # Whether a returned group holds a sample resumed across a bump within 4 steps is timing: step on until one does.
+    def spanning():
+        return [s for o in outs for g in o.groups for s in g if len(set(s.weight_versions)) > 1]
+
+    version = 4
+    while not spanning() and version < 10:
+        outs += run_steps(env, args, 1, source=source, buffer=buffer, first_version=version)[2]
+        version += 1
+    multi = spanning()
     assert multi, "no returned sample was resumed across a version bump"
     assert max(o.metrics["rollout/versions_per_sample_max"] for o in outs) >= 2
     for s in multi[:4]:
         assert teacher_forced(env["model"], s) == pytest.approx(s.rollout_log_probs, abs=2e-4)
     summary = buffer.check_balanced()
-    assert summary[TRAINED] == 12 and summary[PARKED] == buffer.num_parked()
+    assert summary[TRAINED] == 3 * len(outs) and summary[PARKED] == buffer.num_parked()
     assert summary["total"] == len(source.prompts)  # every issued group is accounted for
 
-    # save with groups parked, load into a new buffer: they come back with every per-token field
+    # save with groups parked, load into a new buffer: they come back with every per-token field. Whether the
+    # groups parked at the last abort hold a partly generated sample is timing; step on until they do.
+    def partly_generated(groups):
+        return any(s.response_length and s.status == Status.ABORTED for g in groups for s in g)
+
+    while not partly_generated(buffer._parked) and version < 16:
+        run_steps(env, args, 1, source=source, buffer=buffer, first_version=version)
+        version += 1
     path = tmp_path / "buffer.json"
     buffer.save(str(path))
     restored = PartialRolloutBuffer(args)
@@ -147,7 +165,34 @@ def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
     assert restored.ledger_summary() == buffer.ledger_summary()
     a, b = buffer.take_parked(100), restored.take_parked(100)
     assert [[s.to_dict() for s in g] for g in a] == [[s.to_dict() for s in g] for g in b]
-    assert any(s.response_length and s.status == Status.ABORTED for g in b for s in g)
+    assert any(s.response_length and s.status == Status.ABORTED for g in b for s in g), \
+        [[(s.status, s.response_length) for s in g] for g in b]
+
+
+class ShortAndLongSource(RecordingSource):
+    """Every group's first member may write 2 tokens, the second 24 (budgets in the sample's metadata)."""
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            for i, s in enumerate(g):
+                s.metadata["max_response_len"] = 2 if i == 0 else 24
+        return groups
+
+
+def test_april_tops_up_as_soon_as_requests_finish(env):
+    """A chunk of 3 groups (= the target) with 6 requests allowed in flight: the short members finish
+    long before any group does, and their slots are refilled with new groups at once instead of the
+    engine running 3 requests until the chunk's groups finish."""
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "3").replace(rollout_ignore_eos=True)
+    source, buffer, outs = run_steps(env, args, 2, source=ShortAndLongSource(make_args(env["root"]), env["tok"]))
+    assert outs[0].metrics["rollout/groups_refilled"] >= 1  # the first step starts from fresh groups only
+    for out in outs:  # (a step whose target the groups finished late in the one before meet submits nothing)
+        m = out.metrics
+        assert m["rollout/groups_refilled"] >= 1 or m["rollout/groups_submitted"] == 0, m
+        assert m["rollout/in_flight_peak"] <= 6
+        assert len(out.groups) == 3
+    assert buffer.check_balanced()["total"] == len(source.prompts)
 
 
 def test_without_partial_rollout_unfinished_work_is_dropped_and_counted(env):
@@ -156,6 +201,7 @@ def test_without_partial_rollout_unfinished_work_is_dropped_and_counted(env):
     for out in outs:
         m = out.metrics
         assert m["rollout/groups_parked"] == 0 and m["rollout/groups_resumed"] == 0
+        assert m["rollout/groups_refilled"] == 0  # no top-ups: unfinished work would be thrown away
         dropped = m.get("rollout/groups_dropped/discarded_unfinished", 0)
         assert m["rollout/groups_dropped"] >= dropped
         check_group_invariants(out.groups, 2, source.prompts, 1, 24)
@@ -193,10 +239,48 @@ async def failing_rm(args, sample):
     return 1.0
 
 
+SLOW_HOLD_S = 3.0  # how long the slow groups' rewards hold on after the fast groups met the target
+
+
+class SlowRewardGate:
+    """Groups 0 and 1 are rewarded slowly: not before two other groups were rewarded in full (they meet the
+    target of 2, so the step is stopping), then SLOW_HOLD_S more. Ordered by events, not by a race of
+    sleeps against generation speed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.rewarded: dict[int, int] = {}  # fast group -> members rewarded
+        self.fast_groups_done = threading.Event()
+
+
+SLOW_GATE = SlowRewardGate()
+
+
 async def slow_rm(args, sample):
+    gate = SLOW_GATE
     if sample.group_index in (0, 1):
-        await asyncio.sleep(3.0)
+        deadline = time.monotonic() + 60
+        while not gate.fast_groups_done.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(SLOW_HOLD_S)
+    else:
+        with gate.lock:
+            gate.rewarded[sample.group_index] = gate.rewarded.get(sample.group_index, 0) + 1
+            if sum(n == args.n_samples_per_prompt for n in gate.rewarded.values()) >= 2:
+                gate.fast_groups_done.set()
     return 0.5
+
+
+class SlowFirstSource(RecordingSource):
+    """Groups 0 and 1 may write 2 tokens (so they finish generating first and reach the slow reward)."""
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            if g[0].group_index in (0, 1):
+                for s in g:
+                    s.metadata["max_response_len"] = 2
+        return groups
 
 
 def test_filter_rejects_are_dropped_with_reason_and_reward_failures_counted(env):
@@ -215,19 +299,22 @@ def test_filter_rejects_are_dropped_with_reason_and_reward_failures_counted(env)
 
 
 def test_slow_reward_does_not_block_the_drain(env):
+    global SLOW_GATE
+    SLOW_GATE = SlowRewardGate()
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-batch-size", "2",
                      "--rm-type", "math", "--custom-rm-path", f"{__name__}.slow_rm")
     t0 = time.monotonic()
-    source, buffer, outs = run_steps(env, args, 1, train=False)
+    source, buffer, outs = run_steps(env, args, 1, source=SlowFirstSource(args, env["tok"]), train=False)
     m = outs[0].metrics
-    assert all(g[0].group_index not in (0, 1) for g in outs[0].groups)
-    assert m["rollout/drain_s"] < 1.5 and m["rollout/time_to_target_s"] < 2.9  # stopped while group 0/1 still rewarding
-    assert time.monotonic() - t0 >= 3.0  # ... and the slow rewards were still awaited
+    assert SLOW_GATE.fast_groups_done.is_set()
+    assert all(g[0].group_index not in (0, 1) for g in outs[0].groups) and len(outs[0].groups) == 2
+    # the step stopped and drained while groups 0/1 were still rewarding (held SLOW_HOLD_S after the target) ...
+    assert m["rollout/drain_s"] < SLOW_HOLD_S
+    assert time.monotonic() - t0 >= SLOW_HOLD_S  # ... and their rewards were awaited before the step returned
     ready = buffer.take_ready(10)  # finished after the target: kept for the next step, rewarded
     assert all(s.reward == 0.5 for g in ready for s in g) and m["rollout/groups_ready_out"] == len(ready)
-    for gid in (0, 1):  # the slow groups were either still generating (parked) or kept ready, never lost
-        assert buffer.group_state(gid) == (FINISHED if gid in {g[0].group_index for g in ready} else PARKED)
-    assert any(buffer.group_state(gid) == FINISHED for gid in (0, 1))
+    assert {0, 1} <= {g[0].group_index for g in ready}  # they finished generating first: never parked, never lost
+    assert all(buffer.group_state(gid) == FINISHED for gid in (0, 1))
 
 
 @pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
@@ -235,12 +322,19 @@ def test_staleness_policies(env, policy):
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
                      "--staleness-policy", policy)
     source, buffer, outs = run_steps(env, args, 1)
+    for _ in range(3):  # whether a request was aborted with tokens is timing: step on (same version) until one was
+        if any(not s.status.is_finished and s.response_length for g in buffer._parked for s in g):
+            break
+        run_steps(env, args, 1, source=source, buffer=buffer)
     stale = [s for g in buffer._parked for s in g if not s.status.is_finished and s.response_length]
     assert stale, "nothing partial was parked"
     stale_ids = {s.index for s in stale}
-    # jump two versions: tokens from version 0 are now older than current (2) - max_staleness (1)
-    _, _, outs2 = run_steps(env, args, 1, source=source, buffer=buffer, first_version=2, train=False)
+    # jump two versions: tokens from version 0 are now older than current (2) - max_staleness (1). The step takes
+    # every parked group in its first chunk (APRIL's top-ups may have parked more than 8), so each one is checked
+    args2 = args.replace(over_sampling_batch_size=buffer.num_parked() + 8)
+    _, _, outs2 = run_steps(env, args2, 1, source=source, buffer=buffer, first_version=2, train=False)
     m = outs2[0].metrics
+    assert m["rollout/groups_resumed"] >= len({s.group_index for s in stale})
     assert m[f"rollout/staleness_{policy}"] >= len(stale) and m["rollout/staleness_stale_groups"] > 0
     others = {"restart", "mask", "keep"} - {policy}
     assert all(m[f"rollout/staleness_{o}"] == 0 for o in others)

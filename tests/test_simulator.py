@@ -80,7 +80,8 @@ def test_tokens_are_conserved_and_groups_are_never_lost():
     trained = sum(s["trained_tokens"] for s in res.steps)
     generated = sum(s["new_tokens"] for s in res.steps)
     assert trained <= generated and trained > 0.5 * generated
-    assert max(n for _, n in res.client_timeline) <= 24 * 4
+    # a chunk's worth of requests in flight; a top-up takes whole groups, so at most n - 1 more
+    assert max(n for _, n in res.client_timeline) <= 24 * 4 + 3
 
 
 def test_pool_mode_keeps_the_pool_full():

@@ -161,6 +161,7 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         "rollout/groups_submitted": float(len(step.submitted)),
         "rollout/groups_resumed": float(len(step.resumed)),
         "rollout/groups_fresh": float(len(step.submitted) - len(step.resumed)),
+        "rollout/groups_refilled": float(step.counts["refill_groups"]),
         "rollout/groups_finished": float(step.counts["groups_finished"]),
         "rollout/groups_accepted": float(len(step.accepted)),
         "rollout/groups_ready_in": float(step.counts["ready_in"]),

@@ -15,12 +15,9 @@ One step (`generate_rollout`):
    reward never blocks generation or the drain), then filtered
    (`--dynamic-sampling-filter-path`); rejected groups are dropped in the ledger
    with the filter's reason;
-4. once `--rollout-batch-size` groups are accepted: abort every engine until
-   idle, drain every request (each returns its partial tokens), then with
-   `--partial-rollout` park every unfinished group in the buffer (finished
-   members kept), without it drop them ("discarded_unfinished");
-5. groups accepted after the target was met are kept `finished` in the buffer
-   and returned first next step (nothing is thrown away).
+4. once `--rollout-batch-size` groups are accepted: abort, drain, park (with
+   `--partial-rollout`) or drop the unfinished groups, keep groups finished
+   after the target for the next step (slime/rollout/step_end.py).
 
 A group whose every sample failed (its reward raised or timed out, the engine
 refused its prompt) has nothing to train on: it is dropped in the ledger with
@@ -46,7 +43,6 @@ import concurrent.futures
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import aiohttp
 from tqdm import tqdm
@@ -54,21 +50,18 @@ from tqdm import tqdm
 from slime.backends.sglang_utils.http_client import EngineHTTPError, EngineUnreachableError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.group_outcome import GroupOutcome, StepGroup
 from slime.rollout.pool_mode import SamplePool
-from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
 from slime.rollout.staleness import apply_staleness_policy
-from slime.utils.ledger import DROPPED, FINISHED, group_failure_reason, group_id
+from slime.rollout.step_end import StepEnd
+from slime.utils.ledger import group_id
 from slime.utils.misc import load_function
-from slime.utils.types import Sample, Status
+from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-# with --reward-timeout <= 0 (no per-reward limit) the step still stops waiting for rewards after the drain
-UNLIMITED_REWARD_SETTLE_S = 300.0
-# after an engine failed and the live ones are idle, requests still pending are on the failed one
-FAULT_DRAIN_GRACE_S = 2.0
 
 
 class RolloutError(RuntimeError):
@@ -80,15 +73,6 @@ class RolloutEngineFaultError(RolloutError, EngineFaultError):
 
     def __init__(self, message: str, faults: list[EngineFault]):
         EngineFaultError.__init__(self, message, faults)
-
-
-@dataclass
-class _Group:
-    samples: list[Sample]
-    resumed: bool
-    outstanding: int = 0  # members still being generated in this step
-    outcome: str | None = None  # accepted | overflow | rejected | failed (no trainable sample)
-    finished_t: float | None = None  # seconds into the step when its last member finished
 
 
 def run_sync(coro):
@@ -113,7 +97,7 @@ async def generate_rollout_async(args, rollout_id: int, ctx: RolloutContext, eva
     return await _RolloutStep(args, rollout_id, ctx).run()
 
 
-class _RolloutStep:
+class _RolloutStep(GroupOutcome, StepEnd):
     def __init__(self, args, rollout_id: int, ctx: RolloutContext):
         self.args, self.rollout_id, self.ctx = args, rollout_id, ctx
         self.target = int(args.rollout_batch_size)
@@ -135,7 +119,7 @@ class _RolloutStep:
         self.filter = load_function(fpath) if fpath else None
         self.rpc_timeout = args.rollout_rpc_timeout
         self.abort_timeout = args.rollout_abort_timeout
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, StepGroup] = {}
         self.accepted: list[list[Sample]] = []
         self.overflow: list[list[Sample]] = []
         self.rejected: dict[int, str] = {}
@@ -179,7 +163,7 @@ class _RolloutStep:
                 if self.mode in ("pool", "stream"):
                     await self._run_pool(pool_size)
                 elif self.mode == "chunked":
-                    await self._run_chunked(asyncio.Semaphore(concurrency))
+                    await self._run_chunked(asyncio.Semaphore(concurrency), concurrency)
                 else:
                     raise ValueError(f"--rollout-mode {self.mode!r} is not one of chunked, pool, stream")
             except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
@@ -270,7 +254,7 @@ class _RolloutStep:
                 gid = group_id(g)
                 if gid in self.groups:
                     raise RolloutError(f"group {gid} was handed out twice in step {self.rollout_id}")
-                self.groups[gid] = _Group(g, resumed=gid in self.resumed)
+                self.groups[gid] = StepGroup(g, resumed=gid in self.resumed)
                 self.submitted.append(gid)
             return out
 
@@ -278,13 +262,23 @@ class _RolloutStep:
         return sum(1 for st in self.groups.values() if st.outcome is None)
 
     # ---- chunked mode ----------------------------------------------------------------
-    async def _run_chunked(self, sem: asyncio.Semaphore) -> None:
+    async def _run_chunked(self, sem: asyncio.Semaphore, concurrency: int) -> None:
         while True:
             self.progress.clear()
             if self.errors or self.halted or self._filled():
                 return
             while not self.exhausted and self._active_groups() + len(self.accepted) + len(self.failed) < self.target:
                 groups = await self._next_groups(self.chunk)
+                for g in groups:
+                    self._start_group(g, sem)
+            # APRIL keeps the engines full: as soon as fewer requests are in flight or queued than an
+            # over-sampling chunk's worth (at most the concurrency), top up with parked, then fresh groups,
+            # instead of letting the chunk drain. Not without --partial-rollout: what is unfinished at the
+            # target would be thrown away.
+            free = min(concurrency, self.chunk * self.n) - len(self.tasks)
+            if self.partial and free > 0 and not self.exhausted and not self.stop.is_set():
+                groups = await self._next_groups(-(-free // self.n))
+                self.counts["refill_groups"] += len(groups)
                 for g in groups:
                     self._start_group(g, sem)
             if self._active_groups() == 0:
@@ -303,7 +297,7 @@ class _RolloutStep:
                     open_ids = [gid for gid, st in self.groups.items() if st.outcome is None]
                     self._fail(f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
 
-    def _begin_group(self, group: list[Sample]) -> list[tuple[_Group, Sample]]:
+    def _begin_group(self, group: list[Sample]) -> list[tuple[StepGroup, Sample]]:
         """The group's unfinished members, to be generated; a group with none left is rewarded at once."""
         st = self.groups[group_id(group)]
         todo = [s for s in group if not s.status.is_finished]
@@ -321,7 +315,7 @@ class _RolloutStep:
         bucket.add(task)
         task.add_done_callback(bucket.discard)
 
-    async def _sample_task(self, st: _Group, sample: Sample, sem: asyncio.Semaphore | None) -> None:
+    async def _sample_task(self, st: StepGroup, sample: Sample, sem: asyncio.Semaphore | None) -> None:
         try:
             if sem is None:
                 done = await self.requester.generate(sample, self.stop)
@@ -338,6 +332,7 @@ class _RolloutStep:
             st.outstanding -= 1
             if st.outstanding == 0:
                 self._group_generated(st)
+        self.progress.set()  # a request slot is free: chunked mode tops up
 
     def _fail(self, msg: str) -> None:
         if not self.errors:
@@ -348,7 +343,7 @@ class _RolloutStep:
 
     # ---- pool mode (CoPRIS): slime/rollout/pool_mode.py keeps the requests in flight ------------
     async def _run_pool(self, pool_size: int) -> None:
-        async def fetch(num: int) -> list[tuple[_Group, Sample]]:
+        async def fetch(num: int) -> list[tuple[StepGroup, Sample]]:
             return [item for g in await self._next_groups(num) for item in self._begin_group(g)]
 
         pool = SamplePool(pool_size, first_fetch=-(-pool_size // self.n), fetch=fetch,
@@ -370,150 +365,6 @@ class _RolloutStep:
                 await asyncio.wait_for(self.progress.wait(), timeout=1.0)
             except TimeoutError:
                 pass
-
-    # ---- reward + filter, one task per finished group -----------------------------------
-    def _group_generated(self, st: _Group) -> None:
-        self.counts["groups_finished"] += 1
-        st.finished_t = self.clock.now()
-        self._spawn(self._reward_task(st), self.reward_tasks)
-
-    async def _reward_task(self, st: _Group) -> None:
-        try:
-            await reward_group(self.args, st.samples)
-        except asyncio.CancelledError:  # the step gave up waiting (_settle_rewards): the group stays unsettled
-            self.progress.set()
-            raise
-        except Exception as e:  # reward_group promises not to raise; be safe anyway
-            for s in st.samples:
-                if s.reward is None:
-                    s.status = Status.FAILED
-                    s.metadata["failure"] = f"reward: {type(e).__name__}: {e}"
-        try:
-            self._settle_group(st)
-        finally:
-            self.progress.set()  # whatever happened, the loops waiting on this group move on
-
-    def _settle_group(self, st: _Group) -> None:
-        gid = group_id(st.samples)
-        failure = group_failure_reason(st.samples)
-        if failure is not None:  # nothing to train on: dropped with its cause, counted toward the target
-            st.outcome = "failed"
-            self.rejected[gid] = failure
-            if not self._filled():
-                self.failed.append(gid)
-                if self._filled():
-                    self.clock.mark("target")
-                    self.stop.set()
-            return
-        reason = None
-        if self.filter is not None:
-            try:
-                out = self.filter(self.args, st.samples)
-                reason = None if out.keep else (out.reason or "filtered")
-            except Exception as e:
-                reason = f"filter_error: {type(e).__name__}"
-                logger.warning("dynamic-sampling filter failed on group %s: %s", st.samples[0].group_index, e)
-        self._place_group(st, reason)
-
-    def _place_group(self, st: _Group, reason: str | None) -> None:
-        """A rewarded group with something to train: rejected (filter), accepted toward the target, or overflow
-        (kept ready)."""
-        gid = group_id(st.samples)
-        if reason is not None:
-            st.outcome = "rejected"
-            self.rejected[gid] = reason
-        elif not self._filled() and not self.stop.is_set():
-            st.outcome = "accepted"
-            self.accepted.append(st.samples)
-            self.bar.update(1)
-            if self._filled():
-                self.clock.mark("target")
-                self.stop.set()
-        else:
-            st.outcome = "overflow"
-            self.overflow.append(st.samples)
-
-    # ---- stop: abort, drain, settle ------------------------------------------------------
-    async def _stop_and_drain(self, session) -> None:
-        self.stop.set()
-        self.clock.mark("stop")
-        self.abort_point = {"t": round(self.clock.now(), 4), "accepted": len(self.accepted),
-                            "finished_groups": self.counts["groups_finished"], "in_flight": self.requester.in_flight}
-        self.abort_to_idle = 0.0
-        deadline = self.clock.now() + self.abort_timeout
-        while True:
-            try:
-                # nothing of ours running (e.g. paused at a version gate while an eval uses the engines): no abort
-                if self.requester.in_flight:
-                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
-                                                                exclude=set(self.faults))
-                    res = await res if asyncio.iscoroutine(res) else res
-                    self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
-            except Exception as e:
-                if not self.errors:
-                    self._fail(f"aborting the engines: {type(e).__name__}: {e}")
-                else:
-                    logger.warning("abort after failure also failed: %s", e)
-            if not self.tasks:
-                break
-            # requests that reached an engine after it reported idle are aborted in the next round
-            await asyncio.wait(set(self.tasks), timeout=FAULT_DRAIN_GRACE_S if self.faults else 1.0)
-            if not self.tasks:
-                break
-            if self.faults:  # the live engines are idle: what is still pending waits on the failed engine
-                logger.warning("rollout step %d: %d requests were on the failed engine; their samples resume from "
-                               "the tokens it last returned", self.rollout_id, len(self.tasks))
-                for t in list(self.tasks):
-                    t.cancel()
-                await asyncio.wait(set(self.tasks), timeout=10)
-                break
-            if self.clock.now() > deadline:
-                self._fail(f"{len(self.tasks)} requests still pending {self.abort_timeout}s after the abort")
-                for t in list(self.tasks):
-                    t.cancel()
-                await asyncio.wait(set(self.tasks), timeout=10)
-                break
-        self.clock.mark("drained")
-
-    async def _settle_rewards(self) -> None:
-        timeout = (reward_timeout(self.args) or UNLIMITED_REWARD_SETTLE_S) + 30.0
-        if self.reward_tasks:
-            done, pending = await asyncio.wait(set(self.reward_tasks), timeout=timeout)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=10)
-                self._fail(f"{len(pending)} reward tasks still running {timeout:.0f}s after the drain")
-        self.clock.mark("rewarded")
-
-    async def _commit(self) -> None:
-        """Ledger + buffer: finished groups, rejected, parked or discarded (one batch of buffer calls)."""
-        open_groups = [st.samples for st in self.groups.values() if st.outcome is None]
-        unfinished = [g for g in open_groups if not all(s.status.is_finished for s in g)]
-        for g in open_groups:  # generated but its reward never settled (timed out / cancelled)
-            if all(s.status.is_finished for s in g):
-                self.rejected[group_id(g)] = "reward_unsettled"
-        buf = self.ctx.buffer
-        finished_ids = [group_id(g) for g in self.accepted + self.overflow if group_id(g) in self.groups]
-        by_reason: dict[str, list[int]] = {}
-        for gid, reason in self.rejected.items():
-            by_reason.setdefault(reason, []).append(gid)
-        self.counts["parked"] = len(unfinished) if self.partial else 0
-        self.counts["discarded"] = 0 if self.partial else len(unfinished)
-        if buf is None:
-            return
-        calls = [("mark", finished_ids, FINISHED)] if finished_ids else []
-        calls += [("mark", ids, DROPPED, reason) for reason, ids in by_reason.items()]
-        if unfinished and self.partial:
-            calls.append(("park", unfinished))
-        elif unfinished:
-            calls.append(("mark", [group_id(g) for g in unfinished], DROPPED, "discarded_unfinished"))
-        if self.overflow:
-            calls.append(("hold_ready", self.overflow))
-        if (self.errors or self.halted) and self.accepted:  # the caller never sees them: keep them for the next step
-            calls.append(("hold_ready", self.accepted))
-        for name, *a in calls:
-            await call_maybe_remote(buf, name, *a, timeout=self.rpc_timeout)
 
     def _metrics(self, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
         return step_metrics(self, occ, in_flight_cap)

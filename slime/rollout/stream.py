@@ -35,9 +35,10 @@ from collections import Counter, deque
 from typing import Callable
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.group_outcome import StepGroup
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.sampling_request import call_maybe_remote
-from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, _Group, _RolloutStep
+from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, _RolloutStep
 from slime.rollout.staleness import check_before_training
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
@@ -66,7 +67,7 @@ class _StreamSegment(_RolloutStep):
             return []
         return await super()._next_groups(num)
 
-    def _place_group(self, st: _Group, reason: str | None) -> None:
+    def _place_group(self, st: StepGroup, reason: str | None) -> None:
         if reason is None and not self.stop.is_set():
             st.outcome = "accepted"
             self.stream.accept(st.samples)

@@ -2,11 +2,13 @@
 
     python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \
-        [--max-prefill-tokens N] [--admit-wait-ms 20] [--seed S] [--weight-version 0] [--dtype float32]
+        [--max-prefill-tokens N] [--chunked-prefill-size 512] [--seed S] [--weight-version 0] [--dtype float32]
 
 Modules: `__main__` (CLI), `server` (generate and control routes), `info` (read-only routes),
-`http_utils`, `engine` (model + scheduler + weight version), `scheduler` (continuous batching thread),
-`batch` (per-row KV cache in preallocated buffers), `sampling`, `logprobs` (prompt / top-k / chosen-id
+`http_utils`, `engine` (model + scheduler + weight version), `scheduler` (continuous batching thread:
+one packed step of decode tokens and prompt chunks at a time), `batch` (rows over a paged KV cache, the
+packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool), `prefix_cache`
+(aborted requests' blocks), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id
 log-probs), `fields` (what is done with every SGLang request field), `protocol` (request validation,
 response shapes), `weights` (disk / gloo updates), `testing` (subprocess helper for tests and benchmarks).
 See docs/sglang-compat.md for where it differs from SGLang.

@@ -23,10 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV budget in tokens: sum over running requests of prompt + max_new_tokens (default 262144).")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV budget as blocks (x --block-size); overrides --max-total-tokens.")
-    p.add_argument("--block-size", type=int, default=32, help="Tokens per KV block for --kv-blocks (default 32).")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="Max tokens in one batched prefill.")
-    p.add_argument("--admit-wait-ms", type=float, default=20.0,
-                   help="While decoding, let a few new requests wait up to this long to be prefilled together (default 20).")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="Positions per block of the paged KV cache (and the unit of --kv-blocks; default 32).")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="Max prompt tokens prefilled in one engine step, over all requests (default 8192).")
+    p.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="Max prompt tokens of one request prefilled per step; a longer prompt is prefilled in chunks "
+                        "alongside the decoding requests (-1: no chunking; default 512).")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="Do not keep aborted requests' KV for the requests that resume them (SGLang's flag name).")
     p.add_argument("--enable-memory-saver", action="store_true",
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             logger.error("%s must be >= 1, got %s", name, value)
             return 2
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        logger.error("--chunked-prefill-size must be -1 (no chunking) or >= 1, got %s", args.chunked_prefill_size)
+        return 2
     if not os.path.isdir(args.model_path):
         logger.error("--model-path: %r is not a directory", args.model_path)
         return 2
@@ -65,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
-        attn_implementation=args.attn_implementation, admit_wait_s=args.admit_wait_ms / 1000.0,
-        prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
+        attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
+        block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
         weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     try:

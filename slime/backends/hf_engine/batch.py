@@ -1,272 +1,165 @@
-"""A running decode batch over a transformers causal LM, its per-row KV cache in preallocated buffers.
+"""The engine's running rows over a paged KV cache, and one packed model forward per step.
 
-Layout: per layer, K and V buffers `[R, H, W, D]` (R row slots, W columns). The B active rows are
-slots `[0, B)`. Row i holds its cached tokens right-aligned at a global write column `hi`, in columns
-`[hi - len_i, hi)`; the boolean `valid[R, W]` marks them, so the padding on their left is invisible to
-attention (we pass our own 4-D boolean masks and explicit position ids, which transformers uses as is).
-`lo` is the first column valid in any active row. A decode step writes every row's pending token at
-column `hi` and attends over the views `[:B, :, lo:hi + 1]` (no copy), then `hi += 1`.
+A row is a request's place in the batch: its block table (the pool blocks holding its positions, in
+order) and `cached`, how many of its leading positions have keys/values in the pool. A step takes, per
+row, a segment of its next uncached tokens: one token for a row that is decoding (its last sampled
+token), a chunk of the prompt for a row that is being prefilled. All segments run packed in ONE forward
+(`[1, N]` tokens with their position ids; attention over the pool in `paged_attention`), so a resumed
+long sample is prefilled chunk by chunk alongside the running batch instead of stalling it, and rows
+of any lengths share a forward without padding.
 
-Continuous batching, between any two decode steps, copies only the rows that join or leave:
-- join: new rows are prefilled together (a separate left-padded cache), then each row's block is
-  copied into slots `B..` at columns `[hi - len, hi)`. A join longer than `hi` first shifts the batch
-  right (one copy of the live window, leaving generous left room so this stays rare).
-- remove: swap-remove (the last surviving rows move into the holes); the caller reorders its rows by
-  the returned order.
-- when `hi` reaches W, the live window `[lo, hi)` moves back left (one copy); R and W grow (by at
-  least 1.5x, one copy) when short. An empty batch keeps its buffers for the next rows.
-
-Invariant: every row has a `pending` token, sampled but not yet in the cache.
+Joining and leaving copy no KV: a new row gets an empty table (or the blocks of an aborted request it
+resumes), a leaving row hands its blocks back to the pool (or to the prefix cache). Block tables live in
+one tensor `tables[row slot, i]` so a step gathers them without Python loops over positions.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-_ROOM = 64  # least spare columns kept left of `hi` (for longer joins) and right of it (for decode steps)
+from slime.backends.hf_engine.kv_pool import KVPool
+from slime.backends.hf_engine.paged_attention import (ATTN_NAME, BUCKET_MIN_SAVING, STEP_MASK, StepPlan, plan_buckets,
+                                                       register)
 
-
-class _PrefillLayer(DynamicLayer):
-    """Keeps a prefill's keys/values as computed (a prefill cache is written once; no copy)."""
-
-    _layer_type = None  # never register in transformers' layer-type mapping
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized:
-            raise RuntimeError("a prefill cache is written once")
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-        self.keys, self.values = key_states, value_states
-        return key_states, value_states
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("the engine never crops its KV cache")
+Segment = tuple[int, list[int], bool]  # (row, token ids to feed at its next positions, sample after the last)
 
 
-class _BatchLayer(DynamicLayer):
-    """Layer `idx` of a DecodeBatch's buffers: a decode step's K/V go to column `hi` of rows [0, B)."""
-
-    _layer_type = None
-
-    def __init__(self, batch: "DecodeBatch", idx: int):
-        super().__init__()
-        self.batch, self.idx = batch, idx
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        b = self.batch
-        n, lo, hi = b.size, b.lo, b.hi
-        if key_states.shape[0] != n or key_states.shape[-2] != 1:
-            raise RuntimeError(f"a decode step feeds one token per row, got {tuple(key_states.shape)} for {n} rows")
-        k, v = b.k[self.idx], b.v[self.idx]
-        k[:n, :, hi: hi + 1] = key_states
-        v[:n, :, hi: hi + 1] = value_states
-        self.keys, self.values = k[:n, :, lo: hi + 1], v[:n, :, lo: hi + 1]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.batch.hi - self.batch.lo
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("the engine never crops its KV cache")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("rows leave through DecodeBatch.remove")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("rows leave through DecodeBatch.remove")
-
-
-def _cache_with(config, layers: list[DynamicLayer]) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    cache.layers = layers
-    return cache
-
-
-class DecodeBatch:
-    def __init__(self, model):
+class PagedBatch:
+    def __init__(self, model, block_size: int = 32, max_tokens: int = 262144, max_rows: int = 128,
+                 kernel: str = "sdpa", min_bucket_saving: int = BUCKET_MIN_SAVING):
+        if kernel not in ("sdpa", "eager"):
+            raise ValueError(f"attention kernel must be sdpa or eager, got {kernel!r}")
+        self.kernel = kernel
+        self.min_bucket_saving = min_bucket_saving
+        register()
+        model.set_attn_implementation(ATTN_NAME)
         self.model = model
-        self.config = model.config
-        self.num_layers = len(DynamicCache(config=self.config).layers) or self.config.num_hidden_layers
-        self.k: list[torch.Tensor] = []  # per layer [R, H, W, D]; allocated by the first join
-        self.v: list[torch.Tensor] = []
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [R, W]
-        self.lo = self.hi = 0
-        self.cache: DynamicCache | None = None  # the _BatchLayers over the buffers
-        self.next_pos = torch.zeros(0, dtype=torch.long)  # position of the pending token
-        self.pending = torch.zeros(0, dtype=torch.long)
+        self.block_size = block_size
+        # every running row wastes less than one block on its last, partly filled one
+        self.pool = KVPool(block_size, max_blocks=-(-max_tokens // block_size) + max_rows + 1)
+        self.tables = torch.zeros(max(8, max_rows), 16, dtype=torch.long)
+        self._blocks: dict[int, list[int]] = {}
+        self._cached: dict[int, int] = {}
+        self._free_slots: list[int] = list(range(self.tables.shape[0] - 1, -1, -1))
+        # called with a number of blocks when the pool runs short (the prefix cache evicts entries)
+        self.reclaim: Callable[[int], None] | None = None
+        self.last_plan: StepPlan | None = None  # the last step's buckets (for stats and tests)
 
+    # ---- rows --------------------------------------------------------------------------
     @property
-    def size(self) -> int:
-        return int(self.pending.shape[0])
+    def num_rows(self) -> int:
+        return len(self._blocks)
 
-    @property
-    def width(self) -> int:
-        """Columns of the live window: the longest active row's cached tokens."""
-        return self.hi - self.lo if self.size else 0
+    def add_row(self, blocks: list[int] | None = None, cached: int = 0) -> int:
+        """A new row; with `blocks`, it owns them and its first `cached` positions are already in them."""
+        blocks = list(blocks or [])
+        if cached > len(blocks) * self.block_size:
+            raise ValueError(f"{cached} cached positions do not fit in {len(blocks)} blocks of {self.block_size}")
+        if not self._free_slots:
+            self._grow_tables(rows=self.tables.shape[0] * 2)
+        row = self._free_slots.pop()
+        self._blocks[row], self._cached[row] = [], cached
+        self._put_blocks(row, blocks)
+        return row
+
+    def cached(self, row: int) -> int:
+        return self._cached[row]
+
+    def detach(self, row: int) -> tuple[list[int], int]:
+        """Remove `row` and hand its blocks (and cached positions) to the caller, who now owns them."""
+        blocks, cached = self._blocks.pop(row), self._cached.pop(row)
+        self._free_slots.append(row)
+        return blocks, cached
+
+    def drop(self, row: int) -> None:
+        """Remove `row` and free its blocks."""
+        self.pool.free(self.detach(row)[0])
 
     def clear(self) -> None:
-        """Drop every row; the buffers are kept for the next rows."""
-        self.lo = self.hi
-        self.next_pos = torch.zeros(0, dtype=torch.long)
-        self.pending = torch.zeros(0, dtype=torch.long)
+        for row in list(self._blocks):
+            self.drop(row)
 
+    # ---- memory (SGLang's kv_cache tag) ----------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes held by the KV buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v) + self.valid.numel()
+        """Bytes of the KV pool (the running rows' blocks and the prefix cache's are both in it)."""
+        return self.pool.nbytes()
 
     def free_kv(self) -> int:
-        """Drop every row and free the KV buffers (the next join allocates new ones); returns the bytes freed."""
-        freed = self.kv_bytes()
+        """Drop every row and free the pool's storage (the next write allocates it again); the prefix cache must
+        have given its blocks back first. Returns the bytes freed."""
         self.clear()
-        self.k, self.v = [], []
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)
-        self.lo = self.hi = 0
-        return freed
+        return self.pool.release()
 
-    @torch.inference_mode()
-    def prefill(self, seqs: list[list[int]]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-        """Run `seqs` (left-padded together); return (last-position logits [n, V], cache, valid [n, L])."""
-        n, width = len(seqs), max(len(s) for s in seqs)
-        ids = torch.zeros(n, width, dtype=torch.long)
-        valid = torch.zeros(n, width, dtype=torch.bool)
-        pos = torch.zeros(n, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            valid[i, width - len(s):] = True
-            pos[i, width - len(s):] = torch.arange(len(s))
-        if all(len(s) == width for s in seqs):
-            mask = None  # no padding: transformers' own causal attention (SDPA's is_causal path, no mask tensor)
-        else:
-            causal = torch.ones(width, width, dtype=torch.bool).tril()
-            eye = torch.eye(width, dtype=torch.bool)
-            # padding queries attend to themselves only, so no row is fully masked (no NaNs)
-            mask = ((causal.unsqueeze(0) & valid.unsqueeze(1)) | eye.unsqueeze(0)).unsqueeze(1)
-        cache = _cache_with(self.config, [_PrefillLayer() for _ in range(self.num_layers)])
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :], cache, valid
+    # ---- the step ----------------------------------------------------------------------
+    @torch.no_grad()  # not inference_mode: tables and pool grown here are updated outside steps too
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """Feed every segment's tokens at its row's next positions, in one forward; return the logits
+        after the last token of each segment marked to sample ([k, V], in segment order)."""
+        shapes = []
+        for row, toks, _ in segments:
+            if not toks:
+                raise ValueError(f"row {row}: empty segment")
+            p0 = self._cached[row]
+            self._reserve(row, p0 + len(toks))
+            shapes.append((len(toks), p0, row))
+        bs = self.block_size
+        buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []  # pool slot of each packed token: its row's block for the position, and offset
+        last = [0] * len(segments)  # packed index of each segment's last token
+        for bk in buckets:
+            for i in bk.segments:
+                row, toks, _ = segments[i]
+                q, p0 = shapes[i][0], shapes[i][1]
+                blocks = self._blocks[row]
+                ids.extend(toks)
+                if q == 1:
+                    pos.append(p0)
+                    slots.append(blocks[p0 // bs] * bs + p0 % bs)
+                else:
+                    pos.extend(range(p0, p0 + q))
+                    p, end = p0, p0 + q
+                    while p < end:  # one run of consecutive slots per block
+                        stop = min(end, (p // bs + 1) * bs)
+                        base = blocks[p // bs] * bs - (p // bs) * bs
+                        slots.extend(range(base + p, base + stop))
+                        p = stop
+                last[i] = len(ids) - 1
+        keep = [last[i] for i, seg in enumerate(segments) if seg[2]]
+        packed = torch.tensor([ids, pos, slots], dtype=torch.long)
+        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel)
+        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], attention_mask=STEP_MASK, use_cache=False,
+                         logits_to_keep=torch.tensor(keep, dtype=torch.long), paged_step=plan)
+        for row, toks, _ in segments:
+            self._cached[row] += len(toks)
+        return out.logits[0]
 
-    def _reserve(self, rows: int, need: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        """Ensure `rows` row slots, `hi >= need` (room for a joining row of `need` tokens) and `hi < W`
-        (a column for the next decode step); else re-lay the live window out, growing R or W if short."""
-        b, (r, w) = self.size, self.valid.shape
-        if b and rows <= r and need <= self.hi < w:
+    # ---- blocks ------------------------------------------------------------------------
+    def _reserve(self, row: int, positions: int) -> None:
+        """Give `row` enough blocks for `positions` positions."""
+        need = -(-positions // self.block_size) - len(self._blocks[row])
+        if need > 0:
+            if self.pool.num_free < need and self.reclaim is not None:
+                self.reclaim(need - self.pool.num_free)
+            self._put_blocks(row, self.pool.alloc(need))
+
+    def _put_blocks(self, row: int, blocks: list[int]) -> None:
+        if not blocks:
             return
-        span = self.hi - self.lo if b else 0
-        x = max(span, need)
-        left, right = max(_ROOM, x // 4), max(_ROOM, x // 2)
-        hi = x + left
-        r2 = r if rows <= r else max(rows, r * 3 // 2, 8)
-        w2 = w if w >= hi + right else max(w * 3 // 2, hi + 2 * right)
-        if not b and (r2, w2) == (r, w):  # empty batch: just move the write column, stale slots are cleared on join
-            self.lo = self.hi = hi
-            return
-        # zeros, not empty: masked columns still go through attention's matmuls, and 0 x NaN garbage is NaN
-        shapes = [(k.shape[1], k.shape[3], k.dtype, k.device) for k, _ in (like or zip(self.k, self.v))]
-        ks = [torch.zeros(r2, h, w2, d, dtype=dt, device=dev) for h, d, dt, dev in shapes]
-        vs = [torch.zeros(r2, h, w2, d, dtype=dt, device=dev) for h, d, dt, dev in shapes]
-        valid = torch.zeros(r2, w2, dtype=torch.bool, device=self.valid.device)
-        if b:
-            for new, old in zip(ks + vs, self.k + self.v):
-                new[:b, :, hi - span: hi] = old[:b, :, self.lo: self.hi]
-            valid[:b, hi - span: hi] = self.valid[:b, self.lo: self.hi]
-        self.k, self.v, self.valid = ks, vs, valid
-        self.lo, self.hi = hi - span, hi
-        if self.cache is None:
-            self.cache = _cache_with(self.config, [_BatchLayer(self, i) for i in range(len(ks))])
+        have = self._blocks[row]
+        end = len(have) + len(blocks)
+        if end > self.tables.shape[1]:
+            self._grow_tables(cols=max(end, self.tables.shape[1] * 2))
+        self.tables[row, len(have): end] = torch.tensor(blocks, dtype=torch.long)
+        have.extend(blocks)
 
-    def join(self, cache: DynamicCache, valid: torch.Tensor, rows: list[int], next_pos: list[int], pending: list[int]) -> None:
-        """Add rows `rows` of a prefill (`cache`, `valid` from `prefill`; they hold everything but the
-        pending token) as the batch's last rows. Copies only those rows."""
-        self._place([(layer.keys, layer.values) for layer in cache.layers], valid, rows, next_pos, pending)
-
-    def row_kv(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of row `row`'s last `n` cached positions, per layer ([H, n, D] keys and values)."""
-        hi = self.hi
-        return [(k[row, :, hi - n: hi].clone(), v[row, :, hi - n: hi].clone()) for k, v in zip(self.k, self.v)]
-
-    def join_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], next_pos: int, pending: int) -> None:
-        """Add one row from saved KV (`row_kv` of an earlier row: positions 0..n-1) with `pending` next."""
-        valid = torch.ones(1, int(kv[0][0].shape[-2]), dtype=torch.bool)
-        self._place([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv], valid, [0], [next_pos], [pending])
-
-    @torch.inference_mode()
-    def _place(self, layers: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor, rows: list[int],
-               next_pos: list[int], pending: list[int]) -> None:
-        """Copy rows `rows` of left-padded per-layer KV ([n, H, L, D], `valid` [n, L]) into slots `B..`."""
-        if not rows:
-            return
-        b, n, width = self.size, len(rows), valid.shape[1]
-        idx = torch.tensor(rows, dtype=torch.long)
-        new_valid = valid[idx]
-        need = int(new_valid.sum(1).max())
-        self._reserve(b + n, need, like=layers)
-        hi, slots = self.hi, slice(b, b + n)
-        self.lo = min(self.lo, hi - need) if b else hi - need
-        self.valid[slots] = False  # the slots may hold rows that left
-        self.valid[slots, hi - need: hi] = new_valid[:, width - need:]
-        every = rows == list(range(valid.shape[0]))
-        for i, (k, v) in enumerate(layers):
-            k, v = k[:, :, width - need:], v[:, :, width - need:]
-            if not every:
-                k, v = k[idx], v[idx]
-            self.k[i][slots, :, hi - need: hi] = k
-            self.v[i][slots, :, hi - need: hi] = v
-        self.next_pos = torch.cat([self.next_pos, torch.tensor(next_pos, dtype=torch.long)])
-        self.pending = torch.cat([self.pending, torch.tensor(pending, dtype=torch.long)])
-
-    @torch.inference_mode()
-    def remove(self, rows: list[int]) -> list[int]:
-        """Drop the rows `rows`: the last surviving rows move into their slots (only they are copied).
-        Returns the new order: for each remaining row, its index before the removal."""
-        b, gone = self.size, set(rows)
-        n = b - len(gone)
-        if n == 0:
-            self.clear()
-            return []
-        order = list(range(n))
-        holes = [i for i in sorted(gone) if i < n]
-        movers = [i for i in range(n, b) if i not in gone]
-        lo, hi = self.lo, self.hi
-        for h, m in zip(holes, movers):
-            order[h] = m
-            for buf in self.k + self.v:  # one slice copy per row (an indexed copy goes through a temporary)
-                buf[h, :, lo:hi].copy_(buf[m, :, lo:hi])
-            self.valid[h] = self.valid[m]
-        idx = torch.tensor(order)
-        self.next_pos, self.pending = self.next_pos[idx], self.pending[idx]
-        # the leading columns may now be padding in every row: narrow the window attention runs over
-        # (a uint8 max over rows is ~10x faster than a bool any over rows on CPU)
-        self.lo += int(self.valid[:n, lo:hi].view(torch.uint8).amax(0).argmax())
-        return order
-
-    @torch.inference_mode()
-    def step(self) -> torch.Tensor:
-        """Feed every row's pending token; return next-token logits [B, V]."""
-        b = self.size
-        self._reserve(b, 0)
-        self.valid[:b, self.hi] = True
-        out = self.model(
-            input_ids=self.pending.unsqueeze(1),
-            attention_mask=self.valid[:b, self.lo: self.hi + 1][:, None, None, :],
-            position_ids=self.next_pos.unsqueeze(1),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.hi += 1
-        self.next_pos = self.next_pos + 1
-        return out.logits[:, -1, :]
-
-    def set_pending(self, tokens: list[int]) -> None:
-        self.pending = torch.tensor(tokens, dtype=torch.long)
+    def _grow_tables(self, rows: int | None = None, cols: int | None = None) -> None:
+        r, c = self.tables.shape
+        rows, cols = rows or r, cols or c
+        grown = self.tables.new_zeros(rows, cols)
+        grown[:r, :c] = self.tables
+        self.tables = grown
+        self._free_slots = list(range(rows - 1, r - 1, -1)) + self._free_slots if rows > r else self._free_slots

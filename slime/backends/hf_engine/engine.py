@@ -26,11 +26,12 @@ class EngineConfig:
     dtype: str = "float32"
     max_running_requests: int = 128
     max_total_tokens: int = 262144
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = 8192  # prefill tokens per engine step, over all rows
+    chunked_prefill_size: int = 512  # prefill tokens of one request per step (-1: its whole prompt)
+    block_size: int = 32  # positions per KV block
     seed: int | None = None
     weight_version: str = "0"
     attn_implementation: str = "sdpa"
-    admit_wait_s: float = 0.02
     prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
     memory_saver: bool = False  # SGLang's --enable-memory-saver: /release_memory_occupation frees memory
     weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: released weights kept in host memory
@@ -76,8 +77,10 @@ class Engine:
             max_total_tokens=cfg.max_total_tokens,
             max_prefill_tokens=cfg.max_prefill_tokens,
             seed=cfg.seed,
-            admit_wait_s=cfg.admit_wait_s,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            block_size=cfg.block_size,
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
+            attention_kernel=cfg.attn_implementation,
             weight_version=cfg.weight_version,
         )
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)

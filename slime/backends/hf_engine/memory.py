@@ -1,7 +1,7 @@
 """The engine's memory occupation: SGLang's `/release_memory_occupation` and `/resume_memory_occupation`.
 
 Colocated with a trainer, an engine gives its device memory back between rollouts: `weights` (every
-parameter's storage) and `kv_cache` (the decode batch's KV buffers and the prefix cache). Releasing
+parameter's storage) and `kv_cache` (the paged KV pool: the running rows' blocks and the prefix cache's). Releasing
 frees the storage for real (a parameter keeps its shape, its storage is resized to 0 bytes), and
 resuming allocates it again:
 

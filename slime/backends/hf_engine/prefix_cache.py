@@ -4,32 +4,43 @@ SGLang keeps a finished or aborted request's KV in its radix cache, and a later
 request whose `input_ids` start with the same tokens reuses it. What APRIL
 needs of that is narrower: an aborted request comes back with `input_ids` =
 exactly its tokens so far. So entries here are whole aborted sequences, keyed
-by their token ids, holding the KV of every token but the last (the last one
-was sampled and not yet fed). A hit joins the decode batch directly, with that
-last token pending.
+by their token ids, holding the KV pool blocks of their first `cached`
+positions (every token but the last for a request aborted while decoding;
+fewer for one aborted while its prompt was still being prefilled). A hit hands
+the blocks to the resuming row as they are: nothing is copied, and the row
+goes on from position `cached`.
 
 As in SGLang, the cache holds KV computed with the weights of the moment: a
 weight update flushes it unless the update says `flush_cache: false` (reusing
 KV computed by older weights is then the caller's choice; the tokens keep the
-version that sampled them), and `POST /flush_cache` empties it.
+version that sampled them), and `POST /flush_cache` empties it. Its blocks come
+from the same pool as the running rows': when the pool runs short, the least
+recently stored entries are evicted first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
 
-import torch
 
-RowKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys [H, L, D], values [H, L, D])
+@dataclass
+class CachedKV:
+    blocks: list[int]  # pool blocks, in position order
+    cached: int  # positions with KV (the first `cached` tokens of the key)
 
 
 class PrefixCache:
-    """Least-recently-stored entries are evicted past `max_tokens` cached positions; 0 disables it."""
+    """Entries are evicted least-recently-stored first past `max_tokens` positions (counted in whole
+    blocks of `block_size`); 0 disables it. `release(blocks)` gives evicted entries' blocks back."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, block_size: int, release: Callable[[list[int]], None]):
         self.max_tokens = max(0, int(max_tokens))
-        self._entries: OrderedDict[tuple[int, ...], RowKV] = OrderedDict()
-        self.tokens = 0
+        self.block_size = block_size
+        self.release = release
+        self._entries: OrderedDict[tuple[int, ...], CachedKV] = OrderedDict()
+        self.tokens = 0  # positions held, in whole blocks
 
     @property
     def enabled(self) -> bool:
@@ -38,38 +49,52 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tokens: list[int], kv: RowKV) -> None:
-        """Store the KV of `tokens[:-1]` (each layer's keys/values hold len(tokens) - 1 positions)."""
-        n = len(tokens) - 1
-        if not self.enabled or n <= 0 or n > self.max_tokens:
-            return
-        if any(k.shape[-2] != n or v.shape[-2] != n for k, v in kv):
-            raise ValueError(f"prefix cache: KV for {n} positions expected, got {[tuple(k.shape) for k, _ in kv]}")
+    def _size(self, kv: CachedKV) -> int:
+        return len(kv.blocks) * self.block_size
+
+    def put(self, tokens: list[int], kv: CachedKV) -> bool:
+        """Take ownership of `kv`, the KV of `tokens[:kv.cached]`; its blocks are released at once if it
+        cannot be kept (disabled, nothing cached, larger than the whole cache). True if kept."""
+        size = self._size(kv)
+        if not self.enabled or kv.cached <= 0 or size > self.max_tokens or kv.cached >= len(tokens):
+            self.release(kv.blocks)
+            return False
+        if kv.cached > len(kv.blocks) * self.block_size:
+            raise ValueError(f"prefix cache: {kv.cached} cached positions in {len(kv.blocks)} blocks of {self.block_size}")
         key = tuple(tokens)
         old = self._entries.pop(key, None)
         if old is not None:
-            self.tokens -= n
+            self._drop(old)
         self._entries[key] = kv
-        self.tokens += n
+        self.tokens += size
         while self.tokens > self.max_tokens:
-            evicted_key, _ = self._entries.popitem(last=False)
-            self.tokens -= len(evicted_key) - 1
+            self._drop(self._entries.popitem(last=False)[1])
+        return True
 
-    def take(self, tokens: list[int]) -> RowKV | None:
-        """The entry for exactly `tokens`, removed from the cache (it joins a running row), or None."""
+    def take(self, tokens: list[int]) -> CachedKV | None:
+        """The entry for exactly `tokens`, removed from the cache (its blocks now belong to the caller)."""
         if not self._entries:
             return None
         kv = self._entries.pop(tuple(tokens), None)
         if kv is not None:
-            self.tokens -= len(tokens) - 1
+            self.tokens -= self._size(kv)
         return kv
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for kv in self._entries.values() for k, v in kv)
+    def evict(self, blocks: int) -> int:
+        """Release least recently stored entries until at least `blocks` blocks went back; returns how many."""
+        freed = 0
+        while freed < blocks and self._entries:
+            kv = self._entries.popitem(last=False)[1]
+            freed += len(kv.blocks)
+            self._drop(kv)
+        return freed
 
     def clear(self) -> int:
         n = len(self._entries)
-        self._entries.clear()
-        self.tokens = 0
+        while self._entries:
+            self._drop(self._entries.popitem(last=False)[1])
         return n
+
+    def _drop(self, kv: CachedKV) -> None:
+        self.tokens -= self._size(kv)
+        self.release(kv.blocks)

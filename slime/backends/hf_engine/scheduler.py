@@ -1,10 +1,17 @@
-"""Continuous-batching scheduler: one thread owns the model and the decode batch.
+"""Continuous-batching scheduler: one thread owns the model and the running batch.
 
-Everything that touches the model (prefill, decode, weight loads, aborts,
-retractions) runs on that thread, between decode steps; the HTTP side talks to
-it with `submit(fn)` (a callable run at the next step boundary, returning a
-concurrent Future) and `add(request)`. Requests report back through their
-`notify` callback (called on the scheduler thread).
+Everything that touches the model (steps, weight loads, aborts, retractions)
+runs on that thread, between steps; the HTTP side talks to it with
+`submit(fn)` (a callable run at the next step boundary, returning a concurrent
+Future) and `add(request)`. Requests report back through their `notify`
+callback (called on the scheduler thread).
+
+A waiting request joins the batch as a row at the next step boundary (no KV
+is copied: see batch.PagedBatch). Each step is one packed forward over every
+decoding row's last token plus prompt chunks of the rows still being
+prefilled (chunked prefill, at most `--max-prefill-tokens` per step and
+`--chunked-prefill-size` per row), so a new or resumed request never stalls
+the rows already decoding for longer than one chunk.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from typing import Callable
 
 import torch
 
-from slime.backends.hf_engine.batch import DecodeBatch
+from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
-from slime.backends.hf_engine.prefix_cache import PrefixCache
+from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
 from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
+from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,16 @@ class Request:
     logprobs_extra: LogprobRecord | None = None  # prompt / top-k / chosen-id log-probs, when asked for
     # (first output index, weight version) each time the version that samples this request's tokens changes
     version_spans: list[tuple[int, str]] = field(default_factory=list)
+    row: int | None = None  # its row in the batch while running
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of input_ids + output_ids (without building the whole list)."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
 
     @property
     def finished(self) -> bool:
@@ -55,63 +73,14 @@ class Request:
         return len(self.input_ids) + len(self.output_ids)
 
 
-PAD_SLACK_TOKENS = 1024  # up to this many padded positions, one masked prefill beats several forwards
-
-
-def prefill_chunks(lengths: list[int]) -> list[list[int]]:
-    """Split rows (indices into `lengths`) into batched prefills, shortest first: rows of one length
-    share a prefill (no padding, so no mask: the fast causal attention path); rows of different
-    lengths share one only while its left-padded size (rows x longest row) stays within PAD_SLACK_TOKENS.
-
-    Resumed partial rollouts make long rows of distinct lengths common: padding a 300-token row with 39
-    six-token prompts costs ~25x the long row alone, and a masked prefill of long rows runs attention
-    through the slower masked path (1.5-2.7x at 1-3k tokens here)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        n = lengths[i]
-        if cur and n != lengths[cur[0]] and (len(cur) + 1) * n > PAD_SLACK_TOKENS:
-            chunks.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its batches are."""
-
-    prefill_s: float = 0.0  # batched prefills, sampling their first tokens, joining the decode batch
-    decode_s: float = 0.0  # decode forwards + sampling
-    decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
-    prefill_cpu_s: float = 0.0
-    evict_s: float = 0.0  # removing finished or aborted rows from the batch
-    idle_s: float = 0.0  # nothing to run (or paused)
-    decode_steps: int = 0
-    decode_rows: int = 0  # sum over decode steps of the batch size
-    decode_ctx_tokens: int = 0  # sum over decode steps of the rows' cached tokens (what paged attention reads)
-    decode_padded: int = 0  # sum over decode steps of rows x the batch's attention window (what it reads here)
-    prefills: int = 0
-    prefill_rows: int = 0
-    prefill_tokens: int = 0
-    prefill_positions: int = 0  # rows x longest row, i.e. with left padding
-    cache_hits: int = 0  # requests that resumed an aborted request's KV (no prefill)
-    cache_hit_tokens: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
 def abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int, seed: int | None,
-                 admit_wait_s: float = 0.02, prefix_cache_tokens: int | None = None, weight_version: str = "0"):
+    def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int,
+                 seed: int | None, chunked_prefill_size: int = -1, block_size: int = 32,
+                 prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0"):
         self.model = model
         # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
         # token is stamped with the version that produced it
@@ -119,16 +88,17 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
+        # prefill tokens per step (all rows), and per row per step (-1: a row's whole prompt at once)
         self.max_prefill_tokens = max_prefill_tokens
-        # While a batch is decoding, a few late arrivals wait up to admit_wait_s so they are prefilled and
-        # joined together (each join costs a prefill forward).
-        self.admit_wait_s = admit_wait_s
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.eos_ids = self._eos_ids(model, tokenizer)
-        self.batch = DecodeBatch(model)
+        self.batch = PagedBatch(model, block_size=block_size, max_tokens=max_total_tokens, max_rows=max_running,
+                                kernel=attention_kernel)
         # aborted requests' KV, for the requests that resume them (None: as many positions as max_total_tokens)
-        self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens)
-        self.running: list[Request] = []
-        self._admitting: list[Request] = []
+        self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens,
+                                        block_size, release=self.batch.pool.free)
+        self.batch.reclaim = self.prefix_cache.evict
+        self.running: list[Request] = []  # rows in the batch: decoding, or still being prefilled
         self.waiting: collections.deque[Request] = collections.deque()
         self.paused = False
         self.default_generator = torch.Generator()
@@ -137,6 +107,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.num_steps = 0
+        self._decode_ctx = 0
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
@@ -200,18 +171,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
-        """Finish the request `rid` (or every request when rid is None) with an abort reason."""
-        gone = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
-        for i in gone:
-            r = self.running[i]
-            if self.prefix_cache.enabled:  # every cached token but the pending one
-                self.prefix_cache.put(r.input_ids + r.output_ids, self.batch.row_kv(i, r.num_tokens - 1))
-            self._finish(r, abort_reason(message))
-        if gone:
-            t0 = time.perf_counter()
-            self.running = [self.running[i] for i in self.batch.remove(gone)]
-            self.stats.evict_s += time.perf_counter() - t0
-        n = len(gone)
+        """Finish the request `rid` (or every request when rid is None) with an abort reason. A running
+        request's KV goes to the prefix cache, for the request that resumes it."""
+        t0 = time.perf_counter()
+        keep, n = [], 0
+        for r in self.running:
+            if rid is None or r.rid == rid:
+                self._leave(r, cache=True)
+                self._finish(r, abort_reason(message))
+                n += 1
+            else:
+                keep.append(r)
+        self.running = keep
+        self.stats.evict_s += time.perf_counter() - t0
         still = collections.deque()
         for r in self.waiting:
             if rid is None or r.rid == rid:
@@ -226,12 +198,13 @@ class Scheduler:
         return self.abort(None, message)
 
     def retract(self) -> int:
-        """Drop the KV cache of every running request and put it back first in the queue."""
+        """Drop the KV of every running request and put it back first in the queue (re-prefilled later)."""
         n = len(self.running)
         for r in reversed(self.running):
+            self.batch.drop(r.row)
+            r.row = None
             self.waiting.appendleft(r)
         self.running = []
-        self.batch.clear()
         return n
 
     def set_paused(self, paused: bool) -> None:
@@ -239,17 +212,16 @@ class Scheduler:
 
     # ---- KV memory (SGLang's kv_cache tag; see memory.py) ------------------------------
     def kv_cache_bytes(self) -> int:
-        return self.batch.kv_bytes() + self.prefix_cache.nbytes()
+        return self.batch.kv_bytes()  # one paged pool: the running rows' blocks and the prefix cache's
 
     def release_kv_cache(self) -> int:
-        """Free the KV storage (an idle engine's buffers and the prefix cache); returns the bytes freed."""
-        freed = self.kv_cache_bytes()
+        """Free the KV storage of an idle engine: the prefix cache's blocks go back, then the pool's tensors
+        are freed (SGLang flushes its cache on release too); returns the bytes freed."""
         self.prefix_cache.clear()
-        self.batch.free_kv()
-        return freed
+        return self.batch.free_kv()
 
     def resume_kv_cache(self) -> None:
-        """Nothing to allocate ahead: the next join allocates the KV buffers it needs."""
+        """Nothing to allocate ahead: the pool allocates a layer's blocks on its first write."""
 
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
@@ -283,33 +255,26 @@ class Scheduler:
                 continue
             try:
                 self._admit()
-                self._decode()
+                self._step()
             except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
                 logger.exception("scheduler step failed")
-                victims = self._admitting + self.running
-                self.running, self._admitting = [], []
+                victims, self.running = self.running, []
                 self.batch.clear()
                 for r in victims:
+                    r.row = None
                     if not r.finished:
                         self._finish(r, abort_reason(f"engine error: {e}"))
 
     def _admit(self) -> None:
+        """Waiting requests become rows as long as the running ones' token reservations allow: a row
+        resuming an aborted request starts on its cached KV, any other starts empty (prefilled in steps)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return
-        if self.running:
-            free = self.max_running - len(self.running)
-            enough = min(free, max(1, len(self.running) // 4))
-            if len(self.waiting) < enough and time.monotonic() - self.waiting[0].enqueued < self.admit_wait_s:
-                return
         budget = self.max_total_tokens - sum(len(r.input_ids) + r.params.max_new_tokens for r in self.running)
-        group: list[Request] = []
-        prefill_tokens = 0
-        while self.waiting and len(self.running) + len(group) < self.max_running:
+        while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             need = len(r.input_ids) + r.params.max_new_tokens
-            if need > budget and (self.running or group):
-                break
-            if group and prefill_tokens + r.num_tokens > self.max_prefill_tokens:
+            if need > budget and self.running:
                 break
             self.waiting.popleft()
             try:
@@ -323,75 +288,94 @@ class Scheduler:
                 continue
             budget -= need
             kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
-            if kv is not None:  # resumes an aborted request: its KV joins as is, its last token pending
-                r.cached_tokens = len(r.input_ids) - 1
-                self.batch.join_kv(kv, r.cached_tokens, r.input_ids[-1])
-                self.running.append(r)
+            if kv is not None:
+                r.row = self.batch.add_row(kv.blocks, kv.cached)
+                r.cached_tokens = kv.cached
                 self.stats.cache_hits += 1
-                self.stats.cache_hit_tokens += r.cached_tokens
-                continue
-            group.append(r)
-            prefill_tokens += r.num_tokens
-        if not group:
-            return
-        self._admitting = group
-        for chunk in prefill_chunks([r.num_tokens for r in group]):
-            self._prefill_join([group[i] for i in chunk])
-        self._admitting = []
+                self.stats.cache_hit_tokens += kv.cached
+            else:
+                r.row = self.batch.add_row()
+            self.running.append(r)
 
-    def _prefill_join(self, group: list[Request]) -> None:
-        """One batched (left-padded) prefill of `group`, its first tokens sampled, the unfinished rows joined."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        seqs = [r.input_ids + r.output_ids for r in group]
-        logits, cache, valid = self.batch.prefill(seqs)
-        tokens, lps = sample_batch(logits, [r.params for r in group], [r.generator for r in group], self.default_generator)
-        record_output_logprobs(group, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
-        keep, next_pos, pending = [], [], []
-        for i, r in enumerate(group):
-            self._append(r, tokens[i], lps[i])
-            if not r.finished:
-                keep.append(i)
-                next_pos.append(r.num_tokens - 1)
-                pending.append(tokens[i])
-        if keep:
-            self.batch.join(cache, valid, keep, next_pos, pending)
-            self.running.extend(group[i] for i in keep)
-        st = self.stats
-        st.prefill_s += time.perf_counter() - t0
-        st.prefill_cpu_s += time.thread_time() - c0
-        st.prefills += 1
-        st.prefill_rows += len(seqs)
-        st.prefill_tokens += sum(len(x) for x in seqs)
-        st.prefill_positions += len(seqs) * max(len(x) for x in seqs)
+    def _plan(self) -> tuple[list, list[Request], int, int]:
+        """This step's segments: every decoding row's last token, then prompt chunks of the rows being
+        prefilled, fewest tokens left first (they start decoding soonest), within the prefill budgets."""
+        segments, samplers, prefilling = [], [], []
+        for r in self.running:
+            left = r.num_tokens - self.batch.cached(r.row)
+            if left == 1:
+                segments.append((r.row, [r.output_ids[-1] if r.output_ids else r.input_ids[-1]], True))
+                samplers.append(r)
+            else:
+                prefilling.append((left, r))
+        decoded = len(segments)
+        self._decode_ctx = sum(self.batch.cached(row) for row, _, _ in segments)  # keys they attend, but their own
+        budget = self.max_prefill_tokens
+        prefill_tokens = 0
+        for left, r in sorted(prefilling, key=lambda x: x[0]):
+            take = min(left, self.chunk, budget - prefill_tokens)
+            if take <= 0:
+                break
+            start = self.batch.cached(r.row)
+            segments.append((r.row, r.tokens(start, start + take), take == left))
+            prefill_tokens += take
+            if take == left:
+                samplers.append(r)
+        return segments, samplers, decoded, prefill_tokens
 
-    def _decode(self) -> None:
-        if not self.running:
+    def _step(self) -> None:
+        segments, samplers, decoded, prefill_tokens = self._plan()
+        if not segments:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
-        rs = self.running
-        ctx = sum(len(r.input_ids) + len(r.output_ids) for r in rs) - len(rs)  # cached: all but the pending token
-        width = self.batch.width
-        logits = self.batch.step()
+        logits = self.batch.forward(segments)
         self.num_steps += 1
-        tokens, lps = sample_batch(logits, [r.params for r in rs], [r.generator for r in rs], self.default_generator)
-        record_output_logprobs(rs, logits)
-        done = []
-        for i, r in enumerate(rs):
-            self._append(r, tokens[i], lps[i])
-            if r.finished:
-                done.append(i)
-        self.batch.set_pending(tokens)
+        done: list[Request] = []
+        if samplers:
+            tokens, lps = sample_batch(logits, [r.params for r in samplers], [r.generator for r in samplers],
+                                       self.default_generator)
+            record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
+            for i, r in enumerate(samplers):
+                self._append(r, tokens[i], lps[i])
+                if r.finished:
+                    done.append(r)
         t1, c1 = time.perf_counter(), time.thread_time()
         if done:
-            self.running = [rs[i] for i in self.batch.remove(done)]
+            gone = {id(r) for r in done}
+            for r in done:
+                self._leave(r, cache=False)
+            self.running = [r for r in self.running if id(r) not in gone]
         st = self.stats
-        st.decode_s += t1 - t0
-        st.decode_cpu_s += c1 - c0
         st.evict_s += time.perf_counter() - t1
-        st.decode_steps += 1
-        st.decode_rows += len(rs)
-        st.decode_ctx_tokens += ctx
-        st.decode_padded += len(rs) * width
+        st.add_step(t1 - t0, decoded, prefill_tokens)
+        st.sampled_tokens += len(samplers)
+        if prefill_tokens:
+            st.prefill_s += t1 - t0
+            st.prefill_cpu_s += c1 - c0
+            st.prefills += 1
+            st.prefill_decode_rows += decoded
+            st.prefill_decode_steps += decoded > 0
+            st.prefill_rows += len(segments) - decoded
+            st.prefill_tokens += prefill_tokens
+            st.prefill_positions += prefill_tokens  # packed: no padding
+        else:
+            st.decode_s += t1 - t0
+            st.decode_cpu_s += c1 - c0
+            st.decode_steps += 1
+            st.decode_rows += decoded
+            st.decode_ctx_tokens += self._decode_ctx
+            st.decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets) * self.batch.block_size
+
+    def _leave(self, r: Request, cache: bool) -> None:
+        """Take `r`'s row out of the batch; with `cache` (an abort) its KV goes to the prefix cache."""
+        if r.row is None:
+            return
+        if cache and self.prefix_cache.enabled and self.batch.cached(r.row) > 0:
+            blocks, cached = self.batch.detach(r.row)
+            self.prefix_cache.put(r.input_ids + r.output_ids, CachedKV(blocks, cached))
+        else:
+            self.batch.drop(r.row)
+        r.row = None
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
         if not r.version_spans or r.version_spans[-1][1] != self.weight_version:

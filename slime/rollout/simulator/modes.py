@@ -295,6 +295,16 @@ class ChunkedStep(_StepBase):
         while not self.exhausted and self.active() + len(self.accepted) < self.target:
             for g in self.next_groups(self.cfg.chunk):
                 self.begin(t, g)
+        # APRIL's top-ups (slime/rollout/sglang_rollout.py): with --partial-rollout, as soon as fewer requests
+        # are in flight or queued than a chunk's worth (at most the concurrency), take parked, then fresh groups
+        free = min(self.concurrency, self.cfg.chunk * self.state.n) - (self.outstanding + len(self.queue))
+        if self.cfg.partial_rollout and self.cfg.top_ups and free > 0 and not self.exhausted and not self.stopped:
+            groups = self.next_groups(-(-free // self.state.n))
+            self.c.counts["refill_groups"] += len(groups)
+            for g in groups:
+                self.begin(t, g)
+        if self.stopped:
+            return
         if self.active() == 0:
             self.stop(t)
 

@@ -1,0 +1,228 @@
+"""Attention for one packed engine step over the paged KV pool (a transformers attention function).
+
+An engine step runs the model once over a packed sequence `[1, N]`: every running row's next token
+(a decode segment, one query) and chunks of rows still being prefilled (several queries each), with
+explicit position ids. transformers computes the projections and RoPE over the packed tokens as usual
+and calls this function per layer (registered as ATTN_NAME) with the step's `StepPlan` in its kwargs:
+
+1. the step's new keys/values are written into the pool at the plan's slots;
+2. per bucket of segments, each segment's keys are gathered from its row's blocks (padded to the
+   bucket's longest row) and attended with SDPA under a mask `key position <= query position`.
+
+Buckets group segments of similar length (decode segments sorted by context length), so a short row
+never pays attention over the longest row's context, as it would in one padded batch. Tokens are
+packed bucket by bucket, so a bucket's queries and outputs are contiguous slices (no index copies).
+Grouped-query heads share their KV head's gathered keys: the G query heads of a KV head are stacked as
+G x Q queries (the mask depends on the query position only), so nothing is repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from slime.backends.hf_engine.kv_pool import KVPool
+
+ATTN_NAME = "slime_paged"
+# Decode buckets: a bucket costs ~10 small ops per layer (~50-100 us here), worth ~1-4k key positions
+# of attention; a new one starts only where rows get clearly shorter and enough positions are saved.
+BUCKET_SHRINK = 0.7
+BUCKET_MIN_SAVING = 2048
+
+
+@dataclass
+class Bucket:
+    """Segments attended together: `b` rows, `q` query cells each, `m` blocks of keys each; their cells
+    are the packed tokens start .. start + b * q - 1, row by row."""
+
+    segments: list[int]  # indices into the planned segments, in packing order
+    q: int
+    m: int
+    blocks: torch.Tensor  # [b * m] block ids (rows padded with whatever their table holds; masked)
+    limit: torch.Tensor  # [b, q] last key position each cell may attend (its own position)
+    keys: int | None = None  # decode buckets whose rows all attend this many keys need no mask
+    start: int = 0
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def b(self) -> int:
+        return len(self.segments)
+
+    def mask(self, groups: int, block_size: int) -> torch.Tensor:
+        """[1, b, q * groups, m * block_size] boolean (True: attend), built once per step."""
+        m = self._masks.get(groups)
+        if m is None:
+            pos = torch.arange(self.m * block_size)
+            m = pos.view(1, 1, -1) <= self.limit.unsqueeze(-1)  # [b, q, L]
+            if groups > 1:
+                m = m.repeat_interleave(groups, dim=1)
+            m = self._masks[groups] = m.unsqueeze(0)
+        return m
+
+
+@dataclass
+class StepPlan:
+    pool: KVPool
+    slots: torch.Tensor  # [N] pool slot (block * block_size + offset) of each packed token
+    buckets: list[Bucket]
+    kernel: str = "sdpa"  # sdpa: torch's scaled_dot_product_attention; eager: matmul, softmax, matmul
+
+
+def _eager(q, k, v, mask, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
+# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores (what the
+# public SDPA does not): a chunk's attention is then split into its prefix (no mask) and its own causal
+# part, merged exactly; a mask over the whole chunk x context costs ~35% more on this CPU.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_lse(q, k, v, causal: bool, scale, kernel: str):
+    """Attention and per-query log-sum-exp of the scaled scores ([..., Lq, D], [..., Lq])."""
+    if kernel == "eager" or _FLASH_CPU is None:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if causal:
+            n = scores.shape[-1]
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+        return torch.matmul((scores - lse.unsqueeze(-1)).exp(), v), lse
+    out = _FLASH_CPU(q, k, v, is_causal=causal, scale=scale)
+    return out[0], out[1]
+
+
+def _prefill(q, k_new, v_new, prefix, g: int, scale, kernel: str):
+    """A bucket of prefill chunks of one shape: q [b, nq, H, D] (their queries), k_new/v_new
+    [b, Hkv, nq, D] (their own keys), prefix None (chunks starting at position 0) or (k, v)
+    [Hkv, b, p0, D] (every earlier position). Returns [b, nq, H, D]."""
+    b, nq, h, d = q.shape
+    hkv = k_new.shape[1]
+    qh = q.transpose(1, 2)  # [b, H, nq, D]
+    kh, vh = k_new.repeat_interleave(g, dim=1), v_new.repeat_interleave(g, dim=1)
+    if prefix is None:
+        if kernel == "eager":
+            o = _attend_lse(qh, kh, vh, True, scale, kernel)[0]
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        return o.transpose(1, 2)
+    o2, l2 = _attend_lse(qh, kh, vh, True, scale, kernel)
+    # the prefix: every query sees every earlier key; a KV head's G query heads stacked as G x nq queries
+    qs = q.view(b, nq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, b, g * nq, d)
+    o1, l1 = _attend_lse(qs, prefix[0], prefix[1], False, scale, kernel)
+    o1 = o1.view(hkv, b, g, nq, d).transpose(0, 1).reshape(b, h, nq, d)
+    l1 = l1.view(hkv, b, g, nq).transpose(0, 1).reshape(b, h, nq)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp().unsqueeze(-1), (l2 - m).exp().unsqueeze(-1)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).transpose(1, 2)
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """query [1, H, N, D], key/value [1, Hkv, N, D] for the packed tokens; returns [1, N, H, D]."""
+    plan: StepPlan | None = kwargs.pop("paged_step", None)
+    if plan is None:  # the model called outside an engine step (e.g. a prompt-log-prob pass): plain SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("the embedded engine's paged attention has no sliding-window layers")
+    layer = module.layer_idx
+    pool = plan.pool
+    pool.write(layer, plan.slots, key[0], value[0])
+    _, h, _, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    bs = pool.block_size
+    q_all = query[0].transpose(0, 1)  # [N, H, D]
+    outs = []
+    for bk in plan.buckets:
+        b, nq, end = bk.b, bk.q, bk.start + bk.b * bk.q
+        q = q_all[bk.start: end].view(b, nq, h, d)
+        if nq > 1:  # prefill chunks of one shape: their own keys causally, plus the keys before them
+            k_new = key[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
+            v_new = value[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
+            p0 = int(bk.limit[0, 0])
+            prefix = None
+            if p0:
+                k, v = pool.gather(layer, bk.blocks, b)
+                prefix = (k[:, :, :p0], v[:, :, :p0])
+            outs.append(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d))
+            continue
+        k, v = pool.gather(layer, bk.blocks, b)
+        q = q.view(b, hkv, g, d).transpose(0, 1)  # [Hkv, b, G, D]: a KV head's G query heads as G queries
+        if bk.keys is not None:  # no padding: attend exactly the rows' keys, no mask (SDPA's fast path)
+            k, v, mask = k[:, :, : bk.keys], v[:, :, : bk.keys], None
+        else:
+            mask = bk.mask(g, bs)
+        if plan.kernel == "eager":
+            o = _eager(q, k, v, mask, scaling)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        outs.append(o.transpose(0, 1).reshape(b, h, d))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.unsqueeze(0), None
+
+
+# What an engine step passes as `attention_mask`: a 4-D mask is used as given (transformers builds none),
+# and this function ignores it. Outside steps the model builds SDPA's masks (registered below) as usual.
+STEP_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def register() -> None:
+    """Make ATTN_NAME known to transformers (idempotent): this function, and SDPA's mask builder for
+    forwards outside engine steps."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,
+                 min_saving: int = BUCKET_MIN_SAVING) -> list[Bucket]:
+    """Buckets for `segments` = (number of queries q, first position p0, table row), in packing order;
+    every segment lands in exactly one bucket, and `start` numbers the cells bucket after bucket.
+
+    A segment's queries are positions p0 .. p0 + q - 1 of its row; each attends keys 0 .. its own
+    position. Decode segments (q = 1) are sorted by context length, longest first, and a new bucket
+    starts where the length falls below BUCKET_SHRINK of the bucket's longest and padding the rest to it
+    would waste at least `min_saving` key positions. Prefill segments (q > 1, few per step) share a
+    bucket only with segments of the same shape (e.g. fresh prompts of one length), so no cell is padding."""
+    buckets: list[Bucket] = []
+    decode = sorted((i for i, s in enumerate(segments) if s[0] == 1), key=lambda i: -segments[i][1])
+    blocks = [segments[i][1] // block_size + 1 for i in decode]
+    n, i = len(decode), 0
+    while i < n:
+        m, j = blocks[i], i + 1
+        while j < n and not (blocks[j] <= m * BUCKET_SHRINK and (n - j) * (m - blocks[j]) * block_size >= min_saving):
+            j += 1
+        buckets.append(_bucket(segments, decode[i:j], 1, m, tables))
+        i = j
+    prefill: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(segments):
+        if s[0] > 1:
+            prefill.setdefault((s[0], s[1]), []).append(i)
+    for (q, p0), idx in prefill.items():
+        buckets.append(_bucket(segments, idx, q, (p0 + q - 1) // block_size + 1, tables))
+    start = 0
+    for bk in buckets:
+        bk.start = start
+        start += bk.b * bk.q
+    return buckets
+
+
+def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> Bucket:
+    starts = [segments[i][1] for i in idx]
+    if len(idx) == 1:
+        blocks = tables[segments[idx[0]][2], :m]
+    else:
+        blocks = tables.index_select(0, torch.tensor([segments[i][2] for i in idx], dtype=torch.long))[:, :m].reshape(-1)
+    limit = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q, dtype=torch.long)
+    same = q == 1 and min(starts) == max(starts)
+    return Bucket(idx, q, m, blocks, limit, keys=starts[0] + 1 if same else None)

@@ -1,0 +1,61 @@
+"""The scheduler's cumulative counters, served in `/get_server_info` (`internal_states[0].scheduler_stats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
+
+    Every step is one packed forward: `decode_*` counts steps that only decoded, `prefill*` steps that also
+    prefilled (chunks of prompts or resumed samples, with the rows decoded alongside). The `fit_*` sums
+    give a least-squares fit of the step time over its decoding rows and prefill tokens (see
+    benchmarks/rollout_report.py)."""
+
+    decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
+    decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
+    prefill_s: float = 0.0  # forward + sampling of steps with prefill tokens (and the rows they also decoded)
+    prefill_cpu_s: float = 0.0
+    evict_s: float = 0.0  # finishing rows: freeing or caching their blocks
+    idle_s: float = 0.0  # nothing to run (or paused)
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over decode-only steps of the rows decoded
+    decode_ctx_tokens: int = 0  # sum over decode-only steps of the rows' cached tokens (the keys they attend)
+    decode_padded: int = 0  # sum over decode-only steps of the key positions gathered (buckets padded to blocks)
+    prefills: int = 0  # steps with prefill tokens
+    prefill_decode_steps: int = 0  # those of them that also decoded rows
+    prefill_decode_rows: int = 0  # rows decoded in those steps
+    prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
+    prefill_tokens: int = 0
+    prefill_positions: int = 0  # positions prefilled (packed, so no padding: = prefill_tokens)
+    sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
+    cache_hits: int = 0  # requests that resumed an aborted request's KV
+    cache_hit_tokens: int = 0  # positions they did not prefill
+    # sums for a least-squares fit of step time ~ a + b x decoding rows + c x prefill tokens (thousands),
+    # over any window of steps (differences of these sums): what a step, a row and a prefilled token cost
+    fit_n: int = 0
+    fit_d: float = 0.0
+    fit_p: float = 0.0
+    fit_dd: float = 0.0
+    fit_pp: float = 0.0
+    fit_dp: float = 0.0
+    fit_t: float = 0.0
+    fit_td: float = 0.0
+    fit_tp: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def add_step(self, seconds: float, decoded: int, prefill_tokens: int) -> None:
+        d, p = decoded / 1000.0, prefill_tokens / 1000.0
+        self.fit_n += 1
+        self.fit_d += d
+        self.fit_p += p
+        self.fit_dd += d * d
+        self.fit_pp += p * p
+        self.fit_dp += d * p
+        self.fit_t += seconds
+        self.fit_td += seconds * d
+        self.fit_tp += seconds * p

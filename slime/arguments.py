@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from slime.utils.net import is_loopback
+from slime.utils.net import AUTO, WILDCARDS, interface_addresses, is_ip_address, is_loopback
 
 
 class ArgumentError(ValueError):
@@ -78,10 +78,12 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
-    g.add_argument("--listen-host", type=str, default="127.0.0.1",
-                   help="address the trainer's process-group and weight-update stores, gloo and the local Ray node "
-                        "listen on (none of them authenticates): loopback by default; a multi-node run gives this "
-                        "node's interface address (or 0.0.0.0)")
+    g.add_argument("--listen-host", type=str, default="auto",
+                   help="where the run's servers listen (trainer stores and gloo, the weight-update store, the "
+                        "engines, the local Ray node; none authenticates), resolved on each node: auto = 127.0.0.1 "
+                        "while the Ray cluster is one machine, else each node's own IP as Ray knows it; an interface "
+                        "name (eth0) = that interface's address on every node (also GLOO/NCCL_SOCKET_IFNAME); an "
+                        "address (127.0.0.1, 0.0.0.0, 10.0.0.5) = as given")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:
@@ -430,10 +432,31 @@ def _resolve_train_backend(requested: str) -> str:
     return "megatron" if megatron_importable() and torch.cuda.is_available() else "fsdp"
 
 
+# Flags that name files or directories: made absolute at parse time, so every process of the run (Ray
+# workers on any node, whatever their working directory) reads the same path.
+PATH_FLAGS = ("hf_checkpoint", "prompt_data", "load", "save", "ref_load", "run_dir", "save_debug_rollout_data",
+              "load_debug_rollout_data")
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _make_paths_absolute(a: Args) -> None:
+    for name in PATH_FLAGS:
+        if getattr(a, name) is not None:
+            setattr(a, name, _absolute(getattr(a, name)))
+    if a.eval_prompt_data:  # name path [name path ...]
+        a.eval_prompt_data = [_absolute(v) if i % 2 else v for i, v in enumerate(a.eval_prompt_data)]
+    if a.rollout_cost_model is not None and not a.rollout_cost_model.startswith("gpu:"):
+        a.rollout_cost_model = _absolute(a.rollout_cost_model)
+
+
 def _fill_defaults(a: Args) -> None:
     a.train_backend = _resolve_train_backend(a.train_backend)
     if a.run_dir is None:
         a.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    _make_paths_absolute(a)
     if a.rollout_num_gpus is None:
         a.rollout_num_gpus = a.actor_num_nodes * a.actor_num_gpus_per_node if a.colocate else 1
     if a.over_sampling_batch_size is None:
@@ -498,7 +521,8 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(not (a.colocate and a.reuse_stale_kv), "--reuse-stale-kv",
              "contradicts --colocate: colocated engines release their KV cache while the trainer trains")
     _require(not a.colocate or a.actor_num_nodes == 1, "--colocate",
-             "on more than one node needs engines launched on every node, which the launcher does not do yet")
+             "on more than one node is not built yet: engines are placed on every node's trainer bundles, but the "
+             "weight handover by tensor (CUDA IPC / shared memory) and the device plan that feeds it are per node")
     _require(a.update_weight_mode != "tensor" or a.colocate, "--update-weight-mode tensor",
              "needs --colocate (tensors are handed over on the devices trainer and engines share)")
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
@@ -535,13 +559,17 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.actor_num_nodes > 0, "--actor-num-nodes", "must be > 0")
     _require(a.actor_num_gpus_per_node > 0, "--actor-num-gpus-per-node", "must be > 0")
     _require(a.rollout_num_gpus > 0, "--rollout-num-gpus", "must be > 0")
+    _require(a.listen_host in (AUTO, "localhost") or a.listen_host in WILDCARDS[1:] or is_ip_address(a.listen_host)
+             or a.listen_host in interface_addresses(), "--listen-host",
+             f"{a.listen_host!r} is neither auto, an IP address nor an interface of this machine "
+             f"({', '.join(sorted(interface_addresses()))})")
     actor_devices = a.actor_num_nodes * a.actor_num_gpus_per_node
     _require(not a.colocate or a.rollout_num_gpus == actor_devices, "--rollout-num-gpus",
              f"({a.rollout_num_gpus}) must equal the trainer devices ({actor_devices}) with --colocate: every device "
              f"holds a trainer rank and a share of an engine")
     _require(a.actor_num_nodes == 1 or not is_loopback(a.listen_host), "--listen-host",
              f"is {a.listen_host} (loopback) but --actor-num-nodes is {a.actor_num_nodes}: other nodes cannot reach it; "
-             "give this node's interface address (or 0.0.0.0)")
+             "leave it at auto (each node's own IP), or give an interface name or 0.0.0.0")
 
     _require(not (a.debug_rollout_only and a.debug_train_only), "--debug-rollout-only",
              "cannot be combined with --debug-train-only")

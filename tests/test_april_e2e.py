@@ -101,7 +101,7 @@ def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeyp
     args = make_args(env["root"], "--rm-type", "math", "--custom-rm-path", f"{__name__}.kill_engine_rm",
                      "--rollout-max-response-len", "400", "--rollout-batch-size", "6", "--over-sampling-batch-size", "12")
     engines = env["engines"]
-    monkeypatch.setenv("APRIL_TEST_ENGINE_PID", str(engines.engines[0].process.pid))
+    monkeypatch.setenv("APRIL_TEST_ENGINE_PID", str(engines.engines[0].pid))
     source = RolloutDataSource(args, env["tok"])
     buf = Buffer.remote(args)
     with pytest.raises(RolloutError, match=r"rollout step 0 failed: engine 0 \(http://.*\) exited with code -9 "

@@ -33,8 +33,41 @@ def test_defaults_are_derived(base):
 
 def test_run_dir_default_is_written_at_parse_time(base, tmp_path):
     a = parse_args(base)
-    assert a.run_dir.startswith("runs" + os.sep) and len(a.run_dir) > len("runs/")  # runs/<date-time>
+    runs = os.path.join(os.getcwd(), "runs") + os.sep
+    assert a.run_dir.startswith(runs) and len(a.run_dir) > len(runs)  # <cwd>/runs/<date-time>, absolute
     assert parse_args(base + ["--run-dir", str(tmp_path)]).run_dir == str(tmp_path)
+
+
+def test_every_path_flag_is_absolute_after_parsing(tmp_path, monkeypatch):
+    """Ray workers on other nodes run in another working directory: a relative path would name another file."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1 1=", "label": "0"}) + "\n")
+    (tmp_path / "cost.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    a = parse_args(["--hf-checkpoint", "model", "--prompt-data", "./d.jsonl", "--rm-type", "math",
+                    "--rollout-batch-size", "2", "--num-rollout", "1", "--save", "ckpt", "--load", "ckpt",
+                    "--ref-load", "model", "--run-dir", "run", "--eval-prompt-data", "ev", "d.jsonl",
+                    "--save-debug-rollout-data", "dump/r_{rollout_id}.json", "--over-sampling-batch-size", "auto",
+                    "--rollout-cost-model", "cost.json"])
+    t = str(tmp_path)
+    assert (a.hf_checkpoint, a.prompt_data, a.save, a.load, a.ref_load, a.run_dir) == (
+        f"{t}/model", f"{t}/d.jsonl", f"{t}/ckpt", f"{t}/ckpt", f"{t}/model", f"{t}/run")
+    assert a.eval_prompt_data == ["ev", f"{t}/d.jsonl"] and a.eval_datasets == [("ev", f"{t}/d.jsonl")]
+    assert a.save_debug_rollout_data == f"{t}/dump/r_{{rollout_id}}.json" and a.rollout_cost_model == f"{t}/cost.json"
+    assert parse_args(["--hf-checkpoint", "~/../" + os.path.relpath(t, "/"), "--prompt-data", "d.jsonl",
+                       "--rm-type", "math", "--rollout-batch-size", "2", "--num-rollout", "1"]).hf_checkpoint == \
+        os.path.abspath(os.path.expanduser("~/../" + os.path.relpath(t, "/")))
+
+
+def test_listen_host_values(base):
+    assert parse_args(base).listen_host == "auto"  # loopback on one machine, each node's IP across machines
+    for ok in ("127.0.0.1", "0.0.0.0", "10.1.2.3", "::1", "localhost", "lo"):
+        assert parse_args(base + ["--listen-host", ok]).listen_host == ok
+    with pytest.raises(ArgumentError, match=r"--listen-host: 'eth-nope' is neither auto.*interface of this machine.*lo"):
+        parse_args(base + ["--listen-host", "eth-nope"])
+    with pytest.raises(ArgumentError, match=r"--listen-host: is 127.0.0.1 \(loopback\) but --actor-num-nodes is 2"):
+        parse_args(base + ["--listen-host", "127.0.0.1", "--actor-num-nodes", "2"])
+    assert parse_args(base + ["--actor-num-nodes", "2"]).listen_host == "auto"
 
 
 def test_args_are_read_only_and_picklable(base):

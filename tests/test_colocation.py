@@ -81,6 +81,11 @@ def test_feed_plan_matches_each_engine_tp_rank_with_the_trainer_on_its_gpu():
     assert plan == [EngineFeed("http://e0", (1, 3)), EngineFeed("http://e1", (0, 2))]
     assert [f.leader for f in plan] == [1, 0]
     assert feed_plan(urls, 1, [0, 1]) == [EngineFeed("http://e0", (0,)), EngineFeed("http://e1", (1,))]
+    # placed engines: their bundles' GPUs (Ray's ids on the node), whatever their rank
+    assert feed_plan(urls, 1, [4, 5], [(5,), (4,)]) == [EngineFeed("http://e0", (1,)), EngineFeed("http://e1", (0,))]
+    assert feed_plan(urls, 1, [0, 1], [None, None]) == feed_plan(urls, 1, [0, 1])
+    with pytest.raises(ValueError, match=r"engine 1 \(http://e1\) runs on GPUs \[7\]"):
+        feed_plan(urls, 1, [4, 5], [(5,), (7,)])
     # CPU: shared memory reaches every engine from rank 0
     assert feed_plan(urls, 2, [None, None]) == [EngineFeed("http://e0", (0,)), EngineFeed("http://e1", (0,))]
     with pytest.raises(ValueError, match=r"engine 1 .* no trainer rank is on GPU\(s\) \[3\]"):

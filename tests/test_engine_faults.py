@@ -1,6 +1,7 @@
 """Engine faults below the rollout: the watchdog names a stopped engine within seconds, a blocking call on it
 (a weight sync) fails at once when the process watch kills it, and restart_engine brings a fresh one back
-behind the router."""
+behind the router. Each runs twice: engines hosted in this process, and hosted by Ray actors on their
+placement-group bundles (a run's way), where a lost host actor is a fault too."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokeni
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=["local", "placed"])
+def engines(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_faults")
     build_tiny_qwen3(str(root / "model"), build_tokenizer(VOCAB),
                      TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -34,9 +35,35 @@ def engines(tmp_path_factory):
                        "--rm-type", "subtract_chain", "--rollout-batch-size", "1", "--num-rollout", "1",
                        "--rollout-backend", "embedded", "--run-dir", str(root / "run"),
                        "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2"])
-    group = EngineGroup(args, log_dir=str(root / "logs")).start()
+    slots, pgs = None, None
+    if request.param == "placed":
+        from slime.ray.placement_group import create_placement_groups, remove_placement_groups
+        from slime.utils.run import init_ray
+
+        init_ray(num_cpus=2)
+        pgs = create_placement_groups(args, timeout_s=60)
+        slots = pgs.engine_slots(args.num_engines, args.rollout_num_gpus_per_engine)
+    group = EngineGroup(args, log_dir=str(root / "logs"), slots=slots).start()
     yield args, group
+    servers = [e.pid for e in group.engines]
     group.shutdown()
+    assert not [p for p in servers if _alive(p)], "an engine server outlived EngineGroup.shutdown"
+    if pgs is not None:
+        import ray
+
+        remove_placement_groups(pgs)
+        ray.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _parent(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 
 
 LONG = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
@@ -44,7 +71,7 @@ LONG = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 400, "igno
 
 def test_watchdog_names_a_stopped_engine_and_the_step_does_not_wait(engines):
     args, group = engines
-    pid = group.engines[0].process.pid
+    pid = group.engines[0].pid
 
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -74,7 +101,7 @@ def test_watchdog_names_a_stopped_engine_and_the_step_does_not_wait(engines):
 
 def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_it_back(engines):
     args, group = engines
-    old_url, pid = group.engine_urls[0], group.engines[0].process.pid
+    old_url, pid = group.engine_urls[0], group.engines[0].pid
     result = {}
 
     def blocking_call():  # stands for a weight sync waiting on the engine
@@ -119,7 +146,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
         urls = engines.worker_urls()
         calls.append((version, urls))
         if len(calls) == 1:
-            os.kill(engines.engines[0].process.pid, signal.SIGSTOP)
+            os.kill(engines.engines[0].pid, signal.SIGSTOP)
             requests.post(urls[0] + "/generate", json=LONG, timeout=120)  # waits on the frozen engine
         return {"weight_sync_time_s": 0.0}
 
@@ -129,3 +156,33 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
     assert time.monotonic() - t0 < 90  # killed, restarted and pushed again: never the 120 s timeout
     assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
     assert manager.engine_restarts == 1 and group.engine_problem(group.engine_urls[0]) is None
+
+
+def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
+    """The server is a child of the host actor on its bundle (not of the driver); killing the actor takes the
+    server down, the monitor names it, and restart_engine puts a new host on the same bundle."""
+    import ray
+
+    args, group = engines
+    if not group.placed:
+        pytest.skip("engines hosted in this process")
+    engine = group.engines[0]
+    node = group.engine_nodes()[0]
+    assert _parent(engine.pid) == node["pid"] != os.getpid() and node["server_pid"] == engine.pid
+    assert node["node_id"] == group.slots[0].node_id and node["url"] == engine.url
+    old_url, server = engine.url, engine.pid
+    ray.kill(engine.actor)
+    deadline = time.monotonic() + 30
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server)  # PR_SET_PDEATHSIG: the server went with its host
+    deadline = time.monotonic() + 15
+    while group.engine_problem(old_url) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "host actor" in group.engine_problem(old_url)
+    new_url = group.restart_engine(0)
+    assert group.worker_urls() == [new_url] and group.engine_problem(new_url) is None
+    assert group.engine_nodes()[0]["node_id"] == group.slots[0].node_id
+    out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}},
+                        timeout=60).json()
+    assert len(out["output_ids"]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.ray.actor_group import RayTrainGroup, trainer_class, wait_ranks
-from slime.ray.placement_group import bundle_plan, create_placement_groups, remove_placement_groups
+from slime.ray.placement_group import PlacementError, bundle_plan, create_placement_groups, remove_placement_groups
 from slime.utils.run import init_ray
 from slime.utils.types import Sample, Status
 
@@ -54,8 +55,48 @@ def test_cpu_placement_group_is_ready_and_never_asks_for_gpu(ray_session, model_
     finally:
         remove_placement_groups(pgs)
     too_big = make_args(model_dir, actor_num_gpus_per_node=8, rollout_num_gpus=8)
-    with pytest.raises(RuntimeError, match="--actor-num-gpus-per-node"):
+    with pytest.raises(PlacementError, match="--actor-num-gpus-per-node") as e:
         create_placement_groups(too_big, timeout_s=5)
+    # what was asked for, and what the cluster has, node by node
+    assert ("asks for 8 trainer + 8 rollout bundle(s) of {CPU: 1} = {CPU: 16} but the cluster has {CPU: 4} "
+            "(node 127.0.0.1 (") in str(e.value) and re.search(r"CPU [0-4]/4 free, GPU 0/0 free", str(e.value))
+
+
+def test_a_placement_group_that_cannot_be_ready_names_what_is_free(ray_session, model_dir):
+    from ray.util.placement_group import placement_group
+
+    holder = placement_group([{"CPU": 1.0}] * 3)  # another job holds 3 of the 4 CPUs
+    ray.get(holder.ready(), timeout=30)
+    try:
+        args = make_args(model_dir, actor_num_gpus_per_node=1, rollout_num_gpus=1)
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError, match=r"not ready after 2s: it asks for 1 trainer \+ 1 rollout bundle\(s\) "
+                                                 r"of \{CPU: 1\} = \{CPU: 2\}; the cluster has node 127.0.0.1 "
+                                                 r"\(\w+\): CPU 1/4 free"):
+            create_placement_groups(args, timeout_s=2)
+        assert time.monotonic() - t0 < 20
+    finally:
+        ray.util.remove_placement_group(holder)
+
+
+def test_engine_slots_take_the_rollout_bundles(ray_session, model_dir):
+    args = make_args(model_dir, actor_num_gpus_per_node=1, rollout_num_gpus=2)
+    pgs = create_placement_groups(args, timeout_s=30)
+    try:
+        slots = pgs.engine_slots(2, 1)
+        here = ray.get_runtime_context().get_node_id()
+        assert [s.bundle_indices for s in slots] == [(1,), (2,)] and all(s.node_id == here for s in slots)
+        assert all(s.placement_group is pgs.pg and s.gpu_ids == () for s in slots)
+        assert pgs.driver_node_id == here and pgs.node_ips == ["127.0.0.1"]
+        with pytest.raises(PlacementError, match="3 engine"):
+            pgs.engine_slots(3, 1)
+    finally:
+        remove_placement_groups(pgs)
+    colocated = create_placement_groups(make_args(model_dir, actor_num_gpus_per_node=2, colocate=True), timeout_s=30)
+    try:  # colocated: the engines take the trainers' bundles (issue 12 shares them per GPU)
+        assert [s.bundle_index for s in colocated.engine_slots(2, 1)] == colocated.actor_bundles == [0, 1]
+    finally:
+        remove_placement_groups(colocated)
 
 
 def test_trainer_class_follows_the_backend(model_dir):

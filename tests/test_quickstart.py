@@ -51,3 +51,7 @@ def test_quickstart_april_improves_on_the_warm_start(tmp_path, backend, extra):
         steps = [r for r in records if "weight_sync/weight_sync_tensor" in r]
         assert len(steps) == 40 and all(r["weight_sync/weight_sync_tensor"] == 1.0 for r in steps)
         assert all(r["colocate/trainer_offload_bytes"] > 0 and "colocate/engine_release_s" in r for r in steps)
+        # the engine's host actor sits on the trainer's bundle (issue 17 places it; issue 12 shares the device)
+        placement = json.loads((run / "placement.json").read_text())
+        assert placement["rollout_bundles"] == placement["trainer_bundles"] == [0]
+        assert placement["engines"][0]["node_id"] == placement["trainers"][0]["node_id"]

@@ -205,19 +205,35 @@ def test_distributed_weight_update_over_gloo(group, models):
 def test_engine_with_bad_model_path_fails_naming_it_and_cleans_up(models, tmp_path):
     bad = tmp_path / "not_a_model"
     bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')  # passes the host's path check
     g = EngineGroup(_args(bad, str(tmp_path)), log_dir=str(tmp_path / "logs"), startup_timeout=120)
     with pytest.raises(ServerLaunchError) as e:
         g.start()
     msg = str(e.value)
     assert "engine 0 (embedded)" in msg and "exited with code" in msg and str(bad) in msg
-    last_line = [ln for ln in open(g.engines[0].process.log_path).read().splitlines() if ln.strip()][-1]
+    last_line = [ln for ln in open(g.engines[0].log_path).read().splitlines() if ln.strip()][-1]
     assert last_line.strip() in msg  # the engine's own log tail
-    for proc in [eng.process for eng in g.engines] + [g.router.process]:
-        assert not proc.is_alive() and process_group_members(proc.pid) == []
+    assert not g.router.process.is_alive()
+    for pid in [eng.pid for eng in g.engines] + [g.router.process.pid]:
+        assert process_group_members(pid) == []
+
+
+def test_engine_group_refuses_a_model_dir_it_cannot_see_before_launching(tmp_path):
+    from slime.utils.paths import PathNotVisibleError
+
+    absent = tmp_path / "absent"
+    absent.mkdir()
+    args = _args(absent, str(tmp_path))
+    absent.rmdir()  # as on an engine's node without the shared storage the driver saw
+    g = EngineGroup(args, log_dir=str(tmp_path / "logs"), startup_timeout=60)
+    with pytest.raises(PathNotVisibleError, match=r"engine 0 on node \S+: --hf-checkpoint .*absent: not found"):
+        g.start()
+    assert g.engines and g.engines[0].problem() is None  # no server was started
+    assert not g.router.process.is_alive() and process_group_members(g.router.process.pid) == []
 
 
 def test_shutdown_leaves_no_child_processes(group):
-    pids = [e.process.pid for e in group.engines] + [group.router.process.pid]
+    pids = [e.pid for e in group.engines] + [group.router.process.pid]
     assert all(os.path.exists(f"/proc/{p}") for p in pids)
     group.shutdown()
     for p in pids:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,14 +81,21 @@ def _kill_then_resume(d, out, *extra, mode="sync"):
     while _latest(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, f"train.py ended before it could be killed:\n{(out / 'first.log').read_text()[-3000:]}"
-    engines = _children(proc.pid)
+    children = _children(proc.pid)
+    # sglang-router renames itself (setproctitle "sglang::router") once it has started
+    router = [p for p in children if re.search(rb"sglang_router|sglang::router", open(f"/proc/{p}/cmdline", "rb").read())]
+    placement = json.loads((out / "run" / "placement.json").read_text())
+    # the engines' servers are children of their host actors (Ray workers), not of the driver
+    servers = [e["server_pid"] for e in placement["engines"]]
+    hosts = [e["pid"] for e in placement["engines"]] + [t["pid"] for t in placement["trainers"]]
+    assert servers and all(b"hf_engine" in open(f"/proc/{p}/cmdline", "rb").read() for p in servers)
+    assert not set(servers) & set(children) and router
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     killed_at = _latest(out)
     assert 1 <= killed_at < STEPS - 1
-    # Engines and the router die with the driver (no orphans serving stale weights).
-    engine_like = [p for p in engines if b"hf_engine" in open(f"/proc/{p}/cmdline", "rb").read() or b"sglang_router" in open(f"/proc/{p}/cmdline", "rb").read()] if engines else []
-    assert _wait_gone(engine_like) == []
+    # Engines, their hosts, the trainers and the router die with the driver (no orphans serving stale weights).
+    assert _wait_gone(router + servers + hosts) == []
 
     done = subprocess.run(_cmd(d, *extra, "--load", str(out / "ckpt"), out=out, mode=mode), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)

@@ -114,6 +114,12 @@ class RayTrainGroup:
         logger.info("%d trainer rank(s) ready (%s params)", self.world_size, self.info.get("num_params"))
         return self
 
+    def nodes(self, timeout: float = 60.0) -> list[dict]:
+        """Per rank: node_id, node_ip, hostname, pid and the code root its actor imports."""
+        from slime.utils.run import process_placement
+
+        return wait_ranks([a.__ray_call__.remote(process_placement) for a in self.actors], "trainer.nodes", timeout)
+
     def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
         """Every rank gets every group (it plans the split itself); metrics are
         already reduced across ranks, rank 0's copy is returned."""
@@ -132,7 +138,8 @@ class RayTrainGroup:
         feeds = None
         if self.args.update_weight_mode == "tensor":  # by reference: each engine from the ranks on its devices
             urls = list(engines.engine_urls) if is_group else list(engines)
-            feeds = feed_plan(urls, self.args.rollout_num_gpus_per_engine, self.rank_devices)
+            feeds = feed_plan(urls, self.args.rollout_num_gpus_per_engine, self.rank_devices,
+                              engines.engine_devices() if is_group else None)
         else:
             urls = list(engines.worker_urls()) if is_group else list(engines)
         if pause_mode and is_group:

@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
@@ -55,7 +56,9 @@ def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: st
 
 
 class RolloutManager:
-    def __init__(self, args, run_dir: str, start_engines: bool = True):
+    def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None):
+        """`engine_slots`: each engine's placement-group bundles (`PlacementGroups.engine_slots`); the engines'
+        hosts are then Ray actors there. None: engines on this machine, hosted in this process."""
         from transformers import AutoTokenizer
 
         from slime.ray.buffer import Buffer
@@ -71,7 +74,9 @@ class RolloutManager:
             name: load_eval_groups(args, self.tokenizer, name, path, args.n_samples_per_eval_prompt)
             for name, path in args.eval_datasets
         }
-        self.buffer = Buffer.remote(args)
+        # the buffer writes its part of each checkpoint next to the driver's: keep it on the driver's node
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
         self.rollout_fn = load_function(args.rollout_function_path)
         self.over_sampling_planner = None
         if args.over_sampling_batch_size == "auto":
@@ -83,7 +88,7 @@ class RolloutManager:
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
-            self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs")).start()
+            self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
 
     # ---- steps --------------------------------------------------------------
     @property

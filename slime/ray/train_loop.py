@@ -34,7 +34,7 @@ from typing import Callable
 from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.colocation import device_phases
-from slime.ray.placement_group import create_placement_groups
+from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.data_source import DataError
@@ -42,6 +42,8 @@ from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
 from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
+from slime.utils.net import ListenHostError
+from slime.utils.paths import PathNotVisibleError
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
 from slime.utils.summary import log_run_summary
 
@@ -71,7 +73,7 @@ def engine_idle_seconds(engines) -> float | None:
 
 # errors that name their cause (flag, file, engine, reward): one line, no traceback
 STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
-         EmptyStepsError)
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError)
 
 
 def train_or_stop(entry: str, train: Callable, args) -> int:
@@ -96,10 +98,15 @@ class TrainingRun:
         self.metrics = MetricsLogger(args, self.run_dir)
         # Engines + router + data + buffer on one side, trainers on the other.
         pgs = create_placement_groups(args)
-        self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only)
+        # each engine's host actor on its bundles (colocated: the trainers' bundles)
+        self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only,
+                                              engine_slots=pgs.engine_slots(args.num_engines,
+                                                                            args.rollout_num_gpus_per_engine))
         self.actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
         if self.actor_model is not None:  # a restarted engine gets the current weights
             self.rollout_manager.attach_weight_sync(self.actor_model.update_weights)
+        # who runs where: RUN_DIR/placement.json
+        write_placement(self.run_dir, pgs, self.actor_model, self.rollout_manager.engines)
         self.start_rollout_id = self._resume(ckpt, state)
         # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
         self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)

@@ -5,8 +5,15 @@ interface whatever `host` says, and gloo binds where the machine's hostname
 resolves. Both are unauthenticated. So the store's listening socket is
 created here, bound to `--listen-host` (127.0.0.1 by default), and handed to
 the store (`TCPStore(master_listen_fd=...)`); gloo devices are bound to the
-same host. A multi-node run sets `--listen-host` to this node's interface
-address (or 0.0.0.0); peers then connect to `advertised_address(...)`.
+same host.
+
+`--listen-host` is resolved in each process, on its own node
+(`resolve_listen_host`): `auto` (the default) is loopback while the Ray
+cluster is one machine (every alive node has the same IP: a local node, or
+`ray.cluster_utils.Cluster`), and this node's IP as Ray knows it once the
+cluster spans machines; an interface name (`eth0`) is that interface's
+address on every node; an address is used as given. Peers connect to
+`advertised_address(...)` of the result.
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ import os
 import socket
 
 WILDCARDS = ("", "0.0.0.0", "::")
+AUTO = "auto"
+
+
+class ListenHostError(ValueError):
+    """`--listen-host` cannot be resolved on this node (an interface it does not have); names the node's interfaces."""
 
 
 def is_loopback(host: str) -> bool:
@@ -40,6 +52,92 @@ def advertised_address(listen_host: str) -> str:
         except Exception:  # noqa: BLE001 - outside Ray: the hostname's address
             return socket.gethostbyname(socket.gethostname())
     return listen_host
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """This machine's interfaces and their IPv4 (then IPv6) addresses."""
+    import psutil
+
+    out: dict[str, list[str]] = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+        v6 = [a.address.split("%")[0] for a in addrs if a.family == socket.AF_INET6]
+        if v4 or v6:
+            out[name] = v4 + v6
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's interface that holds `address` (None: no such interface here)."""
+    for name, addrs in interface_addresses().items():
+        if address in addrs:
+            return name
+    return None
+
+
+def ray_node_ip() -> str | None:
+    """This node's IP as Ray knows it (None outside a Ray job)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - no Ray here: the caller falls back
+        return None
+
+
+def ray_spans_machines() -> bool:
+    """Whether the Ray cluster this process belongs to has alive nodes on more than one IP (False outside Ray)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        return len({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}) > 1
+    except Exception:  # noqa: BLE001 - no Ray here: one machine
+        return False
+
+
+def resolve_listen_host(listen_host: str) -> str:
+    """The address this process's servers bind, from `--listen-host` (see the module docstring).
+
+    auto -> 127.0.0.1 on one machine, else this node's Ray IP; localhost -> 127.0.0.1; an interface
+    name -> its address on this node (ListenHostError if this node has no such interface); an address or
+    a wildcard -> itself.
+    """
+    if listen_host == AUTO:
+        node_ip = ray_node_ip() if ray_spans_machines() else None
+        return node_ip or "127.0.0.1"
+    if listen_host == "localhost":
+        return "127.0.0.1"
+    if listen_host in WILDCARDS or is_ip_address(listen_host):
+        return listen_host
+    interfaces = interface_addresses()
+    if listen_host in interfaces:
+        return interfaces[listen_host][0]
+    where = ray_node_ip() or socket.gethostname()
+    raise ListenHostError(f"--listen-host {listen_host!r} is neither auto, an IP address nor an interface of node "
+                          f"{where} (its interfaces: {', '.join(sorted(interfaces))})")
+
+
+def source_address_towards(peer: str) -> str | None:
+    """The local address this machine uses to reach `peer` (the routing table's choice; nothing is sent)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 def listen_socket(host: str, port: int = 0, backlog: int = 256) -> socket.socket:
@@ -66,8 +164,15 @@ def serve_store(sock: socket.socket, world_size: int, timeout: datetime.timedelt
 
 
 def gloo_bind_host(listen_host: str, peer_address: str) -> str:
-    """The address a gloo device should listen on: loopback when the run is, else the default (hostname)."""
-    return "127.0.0.1" if is_loopback(listen_host) or is_loopback(peer_address) else ""
+    """The address a gloo device should listen on: loopback when the run is; the address it was told to listen
+    on; with none (""), the local address that reaches `peer_address`; for a wildcard the default (hostname)."""
+    if is_loopback(listen_host) or is_loopback(peer_address):
+        return "127.0.0.1"
+    if listen_host and listen_host not in WILDCARDS:
+        return listen_host
+    if listen_host == "" and peer_address:
+        return source_address_towards(peer_address) or ""
+    return ""
 
 
 def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, bind_host: str = ""):
@@ -86,3 +191,15 @@ def pin_collectives_to_loopback() -> None:
     """Default process groups (gloo / NCCL bootstrap) listen on loopback, unless the user chose an interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def pin_collectives(local_address: str) -> None:
+    """Default process groups listen where this process's stores do: loopback, or the interface holding
+    `local_address` for gloo (its default, the hostname's address, is often 127.0.1.1 or the wrong NIC); NCCL
+    keeps its own choice unless the user set NCCL_SOCKET_IFNAME. An explicit GLOO_SOCKET_IFNAME wins."""
+    if is_loopback(local_address):
+        pin_collectives_to_loopback()
+        return
+    name = interface_of(local_address) if local_address not in WILDCARDS else None
+    if name:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
-from slime.utils.net import WILDCARDS, advertised_address
+from slime.utils.net import WILDCARDS, advertised_address, interface_addresses, resolve_listen_host
 from slime.utils.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
@@ -19,6 +20,69 @@ OFFLINE_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
 }
+
+
+# Passed to every Ray worker of the run (runtime_env): the offline switches, and the driver's collective
+# settings (NCCL_*, GLOO_*, TORCH_NCCL_*), so actors on other nodes behave as the driver was told to.
+WORKER_ENV_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                   "HF_HOME", "WANDB_MODE")
+WORKER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by `ray job submit` for the entry point (its runtime_env)
+
+
+def code_root() -> str:
+    """The directory that holds the `slime` package this process imports."""
+    import slime
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__)))
+
+
+def worker_python_path() -> str:
+    """PYTHONPATH for Ray workers: this checkout first (so every actor imports the same code as the driver,
+    whatever is installed on the cluster), the driver's working directory (plugins given as dotted paths), then
+    the driver's own PYTHONPATH, every entry absolute."""
+    entries = [code_root(), os.getcwd()]
+    entries += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def job_runtime_env(listen_host: str = "auto") -> dict:
+    """The runtime_env of the run's Ray job: PYTHONPATH, the offline switches, NCCL/GLOO settings; with an
+    interface name for `--listen-host`, GLOO/NCCL_SOCKET_IFNAME pinned to it (unless the user set them).
+
+    Under `ray job submit` the job's own runtime_env wins: keys it sets are left out (Ray refuses a conflict),
+    and with a `working_dir` (the job's code already on every node) PYTHONPATH too.
+    """
+    env = {k: os.environ[k] for k in WORKER_ENV_KEYS if k in os.environ}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(WORKER_ENV_PREFIXES)})
+    if listen_host in interface_addresses():
+        env.setdefault("GLOO_SOCKET_IFNAME", listen_host)
+        env.setdefault("NCCL_SOCKET_IFNAME", listen_host)
+    env["PYTHONPATH"] = worker_python_path()
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_ENV, "{}") or "{}").get("runtime_env") or {}
+    for key in job.get("env_vars") or {}:
+        env.pop(key, None)
+    if job.get("working_dir") or job.get("py_modules"):
+        env.pop("PYTHONPATH", None)
+    return {"env_vars": env}
+
+
+def process_placement(_actor=None) -> dict:
+    """Where this process runs and which code it imports (for placement.json; `_actor` lets Ray's
+    `actor.__ray_call__` run it inside any actor)."""
+    import socket
+
+    info = {"hostname": socket.gethostname(), "pid": os.getpid(), "code_root": code_root(), "node_id": None,
+            "node_ip": None}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            info["node_id"] = ray.get_runtime_context().get_node_id()
+            info["node_ip"] = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        pass
+    return info
 
 
 def resolve_run_dir(args) -> str:
@@ -48,21 +112,25 @@ def set_offline_defaults() -> None:
         os.environ.setdefault(k, v)
 
 
-def init_ray(num_cpus: int | None = None, listen_host: str = "127.0.0.1") -> None:
-    """Start (or join, if RAY_ADDRESS is set) Ray; a local Ray node listens on `listen_host`
-    (`--listen-host`, loopback by default: Ray binds its servers to the node address)."""
+def init_ray(num_cpus: int | None = None, listen_host: str = "auto") -> None:
+    """Join the Ray cluster at RAY_ADDRESS (`ray start --head` elsewhere; `ray job submit` sets it too), or
+    start a local Ray node listening on `listen_host` (`--listen-host`; auto: loopback). Either way every
+    worker of the job gets `job_runtime_env` (this checkout on PYTHONPATH, offline and NCCL settings)."""
     import ray
 
     set_offline_defaults()
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
+    runtime_env = job_runtime_env(listen_host)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        logger.info("joined the Ray cluster at %s (%d node(s))", address, len([n for n in ray.nodes() if n["Alive"]]))
     else:
-        node_ip = None if listen_host in WILDCARDS else advertised_address(listen_host)
+        host = resolve_listen_host(listen_host)
+        node_ip = None if host in WILDCARDS else advertised_address(host)
         ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 2),
-                 include_dashboard=False, log_to_driver=True, _node_ip_address=node_ip)
+                 include_dashboard=False, log_to_driver=True, _node_ip_address=node_ip, runtime_env=runtime_env)
         start_reaper()  # its agents would outlive a SIGKILLed driver by ~60 s
         actual = ray.util.get_node_ip_address()
         if node_ip is not None and actual != node_ip:

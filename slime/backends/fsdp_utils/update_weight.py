@@ -39,7 +39,7 @@ from slime.backends.fsdp_utils.hf_weights import full_state_dict, iter_full_weig
 from slime.backends.fsdp_utils.model import use_cuda
 from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
 from slime.backends.training_utils.weight_feed import EngineFeed, feed_plan
-from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, serve_store
+from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, resolve_listen_host, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +199,9 @@ class WeightUpdater:
             self.close_group_only()
         tp = self.args.rollout_num_gpus_per_engine if use_cuda() else 1
         world_size = 1 + len(urls) * tp
-        # the store listens on --listen-host only (torch's own TCPStore server would bind every interface)
-        listen_host = self.args.listen_host
+        # the store listens on --listen-host only (torch's own TCPStore server would bind every interface),
+        # resolved on this node: loopback on one machine, this node's address when engines run on others
+        listen_host = resolve_listen_host(self.args.listen_host)
         sock = listen_socket(listen_host)
         port = sock.getsockname()[1]
         address = advertised_address(listen_host)

@@ -1,5 +1,8 @@
 """EngineGroup: N rollout engines behind one sglang-router.
 
+Each engine's server is owned by an `EngineHost` (engine_host.py): in a run a
+Ray actor on the engine's placement-group bundle, so the engine starts on that
+bundle's node with its GPUs; the router stays in this (the driver's) process.
 Generation goes through the router (`router_url`). Everything the router does
 not route in sglang-router 0.3.2 (aborts, pause/continue, weight updates,
 /get_load) is fanned out by this class to every worker listed by the router's
@@ -20,9 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import aiohttp
 
 from slime.backends.sglang_utils import http_client
-from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports, process_problem
+from slime.backends.sglang_utils.engine_handle import HostMonitor, LocalEngine, RemoteEngine, host_result
+from slime.backends.sglang_utils.engine_host import EngineSlot
+from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
 from slime.backends.sglang_utils.router import Router
-from slime.backends.sglang_utils.sglang_engine import EngineProcess, make_engine_process, resolve_rollout_backend
 from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
 
 logger = logging.getLogger(__name__)
@@ -45,15 +49,24 @@ def busy_requests(load) -> int:
 
 
 class EngineGroup(WeightUpdateMixin):
-    def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None):
+    def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None,
+                 slots: list[EngineSlot] | None = None):
+        """`slots`: where each engine runs (its placement-group bundles; `PlacementGroups.engine_slots()`): each
+        engine's host is then a Ray actor on its bundle. Without slots the hosts live in this process (tools,
+        tests: every engine on this machine)."""
         self.args = args
         self.num_gpus_per_engine = args.rollout_num_gpus_per_engine
         self.num_engines = args.num_engines
+        if slots is not None and len(slots) != self.num_engines:
+            raise ValueError(f"EngineGroup: {self.num_engines} engines (--rollout-num-gpus / "
+                             f"--rollout-num-gpus-per-engine) but {len(slots)} placement slots")
+        self.slots = slots
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="slime_engines_")
         self.startup_timeout = startup_timeout or args.engine_startup_timeout
         self.backend: str | None = None
-        self.engines: list[EngineProcess] = []
+        self.engines: list[LocalEngine | RemoteEngine] = []
         self.router: Router | None = None
+        self._monitor: HostMonitor | None = None
         self._used_ports: set[int] = set()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_engines), thread_name_prefix="engine-group")
         self._lock = threading.Lock()
@@ -73,22 +86,69 @@ class EngineGroup(WeightUpdateMixin):
             raise
         return self
 
+    @property
+    def placed(self) -> bool:
+        """Whether the engines' hosts are Ray actors on placement-group bundles."""
+        return self.slots is not None
+
+    def _timeout(self) -> float:
+        return self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
+
     def _start(self) -> None:
         t0 = time.monotonic()
-        self.backend = resolve_rollout_backend(self.args)
-        timeout = self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
         self.router = self._start_or_attach_router()
-        self.engines = [self._make_engine(rank) for rank in range(self.num_engines)]
-        for engine in self.engines:
-            engine.start()
-        # wait for every engine concurrently; the first failure wins (with its log tail)
-        for fut in [self._pool.submit(self._wait_engine, i, timeout) for i in range(self.num_engines)]:
-            fut.result(timeout=timeout + 120)
+        if self.placed:
+            self.engines = [RemoteEngine(self.args, rank, self.log_dir, slot) for rank, slot in enumerate(self.slots)]
+            states = self._gather([e.start_async() for e in self.engines], "start", 120.0)
+            for engine, state in zip(self.engines, states):
+                engine.set_state(state)
+        else:
+            self.engines = [LocalEngine(self.args, rank, self.log_dir) for rank in range(self.num_engines)]
+            for engine in self.engines:
+                engine.start()
+        backends = {e.backend for e in self.engines}
+        if len(backends) != 1:
+            raise EngineGroupError("--rollout-backend auto resolved differently on the engines' nodes: "
+                                   + ", ".join(f"engine {e.rank} on {e.node_ip}: {e.backend}" for e in self.engines))
+        self.backend = backends.pop()
+        timeout = self._timeout()
+        if self.placed:
+            self._gather([e.wait_healthy_async(timeout) for e in self.engines], "wait_healthy", timeout + 60)
+            for engine, state in zip(self.engines, self._gather([e.actor.state.remote() for e in self.engines],
+                                                                "state", 30.0)):
+                engine.set_state(state)  # a relaunch on a lost port moved it
+            self._monitor = HostMonitor(self.engines)
+            self._monitor.refresh()
+            self._monitor.start()
+        else:
+            # every engine concurrently; the first failure wins (with its log tail)
+            for fut in [self._pool.submit(e.wait_healthy, timeout) for e in self.engines]:
+                fut.result(timeout=timeout + 120)
         for engine in self.engines:
             self.router.add_worker(engine.url)
-        self.router.wait_workers_healthy([e.url for e in self.engines], timeout=60.0, extra_check=self._check_engines_alive)
-        logger.info("EngineGroup: %d %s engine(s) behind %s ready in %.1fs (logs: %s)",
-                    self.num_engines, self.backend, self.router.url, time.monotonic() - t0, self.log_dir)
+        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self._check_engines_alive)
+        where = sorted({e.node_ip for e in self.engines})
+        logger.info("EngineGroup: %d %s engine(s) %son %s behind %s ready in %.1fs (logs: %s)",
+                    self.num_engines, self.backend, "(Ray actors) " if self.placed else "", ", ".join(where),
+                    self.router.url, time.monotonic() - t0, self.log_dir)
+
+    def _gather(self, refs: list, what: str, timeout: float) -> list:
+        """Every engine host's answer, one deadline; the first failure (the host's own error) is raised."""
+        import ray
+
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        out: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
+            if not ready:
+                raise ServerLaunchError(f"engine host(s) {sorted(pending.values())}: {what} did not answer within "
+                                        f"{timeout:.0f}s")
+            for ref in ready:
+                rank = pending.pop(ref)
+                out[rank] = host_result(ref, 5.0, f"engine {rank} {what}")
+        return [out[r] for r in range(len(refs))]
 
     def _ports(self, n: int) -> list[int]:
         with self._lock:
@@ -106,26 +166,28 @@ class EngineGroup(WeightUpdateMixin):
         router_port, prom_port = self._ports(2)
         return Router.start(self.args, port or router_port, prom_port, self.log_dir)
 
-    def _make_engine(self, rank: int) -> EngineProcess:
-        port, nccl_port = self._ports(2)
-        return make_engine_process(self.args, self.backend, rank, port, self.log_dir, nccl_port=nccl_port)
-
-    def _wait_engine(self, rank: int, timeout: float) -> None:
-        engine = self.engines[rank]
-        try:
-            engine.wait_healthy(timeout)
-        except ServerLaunchError:
-            # a port taken between picking and binding: relaunch once on fresh ports
-            if engine.is_alive() or "address already in use" not in engine.log_tail(200).lower():
-                raise
-            logger.warning("%s lost its port %d to another process; relaunching", engine.name, engine.port)
-            engine.terminate(grace=1)
-            self.engines[rank] = self._make_engine(rank).start()
-            self.engines[rank].wait_healthy(timeout)
-
     def _check_engines_alive(self) -> None:
         for engine in self.engines:
-            engine.process.check_alive("waiting for the router to list it")
+            problem = self.engine_problem(engine.url)
+            if problem is not None:
+                raise ServerLaunchError(f"{engine.name} {problem} while waiting for the router to list it; last lines "
+                                        f"of {engine.log_path}:\n{engine.log_tail()}")
+
+    # --- where the engines run ------------------------------------------------------------
+    def engine_nodes(self) -> list[dict]:
+        """Per engine rank: node_ip, node_id (None outside Ray), hostname, the host's pid, backend, gpu_ids."""
+        if not self.placed:
+            return [e.host.node() for e in self.engines]
+        return self._gather([e.actor.node.remote() for e in self.engines], "node", 30.0)
+
+    def engine_devices(self) -> list[tuple[int, ...] | None]:
+        """Per engine rank: the node GPU indices its server runs on (its bundles' GPUs, in TP order), or None
+        where no bundle says (hosted in this process, or on CPU)."""
+        out: list[tuple[int, ...] | None] = []
+        for rank in range(self.num_engines):
+            ids = self.slots[rank].gpu_ids if self.placed else ()
+            out.append(tuple(int(g) for g in ids) if ids and all(str(g).isdigit() for g in ids) else None)
+        return out
 
     # --- faults: which engine, what is wrong, restart it --------------------------------
     def engine_rank(self, url: str) -> int | None:
@@ -136,50 +198,61 @@ class EngineGroup(WeightUpdateMixin):
         return None
 
     def engine_problem(self, url: str) -> str | None:
-        """What is wrong with our engine process at `url` (exited, stopped, zombie), or None (no I/O)."""
+        """What is wrong with our engine process at `url` (exited, stopped, zombie; a host actor gone), or None.
+        Local processes are read from /proc; placed ones from the host monitor's last round (<= 0.5 s old, no I/O
+        while it says running; a problem it saw is asked again before it is returned, so a stale one is never
+        acted on)."""
         rank = self.engine_rank(url)
         if rank is None:
             return None
-        return process_problem(self.engines[rank].process)
+        if not self.placed:
+            return self.engines[rank].problem()
+        if self._monitor is None or self._monitor.problems.get(url) is None:
+            return None
+        self._monitor.refresh([self.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
+        return self._monitor.problems.get(url)
 
     def kill_engine(self, rank: int) -> None:
         """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
         if 0 <= rank < len(self.engines):
-            self.engines[rank].terminate(grace=0.5)
+            self.engines[rank].kill(grace=0.5)
+            if self._monitor is not None:
+                self._monitor.refresh([self.engines[rank]])
 
     def restart_engine(self, rank: int, timeout: float | None = None) -> str:
         """Replace engine `rank` (dead, frozen or misbehaving) with a fresh one; returns its URL.
 
-        The old one is taken off the router and killed (SIGTERM, then SIGKILL: a stopped process gets it
-        too); the new one starts on fresh ports with the same flags (so it serves the --hf-checkpoint
-        weights at weight_version 0 until the caller re-syncs the current ones), and is added to the router
-        once healthy. Raises ServerLaunchError (with the log tail) if it does not come up.
+        The old one is taken off the router and killed by its host (SIGTERM, then SIGKILL: a stopped process gets
+        it too); the host starts a new one on its node on fresh ports with the same flags (so it serves the
+        --hf-checkpoint weights at weight_version 0 until the caller re-syncs the current ones), and it is added
+        to the router once healthy. Raises ServerLaunchError (with the log tail) if it does not come up.
         """
         if self.router is None or not 0 <= rank < len(self.engines):
             raise ValueError(f"restart_engine: no engine {rank} (this group has {len(self.engines)})")
-        old = self.engines[rank]
-        timeout = timeout or self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
+        engine = self.engines[rank]
+        old_url = engine.url
         try:
-            self.router.remove_worker(old.url, timeout=10)
+            self.router.remove_worker(old_url, timeout=10)
         except Exception as e:  # noqa: BLE001 - a router that cannot drop it still must get the new one
-            logger.warning("could not remove %s from the router: %s", old.url, e)
-        old.terminate(grace=5)
-        logger.warning("restarting engine %d (was %s); its log continues in %s", rank, old.url, old.process.log_path)
-        self.engines[rank] = self._make_engine(rank).start()
-        self._wait_engine(rank, timeout)
-        new = self.engines[rank]
-        self.router.add_worker(new.url)
-        self.router.wait_workers_healthy([new.url], timeout=60.0, extra_check=self._check_engines_alive)
-        logger.warning("engine %d restarted at %s", rank, new.url)
-        return new.url
+            logger.warning("could not remove %s from the router: %s", old_url, e)
+        new_url = engine.restart(timeout or self._timeout())
+        if self._monitor is not None:
+            self._monitor.refresh([engine])
+        self.router.add_worker(new_url)
+        self.router.wait_workers_healthy([new_url], timeout=60.0, extra_check=self._check_engines_alive)
+        logger.warning("engine %d restarted at %s (was %s)", rank, new_url, old_url)
+        return new_url
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """Terminate engines and the router we started (SIGTERM, SIGKILL after `grace`). Idempotent."""
+        """Terminate the engines (through their hosts) and the router we started (SIGTERM, SIGKILL after `grace`).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         atexit.unregister(self.shutdown)
+        if self._monitor is not None:
+            self._monitor.stop()
         router, engines = self.router, list(self.engines)
         if router is not None and not router.owned:
             for engine in engines:  # an external router must not keep routing to engines that are gone
@@ -187,15 +260,24 @@ class EngineGroup(WeightUpdateMixin):
                     router.remove_worker(engine.url, timeout=5)
                 except Exception as e:  # shutdown must go on
                     logger.warning("could not remove %s from the external router: %s", engine.url, e)
-        threads = [threading.Thread(target=e.terminate, args=(grace,), daemon=True) for e in engines]
+        threads = [threading.Thread(target=e.shutdown, args=(grace,), daemon=True) for e in engines
+                   if self._can_shut_down(e)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=grace + 10)
+            t.join(timeout=grace + 20)
         if router is not None:
             router.shutdown(grace=min(grace, 5.0))
         self._pool.shutdown(wait=False, cancel_futures=True)
         logger.info("EngineGroup shut down (%d engines)", len(engines))
+
+    @staticmethod
+    def _can_shut_down(engine) -> bool:
+        if isinstance(engine, LocalEngine):
+            return True
+        import ray
+
+        return ray.is_initialized()  # after ray.shutdown the hosts (and their servers) are gone already
 
     def __enter__(self) -> "EngineGroup":
         return self if self._started else self.start()

@@ -11,6 +11,7 @@ import os
 import sys
 
 from slime.backends.sglang_utils.process_utils import ManagedProcess
+from slime.utils.net import WILDCARDS, advertised_address, resolve_listen_host
 
 logger = logging.getLogger(__name__)
 
@@ -185,17 +186,31 @@ class EngineProcess:
 
 
 def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir: str,
-                        nccl_port: int | None = None, host: str = DEFAULT_HOST) -> EngineProcess:
-    """Build (not start) engine `engine_rank` for `backend` ('sglang' or 'embedded')."""
+                        nccl_port: int | None = None, host: str = DEFAULT_HOST,
+                        gpu_ids: tuple[str, ...] | None = None) -> EngineProcess:
+    """Build (not start) engine `engine_rank` for `backend` ('sglang' or 'embedded').
+
+    `gpu_ids`: the GPUs of the engine's placement-group bundles (Ray's ids on its node); the server sees exactly
+    those (CUDA_VISIBLE_DEVICES) from --base-gpu-id 0. Without them (an engine launched outside Ray) engines of
+    one node share the visible GPUs in rank order.
+    """
     env = dict(os.environ)
     if backend == "sglang":
         tp = args.rollout_num_gpus_per_engine
-        base_gpu_id = engine_rank * tp  # engines of one node share the visible GPUs in order
+        base_gpu_id = 0 if gpu_ids else engine_rank * tp
         if nccl_port is None:
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
         cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host)
         host = _host_from_cmd(cmd, host)
-        if env.get("CUDA_VISIBLE_DEVICES") == "":
+        if gpu_ids:
+            if len(gpu_ids) != tp:
+                raise ValueError(f"engine {engine_rank}: {len(gpu_ids)} GPU(s) {list(gpu_ids)} from its bundles, but "
+                                 f"--rollout-num-gpus-per-engine is {tp}")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+            if "HIP_VISIBLE_DEVICES" in env or "ROCR_VISIBLE_DEVICES" in env:  # ROCm: Ray set these for the actor
+                env["HIP_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+                env.pop("ROCR_VISIBLE_DEVICES", None)
+        elif env.get("CUDA_VISIBLE_DEVICES") == "":
             # Ray hides every GPU from an actor that asked for none; the engines we spawn need them.
             logger.warning("CUDA_VISIBLE_DEVICES is empty in the launching process (a GPU-less Ray actor?); "
                            "unsetting it for %s so --base-gpu-id %d refers to the node's GPUs", f"engine {engine_rank}",
@@ -206,7 +221,8 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
         env.setdefault("OMP_NUM_THREADS", "1")
     else:
         raise ValueError(f"unknown rollout backend {backend!r} (expected 'sglang' or 'embedded')")
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    # a wildcard bind is reached at this node's address in a multi-node run, at loopback on one machine
+    connect_host = advertised_address(resolve_listen_host("auto")) if host in WILDCARDS else host
     log_path = os.path.join(log_dir, f"engine_{engine_rank}.log")
     return EngineProcess(f"engine {engine_rank} ({backend})", backend, cmd, connect_host, port, log_path, env=env)
 

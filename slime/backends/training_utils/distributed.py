@@ -11,7 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime.utils.net import advertised_address, is_loopback, listen_socket, pin_collectives_to_loopback, serve_store
+from slime.utils.net import (WILDCARDS, advertised_address, listen_socket, pin_collectives, resolve_listen_host,
+                             serve_store, source_address_towards)
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +28,16 @@ def use_cuda() -> bool:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600,
-                     listen_host: str = "127.0.0.1", listen_sock: socket.socket | None = None) -> bool:
+                     listen_host: str = "auto", listen_sock: socket.socket | None = None) -> bool:
     """Create the default process group (gloo on CPU, nccl on GPU) unless one
     exists. Returns True when this call created it (so the caller destroys it).
 
     Rank 0 serves the rendezvous store on `listen_sock` (or a new socket on
-    `listen_host`, port `master_port` or a free one), never on every interface
-    as torch's own store server would; the others connect to
-    `master_addr:master_port`. With a loopback `listen_host` the gloo / NCCL
-    bootstrap sockets stay on loopback too. Under torchrun (the tools), its
+    `listen_host` as resolved on this node, port `master_port` or a free one),
+    never on every interface as torch's own store server would; the others
+    connect to `master_addr:master_port`. With a loopback `listen_host` the
+    gloo / NCCL bootstrap sockets stay on loopback too; otherwise gloo listens
+    on the interface that holds this node's address (multi-node runs). Under torchrun (the tools), its
     agent already serves the store at MASTER_PORT: the group joins that one.
     """
     if dist.is_initialized():
@@ -46,8 +48,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
             )
         return False
     timeout = timedelta(seconds=timeout_s)
-    if is_loopback(listen_host):
-        pin_collectives_to_loopback()
+    listen_host = resolve_listen_host(listen_host)
+    local = listen_host if listen_host not in WILDCARDS else (source_address_towards(master_addr) or listen_host)
+    pin_collectives(local)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and listen_sock is None:
         store = None  # torchrun's agent store (env://)
     elif rank == 0:
@@ -70,10 +73,11 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def open_master_port(listen_host: str) -> tuple[socket.socket, str, int]:
-    """For a trainer's rank 0, before `init`: the store's listening socket on `listen_host` (kept open so no
-    other process takes the port), the address the other ranks connect to, and the port."""
-    sock = listen_socket(listen_host)
-    return sock, advertised_address(listen_host), sock.getsockname()[1]
+    """For a trainer's rank 0, before `init`: the store's listening socket on `listen_host` as resolved on this
+    node (kept open so no other process takes the port), the address the other ranks connect to, and the port."""
+    host = resolve_listen_host(listen_host)
+    sock = listen_socket(host)
+    return sock, advertised_address(host), sock.getsockname()[1]
 
 
 def device() -> torch.device:

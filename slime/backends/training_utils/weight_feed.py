@@ -1,8 +1,9 @@
 """Which trainer ranks hand their weights to which engine, for the tensor weight sync (`--update-weight-mode
 tensor`).
 
-Colocated on GPUs, engine e with TP size k runs its TP rank j on node GPU `e * k + j` (the launcher's
-`--base-gpu-id`), and every GPU also holds one trainer rank. The trainer rank on that GPU gathers the full
+Colocated on GPUs, engine e with TP size k runs its TP ranks on the GPUs of its placement-group bundles (the
+trainers' bundles, Ray's GPU ids on the node; an engine launched outside Ray: node GPU `e * k + j`, the
+launcher's `--base-gpu-id`), and every GPU also holds one trainer rank. The trainer rank on that GPU gathers the full
 weights there and hands them over as CUDA IPC handles, so TP rank j opens memory on its own device without
 a copy; the engine's first trainer rank posts the k handles in TP order. On CPU, shared memory is visible to
 every process of the host: trainer rank 0 feeds every engine.
@@ -23,9 +24,11 @@ class EngineFeed:
         return self.ranks[0]
 
 
-def feed_plan(engine_urls: list[str], gpus_per_engine: int, rank_devices: list[int | None] | None) -> list[EngineFeed]:
+def feed_plan(engine_urls: list[str], gpus_per_engine: int, rank_devices: list[int | None] | None,
+              engine_devices: list[tuple[int, ...] | None] | None = None) -> list[EngineFeed]:
     """One feed per engine (in engine-rank order). `rank_devices`: each trainer rank's node GPU index, or None
-    (CPU: rank 0 feeds all)."""
+    (CPU: rank 0 feeds all). `engine_devices`: each engine's node GPU indices in TP order where its bundles
+    say (EngineGroup.engine_devices()); None (or a None entry): GPUs e * k + j."""
     if not engine_urls:
         raise ValueError("tensor weight sync: no engine URLs")
     if not rank_devices or any(d is None for d in rank_devices):
@@ -33,7 +36,8 @@ def feed_plan(engine_urls: list[str], gpus_per_engine: int, rank_devices: list[i
     on_device = {d: r for r, d in enumerate(rank_devices)}
     plan = []
     for e, url in enumerate(engine_urls):
-        devices = [e * gpus_per_engine + j for j in range(gpus_per_engine)]
+        placed = engine_devices[e] if engine_devices is not None else None
+        devices = list(placed) if placed is not None else [e * gpus_per_engine + j for j in range(gpus_per_engine)]
         missing = [d for d in devices if d not in on_device]
         if missing:
             raise ValueError(f"engine {e} ({url}) runs on GPUs {devices} but no trainer rank is on GPU(s) {missing} "

@@ -1,0 +1,278 @@
+"""How EngineGroup reaches an engine's host: in its own process (`LocalEngine`, tools and tests) or as a Ray
+actor on the engine's placement-group bundle (`RemoteEngine`, a run). Both have one interface:
+
+    .start() (launch, no wait) · .wait_healthy(timeout) · .restart(timeout) -> url · .kill(grace)
+    .shutdown(grace) · .problem() · .check_alive(doing) · .log_tail(n)
+    .url · .pid · .log_path · .name · .node_ip · .backend
+
+A remote engine's `problem()` is what `HostMonitor` (one thread, every `POLL_S`) last heard from its host,
+keyed by the engine's URL, so the watchdog's per-second check does no I/O and a restarted engine never
+inherits its predecessor's state. Errors raised in a host come back as themselves (ServerLaunchError with
+the log tail, PathNotVisibleError naming the node), not wrapped in Ray's exception types.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from slime.backends.sglang_utils.engine_host import (HOST_MAX_CONCURRENCY, HOST_NUM_CPUS, HOST_NUM_GPUS, EngineHost,
+                                                     EngineSlot)
+from slime.backends.sglang_utils.process_utils import ServerLaunchError
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often the monitor asks every remote host about its process
+CALL_TIMEOUT_S = 30.0  # a host's quick calls (state, kill, log tail)
+MONITOR_TIMEOUT_S = 10.0  # a host that does not answer the monitor this long is reported
+
+
+class LocalEngine:
+    """A host in this process."""
+
+    def __init__(self, args, rank: int, log_dir: str, backend: str | None = None):
+        self.rank = rank
+        self.host = EngineHost(args, rank, log_dir, backend=backend)
+        self.backend = self.host.backend
+        self.node_ip = "127.0.0.1"
+        self._state: dict = {}
+
+    def _set(self, state: dict) -> None:
+        self._state = state
+
+    @property
+    def url(self) -> str:
+        return self._state["url"]
+
+    @property
+    def pid(self) -> int:
+        return self._state["pid"]
+
+    @property
+    def log_path(self) -> str:
+        return self._state["log_path"]
+
+    @property
+    def name(self) -> str:
+        return self._state.get("name", f"engine {self.rank}")
+
+    def start(self) -> "LocalEngine":
+        self._set(self.host.start())
+        return self
+
+    def wait_healthy(self, timeout: float) -> float:
+        waited = self.host.wait_healthy(timeout)
+        self._set(self.host.state())  # a relaunch on a lost port moves it
+        return waited
+
+    def restart(self, timeout: float) -> str:
+        self._set(self.host.restart(timeout))
+        return self.url
+
+    def kill(self, grace: float = 0.5) -> None:
+        self.host.kill(grace)
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        self.host.shutdown(grace)
+
+    def problem(self) -> str | None:
+        return self.host.problem()
+
+    def check_alive(self, doing: str) -> None:
+        self.host.check_alive(doing)
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        return self.host.log_tail(max_lines)
+
+
+def host_result(ref, timeout: float, what: str):
+    """ray.get that raises the host's own exception, or ServerLaunchError naming `what` on a timeout / a dead
+    actor."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    except ray.exceptions.GetTimeoutError:
+        raise ServerLaunchError(f"{what}: no answer within {timeout:.0f}s") from None
+    except ray.exceptions.RayActorError as e:
+        raise ServerLaunchError(f"{what}: its host actor died ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+class RemoteEngine:
+    """A host as a Ray actor on `slot` (its placement-group bundle); re-created there if the actor dies."""
+
+    def __init__(self, args, rank: int, log_dir: str, slot: EngineSlot, backend: str | None = None):
+        self.args, self.rank, self.log_dir, self.slot = args, rank, log_dir, slot
+        self.node_ip = slot.node_ip
+        self.backend = backend
+        self._state: dict = {}
+        self._actor = None
+        self._new_actor()
+
+    def _new_actor(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = ray.remote(EngineHost)
+        self._actor = cls.options(
+            num_cpus=HOST_NUM_CPUS,
+            num_gpus=HOST_NUM_GPUS if self.slot.gpu_ids else 0,
+            max_concurrency=HOST_MAX_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.slot.placement_group,
+                                                                 placement_group_bundle_index=self.slot.bundle_index),
+        ).remote(self.args, self.rank, self.log_dir, self.slot.gpu_ids, self.backend)
+
+    @property
+    def actor(self):
+        return self._actor
+
+    @property
+    def url(self) -> str:
+        return self._state["url"]
+
+    @property
+    def pid(self) -> int:
+        return self._state["pid"]
+
+    @property
+    def log_path(self) -> str:
+        return self._state["log_path"]
+
+    @property
+    def name(self) -> str:
+        return f"{self._state.get('name', f'engine {self.rank}')} on node {self.node_ip}"
+
+    def _call(self, method: str, *a, timeout: float = CALL_TIMEOUT_S, what: str | None = None):
+        return host_result(getattr(self._actor, method).remote(*a), timeout, what or f"engine {self.rank} {method}")
+
+    def node(self) -> dict:
+        return self._call("node")
+
+    def start(self) -> "RemoteEngine":
+        """Launch (the host resolves the backend and checks --hf-checkpoint on its node first)."""
+        self._state = self._call("start", timeout=CALL_TIMEOUT_S + 60)
+        self.backend = self._state["backend"]
+        return self
+
+    def start_async(self):
+        return self._actor.start.remote()
+
+    def set_state(self, state: dict) -> None:
+        self._state = state
+        self.backend = state["backend"]
+
+    def wait_healthy(self, timeout: float) -> float:
+        waited = self._call("wait_healthy", timeout, timeout=timeout + 60)
+        self._state = self._call("state")
+        return waited
+
+    def wait_healthy_async(self, timeout: float):
+        return self._actor.wait_healthy.remote(timeout)
+
+    def restart(self, timeout: float) -> str:
+        import ray
+
+        try:
+            self._state = self._call("restart", timeout, timeout=timeout + 90)
+        except ServerLaunchError as e:
+            if "host actor died" not in str(e):
+                raise
+            logger.warning("engine %d: its host actor is gone (%s); starting a new one on bundle %d", self.rank, e,
+                           self.slot.bundle_index)
+            ray.kill(self._actor)
+            self._new_actor()
+            self.start()
+            self.wait_healthy(timeout)
+        return self.url
+
+    def kill(self, grace: float = 0.5) -> None:
+        """Kill the server; if the host does not answer, kill the host actor (its server dies with it)."""
+        import ray
+
+        try:
+            self._call("kill", grace, timeout=grace + 15)
+        except ServerLaunchError as e:
+            logger.warning("engine %d: %s; killing its host actor", self.rank, e)
+            ray.kill(self._actor)
+
+    def shutdown_async(self, grace: float = 10.0):
+        return self._actor.shutdown.remote(grace)
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        import ray
+
+        try:
+            host_result(self.shutdown_async(grace), grace + 15, f"engine {self.rank} shutdown")
+        except Exception as e:  # noqa: BLE001 - the actor goes anyway
+            logger.warning("engine %d shutdown: %s", self.rank, e)
+        ray.kill(self._actor)
+
+    def problem(self) -> str | None:
+        raise NotImplementedError("a remote engine's problem comes from the HostMonitor (EngineGroup.engine_problem)")
+
+    def check_alive(self, doing: str) -> None:
+        self._call("check_alive", doing)
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        return self._call("log_tail", max_lines)
+
+
+class HostMonitor:
+    """One thread asking every remote host, every POLL_S, what is wrong with its server process.
+
+    `problems[url]` holds the last answer for the engine serving at `url` (None: running). A host that is
+    gone or does not answer within MONITOR_TIMEOUT_S is a problem of its engine too.
+    """
+
+    def __init__(self, engines: list[RemoteEngine]):
+        self.engines = engines
+        self.problems: dict[str, str | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-host-monitor", daemon=True)
+
+    def start(self) -> "HostMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=MONITOR_TIMEOUT_S + 5)
+
+    def refresh(self, engines: list[RemoteEngine] | None = None, timeout: float = MONITOR_TIMEOUT_S) -> None:
+        """Ask the hosts now (all at once) and record their answers."""
+        import ray
+
+        engines = list(self.engines if engines is None else engines)
+        refs = {e.actor.state.remote(): e for e in engines}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        ready = set(ready)
+        for ref, engine in refs.items():
+            url = engine._state.get("url")
+            if ref not in ready:
+                if url is not None:
+                    self.problems[url] = f"(its host actor on node {engine.node_ip} did not answer for {timeout:.0f}s)"
+                continue
+            try:
+                state = ray.get(ref, timeout=1)
+                self.problems[state["url"]] = state["problem"]
+            except ray.exceptions.RayActorError as e:
+                if url is not None:
+                    self.problems[url] = f"is gone with its host actor on node {engine.node_ip} ({type(e).__name__})"
+            except Exception as e:  # noqa: BLE001 - a host that cannot report is not the monitor's end
+                logger.debug("engine %d state: %s", engine.rank, e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.refresh()
+            except Exception as e:  # noqa: BLE001 - e.g. Ray shutting down under us
+                if self._stop.is_set():
+                    return
+                logger.warning("engine host monitor: %s", e)
+                time.sleep(POLL_S)

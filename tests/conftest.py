@@ -27,3 +27,17 @@ def base_args(tmp_path_factory):
     return parse_args(["--hf-checkpoint", str(d / "hf"), "--prompt-data", str(d / "prompts.jsonl"),
                        "--rm-type", "math", "--rollout-batch-size", "1", "--num-rollout", "1",
                        "--run-dir", str(d / "run")])
+
+
+@pytest.fixture(scope="session")
+def quickstart_task():
+    """runs/tiny: the quick start's task and warm-started model, built as scripts/quickstart.sh builds it
+    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = os.path.join(repo, "runs", "tiny")
+    subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
+                   cwd=repo, check=True, timeout=1800)
+    return work

@@ -37,9 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    if not os.path.isfile(os.path.join(TINY, "model-sft", "model.safetensors")):
-        pytest.skip("needs the quick start's task (python tools/prepare_tiny_task.py --out runs/tiny)")
+def task(tmp_path_factory, quickstart_task):
+    assert quickstart_task == TINY
     d = tmp_path_factory.mktemp("faults")
     rows = [json.loads(line) for line in open(os.path.join(TINY, "train.jsonl"))][:400]
     for at in BAD_ROWS:

@@ -160,7 +160,8 @@ def faulty_run(task):
         # 1. kill -9 the engine after step 1: the fault-tolerant run restarts it and goes on
         _wait(lambda: 1 in _steps_logged(d), 400, "step 1", proc, log)
         first = _engine_pids(proc.pid)
-        assert len(first) == 1
+        assert len(first) == 1, (first, [(p.pid, _cmdline(p)[:120]) for p in _descendants(proc.pid)],
+                                 log.read_text()[-3000:])
         os.kill(first[0], signal.SIGKILL)
         # 2. freeze the restarted engine after step 4 (SIGSTOP): noticed, killed, restarted
         _wait(lambda: 4 in _steps_logged(d) and _engine_pids(proc.pid) not in ([], first), 400, "step 4", proc, log)

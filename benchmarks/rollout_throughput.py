@@ -244,7 +244,7 @@ def pin_processes(groups, engine_cpus: str | None, driver_cpus: str | None) -> d
     drv = _cpu_list(driver_cpus) if driver_cpus else [c for c in cpus if c not in eng] or cpus
     for g in groups:
         for e in g.engines:
-            _pin_all_threads(e.process.pid, eng)
+            _pin_all_threads(e.pid, eng)
         if g.router.process is not None:
             _pin_all_threads(g.router.process.pid, drv)
     _pin_all_threads(os.getpid(), drv)

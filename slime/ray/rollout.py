@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import ray
@@ -34,6 +35,21 @@ from slime.utils.types import Sample, Status
 logger = logging.getLogger(__name__)
 
 BUFFER_TIMEOUT_S = 120.0
+
+
+
+# a broadcast cut by an engine's death can fail before the engine's host has seen the exit: look this long
+# for the fault before treating the error as the trainer's own
+FAULT_CONFIRM_S = 5.0
+
+
+def _faults_within(watch: ProcessWatch, seconds: float) -> list[EngineFault]:
+    deadline = time.monotonic() + seconds
+    while True:
+        faults = watch.check()
+        if faults or time.monotonic() >= deadline:
+            return faults
+        time.sleep(0.1)
 
 
 class EngineRestartsExhausted(EngineFaultError):
@@ -169,7 +185,7 @@ class RolloutManager:
                 try:
                     return self._weight_sync(self.engines, version)
                 except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
-                    faults = list(watch.faults.values()) or watch.check()
+                    faults = list(watch.faults.values()) or _faults_within(watch, FAULT_CONFIRM_S)
                     if not faults:
                         raise
                     error = EngineFaultError(f"weight sync to version {version}: "

@@ -85,16 +85,19 @@ def teacher_forced(model, sample) -> list[float]:
     return [lp[start_pos - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
 
 
-def wait_for_tokens(rollout, timeout=30.0):
-    """Until requests are in flight and have generated a few tokens (so an update cuts through them)."""
+def wait_for_tokens(rollout, timeout=30.0, required=True) -> bool:
+    """Until requests are in flight and have generated a few tokens (so an update cuts through them).
+    `required=False`: False when none came (a one-step-off rollout can finish its next step before we look)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if rollout.gate.in_flight >= 1:
             time.sleep(0.03)
             if rollout.gate.in_flight >= 1:  # still running (a busy box may have slept past their end)
-                return
+                return True
         time.sleep(0.005)
-    raise AssertionError("no request in flight")
+    if required:
+        raise AssertionError("no request in flight")
+    return False
 
 
 @pytest.mark.parametrize("mode, update", [("stream", "abort"), ("stream", "in_place"), ("chunked", "abort"),
@@ -110,7 +113,9 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            wait_for_tokens(rollout)
+            # stream/pool keep requests in flight; chunked (one-step-off) may have finished step+1 already:
+            # the assertions below need only some of the three updates to cut through requests
+            wait_for_tokens(rollout, timeout=30.0 if mode != "chunked" else 5.0, required=mode != "chunked")
             pushed = rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
             if update == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0

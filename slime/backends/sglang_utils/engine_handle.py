@@ -28,18 +28,10 @@ CALL_TIMEOUT_S = 30.0  # a host's quick calls (state, kill, log tail)
 MONITOR_TIMEOUT_S = 10.0  # a host that does not answer the monitor this long is reported
 
 
-class LocalEngine:
-    """A host in this process."""
+class _EngineState:
+    """What a host last reported about its server: url, pid, log path (both handles read the same dict)."""
 
-    def __init__(self, args, rank: int, log_dir: str, backend: str | None = None):
-        self.rank = rank
-        self.host = EngineHost(args, rank, log_dir, backend=backend)
-        self.backend = self.host.backend
-        self.node_ip = "127.0.0.1"
-        self._state: dict = {}
-
-    def _set(self, state: dict) -> None:
-        self._state = state
+    _state: dict
 
     @property
     def url(self) -> str:
@@ -52,6 +44,20 @@ class LocalEngine:
     @property
     def log_path(self) -> str:
         return self._state["log_path"]
+
+
+class LocalEngine(_EngineState):
+    """A host in this process."""
+
+    def __init__(self, args, rank: int, log_dir: str, backend: str | None = None):
+        self.rank = rank
+        self.host = EngineHost(args, rank, log_dir, backend=backend)
+        self.backend = self.host.backend
+        self.node_ip = "127.0.0.1"
+        self._state: dict = {}
+
+    def _set(self, state: dict) -> None:
+        self._state = state
 
     @property
     def name(self) -> str:
@@ -104,7 +110,7 @@ def host_result(ref, timeout: float, what: str):
         raise ServerLaunchError(f"{what}: its host actor died ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
 
-class RemoteEngine:
+class RemoteEngine(_EngineState):
     """A host as a Ray actor on `slot` (its placement-group bundle); re-created there if the actor dies."""
 
     def __init__(self, args, rank: int, log_dir: str, slot: EngineSlot, backend: str | None = None):
@@ -131,18 +137,6 @@ class RemoteEngine:
     @property
     def actor(self):
         return self._actor
-
-    @property
-    def url(self) -> str:
-        return self._state["url"]
-
-    @property
-    def pid(self) -> int:
-        return self._state["pid"]
-
-    @property
-    def log_path(self) -> str:
-        return self._state["log_path"]
 
     @property
     def name(self) -> str:

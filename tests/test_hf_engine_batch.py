@@ -214,3 +214,17 @@ def test_plan_buckets_cover_every_segment_once():
     decode = [bk for bk in buckets if bk.q == 1]
     assert len(decode) >= 3 and sum(bk.b for bk in decode) == 50  # lengths 1..2900: several buckets
     assert any(bk.q == 4 and bk.b == 2 for bk in buckets)
+
+
+def test_decode_shape_is_what_the_plan_gathers():
+    """The simulator replays the engine's bucket rule from positions alone (hf_engine/buckets.py): the key
+    positions gathered and the number of buckets it reports are the plan's, for any mix of contexts."""
+    from slime.backends.hf_engine.buckets import decode_shape
+
+    tables = torch.zeros(128, 200, dtype=torch.long)
+    rng = random.Random(1)
+    for trial in range(200):
+        n = rng.randint(1, 120)
+        positions = [rng.choice([rng.randint(0, 40), rng.randint(0, 400), rng.randint(0, 5000)]) for _ in range(n)]
+        buckets = plan_buckets([(1, p, row) for row, p in enumerate(positions)], tables, block_size=32)
+        assert decode_shape(positions, 32) == (sum(bk.b * bk.m for bk in buckets) * 32, len(buckets)), positions

@@ -74,6 +74,10 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(model
         assert len(short.output_ids) == 4 + i  # the short row decoded at every one of these steps
         assert len(long.output_ids) == (1 if i == 6 else 0)
     assert s.stats.prefills == 7 + 1 and s.stats.prefill_rows == 7 + 1  # (+ the short prompt's own step)
+    assert s.stats.requests_in == 2
+    # one decoding row: one attention bucket in each step that decoded (what the simulator's bucket term counts)
+    assert s.stats.decode_buckets == s.stats.decode_steps == 3 - 1
+    assert s.stats.prefill_decode_buckets == s.stats.prefill_decode_steps == 7
     while not (short.finished and long.finished):
         step(s)
     assert short.output_ids == greedy_reference(ref, short.input_ids, 40)

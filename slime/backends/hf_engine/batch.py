@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.kv_pool import KVPool
-from slime.backends.hf_engine.paged_attention import (ATTN_NAME, BUCKET_MIN_SAVING, STEP_MASK, StepPlan, plan_buckets,
-                                                       register)
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
+from slime.backends.hf_engine.paged_attention import ATTN_NAME, STEP_MASK, StepPlan, plan_buckets, register
 
 Segment = tuple[int, list[int], bool]  # (row, token ids to feed at its next positions, sample after the last)
 

@@ -23,13 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_bucket_ranges
 from slime.backends.hf_engine.kv_pool import KVPool
 
 ATTN_NAME = "slime_paged"
-# Decode buckets: a bucket costs ~10 small ops per layer (~50-100 us here), worth ~1-4k key positions
-# of attention; a new one starts only where rows get clearly shorter and enough positions are saved.
-BUCKET_SHRINK = 0.7
-BUCKET_MIN_SAVING = 2048
 
 
 @dataclass
@@ -190,20 +187,14 @@ def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, blo
     every segment lands in exactly one bucket, and `start` numbers the cells bucket after bucket.
 
     A segment's queries are positions p0 .. p0 + q - 1 of its row; each attends keys 0 .. its own
-    position. Decode segments (q = 1) are sorted by context length, longest first, and a new bucket
-    starts where the length falls below BUCKET_SHRINK of the bucket's longest and padding the rest to it
-    would waste at least `min_saving` key positions. Prefill segments (q > 1, few per step) share a
+    position. Decode segments (q = 1) are sorted by context length, longest first, and split where
+    `buckets.decode_bucket_ranges` says. Prefill segments (q > 1, few per step) share a
     bucket only with segments of the same shape (e.g. fresh prompts of one length), so no cell is padding."""
     buckets: list[Bucket] = []
     decode = sorted((i for i, s in enumerate(segments) if s[0] == 1), key=lambda i: -segments[i][1])
     blocks = [segments[i][1] // block_size + 1 for i in decode]
-    n, i = len(decode), 0
-    while i < n:
-        m, j = blocks[i], i + 1
-        while j < n and not (blocks[j] <= m * BUCKET_SHRINK and (n - j) * (m - blocks[j]) * block_size >= min_saving):
-            j += 1
-        buckets.append(_bucket(segments, decode[i:j], 1, m, tables))
-        i = j
+    for i, j in decode_bucket_ranges(blocks, block_size, min_saving):  # the rule lives in buckets.py
+        buckets.append(_bucket(segments, decode[i:j], 1, blocks[i], tables))
     prefill: dict[tuple[int, int], list[int]] = {}
     for i, s in enumerate(segments):
         if s[0] > 1:

@@ -170,6 +170,7 @@ class Scheduler:
             raise ValueError(f"rid {req.rid!r} is already in flight")
         req.enqueued = time.monotonic()
         self.waiting.append(req)
+        self.stats.requests_in += 1
 
     def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
         """Finish the request `rid` (or every request when rid is None) with an abort reason. A running
@@ -243,8 +244,11 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        st = self.stats
         while True:
+            t0, e0 = time.perf_counter(), st.evict_s
             self._drain_inbox()
+            st.admin_s += time.perf_counter() - t0 - (st.evict_s - e0)  # an abort's evictions count as evictions
             if self._stop:
                 self._abort_everything("server shutting down")
                 return
@@ -255,7 +259,9 @@ class Scheduler:
                 self.stats.idle_s += time.perf_counter() - t0
                 continue
             try:
+                t0 = time.perf_counter()
                 self._admit()
+                st.admin_s += time.perf_counter() - t0
                 self._step()
             except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
                 logger.exception("scheduler step failed")
@@ -358,8 +364,9 @@ class Scheduler:
             st.prefills += 1
             st.prefill_decode_rows += decoded
             st.prefill_decode_ctx_tokens += self._decode_ctx
-            st.prefill_decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets
-                                            if bk.q == 1) * self.batch.block_size
+            decode_buckets = [bk for bk in self.batch.last_plan.buckets if bk.q == 1]
+            st.prefill_decode_padded += sum(bk.b * bk.m for bk in decode_buckets) * self.batch.block_size
+            st.prefill_decode_buckets += len(decode_buckets)
             st.prefill_key_pairs += self._prefill_pairs
             st.prefill_decode_steps += decoded > 0
             st.prefill_rows += len(segments) - decoded
@@ -372,6 +379,7 @@ class Scheduler:
             st.decode_rows += decoded
             st.decode_ctx_tokens += self._decode_ctx
             st.decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets) * self.batch.block_size
+            st.decode_buckets += len(self.batch.last_plan.buckets)
 
     def _leave(self, r: Request, cache: bool) -> None:
         """Take `r`'s row out of the batch; with `cache` (an abort) its KV goes to the prefix cache."""

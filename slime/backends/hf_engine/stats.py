@@ -20,15 +20,20 @@ class SchedulerStats:
     prefill_cpu_s: float = 0.0
     evict_s: float = 0.0  # finishing rows: freeing or caching their blocks
     idle_s: float = 0.0  # nothing to run (or paused)
+    # the scheduler thread's work outside steps: taking requests and commands from the HTTP side, admitting rows
+    admin_s: float = 0.0
+    requests_in: int = 0  # requests handed to the scheduler
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode-only steps of the rows decoded
     decode_ctx_tokens: int = 0  # sum over decode-only steps of the rows' cached tokens (the keys they attend)
     decode_padded: int = 0  # sum over decode-only steps of the key positions gathered (buckets padded to blocks)
+    decode_buckets: int = 0  # sum over decode-only steps of their attention buckets (each costs a few small ops)
     prefills: int = 0  # steps with prefill tokens
     prefill_decode_steps: int = 0  # those of them that also decoded rows
     prefill_decode_rows: int = 0  # rows decoded in those steps
     prefill_decode_ctx_tokens: int = 0  # their cached tokens (the keys they attend), as decode_ctx_tokens
     prefill_decode_padded: int = 0  # the key positions their decode buckets gathered, as decode_padded
+    prefill_decode_buckets: int = 0  # their decode buckets, as decode_buckets
     prefill_key_pairs: int = 0  # (query, key) pairs of the prefill chunks' attention: a chunk of c at p0 has c x p0 + c(c+1)/2
     prefill_rows: int = 0  # prefill segments (a chunk of one row's prompt)
     prefill_tokens: int = 0

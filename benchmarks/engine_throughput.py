@@ -22,7 +22,7 @@ import torch
 
 from slime.backends.hf_engine.testing import EngineServer
 from slime.backends.sglang_utils import http_client
-from slime.rollout.simulator.calibrate import abort_to_idle_s, closed_loop_tps
+from slime.rollout.simulator.probes import abort_to_idle_s, closed_loop_tps
 from slime.rollout.simulator.gpu_presets import gpu_cost_model
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 

@@ -208,7 +208,7 @@ def test_cost_model_io_and_errors(tmp_path):
 def test_gpu_preset_is_flat_in_batch_and_cheap_to_prefill():
     cost = gpu_cost_model("h100", "qwen3-4b", tp=2)
     assert cost.tokens_per_s(128, 500) / cost.tokens_per_s(1, 500) > 60  # a step costs ~ the same for 1 or 128 rows
-    decode_per_token = cost.decode_step_s(64, 64 * 500, 500) / 64
+    decode_per_token = cost.decode_step_s(64, 64 * 500, 64 * 500) / 64
     assert cost.prefill_per_token_s < decode_per_token / 5
     assert 400_000 < cost.kv_capacity_tokens < 800_000  # 2 x 80 GB x 0.6 minus 8 GB of weights, 144 KiB per token
     with pytest.raises(ValueError, match="unknown GPU"):
@@ -242,3 +242,18 @@ def test_lengths_specs_are_parsed_or_refused():
     with pytest.raises(ValueError, match="unknown keys"):
         simulate_rollout.parse_lengths("pareto:alfa=1", 512)
     assert isinstance(EmpiricalLengths([[1, 2]], 8).sample_group(random.Random(0), 2)[1], list)
+
+
+def test_a_paged_engine_pays_for_its_buckets():
+    """With `paged_block_size`, a decode step of rows of very different lengths gathers less than B x longest but
+    pays for the extra buckets, as the embedded engine's step does (one bucket: the old padded model)."""
+    base = EngineCostModel(decode_base_s=1e-3, decode_per_padded_s=1e-8, decode_per_bucket_s=1e-4)
+    paged = base.replace(paged_block_size=32)
+    same = [300] * 8
+    spread = [4000] + [10] * 63
+    assert base.decode_read(same) == (8 * 300, 0)
+    assert paged.decode_read(same) == (8 * 320, 0)  # one bucket, whole blocks
+    padded, extra = paged.decode_read(spread)
+    assert extra == 1 and padded == 4000 // 32 * 32 + 32 + 63 * 32
+    assert base.decode_read(spread) == (64 * 4000, 0)
+    assert paged.decode_step_s(64, sum(spread), padded, extra) == pytest.approx(1e-3 + 1e-8 * padded + 1e-4)

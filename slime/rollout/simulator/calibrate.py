@@ -17,6 +17,11 @@ rows, their keys, their gathered positions, prefill tokens, prefill (query, key)
 gives a step's base, a decoded row, a key read, a prefilled token and a prefill step's extra base
 (`prefill_mode` "mixed"); a staggered probe (prompts arriving while rows decode) adds mixed steps.
 
+The engine's own HTTP side (its process's CPU beyond the scheduler thread's, which on one CPU stalls the
+scheduler) is fitted per request, input and output token on bursts, plus what a request costs beyond a
+burst's share when requests trickle in one by one while rows decode, as a rollout's do (`_trickle`: each
+wakes the HTTP side and takes the GIL from a running step; ~0.1-0.3 ms more per request here).
+
 The client's own cost (`client_per_*`) is measured where the rollout spends it: with `args`, a pass
 sends bursts through the rollout's own request path (`SampleRequester`: payload, aiohttp, JSON with
 per-token log-probs, `Sample.append_response`) and reads this process's CPU time, plus that of
@@ -31,7 +36,6 @@ token of the one serial resource the simulator's client is.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
 import time
@@ -41,177 +45,13 @@ import aiohttp
 
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
+from slime.rollout.simulator.probes import (Probe, abort_to_idle_s, closed_loop_tps, default_probes, generate_one, random_ids,
+                                            run_probe, scheduler_stats)
 
 STEP_TERMS = DECODE_TERMS + PREFILL_TERMS  # "mixed": the joint step fit's columns
 CLIENT_TERMS = ("client_per_request_s", "client_per_input_token_s", "client_per_token_s")
 
-logger = logging.getLogger(__name__)
-
 EMBEDDED_BACKEND = "slime.hf_engine"
-
-
-def _sp(new_tokens: int) -> dict:
-    return {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-
-
-async def _gen(session, url: str, ids: list[int], new_tokens: int, rid: str | None = None) -> dict:
-    body = {"input_ids": ids, "sampling_params": _sp(new_tokens), "return_logprob": True}  # as the rollout asks
-    if rid:
-        body["rid"] = rid
-    return await http_client.generate(session, url, body, timeout=600)
-
-
-async def closed_loop_tps(session, url: str, prompts: list[list[int]], in_flight: int, new_tokens: int, rounds: int) -> float:
-    """Tokens/s with `in_flight` workers each sending `rounds` requests back to back."""
-    total = 0
-
-    async def worker(w: int) -> None:
-        nonlocal total
-        for r in range(rounds):
-            out = await _gen(session, url, prompts[(w * rounds + r) % len(prompts)], new_tokens)
-            total += out["meta_info"]["completion_tokens"]
-
-    await _gen(session, url, prompts[0], 4)  # warm-up, not counted
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(in_flight)))
-    return total / (time.perf_counter() - t0)
-
-
-async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, new_tokens: int = 900) -> float:
-    """Put `n` long requests in flight, abort all, time until every response is back and the engine is idle."""
-    tasks = [asyncio.create_task(_gen(session, url, prompts[i % len(prompts)], new_tokens, f"calib-abort-{i}-{time.time_ns()}"))
-             for i in range(n)]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        load = await http_client.get(session, url, "/get_load", timeout=10)
-        load = load[0] if isinstance(load, list) else load
-        if int(load.get("num_reqs", 0)) + int(load.get("num_waiting_reqs", 0)) >= n:
-            break
-        await asyncio.sleep(0.01)
-    t0 = time.perf_counter()
-    await http_client.post(session, url, "/abort_request", {"abort_all": True}, timeout=30)
-    outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-    elapsed = time.perf_counter() - t0
-    if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs):
-        logger.info("%s: every probe request finished before the abort (short context); abort time is a lower bound", url)
-    return elapsed
-
-
-async def _stats(session, url: str) -> dict | None:
-    info = await http_client.get(session, url, "/get_server_info", timeout=30)
-    states = info.get("internal_states") or [{}]
-    st = states[0].get("scheduler_stats") if isinstance(states[0], dict) else None
-    return dict(st) if isinstance(st, dict) and "decode_s" in st else None
-
-
-async def _batch(session, url: str, rows: list[list[int]], new_tokens: int) -> float:
-    t0 = time.perf_counter()
-    await asyncio.gather(*(_gen(session, url, r, new_tokens) for r in rows))
-    return time.perf_counter() - t0
-
-
-class Probe:
-    """A synchronised batch: rows of the given prompt lengths, N new tokens each."""
-
-    def __init__(self, lengths: list[int], new_tokens: int, late: list[int] | None = None, delay_s: float = 0.0):
-        self.lengths, self.n = lengths, new_tokens
-        self.late, self.delay_s = late or [], delay_s  # rows sent `delay_s` after the others (prefilled while they decode)
-        # "mixed" engines: (seconds, [steps, decoded rows, their keys, their positions, steps, prefill tokens, pairs])
-        # of the steps with prefill tokens, per run
-        self.mixed: list[tuple[float, list[float]]] = []
-        self.cpu_mixed: list[tuple[float, list[float]]] = []
-        # per run: (decode seconds, [steps, rows, cached tokens, padded positions] summed over its decode steps);
-        # cpu_runs: the same in the engine thread's CPU seconds (when the engine reports them)
-        self.runs: list[tuple[float, list[float]]] = []
-        self.cpu_runs: list[tuple[float, list[float]]] = []
-        self.prefill: list[tuple[float, int, int, float]] = []  # (seconds, forwards, positions, sum of len^2)
-        self.cpu_prefill: list[tuple[float, int, int, float]] = []
-
-    def step(self, stat, clock: str = "wall") -> tuple[float, list[float]] | None:
-        """The run whose mean step time is the `stat` (min or median) of the runs."""
-        runs = self.runs if clock == "wall" else self.cpu_runs
-        if not runs:
-            return None
-        runs = sorted(runs, key=lambda r: r[0] / r[1][0])
-        return runs[0] if stat == "min" else runs[(len(runs) - 1) // 2]
-
-    def nominal(self, steps: float, rows: float) -> list[float]:
-        """[steps, rows, cached tokens, padded positions] when the engine does not count the last two:
-        the rows decode in lockstep, contexts growing by one token per step."""
-        r = len(self.lengths)
-        grow = (self.n - 2) / 2.0
-        per_row = (sum(self.lengths) + r * grow) / r
-        return [steps, rows, rows * per_row, rows * (max(self.lengths) + grow)]
-
-
-def random_ids(rng: random.Random, vocab: int | Sequence[int], n: int) -> list[int]:
-    """`n` token ids: [1] then random ids in [3, vocab) (or drawn from the given ids)."""
-    if isinstance(vocab, int):
-        return [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]
-    return [vocab[0]] + [rng.choice(vocab) for _ in range(n - 1)]
-
-
-async def _run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, stats_ok: bool) -> None:
-    rows = [random_ids(rng, vocab, n) for n in probe.lengths]
-    late = [random_ids(rng, vocab, n) for n in probe.late]
-    if stats_ok:
-        before = await _stats(session, url)
-
-        async def later():
-            await asyncio.sleep(probe.delay_s)
-            await _batch(session, url, late, probe.n)
-
-        await asyncio.gather(_batch(session, url, rows, probe.n), *([later()] if late else []))
-        after = await _stats(session, url)
-        d = {k: after[k] - before.get(k, 0) for k in after}
-        if d.get("decode_steps", 0) > 0:
-            if "decode_padded" in d:  # the engine counts what each step read
-                x = [d["decode_steps"], d["decode_rows"], d["decode_ctx_tokens"], d["decode_padded"]]
-            else:
-                x = probe.nominal(d["decode_steps"], d["decode_rows"])
-            probe.runs.append((d["decode_s"], x))
-            if "decode_cpu_s" in d:
-                probe.cpu_runs.append((d["decode_cpu_s"], x))
-        if d.get("prefills", 0) > 0 and "prefill_key_pairs" in d:  # mixed steps, as the engine counted them
-            x = [d["prefills"], d["prefill_decode_rows"], d["prefill_decode_ctx_tokens"], d["prefill_decode_padded"],
-                 d["prefills"], d["prefill_tokens"], d["prefill_key_pairs"]]
-            probe.mixed.append((d["prefill_s"], x))
-            if "prefill_cpu_s" in d:
-                probe.cpu_mixed.append((d["prefill_cpu_s"], x))
-        if d.get("prefills", 0) > 0:  # attention's token pairs: each row's own (long rows prefill alone)
-            sq = sum(n * n for n in probe.lengths)
-            pos = int(d.get("prefill_positions", sum(probe.lengths)))
-            probe.prefill.append((d["prefill_s"], int(d["prefills"]), pos, sq))
-            if "prefill_cpu_s" in d:
-                probe.cpu_prefill.append((d["prefill_cpu_s"], int(d["prefills"]), pos, sq))
-    else:  # outside timing: the same batch at N and 2N; the difference is N decode steps
-        n1, n2 = probe.n, 2 * probe.n
-        w1 = await _batch(session, url, rows, n1)
-        w2 = await _batch(session, url, rows, n2)
-        r, steps, mid = len(rows), n2 - n1, (n1 + n2 - 1) / 2.0  # the extra steps' contexts: L_i + n1 .. L_i + n2 - 1
-        x = [steps, r * steps, steps * (sum(probe.lengths) + r * mid), steps * r * (max(probe.lengths) + mid)]
-        probe.runs.append((max(1e-6, w2 - w1), x))
-
-
-def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: bool = False) -> list[Probe]:
-    """Short and long contexts at several batch sizes, and a batch of short rows with one long row
-    (which separates a padded engine's B x longest cost from a paged engine's total-context cost).
-    `quick`: five probes instead of ten (a run calibrating itself, the quick start)."""
-    ctx = max(64, context - new_tokens - 8)
-    big = max(1, min(64, max_running))
-    levels = sorted({1, min(4, big), min(16, big), big})
-    long1, long2 = max(16, ctx // 4), max(32, ctx // 2)
-    probes = [Probe([8] * c, new_tokens) for c in levels]
-    probes += [Probe([long2], new_tokens), Probe([long2] * min(4, big), new_tokens),
-               Probe([long1] * min(8, big), new_tokens), Probe([long2] * min(8, big), new_tokens),
-               Probe([long1] * min(32, big), new_tokens)]
-    probes.append(Probe([long2] + [8] * (min(32, big) - 1), new_tokens))
-    if quick:
-        keep = {0, len(levels) - 1, len(levels), len(levels) + 3, len(probes) - 1}
-        probes = [p for i, p in enumerate(probes) if i in keep]
-    # rows decoding while long prompts arrive: an engine that mixes prefill into decode steps runs mixed steps
-    probes.append(Probe([8] * min(32, big), new_tokens, late=[long2] * min(4, big), delay_s=0.02))
-    return probes
 
 
 class Calibrator:
@@ -231,6 +71,7 @@ class Calibrator:
         self.probes: list[Probe] = []
         self.latency: list[float] = []
         self.bursts: list[dict] = []
+        self.trickles: list[dict] = []
         self.abort: list[float] = []
         self.curve: dict[str, float] = {}
         # the rollout's client: parsed flags (None: time a bare client from the outside) and the processes besides
@@ -242,15 +83,15 @@ class Calibrator:
     async def measure(self, session, curve_levels: tuple[int, ...] = ()) -> None:
         if self.info is None:
             self.info = await http_client.get(session, self.url, "/get_server_info", timeout=30)
-            self.stats_ok = await _stats(session, self.url) is not None
+            self.stats_ok = await scheduler_stats(session, self.url) is not None
             self.probes = default_probes(self.max_running, int(self.info.get("context_length") or 2048), self.new_tokens,
                                          self.quick)
-            await _gen(session, self.url, random_ids(self.rng, self.vocab, 4), 8)  # warm-up
+            await generate_one(session, self.url, random_ids(self.rng, self.vocab, 4), 8)  # warm-up
         for p in self.probes:
-            await _run_probe(session, self.url, p, self.vocab, self.rng, self.stats_ok)
+            await run_probe(session, self.url, p, self.vocab, self.rng, self.stats_ok)
         for _ in range(6):  # one request's round trip (one token: one tiny prefill)
             t0 = time.perf_counter()
-            await _gen(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
+            await generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
             self.latency.append(time.perf_counter() - t0)
         # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
         # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
@@ -260,6 +101,8 @@ class Calibrator:
         long_n = max(16, min(64 if self.quick else 256, context - 16))
         for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n)):
             self.bursts.append(await self._burst(session, burst, in_len, out_n))
+        if self.stats_ok:
+            self.trickles.append(await self._trickle(session, min(32, self.max_running), long_n, max(8, long_in // 4)))
         if self.args is not None:
             self.driver_share.append(_cpu_share())
             for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n), (8, 1), (long_in, 1), (8, long_n)):
@@ -274,18 +117,44 @@ class Calibrator:
 
     async def _burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
         """`n` requests sent at once: wall seconds, the engine's busy seconds and its HTTP side's CPU seconds."""
-        before = await _stats(session, self.url) if self.stats_ok else None
+        before = await scheduler_stats(session, self.url) if self.stats_ok else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(_gen(session, self.client_url, random_ids(self.rng, self.vocab, in_len), new_tokens)
+        await asyncio.gather(*(generate_one(session, self.client_url, random_ids(self.rng, self.vocab, in_len), new_tokens)
                                for _ in range(n)))
         out = {"n": n, "in": n * in_len, "out": n * new_tokens, "wall": time.perf_counter() - t0, "busy": 0.0, "http_cpu": None}
         if before is not None:
-            after = await _stats(session, self.url)
+            after = await scheduler_stats(session, self.url)
             d = {k: after[k] - before.get(k, 0) for k in after}
             out["busy"] = sum(d.get(k, 0.0) for k in ("prefill_s", "decode_s", "evict_s"))
             if "process_cpu_s" in d and "thread_cpu_s" in d:
                 out["http_cpu"] = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"])
         return out
+
+    async def _trickle(self, session, background: int, new_tokens: int, in_len: int, n: int = 48,
+                       concurrency: int = 4) -> dict:
+        """Requests of `in_len` tokens arriving one after another (`concurrency` at a time) while `background` rows
+        decode, as a rollout's (resumed) requests arrive: the engine's HTTP CPU seconds and its scheduler's admin
+        time over the window. A burst's requests share the HTTP side's wake-ups; requests that trickle in each pay
+        their own, and take the GIL from a running step."""
+        before = await scheduler_stats(session, self.url)
+        bg = [asyncio.create_task(generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens))
+              for _ in range(background)]
+        todo = list(range(n))
+
+        async def worker() -> None:
+            while todo:
+                todo.pop()
+                await generate_one(session, self.client_url, random_ids(self.rng, self.vocab, in_len), 2)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*bg)
+        after = await scheduler_stats(session, self.url)
+        d = {k: after[k] - before.get(k, 0) for k in after}
+        http = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"]) if "thread_cpu_s" in d else None
+        admin = d.get("admin_s", 0.0) / d["requests_in"] if d.get("requests_in") else None
+        return {"n": n + background, "in": in_len * n + 8 * background, "out": 2 * n + new_tokens * background, "http_cpu": http,
+                "admin_per_request": admin,
+                "trickled": n}
 
     async def _rollout_burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
         """`n` samples generated at once through the rollout's request path: this process's CPU seconds (and the
@@ -315,6 +184,18 @@ class Calibrator:
             fit, _ = nnls_fit([[b["n"], b["in"], b["out"]] for b in rows], [b["http_cpu"] for b in rows], tuple(http),
                               weights=[1.0 / max(1e-6, b["http_cpu"]) for b in rows])
             http = {k: v / share for k, v in fit.items()}
+            trickles = [t for t in self.trickles if t["http_cpu"] is not None]
+            if trickles:  # requests arriving one by one cost more per request than a burst's (see _trickle)
+                extra = sorted((t["http_cpu"] / share - http["engine_per_request_s"] * t["n"]
+                                - http["engine_per_input_token_s"] * t["in"] - http["engine_per_output_token_s"] * t["out"])
+                               / t["trickled"] for t in trickles)
+                http["engine_per_request_s"] += max(0.0, extra[(len(extra) - 1) // 2])
+        # the scheduler thread's own work per request outside its steps (taking it from the HTTP side, admitting it,
+        # aborting it): it stalls the steps as the HTTP side does
+        # (measured on requests trickling in, as a rollout's do: each pays a pass of the loop, a burst's share one)
+        admin = sorted(t["admin_per_request"] for t in self.trickles if t["admin_per_request"] is not None)
+        if admin:
+            http["engine_per_request_s"] += admin[(len(admin) - 1) // 2]
         out.update(http)
 
         def extra_s(b):  # the burst's time beyond the engine (scheduler and HTTP side) and one round trip
@@ -355,7 +236,7 @@ class Calibrator:
         prefill, prefill_err = {}, None
         rows = [r for p in self.probes for r in (p.prefill if clock == "wall" else p.cpu_prefill)]
         if mixed:  # one step cost over decode-only and mixed steps
-            fit_rows = [x + [0, 0, 0] for _, (_, x) in pts] + [x for _, x in mixed_rows]
+            fit_rows = [x + [0] * len(PREFILL_TERMS) for _, (_, x) in pts] + [x for _, x in mixed_rows]
             fit_t = [s for _, (s, _) in pts] + [s for s, _ in mixed_rows]
             both, decode_err = nnls_fit(fit_rows, fit_t, STEP_TERMS, weights=[1.0 / max(1e-9, s) for s in fit_t])
             decode = {k: both[k] for k in DECODE_TERMS}
@@ -366,11 +247,12 @@ class Calibrator:
                                           DECODE_TERMS, weights=[1.0 / s for _, (s, _) in pts])
         if len(rows) >= 3 and not mixed:
             prefill, prefill_err = nnls_fit([[f, pos, sq] for _, f, pos, sq in rows], [s for s, *_ in rows],
-                                            PREFILL_TERMS, weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
+                                            PREFILL_TERMS[:3], weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
         one_prefill = prefill.get("prefill_base_s", 0.0) + 8 * prefill.get("prefill_per_token_s", 0.0)
         lat = sorted(self.latency)
         latency = max(0.0, lat[len(lat) // 2] - one_prefill)
         ab = sorted(self.abort)
+        ev = sorted(e for p in self.probes for e in p.evict)
         cpu = [r for p in self.probes for r in p.cpu_runs]
         wall = [r for p in self.probes for r in p.runs]
         share = sum(c for c, _ in cpu) / sum(w for w, _ in wall) if cpu and wall else None
@@ -391,6 +273,7 @@ class Calibrator:
                  "driver_cpu_share": None if driver_share is None else round(driver_share, 4)}
         return EngineCostModel(
             **decode, **prefill, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
+            finish_s=ev[(len(ev) - 1) // 2] if ev else 0.0,
             **client_http,
             admit_wait_s=0.02 if embedded and not mixed else 0.0, max_running=self.max_running,
             kv_capacity_tokens=int(info.get("max_total_num_tokens") or 1 << 30),
@@ -398,6 +281,7 @@ class Calibrator:
             prefill_mode="mixed" if mixed else "batched",
             max_prefill_tokens=int((info.get("max_prefill_tokens") if mixed else info.get("chunked_prefill_size")) or 8192),
             chunked_prefill_size=int(info.get("chunked_prefill_size") or -1) if mixed else -1,
+            paged_block_size=int(info.get("page_size") or 0) if embedded and mixed else 0,
             pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "

@@ -3,16 +3,20 @@
 One `EngineCostModel` describes one engine (one tensor-parallel group):
 
 - a decode step over B running sequences costs
-  `decode_base_s + decode_per_seq_s * B + decode_per_token_s * S + decode_per_padded_s * B * W`,
-  S the cached tokens summed over the running sequences (a paged KV cache reads each once: GPU
-  decode is memory-bound on weights + KV), W the longest one (an engine that pads every row to the
-  longest, like our embedded CPU engine's dense window, pays B * W);
+  `decode_base_s + decode_per_seq_s * B + decode_per_token_s * S + decode_per_padded_s * P
+  + decode_per_bucket_s * (K - 1)`, S the cached tokens summed over the running sequences (a paged KV
+  cache reads each once: GPU decode is memory-bound on weights + KV), P the key positions gathered and
+  K the attention buckets: with `paged_block_size` (our embedded engine) the rows are grouped into
+  buckets padded to their longest, in blocks, by the engine's own rule (`hf_engine/buckets.py`), and
+  each bucket beyond the first costs its few small ops; without, one bucket padded to the longest row
+  W (P = B * W);
 - prefill, by `prefill_mode`:
   "mixed" (our embedded engine's paged KV cache, and SGLang with mixed chunked prefill): every step is
   one packed forward over the decoding rows' last tokens plus up to `max_prefill_tokens` prompt tokens
   of the rows still being prefilled (at most `chunked_prefill_size` of one row per step, fewest left
-  first); a step with P prefill tokens whose chunks attend K (query, key) pairs costs the decode step
-  above plus `prefill_base_s + prefill_per_token_s * P + prefill_per_token2_s * K`;
+  first); a step with P prefill tokens in C chunks whose chunks attend K (query, key) pairs costs the
+  decode step above plus `prefill_base_s + prefill_per_chunk_s * C + prefill_per_token_s * P
+  + prefill_per_token2_s * K`;
   "batched" (SGLang's default scheduling): a separate prefill forward over rows of lengths l_i costs
   `prefill_base_s + prefill_per_token_s * sum(l_i) + prefill_per_token2_s * sum(l_i ** 2)`
   (linear layers per token, attention per token pair), padded or ragged (`prefill_ragged`), with
@@ -46,8 +50,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s")
-PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s")
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_shape
+
+DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s", "decode_per_bucket_s")
+PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s", "prefill_per_chunk_s")
 PREFILL_MODES = ("batched", "mixed")
 TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
                                               "client_per_input_token_s", "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
@@ -60,9 +66,11 @@ class EngineCostModel:
     decode_per_seq_s: float = 0.0
     decode_per_token_s: float = 0.0
     decode_per_padded_s: float = 0.0
+    decode_per_bucket_s: float = 0.0  # per attention bucket beyond the first (paged engines)
     prefill_base_s: float = 0.0
     prefill_per_token_s: float = 0.0
     prefill_per_token2_s: float = 0.0
+    prefill_per_chunk_s: float = 0.0  # "mixed": per prompt chunk (one row's segment) in a step
     finish_s: float = 0.0
     abort_s: float = 0.01
     request_latency_s: float = 0.002
@@ -86,6 +94,8 @@ class EngineCostModel:
     prefill_ragged: bool = False  # True: one unpadded forward per max_prefill_tokens (SGLang's ragged prefill)
     prefill_mode: str = "batched"  # batched: separate prefill forwards | mixed: prompt chunks packed into decode steps
     chunked_prefill_size: int = -1  # "mixed": prompt tokens of one row per step (-1: max_prefill_tokens)
+    paged_block_size: int = 0  # > 0: decode rows read whole KV blocks of this size, bucketed as the embedded engine does
+    bucket_min_saving: int = BUCKET_MIN_SAVING  # the embedded engine's bucket rule (key positions a new bucket must save)
     name: str = "custom"
     source: str = ""  # where the numbers come from (calibration command, datasheets)
     extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
@@ -107,20 +117,35 @@ class EngineCostModel:
             raise ValueError("EngineCostModel: max_running and kv_capacity_tokens must be >= 1")
 
     # ---- costs ---------------------------------------------------------------------
-    def decode_step_s(self, batch: int, tokens: float, longest: float) -> float:
+    def decode_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> float:
+        """A decode step of `batch` rows attending `tokens` keys in all, `padded` key positions gathered in
+        1 + `extra_buckets` buckets (see `decode_read`)."""
         return (self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_token_s * tokens
-                + self.decode_per_padded_s * batch * longest)
+                + self.decode_per_padded_s * padded + self.decode_per_bucket_s * extra_buckets)
+
+    def decode_read(self, positions: list[int]) -> tuple[int, int]:
+        """(key positions gathered, buckets beyond the first) of a decode step whose rows feed their next token at
+        `positions`: the paged engine's buckets, or one bucket padded to the longest row."""
+        if not positions:
+            return 0, 0
+        if self.paged_block_size > 0:
+            padded, buckets = decode_shape(positions, self.paged_block_size, self.bucket_min_saving)
+            return padded, buckets - 1
+        return len(positions) * max(positions), 0
 
     @property
     def chunk_tokens(self) -> int:
         """"mixed": the most prompt tokens of one row in one step."""
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
 
-    def mixed_step_s(self, batch: int, tokens: float, longest: float, prefill_tokens: int, key_pairs: float) -> float:
-        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens (`key_pairs` attended)."""
-        cost = self.decode_step_s(batch, tokens, longest)
+    def mixed_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int, prefill_tokens: int,
+                     key_pairs: float, chunks: int = 1) -> float:
+        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens in `chunks` chunks
+        (`key_pairs` attended)."""
+        cost = self.decode_step_s(batch, tokens, padded, extra_buckets) if batch else self.decode_base_s
         if prefill_tokens:
-            cost += self.prefill_base_s + self.prefill_per_token_s * prefill_tokens + self.prefill_per_token2_s * key_pairs
+            cost += (self.prefill_base_s + self.prefill_per_chunk_s * chunks + self.prefill_per_token_s * prefill_tokens
+                     + self.prefill_per_token2_s * key_pairs)
         return cost
 
     def on_counters(self, st: dict) -> tuple[float, float]:
@@ -128,12 +153,15 @@ class EngineCostModel:
         steps with prefill tokens); the second only in "mixed" mode with the engine's mixed-step counters."""
         g = st.get
         dec = (self.decode_base_s * g("decode_steps", 0) + self.decode_per_seq_s * g("decode_rows", 0)
-               + self.decode_per_token_s * g("decode_ctx_tokens", 0) + self.decode_per_padded_s * g("decode_padded", 0))
+               + self.decode_per_token_s * g("decode_ctx_tokens", 0) + self.decode_per_padded_s * g("decode_padded", 0)
+               + self.decode_per_bucket_s * max(0, g("decode_buckets", 0) - g("decode_steps", 0)))
         if self.prefill_mode == "mixed":
             pre = ((self.decode_base_s + self.prefill_base_s) * g("prefills", 0)
                    + self.decode_per_seq_s * g("prefill_decode_rows", 0)
                    + self.decode_per_token_s * g("prefill_decode_ctx_tokens", 0)
                    + self.decode_per_padded_s * g("prefill_decode_padded", 0)
+                   + self.decode_per_bucket_s * max(0, g("prefill_decode_buckets", 0) - g("prefill_decode_steps", 0))
+                   + self.prefill_per_chunk_s * g("prefill_rows", 0)
                    + self.prefill_per_token_s * g("prefill_tokens", 0) + self.prefill_per_token2_s * g("prefill_key_pairs", 0))
         else:
             pre = self.prefill_base_s * g("prefills", 0) + self.prefill_per_token_s * g("prefill_positions", 0)
@@ -156,7 +184,7 @@ class EngineCostModel:
 
     def tokens_per_s(self, batch: int, context: int) -> float:
         """Steady decode throughput of `batch` sequences of `context` cached tokens each."""
-        return batch / self.decode_step_s(batch, batch * context, context)
+        return batch / self.decode_step_s(batch, batch * context, *self.decode_read([context] * batch))
 
     # ---- io --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -195,7 +223,8 @@ class EngineCostModel:
     def describe(self) -> str:
         return (f"{self.name}: decode step {1e3 * self.decode_base_s:.3f} ms + {1e6 * self.decode_per_seq_s:.2f} us/seq "
                 f"+ {1e9 * self.decode_per_token_s:.3f} ns/cached token + {1e9 * self.decode_per_padded_s:.3f} ns/padded "
-                f"position; prefill {1e3 * self.prefill_base_s:.3f} ms/forward + {1e6 * self.prefill_per_token_s:.3f} us/token "
+                f"position + {1e6 * self.decode_per_bucket_s:.1f} us/extra bucket; prefill {1e3 * self.prefill_base_s:.3f} "
+                f"ms/forward + {1e6 * self.prefill_per_chunk_s:.1f} us/chunk + {1e6 * self.prefill_per_token_s:.3f} us/token "
                 f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2 ({self.prefill_mode}); abort {1e3 * self.abort_s:.1f} ms, request "
                 f"{1e3 * self.request_latency_s:.2f} ms, step overhead {1e3 * self.step_overhead_s:.1f} ms, weight update "
                 f"{self.weight_update_s:.2f} s, client {1e3 * self.client_per_request_s:.2f} ms/request + {1e6 * self.client_per_input_token_s:.2f} us/input + {1e6 * self.client_per_token_s:.2f} us/output token, engine HTTP "

@@ -71,7 +71,7 @@ class SimSample:
 
 class SimRequest:
     __slots__ = ("seq", "sample", "n_input", "target", "max_new", "arrive_t", "k_join", "finish_k", "gen0",
-                 "produced", "splits", "reserve", "on_done", "cached")
+                 "produced", "splits", "reserve", "on_done", "cached", "ctx0")
 
     def __init__(self, seq, sample: SimSample, arrive_t: float, on_done: Callable):
         self.seq, self.sample, self.arrive_t, self.on_done = seq, sample, arrive_t, on_done
@@ -83,6 +83,7 @@ class SimRequest:
         self.splits: list[tuple[int, int]] = []  # (tokens produced so far, version) at each weight update
         self.reserve = 0
         self.cached = 0  # "mixed" prefill: input tokens already in the KV cache
+        self.ctx0 = 0  # its position at the step it joined the decoding rows (k_join)
 
 
 class EventLoop:
@@ -259,7 +260,7 @@ class SimEngine:
             if kind == "request":
                 self.waiting.append(payload)
             elif kind == "abort":
-                self._abort_all(t)
+                t = self._abort_all(t)
             elif kind == "update":  # weights reach the engine between two steps; running requests go on
                 version, flush, cost_s = payload
                 for req in self.running.values():
@@ -276,7 +277,12 @@ class SimEngine:
     def _produced(self, req: SimRequest) -> int:
         return req.produced + req.gen0 + (self.k - req.k_join)
 
-    def _abort_all(self, t: float) -> None:
+    def _abort_all(self, t: float) -> float:
+        """Every request ends (its reply says what it produced); taking the running rows out costs `finish_s`
+        each, as a finished row's does. Returns the time after that."""
+        ev = self.cost.finish_s * len(self.running)
+        self.stats["evict_s"] += ev
+        t += ev
         for req in list(self.running.values()):
             n = self._produced(req)
             if self.prefix_cache_on:  # SGLang's radix cache keeps an aborted request's KV
@@ -292,6 +298,7 @@ class SimEngine:
         while self.waiting:
             req = self.waiting.popleft()
             self._emit(t, req, req.produced, False)
+        return t
 
     def _emit(self, t: float, req: SimRequest, produced: int, finished: bool) -> None:
         write = self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced
@@ -439,12 +446,13 @@ class SimEngine:
             tokens += take
             pairs += take * req.cached + take * (take + 1) / 2
         self._chunks = chunks
-        alpha = c.mixed_step_s(b, self.tokens_now, self._longest() if b else 0, tokens, pairs)
+        alpha = c.mixed_step_s(b, self.tokens_now, *self._decode_read(b), tokens, pairs, len(chunks))
         self.jump = (t, alpha, 0.0, 1, 0)
         self._schedule(t + alpha)
 
     def _join(self, req: SimRequest, ctx0: int, steps_left: int) -> None:
         req.k_join = self.k
+        req.ctx0 = ctx0
         req.finish_k = self.k + steps_left
         self.running[req.seq] = req
         heapq.heappush(self.finish_heap, (req.finish_k, req.seq))
@@ -455,6 +463,14 @@ class SimEngine:
         while self.width_heap and self.width_heap[0][1] not in self.running:
             heapq.heappop(self.width_heap)
         return -self.width_heap[0][0] + self.k if self.width_heap else 0
+
+    def _decode_read(self, b: int) -> tuple[int, int]:
+        """(key positions gathered, buckets beyond the first) of the running rows' next decode step."""
+        if not b:
+            return 0, 0
+        if self.cost.paged_block_size > 0:  # the paged engine's buckets, from every row's position
+            return self.cost.decode_read([r.ctx0 + self.k - r.k_join for r in self.running.values()])
+        return b * self._longest(), 0  # cost.decode_read's padded case, from the heap (no pass over the rows)
 
     def _start_jump(self, t: float) -> None:
         if self._http:
@@ -480,8 +496,7 @@ class SimEngine:
             room = (c.kv_capacity_tokens - self.tokens_now - b) // b
             m = min(m, max(1, room))
         m = max(1, m)
-        w = self._longest()
-        alpha = c.decode_step_s(b, self.tokens_now, w)
+        alpha = c.decode_step_s(b, self.tokens_now, *self._decode_read(b))
         beta = (c.decode_per_token_s + c.decode_per_padded_s) * b
         self.jump = (t, alpha, beta, m, 0)
         self._schedule(t + self._jump_time(alpha, beta, m))

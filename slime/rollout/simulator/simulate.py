@@ -107,6 +107,14 @@ class SimResult:
         w = min(self.config.warmup_steps, max(0, len(self.steps) - 1))
         return self.steps[w:]
 
+    def measured_engine_stats(self) -> dict:
+        """The engines' counters (`SimEngine.stats`, summed over engines) over the measured steps only."""
+        out: dict = {}
+        for s in self.measured():
+            for k, v in s.get("engine", {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def summary(self) -> dict:
         st = self.measured()
         rollout = sum(s["rollout_s"] for s in st)
@@ -148,6 +156,15 @@ def _record(c: StepCounters, busy: float, requests: int, reprefill: int, wall_ex
     }
 
 
+def _engine_totals(engines) -> dict:
+    """The engines' cumulative counters, summed."""
+    total: dict = {}
+    for e in engines:
+        for k, v in e.stats.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
     loop = EventLoop()
     timeline = [] if cfg.record_timeline else None
@@ -157,18 +174,18 @@ def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
         cluster.timeline = []
     state = RolloutState(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
     result = SimResult(cfg, cost.name, lengths.describe(), timeline=timeline, client_timeline=cluster.timeline)
-    marks = {"busy": 0.0, "requests": 0, "reprefill": 0}
+    marks = {"busy": 0.0, "requests": 0, "reprefill": 0, "engine": {}}
 
     def snapshot(c: StepCounters, extra: float) -> None:
         busy = cluster.busy_s()
         result.steps.append(_record(c, busy - marks["busy"], cluster.requests - marks["requests"],
                                     cluster.reprefill_tokens - marks["reprefill"], extra))
-        marks.update(busy=busy, requests=cluster.requests, reprefill=cluster.reprefill_tokens)
+        total = _engine_totals(engines)
+        result.steps[-1]["engine"] = {k: v - marks["engine"].get(k, 0) for k, v in total.items()}
+        marks.update(busy=busy, requests=cluster.requests, reprefill=cluster.reprefill_tokens, engine=total)
 
     def finish() -> SimResult:
-        for e in engines:
-            for k, v in e.stats.items():
-                result.engine_stats[k] = result.engine_stats.get(k, 0) + v
+        result.engine_stats = _engine_totals(engines)
         return result
 
     if cfg.mode == "stream":

@@ -108,6 +108,11 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
     for k, r in res.items():
         print(f"{k:8s} {engine_breakdown(r['engine'])}")
     print(f"limit    {engine_breakdown(limit.engine)}")
+    reprefill = reprefill_share(res, lim_tok_s)
+    for k, v in reprefill.items():
+        print(f"{k:8s} re-prefill: {v['prefill_tokens']} tokens prefilled x {1e6 * v['per_token_s']:.1f} us = "
+              f"{v['seconds']:.1f}s, {100 * v['share']:.0f}% of its rollout time; without it {v['without_tok_s']:.0f} tok/s "
+              f"= {v['without_over_limit']:.2f}x the limit (what is left: ramp, drain, abort, rows)")
     summary = {
         "c_star": c_star, "curve": {str(c): round(v, 1) for c, v in curve.items()}, "rounds": len(ratios["april"]),
         "limit_tok_s": round(lim_tok_s, 1), "limit_running_rows": round(lim_rows, 1),
@@ -126,6 +131,7 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
             summary[f"{k}_over_sync"] = round(sps[k]["mean"], 3)
             summary[f"{k}_over_sync_ci90"] = round(sps[k]["ci90"], 4)
         summary[f"{k}_off_policy_token_ratio"] = round(r["off_policy"], 4)
+    summary["reprefill"] = reprefill
     summary["targets_met"] = {
         "april_over_limit>=0.9": sp["april"]["mean"] >= 0.9,
         "april_over_sync>=1.5": sps["april"]["mean"] >= 1.5,
@@ -139,3 +145,25 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
             "pool_over_limit>=0.95": sp["pool_kv"]["mean"] >= 0.95,
         }
     return summary
+
+
+def reprefill_share(res: dict, limit_tok_s: float) -> dict:
+    """What re-prefilling resumed samples cost each mode: its engine's prefilled tokens x what a prefilled token
+    costs (the step fit's per-token term: the mode's own, or the median of the other modes' when its fit is
+    n/a), as a share of its rollout time, and its tok/s without that time. Modes with cache hits (stale KV)
+    are skipped: they prefill almost nothing."""
+    fits = {k: step_cost_fit(r["engine"]) for k, r in res.items()}
+    valid = sorted(f[2] for f in fits.values() if f is not None and min(f) > 0)
+    out = {}
+    for k, r in res.items():
+        e = r["engine"]
+        if k == "sync" or e.get("cache_hits", 0) or not e.get("prefill_tokens") or not valid:
+            continue
+        f = fits[k]
+        per_tok = f[2] if f is not None and min(f) > 0 else valid[len(valid) // 2]
+        sec = per_tok * e["prefill_tokens"]
+        left = max(1e-9, r["wall_s"] - sec)
+        out[k] = {"prefill_tokens": int(e["prefill_tokens"]), "per_token_s": per_tok, "seconds": round(sec, 2),
+                  "share": round(sec / r["wall_s"], 4), "without_tok_s": round(r["tok_s"] * r["wall_s"] / left, 1),
+                  "without_over_limit": round(r["tok_s"] * r["wall_s"] / left / limit_tok_s, 3)}
+    return out

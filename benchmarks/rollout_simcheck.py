@@ -9,6 +9,7 @@ has the same lengths in both), from an empty buffer as the benchmark starts.
 
 from __future__ import annotations
 
+from rollout_report import median
 from rollout_workload import ParetoSource
 
 from slime.rollout.simulator import ParetoLengths, ReplayLengths, SimConfig, simulate
@@ -48,9 +49,15 @@ def sim_config(runner, b: int, c_star: int) -> SimConfig:
                      steps=runner.step, warmup_steps=runner.warmup_steps, budgets_are_lengths=True, seed=0)
 
 
-def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int) -> dict:
-    """{mode: {measured, predicted, error, ...}}; prints the table."""
+def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int,
+            speed: dict | None = None) -> dict:
+    """{mode: {measured, predicted, error, ...}}; prints the table. `speed`: seconds of a fixed CPU probe on the
+    engines' CPU around each calibration pass and each mode's slices: a mode's `box_speed_vs_calibration` > 1
+    means the box ran that much slower while it ran than while calibrating (the wall clock is then not
+    comparable)."""
     cost = cal.fit("median")
+    speed = speed or {}
+    cal_speed = median(speed["calibration"]) if speed.get("calibration") else None
     out, sim_occ = {}, {}
     print(f"\nsimulator ({cost.describe()}; decode fit rel. RMS {cost.extra['decode_fit_rel_rms']}, "
           f"{cost.extra['passes']} calibration passes; client: {cost.extra.get('client')}, driver CPU share "
@@ -62,7 +69,8 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         result = simulate(sim_config(runner, b, c_star).replace(record_timeline=True), cost, replay(opts, vocab, groups))
         sim = result.summary()
         sim_occ[name] = _sim_occupancy(result)
-        e, se = runner.engine, result.engine_stats
+        e, se = runner.engine, result.measured_engine_stats()  # both: the measured steps only
+        st = result.engine_stats  # the whole run, warm-up included (as engine_total below)
         # what the engine did, over the whole run as the simulator counts it (the warm-up's steps too); the
         # embedded engine decodes rows in its prefill steps as well (one packed forward per step)
         et = runner.engine_total
@@ -70,15 +78,20 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         dec_rows = et.get("decode_rows", 0) + et.get("prefill_decode_rows", 0)
         on_measured, pre_on_measured = cost.on_counters(e)
         measured = res[name]["tok_s"]
+        http_cpu = round(e["process_cpu_s"] - e["thread_cpu_s"], 3) if "thread_cpu_s" in e else None
         err = sim["tokens_per_s"] / measured - 1.0
         out[name] = {"measured_tok_s": round(measured, 1), "sim_tok_s": round(sim["tokens_per_s"], 1),
                      "error": round(err, 4), "measured_off_policy": round(res[name]["off_policy"], 4),
                      "sim_off_policy": round(sim["off_policy_token_ratio"], 4),
                      "sim_engine_idle_fraction": round(sim["engine_idle_fraction"], 4), "steps": runner.step,
                      # what the engine did, whatever the wall clock: decode steps and rows per step
-                     "measured_decode_steps": dec_steps, "sim_decode_steps": se["decode_steps"],
+                     "measured_decode_steps": dec_steps, "sim_decode_steps": st["decode_steps"],
                      "measured_rows_per_step": round(dec_rows / max(1, dec_steps), 2),
-                     "sim_rows_per_step": round(se["decode_rows"] / max(1, se["decode_steps"]), 2),
+                     "sim_rows_per_step": round(st["decode_rows"] / max(1, st["decode_steps"]), 2),
+                     # the engine's HTTP side (its process's CPU beyond the scheduler thread's) over the measured steps
+                     "measured_engine_http_cpu_s": http_cpu, "sim_engine_http_s": round(se["http_s"], 3),
+                     "box_speed_vs_calibration": round(median(speed[name]) / cal_speed, 4)
+                     if cal_speed and speed.get(name) else None,
                      "engine_cpu_share": round(e.get("decode_cpu_s", 0) / max(1e-9, e.get("decode_s", 0)), 4)
                      if "decode_cpu_s" in e else None}
         print(f"{name:8s} {measured:9.1f} {sim['tokens_per_s']:9.1f} {100 * err:+6.1f}% "
@@ -89,7 +102,12 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
               f"{e.get('prefill_s', 0):.2f} ({e.get('prefills', 0)}), {pre_on_measured:.2f}, {se['prefill_s']:.2f} ({se['prefills']}) | idle "
               f"{e.get('idle_s', 0):.2f}, {sim['rollout_s'] - (se['prefill_s'] + se['decode_s'] + se['evict_s']):.2f} | "
               f"wall {res[name]['wall_s']:.2f}, {sim['rollout_s']:.2f} | to-target {res[name]['mean']['to_target_s']:.3f}, "
-              f"{sim['time_to_target_s']:.3f}")
+              f"{sim['time_to_target_s']:.3f} | engine HTTP {http_cpu} CPU s + scheduler admin {e.get('admin_s', 0):.2f} s, "
+              f"{se['http_s']:.2f}")
+    if cal_speed:
+        print(f"the box's speed (a fixed CPU probe on the engines' CPU, median seconds; > 1 x: slower than while "
+              f"calibrating): calibration {1e3 * cal_speed:.1f} ms; " + ", ".join(
+                  f"{k} {out[k]['box_speed_vs_calibration']:.3f}x" for k in runners if out[k]["box_speed_vs_calibration"]))
     print("the steps' own bookkeeping (seconds per step, from each mode's trace): before the first request / after the "
           "drain; the simulator assumes " + f"{cost.step_overhead_s / 2:.3f} / {cost.step_overhead_s / 2:.3f}")
     for name, runner in runners.items():

@@ -156,8 +156,9 @@ async def main_async(opts, workdir):
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
             cal = make_calibrator(engines, vocab, mode_args()) if opts.simulate else None
+            speed: dict[str, list[float]] = {}  # --simulate: the box's speed on the engines' CPU (box_speed)
             if cal is not None:
-                await cal.measure(http)
+                await calibrate_pass(cal, http, speed, pinning)
             # Every mode step is followed by a slice of the limit as long as the step (within
             # [--limit-min-seconds, --limit-seconds]), and a mode's ratio in a round is its tok/s over the
             # limit's in the slices paired with its steps: both sides are measured seconds apart, so the
@@ -171,7 +172,11 @@ async def main_async(opts, workdir):
                         d = min(max(dt, opts.limit_min_seconds), opts.limit_seconds)
                         paired.append((await limit.slice(d), d))
 
+                    if cal is not None:
+                        speed.setdefault(k, []).append(await box_speed(pinning))
                     await runner.run_for(opts.min_seconds, opts.min_steps, after_step)
+                    if cal is not None:
+                        speed[k].append(await box_speed(pinning))
                     lim = sum(t * d for t, d in paired) / sum(d for _, d in paired)
                     ratios[k].append(runner.rounds[-1] / lim)
                     loads.append(os.getloadavg()[0])
@@ -179,17 +184,39 @@ async def main_async(opts, workdir):
                                                  for k, v in runners.items())
                       + f"; load {loads[-1]:.1f}", flush=True)
                 if cal is not None:
-                    await cal.measure(http)
+                    await calibrate_pass(cal, http, speed, pinning)
                 if r + 1 >= opts.min_rounds and spread(ratios["april"])["ci90"] <= opts.target_spread:
                     break
     res = {k: v.result() for k, v in runners.items()}
     summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, t_start)
     if cal is not None:
-        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star)
+        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star, speed)
     print(json.dumps(summary))
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+async def calibrate_pass(cal, http, speed: dict, pinning: dict) -> None:
+    """One calibration pass, with the box's speed on the engines' CPU timed before and after it."""
+    speed.setdefault("calibration", []).append(await box_speed(pinning))
+    await cal.measure(http)
+    speed["calibration"].append(await box_speed(pinning))
+
+
+# a fixed piece of pure-Python work: its time on the engines' CPU says how fast that CPU runs now (a shared host's
+# neighbours can slow a VM's CPU by 20% for tens of seconds without any load showing inside the VM)
+_SPEED_PROBE = ("import time\nbest = 1e9\nfor _ in range(5):\n    t = time.perf_counter()\n"
+                "    sum(i * i for i in range(100000))\n    best = min(best, time.perf_counter() - t)\nprint(best)")
+
+
+async def box_speed(pinning: dict) -> float:
+    """Seconds of the fixed probe (best of 5) in a process pinned to the engines' CPUs."""
+    cpus = ",".join(str(c) for c in pinning["engines"])
+    proc = await asyncio.create_subprocess_exec("taskset", "-c", cpus, sys.executable, "-c", _SPEED_PROBE,
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return float(out.decode().strip())
 
 
 # a limit slice counts the engine's tokens from this long after its requests went in (the ramp up is not

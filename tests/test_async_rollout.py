@@ -170,7 +170,7 @@ def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, update)
     manager, rollout = start(env, args)
     batches = []
     try:
-        for step in range(6):
+        for step in range(10):  # enough updates that some sample spans two (one CI run of 6 saw none)
             b = rollout.next_batch(step)
             batches.append(b)
             for g in b.groups:

@@ -29,6 +29,9 @@ from slime.backends.sglang_utils import http_client
 logger = logging.getLogger(__name__)
 
 PROCESS_CHECK_S = 1.0
+# an unreachable engine's host gets this long to report the process's exit or stop before the fault is named by
+# the refused connection
+EXPLAIN_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,18 @@ class EngineWatchdog:
             await http_client.get(self.session, url, "/health_generate", timeout=self.timeout)
             return None
         except http_client.EngineUnreachableError as e:
-            problem = f"did not answer GET /health_generate ({e.cause})"
+            problem, wait = f"did not answer GET /health_generate ({e.cause})", EXPLAIN_WAIT_S
         except http_client.EngineHTTPError as e:
-            problem = f"answered GET /health_generate with HTTP {e.status}"
-        # the process may explain it (stopped, exited): say that instead
-        return EngineFault(url, self.engines.engine_rank(url), self.engines.engine_problem(url) or problem)
+            problem, wait = f"answered GET /health_generate with HTTP {e.status}", 0.0
+        # the process may explain it (stopped, exited): say that instead. A killed engine refuses connections at
+        # once, while the process that hosts it (an EngineHost actor) may see the exit a moment later: give it that
+        # moment, so the fault names the exit code rather than the refused connection
+        why = self.engines.engine_problem(url)
+        deadline = asyncio.get_running_loop().time() + wait
+        while why is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+            why = self.engines.engine_problem(url)
+        return EngineFault(url, self.engines.engine_rank(url), why or problem)
 
     async def check_once(self) -> list[EngineFault]:
         """One full check (processes, then HTTP health of the rest, concurrently); new faults are reported."""

@@ -30,6 +30,7 @@ from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.rollout.over_sampling import OverSamplingPlanner
 from slime.rollout.simulator.calibrate import Calibrator
 from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 logger = logging.getLogger("over_sampling_auto")
@@ -72,6 +73,7 @@ async def main_async(opts, workdir) -> dict:
             planner.cost = cal.fit("median")
             runners["auto"] = ModeRunner("auto", auto_args, engines, http, opts.seed, opts.n, opts.cap, vocab,
                                          opts.scale, planner=planner)
+            freeze_gc_heap("over-sampling benchmark")  # as the RolloutManager does once started
             # one step of each size in turn, until every size has had its rollout time: a busy moment of the box
             # falls on all sizes alike (slices of seconds would let one size take a whole busy spell)
             while min(r.wall for r in runners.values()) < opts.seconds:

@@ -69,6 +69,7 @@ from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_sta
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.tasks.subtract_chain import VOCAB, sample_steps, write_dataset
+from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 logger = logging.getLogger("rollout_throughput")
@@ -153,6 +154,7 @@ async def main_async(opts, workdir):
             await limit.warm_up(warm_steps)
             print(f"warm-up: {time.monotonic() - t_warm:.0f}s, {warm_steps} engine steps per partial mode "
                   f"({', '.join(f'{k} {n} rollout steps' for k, n in warm.items())}) and for the limit", flush=True)
+            freeze_gc_heap("rollout benchmark")  # as the RolloutManager does once started: no full-heap GC stalls
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
             cal = make_calibrator(engines, vocab, mode_args()) if opts.simulate else None

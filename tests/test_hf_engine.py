@@ -122,6 +122,14 @@ def test_info_endpoints(server, model_dir):
     assert server.get("/health_generate", timeout=30).status_code == 200
 
 
+def test_freeze_gc_is_answered_as_sglang_does_and_serving_goes_on(server):
+    for method in (server.post, server.get):  # SGLang routes both
+        r = method("/freeze_gc")
+        assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
+    out = gen(server, [1, 5, 6], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
 def test_logprobs_match_teacher_forcing(server, ref_model):
     prompts = [[1, 5, 6, 7], [1, 12], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 20, 21], [1, 30, 31]]
     settings = [{"temperature": 0.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}, {"temperature": 1.0}]

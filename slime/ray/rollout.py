@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
@@ -105,6 +106,9 @@ class RolloutManager:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
             self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
+        # the rollout runs in this process: keep the start-up heap (tokenizer, data, torch, Ray) out of the full
+        # collections that would otherwise stall every request in flight for a walk over all of it
+        freeze_gc_heap("rollout manager")
 
     # ---- steps --------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from slime.backends.hf_engine.tensor_payload import PayloadError
 from slime.backends.hf_engine.info import add_info_routes
 from slime.backends.hf_engine.protocol import GenerateInput, build_response, parse_generate
 from slime.backends.hf_engine.sampling import SamplingParams
+from slime.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,13 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(status=200, text="Cache flushed.")
 
 
+async def freeze_gc(request: web.Request) -> web.Response:
+    """SGLang's `/freeze_gc`: move what the process holds now out of the garbage collector's scans (the server
+    already did so once after loading the model; a warmed-up server can do it again)."""
+    await asyncio.to_thread(freeze_gc_heap, "hf_engine (/freeze_gc)")
+    return web.Response(status=200, text="Garbage collection frozen.\n")
+
+
 async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.scheduler._thread.is_alive():
@@ -314,11 +322,12 @@ def build_app(engine: Engine, host: str, port: int) -> web.Application:
         ("/destroy_weights_update_group", destroy_weights_update_group),
         ("/update_weight_version", update_weight_version),
         ("/pause_generation", pause_generation), ("/continue_generation", continue_generation),
-        ("/flush_cache", flush_cache),
+        ("/flush_cache", flush_cache), ("/freeze_gc", freeze_gc),
     ]
     for path, fn in post:
         app.router.add_post(path, fn)
     app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_get("/freeze_gc", freeze_gc)
     app.router.add_get("/health_generate", health_generate)
     add_info_routes(app)
     return app
@@ -330,6 +339,9 @@ async def serve(engine: Engine, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # the model, torch and transformers are loaded: keep their objects out of every later full collection, which
+    # would otherwise stall the scheduler thread (it shares the GIL) for a walk over all of them
+    freeze_gc_heap("hf_engine")
     engine.start()
     runner = web.AppRunner(build_app(engine, host, port), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()

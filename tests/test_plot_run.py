@@ -83,3 +83,11 @@ def test_a_run_without_trace_or_cost_model_still_gets_its_metric_plots(tmp_path,
     assert "plots written to" in out and "reward.png" in out and "simulator.png" not in out
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         _plot_run().plot_run(str(tmp_path / "empty"))
+
+
+def test_staleness_lags_are_banded_so_the_legend_stays_short():
+    bands = _plot_run().lag_bands(list(range(31)))
+    assert [b for b, _ in bands] == ["0", "1", "2", "3-4", "5-8", "9-16", "17+"]
+    held = [g for _, h in bands for g in h]
+    assert sorted(held) == list(range(31))  # every lag in exactly one band
+    assert [b for b, _ in _plot_run().lag_bands([0, 6])] == ["0", "5-8"]  # only the bands that hold a lag

@@ -89,6 +89,21 @@ def plot_throughput(rows, out) -> str | None:
     return _save(fig, os.path.join(out, "throughput.png"))
 
 
+# staleness bands for the histogram: a long run's lags reach tens of versions, one colour each would be unreadable
+LAG_BANDS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, None))
+
+
+def lag_bands(lags: list[int]) -> list[tuple[str, list[int]]]:
+    """The bands of LAG_BANDS that hold any of `lags`, each with its label and the lags it holds."""
+    out = []
+    for lo, hi in LAG_BANDS:
+        held = [g for g in lags if g >= lo and (hi is None or g <= hi)]
+        if held:
+            label = f"{lo}" if lo == hi else (f"{lo}+" if hi is None else f"{lo}-{hi}")
+            out.append((label, held))
+    return out
+
+
 def plot_off_policy(rows, out) -> str | None:
     steps = [r for r in rows if r["step"] >= 0 and "rollout/off_policy_token_ratio" in r]
     if not steps:
@@ -100,15 +115,18 @@ def plot_off_policy(rows, out) -> str | None:
     a1.set_ylim(0, 1)
     a1.grid(alpha=0.3)
     a1.set_title("off-policy tokens and staleness")
+    tot = [sum(v for k, v in r.items() if k.startswith("rollout/staleness_hist/")) or 1 for r in steps]
+    bands = lag_bands(lags)
+    colours = plt.get_cmap("viridis")
     bottom = [0.0] * len(steps)
-    for lag in lags:
-        key = f"rollout/staleness_hist/lag_{lag}"
-        tot = [sum(v for k, v in r.items() if k.startswith("rollout/staleness_hist/")) or 1 for r in steps]
-        share = [r.get(key, 0.0) / t for r, t in zip(steps, tot)]
-        a2.bar([r["step"] for r in steps], share, bottom=bottom, width=1.0, label=f"lag {lag}")
+    for i, (label, held) in enumerate(bands):
+        share = [sum(r.get(f"rollout/staleness_hist/lag_{g}", 0.0) for g in held) / t for r, t in zip(steps, tot)]
+        a2.bar([r["step"] for r in steps], share, bottom=bottom, width=1.0, label=label,
+               color=colours(i / max(1, len(bands) - 1)))
         bottom = [b + s for b, s in zip(bottom, share)]
     a2.set_ylabel("share of trained tokens")
     a2.set_xlabel("rollout step")
+    a2.set_ylim(0, 1)
     a2.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="lag (versions)", title_fontsize=8)
     return _save(fig, os.path.join(out, "off_policy.png"))
 

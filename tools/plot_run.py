@@ -140,7 +140,7 @@ def plot_lengths(trace, rows, out) -> str | None:
         ax.set_ylabel("samples")
         unf = trace[-1].get("unfinished_lengths", []) if trace else []
         ax.set_title(f"response lengths: {len(lengths)} finished samples (mean {sum(lengths) / len(lengths):.1f}, "
-                     f"max {max(lengths)}); {len(unf)} unfinished at the end")
+                     f"max {max(lengths)});\n{len(unf)} unfinished at the end", fontsize=10)
     else:
         xs, ys = _series(rows, "rollout/response_len_mean")
         if not xs:

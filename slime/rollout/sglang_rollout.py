@@ -125,6 +125,7 @@ class _RolloutStep(GroupOutcome, StepEnd):
         self.rejected: dict[int, str] = {}
         self.failed: list[int] = []  # groups with no trainable sample, counted toward the target
         self.faults: dict[str, EngineFault] = {}
+        self.fault_seen = asyncio.Event()  # set at each new fault: an abort waiting on that engine stops waiting
         self.watchdog: EngineWatchdog | None = None
         self.submitted: list[int] = []
         self.resumed: list[int] = []
@@ -202,6 +203,7 @@ class _RolloutStep(GroupOutcome, StepEnd):
 
     def _engine_fault(self, fault: EngineFault) -> None:
         self.faults[fault.url] = fault
+        self.fault_seen.set()
         self._fail(f"{fault.describe()} while generating rollout step {self.rollout_id} "
                    f"({self.requester.in_flight} requests in flight, {len(self.accepted)}/{self.target} groups accepted)")
 

@@ -42,9 +42,7 @@ class StepEnd:
             try:
                 # nothing of ours running (e.g. paused at a version gate while an eval uses the engines): no abort
                 if self.requester.in_flight:
-                    res = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session,
-                                                                exclude=set(self.faults))
-                    res = await res if asyncio.iscoroutine(res) else res
+                    res = await self._abort_live_engines(session)
                     self.abort_to_idle = self.abort_to_idle or float(res or 0.0)
             except Exception as e:
                 if not self.errors:
@@ -71,6 +69,31 @@ class StepEnd:
                 await asyncio.wait(set(self.tasks), timeout=10)
                 break
         self.clock.mark("drained")
+
+    async def _abort_live_engines(self, session):
+        """Abort-all on every engine not known to have failed, until they are idle. An engine the watchdog finds
+        failed while the abort waits on it (it stopped just before the step ended) leaves the abort at once: a
+        stopped engine never answers, and the abort would otherwise wait out --rollout-abort-timeout."""
+        while True:
+            self.fault_seen.clear()
+            known = set(self.faults)
+            call = self.ctx.engines.abort_all_until_idle(timeout=self.abort_timeout, session=session, exclude=known)
+            if not asyncio.iscoroutine(call):  # an engine group answering synchronously
+                return call
+            abort = asyncio.ensure_future(call)
+            while not abort.done():
+                fault = asyncio.ensure_future(self.fault_seen.wait())
+                await asyncio.wait({abort, fault}, return_when=asyncio.FIRST_COMPLETED)
+                fault.cancel()
+                self.fault_seen.clear()
+                if not abort.done() and set(self.faults) - known:
+                    abort.cancel()  # and again, without the engine that just failed
+                    await asyncio.wait({abort})
+                    logger.warning("rollout step %d: %s failed during the abort; aborting the other engines again",
+                                   self.rollout_id, ", ".join(sorted(set(self.faults) - known)))
+                    break
+            else:
+                return abort.result()
 
     async def _settle_rewards(self) -> None:
         timeout = (reward_timeout(self.args) or UNLIMITED_REWARD_SETTLE_S) + 30.0

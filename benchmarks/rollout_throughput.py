@@ -208,14 +208,15 @@ async def calibrate_pass(cal, http, speed: dict, pinning: dict) -> None:
 
 # a fixed piece of pure-Python work: its time on the engines' CPU says how fast that CPU runs now (a shared host's
 # neighbours can slow a VM's CPU by 20% for tens of seconds without any load showing inside the VM)
-_SPEED_PROBE = ("import time\nbest = 1e9\nfor _ in range(5):\n    t = time.perf_counter()\n"
+_SPEED_PROBE = ("import os, sys, time\nos.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')})\n"
+                "best = 1e9\nfor _ in range(5):\n    t = time.perf_counter()\n"
                 "    sum(i * i for i in range(100000))\n    best = min(best, time.perf_counter() - t)\nprint(best)")
 
 
 async def box_speed(pinning: dict) -> float:
     """Seconds of the fixed probe (best of 5) in a process pinned to the engines' CPUs."""
     cpus = ",".join(str(c) for c in pinning["engines"])
-    proc = await asyncio.create_subprocess_exec("taskset", "-c", cpus, sys.executable, "-c", _SPEED_PROBE,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SPEED_PROBE, cpus,
                                                 stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     return float(out.decode().strip())

@@ -25,6 +25,7 @@ from slime.rollout.base_types import RolloutContext
 from slime.rollout.rollout_metrics import OccupancySampler
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
 from slime.rollout.sglang_rollout import generate_rollout_async
+from slime.rollout.simulator.probes import stats_delta
 from slime.tasks.subtract_chain import sample_steps
 from slime.utils.ledger import TRAINED
 from slime.utils.types import Sample
@@ -126,10 +127,6 @@ def engine_stats(engines) -> dict:
         for k, v in info["internal_states"][0].get("scheduler_stats", {}).items():
             total[k] = total.get(k, 0) + v
     return total
-
-
-def stats_delta(after: dict, before: dict) -> dict:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 class CountingBuffer(PartialRolloutBuffer):

@@ -46,7 +46,7 @@ import aiohttp
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
 from slime.rollout.simulator.probes import (Probe, abort_to_idle_s, closed_loop_tps, default_probes, generate_one, random_ids,
-                                            run_probe, scheduler_stats)
+                                            run_probe, scheduler_stats, stats_delta)
 
 STEP_TERMS = DECODE_TERMS + PREFILL_TERMS  # "mixed": the joint step fit's columns
 CLIENT_TERMS = ("client_per_request_s", "client_per_input_token_s", "client_per_token_s")
@@ -124,7 +124,7 @@ class Calibrator:
         out = {"n": n, "in": n * in_len, "out": n * new_tokens, "wall": time.perf_counter() - t0, "busy": 0.0, "http_cpu": None}
         if before is not None:
             after = await scheduler_stats(session, self.url)
-            d = {k: after[k] - before.get(k, 0) for k in after}
+            d = stats_delta(after, before)
             out["busy"] = sum(d.get(k, 0.0) for k in ("prefill_s", "decode_s", "evict_s"))
             if "process_cpu_s" in d and "thread_cpu_s" in d:
                 out["http_cpu"] = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"])
@@ -149,12 +149,11 @@ class Calibrator:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         await asyncio.gather(*bg)
         after = await scheduler_stats(session, self.url)
-        d = {k: after[k] - before.get(k, 0) for k in after}
+        d = stats_delta(after, before)
         http = max(0.0, d["process_cpu_s"] - d["thread_cpu_s"]) if "thread_cpu_s" in d else None
         admin = d.get("admin_s", 0.0) / d["requests_in"] if d.get("requests_in") else None
-        return {"n": n + background, "in": in_len * n + 8 * background, "out": 2 * n + new_tokens * background, "http_cpu": http,
-                "admin_per_request": admin,
-                "trickled": n}
+        return {"n": n + background, "in": in_len * n + 8 * background, "out": 2 * n + new_tokens * background,
+                "http_cpu": http, "admin_per_request": admin, "trickled": n}
 
     async def _rollout_burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
         """`n` samples generated at once through the rollout's request path: this process's CPU seconds (and the

@@ -73,6 +73,11 @@ async def scheduler_stats(session, url: str) -> dict | None:
     return dict(st) if isinstance(st, dict) and "decode_s" in st else None
 
 
+def stats_delta(after: dict, before: dict) -> dict:
+    """What the engine's cumulative counters added between two reads."""
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 async def run_batch(session, url: str, rows: list[list[int]], new_tokens: int) -> float:
     t0 = time.perf_counter()
     await asyncio.gather(*(generate_one(session, url, r, new_tokens) for r in rows))
@@ -134,7 +139,7 @@ async def run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, 
 
         await asyncio.gather(run_batch(session, url, rows, probe.n), *([later()] if late else []))
         after = await scheduler_stats(session, url)
-        d = {k: after[k] - before.get(k, 0) for k in after}
+        d = stats_delta(after, before)
         if "evict_s" in d:
             probe.evict.append(d["evict_s"] / (len(rows) + len(late)))
         if d.get("decode_steps", 0) > 0:

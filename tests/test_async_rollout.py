@@ -8,6 +8,7 @@ backpressure keeps the rollout within --max-async-lag of the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -85,19 +86,38 @@ def teacher_forced(model, sample) -> list[float]:
     return [lp[start_pos - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
 
 
-def wait_for_tokens(rollout, timeout=30.0, required=True) -> bool:
-    """Until requests are in flight and have generated a few tokens (so an update cuts through them).
-    `required=False`: False when none came (a one-step-off rollout can finish its next step before we look)."""
+@contextlib.contextmanager
+def frozen_mid_request(env, timeout: float = 30.0):
+    """Inside, every engine is paused in place (SGLang's `/pause_generation` mode in_place) with at least one
+    request of ours running on it; generation continues on leaving.
+
+    The tiny model finishes a request in a few tens of milliseconds, less than an update takes to reach
+    the engine, so an update timed by the clock often found nothing running (or requests with no token
+    yet). Frozen, the update is certain to cut through requests: the scheduler takes a pause between
+    two of its steps, and every running row has been through a step since it was admitted, so it holds
+    at least one token of the current version."""
+    urls = env["engines"].worker_urls()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if rollout.gate.in_flight >= 1:
-            time.sleep(0.03)
-            if rollout.gate.in_flight >= 1:  # still running (a busy box may have slept past their end)
-                return True
-        time.sleep(0.005)
-    if required:
-        raise AssertionError("no request in flight")
-    return False
+    try:
+        while True:
+            for u in urls:
+                post_ok(u + "/pause_generation", {"mode": "in_place"})
+            if any(requests.get(u + "/get_load", timeout=30).json()[0]["num_reqs"] > 0 for u in urls):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no request running on the engines in {timeout:.0f}s")
+            for u in urls:  # between two steps, or the next step's requests not admitted yet
+                post_ok(u + "/continue_generation", {})
+            time.sleep(0.01)
+        yield
+    finally:
+        for u in urls:
+            post_ok(u + "/continue_generation", {})
+
+
+def post_ok(url: str, body: dict) -> None:
+    r = requests.post(url, json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["success"], r.text
 
 
 @pytest.mark.parametrize("mode, update", [("stream", "abort"), ("stream", "in_place"), ("chunked", "abort"),
@@ -113,12 +133,12 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            # stream/pool keep requests in flight; chunked (one-step-off) may have finished step+1 already:
-            # the assertions below need only some of the three updates to cut through requests
-            wait_for_tokens(rollout, timeout=30.0 if mode != "chunked" else 5.0, required=mode != "chunked")
-            pushed = rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
+            with frozen_mid_request(env):  # every update cuts through requests that hold tokens
+                pushed = rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
             if update == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0
+            else:  # the frozen requests ran on across it
+                assert pushed["in_flight_across"] > 0
             across += pushed["in_flight_across"]
             manager.set_policy_version(step + 1)
         batches.append(rollout.next_batch(3))
@@ -126,7 +146,7 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
     finally:
         rollout.stop()
     if update == "abort":
-        assert rollout.gate.pauses_by_reason["update"] > 0  # the updates found requests of ours to abort
+        assert rollout.gate.pauses_by_reason["update"] == 3  # each update found requests of ours to abort
     else:  # nothing was aborted for an update: requests ran on across them
         assert rollout.gate.pauses_by_reason["update"] == 0 and across > 0
     # everything not trained is in the buffer (parked or ready): the ledger balances with nothing issued

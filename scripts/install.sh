@@ -16,7 +16,8 @@ fi
 stamp_dir=$("$PY" -c "import sys; print(sys.prefix)")
 key=$( (cat setup.py; pwd; echo "$EXTRAS") | sha1sum | cut -c1-16)
 stamp="$stamp_dir/.slime-april-install-$key"
-here=$("$PY" -c "import os, slime; print(os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__))))" 2>/dev/null || true)
+# asked from / : from the checkout itself, `import slime` finds ./slime whether or not it is installed
+here=$(cd / && "$PY" -c "import os, slime; print(os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__))))" 2>/dev/null || true)
 if [[ -f "$stamp" && "$here" == "$(pwd)" ]]; then
   echo "[install] already installed ($(pwd)); skipping"
   exit 0

@@ -256,7 +256,7 @@ class Scheduler:
                 t0 = time.perf_counter()
                 self._wake.wait(0.05)
                 self._wake.clear()
-                self.stats.idle_s += time.perf_counter() - t0
+                st.idle_s += time.perf_counter() - t0
                 continue
             try:
                 t0 = time.perf_counter()

@@ -109,11 +109,7 @@ class SimResult:
 
     def measured_engine_stats(self) -> dict:
         """The engines' counters (`SimEngine.stats`, summed over engines) over the measured steps only."""
-        out: dict = {}
-        for s in self.measured():
-            for k, v in s.get("engine", {}).items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return sum_counters(s.get("engine", {}) for s in self.measured())
 
     def summary(self) -> dict:
         st = self.measured()
@@ -156,11 +152,11 @@ def _record(c: StepCounters, busy: float, requests: int, reprefill: int, wall_ex
     }
 
 
-def _engine_totals(engines) -> dict:
-    """The engines' cumulative counters, summed."""
+def sum_counters(counters) -> dict:
+    """Counter dicts summed key by key (engines' stats, or steps' engine deltas)."""
     total: dict = {}
-    for e in engines:
-        for k, v in e.stats.items():
+    for c in counters:
+        for k, v in c.items():
             total[k] = total.get(k, 0) + v
     return total
 
@@ -180,12 +176,12 @@ def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
         busy = cluster.busy_s()
         result.steps.append(_record(c, busy - marks["busy"], cluster.requests - marks["requests"],
                                     cluster.reprefill_tokens - marks["reprefill"], extra))
-        total = _engine_totals(engines)
+        total = sum_counters(e.stats for e in engines)
         result.steps[-1]["engine"] = {k: v - marks["engine"].get(k, 0) for k, v in total.items()}
         marks.update(busy=busy, requests=cluster.requests, reprefill=cluster.reprefill_tokens, engine=total)
 
     def finish() -> SimResult:
-        result.engine_stats = _engine_totals(engines)
+        result.engine_stats = sum_counters(e.stats for e in engines)
         return result
 
     if cfg.mode == "stream":

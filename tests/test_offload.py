@@ -53,18 +53,8 @@ def snapshot(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def fill_grads(trainer, backend):
     """Leave non-zero gradients in place (as between a backward and the next zero_grad)."""
-    groups = make_groups(seed=7)
-    if backend == "fsdp":
-        from slime.backends.training_utils.data import flatten_groups
-
-        items = [it for g in flatten_groups(groups)[0] for it in g]
-        from slime.backends.fsdp_utils.model import forward_items
-
-        lps, _, _ = forward_items(trainer.model, items, trainer.pad_id, 1.0)
-        torch.cat(lps).sum().backward()
-    else:
-        items, rt, _ = trainer._prepare(copy.deepcopy(groups))
-        trainer._accumulate_grads(items, rt)
+    items, rt, _ = trainer._prepare(copy.deepcopy(make_groups(seed=7)))
+    trainer._accumulate_grads(items, rt)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])

@@ -285,6 +285,12 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto / flash: torch SDPA (flash kernels on GPU); unfused / local: megatron's own attention; "
                         "fused needs TransformerEngine (not supported)")
+    g.add_argument("--compile-ops", action="store_true",
+                   help="torch.compile the element-wise parts of each layer (RMSNorm, SwiGLU) into fused kernels, "
+                        "both trainer backends (measured by benchmarks/train_throughput.py; slow to compile on CPU)")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="the layer GPTModel is built from: Transformer Engine's fused layer spec, or megatron's local "
+                        "spec with torch kernels (auto: TE where transformer_engine imports on a CUDA machine)")
     g.add_argument("--attention-dropout", type=float, default=None, help="default: the HF config's")
     g.add_argument("--hidden-dropout", type=float, default=None, help="default: 0")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
@@ -645,6 +651,7 @@ _MEGATRON_ONLY = (
     ("tensor_model_parallel_size", 1), ("sequence_parallel", False), ("use_distributed_optimizer", False),
     ("recompute_granularity", None), ("attention_backend", "auto"),
     ("accumulate_allreduce_grads_in_fp32", False), ("attention_softmax_in_fp32", False), ("hidden_dropout", None),
+    ("transformer_impl", "auto"),
     ("attention_dropout", None), ("lr_decay_style", "constant"), ("lr_warmup_iters", 0),
 )
 # Features no backend has: (name, value that means "not used", why)

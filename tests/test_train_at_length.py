@@ -217,3 +217,36 @@ def test_shutdown_lets_go_of_the_model_and_optimizer(model_dir, backend):
     assert all(r() is None for r in refs)
     if torch.cuda.is_available():
         assert torch.cuda.memory_allocated() < 64 * 2**20
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels on a CPU: tens of seconds on a fresh machine
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_compiled_ops_give_the_same_gradients(model_dir, backend):
+    groups = make_groups(seed=47)
+    plain = make(backend, model_dir)
+    lps0, loss0, g0 = step(plain, groups)
+    plain.shutdown()
+    compiled = make(backend, model_dir, "--compile-ops")
+    try:
+        lps1, loss1, g1 = step(compiled, groups)
+    finally:
+        compiled.shutdown()
+    assert max(float((a - b).abs().max()) for a, b in zip(lps0, lps1)) <= 1e-5
+    assert abs(loss0 - loss1) <= 1e-6 and max_diff(g0, g1) <= 1e-5
+
+
+def test_layer_spec_choice_and_transformer_engine_names(model_dir):
+    from slime.backends.megatron_utils.layer_spec import canonical_name, layer_impl, transformer_engine_available
+
+    args = megatron_args(model_dir)
+    assert layer_impl(args) == ("transformer_engine" if transformer_engine_available() else "local")
+    assert layer_impl(args.replace(transformer_impl="local")) == "local"
+    if not transformer_engine_available():
+        with pytest.raises(RuntimeError, match="--transformer-impl transformer_engine"):
+            layer_impl(args.replace(transformer_impl="transformer_engine"))
+    # TE folds the pre-norms into the next linear layer; the HF mapping speaks the local spec's names
+    assert canonical_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.3.input_layernorm.weight"
+    assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert canonical_name("decoder.layers.0.self_attention.q_layernorm.weight") == \
+        "decoder.layers.0.self_attention.q_layernorm.weight"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
-from slime.backends.fsdp_utils.model import build_model, forward_micro_batch, init_distributed
+from slime.backends.fsdp_utils.model import build_model, describe, forward_micro_batch, init_distributed
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import device, physical_device_index
@@ -56,9 +56,9 @@ class FSDPTrainer(Trainer):
         self.pad_id = next((v for v in (cfg.pad_token_id, cfg.eos_token_id, 0) if isinstance(v, int)), 0)
         self.updater = WeightUpdater(args, self.model, self.rank)
         n_params = sum(p.numel() for p in self.model.parameters())
-        logger.info("rank %d: loaded %s (%d params, ref=%s, %s compute, fp32 master weights, %s micro-batches)",
+        logger.info("rank %d: loaded %s (%d params, ref=%s, %s compute, fp32 master weights, %s micro-batches); %s",
                     self.rank, hf, n_params, self.ref_model is not None, "bf16" if args.bf16 else "fp32",
-                    args.micro_batch_layout)
+                    args.micro_batch_layout, describe(args))
         return {"num_params": n_params, "device_index": physical_device_index()}
 
     # ------------------------------------------------------ the backend ----

@@ -115,12 +115,35 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     return model
 
 
+def compile_elementwise(model: nn.Module) -> int:
+    """--compile-ops: torch.compile every RMSNorm and MLP (its activation and product fuse; the matmuls stay
+    cuBLAS), dynamic shapes (one graph for every micro-batch length). Returns how many modules."""
+    n = 0
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm") or name.endswith("MLP"):
+            m.compile(dynamic=True)
+            n += 1
+    return n
+
+
 def build_model(path: str, trainable: bool, args) -> nn.Module:
     model = load_hf_model(path, args.attn_implementation)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    if args.compile_ops and not compile_elementwise(model):
+        raise ValueError(f"--compile-ops: {type(model).__name__} has no RMSNorm / MLP modules to compile")
     return shard_model(model, bf16=bool(args.bf16))
+
+
+def describe(args) -> str:
+    """One line for the start-up log: the kernels this trainer runs."""
+    attn = {"sdpa": "torch SDPA (packed: varlen kernel on a GPU in bf16, else one call per sample)",
+            "flash_attention_2": "flash-attn (packed: its varlen kernel)",
+            "eager": "eager (packed: a block-diagonal mask)"}[args.attn_implementation]
+    ops = "RMSNorm + MLP through torch.compile" if args.compile_ops else "unfused element-wise ops"
+    return f"attention {attn}; {ops}"
 
 
 def final_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from slime.backends.megatron_utils import checkpoint as ckpt
 from slime.backends.megatron_utils import parallel
+from slime.backends.megatron_utils.layer_spec import describe
 from slime.backends.megatron_utils.model import Built, build_gpt, forward_micro_batch, load_hf
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
 from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
@@ -61,9 +62,10 @@ class MegatronTrainer(Trainer):
         self.pad_id = self._pad_id(args.hf_checkpoint)
         self.updater = MegatronWeightUpdater(args, self.actor, self.layout)
         n_params = sum(p.numel() for p in self.actor.core.parameters())
-        logger.info("rank %d: Megatron GPTModel from %s (%d local params, TP %d, DP %d, ref=%s, %s, %s micro-batches)",
-                    self.rank, args.ref_load or args.hf_checkpoint, n_params, tp, self.layout.dp_size,
-                    self.ref is not None, "bf16" if args.bf16 else "fp32", args.micro_batch_layout)
+        logger.info("rank %d: Megatron GPTModel from %s (%d local params, TP %d, DP %d, ref=%s, %s, %s micro-batches); "
+                    "%s", self.rank, args.ref_load or args.hf_checkpoint, n_params, tp, self.layout.dp_size,
+                    self.ref is not None, "bf16" if args.bf16 else "fp32", args.micro_batch_layout,
+                    describe(args, self.actor.impl))
         return {"num_params": n_params, "tp": tp, "dp": self.layout.dp_size, "device_index": physical_device_index()}
 
     def _load_initial(self, built: Built, ref_load: str | None) -> None:

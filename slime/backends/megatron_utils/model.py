@@ -1,5 +1,6 @@
-"""Build megatron-core's GPTModel from a HF config (local layer spec, no
-TransformerEngine), fill it from HF weights or full tensors, and the
+"""Build megatron-core's GPTModel from a HF config (the layer spec of
+`layer_spec.py`: Transformer Engine's or the local one), fill it from HF
+weights or full tensors, and the
 teacher-forced forward of a micro-batch (padded or packed) that returns
 per-token log-probs and entropies from the vocab-parallel chunked head
 (`training_utils.logprob_head`): the full [tokens, vocabulary] logits never
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 
 from slime.backends.megatron_utils import hf_weights
 from slime.backends.megatron_utils.config import padded_vocab_size, transformer_config
+from slime.backends.megatron_utils.layer_spec import block_spec, canonical_name, layer_impl
 from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import device, use_cuda
 from slime.backends.training_utils.logprob_head import head_log_probs
@@ -34,36 +36,19 @@ class Built:
     config: object  # TransformerConfig
     shape: ModelShape
     padded_vocab: int
-
-
-def block_spec(args, shape: ModelShape):
-    """megatron's local (TransformerEngine-free) layer spec with our RMSNorm
-    everywhere and, for `--attention-backend flash/auto`, SDPA attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from slime.backends.megatron_utils.norm import RMSNorm
-
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
-    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if shape.qk_layernorm:
-        attn.q_layernorm = attn.k_layernorm = RMSNorm
-    from slime.backends.megatron_utils.attention import PackedLocalAttention, SDPAttention
-
-    attn.core_attention = SDPAttention if args.attention_backend in ("auto", "flash") else PackedLocalAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers, layer_norm=RMSNorm)
+    impl: str = "local"  # the layer spec: "local" or "transformer_engine"
 
 
 def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool) -> Built:
     """Weights are randomly initialised until `load_hf` / a checkpoint fills them."""
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(args, shape, tp, use_cuda())
+    impl = layer_impl(args)
+    cfg = transformer_config(args, shape, tp, use_cuda(), impl)
     vocab = padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, tp)
     core = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec(args, shape),
+        transformer_layer_spec=block_spec(args, shape, impl),
         vocab_size=vocab,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,
@@ -93,11 +78,12 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
         )
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
         model.train()
-    return Built(model=model, core=core, config=cfg, shape=shape, padded_vocab=vocab)
+    return Built(model=model, core=core, config=cfg, shape=shape, padded_vocab=vocab, impl=impl)
 
 
 def named_local_params(core: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(core.named_parameters())
+    """This rank's parameters under the local spec's names (what `hf_weights` maps), whatever the layer spec."""
+    return {canonical_name(n): p for n, p in core.named_parameters()}
 
 
 @torch.no_grad()

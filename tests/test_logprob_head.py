@@ -128,6 +128,18 @@ def test_packed_attention_equals_padded_causal_sdpa(heads):
     assert (out - want).abs().max() <= 1e-5
 
 
+def test_varlen_kernel_probe_refuses_a_kernel_that_does_not_run(caplog):
+    """torch's varlen kernel is CUDA-only: the probe (which a GPU runs once) says so and packed attention falls
+    back to one SDPA call per sample instead of failing mid-training."""
+    from slime.backends.training_utils.varlen import _torch_varlen, _torch_varlen_works
+
+    if _torch_varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    with torch.no_grad():
+        assert _torch_varlen_works(torch.device("cpu"), torch.bfloat16) is False
+    assert "packed attention uses one SDPA call per sample" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_varlen_kernel_matches_per_sample_attention():
     lengths = [300, 17, 1024, 5]

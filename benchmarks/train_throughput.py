@@ -60,7 +60,9 @@ def build_model_dir(preset: str, root: str) -> str:
                       dtype="bfloat16" if hidden >= 512 else "float32", bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    # initialising ~0.5B parameters takes seconds on a GPU, tens of seconds on a CPU
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg)
     if hidden >= 512:
         model = model.to(torch.bfloat16)
     model.save_pretrained(path)
@@ -126,30 +128,32 @@ def run_one(o, backend: str, layout: str, chunk: int) -> dict:
         from slime.backends.megatron_utils.actor import MegatronTrainer as cls
     cuda = torch.cuda.is_available()
     trainer = cls(args)
-    t_init = time.perf_counter()
-    trainer.init()
-    init_s = time.perf_counter() - t_init
-    n_params = sum(p.numel() for p in {id(p): p for p in _params(trainer)}.values())
-    groups = make_groups(o)
-    tokens = sum(len(s.tokens) for g in groups for s in g)
-    trainer.train(0, copy.deepcopy(groups), 0)  # warm-up
     times, old, rises, peaks = [], [], [], []
-    for step in range(o.steps):
-        batch = copy.deepcopy(groups)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        with PeakRSS() as rss:
-            t0 = time.perf_counter()
-            m = trainer.train(step + 1, batch, step + 1)
+    try:
+        t_init = time.perf_counter()
+        trainer.init()
+        init_s = time.perf_counter() - t_init
+        n_params = sum(p.numel() for p in {id(p): p for p in _params(trainer)}.values())
+        groups = make_groups(o)
+        tokens = sum(len(s.tokens) for g in groups for s in g)
+        trainer.train(0, copy.deepcopy(groups), 0)  # warm-up
+        for step in range(o.steps):
+            batch = copy.deepcopy(groups)
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        old.append(m["old_logprob_time_s"])
-        rises.append(rss.rise)
-        if cuda:
-            peaks.append(torch.cuda.max_memory_allocated())
-    trainer.shutdown()
+                torch.cuda.reset_peak_memory_stats()
+            with PeakRSS() as rss:
+                t0 = time.perf_counter()
+                m = trainer.train(step + 1, batch, step + 1)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            old.append(m["old_logprob_time_s"])
+            rises.append(rss.rise)
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated())
+    finally:
+        trainer.shutdown()
     dt = sorted(times)[len(times) // 2]
     flops = 8.0 * n_params * tokens
     peak = o.peak_tflops * 1e12 if o.peak_tflops else _gpu_peak() if cuda else None
@@ -175,6 +179,23 @@ def _device_name() -> str:
 def _gpu_peak() -> float | None:
     name = _device_name()
     return next((v for k, v in GPU_PEAK.items() if k in name), None)
+
+
+def run_caught(o, backend: str, layout: str, chunk: int) -> dict:
+    """`run_one` in this process; a failure (out of memory, ...) is a result, and the next run goes on."""
+    import gc
+    import traceback
+
+    import torch
+
+    try:
+        return run_one(o, backend, layout, chunk)
+    except Exception:  # noqa: BLE001  (reported in the results, like a failed subprocess)
+        return {"backend": backend, "layout": layout, "chunk": chunk, "error": traceback.format_exc()[-3000:]}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def run_isolated(o, argv: list[str], backend: str, layout: str, chunk: int) -> dict:
@@ -216,6 +237,8 @@ def parse(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--backends", nargs="+", default=["fsdp", "megatron"], choices=["fsdp", "megatron"])
     p.add_argument("--layouts", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
+    p.add_argument("--configs", nargs="+", default=None, metavar="BACKEND:LAYOUT",
+                   help="exactly these runs, in this order (instead of every backend x layout)")
     p.add_argument("--chunk-sizes", nargs="+", type=int, default=[0],
                    help="--log-probs-chunk-size values (0 auto, -1 none)")
     p.add_argument("--samples", type=int, default=16)
@@ -267,7 +290,7 @@ def main(argv=None) -> int:
                    "--layouts", "packed"]
             so = parse(sub)
             for b in so.backends:
-                r = run_one(so, b, "packed", 0) if o.in_process else run_isolated(so, sub, b, "packed", 0)
+                r = run_caught(so, b, "packed", 0) if o.in_process else run_isolated(so, sub, b, "packed", 0)
                 r["tokens_per_sample"] = total
                 results.append(r)
                 if "error" not in r:
@@ -278,13 +301,14 @@ def main(argv=None) -> int:
                     print(f"{b}: FAILED {r['error'][-2000:]}")
     else:
         # interleave configurations so the box's drift hits them alike
+        pairs = ([tuple(c.split(":")) for c in o.configs] if o.configs
+                 else [(b, lay) for b in o.backends for lay in o.layouts])
         for chunk in o.chunk_sizes:
-            for backend in o.backends:
-                for layout in o.layouts:
-                    r = run_one(o, backend, layout, chunk) if o.in_process else run_isolated(o, argv, backend, layout,
-                                                                                               chunk)
-                    results.append(r)
-                    print(json.dumps({k: v for k, v in r.items() if k != "train_s_all"}), file=sys.stderr)
+            for backend, layout in pairs:
+                r = (run_caught(o, backend, layout, chunk) if o.in_process
+                     else run_isolated(o, argv, backend, layout, chunk))
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "train_s_all"}), file=sys.stderr)
         print_table(results)
     out = {"model": o.model, "results": results}
     if o.json:

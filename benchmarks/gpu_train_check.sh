@@ -13,12 +13,13 @@
 #      varlen-kernel test, test_one_rl_step_equals_fsdp, the gspo tests of test_fsdp_trainer.py   -> tests_gpu.xml
 #   B. the ~0.5B Qwen3 (hidden 1024, 16 layers, vocab 151,936, tied), Megatron bf16 TP=1, 8 samples of
 #      256 + ~16k tokens, micro-batch 1: peak GPU memory (target <= 40 GB)                         -> bench_16k.json
-#   C. the RL-shaped batch (64 samples, 256-token prompts, 768-2,048-token responses, micro-batch 2), bf16:
-#      Megatron packed / padded, FSDP packed / padded: time per train(), tokens/s, MFU (target >= 25%),
-#      FSDP / Megatron (target <= 1.3x)                                                            -> bench_rl.json
+#   C. the RL-shaped batch (64 samples, 256-token prompts, 768-2,048-token responses: ~100k tokens), bf16,
+#      --use-dynamic-batch-size --max-tokens-per-gpu 16384: Megatron packed, FSDP packed, Megatron padded: time
+#      per train(), tokens/s, MFU (target >= 25%), FSDP / Megatron (target <= 1.3x)               -> bench_rl.json
 #      and Megatron packed with --compile-ops (does torch.compile of RMSNorm / SwiGLU pay?)       -> bench_rl_compile.json
 #   D. the rest of the trainer tests on CUDA (test_train_at_length, test_megatron_trainer, test_fsdp_trainer,
 #      test_logprob_head; not the slow ones)                                                        -> tests_rest.xml
+#   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
 # The last lines printed are the summary (also $OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,13 +66,15 @@ step() {  # step NAME CAP_S command...: run under min(CAP_S, time left), log to 
 if [[ $MODE == gpu ]]; then
   MODEL=qwen3-0.5b; BF16=--bf16
   L16=(--samples 8 --group-size 8 --prompt-len 256 --response-min 15872 --response-max 16128 --micro-batch-size 1)
-  LRL=(--samples 64 --group-size 8 --prompt-len 256 --response-min 768 --response-max 2048 --micro-batch-size 2)
-  CAPS=(100 60 130 120)
+  LRL=(--samples 64 --group-size 8 --prompt-len 256 --response-min 768 --response-max 2048 --max-tokens-per-gpu 16384)
+  LRL2=(--samples 64 --group-size 8 --prompt-len 256 --response-min 768 --response-max 2048 --micro-batch-size 2)
+  CAPS=(90 45 100 45 120 60)  # A B C C-compile D E: later steps get what the budget leaves
 else
   MODEL=tiny; BF16=
   L16=(--samples 2 --group-size 2 --prompt-len 16 --response-min 200 --response-max 240 --micro-batch-size 1)
-  LRL=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --micro-batch-size 2)
-  CAPS=(240 120 240 240)
+  LRL=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --max-tokens-per-gpu 160)
+  LRL2=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --micro-batch-size 2)
+  CAPS=(240 120 240 120 300 120)
   BUDGET_S=${BUDGET_S_CPU:-900}
 fi
 BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root "$OUT/models")
@@ -89,10 +92,12 @@ step B_bench_16k "${CAPS[1]}" $PY "${BENCH[@]}" --backends megatron --layouts pa
   --json "$OUT/bench_16k.json"
 step C_bench_rl "${CAPS[2]}" $PY "${BENCH[@]}" --backends megatron fsdp --layouts packed padded "${LRL[@]}" \
   --steps 2 --json "$OUT/bench_rl.json" --configs megatron:packed fsdp:packed megatron:padded
-step C_bench_rl_compile 60 $PY "${BENCH[@]}" --backends megatron --layouts packed "${LRL[@]}" --steps 2 \
+step C_bench_rl_compile "${CAPS[3]}" $PY "${BENCH[@]}" --backends megatron --layouts packed "${LRL[@]}" --steps 2 \
   --json "$OUT/bench_rl_compile.json" --compile-ops
-step D_tests_rest "${CAPS[3]}" "${PYTEST[@]}" --junitxml="$OUT/tests_rest.xml" -m "not slow" \
+step D_tests_rest "${CAPS[4]}" "${PYTEST[@]}" --junitxml="$OUT/tests_rest.xml" -m "not slow" \
   tests/test_train_at_length.py tests/test_logprob_head.py tests/test_megatron_trainer.py tests/test_fsdp_trainer.py
+step E_bench_rl_mbs2 "${CAPS[5]}" $PY "${BENCH[@]}" --configs megatron:packed megatron:padded "${LRL2[@]}" --steps 1 \
+  --json "$OUT/bench_rl_mbs2.json"
 
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, sys
@@ -116,7 +121,7 @@ for name in ("tests_gpu", "tests_rest"):
 def rows(name):
     path = os.path.join(out, name + ".json")
     return json.load(open(path))["results"] if os.path.exists(path) else []
-for name in ("bench_16k", "bench_rl", "bench_rl_compile"):
+for name in ("bench_16k", "bench_rl", "bench_rl_compile", "bench_rl_mbs2"):
     for r in rows(name):
         if "error" in r:
             print(f"{name} {r['backend']} {r['layout']}: ERROR {r['error'].strip().splitlines()[-1][:200]}"); continue

@@ -2,18 +2,20 @@
 per backend, padded vs packed micro-batches, by log-prob head chunk size, on RL-shaped lengths.
 
 Same command on a CPU box and on a GPU (no Ray: the trainer classes run in-process, world size 1).
-Every configuration runs in a fresh subprocess (clean peak memory, clean process groups), one after
-the other on the same batch: a warm-up `train()`, then `--steps` timed ones. Reported per run:
-seconds per `train()` (and the old-log-prob part), tokens/s (prompt + response tokens), the peak
-memory of a timed `train()` (GPU: `max_memory_allocated`; CPU: the process's peak resident memory
-above what it held before the call), and MFU = 8 x N x T / time / peak FLOP/s (N parameters, T tokens:
-forward + backward of the update plus the old-log-prob forward; peak: the GPU's dense bf16 rate,
-`--peak-tflops` elsewhere). Padded / packed ratios are printed side by side; the last line is one JSON.
+Each backend runs in a fresh subprocess (clean peak memory, clean process groups; `--in-process` to
+save the start-up): one trainer, a warm-up `train()` per layout, then `--steps` rounds of one timed
+`train()` per layout, padded and packed interleaved on the same weights and batch. Reported per run:
+seconds per `train()` (median; and the old-log-prob part), tokens/s (prompt + response tokens), the
+peak memory of a timed `train()` (GPU: `max_memory_allocated`; CPU: the process's peak resident
+memory above what it held before the call), and MFU = 8 x N x T / time / peak FLOP/s (N parameters,
+T tokens: forward + backward of the update plus the old-log-prob forward; peak: the GPU's dense bf16
+rate, `--peak-tflops` elsewhere). Packed / padded ratios are printed side by side; the last line is
+one JSON.
 
-    python benchmarks/train_throughput.py                      # tiny model, vocab 151,936, CPU-sized batch
-    python benchmarks/train_throughput.py --model qwen3-0.5b --bf16 --samples 64 --prompt-len 256 \\
-        --response-min 768 --response-max 2048 --micro-batch-size 2          # the RL batch on a GPU
-    python benchmarks/train_throughput.py --memory-check                       # CPU acceptance: peak RSS
+    python benchmarks/train_throughput.py                  # CPU: the small model, RL-shaped lengths (4x spread)
+    python benchmarks/train_throughput.py --memory-check   # CPU acceptance: peak RSS at vocab 151,936
+    python benchmarks/train_throughput.py --model qwen3-0.5b --bf16 --samples 64 --prompt-len 256 \
+        --response-min 768 --response-max 2048 --max-tokens-per-gpu 16384    # the RL batch on a GPU
 
 Lengths: `--samples` responses uniform in [--response-min, --response-max] (default 4x spread) after a
 `--prompt-len` prompt; groups of `--group-size` with distinct rewards.
@@ -35,6 +37,7 @@ sys.path.insert(0, REPO)
 
 # model presets: (hidden, layers, heads, kv heads, head dim, ffn, vocab, tied, max positions)
 MODELS = {
+    "small": (256, 4, 4, 2, 64, 768, 4096, False, 40960),
     "tiny": (64, 2, 4, 2, 16, 128, 151936, False, 40960),
     "tiny-small-vocab": (64, 2, 4, 2, 16, 128, 512, False, 40960),
     "qwen3-0.5b": (1024, 16, 16, 8, 128, 3072, 151936, True, 40960),
@@ -112,8 +115,9 @@ def trainer_args(o, model_dir: str, backend: str, layout: str, chunk: int):
     return parse_args(argv + o.extra)
 
 
-def run_one(o, backend: str, layout: str, chunk: int) -> dict:
-    """In this process: build the trainer, warm up, time `--steps` train() calls."""
+def run_backend(o, backend: str, layouts: list[str], chunk: int) -> list[dict]:
+    """In this process: one trainer; a warm-up train() per layout, then `--steps` rounds of one timed train() per
+    layout, the layouts interleaved (the same weights, and the box's drift hits them alike)."""
     import copy
 
     import torch
@@ -121,14 +125,14 @@ def run_one(o, backend: str, layout: str, chunk: int) -> dict:
     from slime.utils.peak_memory import PeakRSS
 
     model_dir = build_model_dir(o.model, o.root)
-    args = trainer_args(o, model_dir, backend, layout, chunk)
+    base = trainer_args(o, model_dir, backend, layouts[0], chunk)
     if backend == "fsdp":
         from slime.backends.fsdp_utils.actor import FSDPTrainer as cls
     else:
         from slime.backends.megatron_utils.actor import MegatronTrainer as cls
     cuda = torch.cuda.is_available()
-    trainer = cls(args)
-    times, old, rises, peaks = [], [], [], []
+    trainer = cls(base)
+    runs = {lay: {"times": [], "old": [], "rises": [], "peaks": []} for lay in layouts}
     try:
         t_init = time.perf_counter()
         trainer.init()
@@ -136,32 +140,42 @@ def run_one(o, backend: str, layout: str, chunk: int) -> dict:
         n_params = sum(p.numel() for p in {id(p): p for p in _params(trainer)}.values())
         groups = make_groups(o)
         tokens = sum(len(s.tokens) for g in groups for s in g)
-        trainer.train(0, copy.deepcopy(groups), 0)  # warm-up
+        for lay in layouts:  # warm-up
+            trainer.args = base.replace(micro_batch_layout=lay)
+            trainer.train(0, copy.deepcopy(groups), 0)
         for step in range(o.steps):
-            batch = copy.deepcopy(groups)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            with PeakRSS() as rss:
-                t0 = time.perf_counter()
-                m = trainer.train(step + 1, batch, step + 1)
+            for lay in layouts[step % len(layouts):] + layouts[: step % len(layouts)]:
+                trainer.args = base.replace(micro_batch_layout=lay)  # the same model, the other layout
+                r = runs[lay]
+                batch = copy.deepcopy(groups)
                 if cuda:
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            old.append(m["old_logprob_time_s"])
-            rises.append(rss.rise)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated())
+                    torch.cuda.reset_peak_memory_stats()
+                with PeakRSS() as rss:
+                    t0 = time.perf_counter()
+                    m = trainer.train(step + 1, batch, step + 1)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    r["times"].append(time.perf_counter() - t0)
+                r["old"].append(m["old_logprob_time_s"])
+                r["rises"].append(rss.rise)
+                if cuda:
+                    r["peaks"].append(torch.cuda.max_memory_allocated())
     finally:
         trainer.shutdown()
-    dt = sorted(times)[len(times) // 2]
-    flops = 8.0 * n_params * tokens
     peak = o.peak_tflops * 1e12 if o.peak_tflops else _gpu_peak() if cuda else None
-    return {"backend": backend, "layout": layout, "chunk": chunk, "device": _device_name(), "params": n_params,
-            "tokens": tokens, "samples": o.samples, "init_s": init_s, "train_s": dt, "train_s_all": times,
-            "old_logprob_s": sorted(old)[len(old) // 2], "tokens_per_s": tokens / dt, "tflops": flops / dt / 1e12,
-            "mfu": (flops / dt / peak) if peak else None, "rss_rise_gb": max(rises) / 2**30,
-            "gpu_peak_gb": (max(peaks) / 2**30) if peaks else None, "bf16": bool(o.bf16)}
+    flops = 8.0 * n_params * tokens
+    out = []
+    for lay in layouts:
+        r = runs[lay]
+        dt = sorted(r["times"])[len(r["times"]) // 2]
+        out.append({"backend": backend, "layout": lay, "chunk": chunk, "device": _device_name(), "params": n_params,
+                    "tokens": tokens, "samples": o.samples, "init_s": init_s, "train_s": dt, "train_s_all": r["times"],
+                    "old_logprob_s": sorted(r["old"])[len(r["old"]) // 2], "tokens_per_s": tokens / dt,
+                    "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
+                    "rss_rise_gb": max(r["rises"]) / 2**30,
+                    "gpu_peak_gb": (max(r["peaks"]) / 2**30) if r["peaks"] else None, "bf16": bool(o.bf16)})
+    return out
 
 
 def _params(trainer):
@@ -181,30 +195,32 @@ def _gpu_peak() -> float | None:
     return next((v for k, v in GPU_PEAK.items() if k in name), None)
 
 
-def run_caught(o, backend: str, layout: str, chunk: int) -> dict:
-    """`run_one` in this process; a failure (out of memory, ...) is a result, and the next run goes on."""
+def run_caught(o, backend: str, layouts: list[str], chunk: int) -> list[dict]:
+    """`run_backend` in this process; a failure (out of memory, ...) is a result, and the next run goes on."""
     import gc
     import traceback
 
     import torch
 
     try:
-        return run_one(o, backend, layout, chunk)
+        return run_backend(o, backend, layouts, chunk)
     except Exception:  # noqa: BLE001  (reported in the results, like a failed subprocess)
-        return {"backend": backend, "layout": layout, "chunk": chunk, "error": traceback.format_exc()[-3000:]}
+        err = traceback.format_exc()[-3000:]
+        return [{"backend": backend, "layout": lay, "chunk": chunk, "error": err} for lay in layouts]
     finally:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def run_isolated(o, argv: list[str], backend: str, layout: str, chunk: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", f"{backend}:{layout}:{chunk}"]
+def run_isolated(o, argv: list[str], backend: str, layouts: list[str], chunk: int) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", f"{backend}:{','.join(layouts)}:{chunk}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=o.timeout)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
     if out.returncode != 0 or not lines:
-        return {"backend": backend, "layout": layout, "chunk": chunk, "error": (out.stderr or out.stdout)[-3000:]}
+        err = (out.stderr or out.stdout)[-3000:]
+        return [{"backend": backend, "layout": lay, "chunk": chunk, "error": err} for lay in layouts]
     return json.loads(lines[-1])
 
 
@@ -232,9 +248,17 @@ def print_table(results: list[dict]) -> None:
         print(f"fsdp / megatron time per train() (packed): {bks['fsdp']['train_s'] / bks['megatron']['train_s']:.2f}x")
 
 
+def save(o, results: list[dict]) -> None:
+    if o.json:
+        with open(o.json, "w") as f:
+            json.dump({"model": o.model, "results": results}, f, indent=1)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--model", choices=sorted(MODELS), default="small",
+                   help="small: body-dominated CPU model; tiny: tiny hidden size, Qwen's 151,936-token vocabulary; "
+                        "qwen3-0.5b: the GPU shape (hidden 1024, 16 layers, tied)")
     p.add_argument("--backends", nargs="+", default=["fsdp", "megatron"], choices=["fsdp", "megatron"])
     p.add_argument("--layouts", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
     p.add_argument("--configs", nargs="+", default=None, metavar="BACKEND:LAYOUT",
@@ -247,7 +271,8 @@ def parse(argv=None):
     p.add_argument("--response-min", type=int, default=64)
     p.add_argument("--response-max", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="use dynamic batches with this budget")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="--use-dynamic-batch-size with this token budget (instead of --micro-batch-size)")
     p.add_argument("--global-batch-size", type=int, default=None, help="default: --samples (one optimizer step)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--steps", type=int, default=2, help="timed train() calls after the warm-up")
@@ -277,20 +302,20 @@ def main(argv=None) -> int:
     o = parse(argv)
     logging.basicConfig(level=logging.WARNING)
     if o.one:
-        backend, layout, chunk = o.one.split(":")
-        print(json.dumps(run_one(o, backend, layout, int(chunk))))
+        backend, layouts, chunk = o.one.split(":")
+        print(json.dumps(run_backend(o, backend, layouts.split(","), int(chunk))))
         return 0
     os.makedirs(o.root, exist_ok=True)
     build_model_dir(o.model, o.root)
     results = []
     if o.memory_check:
         for total in (1024, 2048):
-            sub = [*argv, "--samples", "2", "--group-size", "2", "--prompt-len", "16", "--response-min",
+            sub = [*argv, "--model", "tiny", "--samples", "2", "--group-size", "2", "--prompt-len", "16", "--response-min",
                    str(total - 16), "--response-max", str(total - 16), "--micro-batch-size", "1", "--steps", "1",
                    "--layouts", "packed"]
             so = parse(sub)
             for b in so.backends:
-                r = run_caught(so, b, "packed", 0) if o.in_process else run_isolated(so, sub, b, "packed", 0)
+                r = (run_caught(so, b, ["packed"], 0) if o.in_process else run_isolated(so, sub, b, ["packed"], 0))[0]
                 r["tokens_per_sample"] = total
                 results.append(r)
                 if "error" not in r:
@@ -301,20 +326,25 @@ def main(argv=None) -> int:
                     print(f"{b}: FAILED {r['error'][-2000:]}")
     else:
         # interleave configurations so the box's drift hits them alike
-        pairs = ([tuple(c.split(":")) for c in o.configs] if o.configs
-                 else [(b, lay) for b in o.backends for lay in o.layouts])
+        # one trainer per backend (consecutive --configs of one backend share it), its layouts interleaved
+        runs: list[tuple[str, list[str]]] = []
+        for c in (o.configs or [f"{b}:{lay}" for b in o.backends for lay in o.layouts]):
+            backend, layout = c.split(":")
+            if runs and runs[-1][0] == backend:
+                runs[-1][1].append(layout)
+            else:
+                runs.append((backend, [layout]))
         for chunk in o.chunk_sizes:
-            for backend, layout in pairs:
-                r = (run_caught(o, backend, layout, chunk) if o.in_process
-                     else run_isolated(o, argv, backend, layout, chunk))
-                results.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "train_s_all"}), file=sys.stderr)
+            for backend, layouts in runs:
+                rs = (run_caught(o, backend, layouts, chunk) if o.in_process
+                      else run_isolated(o, argv, backend, layouts, chunk))
+                results += rs
+                for r in rs:
+                    print(json.dumps({k: v for k, v in r.items() if k != "train_s_all"}), file=sys.stderr)
+                save(o, results)  # so far: a run cut short by a time limit still leaves what it measured
         print_table(results)
-    out = {"model": o.model, "results": results}
-    if o.json:
-        with open(o.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    save(o, results)
+    print(json.dumps({"model": o.model, "results": results}))
     return 0 if all("error" not in r for r in results) else 1
 
 

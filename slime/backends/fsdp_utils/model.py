@@ -105,7 +105,8 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device().type, (dist.get_world_size(),))
-    kw = {"mesh": mesh}
+    # one rank holds every parameter whole anyway: resharding after the forward would only free and re-gather
+    kw = {"mesh": mesh, "reshard_after_forward": dist.get_world_size() > 1}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model.to(device())

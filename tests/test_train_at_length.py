@@ -197,17 +197,23 @@ def test_fsdp_bf16_computes_in_bf16_over_fp32_master_weights(trainer, model_dir)
     params = list(bf16.model.parameters())
     assert all(p.dtype == torch.float32 for p in params)
     assert all(v.dtype == torch.float32 for s in bf16.optimizer.state.values() for v in s.values() if v.dim())
-    from slime.backends.training_utils.data import build_micro_batch
     from slime.backends.fsdp_utils.model import final_hidden
+    from slime.backends.training_utils.data import build_micro_batch
+    from slime.backends.training_utils.distributed import device
 
     with torch.no_grad():
-        assert final_hidden(bf16.model, build_micro_batch(items[:2], bf16.pad_id, True)).dtype == torch.bfloat16
+        mb = build_micro_batch(items[:2], bf16.pad_id, True, device())
+        assert final_hidden(bf16.model, mb).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_shutdown_lets_go_of_the_model_and_optimizer(model_dir, backend):
+    gc.collect()
+    cuda = torch.cuda.is_available()
+    baseline = torch.cuda.memory_allocated() if cuda else 0
     t = make(backend, model_dir)
     t.train(0, make_groups(seed=46), 0)
+    held = torch.cuda.memory_allocated() - baseline if cuda else 0
     params = list(t.model.parameters()) if backend == "fsdp" else list(t.actor.core.parameters())
     refs = [weakref.ref(p) for p in params]
     del params
@@ -215,8 +221,8 @@ def test_shutdown_lets_go_of_the_model_and_optimizer(model_dir, backend):
     t.shutdown()  # idempotent
     gc.collect()
     assert all(r() is None for r in refs)
-    if torch.cuda.is_available():
-        assert torch.cuda.memory_allocated() < 64 * 2**20
+    if cuda:  # what may stay is not the trainer's: cuBLAS workspaces (tens of MB on Hopper) and the like
+        assert torch.cuda.memory_allocated() - baseline <= max(0.1 * held, 64 * 2**20), (held, baseline)
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels on a CPU: tens of seconds on a fresh machine

@@ -36,7 +36,7 @@ SITE=${SITE:-/tmp/site_train_check}
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -2
 fi
-STUBS="$OUT/stubs"
+STUBS=/tmp/gpu_train_check_stubs  # (nothing big under $OUT: it travels back)
 for pkg in ray sglang sglang_router datasets wandb math_verify; do
   mkdir -p "$STUBS/$pkg"
   echo "raise ImportError('$pkg is not installed on this box (stub from benchmarks/gpu_train_check.sh)')" \
@@ -77,7 +77,7 @@ else
   CAPS=(240 120 240 120 300 120)
   BUDGET_S=${BUDGET_S_CPU:-900}
 fi
-BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root "$OUT/models")
+BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root "${MODELS:-/tmp/gpu_train_check_models}")
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 600)
 
 step A_tests_gpu "${CAPS[0]}" "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \

@@ -161,6 +161,8 @@ class MegatronTrainer(Trainer):
         self.scheduler = None
 
     def _destroy_groups(self) -> None:
+        if self.layout is None:  # never set up (or already shut down): the groups may be another trainer's
+            return
         parallel.destroy_parallel(self._owns_pg)
         self._owns_pg = False
         self.layout = None

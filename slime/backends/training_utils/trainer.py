@@ -54,7 +54,6 @@ class Trainer(Offloadable):
         self.updater = None
         self.pad_id = 0
         self._owns_pg = False
-        self._initialized = False
         self.offloader = DeviceOffloader(f"{self.backend} trainer rank {rank}")
         self._master_sock = None
 
@@ -125,9 +124,7 @@ class Trainer(Offloadable):
         if master_port is None and self.world_size != 1:
             raise ValueError(f"{type(self).__name__}.init: master_port is required when world_size > 1")
         sock, self._master_sock = self._master_sock, None
-        info = self._setup(master_addr, master_port or 0, sock)
-        self._initialized = True
-        return info
+        return self._setup(master_addr, master_port or 0, sock)
 
     # ----------------------------------------------------------- helpers ----
     @property
@@ -282,11 +279,9 @@ class Trainer(Offloadable):
         return self.rank
 
     def shutdown(self) -> None:
-        """Idempotent. Closes the weight updater, drops the models, optimizer and offload buffers (their device
-        memory goes back to the allocator and, on a GPU, to the driver) and destroys the process groups."""
-        if not self._initialized:
-            return
-        self._initialized = False
+        """Idempotent, and safe after a failed `init`. Closes the weight updater, drops the models, optimizer and
+        offload buffers (their device memory goes back to the allocator and, on a GPU, to the driver) and destroys
+        the process groups this trainer made."""
         if self.updater is not None:
             self.updater.close()
             self.updater = None

@@ -243,9 +243,11 @@ def print_table(results: list[dict]) -> None:
                 print(f"{b} chunk {c}: packed / padded time per train() = "
                       f"{by['packed']['train_s'] / by['padded']['train_s']:.2f}x "
                       f"({by['packed']['train_s']:.3f} s vs {by['padded']['train_s']:.3f} s)")
-    bks = {r["backend"]: r for r in ok if r["layout"] == "packed"}
-    if "fsdp" in bks and "megatron" in bks:
-        print(f"fsdp / megatron time per train() (packed): {bks['fsdp']['train_s'] / bks['megatron']['train_s']:.2f}x")
+    for c in sorted({r["chunk"] for r in ok}):
+        bks = {r["backend"]: r for r in ok if r["layout"] == "packed" and r["chunk"] == c}
+        if "fsdp" in bks and "megatron" in bks:
+            print(f"chunk {c}: fsdp / megatron time per train() (packed): "
+                  f"{bks['fsdp']['train_s'] / bks['megatron']['train_s']:.2f}x")
 
 
 def save(o, results: list[dict]) -> None:

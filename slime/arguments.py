@@ -221,8 +221,16 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default: rollout batch size x n samples)")
     g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--use-dynamic-batch-size", action="store_true")
-    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="micro-batches by token budget (--max-tokens-per-gpu), balanced across data-parallel ranks")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="token budget of a micro-batch with --use-dynamic-batch-size (a longer sample trains alone)")
+    g.add_argument("--micro-batch-layout", choices=["packed", "padded"], default="packed",
+                   help="packed: a micro-batch's samples back to back without padding (attention stays inside each "
+                        "sample); padded: right-padded to its longest sample")
+    g.add_argument("--log-probs-chunk-size", type=int, default=0,
+                   help="tokens per chunk of the log-prob / entropy head (logits are never held for more tokens); "
+                        "0: auto (a chunk of ~16M logits on CPU, ~268M on a GPU), -1: the whole micro-batch at once")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -270,11 +278,19 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights and optimizer")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 compute with fp32 master weights and optimizer (Megatron: bf16 weights + fp32 main "
+                        "copies; FSDP: bf16 mixed-precision policy over fp32 sharded weights)")
     g.add_argument("--fp16", action="store_true", help="not supported (use --bf16)")
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto / flash: torch SDPA (flash kernels on GPU); unfused / local: megatron's own attention; "
                         "fused needs TransformerEngine (not supported)")
+    g.add_argument("--compile-ops", action="store_true",
+                   help="torch.compile the element-wise parts of each layer (RMSNorm, SwiGLU) into fused kernels, "
+                        "both trainer backends (measured by benchmarks/train_throughput.py; slow to compile on CPU)")
+    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
+                   help="the layer GPTModel is built from: Transformer Engine's fused layer spec, or megatron's local "
+                        "spec with torch kernels (auto: TE where transformer_engine imports on a CUDA machine)")
     g.add_argument("--attention-dropout", type=float, default=None, help="default: the HF config's")
     g.add_argument("--hidden-dropout", type=float, default=None, help="default: 0")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
@@ -604,6 +620,7 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.micro_batch_size > 0, "--micro-batch-size", "must be > 0")
     _require(not a.use_dynamic_batch_size or (a.max_tokens_per_gpu or 0) > 0, "--max-tokens-per-gpu",
              "must be set (> 0) with --use-dynamic-batch-size")
+    _require(a.log_probs_chunk_size >= -1, "--log-probs-chunk-size", "must be > 0, 0 (auto) or -1 (no chunking)")
     _require(math.isfinite(a.lr) and a.lr > 0, "--lr", "must be a finite number > 0")
     _require(a.adam_eps > 0, "--adam-eps", "must be > 0")
     _require(0 <= a.adam_beta1 < 1 and 0 <= a.adam_beta2 < 1, "--adam-beta1", "Adam betas must be in [0, 1)")
@@ -632,8 +649,9 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
 # Megatron-only flags: (name, value that means "not used")
 _MEGATRON_ONLY = (
     ("tensor_model_parallel_size", 1), ("sequence_parallel", False), ("use_distributed_optimizer", False),
-    ("recompute_granularity", None), ("bf16", False), ("attention_backend", "auto"),
+    ("recompute_granularity", None), ("attention_backend", "auto"),
     ("accumulate_allreduce_grads_in_fp32", False), ("attention_softmax_in_fp32", False), ("hidden_dropout", None),
+    ("transformer_impl", "auto"),
     ("attention_dropout", None), ("lr_decay_style", "constant"), ("lr_warmup_iters", 0),
 )
 # Features no backend has: (name, value that means "not used", why)

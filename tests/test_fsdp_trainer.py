@@ -234,7 +234,7 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
     log_probs, advantages = [[1.0, 2.0], [0.5, 0.5], [1.5, 1.5]], [-1.0, -2.0, 1.0]
     results = {}
     for eps_c in (None, 3.0):
-        args = make_args(str(tmp_path), advantage_estimator="gspo", eps_clip_c=eps_c, calculate_per_token_loss=False)
+        args = make_args(str(tmp_path), "--train-backend", "fsdp", advantage_estimator="gspo", eps_clip_c=eps_c, calculate_per_token_loss=False)
         lps, masks, rt = _loss_inputs(advantages, log_probs)
         loss, metrics = micro_batch_loss(args, lps, None, [0, 1, 2], masks, rt, num_tokens=6.0, num_samples=3.0)
         loss.backward()
@@ -255,7 +255,7 @@ def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
     """Convention: under GSPO the TIS weight of token t scales token t's gradient (upstream spreads mean(w))."""
     from slime.backends.training_utils.loss import micro_batch_loss
 
-    args = make_args(str(tmp_path), advantage_estimator="gspo", use_tis=True, calculate_per_token_loss=False)
+    args = make_args(str(tmp_path), "--train-backend", "fsdp", advantage_estimator="gspo", use_tis=True, calculate_per_token_loss=False)
     lps, masks, rt = _loss_inputs([1.0], [[0.0, 0.0, 0.0]], tis=[[0.5, 2.0, 1.0]])
     loss, _ = micro_batch_loss(args, lps, None, [0], masks, rt, num_tokens=3.0, num_samples=1.0)
     loss.backward()

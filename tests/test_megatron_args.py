@@ -129,11 +129,16 @@ def test_unsupported_or_inconsistent_flags_fail_with_a_reason(base, extra, flag,
     assert str(e.value).startswith(flag + ":") and why in str(e.value)
 
 
-@pytest.mark.parametrize("extra", [["--bf16"], ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"],
+@pytest.mark.parametrize("extra", [["--attention-backend", "unfused"],
+                                   ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"],
                                    ["--lr-decay-style", "linear", "--lr-decay-iters", "5"]])
 def test_fsdp_refuses_megatron_only_flags(base, extra):
     with pytest.raises(ArgumentError, match="supported by --train-backend megatron only"):
         parse_args(base(qwen3_config(*QWEN3["qwen3-0.6B"]), "--train-backend", "fsdp", *extra))
+
+
+def test_fsdp_takes_bf16_mixed_precision(base):
+    assert parse_args(base(qwen3_config(*QWEN3["qwen3-0.6B"]), "--train-backend", "fsdp", "--bf16")).bf16
 
 
 def test_auto_backend_is_fsdp_without_cuda(base):

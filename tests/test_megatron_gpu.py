@@ -34,7 +34,8 @@ def qwen3_half_b(tmp_path_factory):
                       max_position_embeddings=4096, rope_theta=1000000.0, dtype="bfloat16",
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.device("cuda"):  # seconds, not the CPU's tens of seconds
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     model.save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return str(d)

@@ -1,6 +1,6 @@
 """The Megatron trainer across layouts on CPU (gloo): TP=2 matches HF and
 TP=1 (logits, loss, gradients; with sequence parallelism and token-budget
-micro-batches too), and checkpoints resume exactly at another
+micro-batches too; packed and padded micro-batches alike), and checkpoints resume exactly at another
 TP / DP (weights bit-equal, the next step equal), with the distributed and
 the plain optimizer. Two spawned ranks run every 2-rank phase in one go
 (megatron's import costs seconds per process); the TP=1 side runs here."""
@@ -32,6 +32,7 @@ LR = ("--lr", "1e-2")
 
 def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: list[int]) -> None:
     from slime.backends.megatron_utils.actor import MegatronTrainer
+    from slime.backends.training_utils.data import flatten_groups
 
     def save(name, obj):
         if rank == 0:
@@ -47,6 +48,12 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
     save("tp2_logits.pt", full_logits(t, FIXED_IDS))
     loss, grads = step_grads(t, groups())
     save("tp2_grads.pt", (loss, grads))
+    # the same weights with right-padded micro-batches: log-probs and gradients equal the packed ones
+    items = [it for g in flatten_groups(groups())[0] for it in g]
+    packed_lps = t._log_probs(t.actor, items)
+    t.args = t.args.replace(micro_batch_layout="padded")
+    save("tp2_layouts.pt", (packed_lps, t._log_probs(t.actor, items), step_grads(t, groups())))
+    t.args = t.args.replace(micro_batch_layout="packed")
     t.train(0, groups(), 0)
     t.save(os.path.join(out, "ckpt_tp2"))
     save("tp2_saved.pt", full_weights(t))
@@ -150,6 +157,15 @@ def test_tp2_loss_and_gradients_equal_tp1(two_ranks, tp1):
     loss_sp, grads_sp = two_ranks("tp2_sp_grads.pt")  # + sequence parallel, token-budget micro-batches
     assert abs(loss1 - loss_sp) <= 1e-6
     assert _max_diff(grads1, grads_sp) <= 1e-6
+
+
+def test_packed_and_padded_micro_batches_agree_at_tp2(two_ranks):
+    """fp32, TP=2: packed micro-batches (no padding, attention inside each sample) give the padded path's
+    log-probs and gradients."""
+    packed_lps, padded_lps, (padded_loss, padded_grads) = two_ranks("tp2_layouts.pt")
+    loss, grads = two_ranks("tp2_grads.pt")  # packed (the default)
+    assert max(float((a - b).abs().max()) for a, b in zip(packed_lps, padded_lps)) <= 1e-5
+    assert abs(loss - padded_loss) <= 1e-6 and _max_diff(grads, padded_grads) <= 1e-5
 
 
 def test_resume_at_another_tp_dp_is_exact(two_ranks):

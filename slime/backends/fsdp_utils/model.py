@@ -1,5 +1,22 @@
 """Process-group setup, model loading and FSDP2 sharding, and the teacher-forced
-log-prob forward shared by the old-policy, reference and training passes."""
+forward of a micro-batch (padded or packed) shared by the old-policy,
+reference and training passes.
+
+- Precision: the weights, gradients and AdamW state stay float32 (master
+  weights); with --bf16, FSDP2's mixed-precision policy gathers the parameters
+  as bf16 for forward and backward and reduces gradients in float32.
+- Attention: `--attn-implementation sdpa` loads the model with `slime_sdpa`, an
+  attention function registered with transformers: padded micro-batches run
+  torch SDPA (causal; right padding needs no mask), packed ones
+  `training_utils.varlen.packed_causal_attention` (varlen kernels on GPU, one
+  SDPA call per sample elsewhere). flash_attention_2 handles packed input
+  itself (cu_seq_lens); eager gets transformers' block-diagonal mask from the
+  restarting position ids.
+- Head: the output projection returns its input (the final hidden states)
+  during our forward, and `training_utils.logprob_head` computes the log-probs
+  and entropies chunk by chunk: the full [tokens, vocabulary] logits never
+  exist.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +25,49 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from slime.backends.training_utils.data import Batch, TrainItem, collate, response_slices
+from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import device, free_port, init_distributed, use_cuda  # noqa: F401
-from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
+from slime.backends.training_utils.logprob_head import head_log_probs
 
 logger = logging.getLogger(__name__)
+
+PACKED_SDPA = "slime_sdpa"
+
+
+def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature: query [B, Hq, S, D], key / value [B, Hkv, S, D]
+    -> ([B, S, Hq, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from slime.backends.training_utils.varlen import packed_causal_attention
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:  # padded (right padding, causal): no mask needed
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, H, D]
+    out = packed_causal_attention(q, k, v, cu, int(kwargs["max_length_q"]), scale=scaling, dropout_p=dropout)
+    return out.unsqueeze(0), None
+
+
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_SDPA, _packed_sdpa_attention)
+    return PACKED_SDPA
+
+
+class HeadOrHidden(nn.Linear):
+    """The model's output projection; while `emit_hidden` is set it returns its input (the final hidden
+    states) so that the chunked head, not the model, turns them into log-probs."""
+
+    emit_hidden = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        # a copy, not the caller's slice: FSDP2 hooks the root's output for the backward, and a view's
+        # hook is lost if anyone writes into it
+        return x.clone() if self.emit_hidden else super().forward(x)
 
 
 def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
@@ -22,7 +75,15 @@ def load_hf_model(path: str, attn_implementation: str = "sdpa") -> nn.Module:
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--hf-checkpoint / --ref-load: {path!r} is not a directory with a HF model")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    impl = _register_attention() if attn_implementation == "sdpa" else attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise ValueError(f"{type(model).__name__}: the output projection is a {type(head).__name__}"
+                         f"{' with a bias' if type(head) is nn.Linear else ''}; the trainer's log-prob head needs a "
+                         "bias-free nn.Linear")
+    head.__class__ = HeadOrHidden
+    return model
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -37,44 +98,83 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
 
 
-def shard_model(model: nn.Module) -> nn.Module:
-    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head)."""
+def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
+    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head). With `bf16`, parameters
+    are gathered as bf16 for compute; the sharded (master) parameters and gradients stay float32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device().type, (dist.get_world_size(),))
+    # one rank holds every parameter whole anyway: resharding after the forward would only free and re-gather
+    kw = {"mesh": mesh, "reshard_after_forward": dist.get_world_size() > 1}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model.to(device())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 
-def build_model(path: str, trainable: bool, attn_implementation: str = "sdpa") -> nn.Module:
-    model = load_hf_model(path, attn_implementation)
+def compile_elementwise(model: nn.Module) -> int:
+    """--compile-ops: torch.compile every RMSNorm and MLP (its activation and product fuse; the matmuls stay
+    cuBLAS), dynamic shapes (one graph for every micro-batch length). Returns how many modules."""
+    n = 0
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm") or name.endswith("MLP"):
+            m.compile(dynamic=True)
+            n += 1
+    return n
+
+
+def build_model(path: str, trainable: bool, args) -> nn.Module:
+    model = load_hf_model(path, args.attn_implementation)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    return shard_model(model)
+    if args.compile_ops and not compile_elementwise(model):
+        raise ValueError(f"--compile-ops: {type(model).__name__} has no RMSNorm / MLP modules to compile")
+    return shard_model(model, bf16=bool(args.bf16))
 
 
-def forward_items(
-    model: nn.Module,
-    items: list[TrainItem],
-    pad_id: int,
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns per-item response
-    log-probs [R] (log_softmax(logits / T) at the taken token), per-item
-    entropies (or None) and the full logits (for keeping the graph alive)."""
-    batch: Batch = collate(items, pad_id, device())
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    log_probs, entropies = [], [] if with_entropy else None
-    for lg, tok in response_slices(logits, batch):
-        log_probs.append(compute_log_probs(lg, tok, temperature))
-        if with_entropy:  # a metric only, unless the loss has an entropy term
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies.append(compute_entropy_from_logits(lg if entropy_grad else lg.detach(), temperature))
-    return log_probs, entropies, logits
+def describe(args) -> str:
+    """One line for the start-up log: the kernels this trainer runs."""
+    attn = {"sdpa": "torch SDPA (packed: varlen kernel on a GPU in bf16, else one call per sample)",
+            "flash_attention_2": "flash-attn (packed: its varlen kernel)",
+            "eager": "eager (packed: a block-diagonal mask)"}[args.attn_implementation]
+    ops = "RMSNorm + MLP through torch.compile" if args.compile_ops else "unfused element-wise ops"
+    return f"attention {attn}; {ops}"
+
+
+def final_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """[B, S, H] (padded) or [1, T, H] (packed): the final norm's output, the output projection skipped."""
+    head = model.get_output_embeddings()
+    kw = {}
+    if mb.packed:
+        kw = dict(cu_seq_lens_q=mb.cu_seqlens, cu_seq_lens_k=mb.cu_seqlens, max_length_q=mb.max_seqlen,
+                  max_length_k=mb.max_seqlen)
+    head.emit_hidden = True
+    try:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    use_cache=False, **kw)
+    finally:
+        head.emit_hidden = False
+    return out.logits
+
+
+def forward_micro_batch(model: nn.Module, mb: MicroBatch, temperature: float, chunk_size: int,
+                        with_entropy: bool = False, entropy_grad: bool = False
+                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs [R]
+    (log_softmax(logits / T) at the taken token), per-item entropies (or None) and a tensor that depends on
+    every parameter used (for a no-op backward)."""
+    hidden = final_hidden(model, mb)
+    h = hidden.reshape(-1, hidden.size(-1)).index_select(0, mb.rows)
+    # after the root's forward FSDP2 keeps the root's parameters (the head among them) unsharded until the
+    # backward: this is the full weight, in the compute dtype
+    weight = model.get_output_embeddings().weight
+    lp, ent = head_log_probs(h, weight, mb.targets, temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad)
+    sizes = mb.response_sizes
+    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp

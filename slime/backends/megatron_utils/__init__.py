@@ -2,10 +2,13 @@
 as the FSDP trainer, on GPU (NCCL, bf16) and on CPU (gloo, through a small
 runtime shim applied only where CUDA is absent).
 
-- `actor.MegatronTrainer`: one rank (a Ray actor via RayTrainGroup).
-- `config` / `model` / `attention` / `norm`: GPTModel from the HF config
-  (Qwen3, Qwen2, Llama), local layer spec (no TransformerEngine) with SDPA
-  attention and HF-exact RMSNorm, vocab-parallel log-probs.
+- `actor.MegatronTrainer`: one rank (a Ray actor via RayTrainGroup), on the
+  shared trainer skeleton (`training_utils.trainer`).
+- `config` / `model` / `layer_spec` / `attention` / `norm`: GPTModel from the HF
+  config (Qwen3, Qwen2, Llama): Transformer Engine's layer spec where it
+  imports on CUDA, else the local spec with packed-aware SDPA attention and
+  HF-exact RMSNorm (optionally torch.compile'd); the forward through the
+  vocab-parallel chunked log-prob head.
 - `hf_weights`: HF ⇄ Megatron tensors (per-group QKV, gate/up, TP shards).
 - `optimizer`: Megatron's Adam + LR schedule.
 - `checkpoint`: dist-checkpoints inside our atomic iter_NNNNNNN/ layout.

@@ -20,7 +20,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool):
+def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool, impl: str = "local"):
+    """`impl`: "local" (megatron's torch modules, ours for the norms and core attention) or
+    "transformer_engine" (TE's fused layers: its norms, fused RoPE, its attention kernels)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -49,7 +51,8 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool):
         params_dtype=dtype,
         bf16=args.bf16,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32 or not args.bf16,
-        attention_backend=AttnBackend.local,  # the layer spec picks the core attention (model.py)
+        # local: the layer spec picks the core attention (model.py); TE picks its own kernels
+        attention_backend=AttnBackend.auto if impl == "transformer_engine" else AttnBackend.local,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
@@ -57,11 +60,12 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool):
         # (weights are loaded afterwards, but initialisation is also what marks TP-split parameters:
         # without it the grad norm counts only rank 0's shards)
         perform_initialization=True,
-        # fused kernels come from apex / TE, which this backend does not use
+        # apex's fused kernels are not used; --compile-ops (or TE) fuses SwiGLU through megatron's own
+        # torch.compile'd bias_swiglu, TE's layer spec brings its fused RoPE
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=bool(args.compile_ops) or impl == "transformer_engine",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=impl == "transformer_engine",
     )

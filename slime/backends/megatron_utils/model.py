@@ -1,6 +1,10 @@
-"""Build megatron-core's GPTModel from a HF config (local layer spec, no
-TransformerEngine), fill it from HF weights or full tensors, and the
-teacher-forced forward that returns per-token log-probs (vocab-parallel).
+"""Build megatron-core's GPTModel from a HF config (the layer spec of
+`layer_spec.py`: Transformer Engine's or the local one), fill it from HF
+weights or full tensors, and the
+teacher-forced forward of a micro-batch (padded or packed) that returns
+per-token log-probs and entropies from the vocab-parallel chunked head
+(`training_utils.logprob_head`): the full [tokens, vocabulary] logits never
+exist.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from torch import Tensor, nn
 
 from slime.backends.megatron_utils import hf_weights
 from slime.backends.megatron_utils.config import padded_vocab_size, transformer_config
-from slime.backends.training_utils.data import TrainItem, collate
+from slime.backends.megatron_utils.layer_spec import block_spec, canonical_name, layer_impl
+from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import device, use_cuda
+from slime.backends.training_utils.logprob_head import head_log_probs
 from slime.utils.model_shape import ModelShape
-from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -31,37 +36,19 @@ class Built:
     config: object  # TransformerConfig
     shape: ModelShape
     padded_vocab: int
-
-
-def block_spec(args, shape: ModelShape):
-    """megatron's local (TransformerEngine-free) layer spec with our RMSNorm
-    everywhere and, for `--attention-backend flash/auto`, SDPA attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from slime.backends.megatron_utils.norm import RMSNorm
-
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
-    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if shape.qk_layernorm:
-        attn.q_layernorm = attn.k_layernorm = RMSNorm
-    if args.attention_backend in ("auto", "flash"):
-        from slime.backends.megatron_utils.attention import SDPAttention
-
-        attn.core_attention = SDPAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers, layer_norm=RMSNorm)
+    impl: str = "local"  # the layer spec: "local" or "transformer_engine"
 
 
 def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool) -> Built:
     """Weights are randomly initialised until `load_hf` / a checkpoint fills them."""
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(args, shape, tp, use_cuda())
+    impl = layer_impl(args)
+    cfg = transformer_config(args, shape, tp, use_cuda(), impl)
     vocab = padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, tp)
     core = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec(args, shape),
+        transformer_layer_spec=block_spec(args, shape, impl),
         vocab_size=vocab,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,
@@ -91,11 +78,12 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
         )
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
         model.train()
-    return Built(model=model, core=core, config=cfg, shape=shape, padded_vocab=vocab)
+    return Built(model=model, core=core, config=cfg, shape=shape, padded_vocab=vocab, impl=impl)
 
 
 def named_local_params(core: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(core.named_parameters())
+    """This rank's parameters under the local spec's names (what `hf_weights` maps), whatever the layer spec."""
+    return {canonical_name(n): p for n, p in core.named_parameters()}
 
 
 @torch.no_grad()
@@ -126,66 +114,54 @@ def _tp_info():
     return mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
 
 
-def vocab_parallel_log_probs(logits: Tensor, targets: Tensor, temperature: float, vocab_size: int,
-                             with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """log_softmax(logits / T)[target] and (optionally) the entropy, over a
-    vocabulary split across TP ranks (`logits`: [N, V_local]); padded
-    vocabulary columns never get probability. At TP=1 this is the same
-    function the FSDP trainer uses."""
+def final_hidden(built: Built, mb: MicroBatch) -> torch.Tensor:
+    """The decoder's output (after the final norm) for `mb`, [S, B, H] over the whole sequence on every
+    TP rank; its gradient is summed over TP ranks on the way back (as megatron's output layer does).
+    GPTModel returns the hidden states instead of logits while `post_process` is off for this call."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    psp = None
+    if mb.packed:
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                              max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    core = built.core
+    core.post_process = False
+    try:
+        hidden = built.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                             packed_seq_params=psp)
+    finally:
+        core.post_process = True
+    if built.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    return copy_to_tensor_model_parallel_region(hidden)
+
+
+def output_weight(built: Built) -> torch.Tensor:
+    """This TP rank's rows of the output projection (the word embeddings when tied)."""
+    core = built.core
+    return core.shared_embedding_or_output_weight() if core.share_embeddings_and_output_weights \
+        else core.output_layer.weight
+
+
+def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_size: int,
+                        with_entropy: bool = False, entropy_grad: bool = False
+                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs, entropies (or
+    None) and a tensor that depends on every parameter used (for a no-op backward)."""
+    hidden = final_hidden(built, mb)  # [S, B, H]
+    s, b = hidden.size(0), hidden.size(1)
+    # rows index the [B, S] layout of input_ids; hidden is [S, B]: row r = (r // S, r % S) -> (r % S) * B + r // S
+    rows = (mb.rows % s) * b + mb.rows // s if b > 1 else mb.rows
+    h = hidden.reshape(s * b, -1).index_select(0, rows)
+    weight = output_weight(built)
     tp, tp_rank = _tp_info()
-    if tp == 1:
-        lg = logits[:, :vocab_size]
-        ent = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = compute_entropy_from_logits(lg if entropy_grad else lg.detach(), temperature)
-        return compute_log_probs(lg, targets, temperature), ent
-
-    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
-    t = temperature if temperature > 0 else 1.0
-    v_local = logits.size(-1)
-    start = tp_rank * v_local
-    x = logits.float() / t
-    pad = (torch.arange(v_local, device=x.device) + start) >= vocab_size
-    if bool(pad.any()):
-        x = x.masked_fill(pad, float("-inf"))
-    m = x.detach().max(dim=-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
-    shifted = x - m.unsqueeze(-1)
-    exp = shifted.exp()
-    lse = tp_sum(exp.sum(-1)).log()
-    local_t = targets - start
-    mine = (local_t >= 0) & (local_t < v_local)
-    picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: padded columns hold -inf
-    log_probs = tp_sum(picked) - lse
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            s = shifted if entropy_grad else shifted.detach()
-            p = (s - (lse if entropy_grad else lse.detach()).unsqueeze(-1)).exp()
-            ent = (lse if entropy_grad else lse.detach()) - tp_sum((p * s.masked_fill(pad, 0.0)).sum(-1))
-    return log_probs, ent
-
-
-def forward_items(model: nn.Module, items: list[TrainItem], pad_id: int, temperature: float, vocab_size: int,
-                  seq_multiple: int = 1, with_entropy: bool = False, entropy_grad: bool = False
-                  ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
-    """Teacher-forced forward on one micro-batch (right-padded, causal).
-    Returns per-item response log-probs, entropies (or None) and the logits
-    (to keep the graph alive)."""
-    batch = collate(items, pad_id, device())
-    ids = batch.input_ids
-    if ids.size(1) % seq_multiple:  # sequence parallel: length divisible by TP
-        extra = seq_multiple - ids.size(1) % seq_multiple
-        ids = torch.cat([ids, ids.new_full((ids.size(0), extra), pad_id)], dim=1)
-    positions = torch.arange(ids.size(1), device=ids.device).unsqueeze(0).expand_as(ids)
-    logits = model(input_ids=ids, position_ids=positions, attention_mask=None)  # [B, S, V_local]
-    rows = torch.cat([logits[i, it.prompt_len - 1 : it.num_tokens - 1] for i, it in enumerate(items)])
-    targets = torch.cat([it.tokens[it.prompt_len :] for it in items]).to(rows.device)
-    lp, ent = vocab_parallel_log_probs(rows, targets, temperature, vocab_size, with_entropy, entropy_grad)
-    sizes = [it.response_len for it in items]
-    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), logits
+    lp, ent = head_log_probs(h, weight, mb.targets, temperature, vocab_size=built.shape.vocab_size,
+                             vocab_start=tp_rank * weight.size(0), chunk_size=chunk_size,
+                             tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
+                             with_entropy=with_entropy, entropy_grad=entropy_grad)
+    sizes = mb.response_sizes
+    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp

@@ -1,6 +1,7 @@
 """Samples → tensors for the trainer: exclude FAILED samples, split a rollout
-into optimizer steps and data-parallel shards, pack micro-batches (fixed size
-or by token budget) and collate them into right-padded tensors.
+into optimizer steps, plan every data-parallel rank's micro-batches (fixed
+size, or token-budget bins balanced across ranks) and lay a micro-batch out as
+model inputs (right-padded, or packed back to back without padding).
 
 Everything here is deterministic and independent of the rank, so every rank
 computes the same plan and only keeps its own part.
@@ -104,36 +105,69 @@ def shard(positions: list[int] | range, rank: int, world_size: int) -> list[int]
     return list(positions)[rank::world_size]
 
 
-def micro_batches(
-    items: list[TrainItem],
-    micro_batch_size: int | None = None,
-    max_tokens: int | None = None,
-) -> list[list[TrainItem]]:
-    """Fixed-size micro-batches, or (when `max_tokens` is set) first-fit
-    packing by token count so that each micro-batch holds at most
-    `max_tokens` tokens (a longer sample gets a micro-batch of its own)."""
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
-        bins: list[list[TrainItem]] = []
-        loads: list[int] = []
-        for it in sorted(items, key=lambda x: -x.num_tokens):
-            for b, load in enumerate(loads):
-                if load + it.num_tokens <= max_tokens:
-                    bins[b].append(it)
-                    loads[b] += it.num_tokens
-                    break
-            else:
-                if it.num_tokens > max_tokens:
-                    logger.warning("sample at position %d has %d tokens > --max-tokens-per-gpu=%d: own micro-batch",
-                                   it.pos, it.num_tokens, max_tokens)
-                bins.append([it])
-                loads.append(it.num_tokens)
-        return bins
-    mbs = micro_batch_size or 1
-    if mbs < 1:
-        raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
-    return [items[i : i + mbs] for i in range(0, len(items), mbs)]
+def plan_micro_batches(items: list[TrainItem], dp_size: int, micro_batch_size: int,
+                       max_tokens: int | None = None) -> list[list[list[TrainItem]]]:
+    """Every data-parallel rank's micro-batches for `items` (index = DP rank).
+
+    Fixed size (`max_tokens` None): a strided share per rank, cut into micro-batches of
+    `micro_batch_size`. Token budget (`--use-dynamic-batch-size --max-tokens-per-gpu`): samples go
+    to the rank with the fewest tokens so far (longest first), then each rank's share is cut into
+    bins of at most `max_tokens` tokens (first fit, longest first; a sample longer than the budget
+    gets a bin of its own), and the bins are rebalanced: every rank gets as many bins as the rank
+    that needs most, filled longest-first into the lightest bin wherever that keeps the budget.
+    """
+    if dp_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+    if max_tokens is None:
+        mbs = micro_batch_size or 1
+        if mbs < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
+        return [[part[i : i + mbs] for i in range(0, len(part), mbs)]
+                for part in (shard(items, r, dp_size) for r in range(dp_size))]
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
+    shares = _lightest_first(items, dp_size)
+    packed = [_first_fit(share, max_tokens) for share in shares]
+    n_bins = max(len(bins) for bins in packed)
+    out = []
+    for share, bins in zip(shares, packed):
+        balanced = _lightest_first(share, n_bins)
+        ok = all(len(b) <= 1 or sum(it.num_tokens for it in b) <= max_tokens for b in balanced)
+        out.append([b for b in (balanced if ok else bins) if b])
+    return out
+
+
+def _by_length(items: list[TrainItem]) -> list[TrainItem]:
+    return sorted(items, key=lambda it: (-it.num_tokens, it.pos))
+
+
+def _lightest_first(items: list[TrainItem], n: int) -> list[list[TrainItem]]:
+    """Longest first, each into the part with the fewest tokens (then fewest items) so far."""
+    parts: list[list[TrainItem]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for it in _by_length(items):
+        k = min(range(n), key=lambda j: (loads[j], len(parts[j]), j))
+        parts[k].append(it)
+        loads[k] += it.num_tokens
+    return parts
+
+
+def _first_fit(items: list[TrainItem], max_tokens: int) -> list[list[TrainItem]]:
+    bins: list[list[TrainItem]] = []
+    loads: list[int] = []
+    for it in _by_length(items):
+        for b, load in enumerate(loads):
+            if load + it.num_tokens <= max_tokens:
+                bins[b].append(it)
+                loads[b] += it.num_tokens
+                break
+        else:
+            if it.num_tokens > max_tokens:
+                logger.warning("sample at position %d has %d tokens > --max-tokens-per-gpu=%d: a micro-batch of its "
+                               "own", it.pos, it.num_tokens, max_tokens)
+            bins.append([it])
+            loads.append(it.num_tokens)
+    return bins
 
 
 def dummy_item(pad_id: int) -> TrainItem:
@@ -150,31 +184,73 @@ def dummy_item(pad_id: int) -> TrainItem:
 
 
 @dataclass
-class Batch:
-    input_ids: Tensor  # [B, Lmax] right-padded
-    attention_mask: Tensor  # [B, Lmax]
+class MicroBatch:
+    """One micro-batch as model inputs, padded or packed.
+
+    Padded: `input_ids` [B, S] right-padded to the longest sample (and to a multiple of
+    `multiple`), `attention_mask` [B, S]. Packed: `input_ids` [1, T], the samples back to back with
+    no padding (a trailing pad segment only to reach `multiple`), `cu_seqlens` [n + 1] int32 segment
+    boundaries, `attention_mask` None; attention must stay inside a segment. `position_ids` restart
+    at 0 for every sample in both. `rows` are the flat (row-major over `input_ids`) positions whose
+    next token is a response token, `targets` those tokens, in item order.
+    """
+
     items: list[TrainItem]
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor | None
+    cu_seqlens: Tensor | None
+    max_seqlen: int
+    rows: Tensor
+    targets: Tensor
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def response_sizes(self) -> list[int]:
+        return [it.response_len for it in self.items]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
 
 
-def collate(items: list[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+def build_micro_batch(items: list[TrainItem], pad_id: int, packed: bool, device: torch.device | str = "cpu",
+                      multiple: int = 1) -> MicroBatch:
     if not items:
-        raise ValueError("collate: empty micro-batch")
-    L = max(it.num_tokens for it in items)
-    ids = torch.full((len(items), L), pad_id, dtype=torch.long)
-    att = torch.zeros((len(items), L), dtype=torch.long)
-    for i, it in enumerate(items):
-        ids[i, : it.num_tokens] = it.tokens
-        att[i, : it.num_tokens] = 1
-    return Batch(ids.to(device), att.to(device), items)
-
-
-def response_slices(logits: Tensor, batch: Batch) -> list[tuple[Tensor, Tensor]]:
-    """Per item: (logits that predict the response tokens [R, V], the response tokens [R])."""
-    out = []
-    for i, it in enumerate(batch.items):
-        p, L = it.prompt_len, it.num_tokens
-        out.append((logits[i, p - 1 : L - 1], batch.input_ids[i, p:L]))
-    return out
+        raise ValueError("build_micro_batch: empty micro-batch")
+    lengths = [it.num_tokens for it in items]
+    rows, targets = [], []
+    if packed:
+        total = sum(lengths)
+        extra = -total % multiple
+        segs = lengths + ([extra] if extra else [])
+        ids = torch.cat([it.tokens for it in items] + ([torch.full((extra,), pad_id, dtype=torch.long)] if extra else []))
+        pos = torch.cat([torch.arange(n) for n in segs])
+        starts = [0]
+        for n in segs:
+            starts.append(starts[-1] + n)
+        cu = torch.tensor(starts, dtype=torch.int32)
+        for it, off in zip(items, starts):
+            rows.append(torch.arange(off + it.prompt_len - 1, off + it.num_tokens - 1))
+        input_ids, position_ids, mask, max_len = ids[None], pos[None], None, max(segs)
+    else:
+        width = max(lengths)
+        width += -width % multiple
+        input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for i, it in enumerate(items):
+            input_ids[i, : it.num_tokens] = it.tokens
+            mask[i, : it.num_tokens] = 1
+            rows.append(torch.arange(i * width + it.prompt_len - 1, i * width + it.num_tokens - 1))
+        position_ids = torch.arange(width).expand(len(items), width)
+        cu, max_len = None, width
+    targets = torch.cat([it.tokens[it.prompt_len :] for it in items])
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return MicroBatch(items, to(input_ids), to(position_ids), to(mask), to(cu), int(max_len), to(torch.cat(rows)),
+                      to(targets))
 
 
 def num_steps_for(n_samples: int, global_batch_size: int) -> int:

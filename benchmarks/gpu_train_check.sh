@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Training at length on one GPU, in one command (~5 minutes on an H100 / H200; no Ray, no network).
+#
+#   bash benchmarks/gpu_train_check.sh          # on the GPU box (wheels in .whl/, results under $OUT)
+#   bash benchmarks/gpu_train_check.sh --cpu    # dry run here: the same steps at toy sizes (imports, flags, typos)
+#
+# Needs next to the checkout: .whl/ with megatron-core 0.16.1 and orjson (cp312 wheels; /work/shared/gpu.md says
+# how to download them). Ray, SGLang, datasets and wandb are not there: stub packages that raise ImportError stand
+# first on PYTHONPATH so that nothing reaches for them unnoticed (here as on the box).
+#
+# Steps, each under its own time cap inside a total budget (BUDGET_S, default 290 s), results under $OUT:
+#   A. GPU tests: test_megatron_gpu.py, the CUDA offload test (trainer's own allocation, ~60M model), the CUDA
+#      varlen-kernel test, test_one_rl_step_equals_fsdp, the gspo tests of test_fsdp_trainer.py   -> tests_gpu.xml
+#   B. the ~0.5B Qwen3 (hidden 1024, 16 layers, vocab 151,936, tied), Megatron bf16 TP=1, 8 samples of
+#      256 + ~16k tokens, micro-batch 1: peak GPU memory (target <= 40 GB)                         -> bench_16k.json
+#   C. the RL-shaped batch (64 samples, 256-token prompts, 768-2,048-token responses: ~100k tokens), bf16,
+#      --use-dynamic-batch-size --max-tokens-per-gpu 16384: Megatron packed, FSDP packed, Megatron padded: time
+#      per train(), tokens/s, MFU (target >= 25%), FSDP / Megatron (target <= 1.3x)               -> bench_rl.json
+#      and Megatron packed with --compile-ops (does torch.compile of RMSNorm / SwiGLU pay?)       -> bench_rl_compile.json
+#   D. the rest of the trainer tests on CUDA (test_train_at_length, test_megatron_trainer, test_fsdp_trainer,
+#      test_logprob_head; not the slow ones)                                                        -> tests_rest.xml
+#   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
+# The last lines printed are the summary (also $OUT/summary.txt).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=gpu
+[[ "${1:-}" == "--cpu" ]] && MODE=cpu
+OUT=${OUT:-/tmp/gpu_train_check}
+BUDGET_S=${BUDGET_S:-290}
+mkdir -p "$OUT"
+START=$SECONDS
+PY=${PYTHON:-python3}
+
+# --- carried wheels and stubs --------------------------------------------------------------------------------
+SITE=${SITE:-/tmp/site_train_check}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -2
+fi
+STUBS=/tmp/gpu_train_check_stubs  # (nothing big under $OUT: it travels back)
+for pkg in ray sglang sglang_router datasets wandb math_verify; do
+  mkdir -p "$STUBS/$pkg"
+  echo "raise ImportError('$pkg is not installed on this box (stub from benchmarks/gpu_train_check.sh)')" \
+    > "$STUBS/$pkg/__init__.py"
+done
+export PYTHONPATH="$STUBS:$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+PYTHONWARNINGS=ignore $PY - <<'EOF' 2>/dev/null | tee "$OUT/env.txt"
+import torch, transformers, megatron.core, orjson
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+print("transformers", transformers.__version__, "megatron-core", megatron.core.__version__)
+EOF
+
+left() { echo $(( BUDGET_S - (SECONDS - START) )); }
+step() {  # step NAME CAP_S command...: run under min(CAP_S, time left), log to $OUT/NAME.log, record the status
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); (( t > cap )) && t=$cap
+  if (( t < 10 )); then echo "$name: skipped (budget spent)" | tee -a "$OUT/status.txt"; return; fi
+  local t0=$SECONDS
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $(( SECONDS - t0 )) s (cap $t s)" | tee -a "$OUT/status.txt"
+}
+: > "$OUT/status.txt"
+
+if [[ $MODE == gpu ]]; then
+  MODEL=qwen3-0.5b; BF16=--bf16
+  L16=(--samples 8 --group-size 8 --prompt-len 256 --response-min 15872 --response-max 16128 --micro-batch-size 1)
+  LRL=(--samples 64 --group-size 8 --prompt-len 256 --response-min 768 --response-max 2048 --max-tokens-per-gpu 16384)
+  LRL2=(--samples 64 --group-size 8 --prompt-len 256 --response-min 768 --response-max 2048 --micro-batch-size 2)
+  CAPS=(90 45 100 45 120 60)  # A B C C-compile D E: later steps get what the budget leaves
+else
+  MODEL=tiny; BF16=
+  L16=(--samples 2 --group-size 2 --prompt-len 16 --response-min 200 --response-max 240 --micro-batch-size 1)
+  LRL=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --max-tokens-per-gpu 160)
+  LRL2=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --micro-batch-size 2)
+  CAPS=(240 120 240 120 300 120)
+  BUDGET_S=${BUDGET_S_CPU:-900}
+fi
+BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root "${MODELS:-/tmp/gpu_train_check_models}")
+PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 600)
+
+step A_tests_gpu "${CAPS[0]}" "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
+  tests/test_megatron_gpu.py \
+  "tests/test_offload.py::test_cuda_offload_frees_most_of_the_trainers_memory" \
+  "tests/test_logprob_head.py::test_cuda_varlen_kernel_matches_per_sample_attention" \
+  "tests/test_megatron_trainer.py::test_one_rl_step_equals_fsdp" \
+  "tests/test_fsdp_trainer.py::test_gspo_dual_clip_applies_through_the_trainer_loss" \
+  "tests/test_fsdp_trainer.py::test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight" \
+  "tests/test_fsdp_trainer.py::test_gspo_with_dual_clip_trains_and_reports_the_dual_clipfrac"
+step B_bench_16k "${CAPS[1]}" $PY "${BENCH[@]}" --backends megatron --layouts packed "${L16[@]}" --steps 1 \
+  --json "$OUT/bench_16k.json"
+step C_bench_rl "${CAPS[2]}" $PY "${BENCH[@]}" --backends megatron fsdp --layouts packed padded "${LRL[@]}" \
+  --steps 2 --json "$OUT/bench_rl.json" --configs megatron:packed fsdp:packed megatron:padded
+step C_bench_rl_compile "${CAPS[3]}" $PY "${BENCH[@]}" --backends megatron --layouts packed "${LRL[@]}" --steps 2 \
+  --json "$OUT/bench_rl_compile.json" --compile-ops
+step D_tests_rest "${CAPS[4]}" "${PYTEST[@]}" --junitxml="$OUT/tests_rest.xml" -m "not slow" \
+  tests/test_train_at_length.py tests/test_logprob_head.py tests/test_megatron_trainer.py tests/test_fsdp_trainer.py
+step E_bench_rl_mbs2 "${CAPS[5]}" $PY "${BENCH[@]}" --configs megatron:packed megatron:padded "${LRL2[@]}" --steps 1 \
+  --json "$OUT/bench_rl_mbs2.json"
+
+$PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
+import json, os, sys
+import xml.etree.ElementTree as ET
+out = sys.argv[1]
+print("==== gpu_train_check summary ====")
+print(open(os.path.join(out, "env.txt")).read().strip())
+print(open(os.path.join(out, "status.txt")).read().strip())
+for name in ("tests_gpu", "tests_rest"):
+    path = os.path.join(out, name + ".xml")
+    if not os.path.exists(path):
+        print(f"{name}: no report"); continue
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    print(f"{name}: {n['tests']} tests, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped")
+    for case in root.iter("testcase"):
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            msg = (bad.get("message") or "").splitlines()[0][:200] if bad.get("message") else ""
+            print(f"  FAIL {case.get('classname')}::{case.get('name')}: {msg}")
+def rows(name):
+    path = os.path.join(out, name + ".json")
+    return json.load(open(path))["results"] if os.path.exists(path) else []
+for name in ("bench_16k", "bench_rl", "bench_rl_compile", "bench_rl_mbs2"):
+    for r in rows(name):
+        if "error" in r:
+            print(f"{name} {r['backend']} {r['layout']}: ERROR {r['error'].strip().splitlines()[-1][:200]}"); continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        gpu = f"{r['gpu_peak_gb']:.1f} GB" if r.get("gpu_peak_gb") is not None else "-"
+        print(f"{name} {r['backend']:<8} {r['layout']:<6} {r['tokens']} tok: {r['train_s']:.2f} s/train "
+              f"(old lp {r['old_logprob_s']:.2f} s), {r['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {gpu}")
+rl = {(r["backend"], r["layout"]): r for r in rows("bench_rl") if "error" not in r}
+if ("fsdp", "packed") in rl and ("megatron", "packed") in rl:
+    print(f"FSDP / Megatron time (bf16, packed): {rl['fsdp', 'packed']['train_s'] / rl['megatron', 'packed']['train_s']:.2f}x"
+          " (target <= 1.3)")
+for b in ("megatron", "fsdp"):
+    if (b, "packed") in rl and (b, "padded") in rl:
+        print(f"{b} packed / padded time: {rl[b, 'packed']['train_s'] / rl[b, 'padded']['train_s']:.2f}x")
+comp = [r for r in rows("bench_rl_compile") if "error" not in r]
+if comp and ("megatron", "packed") in rl:
+    print(f"megatron --compile-ops / plain time: {comp[0]['train_s'] / rl['megatron', 'packed']['train_s']:.2f}x")
+EOF
+echo "gpu_train_check: $(( SECONDS - START )) s; results in $OUT"

@@ -1,0 +1,174 @@
+"""The log-prob / entropy head: hidden states -> per-token log-prob of the
+target and entropy, without ever holding [tokens, vocabulary] logits.
+
+`head_log_probs(hidden [N, H], weight [V_local, H], targets [N], ...)`
+computes, chunk by chunk over tokens, the chunk's logits (hidden @ weight.T in
+the weights' dtype, then float32, divided by the temperature), their
+log-softmax and entropy, and keeps only the per-token results (log-prob,
+log-sum-exp, entropy). The backward recomputes each chunk's logits and turns
+d(log-prob) and d(entropy) into the gradients of the hidden states and the
+weight (a custom autograd Function), so memory grows with the chunk, not with
+tokens x vocabulary. This is the fused-projection approach of Liger-Kernel's
+fused linear cross-entropy and Apple's Cut Cross-Entropy, in plain torch, with
+two outputs (log-prob and entropy) instead of a scalar loss.
+
+Vocabulary parallelism (Megatron's TP): `weight` holds this rank's rows of the
+(padded) vocabulary starting at `vocab_start`; rows at or past `vocab_size`
+(padding) never get probability. The max, the sums and the target's logit are
+all-reduced over `tp_group` once per chunk. The hidden states must be the same
+on every TP rank; their gradient here is this rank's part (the caller sums it
+over TP, as megatron's column-parallel output layer does).
+
+Values: the same as log_softmax over the full logits (`compute_log_probs` /
+`compute_entropy_from_logits`) up to float32 rounding: |diff| <= 1e-5 in fp32
+(tests/test_logprob_head.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# logits per chunk when --log-probs-chunk-size is 0 (auto): 64 MiB of float32 on CPU, 1 GiB on a GPU
+AUTO_CHUNK_LOGITS = {"cpu": 1 << 24, "cuda": 1 << 28}
+
+
+def chunk_tokens(chunk_size: int, vocab_local: int, device: torch.device) -> int:
+    """Tokens per chunk for `--log-probs-chunk-size` (0: auto from the vocabulary, -1: no chunking)."""
+    if chunk_size > 0:
+        return chunk_size
+    if chunk_size == -1:
+        return 1 << 62
+    if chunk_size != 0:
+        raise ValueError(f"--log-probs-chunk-size must be > 0, 0 (auto) or -1 (whole micro-batch), got {chunk_size}")
+    budget = AUTO_CHUNK_LOGITS["cuda" if device.type == "cuda" else "cpu"]
+    return max(1, budget // max(1, vocab_local))
+
+
+def _all_reduce(t: Tensor, op, group) -> Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, vocab_start: int,
+                valid: int, chunk: int, group, with_entropy: bool):
+        n = hidden.size(0)
+        w = weight[:valid]
+        lp = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
+        local_t = targets - vocab_start
+        mine = (local_t >= 0) & (local_t < valid)
+        local_t = local_t.clamp(0, max(valid - 1, 0))
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            s = _logits(hidden[a:b], w, temperature)  # [c, valid] float32
+            if valid:
+                picked = s.gather(1, local_t[a:b, None]).squeeze(1).masked_fill_(~mine[a:b], 0.0)
+                m = s.max(dim=1).values
+            else:
+                picked = s.new_zeros(b - a)
+                m = s.new_full((b - a,), float("-inf"))
+            _all_reduce(m, dist.ReduceOp.MAX, group)
+            s.sub_(m[:, None])  # shifted logits
+            e = s.exp()
+            sums = [e.sum(1), picked]
+            if with_entropy:
+                sums.append(e.mul_(s).sum(1))  # sum e^(s-m) (s-m)
+            del e
+            sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
+            lse[a:b] = m + sums[0].log()
+            lp[a:b] = sums[1] - lse[a:b]
+            if with_entropy:  # H = lse - sum p s = log Z' - sum p (s - m), Z' = sum e^(s-m)
+                ent[a:b] = sums[0].log() - sums[2] / sums[0]
+            del s
+        ctx.save_for_backward(hidden, weight, local_t, mine, lse, ent if with_entropy else lse)
+        ctx.cfg = (temperature, valid, chunk, with_entropy)
+        ctx.set_materialize_grads(False)
+        return (lp, ent) if with_entropy else (lp,)
+
+    @staticmethod
+    def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None = None):
+        hidden, weight, local_t, mine, lse, ent = ctx.saved_tensors
+        temperature, valid, chunk, with_entropy = ctx.cfg
+        if not with_entropy:
+            g_ent = None
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                  if ctx.needs_input_grad[1] else None)
+        if (g_lp is None and g_ent is None) or valid == 0:
+            return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), *([None] * 7)
+        w = weight[:valid]
+        n = hidden.size(0)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            s = _logits(hidden[a:b], w, temperature).sub_(lse[a:b, None])  # log p
+            p = s.exp()
+            # d lp / d s_j = 1[j = target] - p_j ; d H / d s_j = -p_j (log p_j + H)
+            if g_ent is not None:
+                s.add_(ent[a:b, None]).mul_(p).mul_(-g_ent[a:b, None])
+                grad_s = s
+                if g_lp is not None:
+                    grad_s.sub_(p.mul_(g_lp[a:b, None]))
+            else:
+                grad_s = p.mul_(-g_lp[a:b, None])
+                del s
+            del p
+            if g_lp is not None:  # rows whose target is on another TP rank add 0
+                grad_s.scatter_add_(1, local_t[a:b, None], (g_lp[a:b] * mine[a:b])[:, None])
+            if temperature != 1.0:
+                grad_s.div_(temperature)
+            gz = grad_s.to(hidden.dtype)
+            del grad_s
+            if grad_h is not None:
+                grad_h[a:b] = gz @ w
+            if grad_w is not None:
+                grad_w[:valid] += (gz.t() @ hidden[a:b]).float()
+            del gz
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), *([None] * 7)
+
+
+def _logits(h: Tensor, w: Tensor, temperature: float) -> Tensor:
+    s = (h @ w.t()).float()
+    if temperature != 1.0:
+        s.div_(temperature)
+    return s
+
+
+def head_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, *,
+                   vocab_size: int | None = None, vocab_start: int = 0, chunk_size: int = 0,
+                   tp_group=None, with_entropy: bool = False, entropy_grad: bool = False
+                   ) -> tuple[Tensor, Tensor | None]:
+    """Per-token log_softmax(hidden @ weight.T / T)[target] and (optionally) entropy, float32 [N].
+
+    `weight`: [V_local, H], this rank's vocabulary rows [vocab_start, vocab_start + V_local);
+    `vocab_size`: the real vocabulary (rows at or past it are padding), default all rows;
+    `chunk_size`: tokens per chunk (`--log-probs-chunk-size`: 0 auto, -1 the whole input);
+    `entropy_grad`: whether the entropy carries a gradient (a loss term) or is a metric only.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(f"head_log_probs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not line up")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"head_log_probs: {targets.numel()} targets for {hidden.size(0)} hidden states")
+    if temperature <= 0:
+        raise ValueError(f"head_log_probs: temperature must be > 0, got {temperature}")
+    v_local = weight.size(0)
+    real = v_local + vocab_start if vocab_size is None else vocab_size
+    valid = max(0, min(v_local, real - vocab_start))
+    chunk = chunk_tokens(chunk_size, v_local, hidden.device)
+    if weight.dtype != hidden.dtype:
+        hidden = hidden.to(weight.dtype)
+    out = _HeadFunction.apply(hidden, weight, targets.to(hidden.device).long(), float(temperature), int(vocab_start),
+                              valid, chunk, tp_group, bool(with_entropy))
+    lp, ent = out[0], (out[1] if with_entropy else None)
+    if ent is not None and not (entropy_grad and torch.is_grad_enabled()):
+        ent = ent.detach()
+    return lp, ent

@@ -1,0 +1,294 @@
+"""The trainer skeleton both backends extend (FSDP2 and Megatron-core): one
+instance per trainer rank (a Ray actor in a run, a plain object in tests).
+Every public method that touches the model is a collective: call it on every
+rank (RayTrainGroup does).
+
+Per `train` call: drop FAILED samples, compute old-policy (and reference)
+log-probs for the rollout with the current weights (split over data-parallel
+ranks, then gathered), compute advantages / TIS weights with the shared loss
+code, then run len(samples) / --global-batch-size optimizer steps, each
+accumulating gradients over this rank's micro-batches (fixed size, or token
+budget bins balanced over ranks; padded or packed). The step loop, the metric
+keys and their reduction, the timing, offload and shutdown live here once; a
+backend supplies its model set-up, its forward, its gradient bookkeeping and
+its data-parallel collectives.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import defaultdict
+
+import torch
+
+from slime.backends.training_utils.data import (MicroBatch, TrainItem, build_micro_batch, dummy_item, flatten_groups,
+                                                plan_micro_batches, split_steps)
+from slime.backends.training_utils.distributed import open_master_port, use_cuda
+from slime.backends.training_utils.loss import RolloutTensors, compute_rollout_tensors, micro_batch_loss
+from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
+from slime.backends.training_utils.weight_feed import EngineFeed
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def metric_keys(args) -> list[str]:
+    """The per-step loss metrics every backend reports (summed over micro-batches and DP ranks)."""
+    if args.loss_type == "sft_loss":
+        return ["sft_loss", "loss"]
+    keys = ["pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "loss"]
+    keys += ["pg_dual_clipfrac"] if args.eps_clip_c is not None else []
+    return keys + (["kl_loss"] if args.use_kl_loss else [])
+
+
+class Trainer(Offloadable):
+    backend = "base"
+
+    def __init__(self, args, rank: int = 0, world_size: int = 1):
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.optimizer = None
+        self.updater = None
+        self.pad_id = 0
+        self._owns_pg = False
+        self.offloader = DeviceOffloader(f"{self.backend} trainer rank {rank}")
+        self._master_sock = None
+
+    # ---------------------------------------------------- backend's part ----
+    def _setup(self, master_addr: str, master_port: int, listen_sock) -> dict:
+        """Process groups, models, optimizer, weight updater; returns the `init` info."""
+        raise NotImplementedError
+
+    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        """(per-item log-probs, per-item entropies or None, a tensor depending on every parameter used)."""
+        raise NotImplementedError
+
+    def _set_train_mode(self, model, training: bool) -> None:
+        raise NotImplementedError
+
+    def _zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def _finish_grads(self) -> None:
+        """After a step's last backward: the gradient reductions the backward did not do itself."""
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; returns the grad norm."""
+        raise NotImplementedError
+
+    @property
+    def _actor(self):
+        """The trained model handle `_forward` takes."""
+        raise NotImplementedError
+
+    @property
+    def _ref(self):
+        raise NotImplementedError
+
+    def _dp(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size)."""
+        raise NotImplementedError
+
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        raise NotImplementedError
+
+    def _dp_max(self, n: int) -> int:
+        raise NotImplementedError
+
+    def _dp_gather(self, obj) -> list:
+        raise NotImplementedError
+
+    def _seq_multiple(self) -> int:
+        """Micro-batch lengths must be a multiple of this (sequence parallelism)."""
+        return 1
+
+    def _release(self) -> None:
+        """Drop every reference to models, optimizer and buffers (shutdown)."""
+        raise NotImplementedError
+
+    def _destroy_groups(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ set-up ----
+    def open_master_port(self) -> tuple[str, int]:
+        """Rank 0: open the process-group store's listening socket on --listen-host now (kept for `init`, so
+        no other process takes the port); returns (address the other ranks connect to, port)."""
+        self._master_sock, address, port = open_master_port(self.args.listen_host)
+        return address, port
+
+    def init(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> dict:
+        torch.set_num_threads(int(self.args.train_num_threads))
+        if master_port is None and self.world_size != 1:
+            raise ValueError(f"{type(self).__name__}.init: master_port is required when world_size > 1")
+        sock, self._master_sock = self._master_sock, None
+        return self._setup(master_addr, master_port or 0, sock)
+
+    # ----------------------------------------------------------- helpers ----
+    @property
+    def temperature(self) -> float:
+        t = float(self.args.rollout_temperature)
+        return t if t > 0 else 1.0  # greedy rollouts: log-probs of the raw logits
+
+    @property
+    def packed(self) -> bool:
+        return self.args.micro_batch_layout == "packed"
+
+    def _plan(self, items: list[TrainItem]) -> list[list[TrainItem]]:
+        """This rank's micro-batches, padded with empty ones to the count of the rank that has most
+        (every rank runs the same number of forward passes: FSDP's collectives need it)."""
+        args = self.args
+        dp_rank, dp_size = self._dp()
+        max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
+        mine = plan_micro_batches(items, dp_size, int(args.micro_batch_size), max_tokens)[dp_rank]
+        n = self._dp_max(len(mine)) if dp_size > 1 else len(mine)
+        return mine + [[] for _ in range(n - len(mine))]
+
+    def _micro_batch(self, items: list[TrainItem]) -> MicroBatch:
+        from slime.backends.training_utils.distributed import device
+
+        return build_micro_batch(items or [dummy_item(self.pad_id)], self.pad_id, self.packed, device(),
+                                 self._seq_multiple())
+
+    @torch.no_grad()
+    def _log_probs(self, model, items: list[TrainItem]) -> list[torch.Tensor]:
+        """Response log-probs of every item (every rank gets all of them)."""
+        self._set_train_mode(model, False)
+        try:
+            local = []
+            for mb_items in self._plan(items):
+                lps, _, _ = self._forward(model, self._micro_batch(mb_items))
+                local += [(it.pos, lp.detach().float().cpu()) for it, lp in zip(mb_items, lps)]
+        finally:
+            if model is self._actor:
+                self._set_train_mode(model, True)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for part in (self._dp_gather(local) if self._dp()[1] > 1 else [local]):
+            for pos, lp in part:
+                out[pos] = lp
+        return out  # type: ignore[return-value]
+
+    def _metric_keys(self) -> list[str]:
+        return metric_keys(self.args)
+
+    # ------------------------------------------------------------- train ----
+    def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
+        with self.on_device("train"):
+            return self._train(rollout_id, groups, policy_version)
+
+    def _train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        items, rt, metrics = self._prepare(groups)
+        if not items:
+            logger.warning("rollout %d: no trainable samples (%d failed); skipping the update", rollout_id,
+                           int(metrics["num_failed_excluded"]))
+            return metrics
+        metrics["old_logprob_time_s"] = time.perf_counter() - t0
+        steps = split_steps(len(items), int(self.args.global_batch_size))
+        sums: dict[str, float] = defaultdict(float)
+        for positions in steps:
+            for k, v in self._train_step([items[p] for p in positions], rt).items():
+                sums[k] += v
+        metrics.update({k: v / len(steps) for k, v in sums.items()})
+        metrics["num_optimizer_steps"] = float(len(steps))
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["train_time_s"] = time.perf_counter() - t0
+        logger.info("rollout %d (policy v%d): %d samples, %d steps, loss %.4g, grad_norm %.4g", rollout_id,
+                    policy_version, len(items), len(steps), metrics.get("loss", 0.0), metrics.get("grad_norm", 0.0))
+        return metrics
+
+    def _prepare(self, groups: list[list[Sample]]) -> tuple[list[TrainItem], RolloutTensors | None, dict]:
+        """Samples → items, old / reference log-probs, advantages and TIS weights."""
+        item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
+        items = [it for g in item_groups for it in g]
+        metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed),
+                                     "num_tokens": float(sum(it.num_tokens for it in items))}
+        if not items:
+            return items, None, metrics
+        old = self._log_probs(self._actor, items)
+        ref = self._log_probs(self._ref, items) if self._ref is not None else None
+        rt = compute_rollout_tensors(self.args, item_groups, old, ref)
+        metrics.update(rt.metrics)
+        return items, rt, metrics
+
+    def _train_step(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
+        parts = self._accumulate_grads(step_items, rt)
+        grad_norm = self._optimizer_step()
+        keys = self._metric_keys()
+        out = dict(zip(keys, self._dp_sum([parts.get(k, 0.0) for k in keys]) if self._dp()[1] > 1
+                       else [parts.get(k, 0.0) for k in keys]))
+        out["grad_norm"] = float(grad_norm)
+        return out
+
+    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
+        """Forward / backward over this rank's micro-batches of one optimizer step, then the gradient
+        reductions; returns this rank's metric parts."""
+        args = self.args
+        num_tokens = float(sum(float(it.loss_mask.sum()) for it in step_items))
+        num_samples = float(len(step_items))
+        dp_size = self._dp()[1]
+        self._zero_grads()
+        parts: dict[str, float] = defaultdict(float)
+        for mb_items in self._plan(step_items):
+            mb = self._micro_batch(mb_items)
+            if mb_items:
+                lps, ents, _ = self._forward(self._actor, mb, with_entropy=True,
+                                             entropy_grad=float(args.entropy_coef) != 0.0)
+                loss, m = micro_batch_loss(args, lps, ents, [it.pos for it in mb_items],
+                                           [it.loss_mask for it in mb_items], rt, num_tokens, num_samples)
+                m["loss"] = float(loss.detach())
+                for key, v in m.items():
+                    parts[key] += v
+            else:  # this rank ran out of data: a no-op pass keeps the collectives in step
+                _, _, keep = self._forward(self._actor, mb)
+                loss = keep.sum() * 0.0
+            # gradients are averaged over DP ranks; the loss is already a global mean
+            (loss * dp_size).backward()
+        self._finish_grads()
+        return parts
+
+    # ---------------------------------------------------- weights, ckpt ----
+    def update_weights(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+        with self.on_device("update_weights"):
+            return self.updater.update(list(urls), int(version), feeds)
+
+    def save(self, path: str) -> None:
+        with self.on_device("save"):
+            self._save(path)
+
+    def load(self, path: str) -> None:
+        with self.on_device("load"):
+            self._load(path)
+
+    def export_hf(self, path: str) -> None:
+        with self.on_device("export_hf"):
+            self._export_hf(path)
+
+    def _save(self, path: str) -> None:
+        raise NotImplementedError
+
+    def _load(self, path: str) -> None:
+        raise NotImplementedError
+
+    def _export_hf(self, path: str) -> None:
+        raise NotImplementedError
+
+    def ready(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        """Idempotent, and safe after a failed `init`. Closes the weight updater, drops the models, optimizer and
+        offload buffers (their device memory goes back to the allocator and, on a GPU, to the driver) and destroys
+        the process groups this trainer made."""
+        if self.updater is not None:
+            self.updater.close()
+            self.updater = None
+        self._release()
+        self.optimizer = None
+        self.offloader = DeviceOffloader(self.offloader.name)
+        gc.collect()
+        if use_cuda():
+            torch.cuda.empty_cache()
+        self._destroy_groups()

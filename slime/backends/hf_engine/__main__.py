@@ -12,13 +12,17 @@ logger = logging.getLogger("slime.backends.hf_engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description="Embedded CPU engine speaking SGLang's HTTP API.")
+    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description="Embedded engine (CPU or CUDA) speaking SGLang's HTTP API.")
     p.add_argument("--model-path", required=True, help="Hugging Face model directory (model + tokenizer).")
     p.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default 127.0.0.1).")
     p.add_argument("--port", type=int, default=30000, help="Port (default 30000).")
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (default 1).")
-    p.add_argument("--dtype", default="float32", help="Model dtype: float32 (default), bfloat16, float16.")
+    p.add_argument("--device", default="auto",
+                   help="Where the model, its KV cache and sampling run: auto (default: cuda when a GPU is visible, "
+                        "else cpu), cpu, cuda or cuda:N (SGLang's flag).")
+    p.add_argument("--dtype", default="auto",
+                   help="Model dtype: auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16.")
     p.add_argument("--max-running-requests", type=int, default=128, help="Max requests in the decode batch.")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV budget in tokens: sum over running requests of prompt + max_new_tokens (default 262144).")
@@ -61,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.num_threads)
-    from slime.backends.hf_engine.engine import Engine, EngineConfig
+    from slime.backends.hf_engine.engine import DeviceError, Engine, EngineConfig
     from slime.backends.hf_engine.server import serve
 
     total = args.max_total_tokens or 262144
     if args.kv_blocks is not None:
         total = args.kv_blocks * args.block_size
     cfg = EngineConfig(
-        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
+        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype, device=args.device,
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         engine = Engine(cfg)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DeviceError) as e:
         logger.error("%s", e)
         return 2
     except Exception as e:  # noqa: BLE001 - a clear message and a non-zero exit

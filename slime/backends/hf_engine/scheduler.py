@@ -30,7 +30,7 @@ import torch
 from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
 from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
-from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
+from slime.backends.hf_engine.sampling import SamplingParams, prepare_sampling, sample_tokens, to_host
 from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class Scheduler:
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = PagedBatch(model, block_size=block_size, max_tokens=max_total_tokens, max_rows=max_running,
                                 kernel=attention_kernel)
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
         # aborted requests' KV, for the requests that resume them (None: as many positions as max_total_tokens)
         self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens,
                                         block_size, release=self.batch.pool.free)
@@ -244,6 +245,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.batch.device.type == "cuda":
+            torch.cuda.set_device(self.batch.device)  # per thread: this one launches the steps
         st = self.stats
         while True:
             t0, e0 = time.perf_counter(), st.evict_s
@@ -337,12 +340,15 @@ class Scheduler:
         if not segments:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
+        # the samplers' parameters and uniforms go to the device with the step's metadata, before the forward;
+        # the step then waits for the device once, when its tokens come back
+        sampling = prepare_sampling([r.params for r in samplers], [r.generator for r in samplers],
+                                    self.default_generator, self.vocab, self.batch.device) if samplers else None
         logits = self.batch.forward(segments)
         self.num_steps += 1
         done: list[Request] = []
         if samplers:
-            tokens, lps = sample_batch(logits, [r.params for r in samplers], [r.generator for r in samplers],
-                                       self.default_generator)
+            tokens, lps = to_host(*sample_tokens(logits, sampling))
             record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])

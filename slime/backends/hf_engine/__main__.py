@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Where the model, its KV cache and sampling run: auto (default: cuda when a GPU is visible, "
                         "else cpu), cpu, cuda or cuda:N (SGLang's flag).")
     p.add_argument("--dtype", default="auto",
-                   help="Model dtype: auto (default: float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16.")
+                   help="Model dtype: auto (default: float32 on cpu; on cuda the checkpoint's own, e.g. bfloat16 for Qwen3), "
+                        "float32, bfloat16, float16.")
     p.add_argument("--max-running-requests", type=int, default=128, help="Max requests in the decode batch.")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV budget in tokens: sum over running requests of prompt + max_new_tokens (default 262144).")
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.num_threads)
-    from slime.backends.hf_engine.engine import DeviceError, Engine, EngineConfig
+    from slime.backends.hf_engine.device import DeviceError
+    from slime.backends.hf_engine.engine import Engine, EngineConfig
     from slime.backends.hf_engine.server import serve
 
     total = args.max_total_tokens or 262144

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.backends.hf_engine import tensor_payload, weights
+from slime.backends.hf_engine.device import resolve_device, resolve_dtype
 from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.memory import EngineMemory
 from slime.backends.hf_engine.scheduler import Request, Scheduler
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 class EngineConfig:
     model_path: str
     tokenizer_path: str | None = None
-    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU (see resolve_dtype)
+    dtype: str = "auto"  # auto: float32 on the CPU, the checkpoint's dtype on a GPU (see resolve_dtype)
     device: str = "auto"  # auto: cuda when a GPU is visible, else cpu (see resolve_device)
     max_running_requests: int = 128
     max_total_tokens: int = 262144
@@ -42,51 +43,13 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot generate now (its memory is released); the message says what to do."""
 
 
-class DeviceError(ValueError):
-    """--device or --dtype names something this machine or engine cannot run on; the message says which."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """--device: auto (cuda when torch sees a GPU, else cpu, as SGLang picks its device), cpu, cuda or cuda:N."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise DeviceError(f"--device: {name!r} is not a device (auto, cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise DeviceError(f"--device: the embedded engine runs on cpu or cuda (ROCm included), not {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"--device {name}: no CUDA device is visible here (torch {torch.__version__}, "
-                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise DeviceError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """--dtype: auto is float32 on the CPU (the tiny models' exact type, and bf16 matmuls are slow there) and
-    bfloat16 on a GPU (what SGLang serves a float32 checkpoint in)."""
-    if name == "auto":
-        return "float32" if device.type == "cpu" else "bfloat16"
-    try:
-        dtype = weights.parse_dtype(name)
-    except ValueError:
-        raise DeviceError(f"--dtype: unknown dtype {name!r} (auto, float32, bfloat16, float16)") from None
-    if not dtype.is_floating_point:
-        raise DeviceError(f"--dtype: {name!r} is not a floating-point type")
-    return str(dtype).removeprefix("torch.")
-
-
 def load_model(path: str, dtype: str, attn_implementation: str, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model-path: {path!r} is not a directory")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights.parse_dtype(dtype), attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else weights.parse_dtype(dtype),
+                                                 attn_implementation=attn_implementation)
     model.eval()
     return model.to(device)
 
@@ -108,6 +71,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the scheduler thread's current device, and IPC handles' target
         self.model = load_model(cfg.model_path, self.dtype, cfg.attn_implementation, self.device)
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        logger.info("model on %s in %s", self.device, self.dtype)
         tok_path = cfg.tokenizer_path or cfg.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.model_path = cfg.model_path

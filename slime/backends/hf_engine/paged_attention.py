@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_bucket_ranges
+from slime.backends.hf_engine.device import host_to_device
 from slime.backends.hf_engine.kv_pool import KVPool
 
 ATTN_NAME = "slime_paged"
@@ -251,7 +252,7 @@ def move_plan(buckets: list[Bucket], extra: list[torch.Tensor], device: torch.de
     host = [*extra]
     for bk in buckets:
         host += [bk.blocks, bk.limit]
-    flat = torch.cat([t.reshape(-1) for t in host]).to(device, non_blocking=True)
+    flat = host_to_device(torch.cat([t.reshape(-1) for t in host]), device)
     out, at = [], 0
     for t in host:
         out.append(flat[at: at + t.numel()].view(t.shape))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime.backends.hf_engine.device import host_to_device
+
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is greedy
 
 
@@ -123,8 +125,9 @@ def prepare_sampling(params: list[SamplingParams], generators: list[torch.Genera
     if need_min_p:
         floats += [p.min_p for p in sub]
     floats += [v for _, _, v in bias_rows]
-    ti = torch.tensor(ints, dtype=torch.long).to(device, non_blocking=True)
-    tf = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+    device = torch.device(device)
+    ti = host_to_device(torch.tensor(ints, dtype=torch.long), device)
+    tf = host_to_device(torch.tensor(floats, dtype=torch.float32), device)
     k, at = len(draw), 0
 
     def take_i(m):

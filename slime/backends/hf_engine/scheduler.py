@@ -347,8 +347,11 @@ class Scheduler:
         logits = self.batch.forward(segments)
         self.num_steps += 1
         done: list[Request] = []
+        t_issued = time.perf_counter()
         if samplers:
-            tokens, lps = to_host(*sample_tokens(logits, sampling))
+            tok_dev, lp_dev = sample_tokens(logits, sampling)
+            t_issued = time.perf_counter()
+            tokens, lps = to_host(tok_dev, lp_dev)
             record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])
@@ -381,6 +384,7 @@ class Scheduler:
         else:
             st.decode_s += t1 - t0
             st.decode_cpu_s += c1 - c0
+            st.decode_launch_s += t_issued - t0
             st.decode_steps += 1
             st.decode_rows += decoded
             st.decode_ctx_tokens += self._decode_ctx

@@ -13,9 +13,9 @@
 #      vocabulary, 16 layers) in bfloat16 on the GPU; then /release_memory_occupation's memory given back;
 #   2. benchmarks/rollout_throughput.py on that model: sync / APRIL / pool vs the full-occupancy limit on the
 #      long-tailed workload, with the simulator calibrated in the same run and its prediction of each mode;
-#   3. tools/simulate_rollout.py calibrate --url against a running GPU engine;
-#   4. the GPU tests (tests/test_hf_engine_cuda.py);
-#   5. the quick start's model served on the GPU, its decode step at 1-128 rows;
+#   3. the GPU tests (tests/test_hf_engine_cuda.py);
+#   4. the quick start's model served on the GPU, its decode step at 1-128 rows;
+#   5. tools/simulate_rollout.py calibrate --url against a running GPU engine (when time is left);
 #   then one summary with the issue's acceptance checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +50,7 @@ BIG=qwen3-0.5b
 ROWS=(1 8 64 128)
 case $MODE in
   full)  BUDGET=560; STEP_S=2;   BENCH_ROUNDS=(--rounds 3 --min-rounds 2 --min-seconds 5 --min-steps 1 --calibration full) ;;
-  quick) BUDGET=265; STEP_S=1;   BENCH_ROUNDS=(--rounds 2 --min-rounds 1 --min-seconds 3 --min-steps 1 --calibration quick) ;;
+  quick) BUDGET=270; STEP_S=1;   BENCH_ROUNDS=(--rounds 2 --min-rounds 1 --min-seconds 3 --min-steps 1 --calibration quick) ;;
   cpu)   BUDGET=900; STEP_S=0.5; ROWS=(1 4); BENCH_ROUNDS=(--rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --calibration quick) ;;
 esac
 left() { echo $((BUDGET - SECONDS)); }
@@ -101,8 +101,8 @@ except (OSError, ValueError, KeyError):
     ms = 20.0
 if mode == "cpu":
     print(2, 64)
-else:
-    scale = 8 if ms <= 22 else 4
+else:  # a sync step lasts ~ scale x 128 engine steps (its longest sample): ~15 s at 8 x 128 x 15 ms
+    scale = (8 if ms <= 22 else 4) if mode == "full" else (6 if ms <= 22 else 3)
     warm = min(scale * 128, int((12.0 if mode == "quick" else 25.0) / (ms / 1000)))
     print(scale, max(100, warm))
 EOF
@@ -112,20 +112,38 @@ if [[ $MODE == cpu ]]; then
 else
   BENCH_MODEL=(--model-preset $BIG --cap 128 --concurrencies 128 --c-star 128)
 fi
-RESERVE=$([[ $MODE == full ]] && echo 150 || echo 75)  # stages 3-5 and the summary
+RESERVE=$([[ $MODE == full ]] && echo 150 || echo 65)  # stages 3-5 and the summary (5 only when time is left)
 BENCH_BUDGET=$(( $(left) - RESERVE ))
 stage "2. rollout benchmark: sync / APRIL / pool vs the limit, --simulate (scale $SCALE, warm-up $WARM steps, ${BENCH_BUDGET}s)"
-timeout -s INT -k 20 $((BENCH_BUDGET + 60)) $PY benchmarks/rollout_throughput.py "${BENCH_MODEL[@]}" \
+timeout -s INT -k 20 $((BENCH_BUDGET + 30)) $PY benchmarks/rollout_throughput.py "${BENCH_MODEL[@]}" \
   --model-cache "$CACHE" --scale "$SCALE" --warmup-steps "$WARM" --no-stale-kv-modes --probe-passes 1 \
   --probe-seconds 1.5 --limit-min-seconds 0.5 --limit-seconds 3 "${BENCH_ROUNDS[@]}" --simulate \
-  --time-budget $(( BENCH_BUDGET > 105 ? BENCH_BUDGET - 45 : 60 )) --json-out "$OUT/rollout.json" 2>&1 \
+  --time-budget $(( BENCH_BUDGET > 110 ? BENCH_BUDGET - 50 : 60 )) --json-out "$OUT/rollout.json" 2>&1 \
   | tee "$OUT/rollout.log" | grep --line-buffered -v -E '^\{|Writing model shards|rollout_throughput (sync|april|pool) step'
 echo "rollout benchmark exit ${PIPESTATUS[0]} (its full output: $OUT/rollout.log)"
 
-# ---- 3. the simulator's calibration against a running engine ----------------------------------------------------
+# ---- 3. GPU tests -------------------------------------------------------------------------------------------------
+if (( $(left) > 35 )); then
+  stage "3. tests/test_hf_engine_cuda.py"
+  timeout -s INT -k 10 $(( $(left) - 15 )) $PY -m pytest -q -p no:cacheprovider tests/test_hf_engine_cuda.py 2>&1 | tail -n 15 \
+    | tee "$OUT/pytest.log"
+else
+  stage "3. skipped: $(left)s left"
+fi
+
+# ---- 4. the quick start's model ---------------------------------------------------------------------------------
+if (( $(left) > 25 )); then
+  stage "4. engine decode step, quickstart model"
+  timeout -s INT -k 10 $(( $(left) - 5 )) $PY benchmarks/engine_step.py --model quickstart --rows "${ROWS[@]}" --seconds 0.5 \
+    --model-cache "$CACHE" --json-out "$OUT/step_quickstart.json" 2>&1 | grep -v "Writing model shards" | tail -n 8
+else
+  stage "4. skipped: $(left)s left"
+fi
+
+# ---- 5. the simulator's calibration against a running engine ----------------------------------------------------
 CAL_MODEL=$([[ $MODE == cpu ]] && echo quickstart || echo $BIG)
-if (( $(left) > 60 )); then
-  stage "3. tools/simulate_rollout.py calibrate --url (engine on $CAL_MODEL)"
+if (( $(left) > 50 )); then
+  stage "5. tools/simulate_rollout.py calibrate --url (engine on $CAL_MODEL)"
   PORT=$($PY -c "from slime.backends.hf_engine.testing import free_port; print(free_port())")
   [[ -d "$CACHE/$CAL_MODEL" ]] || $PY -c "from slime.utils.tiny_model import build_preset, build_tokenizer; from slime.tasks.subtract_chain import VOCAB; build_preset('$CAL_MODEL', '$CACHE', build_tokenizer(VOCAB))"
   $PY -m slime.backends.hf_engine --model-path "$CACHE/$CAL_MODEL" --port "$PORT" > "$OUT/calibrate_engine.log" 2>&1 &
@@ -149,24 +167,6 @@ EOF
   timeout -s INT -k 10 $(( $(left) - 40 > 30 ? $(left) - 40 : 30 )) $PY tools/simulate_rollout.py calibrate --url "http://127.0.0.1:$PORT" \
     --vocab 16 --passes 1 --quick --curve 1,64 --out "$OUT/cost_$CAL_MODEL.json" 2>&1 | tail -n 4
   kill $ENGINE_PID 2>/dev/null; wait $ENGINE_PID 2>/dev/null
-else
-  stage "3. skipped: $(left)s left"
-fi
-
-# ---- 4. GPU tests -------------------------------------------------------------------------------------------------
-if (( $(left) > 35 )); then
-  stage "4. tests/test_hf_engine_cuda.py"
-  timeout -s INT -k 10 $(( $(left) - 15 )) $PY -m pytest -q -p no:cacheprovider tests/test_hf_engine_cuda.py 2>&1 | tail -n 15 \
-    | tee "$OUT/pytest.log"
-else
-  stage "4. skipped: $(left)s left"
-fi
-
-# ---- 5. the quick start's model ---------------------------------------------------------------------------------
-if (( $(left) > 25 )); then
-  stage "5. engine decode step, quickstart model"
-  timeout -s INT -k 10 $(( $(left) - 5 )) $PY benchmarks/engine_step.py --model quickstart --rows "${ROWS[@]}" --seconds 0.5 \
-    --model-cache "$CACHE" --json-out "$OUT/step_quickstart.json" 2>&1 | grep -v "Writing model shards" | tail -n 8
 else
   stage "5. skipped: $(left)s left"
 fi

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
+    p.add_argument("--bucket-min-saving", type=int, default=None,
+                   help="Key positions a new decode attention bucket must save (rows of very different lengths are "
+                        "split into buckets; default 2048 on cpu, 16384 on cuda).")
     p.add_argument("--log-level", default="INFO", help="Logging level.")
     return p
 
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             logger.error("%s must be >= 1, got %s", name, value)
             return 2
+    if args.bucket_min_saving is not None and args.bucket_min_saving < 0:
+        logger.error("--bucket-min-saving must be >= 0, got %s", args.bucket_min_saving)
+        return 2
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         logger.error("--chunked-prefill-size must be -1 (no chunking) or >= 1, got %s", args.chunked_prefill_size)
         return 2
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
         block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
-        weights_cpu_backup=args.enable_weights_cpu_backup,
+        weights_cpu_backup=args.enable_weights_cpu_backup, bucket_min_saving=args.bucket_min_saving,
     )
     try:
         engine = Engine(cfg)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from slime.backends.hf_engine import tensor_payload, weights
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, BUCKET_MIN_SAVING_GPU
 from slime.backends.hf_engine.device import resolve_device, resolve_dtype
 from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.memory import EngineMemory
@@ -37,6 +38,7 @@ class EngineConfig:
     prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
     memory_saver: bool = False  # SGLang's --enable-memory-saver: /release_memory_occupation frees memory
     weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: released weights kept in host memory
+    bucket_min_saving: int | None = None  # key positions a new decode bucket must save (None: by device, buckets.py)
 
 
 class EngineUnavailable(RuntimeError):
@@ -91,6 +93,8 @@ class Engine:
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
             attention_kernel=cfg.attn_implementation,
             weight_version=cfg.weight_version,
+            bucket_min_saving=cfg.bucket_min_saving if cfg.bucket_min_saving is not None else
+            BUCKET_MIN_SAVING if self.device.type == "cpu" else BUCKET_MIN_SAVING_GPU,
         )
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()

@@ -67,6 +67,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "max_prefill_tokens": cfg.max_prefill_tokens,
         "page_size": cfg.block_size,
+        "bucket_min_saving": engine.scheduler.batch.min_bucket_saving,
         "context_length": engine.max_positions,
         "dtype": engine.dtype,
         "device": engine.device.type,

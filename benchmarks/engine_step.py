@@ -186,8 +186,9 @@ def main(argv=None) -> int:
         print(f"model {opts.model}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers, vocab "
               f"{spec.vocab_size or len(tok)}, context {spec.max_position_embeddings} ({time.monotonic() - t0:.1f}s to "
               f"build or find)", flush=True)
+        log_dir = os.path.dirname(os.path.abspath(opts.json_out)) if opts.json_out else opts.model_cache or tmp
         out = asyncio.run(run(opts, model_dir, len(tok), spec.max_position_embeddings,
-                              os.path.join(opts.model_cache or tmp, f"engine_step_{opts.model}.log")))
+                              os.path.join(log_dir, f"engine_step_{opts.model}.engine.log")))
     print(json.dumps(out))
     if opts.json_out:
         with open(opts.json_out, "w") as f:

@@ -7,7 +7,7 @@
 #                                               # wandb and sglang made unimportable: checks the script, not speeds
 #
 # Needs: python3 with torch (CUDA) and transformers, aiohttp, numpy, psutil, and sglang-router + orjson, which may be
-# carried as cp312 manylinux wheels in .whl/ (installed into $OUT/site, never from the network). No Ray.
+# carried as cp312 manylinux wheels in .whl/ (installed into $GPU_CHECK_WORK/site, never from the network). No Ray.
 # Stages (each prints as it goes; logs and JSON land in $OUT, default /tmp/gpu_check):
 #   1. the embedded engine's decode step at 1, 8, 64 and 128 rows, random Qwen3 ~0.5B (Qwen3-0.6B's width and
 #      vocabulary, 16 layers) in bfloat16 on the GPU; then /release_memory_occupation's memory given back;
@@ -27,21 +27,22 @@ case "${1:-}" in
   *) echo "usage: bash benchmarks/gpu_check.sh [--quick | --cpu-dry-run]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
-CACHE="$OUT/models"
+OUT=${OUT:-/tmp/gpu_check}  # logs and JSON (small: a device tool's $OUT comes back whole)
+WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}  # models (~1 GB) and the carried wheels' install, kept out of $OUT
+mkdir -p "$OUT" "$WORK"
+CACHE="$WORK/models"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
 PYPATH="$PWD"
 if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" .whl/*.whl || exit 3
-  PYPATH="$OUT/site:$PYPATH"
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site" .whl/*.whl || exit 3
+  PYPATH="$WORK/site:$PYPATH"
 fi
 if [[ $MODE == cpu ]]; then  # what the GPU box lacks, made unimportable here
   for m in ray datasets wandb sglang; do
-    mkdir -p "$OUT/missing/$m"
-    echo "raise ImportError('$m is not installed on the GPU box (gpu_check --cpu-dry-run)')" > "$OUT/missing/$m/__init__.py"
+    mkdir -p "$WORK/missing/$m"
+    echo "raise ImportError('$m is not installed on the GPU box (gpu_check --cpu-dry-run)')" > "$WORK/missing/$m/__init__.py"
   done
-  PYPATH="$OUT/missing:$PYPATH"
+  PYPATH="$WORK/missing:$PYPATH"
 fi
 export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -179,9 +179,9 @@ def sample_tokens(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor
     """The device half: (token ids [n], log-probs [n] under log_softmax((logits + bias) / T)), on the logits'
     device; nothing here waits for the device."""
     logits = logits.float()
-    if sb.bias is not None:
-        logits = logits.clone()
-        logits.index_put_(sb.bias[:2], sb.bias[2], accumulate=True)
+    if sb.bias is not None:  # (row, token) pairs are distinct: a plain write (CUDA's accumulating one sorts first)
+        rows, ids, values = sb.bias
+        logits = logits.index_put((rows, ids), logits[rows, ids] + values)
     logp = torch.log_softmax(logits if sb.temps is None else logits / sb.temps, dim=-1)
     tokens = logits.argmax(dim=-1)
     if sb.rows is not None:

@@ -50,9 +50,9 @@ export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
 BIG=qwen3-0.5b
 ROWS=(1 8 64 128)
 case $MODE in
-  full)  BUDGET=560; STEP_S=2;   BENCH_ROUNDS=(--rounds 3 --min-rounds 2 --min-seconds 5 --min-steps 1 --calibration full) ;;
-  quick) BUDGET=270; STEP_S=1;   BENCH_ROUNDS=(--rounds 2 --min-rounds 1 --min-seconds 3 --min-steps 1 --calibration quick) ;;
-  cpu)   BUDGET=900; STEP_S=0.5; ROWS=(1 4); BENCH_ROUNDS=(--rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --calibration quick) ;;
+  full)  BUDGET=560; STEP_S=2;   STAGE1=180; BENCH_ROUNDS=(--rounds 3 --min-rounds 2 --min-seconds 5 --min-steps 1 --calibration full) ;;
+  quick) BUDGET=270; STEP_S=1;   STAGE1=100; BENCH_ROUNDS=(--rounds 2 --min-rounds 1 --min-seconds 3 --min-steps 1 --calibration quick) ;;
+  cpu)   BUDGET=900; STEP_S=0.5; STAGE1=240; ROWS=(1 4); BENCH_ROUNDS=(--rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --calibration quick) ;;
 esac
 left() { echo $((BUDGET - SECONDS)); }
 stage() { echo; echo "=== [$((SECONDS))s] $*"; }
@@ -85,7 +85,7 @@ fi
 # ---- 1. decode step of the ~0.5B model ------------------------------------------------------------------------
 stage "1. engine decode step, $BIG, rows ${ROWS[*]}"
 if [[ $MODE == cpu ]]; then STEP_EXTRA=(--context 32 --new-tokens 48); else STEP_EXTRA=(--context 512); fi
-timeout -s INT -k 20 240 $PY benchmarks/engine_step.py --model $BIG --rows "${ROWS[@]}" --seconds $STEP_S "${STEP_EXTRA[@]}" \
+timeout -s INT -k 20 $STAGE1 $PY benchmarks/engine_step.py --model $BIG --rows "${ROWS[@]}" --seconds $STEP_S "${STEP_EXTRA[@]}" \
   --memory-check --model-cache "$CACHE" --json-out "$OUT/step_$BIG.json" 2>&1 | grep -v "Writing model shards" \
   | tee "$OUT/step_$BIG.log"
 

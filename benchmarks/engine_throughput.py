@@ -21,8 +21,7 @@ import aiohttp
 import torch
 
 from slime.backends.hf_engine.testing import EngineServer
-from slime.backends.sglang_utils import http_client
-from slime.rollout.simulator.probes import abort_to_idle_s, closed_loop_tps
+from slime.rollout.simulator.probes import abort_to_idle_s, closed_loop_tps, requests_in_flight
 from slime.rollout.simulator.gpu_presets import gpu_cost_model
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -53,9 +52,8 @@ async def abort_to_idle_ms(url: str, prompts: list[list[int]], n: int) -> float:
     """Put `n` long requests in flight, abort all, time until every response is back and the engine is idle."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         ms = 1000 * await abort_to_idle_s(session, url, prompts, n)
-        load = await http_client.get(session, url, "/get_load", timeout=10)
-    load = load[0] if isinstance(load, list) else load
-    assert load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0, load
+        busy = await requests_in_flight(session, url)
+    assert busy == 0, f"{busy} requests still in flight after the abort"
     return ms
 
 

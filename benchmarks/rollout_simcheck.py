@@ -20,15 +20,16 @@ from slime.rollout.simulator.lengths import read_trace
 GPU_SCALE_TOKENS = 16384  # the workload's cap at GPU scale (a reasoning model's --rollout-max-response-len)
 
 
-def make_calibrator(engines, vocab: int, args) -> Calibrator:
+def make_calibrator(engines, vocab: int, args, quick: bool = False) -> Calibrator:
     """The modes' engine, timed through their router; the client's cost through the rollout's request path
-    (`args`: the modes' flags), this driver's CPU time and the router's (pinned to the driver's CPU)."""
+    (`args`: the modes' flags), this driver's CPU time and the router's (pinned to the driver's CPU). `quick`: the
+    calibration's quick probe set."""
     urls = engines.worker_urls()
     if len(urls) != 1:
         raise ValueError(f"--simulate calibrates one engine; the benchmark runs {len(urls)}")
     router = engines.router.process.pid if engines.router is not None and engines.router.process is not None else None
     return Calibrator(urls[0], vocab, client_url=engines.router_url, name="embedded engine (this benchmark)",
-                      args=args, client_pids=[router] if router else [])
+                      args=args, client_pids=[router] if router else [], quick=quick)
 
 
 def replay(opts, vocab: int, groups: int) -> ReplayLengths:
@@ -50,11 +51,12 @@ def sim_config(runner, b: int, c_star: int) -> SimConfig:
 
 
 def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int, c_star: int,
-            speed: dict | None = None) -> dict:
+            speed: dict | None = None, on_gpu: bool = False) -> dict:
     """{mode: {measured, predicted, error, ...}}; prints the table. `speed`: seconds of a fixed CPU probe on the
     engines' CPU around each calibration pass and each mode's slices: a mode's `box_speed_vs_calibration` > 1
     means the box ran that much slower while it ran than while calibrating (the wall clock is then not
-    comparable)."""
+    comparable). `on_gpu`: the engine thread's CPU share is not contention there (it waits for the device), so the
+    contention-matched prediction and the CPU-time cost model are left out."""
     cost = cal.fit("median")
     speed = speed or {}
     cal_speed = median(speed["calibration"]) if speed.get("calibration") else None
@@ -117,7 +119,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
         print(f"  {name:8s} {sum(pre) / max(1, len(pre)):.3f} / {sum(post) / max(1, len(post)):.3f}; requests in "
               f"flight (time-weighted mean, share of the step with none): measured {_occupancy(recs)}, simulated "
               f"{sim_occ[name]}")
-    share_cal = cost.extra.get("engine_cpu_share")
+    share_cal = None if on_gpu else cost.extra.get("engine_cpu_share")
     if share_cal:  # the same prediction at the CPU share the engine had while each mode ran
         print(f"contention-matched (engine CPU share while calibrating {share_cal:.2f}; a mode that ran at share s "
               f"is simulated with every cost x {share_cal:.2f}/s):")
@@ -131,7 +133,7 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
                              matched_error=round(err, 4))
             print(f"  {name:8s} share {share:.2f}: simulated {sim['tokens_per_s']:9.1f} tok/s ({100 * err:+.1f}%)")
     try:
-        cpu = cal.fit("median", clock="cpu")
+        cpu = None if on_gpu else cal.fit("median", clock="cpu")
     except RuntimeError:
         cpu = None
     if cpu is not None:  # the engine thread's CPU time: the cost model without the shared machine's contention

@@ -45,8 +45,12 @@
    row, us per prefilled token); the last line is one JSON with the spreads.
 8. With --simulate, calibrates the modes' engine in passes interleaved with the rounds and prints the
    rollout simulator's prediction of every mode beside its measurement (rollout_simcheck.py).
+9. On a GPU nothing changes but the engines' device (the embedded engine's --device auto picks cuda): no Ray is
+   needed, only sglang-router. `--model-preset qwen3-0.5b` makes the step cost realistic there (a random Qwen3
+   with Qwen3-0.6B's width, 16 layers, 151,936-token vocabulary; benchmarks/gpu_check.sh runs it).
 
     python benchmarks/rollout_throughput.py [--rounds 8] [--min-seconds 6] [--cap 128] [--scale 24] [--simulate]
+        [--model-preset qwen3-0.5b] [--time-budget SECONDS]
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import tempfile
 import time
 
 import aiohttp
+import requests
 from rollout_report import median, report, spread
 from rollout_simcheck import make_calibrator, predict
 from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_stats, stats_delta
@@ -70,19 +75,27 @@ from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.tasks.subtract_chain import VOCAB, sample_steps, write_dataset
 from slime.utils.gc_utils import freeze_gc_heap
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from slime.utils.tiny_model import TinyQwen3Spec, build_preset, build_tiny_qwen3, build_tokenizer, model_preset
 
 logger = logging.getLogger("rollout_throughput")
 
 
 async def main_async(opts, workdir):
     tok = build_tokenizer(VOCAB)
-    spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
-                         num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
-                         max_position_embeddings=opts.scale * opts.cap + 64)
-    build_tiny_qwen3(os.path.join(workdir, "model"), tok, spec, seed=0)
+    if opts.model_preset:
+        spec = model_preset(opts.model_preset)
+        if opts.scale * opts.cap + 64 > spec.max_position_embeddings:
+            raise SystemExit(f"--scale x --cap = {opts.scale * opts.cap} tokens do not fit the {opts.model_preset} "
+                             f"preset's context ({spec.max_position_embeddings})")
+        model_dir = build_preset(opts.model_preset, opts.model_cache or workdir, tok)
+    else:
+        spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
+                             num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
+                             max_position_embeddings=opts.scale * opts.cap + 64)
+        model_dir = os.path.join(workdir, "model")
+        build_tiny_qwen3(model_dir, tok, spec, seed=0)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
-    base = ["--hf-checkpoint", os.path.join(workdir, "model"), "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
+    base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
             "--rm-type", "subtract_chain", "--num-rollout", "1",
             "--rollout-backend", "embedded", "--n-samples-per-prompt", str(opts.n),
             "--rollout-max-response-len", str(opts.scale * opts.cap), "--rollout-seed", str(opts.seed),
@@ -93,7 +106,7 @@ async def main_async(opts, workdir):
     lens = sorted(opts.scale * sample_steps(wl_rng, cap=opts.cap) for _ in range(20000))
     print(f"workload: budget tokens median {median(lens)}, mean {sum(lens) / len(lens):.1f}, "
           f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / median(lens):.0f}x); "
-          f"model hidden {opts.hidden} x {opts.layers} layers", flush=True)
+          f"model {opts.model_preset or 'tiny'}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers", flush=True)
     t_start = time.monotonic()
     # Two engine groups, the same command and pinning: the modes' and the limit's. The limit never sees the
     # modes' cache flushes, so its in-flight samples continue on their KV from one slice to the next (an
@@ -103,7 +116,9 @@ async def main_async(opts, workdir):
             EngineGroup(probe, log_dir=os.path.join(workdir, "limit_logs")) as limit_engines, \
             EngineGroup(probe, log_dir=os.path.join(workdir, "kv_logs")) as kv_engines:
         pinning = pin_processes([engines, limit_engines, kv_engines], opts.engine_cpus, opts.driver_cpus)
-        print(f"pinning: {pinning}", flush=True)
+        device = engine_device(engines)
+        print(f"pinning: {pinning}; engines on {device['device']} ({device['device_name']}, {device['dtype']}); "
+              f"engines ready {time.monotonic() - t_start:.0f}s after the start", flush=True)
         # one HTTP session for every mode and the limit: connections to the routers stay open across steps
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(opts.concurrencies) + 64)) as http:
             # (1) throughput curve (on the limit's engine)
@@ -157,7 +172,7 @@ async def main_async(opts, workdir):
             freeze_gc_heap("rollout benchmark")  # as the RolloutManager does once started: no full-heap GC stalls
             ratios: dict[str, list[float]] = {k: [] for k in runners}
             loads = [os.getloadavg()[0]]
-            cal = make_calibrator(engines, vocab, mode_args()) if opts.simulate else None
+            cal = make_calibrator(engines, vocab, mode_args(), quick=opts.calibration == "quick") if opts.simulate else None
             speed: dict[str, list[float]] = {}  # --simulate: the box's speed on the engines' CPU (box_speed)
             if cal is not None:
                 await calibrate_pass(cal, http, speed, pinning)
@@ -167,6 +182,7 @@ async def main_async(opts, workdir):
             # load of a shared box hits them alike. Rounds go on until APRIL/limit's 90% interval is within
             # --target-spread (after --min-rounds, at most --rounds).
             for r in range(opts.rounds):
+                t_round = time.monotonic()
                 for k, runner in runners.items():
                     paired = []
 
@@ -189,14 +205,46 @@ async def main_async(opts, workdir):
                     await calibrate_pass(cal, http, speed, pinning)
                 if r + 1 >= opts.min_rounds and spread(ratios["april"])["ci90"] <= opts.target_spread:
                     break
+                # --time-budget: no round that would end past it (a round takes about as long as the last one)
+                if opts.time_budget and time.monotonic() + (time.monotonic() - t_round) > t_start + opts.time_budget:
+                    print(f"--time-budget {opts.time_budget:.0f}s: stopping after {r + 1} round(s)", flush=True)
+                    break
     res = {k: v.result() for k, v in runners.items()}
     summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, t_start)
+    summary["engine"] = device
     if cal is not None:
-        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star, speed)
+        summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star, speed, on_gpu=device["device"] != "cpu")
+        summary["gpu_acceptance"] = gpu_acceptance(summary)
     print(json.dumps(summary))
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+def engine_device(engines) -> dict:
+    """Where the modes' engine runs (its /get_server_info): device, its name, dtype."""
+    info = requests.get(engines.worker_urls()[0] + "/get_server_info", timeout=30).json()
+    return {"device": info.get("device", "cpu"), "device_name": info.get("device_name", "cpu"), "dtype": info.get("dtype")}
+
+
+# issue 27's acceptance on a GPU: APRIL >= 1.2x sync and >= 0.85x the limit; the simulator within 15% of each mode
+GPU_TARGETS = {"april_over_sync": 1.2, "april_over_limit": 0.85, "sim_error": 0.15}
+
+
+def gpu_acceptance(summary: dict) -> dict:
+    """The acceptance checks, printed and returned (meaningful when the engines ran on a GPU)."""
+    sim = summary["simulated"]
+    out = {"engine_device": summary["engine"]["device"],
+           "april_over_sync>=1.2": summary["april_over_sync"] >= GPU_TARGETS["april_over_sync"],
+           "april_over_limit>=0.85": summary["april_over_limit"] >= GPU_TARGETS["april_over_limit"]}
+    for m in ("sync", "april", "pool"):
+        out[f"sim_{m}_within_15%"] = abs(sim[m]["error"]) <= GPU_TARGETS["sim_error"]
+    print(f"acceptance (issue 27, engines on {out['engine_device']}): APRIL {summary['april_over_sync']:.2f}x sync "
+          f"(>= 1.2: {out['april_over_sync>=1.2']}), {summary['april_over_limit']:.3f}x the limit (>= 0.85: "
+          f"{out['april_over_limit>=0.85']}); pool {summary['pool_over_limit']:.3f}x, sync {summary['sync_over_limit']:.3f}x "
+          f"the limit; simulator error " + ", ".join(f"{m} {100 * sim[m]['error']:+.1f}%" for m in ("sync", "april", "pool"))
+          + f" (within 15%: {all(out[f'sim_{m}_within_15%'] for m in ('sync', 'april', 'pool'))})", flush=True)
+    return out
 
 
 async def calibrate_pass(cal, http, speed: dict, pinning: dict) -> None:
@@ -332,6 +380,13 @@ def main(argv=None):
                    help="skip april_kv / pool_kv (the same modes with --reuse-stale-kv: no re-prefill on resume)")
     p.add_argument("--simulate", action="store_true",
                    help="calibrate the engine (interleaved with the rounds) and print the simulator's prediction of each mode")
+    p.add_argument("--calibration", choices=["full", "quick"], default="full",
+                   help="--simulate's calibration passes: every probe, or the quick set (seven probes, shorter bursts)")
+    p.add_argument("--model-preset", default=None, choices=["quickstart", "qwen3-0.5b"],
+                   help="a named model instead of --hidden/--layers/--heads (qwen3-0.5b: a realistic step cost on a GPU)")
+    p.add_argument("--model-cache", default=None, help="with --model-preset: build it here, or reuse it from here")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: start no round that would end after this long from the start (at least one round)")
     p.add_argument("--json-out", default=None, help="also write the summary JSON here")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)

@@ -146,6 +146,25 @@ def test_long_and_short_rows_share_steps(model_dir, ref_model, kernel):
         m.step(max_chunk=64)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, kernel):
+    """The GPU's way of attending a prefill chunk with a prefix (one gather up to the chunk's last position and a
+    masked SDPA; `prefill_attention="masked"`, the default off the CPU), checked here on the CPU."""
+    m = Mirror(model_dir, ref_model, seed=11, block_size=4, kernel=kernel, prefill_attention="masked")
+    for n in (90, 3, 41, 7):
+        m.add(n)
+    for _ in range(14):
+        m.step(max_chunk=13)  # chunks start mid-block and span blocks
+    assert all(m.batch.cached(r) == len(s) - 1 for r, s in m.seqs.items())
+    m.detach(next(iter(m.seqs)))
+    m.add(60)
+    m.resume()
+    for _ in range(8):
+        m.step(max_chunk=16)
+    with pytest.raises(ValueError, match="prefill_attention must be auto, split or masked"):
+        PagedBatch(m.ref, prefill_attention="fused")
+
+
 def test_join_and_leave_copy_no_kv(model_dir, ref_model):
     """Rows joining, leaving and resuming never move another row's KV: the pool tensors stay the same
     objects and a surviving row's blocks keep their contents bit for bit."""

@@ -10,7 +10,8 @@
 
 `save(path)`/`load(path)` persist both lists and the ledger atomically (write a
 temporary file, then `os.replace`), so a restart resumes parked groups and
-never trains a group twice. `Buffer` is the same class as a Ray actor.
+never trains a group twice. `Buffer` is the same class as a Ray actor (made on first use: the plain class
+imports without Ray, as the rollout benchmark needs on a machine without it).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import logging
 import os
 import tempfile
 from typing import Any
-
-import ray
 
 from slime.utils.ledger import DROPPED, FINISHED, ISSUED, PARKED, Ledger, LedgerError, group_id, is_group_finished
 from slime.utils.misc import load_function
@@ -176,4 +175,11 @@ class PartialRolloutBuffer:
         logger.info("buffer loaded from %s: %d parked, %d ready groups", path, len(parked), len(ready))
 
 
-Buffer = ray.remote(num_cpus=0)(PartialRolloutBuffer)
+def __getattr__(name: str):
+    if name == "Buffer":  # the Ray actor class; Ray is imported only by those who ask for it
+        import ray
+
+        actor = ray.remote(num_cpus=0)(PartialRolloutBuffer)
+        globals()["Buffer"] = actor
+        return actor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

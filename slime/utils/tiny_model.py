@@ -49,20 +49,56 @@ class TinyQwen3Spec:
     intermediate_size: int = 256
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    vocab_size: int | None = None  # None: the tokenizer's (a larger one has rows no token decodes to)
+    dtype: str = "float32"  # the saved weights' dtype (a GPU engine serves a checkpoint in its own dtype)
 
 
-def build_tiny_qwen3(save_dir: str, tokenizer, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0):
-    """Create a randomly initialised Qwen3 causal LM for `tokenizer`, save model + tokenizer, return the model."""
+def model_preset(name: str) -> TinyQwen3Spec:
+    """Named shapes for benchmarks: `quickstart` (tools/prepare_tiny_task.py's tiny Qwen3) and `qwen3-0.5b`, a random
+    Qwen3 with Qwen3-0.6B's width, heads (16 of 128 dims, 8 KV heads), vocabulary and tied embeddings but 16 layers
+    (0.41 B parameters), 16k context, saved in bfloat16: a decode step costs on a GPU what a small real model's does."""
+    if name == "quickstart":
+        return TinyQwen3Spec(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=256, max_position_embeddings=272)
+    if name == "qwen3-0.5b":
+        return TinyQwen3Spec(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                             intermediate_size=3072, max_position_embeddings=16384, tie_word_embeddings=True,
+                             head_dim=128, vocab_size=151936, dtype="bfloat16")
+    raise ValueError(f"model preset: unknown {name!r} (quickstart, qwen3-0.5b)")
+
+
+def build_preset(name: str, root: str, tokenizer, seed: int = 0) -> str:
+    """`model_preset(name)` for `tokenizer`, built in root/name unless a finished build is already there (a
+    benchmark's model cache: the 0.5b preset takes seconds to initialise); returns its directory. Random weights
+    are drawn on the GPU when there is one (the same shapes, other values)."""
+    import torch
+
+    path = os.path.join(root, name)
+    done = os.path.join(path, ".built")
+    if not os.path.exists(done):
+        build_tiny_qwen3(path, tokenizer, model_preset(name), seed=seed,
+                         init_device="cuda" if torch.cuda.is_available() else "cpu")
+        open(done, "w").close()
+    return path
+
+
+def build_tiny_qwen3(save_dir: str, tokenizer, spec: TinyQwen3Spec = TinyQwen3Spec(), seed: int = 0,
+                     init_device: str = "cpu"):
+    """Create a randomly initialised Qwen3 causal LM for `tokenizer`, save model + tokenizer, return the model
+    (on `init_device`, where its random weights were drawn)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if spec.vocab_size is not None and spec.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {spec.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
         intermediate_size=spec.intermediate_size,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
@@ -70,10 +106,11 @@ def build_tiny_qwen3(save_dir: str, tokenizer, spec: TinyQwen3Spec = TinyQwen3Sp
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-6,
-        dtype="float32",
+        dtype=spec.dtype,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(init_device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     os.makedirs(save_dir, exist_ok=True)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)

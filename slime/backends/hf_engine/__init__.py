@@ -1,11 +1,12 @@
-"""Embedded CPU rollout engine speaking SGLang's native HTTP API (see the shared sglang-protocol.md contract).
+"""Embedded rollout engine (CPU, or one CUDA GPU: --device) speaking SGLang's native HTTP API (see the shared
+sglang-protocol.md contract).
 
     python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \
-        [--max-prefill-tokens N] [--chunked-prefill-size 512] [--seed S] [--weight-version 0] [--dtype float32]
+        [--max-prefill-tokens N] [--chunked-prefill-size 512] [--seed S] [--weight-version 0] [--device auto|cpu|cuda[:N]] [--dtype auto]
 
 Modules: `__main__` (CLI), `server` (generate and control routes), `info` (read-only routes),
-`http_utils`, `engine` (model + scheduler + weight version), `scheduler` (continuous batching thread:
+`http_utils`, `engine` (model + scheduler + weight version), `device` (--device, --dtype, host-to-device copies), `scheduler` (continuous batching thread:
 one packed step of decode tokens and prompt chunks at a time), `batch` (rows over a paged KV cache, the
 packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool), `prefix_cache`
 (aborted requests' blocks), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id

@@ -12,13 +12,18 @@ logger = logging.getLogger("slime.backends.hf_engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description="Embedded CPU engine speaking SGLang's HTTP API.")
+    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description="Embedded engine (CPU or CUDA) speaking SGLang's HTTP API.")
     p.add_argument("--model-path", required=True, help="Hugging Face model directory (model + tokenizer).")
     p.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (default 127.0.0.1).")
     p.add_argument("--port", type=int, default=30000, help="Port (default 30000).")
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (default 1).")
-    p.add_argument("--dtype", default="float32", help="Model dtype: float32 (default), bfloat16, float16.")
+    p.add_argument("--device", default="auto",
+                   help="Where the model, its KV cache and sampling run: auto (default: cuda when a GPU is visible, "
+                        "else cpu), cpu, cuda or cuda:N (SGLang's flag).")
+    p.add_argument("--dtype", default="auto",
+                   help="Model dtype: auto (default: float32 on cpu; on cuda the checkpoint's own, e.g. bfloat16 for Qwen3), "
+                        "float32, bfloat16, float16.")
     p.add_argument("--max-running-requests", type=int, default=128, help="Max requests in the decode batch.")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV budget in tokens: sum over running requests of prompt + max_new_tokens (default 262144).")
@@ -40,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
     p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
+    p.add_argument("--bucket-min-saving", type=int, default=None,
+                   help="Key positions a new decode attention bucket must save (rows of very different lengths are "
+                        "split into buckets; default 2048 on cpu, 16384 on cuda).")
     p.add_argument("--log-level", default="INFO", help="Logging level.")
     return p
 
@@ -52,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             logger.error("%s must be >= 1, got %s", name, value)
             return 2
+    if args.bucket_min_saving is not None and args.bucket_min_saving < 0:
+        logger.error("--bucket-min-saving must be >= 0, got %s", args.bucket_min_saving)
+        return 2
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         logger.error("--chunked-prefill-size must be -1 (no chunking) or >= 1, got %s", args.chunked_prefill_size)
         return 2
@@ -61,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.num_threads)
+    from slime.backends.hf_engine.device import DeviceError
     from slime.backends.hf_engine.engine import Engine, EngineConfig
     from slime.backends.hf_engine.server import serve
 
@@ -68,16 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_blocks is not None:
         total = args.kv_blocks * args.block_size
     cfg = EngineConfig(
-        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
+        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype, device=args.device,
         max_running_requests=args.max_running_requests, max_total_tokens=total,
         max_prefill_tokens=args.max_prefill_tokens, seed=args.seed, weight_version=args.weight_version,
         attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
         block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
-        weights_cpu_backup=args.enable_weights_cpu_backup,
+        weights_cpu_backup=args.enable_weights_cpu_backup, bucket_min_saving=args.bucket_min_saving,
     )
     try:
         engine = Engine(cfg)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DeviceError) as e:
         logger.error("%s", e)
         return 2
     except Exception as e:  # noqa: BLE001 - a clear message and a non-zero exit

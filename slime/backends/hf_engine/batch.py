@@ -11,6 +11,10 @@ of any lengths share a forward without padding.
 Joining and leaving copy no KV: a new row gets an empty table (or the blocks of an aborted request it
 resumes), a leaving row hands its blocks back to the pool (or to the prefix cache). Block tables live in
 one tensor `tables[row slot, i]` so a step gathers them without Python loops over positions.
+
+The model's device is the batch's: the KV pool lives there, block tables stay on the host (they change
+as rows join and grow), and a step's metadata (token ids, positions, slots, block ids) goes to the device
+in one copy before the forward; the forward returns logits on the device without waiting for it.
 """
 
 from __future__ import annotations
@@ -21,17 +25,25 @@ import torch
 
 from slime.backends.hf_engine.kv_pool import KVPool
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
-from slime.backends.hf_engine.paged_attention import ATTN_NAME, STEP_MASK, StepPlan, plan_buckets, register
+from slime.backends.hf_engine.paged_attention import (ATTN_NAME, PREFILL_ATTENTION, StepPlan, move_plan, plan_buckets,
+                                                      register, step_mask)
 
 Segment = tuple[int, list[int], bool]  # (row, token ids to feed at its next positions, sample after the last)
 
 
 class PagedBatch:
     def __init__(self, model, block_size: int = 32, max_tokens: int = 262144, max_rows: int = 128,
-                 kernel: str = "sdpa", min_bucket_saving: int = BUCKET_MIN_SAVING):
+                 kernel: str = "sdpa", min_bucket_saving: int = BUCKET_MIN_SAVING, prefill_attention: str = "auto"):
         if kernel not in ("sdpa", "eager"):
             raise ValueError(f"attention kernel must be sdpa or eager, got {kernel!r}")
         self.kernel = kernel
+        self.device = next(model.parameters()).device
+        if prefill_attention == "auto":  # see paged_attention: the CPU's flash kernel gives the split its edge
+            prefill_attention = "split" if self.device.type == "cpu" else "masked"
+        if prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be auto, split or masked, got {prefill_attention!r}")
+        self.prefill_attention = prefill_attention
+        self._step_mask = step_mask(self.device)
         self.min_bucket_saving = min_bucket_saving
         register()
         model.set_attn_implementation(ATTN_NAME)
@@ -129,10 +141,11 @@ class PagedBatch:
                         p = stop
                 last[i] = len(ids) - 1
         keep = [last[i] for i, seg in enumerate(segments) if seg[2]]
-        packed = torch.tensor([ids, pos, slots], dtype=torch.long)
-        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel)
-        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], attention_mask=STEP_MASK, use_cache=False,
-                         logits_to_keep=torch.tensor(keep, dtype=torch.long), paged_step=plan)
+        packed, keep_t = move_plan(buckets, [torch.tensor([ids, pos, slots], dtype=torch.long),
+                                             torch.tensor(keep, dtype=torch.long)], self.device)
+        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel, self.prefill_attention)
+        out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], attention_mask=self._step_mask,
+                         use_cache=False, logits_to_keep=keep_t, paged_step=plan)
         for row, toks, _ in segments:
             self._cached[row] += len(toks)
         return out.logits[0]

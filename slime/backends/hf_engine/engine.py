@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from slime.backends.hf_engine import tensor_payload, weights
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, BUCKET_MIN_SAVING_GPU
+from slime.backends.hf_engine.device import resolve_device, resolve_dtype
 from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.memory import EngineMemory
 from slime.backends.hf_engine.scheduler import Request, Scheduler
@@ -23,7 +25,8 @@ logger = logging.getLogger(__name__)
 class EngineConfig:
     model_path: str
     tokenizer_path: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: float32 on the CPU, the checkpoint's dtype on a GPU (see resolve_dtype)
+    device: str = "auto"  # auto: cuda when a GPU is visible, else cpu (see resolve_device)
     max_running_requests: int = 128
     max_total_tokens: int = 262144
     max_prefill_tokens: int = 8192  # prefill tokens per engine step, over all rows
@@ -35,20 +38,22 @@ class EngineConfig:
     prefix_cache: bool = True  # keep aborted requests' KV for their resumption (flushed with the weights)
     memory_saver: bool = False  # SGLang's --enable-memory-saver: /release_memory_occupation frees memory
     weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: released weights kept in host memory
+    bucket_min_saving: int | None = None  # key positions a new decode bucket must save (None: by device, buckets.py)
 
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot generate now (its memory is released); the message says what to do."""
 
 
-def load_model(path: str, dtype: str, attn_implementation: str):
+def load_model(path: str, dtype: str, attn_implementation: str, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model-path: {path!r} is not a directory")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights.parse_dtype(dtype), attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else weights.parse_dtype(dtype),
+                                                 attn_implementation=attn_implementation)
     model.eval()
-    return model
+    return model.to(device)
 
 
 def _next_version(current: str) -> str:
@@ -63,7 +68,13 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
-        self.model = load_model(cfg.model_path, cfg.dtype, cfg.attn_implementation)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the scheduler thread's current device, and IPC handles' target
+        self.model = load_model(cfg.model_path, self.dtype, cfg.attn_implementation, self.device)
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        logger.info("model on %s in %s", self.device, self.dtype)
         tok_path = cfg.tokenizer_path or cfg.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.model_path = cfg.model_path
@@ -82,6 +93,8 @@ class Engine:
             prefix_cache_tokens=None if cfg.prefix_cache else 0,
             attention_kernel=cfg.attn_implementation,
             weight_version=cfg.weight_version,
+            bucket_min_saving=cfg.bucket_min_saving if cfg.bucket_min_saving is not None else
+            BUCKET_MIN_SAVING if self.device.type == "cpu" else BUCKET_MIN_SAVING_GPU,
         )
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()

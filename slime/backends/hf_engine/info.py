@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import time
 
+import torch
+
 from aiohttp import web
 
 from slime.backends.hf_engine.engine import Engine
@@ -65,8 +67,11 @@ async def get_server_info(request: web.Request) -> web.Response:
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "max_prefill_tokens": cfg.max_prefill_tokens,
         "page_size": cfg.block_size,
+        "bucket_min_saving": engine.scheduler.batch.min_bucket_saving,
         "context_length": engine.max_positions,
-        "dtype": cfg.dtype,
+        "dtype": engine.dtype,
+        "device": engine.device.type,
+        "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "random_seed": cfg.seed,
         "enable_memory_saver": cfg.memory_saver,
         "enable_weights_cpu_backup": cfg.weights_cpu_backup,

@@ -60,10 +60,17 @@ class KVPool:
         if need > self.max_blocks:
             raise OutOfBlocks(f"KV pool: {need} blocks needed, at most {self.max_blocks} of {self.block_size} tokens")
         new = min(self.max_blocks, max(need, self.capacity * 3 // 2))
+        device = None
         for layer, t in self._kv.items():
             grown = t.new_zeros(2, t.shape[1], new, *t.shape[3:])
             grown[:, :, : self.capacity] = t
             self._kv[layer] = grown
+            device = t.device
+        t = grown = None  # noqa: F841 - no reference to an old tensor survives the loop
+        if device is not None and device.type == "cuda":
+            # give the old, smaller tensors back to the device at once: the caching allocator would keep them,
+            # and a pool grown a few times would hold several times its size
+            torch.cuda.empty_cache()
         self._free.extend(range(new - 1, self.capacity - 1, -1))
         self._free.sort(reverse=True)
         self.capacity = new

@@ -87,11 +87,13 @@ def fill_prompt_logprobs(model, req) -> None:
     ids, start = req.input_ids, rec.spec.start_len
     first = max(start, 1) - 1  # logits at position p predict token p + 1
     keep = len(ids) - first
-    logits = model(input_ids=torch.tensor([ids]), logits_to_keep=keep, use_cache=False).logits[0, :-1]
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([ids], device=device), logits_to_keep=keep, use_cache=False).logits[0, :-1]
     logp = tempered_logprobs(logits, [_no_bias(req.params)] * logits.shape[0])
     rec.prompt_ids = list(ids[start:])
     lead = [None] if start == 0 else []
-    rec.prompt = lead + [finite(v) for v in logp.gather(1, torch.tensor(ids[first + 1:])[:, None]).squeeze(1).tolist()]
+    chosen = logp.gather(1, torch.tensor(ids[first + 1:], device=device)[:, None]).squeeze(1)
+    rec.prompt = lead + [finite(v) for v in chosen.tolist()]
     if rec.spec.top_k:
         rec.prompt_top = lead + [_top(row, rec.spec.top_k) for row in logp]
     if rec.spec.token_ids:

@@ -89,8 +89,15 @@ class EngineMemory:
             self._stale.discard(self._param_of_name.get(n, -1))
 
     def state(self) -> dict:
-        return {"released": sorted(self.released), "stale_parameters": len(self._stale),
-                "weight_bytes": self.weight_bytes(), "kv_cache_bytes": self.scheduler.kv_cache_bytes()}
+        out = {"released": sorted(self.released), "stale_parameters": len(self._stale),
+               "weight_bytes": self.weight_bytes(), "kv_cache_bytes": self.scheduler.kv_cache_bytes()}
+        p = next(self.model.parameters(), None)
+        if p is not None and p.device.type == "cuda":  # what the device itself says (freed means given back)
+            free, total = torch.cuda.mem_get_info(p.device)
+            out.update(device_allocated_bytes=torch.cuda.memory_allocated(p.device),
+                       device_reserved_bytes=torch.cuda.memory_reserved(p.device), device_free_bytes=free,
+                       device_total_bytes=total)
+        return out
 
     # ---- release / resume --------------------------------------------------------------------
     def release(self, tags: list[str]) -> str:

@@ -14,6 +14,13 @@ never pays attention over the longest row's context, as it would in one padded b
 packed bucket by bucket, so a bucket's queries and outputs are contiguous slices (no index copies).
 Grouped-query heads share their KV head's gathered keys: the G query heads of a KV head are stacked as
 G x Q queries (the mask depends on the query position only), so nothing is repeated per query head.
+
+On any device the step is the same ops on the model's device: the plan's tensors (slots, block ids, query
+positions) arrive in one host-to-device copy before the forward, and nothing here reads a tensor back
+(every shape and every branch is decided from host integers in the plan). A prefill chunk with a prefix is
+attended in one of two ways: "split" (CPU: its own keys causally plus the prefix unmasked, merged by their
+log-sum-exp, with torch's CPU flash kernel) or "masked" (other devices: the chunk's keys are already in the
+pool, so one gather of every position up to the chunk's last and one masked SDPA, as a decode bucket).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_bucket_ranges
+from slime.backends.hf_engine.device import host_to_device
 from slime.backends.hf_engine.kv_pool import KVPool
 
 ATTN_NAME = "slime_paged"
@@ -41,6 +49,7 @@ class Bucket:
     limit: torch.Tensor  # [b, q] last key position each cell may attend (its own position)
     keys: int | None = None  # decode buckets whose rows all attend this many keys need no mask
     start: int = 0
+    p0: int = 0  # first query position of the bucket's first segment (a prefill bucket's: of all of them)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -48,15 +57,19 @@ class Bucket:
         return len(self.segments)
 
     def mask(self, groups: int, block_size: int) -> torch.Tensor:
-        """[1, b, q * groups, m * block_size] boolean (True: attend), built once per step."""
+        """[1, b, q * groups, m * block_size] boolean (True: attend), built once per step on `limit`'s device;
+        a cell's G query heads are rows q * G .. q * G + G - 1."""
         m = self._masks.get(groups)
         if m is None:
-            pos = torch.arange(self.m * block_size)
+            pos = torch.arange(self.m * block_size, device=self.limit.device)
             m = pos.view(1, 1, -1) <= self.limit.unsqueeze(-1)  # [b, q, L]
             if groups > 1:
                 m = m.repeat_interleave(groups, dim=1)
             m = self._masks[groups] = m.unsqueeze(0)
         return m
+
+
+PREFILL_ATTENTION = ("split", "masked")
 
 
 @dataclass
@@ -65,6 +78,7 @@ class StepPlan:
     slots: torch.Tensor  # [N] pool slot (block * block_size + offset) of each packed token
     buckets: list[Bucket]
     kernel: str = "sdpa"  # sdpa: torch's scaled_dot_product_attention; eager: matmul, softmax, matmul
+    prefill: str = "split"  # a prefill chunk with a prefix: "split" (CPU) or "masked" (see the module's doc)
 
 
 def _eager(q, k, v, mask, scale):
@@ -141,14 +155,23 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     for bk in plan.buckets:
         b, nq, end = bk.b, bk.q, bk.start + bk.b * bk.q
         q = q_all[bk.start: end].view(b, nq, h, d)
+        if nq > 1 and bk.p0 and plan.prefill == "masked":  # chunks with a prefix, as one masked bucket
+            k, v = pool.gather(layer, bk.blocks, b)  # every position up to the chunks' last (written above)
+            qs = q.view(b, nq, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * g, d)
+            mask = bk.mask(g, bs)
+            if plan.kernel == "eager":
+                o = _eager(qs, k, v, mask, scaling)
+            else:
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scaling)
+            outs.append(o.view(hkv, b, nq, g, d).permute(1, 2, 0, 3, 4).reshape(b * nq, h, d))
+            continue
         if nq > 1:  # prefill chunks of one shape: their own keys causally, plus the keys before them
             k_new = key[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
             v_new = value[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
-            p0 = int(bk.limit[0, 0])
             prefix = None
-            if p0:
+            if bk.p0:
                 k, v = pool.gather(layer, bk.blocks, b)
-                prefix = (k[:, :, :p0], v[:, :, :p0])
+                prefix = (k[:, :, :bk.p0], v[:, :, :bk.p0])
             outs.append(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d))
             continue
         k, v = pool.gather(layer, bk.blocks, b)
@@ -166,9 +189,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.unsqueeze(0), None
 
 
-# What an engine step passes as `attention_mask`: a 4-D mask is used as given (transformers builds none),
-# and this function ignores it. Outside steps the model builds SDPA's masks (registered below) as usual.
-STEP_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+def step_mask(device: torch.device | str) -> torch.Tensor:
+    """What an engine step passes as `attention_mask`: a 4-D mask is used as given (transformers builds none),
+    and this function ignores it. Outside steps the model builds SDPA's masks (registered below) as usual."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def register() -> None:
@@ -216,4 +240,23 @@ def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> B
         blocks = tables.index_select(0, torch.tensor([segments[i][2] for i in idx], dtype=torch.long))[:, :m].reshape(-1)
     limit = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q, dtype=torch.long)
     same = q == 1 and min(starts) == max(starts)
-    return Bucket(idx, q, m, blocks, limit, keys=starts[0] + 1 if same else None)
+    return Bucket(idx, q, m, blocks, limit, keys=starts[0] + 1 if same else None, p0=starts[0])
+
+
+def move_plan(buckets: list[Bucket], extra: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Put the buckets' block ids and limits, and the `extra` int64 host tensors, on `device` in ONE copy
+    (a step's metadata is a few small tensors: one transfer instead of one per tensor); returns `extra` there.
+    On the CPU nothing moves."""
+    if device.type == "cpu":
+        return extra
+    host = [*extra]
+    for bk in buckets:
+        host += [bk.blocks, bk.limit]
+    flat = host_to_device(torch.cat([t.reshape(-1) for t in host]), device)
+    out, at = [], 0
+    for t in host:
+        out.append(flat[at: at + t.numel()].view(t.shape))
+        at += t.numel()
+    for i, bk in enumerate(buckets):
+        bk.blocks, bk.limit = out[len(extra) + 2 * i], out[len(extra) + 2 * i + 1]
+    return out[: len(extra)]

@@ -28,9 +28,10 @@ from typing import Callable
 import torch
 
 from slime.backends.hf_engine.batch import PagedBatch
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
 from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
 from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
-from slime.backends.hf_engine.sampling import SamplingParams, sample_batch
+from slime.backends.hf_engine.sampling import SamplingParams, prepare_sampling, sample_tokens, to_host
 from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ def abort_reason(message: str) -> dict:
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int,
                  seed: int | None, chunked_prefill_size: int = -1, block_size: int = 32,
-                 prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0"):
+                 prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0",
+                 bucket_min_saving: int = BUCKET_MIN_SAVING):
         self.model = model
         # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
         # token is stamped with the version that produced it
@@ -93,7 +95,8 @@ class Scheduler:
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = PagedBatch(model, block_size=block_size, max_tokens=max_total_tokens, max_rows=max_running,
-                                kernel=attention_kernel)
+                                kernel=attention_kernel, min_bucket_saving=bucket_min_saving)
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
         # aborted requests' KV, for the requests that resume them (None: as many positions as max_total_tokens)
         self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens,
                                         block_size, release=self.batch.pool.free)
@@ -244,6 +247,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.batch.device.type == "cuda":
+            torch.cuda.set_device(self.batch.device)  # per thread: this one launches the steps
         st = self.stats
         while True:
             t0, e0 = time.perf_counter(), st.evict_s
@@ -337,12 +342,18 @@ class Scheduler:
         if not segments:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
+        # the samplers' parameters and uniforms go to the device with the step's metadata, before the forward;
+        # the step then waits for the device once, when its tokens come back
+        sampling = prepare_sampling([r.params for r in samplers], [r.generator for r in samplers],
+                                    self.default_generator, self.vocab, self.batch.device) if samplers else None
         logits = self.batch.forward(segments)
         self.num_steps += 1
         done: list[Request] = []
+        t_issued = time.perf_counter()
         if samplers:
-            tokens, lps = sample_batch(logits, [r.params for r in samplers], [r.generator for r in samplers],
-                                       self.default_generator)
+            tok_dev, lp_dev = sample_tokens(logits, sampling)
+            t_issued = time.perf_counter()
+            tokens, lps = to_host(tok_dev, lp_dev)
             record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])
@@ -375,6 +386,7 @@ class Scheduler:
         else:
             st.decode_s += t1 - t0
             st.decode_cpu_s += c1 - c0
+            st.decode_launch_s += t_issued - t0
             st.decode_steps += 1
             st.decode_rows += decoded
             st.decode_ctx_tokens += self._decode_ctx
@@ -400,8 +412,8 @@ class Scheduler:
         reason = self._finish_reason(r, token)
         if reason is not None:
             self._finish(r, reason)
-        elif r.stream and r.notify is not None:
-            r.notify(r, False)
+        elif r.stream and r.notify is not None and len(r.output_ids) % (r.params.stream_interval or 1) == 0:
+            r.notify(r, False)  # stream_interval: a chunk every that many tokens (a lagging reader then coalesces whole chunks)
 
     def _finish_reason(self, r: Request, token: int) -> dict | None:
         """SGLang's order: the length limit, then stop tokens (EOS and stop_token_ids, both off with

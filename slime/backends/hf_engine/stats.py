@@ -16,6 +16,10 @@ class SchedulerStats:
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
     decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
+    # of decode_s, the time until the step's work was issued, before waiting for its tokens: on a GPU, launch_s ~
+    # decode_s means the device waited for the host (a launch-bound step, what CUDA graphs would shorten); on the
+    # CPU the two are the same (the work is done as it is issued)
+    decode_launch_s: float = 0.0
     prefill_s: float = 0.0  # forward + sampling of steps with prefill tokens (and the rows they also decoded)
     prefill_cpu_s: float = 0.0
     evict_s: float = 0.0  # finishing rows: freeing or caching their blocks

@@ -50,8 +50,9 @@ def copy_into_model(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> i
     if problems:
         raise ValueError("; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
     for name, t in named.items():
-        target = targets[name]
-        target.data.copy_(t.to(dtype=target.dtype))
+        # one copy from wherever t lives (a CUDA IPC mapping, shared memory, a received buffer), converting dtype and
+        # device on the way: a GPU engine fed CUDA tensors copies device to device, with no temporary
+        targets[name].data.copy_(t)
     return len(named)
 
 

@@ -43,6 +43,7 @@ from typing import Sequence
 
 import aiohttp
 
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
 from slime.rollout.simulator.probes import (Probe, abort_to_idle_s, closed_loop_tps, default_probes, generate_one, random_ids,
@@ -281,6 +282,8 @@ class Calibrator:
             max_prefill_tokens=int((info.get("max_prefill_tokens") if mixed else info.get("chunked_prefill_size")) or 8192),
             chunked_prefill_size=int(info.get("chunked_prefill_size") or -1) if mixed else -1,
             paged_block_size=int(info.get("page_size") or 0) if embedded and mixed else 0,
+            # the engine's bucket rule as it runs it (its default differs on a GPU)
+            bucket_min_saving=int(info.get("bucket_min_saving") or BUCKET_MIN_SAVING),
             pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "

@@ -52,9 +52,7 @@ async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, n
              for i in range(n)]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        load = await http_client.get(session, url, "/get_load", timeout=10)
-        load = load[0] if isinstance(load, list) else load
-        if int(load.get("num_reqs", 0)) + int(load.get("num_waiting_reqs", 0)) >= n:
+        if await requests_in_flight(session, url) >= n:
             break
         await asyncio.sleep(0.01)
     t0 = time.perf_counter()
@@ -64,6 +62,12 @@ async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, n
     if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs):
         logger.info("%s: every probe request finished before the abort (short context); abort time is a lower bound", url)
     return elapsed
+
+
+async def requests_in_flight(session, url: str) -> int:
+    """Running + waiting requests of one engine, from SGLang's `GET /v1/loads` (its aggregate over DP ranks)."""
+    loads = await http_client.get(session, url, "/v1/loads?include=core", timeout=10)
+    return int(loads["aggregate"]["total_reqs"])
 
 
 async def scheduler_stats(session, url: str) -> dict | None:

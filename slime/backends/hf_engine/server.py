@@ -1,5 +1,8 @@
 """aiohttp app speaking SGLang's native HTTP API over an `Engine`: generation and control routes
-(read-only routes are in `info.py`)."""
+(read-only routes are in `info.py`). The routes, bodies and replies follow SGLang at the version we pin
+(`slime/backends/sglang_utils/versions.py`; docs/sglang-compat.md lists each deliberate difference): weight
+updates by tensor or broadcast run only inside a `/begin_weight_update` ... `/end_weight_update` session, the
+weight-update group is joined in SGLang's layout, `/flush_cache` answers plain text."""
 
 from __future__ import annotations
 
@@ -18,12 +21,15 @@ from slime.backends.hf_engine.http_utils import (
 )
 from slime.backends.hf_engine.memory import MemoryStateError, parse_tags
 from slime.backends.hf_engine.tensor_payload import PayloadError
+from slime.backends.hf_engine.weights import WeightUpdateSession
 from slime.backends.hf_engine.info import add_info_routes
 from slime.backends.hf_engine.protocol import GenerateInput, build_response, parse_generate
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
+
+SESSION_KEY = web.AppKey("weight_update_session", WeightUpdateSession)
 
 
 class _Run:
@@ -151,18 +157,44 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return result_response(True, msg, num_paused_requests=in_flight)
 
 
+def _selector(body: dict) -> str:
+    selector = body_field(body, "selector", str, "all")
+    if selector not in WeightUpdateSession.SELECTORS:
+        raise BadRequest(f"selector: expected 'target', 'draft' or 'all', got {selector!r}")
+    return selector
+
+
+def _session_refusal(request: web.Request, route: str) -> web.Response | None:
+    """SGLang's answer to a tensor / distributed update outside a weight-update session (HTTP 400), or None."""
+    why = request.app[SESSION_KEY].refusal(route)
+    return None if why is None else result_response(False, why)
+
+
+def _empty_device_cache(engine: Engine, body: dict, flushed: bool) -> None:
+    """`torch_empty_cache`: SGLang empties the device allocator's cache during the flush."""
+    if body_field(body, "torch_empty_cache", bool, False) and flushed:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """SGLang's UpdateWeightsFromTensorReqInput: serialized_named_tensors (one MultiprocessingSerializer payload per
-    TP rank), load_format, flush_cache, abort_all_requests, weight_version."""
+    TP rank), load_format, flush_cache, abort_all_requests, weight_version, selector, torch_empty_cache."""
     engine = request.app[ENGINE_KEY]
     body = await json_body(request)
     unknown = sorted(set(body) - {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                                  "weight_version"})
+                                  "weight_version", "selector", "torch_empty_cache"})
     if unknown:
         raise BadRequest(f"{unknown[0]}: unknown field (not a field of SGLang's UpdateWeightsFromTensorReqInput)")
     serialized = body_field(body, "serialized_named_tensors", list)
     load_format = body_field(body, "load_format", str, None, allow_none=True)
     version, flush, abort_all = _update_flags(body)
+    _selector(body)
+    refused = _session_refusal(request, "update_weights_from_tensor")
+    if refused is not None:
+        return refused
     try:
         msg, in_flight = await engine.update_from_tensor(serialized, load_format, version, flush, abort_all)
     except PayloadError as e:
@@ -170,7 +202,22 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     except Exception as e:  # noqa: BLE001 - reported to the caller
         logger.exception("update_weights_from_tensor failed")
         return result_response(False, f"update_weights_from_tensor: {e}")
+    _empty_device_cache(engine, body, flush)
     return result_response(True, msg, num_paused_requests=in_flight)
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    """SGLang's BeginWeightUpdateReqInput {selector}: open the session the tensor and broadcast updates need."""
+    body = await json_body(request, required=False)
+    ok, msg = request.app[SESSION_KEY].begin(_selector(body))
+    return result_response(ok, msg)
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    """SGLang's EndWeightUpdateReqInput {}: close the session."""
+    await json_body(request, required=False)
+    ok, msg = request.app[SESSION_KEY].end()
+    return result_response(ok, msg)
 
 
 async def _memory_call(request: web.Request, release: bool) -> web.Response:
@@ -216,18 +263,30 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """SGLang's UpdateWeightsFromDistributedReqInput: names, dtypes, shapes, group_name, flush_cache,
+    abort_all_requests, weight_version, load_format, selector, torch_empty_cache. Outside a weight-update session
+    it is refused (400) without joining the broadcast, as SGLang does."""
     engine = request.app[ENGINE_KEY]
     body = await json_body(request)
     names = body_field(body, "names", list)
     dtypes = body_field(body, "dtypes", list)
     shapes = body_field(body, "shapes", list)
     group = body_field(body, "group_name", str, "weight_update_group")
+    load_format = body_field(body, "load_format", str, None, allow_none=True)
+    if load_format is not None:
+        raise BadRequest(f"load_format: {load_format!r} is not supported here (only per-tensor broadcasts, "
+                         "load_format null)")
     version, flush, abort_all = _update_flags(body)
+    _selector(body)
+    refused = _session_refusal(request, "update_weights_from_distributed")
+    if refused is not None:
+        return refused
     try:
         msg, _ = await engine.update_from_distributed(group, names, dtypes, shapes, version, flush, abort_all)
     except Exception as e:  # noqa: BLE001
         logger.exception("update_weights_from_distributed failed")
         return result_response(False, f"update_weights_from_distributed: {e}")
+    _empty_device_cache(engine, body, flush)
     return result_response(True, msg)
 
 
@@ -246,7 +305,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
     if body_field(body, "abort_all_requests", bool, True):
         await engine.call(engine.scheduler.abort, None, "aborted for a weight version update")
     await engine.set_weight_version(str(version))
-    return result_response(True, f"weight_version={engine.weight_version}")
+    return result_response(True, f"Weight version updated to {engine.weight_version}", new_version=engine.weight_version)
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -266,23 +325,49 @@ async def pause_generation(request: web.Request) -> web.Response:
     if mode not in ("abort", "retract", "in_place"):
         raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}")
     n = await engine.call(pause)
-    return result_response(True, f"paused ({mode}); {n} requests affected")
+    logger.info("paused (%s); %d requests affected", mode, n)
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    await json_body(request, required=False)
     await engine.call(engine.scheduler.set_paused, False)
-    return result_response(True, "generation continues")
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache[?timeout=S]: flush when no request runs or waits; with a timeout, wait for that up to
+    S seconds. Plain-text replies: 200 when flushed, 400 when not."""
     engine = request.app[ENGINE_KEY]
     sched = engine.scheduler
-    busy = await engine.call(lambda: sched.num_running + sched.num_waiting)
-    if busy:
-        return web.Response(status=400, text=f"Cache not flushed: {busy} requests are running or waiting.")
-    await engine.call(sched.prefix_cache.clear)
-    return web.Response(status=200, text="Cache flushed.")
+    raw = request.query.get("timeout", "0")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise BadRequest(f"timeout: expected a number of seconds, got {raw!r}") from None
+    if not timeout >= 0:
+        raise BadRequest(f"timeout: must be >= 0, got {raw!r}")
+
+    def flush_if_idle() -> int:
+        busy = sched.num_running + sched.num_waiting
+        if not busy:
+            sched.prefix_cache.clear()
+        return busy
+
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = await engine.call(flush_if_idle)
+        if not busy:
+            return web.Response(status=200, text=FLUSHED)
+        if time.monotonic() >= deadline:
+            why = "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed."
+            return web.Response(status=400, text=f"{why} {busy} requests are running or waiting.\n")
+        await asyncio.sleep(0.01)
 
 
 async def freeze_gc(request: web.Request) -> web.Response:
@@ -310,11 +395,13 @@ async def health_generate(request: web.Request) -> web.Response:
 def build_app(engine: Engine, host: str, port: int) -> web.Application:
     app = web.Application(middlewares=[bad_request_middleware], client_max_size=1 << 30)
     app[ENGINE_KEY] = engine
+    app[SESSION_KEY] = WeightUpdateSession()
     app["host"], app["port"], app["started"] = host, port, time.time()
     post = [
         ("/generate", generate), ("/abort_request", abort_request),
         ("/update_weights_from_disk", update_weights_from_disk),
         ("/update_weights_from_tensor", update_weights_from_tensor),
+        ("/begin_weight_update", begin_weight_update), ("/end_weight_update", end_weight_update),
         ("/release_memory_occupation", release_memory_occupation),
         ("/resume_memory_occupation", resume_memory_occupation),
         ("/init_weights_update_group", init_weights_update_group),
@@ -326,6 +413,7 @@ def build_app(engine: Engine, host: str, port: int) -> web.Application:
     ]
     for path, fn in post:
         app.router.add_post(path, fn)
+    app.router.add_put("/generate", generate)  # SGLang serves POST and PUT
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_get("/freeze_gc", freeze_gc)
     app.router.add_get("/health_generate", health_generate)

@@ -135,6 +135,8 @@ def build_embedded_engine_command(args, engine_rank: int, port: int, host: str =
     cmd += ["--num-threads", str(args.embedded_engine_threads), "--seed", str(args.seed + engine_rank)]
     if args.colocate and "enable-memory-saver" not in _extra_flag_names(args.sglang_extra_args):
         cmd += ["--enable-memory-saver"]  # as for SGLang: colocated engines release their memory around training
+    if "weight-version" not in _extra_flag_names(args.sglang_extra_args):
+        cmd += ["--weight-version", "0"]  # as for SGLang: the policy version the engine starts with
     known = _embedded_engine_flags()
     unknown = sorted(f for f in _extra_flag_names(args.sglang_extra_args) if f not in known)
     if unknown:

@@ -295,6 +295,45 @@ def test_tensor_sync_each_rank_feeds_the_engine_on_its_device(model_dir, tmp_pat
             assert all(torch.equal(received[k], want[k]) for k in want), f"engine {i}, TP rank {rank_entry}"
 
 
+def test_cuda_buckets_release_their_ipc_handles_after_the_reply(monkeypatch):
+    """SGLang expects a sender to call torch.cuda.ipc_collect() once the engine has replied to a bucket shared
+    by CUDA IPC handle (otherwise the memory stays allocated until the process ends); CPU buckets have none."""
+    from slime.backends.fsdp_utils import update_weight_tensor
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append(1))
+    update_weight_tensor.release_ipc_handles(torch.device("cpu"))
+    assert calls == []
+    update_weight_tensor.release_ipc_handles(torch.device("cuda", 0))
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensor_sender_on_cuda_returns_the_bucket_memory(tmp_path):
+    """On a GPU: every bucket goes out as CUDA IPC handles to a reader in another process (read with an exact
+    SGLang allow-list), the flush only with the last one, and once the reader has replied the sender's memory is
+    back where it was (the bucket freed, its IPC handles collected)."""
+    from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
+    from slime.backends.training_utils.weight_feed import EngineFeed
+
+    reader = ReaderServer(tmp_path)
+    try:
+        named = [(f"w{i}", torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)) for i in range(8)]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        sender = TensorSender(0, 1, None, 1 << 18, True, 120.0)  # 256 KiB buckets: 2 tensors each
+        sender.send([EngineFeed(reader.url, (0,))], iter(named), 3)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == base
+        sender.close()
+        buckets, reqs = reader.received()
+    finally:
+        reader.stop()
+    assert len(reqs) == 4 and [r["flush_cache"] for r in reqs] == [False, False, False, True]
+    got = {k: v for per_rank in buckets for k, v in per_rank[0].items()}
+    assert all(torch.equal(got[k].cuda(), t) for k, t in named)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_payload_opens_in_another_process_without_a_copy(tmp_path):
     """On a GPU the payload carries CUDA IPC handles (device as the GPU's UUID): another process opens the

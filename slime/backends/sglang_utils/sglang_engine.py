@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from slime.backends.sglang_utils import versions
 from slime.backends.sglang_utils.process_utils import ManagedProcess
 from slime.utils.net import WILDCARDS, advertised_address, resolve_listen_host
 
@@ -54,7 +55,8 @@ def resolve_rollout_backend(args) -> str:
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
     else:
         if choice == "sglang" and not _sglang_importable():
-            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
+            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install "
+                               f"'{versions.sglang_requirement()}')")
         logger.info("--rollout-backend %s", choice)
         backend = choice
     return backend

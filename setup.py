@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 
 # the SGLang pins live in one file (read without importing the package, which needs its dependencies)
 _versions = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                        "slime", "backends", "sglang_utils", "versions.py"))
+                                        "slime", "utils", "sglang_versions.py"))
 
 setup(
     name="slime-april",

@@ -13,7 +13,7 @@ import requests
 import torch
 
 from slime.backends.hf_engine.testing import EngineServer, greedy_reference
-from slime.backends.sglang_utils.versions import SGLANG_PINNED
+from slime.utils.sglang_versions import SGLANG_PINNED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")

@@ -134,7 +134,7 @@ def test_dockerfiles_pin_what_setup_py_allows_and_hold_no_secrets(dockerfile):
     assert f'"sglang-router=={pins["SGLANG_ROUTER_VERSION"]}"' in setup
     major, minor, _ = (int(x) for x in pins["MEGATRON_CORE_VERSION"].split("."))
     assert '"megatron-core>=0.16.1,<0.17"' in setup and (major, minor) == (0, 16)
-    from slime.backends.sglang_utils import versions  # setup.py's sglang extra is versions.sglang_requirement()
+    from slime.utils import sglang_versions as versions  # setup.py's sglang extra is versions.sglang_requirement()
 
     assert pins["SGLANG_VERSION"] == versions.SGLANG_PINNED and '_versions["sglang_requirement"]()' in setup
     assert "docker build -f " + dockerfile in text and "docker run" in text  # how to build and run

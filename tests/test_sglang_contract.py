@@ -27,7 +27,7 @@ import torch
 
 from test_fsdp_helpers import make_args, make_model_dir
 
-from slime.backends.sglang_utils import versions
+from slime.utils import sglang_versions as versions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))

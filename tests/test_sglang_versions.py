@@ -1,4 +1,4 @@
-"""The SGLang version pins (one place: slime/backends/sglang_utils/versions.py) and the start-up check that
+"""The SGLang version pins (one place: slime/utils/sglang_versions.py) and the start-up check that
 refuses an engine speaking an SGLang version outside them."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from slime.backends.sglang_utils import engine_api, versions
+from slime.backends.sglang_utils import engine_api
+from slime.utils import sglang_versions as versions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dockerfiles_build_the_pinned_version(dockerfile):
     text = open(os.path.join(REPO, dockerfile)).read()
     assert re.search(r"^ARG SGLANG_VERSION=(\S+)$", text, re.M).group(1) == versions.SGLANG_PINNED
-    assert "slime/backends/sglang_utils/versions.py" in text  # the build checks the image against the range
+    assert "slime/utils/sglang_versions.py" in text  # the build checks the image against the range
 
 
 def test_setup_extra_is_the_supported_range():
@@ -29,7 +30,7 @@ def test_setup_extra_is_the_supported_range():
 
     text = open(os.path.join(REPO, "setup.py")).read()
     assert '"sglang": [_versions["sglang_requirement"]()]' in text
-    assert runpy.run_path(os.path.join(REPO, "slime/backends/sglang_utils/versions.py"))["sglang_requirement"]() \
+    assert runpy.run_path(os.path.join(REPO, "slime/utils/sglang_versions.py"))["sglang_requirement"]() \
         == f"sglang>={versions.SGLANG_OLDEST},<={versions.SGLANG_PINNED}"
 
 

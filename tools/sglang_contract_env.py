@@ -5,7 +5,7 @@
 
 Two SGLang versions cannot share one site-packages, and SGLang's own requirements (CUDA torch, its kernels) must
 not touch ours, so each version goes into its own folder with `pip install --no-deps --target`, next to one
-folder of the few pure-Python / CPU packages its modules import (slime/backends/sglang_utils/versions.py lists
+folder of the few pure-Python / CPU packages its modules import (slime/utils/sglang_versions.py lists
 them, pinned). A test puts those folders first on a server process's sys.path (tests/sglang_real_server.py).
 Root: $SLIME_SGLANG_CONTRACT_DIR, default <repo>/.cache/sglang-contract (git-ignored). A folder is complete when
 its stamp names exactly what it was installed from; anything else is reinstalled.
@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from slime.backends.sglang_utils import versions  # noqa: E402
+from slime.utils import sglang_versions as versions  # noqa: E402
 
 logger = logging.getLogger("sglang_contract_env")
 STAMP = ".slime-contract-stamp.json"

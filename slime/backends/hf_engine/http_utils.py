@@ -7,7 +7,7 @@ from aiohttp import web
 
 from slime.backends.hf_engine.engine import Engine
 from slime.backends.hf_engine.fields import BadRequest
-from slime.backends.sglang_utils.versions import SGLANG_PINNED
+from slime.utils.sglang_versions import SGLANG_PINNED
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 SERVER_VERSION = SGLANG_PINNED  # the SGLang version whose HTTP API we serve, reported where SGLang reports its own

@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from slime.backends.sglang_utils import http_client, versions
+from slime.backends.sglang_utils import http_client
+from slime.utils import sglang_versions as versions
 
 LOADS_PATH = "/v1/loads?include=core"
 LEGACY_LOAD_PATH = "/get_load"
@@ -118,7 +119,7 @@ def check_engine_versions(urls: list[str], timeout: float = 10.0) -> dict[str, s
         raise UnsupportedEngineVersion(
             "; ".join(f"{u} runs SGLang {v}" for u, v in bad.items())
             + f": this version of slime-april supports {versions.supported_range()} (the pins in "
-              f"slime/backends/sglang_utils/versions.py); run a supported SGLang")
+              f"slime/utils/sglang_versions.py); run a supported SGLang")
     return found
 
 

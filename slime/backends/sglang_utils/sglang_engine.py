@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from slime.backends.sglang_utils import versions
+from slime.utils import sglang_versions as versions
 from slime.backends.sglang_utils.process_utils import ManagedProcess
 from slime.utils.net import WILDCARDS, advertised_address, resolve_listen_host
 

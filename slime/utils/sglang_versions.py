@@ -1,4 +1,5 @@
-"""The SGLang versions we build against: the one place they are written.
+"""The SGLang versions we build against: the one place they are written (utils: the trainer, the client and the
+embedded engine all read it).
 
 Read by the code (the engine version check at start-up, the embedded engine's reported version), setup.py's
 `sglang` extra, the Dockerfiles' build check, and the contract tests' install (`tools/sglang_contract_env.py`),

@@ -142,7 +142,7 @@ async def v1_loads(request: web.Request) -> web.Response:
     return json_response({
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "version": SERVER_VERSION,
-        "accelerator": None,
+        "accelerator": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
         "num_accelerators": 1,
         "loads": loads,
     })

@@ -1,4 +1,11 @@
+import os
+import runpy
+
 from setuptools import find_packages, setup
+
+# the SGLang pins live in one file (read without importing the package, which needs its dependencies)
+_versions = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "slime", "utils", "sglang_versions.py"))
 
 setup(
     name="slime-april",
@@ -30,7 +37,7 @@ setup(
         "matplotlib>=3.7",  # tools/plot_run.py (Agg backend, no display)
     ],
     extras_require={
-        "sglang": ["sglang>=0.5.0,<0.6"],
+        "sglang": [_versions["sglang_requirement"]()],
         "megatron": [],  # megatron-core is a core dependency now; kept so `.[sglang,megatron]` still installs
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },

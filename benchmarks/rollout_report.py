@@ -103,7 +103,7 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
         drift = f"  (second half - first half {sum(v[half:]) / (len(v) - half) - sum(v[:half]) / half:+.3f})" if half else ""
         print(f"{k:8s} x limit per round: {' '.join(f'{x:.3f}' for x in v)}{drift}"
               + (f"   x sync: {' '.join(f'{x:.2f}' for x in over_sync[k])}" if k in over_sync else ""))
-    print("engine running rows (sampled /get_load, mean over steps) vs the limit's: "
+    print("engine running rows (sampled /v1/loads, mean over steps) vs the limit's: "
           + ", ".join(f"{k} {r['mean']['occupancy']:.1f} ({r['mean']['occupancy'] / lim_rows:.2f}x)" for k, r in res.items()))
     for k, r in res.items():
         print(f"{k:8s} {engine_breakdown(r['engine'])}")

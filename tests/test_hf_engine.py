@@ -13,6 +13,7 @@ import requests
 import torch
 
 from slime.backends.hf_engine.testing import EngineServer, greedy_reference
+from slime.utils.sglang_versions import SGLANG_PINNED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -115,8 +116,17 @@ def test_info_endpoints(server, model_dir):
     assert isinstance(info["weight_version"], str)
     si = server.get("/get_server_info").json()
     assert si["model_path"] == str(model_dir) and si["dp_size"] == 1 and si["max_running_requests"] == 16
-    load = server.get("/get_load").json()
-    assert isinstance(load, list) and {"num_reqs", "num_waiting_reqs", "num_tokens", "dp_rank"} <= set(load[0])
+    assert server.get("/server_info").json().keys() == si.keys()
+    assert si["version"] == SGLANG_PINNED  # where SGLang reports its own version
+    assert server.get("/model_info").json() == info
+    loads = server.get("/v1/loads?include=core").json()
+    assert loads["version"] == SGLANG_PINNED and len(loads["loads"]) == 1
+    assert {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_running_requests", "dp_rank"} <= set(loads["loads"][0])
+    assert "queues" not in loads["loads"][0] and "queues" in server.get("/v1/loads").json()["loads"][0]
+    bad = server.get("/v1/loads?include=core,nope")
+    assert bad.status_code == 400 and "nope" in bad.json()["detail"]
+    # removed from SGLang in 0.5.21: not served
+    assert server.get("/get_load").status_code == 404 and server.get("/get_weight_version").status_code == 404
     assert server.get("/v1/models").json()["data"][0]["id"] == str(model_dir)
     assert server.get("/health").status_code == 200
     assert server.get("/health_generate", timeout=30).status_code == 200
@@ -227,18 +237,19 @@ def test_pause_in_place_abort_all_and_waiting(server):
     t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "run-1", "sampling_params": sp}, 2, box))
     t.start()
     assert box["ready"].wait(30)
-    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
-    load1 = server.get("/get_load").json()[0]
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    load1 = server.load()
     time.sleep(0.3)
-    load2 = server.get("/get_load").json()[0]
-    assert load1["num_reqs"] == 1 and load1["num_tokens"] == load2["num_tokens"]  # nothing decodes while paused
-    assert server.post("/flush_cache").status_code == 400  # a request is still in flight
+    load2 = server.load()
+    assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
+    refused = server.post("/flush_cache")
+    assert refused.status_code == 400 and "1 requests are running" in refused.text  # a request is still in flight
     # a request arriving while paused waits; abort_all returns it with no tokens
     waiting = {}
     w = threading.Thread(target=lambda: waiting.update(gen(server, [1, 4], rid="wait-1", sampling_params=sp)))
     w.start()
     deadline = time.monotonic() + 10
-    while server.get("/get_load").json()[0]["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
+    while server.load()["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     t0 = time.monotonic()
     assert server.post("/abort_request", {"abort_all": True}).status_code == 200
@@ -247,7 +258,7 @@ def test_pause_in_place_abort_all_and_waiting(server):
     assert time.monotonic() - t0 < 5
     assert waiting["meta_info"]["finish_reason"]["type"] == "abort" and waiting["output_ids"] == []
     assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(box["final"]["output_ids"]) >= 2
-    assert server.post("/continue_generation", {}).json()["success"]
+    assert server.post("/continue_generation", {}).json()["status"] == "ok"
     assert server.post("/flush_cache").status_code == 200
     out = gen(server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
     assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
@@ -274,7 +285,7 @@ def test_pause_abort_mode(server):
     t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2], "sampling_params": sp}, 2, box))
     t.start()
     assert box["ready"].wait(30)
-    assert server.post("/pause_generation", {"mode": "abort"}).json()["success"]
+    assert server.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
     t.join(10)
     assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
     server.post("/continue_generation", {})
@@ -283,8 +294,8 @@ def test_pause_abort_mode(server):
 def _wait_idle(server, timeout=10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        load = server.get("/get_load").json()[0]
-        if load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+        load = server.load()
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
             return True
         time.sleep(0.05)
     return False
@@ -293,11 +304,11 @@ def _wait_idle(server, timeout=10.0) -> bool:
 def test_client_disconnect_cancels(server):
     """Paused in place, nothing can finish on its own: only the disconnect can remove the requests."""
     sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
-    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     try:
         r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp}, stream=True, timeout=60)
         assert r.status_code == 200
-        assert server.get("/get_load").json()[0]["num_waiting_reqs"] == 1
+        assert server.load()["num_waiting_reqs"] == 1
         r.close()
         assert _wait_idle(server)
         # a non-streaming client that gives up (read timeout closes the connection) cancels its waiting request
@@ -331,7 +342,7 @@ def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
 def test_control_endpoints_type_check_booleans(server):
     """`{"abort_all": "no"}` used to abort everything (a truthy string); now it is a 400 that aborts nothing."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     box = {"ready": threading.Event()}
     t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "keep-me", "sampling_params": sp}, 0, box))
     t.start()
@@ -340,12 +351,12 @@ def test_control_endpoints_type_check_booleans(server):
         for body, field in [({"abort_all": "no"}, "abort_all"), ({"rid": 5}, "rid")]:
             r = server.post("/abort_request", body)
             assert r.status_code == 400 and field in r.json()["error"]["message"]
-        assert server.get("/get_load").json()[0]["num_waiting_reqs"] == 1  # still there
+        assert server.load()["num_waiting_reqs"] == 1  # still there
         r = server.post("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "no"})
         assert r.status_code == 400 and "flush_cache" in r.json()["error"]["message"]
         r = server.post("/update_weight_version", {"new_version": "9", "abort_all_requests": "false"})
         assert r.status_code == 400 and "abort_all_requests" in r.json()["error"]["message"]
-        assert server.get("/get_weight_version").json()["weight_version"] != "9"
+        assert server.weight_version() != "9"
         assert server.post("/abort_request", {"rid": "keep-me"}).status_code == 200
         t.join(10)
         assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -356,7 +367,7 @@ def test_control_endpoints_type_check_booleans(server):
 def _wait_load(server, key, value, timeout=10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.get("/get_load").json()[0][key] == value:
+        if server.load()[key] == value:
             return True
         time.sleep(0.05)
     return False

@@ -103,13 +103,14 @@ def test_bf16_engine_takes_cuda_ipc_updates_in_place_and_gives_released_memory_b
     def push(name, version):
         named = [(k, v.detach()) for k, v in models[name].state_dict().items()]
         assert all(t.is_cuda for _, t in named)  # CUDA IPC handles, not host copies
-        for b in dtype_buckets(named, 16 << 20):
-            flat = flatten_bucket(b)  # alive until the engine has copied it
-            r = srv.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialize(flat)],
-                                                          "load_format": "flattened_bucket", "weight_version": str(version)},
-                         timeout=120)
-            assert r.status_code == 200 and r.json()["success"], r.text
-            del flat
+        with srv.weight_update_session():  # SGLang (0.5.21+) takes tensor updates only inside one
+            for b in dtype_buckets(named, 16 << 20):
+                flat = flatten_bucket(b)  # alive until the engine has copied it
+                r = srv.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialize(flat)],
+                                                              "load_format": "flattened_bucket",
+                                                              "weight_version": str(version)}, timeout=120)
+                assert r.status_code == 200 and r.json()["success"], r.text
+                del flat
 
     def memory():
         return srv.get("/get_server_info").json()["internal_states"][0]["memory"]

@@ -36,14 +36,19 @@ def models(tmp_path_factory):
 
 
 def _start(models, tmp_path_factory, *flags):
+    """An engine with SGLang's weight-update session open (as a trainer holds it around an update's buckets; these
+    tests push many updates): tensor updates are refused outside one (test_hf_engine_weights.py checks that)."""
     log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    return EngineServer(models["a"][0], ["--seed", "0", *flags], log_path=str(log)).wait_healthy()
+    srv = EngineServer(models["a"][0], ["--seed", "0", *flags], log_path=str(log)).wait_healthy()
+    assert srv.post("/begin_weight_update", {}).json()["success"]
+    return srv
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     srv = _start(models, tmp_path_factory, "--enable-memory-saver")
     yield srv
+    assert srv.post("/end_weight_update", {}).json()["success"]
     srv.stop()
 
 
@@ -151,7 +156,7 @@ def test_release_needs_the_memory_saver_flag_and_an_idle_engine(models, tmp_path
         "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})))
     t.start()
     deadline = time.monotonic() + 30
-    while server.get("/get_load").json()[0]["num_reqs"] < 1 and time.monotonic() < deadline:
+    while server.load()["num_running_reqs"] < 1 and time.monotonic() < deadline:
         time.sleep(0.002)
     r = server.post("/release_memory_occupation", {})
     assert r.status_code == 400 and "idle" in r.json()["message"]
@@ -238,7 +243,7 @@ def _abort_a_running_request(server) -> dict:
     t = threading.Thread(target=lambda: out.update(r=server.post("/generate", body)))
     t.start()
     deadline = time.monotonic() + 60
-    while server.get("/get_load").json()[0]["num_reqs"] == 0 and time.monotonic() < deadline:
+    while server.load()["num_running_reqs"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)
     assert server.post("/abort_request", {"abort_all": True}).status_code == 200

@@ -1,4 +1,5 @@
-"""Weight updates of the embedded engine: from disk, over a gloo group, in the middle of generation."""
+"""Weight updates of the embedded engine: from disk, over a weight-update group (joined in SGLang's layout, inside
+SGLang's weight-update session), in the middle of generation."""
 
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ def greedy(server, ids, n):
 
 
 def broadcast_weights(server, model, version, group="wg_test"):
-    """Trainer side of /update_weights_from_distributed: rank 0 of a 2-rank gloo group."""
+    """Trainer side of /update_weights_from_distributed: rank 0 of a 2-rank group in SGLang's layout
+    (slime.utils.weight_update_group, what the trainer uses), one update inside a weight-update session."""
+    from slime.utils import weight_update_group
+
     port = free_port()
     timeout = datetime.timedelta(seconds=60)
     res = {}
@@ -60,20 +64,22 @@ def broadcast_weights(server, model, version, group="wg_test"):
         "group_name": group, "backend": "gloo"}).json()))
     init.start()
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False)
-    pg = torch.distributed.ProcessGroupGloo(store, 0, 2, timeout)
+    pg = weight_update_group.join("gloo", store, 0, 2, group, timeout)
     init.join(60)
     assert res["init"]["success"], res
     named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
     body = {"names": [k for k, _ in named], "dtypes": [str(v.dtype) if i % 2 else str(v.dtype).replace("torch.", "") for i, (_, v) in enumerate(named)],
             "shapes": [list(v.shape) for _, v in named], "group_name": group, "weight_version": version}
-    upd = threading.Thread(target=lambda: res.update(update=server.post("/update_weights_from_distributed", body).json()))
-    upd.start()
-    for _, t in named:
-        pg.broadcast(t, 0).wait()
-    upd.join(60)
+    with server.weight_update_session():
+        upd = threading.Thread(target=lambda: res.update(update=server.post("/update_weights_from_distributed", body).json()))
+        upd.start()
+        for _, t in named:
+            pg.broadcast(t, 0).wait()
+        upd.join(60)
     assert res["update"]["success"], res
     assert server.post("/destroy_weights_update_group", {"group_name": group}).json()["success"]
-    del pg, store
+    weight_update_group.leave(pg)
+    del store
 
 
 def test_update_from_disk_then_distributed(server, models):
@@ -112,7 +118,7 @@ def test_update_during_generation_stamps_each_token_with_its_version(server, mod
     t = threading.Thread(target=lambda: box.update(out=greedy(server, PROMPT, n)))
     t.start()
     deadline = time.monotonic() + 30
-    while server.get("/get_load").json()[0]["num_tokens"] < len(PROMPT) + 5 and time.monotonic() < deadline:
+    while server.load()["num_used_tokens"] < len(PROMPT) + 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     r = server.post("/update_weights_from_disk", {"model_path": str(dir_b), "weight_version": "11"}).json()
     assert r["success"], r
@@ -146,8 +152,35 @@ def test_update_during_generation_stamps_each_token_with_its_version(server, mod
 def test_update_errors_are_reported(server, tmp_path):
     r = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert r.status_code == 400 and not r.json()["success"] and "model_path" in r.json()["message"]
-    r = server.post("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
-    assert not r.json()["success"] and "nope" in r.json()["message"]
+    bad_group = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"}
+    with server.weight_update_session():
+        r = server.post("/update_weights_from_distributed", bad_group)
+    assert r.status_code == 400 and not r.json()["success"] and "nope" in r.json()["message"]
     r = server.post("/update_weight_version", {"new_version": "42"}).json()
     assert r["success"] and server.get("/get_model_info").json()["weight_version"] == "42"
     assert greedy(server, PROMPT, 2)["meta_info"]["weight_version"] == "42"
+
+
+def test_tensor_and_broadcast_updates_need_a_session_as_in_sglang(server, models):
+    """SGLang >= 0.5.21: tensor and broadcast updates outside /begin_weight_update ... /end_weight_update are
+    refused (400, SGLang's message) without touching the weights or joining a broadcast; the session cannot be
+    opened twice or closed when not open; a disk update needs none."""
+    before = greedy(server, PROMPT, 6)["output_ids"]
+    version = server.weight_version()
+    for route in ("/update_weights_from_tensor", "/update_weights_from_distributed"):
+        body = ({"serialized_named_tensors": ["AA=="], "load_format": "flattened_bucket"}
+                if route.endswith("tensor") else {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]})
+        r = server.post(route, {**body, "weight_version": "99"})
+        assert r.status_code == 400 and r.json() == {
+            "success": False, "message": f"{route[1:]} must run between begin_weight_update() and end_weight_update()"}
+    assert server.weight_version() == version and greedy(server, PROMPT, 6)["output_ids"] == before
+    assert server.post("/begin_weight_update", {}).json() == {"success": True, "message": "Success"}
+    again = server.post("/begin_weight_update", {"selector": "all"})
+    assert again.status_code == 400 and "already open" in again.json()["message"]
+    assert server.post("/end_weight_update", {}).json()["success"]
+    closed = server.post("/end_weight_update", {})
+    assert closed.status_code == 400 and "no weight-update session is open" in closed.json()["message"]
+    bad = server.post("/begin_weight_update", {"selector": "both"})
+    assert bad.status_code == 400 and "selector" in bad.json()["error"]["message"]
+    r = server.post("/update_weights_from_disk", {"model_path": str(models["a"][0]), "weight_version": "31"})
+    assert r.json()["success"] and server.weight_version() == "31"

@@ -134,7 +134,9 @@ def test_dockerfiles_pin_what_setup_py_allows_and_hold_no_secrets(dockerfile):
     assert f'"sglang-router=={pins["SGLANG_ROUTER_VERSION"]}"' in setup
     major, minor, _ = (int(x) for x in pins["MEGATRON_CORE_VERSION"].split("."))
     assert '"megatron-core>=0.16.1,<0.17"' in setup and (major, minor) == (0, 16)
-    assert pins["SGLANG_VERSION"].startswith("0.5.") and '"sglang>=0.5.0,<0.6"' in setup
+    from slime.utils import sglang_versions as versions  # setup.py's sglang extra is versions.sglang_requirement()
+
+    assert pins["SGLANG_VERSION"] == versions.SGLANG_PINNED and '_versions["sglang_requirement"]()' in setup
     assert "docker build -f " + dockerfile in text and "docker run" in text  # how to build and run
     assert "-e WANDB_API_KEY \\" in text and not re.search(r"(API_KEY|TOKEN|PASSWORD)\s*=", text)
     assert re.search(r"pip install .*-e \"\.\[test\]\"", text)  # our package

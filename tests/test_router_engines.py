@@ -132,7 +132,7 @@ def test_abort_all_until_idle_stops_in_flight_requests_on_both_engines(group):
             deadline = time.monotonic() + 60  # until both engines are decoding
             while True:
                 loads = await asyncio.to_thread(group.load)
-                if all(ld[0]["num_reqs"] > 0 for ld in loads.values()):
+                if all(ld["loads"][0]["num_running_reqs"] > 0 for ld in loads.values()):
                     break
                 assert time.monotonic() < deadline, f"engines never both busy: {loads}"
                 await asyncio.sleep(0.05)
@@ -147,9 +147,9 @@ def test_abort_all_until_idle_stops_in_flight_requests_on_both_engines(group):
     assert all(len(r["output_ids"]) < 900 for r in results)
     assert sum(len(r["output_ids"]) for r in results) > 0  # partial outputs came back
     assert all(len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) for r in results)
-    from slime.backends.sglang_utils.engine_group import busy_requests
+    from slime.backends.sglang_utils.engine_api import busy_requests
 
-    assert all(busy_requests(ld) == 0 for ld in group.load().values())
+    assert all(busy_requests(ld) == 0 for ld in group.load().values())  # read from /v1/loads
 
 
 def test_update_weights_from_disk_bumps_every_worker(group, models):
@@ -171,6 +171,8 @@ def test_distributed_weight_update_over_gloo(group, models):
     """Trainer = rank 0 of a gloo group with both engines; broadcast m0's weights back, version 5."""
     from transformers import AutoModelForCausalLM
 
+    from slime.utils import weight_update_group
+
     state = AutoModelForCausalLM.from_pretrained(str(models["m0"]), dtype=torch.float32).state_dict()
     port = pick_free_ports(1)[0]
     world = group.weight_update_world_size()
@@ -178,19 +180,22 @@ def test_distributed_weight_update_over_gloo(group, models):
     futs = group.init_weights_update_group("127.0.0.1", port)  # engines block until the trainer joins
     timeout = datetime.timedelta(seconds=20)
     store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout)
-    pg = torch.distributed.ProcessGroupGloo(store, 0, world, timeout)
+    pg = weight_update_group.join("gloo", store, 0, world, "weight_update_group", timeout)  # SGLang's layout
     try:
         group.wait_all(futs, "init_weights_update_group", timeout=60, check_success=True)
         names = list(state)
+        sessions = group.begin_weight_update()
         futs = group.update_weights_from_distributed(names, [str(state[n].dtype) for n in names],
                                                      [list(state[n].shape) for n in names], weight_version=5)
         for n in names:
             pg.broadcast(state[n].contiguous(), 0).wait()
         group.wait_all(futs, "update_weights_from_distributed", timeout=60, check_success=True)
+        sessions.close()
         group.wait_all(group.destroy_weights_update_group(), "destroy_weights_update_group", timeout=30,
                        check_success=True)
     finally:
-        del pg, store
+        weight_update_group.leave(pg)
+        del store
     outs = [_gen(u, f"dist-{i}") for i, u in enumerate(group.engine_urls)]
     assert [o["meta_info"]["weight_version"] for o in outs] == ["5", "5"]
     # back on m0's weights: the same greedy output a fresh m0 engine gave before any update

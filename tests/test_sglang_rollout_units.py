@@ -112,6 +112,12 @@ def test_sample_at_its_budget_is_truncated_without_a_request(base_args):
     assert asyncio.run(req.generate(s)) is True and s.status == Status.TRUNCATED and req.requests == 0
 
 
-def test_running_requests_parses_get_load():
+def test_running_requests_parses_the_load_report():
+    # SGLang's /v1/loads?include=core
+    v1 = {"version": "0.5.23", "loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 5,
+                                          "max_running_requests": 8},
+                                         {"dp_rank": 1, "num_running_reqs": 1, "max_running_requests": 8}]}
+    assert running_requests(v1) == (4, 16)
+    # the legacy /get_load, on a server without /v1/loads
     assert running_requests([{"num_reqs": 3, "max_running_requests": 8}, {"num_reqs": 1, "max_running_requests": 8}]) == (4, 16)
     assert running_requests({"num_running_reqs": 2}) == (2, None)

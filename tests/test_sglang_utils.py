@@ -16,7 +16,7 @@ from aiohttp import web
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils import http_client, sglang_engine
-from slime.backends.sglang_utils.engine_group import busy_requests
+from slime.backends.sglang_utils.engine_api import busy_requests, running_capacity
 from slime.backends.sglang_utils.process_utils import (
     ManagedProcess,
     ServerLaunchError,
@@ -124,11 +124,18 @@ def test_backend_choice(tmp_path, monkeypatch):
         resolve_rollout_backend(make_args(tmp_path, "--rollout-backend", "sglang"))
 
 
-def test_busy_requests_reads_sglang_get_load_shapes():
+def test_busy_requests_reads_sglang_load_shapes():
+    # SGLang's /v1/loads?include=core: {"version", "loads": [a LoadSnapshot's core fields per DP rank]}
+    v1 = {"timestamp": "t", "version": "0.5.23", "loads": [
+        {"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 1, "max_running_requests": 8},
+        {"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 0, "max_running_requests": 8}]}
+    assert busy_requests(v1) == 6 and running_capacity(v1) == 16
+    assert busy_requests({"version": "0.5.23", "loads": []}) == 0
+    # the legacy /get_load (SGLang < 0.5.21): a list of per-DP-rank dicts
     assert busy_requests([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]) == 0
     assert busy_requests([{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1}, {"dp_rank": 1, "num_reqs": 3}]) == 6
-    assert busy_requests({"num_running_reqs": 1, "num_waiting_reqs": 0}) == 1
-    with pytest.raises(ValueError, match="/get_load"):
+    assert running_capacity([{"num_reqs": 2}]) is None
+    with pytest.raises(ValueError, match="per-DP-rank load dicts"):
         busy_requests(["nonsense"])
 
 

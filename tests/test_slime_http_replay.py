@@ -174,7 +174,7 @@ def test_upstream_slime_http_calls_replayed(stack, models):
     workers = [w["url"] for w in requests.get(stack.url + "/workers", timeout=10).json()["workers"]]
     assert workers == [stack.engine.url]
     assert slime_weight_version(workers[0]) == "0"
-    assert requests.get(workers[0] + "/get_weight_version", timeout=10).json() == {"weight_version": "0"}
+    assert requests.get(workers[0] + "/get_weight_version", timeout=10).status_code == 404  # gone in SGLang 0.5.21
     total = 300
     reference = requests.post(stack.url + "/generate", json=slime_payload(PROMPT, total), timeout=60).json()
     ref_ids, ref_lps, _, _, _ = slime_parse(reference)
@@ -219,6 +219,6 @@ def test_upstream_slime_http_calls_replayed(stack, models):
     after = requests.post(stack.url + "/generate", json=slime_payload(PROMPT, 4), timeout=60).json()
     assert slime_parse(after)[3] == "1" and after["meta_info"]["weight_versions"][-1]["version"] == "1"
     loads = requests.get(workers[0] + "/v1/loads?include=core,disagg,queues", timeout=10).json()
-    assert loads["dp_rank_count"] == 1 and requests_in_load(loads) == 0 and "queues" in loads["loads"][0]
+    assert len(loads["loads"]) == 1 and requests_in_load(loads) == 0 and "queues" in loads["loads"][0]
     assert requests.get(workers[0] + "/v1/loads?include=nope", timeout=10).status_code == 400
     assert json.loads(requests.get(workers[0] + "/v1/loads?dp_rank=3", timeout=10).text)["loads"] == []

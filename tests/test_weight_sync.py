@@ -124,7 +124,7 @@ def _park_one_aborted_request(engine) -> int:
         "input_ids": PROMPT, "rid": "to-park", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})))
     t.start()
     deadline = time.monotonic() + 30
-    while engine.get("/get_load").json()[0]["num_reqs"] < 1 and time.monotonic() < deadline:
+    while engine.load()["num_running_reqs"] < 1 and time.monotonic() < deadline:
         time.sleep(0.002)  # running: it has KV to keep
     engine.post("/abort_request", {"abort_all": True})
     t.join(30)
@@ -223,8 +223,10 @@ def test_tensor_payload_read_by_an_independent_sglang_reader(trainer, backend, t
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    # the flush comes once, with the last bucket (SGLang flushes after that load)
+    assert [r["flush_cache"] for r in reqs] == [False] * (len(reqs) - 1) + [True]
     for r in reqs:
-        assert (r["load_format"], r["weight_version"], r["flush_cache"], r["entries"]) == ("flattened_bucket", "5", True, 1)
+        assert (r["load_format"], r["weight_version"], r["entries"]) == ("flattened_bucket", "5", 1)
         assert set(r["globals"]) <= {"torch.multiprocessing.reductions.rebuild_tensor",
                                      "torch.multiprocessing.reductions.rebuild_typed_storage",
                                      "torch.multiprocessing.reductions.rebuild_storage_filename", "torch.Tensor",
@@ -291,6 +293,45 @@ def test_tensor_sync_each_rank_feeds_the_engine_on_its_device(model_dir, tmp_pat
             received = {k: v for per_rank in buckets for k, v in per_rank[rank_entry].items()}
             assert received.keys() == want.keys()
             assert all(torch.equal(received[k], want[k]) for k in want), f"engine {i}, TP rank {rank_entry}"
+
+
+def test_cuda_buckets_release_their_ipc_handles_after_the_reply(monkeypatch):
+    """SGLang expects a sender to call torch.cuda.ipc_collect() once the engine has replied to a bucket shared
+    by CUDA IPC handle (otherwise the memory stays allocated until the process ends); CPU buckets have none."""
+    from slime.backends.fsdp_utils import update_weight_tensor
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append(1))
+    update_weight_tensor.release_ipc_handles(torch.device("cpu"))
+    assert calls == []
+    update_weight_tensor.release_ipc_handles(torch.device("cuda", 0))
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensor_sender_on_cuda_returns_the_bucket_memory(tmp_path):
+    """On a GPU: every bucket goes out as CUDA IPC handles to a reader in another process (read with an exact
+    SGLang allow-list), the flush only with the last one, and once the reader has replied the sender's memory is
+    back where it was (the bucket freed, its IPC handles collected)."""
+    from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
+    from slime.backends.training_utils.weight_feed import EngineFeed
+
+    reader = ReaderServer(tmp_path)
+    try:
+        named = [(f"w{i}", torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)) for i in range(8)]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        sender = TensorSender(0, 1, None, 1 << 18, True, 120.0)  # 256 KiB buckets: 2 tensors each
+        sender.send([EngineFeed(reader.url, (0,))], iter(named), 3)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == base
+        sender.close()
+        buckets, reqs = reader.received()
+    finally:
+        reader.stop()
+    assert len(reqs) == 4 and [r["flush_cache"] for r in reqs] == [False, False, False, True]
+    got = {k: v for per_rank in buckets for k, v in per_rank[0].items()}
+    assert all(torch.equal(got[k].cuda(), t) for k, t in named)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

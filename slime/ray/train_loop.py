@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Callable
 
+from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
 from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.colocation import device_phases
@@ -73,7 +74,7 @@ def engine_idle_seconds(engines) -> float | None:
 
 # errors that name their cause (flag, file, engine, reward): one line, no traceback
 STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
-         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError)
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion)
 
 
 def train_or_stop(entry: str, train: Callable, args) -> int:

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from slime.backends.sglang_utils import http_client
+from slime.backends.sglang_utils import engine_api
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
 
@@ -62,20 +62,13 @@ def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) ->
 
 
 def running_requests(load: Any) -> tuple[int, int | None]:
-    """(running requests, batch capacity or None) from one worker's /get_load reply."""
-    items = load if isinstance(load, list) else [load]
-    running, cap = 0, 0
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        running += int(item.get("num_reqs", item.get("num_running_reqs", 0)) or 0)
-        c = item.get("max_running_requests")
-        cap = cap + int(c) if c is not None and cap is not None else None
-    return running, (cap or None)
+    """(running requests, batch capacity or None) from one worker's load report (SGLang's /v1/loads reply, or a
+    legacy /get_load one)."""
+    return engine_api.running_and_waiting(load)[0], engine_api.running_capacity(load)
 
 
 class OccupancySampler:
-    """Samples every worker's GET /get_load every `interval` s while a step runs."""
+    """Samples every worker's load report (GET /v1/loads?include=core) every `interval` s while a step runs."""
 
     def __init__(self, session, worker_urls: list[str], interval: float = 0.2):
         self.session, self.urls, self.interval = session, list(worker_urls), interval
@@ -91,10 +84,10 @@ class OccupancySampler:
     async def _loop(self) -> None:
         while True:
             try:
-                loads = await asyncio.gather(*(http_client.get(self.session, u, "/get_load", timeout=5) for u in self.urls))
-            except Exception as e:  # a worker without /get_load: stop sampling, say so once
+                loads = await engine_api.gather_loads(self.session, self.urls, timeout=5)
+            except Exception as e:  # a worker without a load report: stop sampling, say so once
                 if not self._failed:
-                    logger.info("engine occupancy not sampled (/get_load failed: %s)", e)
+                    logger.info("engine occupancy not sampled (its load report failed: %s)", e)
                 self._failed = True
                 return
             per = [running_requests(ld) for ld in loads]

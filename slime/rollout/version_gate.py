@@ -3,7 +3,7 @@ version exact (`train_async.py`).
 
 Every request of a rollout that has a gate passes it before it is sent (`SampleRequester`). `hold(reason)`
 closes the gate and drains the engines through SGLang's documented API: abort every request
-(`POST /abort_request {"abort_all": true}`, repeated until `/get_load` is idle) and wait until every
+(`POST /abort_request {"abort_all": true}`, repeated until `/v1/loads` shows it idle) and wait until every
 request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
 version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
 runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between

@@ -1,12 +1,25 @@
 """Push the trainer's weights to every rollout engine.
 
 Distributed path (default): trainer rank 0 and the engines form one extra
-process group (rank 0 = trainer, engine i = 1 + i*tp); every update streams
-the weights under HF names to rank 0 (`named_weights`, a collective: every
-trainer rank drains it), cuts them into buckets of
+process group (rank 0 = trainer, engine i = 1 + i*tp), laid out as SGLang's
+`init_custom_process_group` lays it out (`slime/utils/weight_update_group.py`);
+every update streams the weights under HF names to rank 0 (`named_weights`, a
+collective: every trainer rank drains it), cuts them into buckets of
 ``--update-weight-buffer-size`` bytes and, per bucket, POSTs
 ``/update_weights_from_distributed`` (names/dtypes/shapes) to every worker
 while broadcasting the tensors in that order.
+
+One update, as SGLang (>= 0.5.21) requires it: rank 0 opens a weight-update
+session on every engine (`/begin_weight_update`; a server without sessions
+answers 404 and needs none), the buckets follow, rank 0 closes the sessions
+(`/end_weight_update`). Every bucket but the last says `flush_cache: false`;
+the last one carries the flush (unless --reuse-stale-kv), so the engine flushes
+the cache the old weights produced once, right after the last load. Upstream
+slime instead pauses the engines, calls /flush_cache, sends every bucket with
+`flush_cache: false` and continues: our callers hand over idle engines (the
+step end aborts until idle; train_async's abort mode drains at its gate), and
+the embedded engine's in-place updates (requests running on across the update)
+need the flush in the same call as the load.
 
 Backends plug in by overriding `named_weights` (FSDP: the full state dict;
 Megatron: TP-gathered, HF-named tensors, one at a time) and `write_hf`.
@@ -37,9 +50,11 @@ from torch import nn
 from slime.backends.fsdp_utils.engine_calls import post as _post, post_all as _post_all, wait_all as _wait_all
 from slime.backends.fsdp_utils.hf_weights import full_state_dict, iter_full_weights, write_hf_dir
 from slime.backends.fsdp_utils.model import use_cuda
-from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
+from slime.backends.fsdp_utils.update_weight_tensor import TensorSender, buckets_with_last
+from slime.backends.sglang_utils.weight_session import WeightUpdateSessions
 from slime.backends.training_utils.weight_feed import EngineFeed, feed_plan
-from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, listen_socket, resolve_listen_host, serve_store
+from slime.utils import weight_update_group
+from slime.utils.net import advertised_address, listen_socket, resolve_listen_host, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +111,28 @@ class WeightUpdater:
             raise ValueError("update_weights: no engine worker URLs (is the EngineGroup started?)")
         t0 = time.perf_counter()
         mode = self.args.update_weight_mode
-        if mode == "distributed" and self.rank == 0 and tuple(urls) != self._urls:
-            try:
-                self._connect(list(urls))
-            except Exception as e:
-                logger.warning("distributed weight update unavailable (%s); using the disk path", e)
-                mode = "disk"
-        mode = ("tensor", "distributed", "disk")[self._agree(("tensor", "distributed", "disk").index(mode))]
         if mode == "tensor":
             feeds = feeds or feed_plan(list(urls), 1, None)
             urls = [f.url for f in feeds]
-            named = iter(self.named_weights(everywhere=True))  # streamed: one copy, into the bucket
-        else:
-            named = iter(self.named_weights())
-        n_bytes, error = 0, None
+        # rank 0 readies the engines (the group, the sessions); every rank learns whether that worked before the
+        # collectives of the weight stream start
+        sessions, error = None, None
+        if self.rank == 0:
+            try:
+                if mode == "distributed" and tuple(urls) != self._urls:
+                    self._connect(list(urls))
+                if mode != "disk":  # SGLang loads from disk without a session
+                    sessions = WeightUpdateSessions(self._pool, self.timeout)
+                    sessions.open(list(urls))
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+        if self._agree(int(error is not None)):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"weight update to version {version}: trainer rank 0 could not reach the engines "
+                               f"(see its log)")
+        named = iter(self.named_weights(everywhere=(mode == "tensor")))  # tensor: streamed into the buckets
+        n_bytes = 0
         try:
             if mode == "tensor":
                 n_bytes = self._tensor_sender().send(feeds, named, version)
@@ -124,6 +147,14 @@ class WeightUpdater:
             for _ in named:  # every rank runs the gathers to the end, even after a failed send
                 pass
         failed_rank = self._first_failed(error is not None)
+        close_error = None
+        if sessions is not None:  # every rank has sent its buckets: the engines finalise the new weights
+            try:
+                sessions.close(quiet=failed_rank is not None)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                close_error = e
+        if self._agree(int(close_error is not None)) and failed_rank is None:
+            failed_rank, error = 0, close_error
         if failed_rank is not None:
             if error is not None:
                 raise error
@@ -186,12 +217,10 @@ class WeightUpdater:
     def _release_local(self) -> None:
         pg, self._pg, self._urls = self._pg, None, ()
         if pg is not None:
-            shutdown = getattr(pg, "shutdown", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except Exception as e:  # pragma: no cover
-                    logger.debug("weight-update pg shutdown: %s", e)
+            try:
+                weight_update_group.leave(pg)
+            except Exception as e:  # noqa: BLE001 - teardown of a group a failure may have broken
+                logger.debug("weight-update group teardown: %s", e)
         self._store = None
 
     def _connect(self, urls: list[str]) -> None:
@@ -214,10 +243,7 @@ class WeightUpdater:
         try:
             timeout = timedelta(seconds=min(self.timeout, 300))
             store = serve_store(sock, world_size, timeout)
-            if backend == "gloo":
-                pg = gloo_group(store, 0, world_size, timeout, gloo_bind_host(listen_host, address))
-            else:
-                pg = _nccl_group(store, world_size, self.group_name)
+            pg = weight_update_group.join(backend, store, 0, world_size, self.group_name, timeout)
         except Exception:
             for f in futs:
                 f.cancel()
@@ -240,7 +266,7 @@ class WeightUpdater:
     def _send_distributed(self, urls: list[str], named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
         n_bytes = 0
-        for bucket in buckets(named, self.buffer_bytes):
+        for bucket, last in buckets_with_last(buckets, named, self.buffer_bytes):
             n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             payload = {
                 "names": [n for n, _ in bucket],
@@ -248,17 +274,31 @@ class WeightUpdater:
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": self.group_name,
                 "weight_version": str(version),
-                "flush_cache": self.flush_cache,
+                "flush_cache": self.flush_cache and last,  # once, after the last load (see the module docstring)
             }
             futs = _post_all(self._pool, urls, "/update_weights_from_distributed", payload, self.timeout)
             try:
-                for _, t in bucket:
-                    self._pg.broadcast(t.to(dev).contiguous(), 0).wait()
+                sent = [t.to(dev).contiguous() for _, t in bucket]
+                self._wait_broadcasts([self._pg.broadcast(t, 0) for t in sent], futs, urls)
             except Exception as e:
                 self._release_local()
                 raise RuntimeError(f"weight broadcast to {urls} failed: {e}") from e
             _wait_all(futs, urls, "/update_weights_from_distributed", self.timeout)
         return n_bytes
+
+    def _wait_broadcasts(self, works: list, futs: list, urls: list[str]) -> None:
+        """Until every broadcast of a bucket is done; an engine that answers before taking part (it refused the
+        bucket) fails it at once, naming the engine, instead of after the group's timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not all(w.is_completed() for w in works):
+            for fut, url in zip(futs, urls):
+                if fut.done() and fut.exception() is not None:
+                    raise RuntimeError(f"{url} refused the bucket: {fut.exception()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the broadcast did not finish within {self.timeout:.0f}s")
+            time.sleep(0.001)
+        for w in works:
+            w.wait()
 
     def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> int:
         if self._disk_dir is None:
@@ -273,9 +313,3 @@ class WeightUpdater:
                 shutil.rmtree(os.path.join(self._disk_dir, old), ignore_errors=True)
         return sum(t.numel() * t.element_size() for t in state.values())
 
-
-def _nccl_group(store, world_size: int, group_name: str):
-    """Trainer side of SGLang's `init_custom_process_group` (GPU): an NCCL group on the
-    rendezvous store, prefixed by the group name."""
-    prefixed = dist.PrefixStore(group_name, store)
-    return dist.ProcessGroupNCCL(prefixed, 0, world_size)

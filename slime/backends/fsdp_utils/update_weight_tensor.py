@@ -5,14 +5,17 @@ HF-named tensors into one flat tensor on its device and serializes it for SGLang
 `/update_weights_from_tensor` (load_format "flattened_bucket"; CUDA IPC handles on a GPU, shared memory on
 CPU; see sglang_utils/tensor_payload.py). An engine's TP ranks are fed by the trainer ranks on their
 devices (`training_utils/weight_feed.py`); those ranks gather their payloads to the engine's first one,
-which posts them in TP order. The flat tensor stays alive until the engine has copied it and replied.
+which posts them in TP order. The flat tensor stays alive until the engine has copied it and replied; then, on a
+GPU, `torch.cuda.ipc_collect()` releases the CUDA IPC handles the engine has closed (as SGLang expects of a
+sender: otherwise every bucket's memory stays allocated until the process ends). Only the last bucket says
+`flush_cache` (see update_weight.py). Rank 0 opens and closes SGLang's weight-update session around it all.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,38 @@ from slime.backends.training_utils.weight_feed import EngineFeed
 logger = logging.getLogger(__name__)
 
 PATH = "/update_weights_from_tensor"
+
+
+class _Tracked:
+    """An iterator that knows when its source ran out."""
+
+    def __init__(self, items: Iterable):
+        self._it = iter(items)
+        self.exhausted = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.exhausted = True
+            raise
+
+
+def buckets_with_last(bucketer, named: Iterable, max_bytes: int) -> Iterator[tuple[list, bool]]:
+    """`bucketer(named, max_bytes)`'s buckets, each with whether it is the last. A bucketer cuts a bucket when the
+    next tensor does not fit (it has read it) or when the stream ends, so this reads nothing ahead of it."""
+    source = _Tracked(named)
+    for bucket in bucketer(source, max_bytes):
+        yield bucket, source.exhausted
+
+
+def release_ipc_handles(device: torch.device) -> None:
+    """After the engines replied to a bucket on `device`: free the CUDA IPC memory whose handles they closed."""
+    if device.type == "cuda":
+        torch.cuda.ipc_collect()
 
 
 class TensorSender:
@@ -56,24 +91,27 @@ class TensorSender:
                 self._group(f.ranks)
         mine = [f for f in feeds if self.rank in f.ranks]
         n_bytes, error = 0, None
-        for i, bucket in enumerate(dtype_buckets(named, self.buffer_bytes)):
+        for i, (bucket, last) in enumerate(buckets_with_last(dtype_buckets, named, self.buffer_bytes)):
             if not mine:
                 continue  # not a feeder: the stream's collectives still ran
             flat = flatten_bucket(bucket, self._buffers.get(i))
-            if flat["flattened_tensor"].device.type == "cpu":
+            device = flat["flattened_tensor"].device
+            if device.type == "cpu":
                 self._buffers[i] = flat["flattened_tensor"]
             n_bytes += flat["flattened_tensor"].numel() * flat["flattened_tensor"].element_size()
             try:
-                self._send_bucket(mine, flat, version, error is None)
+                self._send_bucket(mine, flat, version, error is None, last)
             except Exception as e:  # keep draining: the other ranks wait in the same collectives
                 error = error or e
-            del flat  # the engines have copied it (or failed)
+            del flat, bucket  # the engines have copied it (or failed)
+            release_ipc_handles(device)
         if error is not None:
             raise error
         return n_bytes
 
-    def _send_bucket(self, mine: list[EngineFeed], flat: dict, version: int, post_it: bool) -> None:
-        body = {"load_format": "flattened_bucket", "flush_cache": self.flush_cache, "weight_version": str(version)}
+    def _send_bucket(self, mine: list[EngineFeed], flat: dict, version: int, post_it: bool, last: bool) -> None:
+        body = {"load_format": "flattened_bucket", "flush_cache": self.flush_cache and last,
+                "weight_version": str(version)}
         futures, error = [], None
         for f in mine:
             payload = serialize(flat)  # one per engine: each receiver takes its own shared-memory reference

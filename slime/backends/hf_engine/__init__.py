@@ -11,7 +11,7 @@ one packed step of decode tokens and prompt chunks at a time), `batch` (rows ove
 packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool), `prefix_cache`
 (aborted requests' blocks), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id
 log-probs), `fields` (what is done with every SGLang request field), `protocol` (request validation,
-response shapes), `weights` (disk / gloo updates), `testing` (subprocess helper for tests and benchmarks).
+response shapes), `weights` (disk / broadcast updates, the weight-update group and session), `testing` (subprocess helper for tests and benchmarks).
 See docs/sglang-compat.md for where it differs from SGLang.
 
 Why our own decode loop rather than transformers' continuous batching: measured in one process on the

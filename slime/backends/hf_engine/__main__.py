@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Keep released weights in host memory and restore them on resume (SGLang's flag); without "
                         "it resumed weights wait for the next weight update.")
     p.add_argument("--seed", type=int, default=None, help="Seed of the server's sampling generator.")
-    p.add_argument("--weight-version", default="0", help="Initial weight_version string (default '0').")
+    p.add_argument("--weight-version", default="default",
+                   help="Initial weight_version string (default 'default', as SGLang; the launcher passes 0).")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="Attention kernel.")
     p.add_argument("--bucket-min-saving", type=int, default=None,
                    help="Key positions a new decode attention bucket must save (rows of very different lengths are "

@@ -7,9 +7,10 @@ from aiohttp import web
 
 from slime.backends.hf_engine.engine import Engine
 from slime.backends.hf_engine.fields import BadRequest
+from slime.utils.sglang_versions import SGLANG_PINNED
 
 ENGINE_KEY = web.AppKey("engine", Engine)
-SERVER_VERSION = "0.5.23"  # the SGLang version whose HTTP API we serve
+SERVER_VERSION = SGLANG_PINNED  # the SGLang version whose HTTP API we serve, reported where SGLang reports its own
 
 
 def json_response(obj, status: int = 200) -> web.Response:

@@ -1,5 +1,8 @@
 """aiohttp app speaking SGLang's native HTTP API over an `Engine`: generation and control routes
-(read-only routes are in `info.py`)."""
+(read-only routes are in `info.py`, weight updates in `weight_routes.py`). The routes, bodies and replies follow SGLang at the version we pin
+(`slime/utils/sglang_versions.py`; docs/sglang-compat.md lists each deliberate difference): weight
+updates by tensor or broadcast run only inside a `/begin_weight_update` ... `/end_weight_update` session, the
+weight-update group is joined in SGLang's layout, `/flush_cache` answers plain text."""
 
 from __future__ import annotations
 
@@ -17,13 +20,14 @@ from slime.backends.hf_engine.http_utils import (
     ENGINE_KEY, bad_request_middleware, body_field, error_response, json_body, json_response, result_response,
 )
 from slime.backends.hf_engine.memory import MemoryStateError, parse_tags
-from slime.backends.hf_engine.tensor_payload import PayloadError
 from slime.backends.hf_engine.info import add_info_routes
+from slime.backends.hf_engine.weight_routes import add_weight_routes
 from slime.backends.hf_engine.protocol import GenerateInput, build_response, parse_generate
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
+
 
 
 class _Run:
@@ -127,52 +131,6 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def _update_flags(body: dict) -> tuple[str | None, bool, bool]:
-    """(weight_version, flush_cache, abort_all_requests) of a weight-update body, type-checked."""
-    version = body_field(body, "weight_version", (str, int), None, allow_none=True)
-    return (None if version is None else str(version), body_field(body, "flush_cache", bool, True),
-            body_field(body, "abort_all_requests", bool, False))
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request)
-    path = body_field(body, "model_path", str)
-    load_format = body_field(body, "load_format", str, None, allow_none=True)
-    if load_format not in (None, "auto"):
-        raise BadRequest(f"load_format: only Hugging Face directories ('auto') are loaded, got {load_format!r}")
-    version, flush, abort_all = _update_flags(body)
-    try:
-        msg, in_flight = await engine.update_from_disk(path, version, flush, abort_all)
-    except Exception as e:  # noqa: BLE001 - reported to the caller
-        logger.exception("update_weights_from_disk failed")
-        return result_response(False, f"update_weights_from_disk: {e}", num_paused_requests=0)
-    # SGLang's reply field: requests held across the update (ours went on, each token stamped with its version)
-    return result_response(True, msg, num_paused_requests=in_flight)
-
-
-async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    """SGLang's UpdateWeightsFromTensorReqInput: serialized_named_tensors (one MultiprocessingSerializer payload per
-    TP rank), load_format, flush_cache, abort_all_requests, weight_version."""
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request)
-    unknown = sorted(set(body) - {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                                  "weight_version"})
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: unknown field (not a field of SGLang's UpdateWeightsFromTensorReqInput)")
-    serialized = body_field(body, "serialized_named_tensors", list)
-    load_format = body_field(body, "load_format", str, None, allow_none=True)
-    version, flush, abort_all = _update_flags(body)
-    try:
-        msg, in_flight = await engine.update_from_tensor(serialized, load_format, version, flush, abort_all)
-    except PayloadError as e:
-        raise BadRequest(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - reported to the caller
-        logger.exception("update_weights_from_tensor failed")
-        return result_response(False, f"update_weights_from_tensor: {e}")
-    return result_response(True, msg, num_paused_requests=in_flight)
-
-
 async def _memory_call(request: web.Request, release: bool) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = await json_body(request, required=False)
@@ -199,56 +157,6 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return await _memory_call(request, release=False)
 
 
-async def init_weights_update_group(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request)
-    args = (
-        body_field(body, "master_address", str), body_field(body, "master_port", int),
-        body_field(body, "rank_offset", int), body_field(body, "world_size", int),
-        body_field(body, "group_name", str, "weight_update_group"), body_field(body, "backend", str, "gloo"),
-    )
-    try:
-        await asyncio.to_thread(engine.groups.init, *args)
-    except Exception as e:  # noqa: BLE001
-        logger.exception("init_weights_update_group failed")
-        return result_response(False, f"init_weights_update_group: {e}")
-    return result_response(True, f"joined weight update group {args[4]!r} as rank {args[2]}")
-
-
-async def update_weights_from_distributed(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request)
-    names = body_field(body, "names", list)
-    dtypes = body_field(body, "dtypes", list)
-    shapes = body_field(body, "shapes", list)
-    group = body_field(body, "group_name", str, "weight_update_group")
-    version, flush, abort_all = _update_flags(body)
-    try:
-        msg, _ = await engine.update_from_distributed(group, names, dtypes, shapes, version, flush, abort_all)
-    except Exception as e:  # noqa: BLE001
-        logger.exception("update_weights_from_distributed failed")
-        return result_response(False, f"update_weights_from_distributed: {e}")
-    return result_response(True, msg)
-
-
-async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request, required=False)
-    name = body_field(body, "group_name", str, "weight_update_group")
-    ok = await asyncio.to_thread(engine.groups.destroy, name)
-    return result_response(ok, f"destroyed group {name!r}" if ok else f"group_name: no weight update group {name!r}")
-
-
-async def update_weight_version(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await json_body(request)
-    version = body_field(body, "new_version", (str, int))
-    if body_field(body, "abort_all_requests", bool, True):
-        await engine.call(engine.scheduler.abort, None, "aborted for a weight version update")
-    await engine.set_weight_version(str(version))
-    return result_response(True, f"weight_version={engine.weight_version}")
-
-
 async def pause_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = await json_body(request, required=False)
@@ -266,23 +174,49 @@ async def pause_generation(request: web.Request) -> web.Response:
     if mode not in ("abort", "retract", "in_place"):
         raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}")
     n = await engine.call(pause)
-    return result_response(True, f"paused ({mode}); {n} requests affected")
+    logger.info("paused (%s); %d requests affected", mode, n)
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    await json_body(request, required=False)
     await engine.call(engine.scheduler.set_paused, False)
-    return result_response(True, "generation continues")
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache[?timeout=S]: flush when no request runs or waits; with a timeout, wait for that up to
+    S seconds. Plain-text replies: 200 when flushed, 400 when not."""
     engine = request.app[ENGINE_KEY]
     sched = engine.scheduler
-    busy = await engine.call(lambda: sched.num_running + sched.num_waiting)
-    if busy:
-        return web.Response(status=400, text=f"Cache not flushed: {busy} requests are running or waiting.")
-    await engine.call(sched.prefix_cache.clear)
-    return web.Response(status=200, text="Cache flushed.")
+    raw = request.query.get("timeout", "0")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise BadRequest(f"timeout: expected a number of seconds, got {raw!r}") from None
+    if not timeout >= 0:
+        raise BadRequest(f"timeout: must be >= 0, got {raw!r}")
+
+    def flush_if_idle() -> int:
+        busy = sched.num_running + sched.num_waiting
+        if not busy:
+            sched.prefix_cache.clear()
+        return busy
+
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = await engine.call(flush_if_idle)
+        if not busy:
+            return web.Response(status=200, text=FLUSHED)
+        if time.monotonic() >= deadline:
+            why = "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed."
+            return web.Response(status=400, text=f"{why} {busy} requests are running or waiting.\n")
+        await asyncio.sleep(0.01)
 
 
 async def freeze_gc(request: web.Request) -> web.Response:
@@ -313,23 +247,19 @@ def build_app(engine: Engine, host: str, port: int) -> web.Application:
     app["host"], app["port"], app["started"] = host, port, time.time()
     post = [
         ("/generate", generate), ("/abort_request", abort_request),
-        ("/update_weights_from_disk", update_weights_from_disk),
-        ("/update_weights_from_tensor", update_weights_from_tensor),
         ("/release_memory_occupation", release_memory_occupation),
         ("/resume_memory_occupation", resume_memory_occupation),
-        ("/init_weights_update_group", init_weights_update_group),
-        ("/update_weights_from_distributed", update_weights_from_distributed),
-        ("/destroy_weights_update_group", destroy_weights_update_group),
-        ("/update_weight_version", update_weight_version),
         ("/pause_generation", pause_generation), ("/continue_generation", continue_generation),
         ("/flush_cache", flush_cache), ("/freeze_gc", freeze_gc),
     ]
     for path, fn in post:
         app.router.add_post(path, fn)
+    app.router.add_put("/generate", generate)  # SGLang serves POST and PUT
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_get("/freeze_gc", freeze_gc)
     app.router.add_get("/health_generate", health_generate)
     add_info_routes(app)
+    add_weight_routes(app)
     return app
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -23,8 +24,11 @@ class EngineServer:
     def __init__(self, model_path: str, extra_args: list[str] | None = None, log_path: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra_args = list(extra_args or [])
+        if "--weight-version" not in extra_args:  # as a run launches it (SGLang's own default is "default")
+            extra_args += ["--weight-version", "0"]
         cmd = [sys.executable, "-m", "slime.backends.hf_engine", "--model-path", str(model_path),
-               "--host", "127.0.0.1", "--port", str(self.port), *(extra_args or [])]
+               "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
@@ -46,6 +50,27 @@ class EngineServer:
 
     def get(self, path: str, timeout: float = 10.0) -> requests.Response:
         return requests.get(self.url + path, timeout=timeout)
+
+    def load(self) -> dict:
+        """The engine's one DP rank in SGLang's `GET /v1/loads?include=core` (num_running_reqs, num_waiting_reqs,
+        num_used_tokens, ...)."""
+        r = self.get("/v1/loads?include=core")
+        r.raise_for_status()
+        return r.json()["loads"][0]
+
+    def weight_version(self) -> str:
+        return self.get("/model_info").json()["weight_version"]
+
+    @contextlib.contextmanager
+    def weight_update_session(self):
+        """SGLang's `/begin_weight_update` ... `/end_weight_update` around tensor / broadcast updates."""
+        r = self.post("/begin_weight_update", {})
+        assert r.status_code == 200, r.text
+        try:
+            yield
+        finally:
+            r = self.post("/end_weight_update", {})
+            assert r.status_code == 200, r.text
 
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

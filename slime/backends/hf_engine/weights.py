@@ -1,8 +1,11 @@
-"""Weight updates for the embedded engine: from a directory, or over a gloo group.
+"""Weight updates for the embedded engine: from a directory, or over a weight-update group.
 
 Receiving (disk reads, broadcasts) happens off the scheduler thread; only the
 final in-place copy into the model runs on it, between decode steps (see
-`Engine.apply_weights` in server.py).
+`Engine._apply` in engine.py). The group is joined as SGLang's engine joins it
+(`init_custom_process_group`: a TCP rendezvous, the store prefixed by the group
+name, torch's own group layout; `slime/utils/weight_update_group.py`), so a
+trainer that meets SGLang meets this engine the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import os
 
 import torch
 
-from slime.utils.net import gloo_bind_host, gloo_group
+from slime.utils import weight_update_group
+from slime.utils.net import gloo_bind_host, pin_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ def copy_into_model(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> i
 
 
 class WeightUpdateGroups:
-    """gloo process groups that connect this engine to a trainer (rank 0 broadcasts)."""
+    """Process groups that connect this engine to a trainer (rank 0 broadcasts): gloo, or NCCL on a GPU."""
 
     def __init__(self):
         self._groups: dict[str, tuple[object, object]] = {}
@@ -68,24 +72,28 @@ class WeightUpdateGroups:
             raise ValueError(f"group_name: group {group_name!r} already exists")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: unsupported backend {backend!r}")
-        if backend == "nccl":
-            logger.warning("backend 'nccl' requested; the CPU engine uses gloo")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend: 'nccl' needs CUDA, which this engine does not have; the trainer asks for 'gloo' "
+                             "on CPU")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = torch.distributed.TCPStore(master_address, int(master_port), int(world_size), is_master=False, timeout=timeout)
-        # a trainer on loopback gets a peer on loopback: gloo's default device would listen on the hostname's address
-        pg = gloo_group(store, int(rank_offset), int(world_size), timeout, gloo_bind_host("", master_address))
-        self._groups[group_name] = (store, pg)
-        logger.info("weight update group %s: rank %s of %s via %s:%s", group_name, rank_offset, world_size, master_address, master_port)
+        # gloo listens where the trainer can reach it: loopback for a loopback trainer (the engine's own process)
+        pin_collectives(gloo_bind_host("", master_address) or master_address)
+        store = torch.distributed.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
+                                           timeout=timeout)
+        pg = weight_update_group.join(backend, store, int(rank_offset), int(world_size), group_name, timeout)
+        self._groups[group_name] = (store, pg, "cuda" if backend == "nccl" else "cpu")
+        logger.info("weight update group %s: rank %s of %s via %s:%s (%s)", group_name, rank_offset, world_size,
+                    master_address, master_port, backend)
 
     def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
         if group_name not in self._groups:
             raise ValueError(f"group_name: no weight update group {group_name!r}")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        _, pg = self._groups[group_name]
+        _, pg, device = self._groups[group_name]
         out = {}
         for name, dt, shape in zip(names, dtypes, shapes):
-            t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt))
+            t = torch.empty([int(s) for s in shape], dtype=parse_dtype(dt), device=device)
             pg.broadcast(t, 0).wait()
             out[name] = t
         return out
@@ -94,13 +102,11 @@ class WeightUpdateGroups:
         entry = self._groups.pop(group_name, None)
         if entry is None:
             return False
-        _, pg = entry
-        shutdown = getattr(pg, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                logger.debug("process group shutdown failed", exc_info=True)
+        pg = entry[1]
+        try:
+            weight_update_group.leave(pg)
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            logger.debug("process group teardown failed", exc_info=True)
         del entry, pg
         return True
 
@@ -110,3 +116,38 @@ class WeightUpdateGroups:
 
     def __contains__(self, name: str) -> bool:
         return name in self._groups
+
+
+class WeightUpdateSession:
+    """SGLang's weight-update session (0.5.21+): `/update_weights_from_tensor` and `/update_weights_from_distributed`
+    are refused outside `/begin_weight_update` ... `/end_weight_update`; `/update_weights_from_disk` needs none.
+    (SGLang finalises quantized weights at the end; the embedded engine's weights need nothing.)"""
+
+    SELECTORS = ("target", "draft", "all")
+
+    def __init__(self):
+        self.selector: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.selector is not None
+
+    def begin(self, selector: str) -> tuple[bool, str]:
+        if selector not in self.SELECTORS:
+            raise ValueError(f"selector: invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+        if self.is_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.selector = selector
+        return True, "Success"
+
+    def end(self) -> tuple[bool, str]:
+        if not self.is_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.selector = None
+        return True, "Success"
+
+    def refusal(self, route: str) -> str | None:
+        """Why an update through `route` is refused now (None: it may run)."""
+        if self.is_open:
+            return None
+        return f"{route} must run between begin_weight_update() and end_weight_update()"

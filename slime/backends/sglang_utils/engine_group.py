@@ -5,7 +5,7 @@ Ray actor on the engine's placement-group bundle, so the engine starts on that
 bundle's node with its GPUs; the router stays in this (the driver's) process.
 Generation goes through the router (`router_url`). Everything the router does
 not route in sglang-router 0.3.2 (aborts, pause/continue, weight updates,
-/get_load) is fanned out by this class to every worker listed by the router's
+/v1/loads) is fanned out by this class to every worker listed by the router's
 `GET /workers`. All state lives on the object; `shutdown()` (also run by
 `atexit` and the context manager) leaves no child processes behind.
 """
@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import aiohttp
 
-from slime.backends.sglang_utils import http_client
+from slime.backends.sglang_utils import engine_api, http_client
 from slime.backends.sglang_utils.engine_handle import HostMonitor, LocalEngine, RemoteEngine, host_result
 from slime.backends.sglang_utils.engine_host import EngineSlot
 from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
@@ -34,18 +34,6 @@ logger = logging.getLogger(__name__)
 
 class EngineGroupError(RuntimeError):
     """A fan-out call failed on one or more workers; the message names each."""
-
-
-def busy_requests(load) -> int:
-    """Running + waiting requests in one worker's /get_load reply (SGLang: a list of per-DP-rank dicts)."""
-    items = load if isinstance(load, list) else [load]
-    total = 0
-    for item in items:
-        if not isinstance(item, dict):
-            raise ValueError(f"/get_load: expected a dict or a list of dicts, got {load!r}")
-        running = item.get("num_reqs", item.get("num_running_reqs", 0)) or 0
-        total += int(running) + int(item.get("num_waiting_reqs", 0) or 0)
-    return total
 
 
 class EngineGroup(WeightUpdateMixin):
@@ -124,9 +112,15 @@ class EngineGroup(WeightUpdateMixin):
             # every engine concurrently; the first failure wins (with its log tail)
             for fut in [self._pool.submit(e.wait_healthy, timeout) for e in self.engines]:
                 fut.result(timeout=timeout + 120)
+        # an engine speaking an SGLang API we do not support fails the run now, naming its version, not at the
+        # first weight update (every worker behind the router: an external router may list others too)
+        engine_api.check_engine_versions(self.engine_urls)
         for engine in self.engines:
             self.router.add_worker(engine.url)
         self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self._check_engines_alive)
+        others = sorted(set(self.worker_urls()) - set(self.engine_urls))
+        if others:
+            engine_api.check_engine_versions(others)
         where = sorted({e.node_ip for e in self.engines})
         logger.info("EngineGroup: %d %s engine(s) %son %s behind %s ready in %.1fs (logs: %s)",
                     self.num_engines, self.backend, "(Ray actors) " if self.placed else "", ", ".join(where),
@@ -236,6 +230,7 @@ class EngineGroup(WeightUpdateMixin):
         except Exception as e:  # noqa: BLE001 - a router that cannot drop it still must get the new one
             logger.warning("could not remove %s from the router: %s", old_url, e)
         new_url = engine.restart(timeout or self._timeout())
+        engine_api.check_engine_versions([new_url])
         if self._monitor is not None:
             self._monitor.refresh([engine])
         self.router.add_worker(new_url)
@@ -339,8 +334,11 @@ class EngineGroup(WeightUpdateMixin):
                              timeout=timeout + 5, check_success=check_success)
 
     def load(self, timeout: float = 10.0) -> dict[str, object]:
-        """GET /get_load of every worker, by URL."""
-        return self._fan_out("GET", "/get_load", timeout=timeout)
+        """Every worker's load report (SGLang's /v1/loads?include=core; /get_load only where that is missing), by
+        URL."""
+        urls = self.worker_urls()
+        futs = {u: self._pool.submit(engine_api.load_sync, u, timeout) for u in urls}
+        return self.wait_all(futs, f"GET {engine_api.LOADS_PATH}", timeout=timeout + 5)
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """POST /pause_generation {"mode"} to every worker (abort | retract | in_place)."""
@@ -351,8 +349,9 @@ class EngineGroup(WeightUpdateMixin):
     def continue_generation(self, timeout: float = 60.0) -> None:
         self._fan_out("POST", "/continue_generation", {}, timeout)
 
-    def flush_cache(self, timeout: float = 60.0) -> dict | None:
-        """POST /flush_cache through the router (which fans it out to every worker)."""
+    def flush_cache(self, timeout: float = 60.0) -> dict | str | None:
+        """POST /flush_cache through the router (which fans it out to every worker). SGLang answers in plain text;
+        a busy engine refuses (HTTP 400, raised)."""
         return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
 
     def release_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
@@ -379,8 +378,9 @@ class EngineGroup(WeightUpdateMixin):
                                    session: aiohttp.ClientSession | None = None,
                                    exclude: set[str] | frozenset = frozenset()) -> float:
         """POST /abort_request {"abort_all": true} to every worker (but `exclude`: known dead ones), repeated
-        until every worker's /get_load shows no running or waiting request. Every wait is bounded by
-        `timeout` (--rollout-abort-timeout). Returns seconds elapsed."""
+        until every worker's load report (SGLang's /v1/loads?include=core, as upstream slime polls it) shows no
+        running or waiting request. Every wait is bounded by `timeout` (--rollout-abort-timeout). Returns
+        seconds elapsed."""
         start = time.monotonic()
         urls = [u for u in await asyncio.to_thread(self.worker_urls) if u not in exclude]
         own = session is None
@@ -392,8 +392,8 @@ class EngineGroup(WeightUpdateMixin):
                 left = max(1.0, timeout - (time.monotonic() - start))
                 await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"abort_all": True}, timeout=left)
                                        for u in urls))
-                loads = await asyncio.gather(*(http_client.get(session, u, "/get_load", timeout=left) for u in urls))
-                busy = {u: busy_requests(ld) for u, ld in zip(urls, loads)}
+                counts = await asyncio.gather(*(engine_api.busy(session, u, timeout=left) for u in urls))
+                busy = dict(zip(urls, counts))
                 elapsed = time.monotonic() - start
                 if not any(busy.values()):
                     logger.info("abort_all_until_idle: %d worker(s) idle after %d round(s), %.3fs", len(urls), rounds, elapsed)

@@ -6,6 +6,10 @@ raises `EngineHTTPError`, which carries the status, the body and the URL so the
 caller's error names the worker that failed; no reply (a timeout, a refused or
 reset connection) raises `EngineUnreachableError`, naming the URL and how long
 it waited. URLs in messages have their credentials redacted.
+
+A 2xx reply is returned parsed when it is JSON, as a string when the server says it
+is not (SGLang answers `/flush_cache`, `/freeze_gc` and the like in plain text),
+and None when empty.
 """
 
 from __future__ import annotations
@@ -66,14 +70,28 @@ def join_url(base_url: str, path: str) -> str:
     return base_url.rstrip("/") + "/" + path.lstrip("/")
 
 
-def _decode(method: str, url: str, status: int, text: str) -> dict | list | None:
+def _media(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a reply may be JSON: it says so, or says nothing (SGLang's plain `Response`s carry no type)."""
+    media = _media(content_type)
+    return media in ("", "application/json") or media.endswith("+json")
+
+
+def _decode(method: str, url: str, status: int, text: str, content_type: str | None = None) -> dict | list | str | None:
     if not 200 <= status < 300:
         raise EngineHTTPError(method, url, status, text)
     if not text.strip():
         return None
+    if not _is_json(content_type):
+        return text  # a plain-text reply
     try:
         return _json.loads(text)
     except ValueError as e:
+        if not _media(content_type):
+            return text  # untyped and not JSON: text (SGLang's /flush_cache: "Cache flushed. ...")
         raise EngineHTTPError(method, url, status, f"response is not JSON ({e}): {text}") from e
 
 
@@ -88,17 +106,18 @@ async def _request(session: aiohttp.ClientSession, method: str, url: str, json: 
         async with session.request(method, url, timeout=_client_timeout(timeout), **kw) as resp:
             body = await resp.read()
             status = resp.status
+            content_type = resp.headers.get("Content-Type")
     except asyncio.TimeoutError:
         waited = timeout if timeout is not None else DEFAULT_TIMEOUT_S
         raise EngineUnreachableError(method, url, f"no reply within {waited:g}s") from None
     except aiohttp.ClientError as e:
         raise EngineUnreachableError(method, url, f"{type(e).__name__}: {e}") from None
-    if 200 <= status < 300 and body.strip():
+    if 200 <= status < 300 and body.strip() and _is_json(content_type):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError:
             pass  # _decode names the URL and shows the body
-    return _decode(method, url, status, body.decode("utf-8", errors="replace"))
+    return _decode(method, url, status, body.decode("utf-8", errors="replace"), content_type)
 
 
 async def generate(session: aiohttp.ClientSession, url: str, payload: dict, timeout: float | None = None) -> dict:
@@ -126,13 +145,14 @@ async def get(session: aiohttp.ClientSession, base_url: str, path: str,
     return await _request(session, "GET", join_url(base_url, path), None, timeout)
 
 
-def post_json(url: str, json: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | None:
-    """Synchronous POST of `json` to the full `url`; parsed JSON reply or None for an empty body."""
+def post_json(url: str, json: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | str | None:
+    """Synchronous POST of `json` to the full `url`; the parsed JSON reply, a plain-text reply as a string, or
+    None for an empty body."""
     resp = requests.post(url, json=json, timeout=timeout)
-    return _decode("POST", url, resp.status_code, resp.text)
+    return _decode("POST", url, resp.status_code, resp.text, resp.headers.get("Content-Type"))
 
 
-def get_json(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | None:
-    """Synchronous GET of the full `url`; parsed JSON reply or None for an empty body."""
+def get_json(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | str | None:
+    """Synchronous GET of the full `url`; the parsed JSON reply, a plain-text reply as a string, or None."""
     resp = requests.get(url, timeout=timeout)
-    return _decode("GET", url, resp.status_code, resp.text)
+    return _decode("GET", url, resp.status_code, resp.text, resp.headers.get("Content-Type"))

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from slime.utils import sglang_versions as versions
 from slime.backends.sglang_utils.process_utils import ManagedProcess
 from slime.utils.net import WILDCARDS, advertised_address, resolve_listen_host
 
@@ -54,7 +55,8 @@ def resolve_rollout_backend(args) -> str:
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
     else:
         if choice == "sglang" and not _sglang_importable():
-            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install 'sglang>=0.5,<0.6')")
+            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install "
+                               f"'{versions.sglang_requirement()}')")
         logger.info("--rollout-backend %s", choice)
         backend = choice
     return backend
@@ -135,6 +137,8 @@ def build_embedded_engine_command(args, engine_rank: int, port: int, host: str =
     cmd += ["--num-threads", str(args.embedded_engine_threads), "--seed", str(args.seed + engine_rank)]
     if args.colocate and "enable-memory-saver" not in _extra_flag_names(args.sglang_extra_args):
         cmd += ["--enable-memory-saver"]  # as for SGLang: colocated engines release their memory around training
+    if "weight-version" not in _extra_flag_names(args.sglang_extra_args):
+        cmd += ["--weight-version", "0"]  # as for SGLang: the policy version the engine starts with
     known = _embedded_engine_flags()
     unknown = sorted(f for f in _extra_flag_names(args.sglang_extra_args) if f not in known)
     if unknown:

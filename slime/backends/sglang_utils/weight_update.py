@@ -3,11 +3,14 @@ trainer can broadcast tensors while the engines are waiting in their receive.
 
 Sequence (trainer side, see slime/backends/fsdp_utils/):
     futs = engines.init_weights_update_group(addr, port)      # engines join the group...
-    <trainer joins the group as rank 0>                        # ...while the trainer joins it
+    <trainer joins the group as rank 0>                        # ...while the trainer joins it, in SGLang's
+                                                               # layout (slime.utils.weight_update_group.join)
     engines.wait_all(futs, "init_weights_update_group", check_success=True)
+    sessions = engines.begin_weight_update()                   # SGLang >= 0.5.21 refuses updates without one
     futs = engines.update_weights_from_distributed(names, dtypes, shapes, version)
     <trainer broadcasts each tensor in `names` order from rank 0>
     engines.wait_all(futs, "update_weights_from_distributed", check_success=True)
+    sessions.close()                                           # /end_weight_update
     engines.wait_all(engines.destroy_weights_update_group(), "destroy", check_success=True)
 
 Engine i (in `worker_urls()` order) gets rank_offset 1 + i * tp; the group's
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from slime.backends.sglang_utils.weight_session import WeightUpdateSessions
+
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 
 class WeightUpdateMixin:
-    """Needs `worker_urls()`, `_submit_all(...)`, `num_gpus_per_engine` and `backend` from EngineGroup."""
+    """Needs `worker_urls()`, `_submit_all(...)`, `_pool`, `num_gpus_per_engine` and `backend` from EngineGroup."""
 
     def weight_update_world_size(self) -> int:
         return 1 + len(self.worker_urls()) * self.num_gpus_per_engine
@@ -46,6 +51,13 @@ class WeightUpdateMixin:
             "backend": backend or self.default_weight_update_backend(),
         } for i in range(len(urls))]
         return self._submit_all("POST", "/init_weights_update_group", timeout=timeout, urls=urls, payloads=payloads)
+
+    def begin_weight_update(self, timeout: float = 120.0) -> WeightUpdateSessions:
+        """Open SGLang's weight-update session on every worker (none where the server has no sessions); close it
+        with `.close()` on the returned object after the last bucket."""
+        sessions = WeightUpdateSessions(self._pool, timeout)
+        sessions.open(self.worker_urls())
+        return sessions
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         weight_version: int, group_name: str = DEFAULT_GROUP_NAME,

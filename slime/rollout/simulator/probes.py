@@ -14,7 +14,7 @@ import random
 import time
 from typing import Sequence
 
-from slime.backends.sglang_utils import http_client
+from slime.backends.sglang_utils import engine_api, http_client
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, n
 
 
 async def requests_in_flight(session, url: str) -> int:
-    """Running + waiting requests of one engine, from SGLang's `GET /v1/loads` (its aggregate over DP ranks)."""
-    loads = await http_client.get(session, url, "/v1/loads?include=core", timeout=10)
-    return int(loads["aggregate"]["total_reqs"])
+    """Running + waiting requests of one engine, summed over its DP ranks from SGLang's `GET /v1/loads?include=core`
+    (`/get_load` only on a server without it)."""
+    return await engine_api.busy(session, url, timeout=10)
 
 
 async def scheduler_stats(session, url: str) -> dict | None:

@@ -1,0 +1,127 @@
+"""What we read from an engine's server, as SGLang reports it: its load and its version.
+
+Load: `GET /v1/loads?include=core` (SGLang >= 0.5.9; upstream slime polls the same) answers
+`{"version", "loads": [one dict per DP rank]}`; a rank is busy with `num_running_reqs + num_waiting_reqs`
+requests. Only a server without that route (404) is asked `GET /get_load` (removed in SGLang 0.5.21), whose
+reply is a list of per-DP-rank dicts with `num_reqs` / `num_waiting_reqs`.
+
+Version: `GET /server_info` -> `"version"` (SGLang's `sglang.__version__`; `/get_server_info` on a server
+without the newer route). `check_engine_versions` refuses one outside `versions.supported_range()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+
+from slime.backends.sglang_utils import http_client
+from slime.utils import sglang_versions as versions
+
+LOADS_PATH = "/v1/loads?include=core"
+LEGACY_LOAD_PATH = "/get_load"
+SERVER_INFO_PATH = "/server_info"
+LEGACY_SERVER_INFO_PATH = "/get_server_info"
+
+
+class UnsupportedEngineVersion(RuntimeError):
+    """An engine answers an SGLang version outside the supported range (the message names both)."""
+
+
+def _rank_loads(reply: Any, where: str) -> list[dict]:
+    """The per-DP-rank dicts of a /v1/loads reply, or of a legacy /get_load reply (a list, or one dict)."""
+    items = reply.get("loads") if isinstance(reply, dict) and "loads" in reply else reply
+    items = items if isinstance(items, list) else [items]
+    if not all(isinstance(i, dict) for i in items):
+        raise ValueError(f"{where}: expected per-DP-rank load dicts, got {reply!r}")
+    return items
+
+
+def running_and_waiting(reply: Any, where: str = "load") -> tuple[int, int]:
+    """(running, waiting) requests summed over the DP ranks of one server's load reply."""
+    running = waiting = 0
+    for item in _rank_loads(reply, where):
+        running += int(item.get("num_running_reqs", item.get("num_reqs", 0)) or 0)
+        waiting += int(item.get("num_waiting_reqs", 0) or 0)
+    return running, waiting
+
+
+def running_capacity(reply: Any, where: str = "load") -> int | None:
+    """The decode-batch capacity (`max_running_requests` summed over ranks), None where a rank does not say."""
+    caps = [item.get("max_running_requests") for item in _rank_loads(reply, where)]
+    return sum(int(c) for c in caps) if caps and all(c for c in caps) else None
+
+
+def busy_requests(reply: Any, where: str = "load") -> int:
+    return sum(running_and_waiting(reply, where))
+
+
+async def load(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0) -> Any:
+    """One server's load reply: /v1/loads?include=core, or /get_load on a server without it (404)."""
+    try:
+        return await http_client.get(session, url, LOADS_PATH, timeout=timeout)
+    except http_client.EngineHTTPError as e:
+        if e.status != 404:
+            raise
+    return await http_client.get(session, url, LEGACY_LOAD_PATH, timeout=timeout)
+
+
+def load_sync(url: str, timeout: float = 10.0) -> Any:
+    try:
+        return http_client.get_json(http_client.join_url(url, LOADS_PATH), timeout)
+    except http_client.EngineHTTPError as e:
+        if e.status != 404:
+            raise
+    return http_client.get_json(http_client.join_url(url, LEGACY_LOAD_PATH), timeout)
+
+
+async def busy(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0) -> int:
+    """Running + waiting requests on one server."""
+    return busy_requests(await load(session, url, timeout), url)
+
+
+def busy_requests_by_url(urls: list[str], timeout: float = 10.0) -> dict[str, int]:
+    """Running + waiting requests on each server (synchronous)."""
+    return {u: busy_requests(load_sync(u, timeout), u) for u in urls}
+
+
+def server_info(url: str, timeout: float = 10.0) -> dict:
+    """GET /server_info (/get_server_info on a server without it)."""
+    try:
+        out = http_client.get_json(http_client.join_url(url, SERVER_INFO_PATH), timeout)
+    except http_client.EngineHTTPError as e:
+        if e.status != 404:
+            raise
+        out = http_client.get_json(http_client.join_url(url, LEGACY_SERVER_INFO_PATH), timeout)
+    if not isinstance(out, dict):
+        raise http_client.EngineHTTPError("GET", http_client.join_url(url, SERVER_INFO_PATH), 200,
+                                          f"expected a JSON object, got {out!r}")
+    return out
+
+
+def engine_version(url: str, timeout: float = 10.0) -> str:
+    version = server_info(url, timeout).get("version")
+    if not isinstance(version, str) or not version:
+        raise UnsupportedEngineVersion(f"{url}/server_info reports no SGLang version ({version!r}); this run "
+                                       f"needs an engine speaking the API of {versions.supported_range()}")
+    return version
+
+
+def check_engine_versions(urls: list[str], timeout: float = 10.0) -> dict[str, str]:
+    """Every engine's SGLang version, by URL; raises UnsupportedEngineVersion naming each engine outside the
+    supported range (asked concurrently)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
+        found = dict(zip(urls, pool.map(lambda u: engine_version(u, timeout), urls)))
+    bad = {u: v for u, v in found.items() if not versions.is_supported(v)}
+    if bad:
+        raise UnsupportedEngineVersion(
+            "; ".join(f"{u} runs SGLang {v}" for u, v in bad.items())
+            + f": this version of slime-april supports {versions.supported_range()} (the pins in "
+              f"slime/utils/sglang_versions.py); run a supported SGLang")
+    return found
+
+
+async def gather_loads(session: aiohttp.ClientSession, urls: list[str], timeout: float | None = 10.0) -> list[Any]:
+    return list(await asyncio.gather(*(load(session, u, timeout) for u in urls)))

@@ -1,0 +1,58 @@
+"""The SGLang versions we build against: the one place they are written (utils: the trainer, the client and the
+embedded engine all read it).
+
+Read by the code (the engine version check at start-up, the embedded engine's reported version), setup.py's
+`sglang` extra, the Dockerfiles' build check, and the contract tests' install (`tools/sglang_contract_env.py`),
+which run SGLang's own code at every version in `CONTRACT_VERSIONS`. No imports beyond the standard library:
+setup.py reads this file before anything is installed.
+
+Supported: SGLANG_OLDEST (upstream slime's pin) up to SGLANG_PINNED (our Docker image's), both ends tested.
+Between them the HTTP API moved: `/begin_weight_update` ... `/end_weight_update` sessions exist since 0.5.21
+(older servers answer 404: no session is needed there), `/get_load` and `/get_weight_version` are gone since
+0.5.21 (`/v1/loads` exists in the whole range). A version outside the range is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+
+SGLANG_PINNED = "0.5.23"  # docker/Dockerfile's base image (lmsysorg/sglang:v0.5.23-...)
+SGLANG_OLDEST = "0.5.15.post1"  # upstream slime's pin
+
+CONTRACT_VERSIONS = (SGLANG_PINNED, SGLANG_OLDEST)
+
+# What the contract tests install next to each `sglang` wheel (pip --no-deps): the pure-Python / CPU packages its
+# modules import that our own dependencies do not bring. Per version: the packages SGLang pins itself.
+CONTRACT_COMMON_PACKAGES = (
+    "msgspec==0.22.0", "pybase64==1.5.1", "uvloop==0.23.0", "pyzmq==27.3.0", "python-multipart==0.0.34",
+    "gguf==0.19.0", "scipy==1.17.1", "jiter==0.19.0",
+)
+CONTRACT_VERSION_PACKAGES = {
+    "0.5.23": ("openai==2.8.0",),
+    "0.5.15.post1": ("openai==2.6.1",),
+}
+
+
+def version_key(version: str) -> tuple:
+    """0.5.15.post1 -> (0, 5, 15, 1): releases, then their post-releases, compare in order."""
+    m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?(?:(?:rc|a|b|\.dev)\d*)?(?:[+-].*)?", version.strip())
+    if m is None:
+        raise ValueError(f"not an SGLang release version: {version!r}")
+    return tuple(int(g or 0) for g in m.groups())
+
+
+def is_supported(version: str) -> bool:
+    try:
+        key = version_key(version)
+    except ValueError:
+        return False
+    return version_key(SGLANG_OLDEST) <= key <= version_key(SGLANG_PINNED)
+
+
+def supported_range() -> str:
+    return f"SGLang {SGLANG_OLDEST} to {SGLANG_PINNED}"
+
+
+def sglang_requirement() -> str:
+    """setup.py's `sglang` extra."""
+    return f"sglang>={SGLANG_OLDEST},<={SGLANG_PINNED}"

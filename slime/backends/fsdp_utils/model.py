@@ -112,7 +112,9 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     model.to(device())
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    # the root (embeddings, final norm, output projection) stays gathered after the forward: the chunked head
+    # reads the output projection's weight after the model's forward returns, and the backward needs it anyway
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
     return model
 
 

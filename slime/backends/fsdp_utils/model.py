@@ -167,10 +167,10 @@ def final_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
 
 def forward_micro_batch(model: nn.Module, mb: MicroBatch, temperature: float, chunk_size: int,
                         with_entropy: bool = False, entropy_grad: bool = False
-                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs [R]
-    (log_softmax(logits / T) at the taken token), per-item entropies (or None) and a tensor that depends on
-    every parameter used (for a no-op backward)."""
+                        ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R]
+    (log_softmax(logits / T) at the taken token, flat in item order), their entropies (or None) and a tensor
+    that depends on every parameter used (for a no-op backward)."""
     hidden = final_hidden(model, mb)
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, mb.rows)
     # after the root's forward FSDP2 keeps the root's parameters (the head among them) unsharded until the
@@ -178,5 +178,4 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch, temperature: float, ch
     weight = model.get_output_embeddings().weight
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                              entropy_grad=entropy_grad)
-    sizes = mb.response_sizes
-    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp
+    return lp, ent, lp

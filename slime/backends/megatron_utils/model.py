@@ -147,9 +147,10 @@ def output_weight(built: Built) -> torch.Tensor:
 
 def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_size: int,
                         with_entropy: bool = False, entropy_grad: bool = False
-                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs, entropies (or
-    None) and a tensor that depends on every parameter used (for a no-op backward)."""
+                        ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R] (flat in item
+    order), their entropies (or None) and a tensor that depends on every parameter used (for a no-op
+    backward)."""
     hidden = final_hidden(built, mb)  # [S, B, H]
     s, b = hidden.size(0), hidden.size(1)
     # rows index the [B, S] layout of input_ids; hidden is [S, B]: row r = (r // S, r % S) -> (r % S) * B + r // S
@@ -163,5 +164,4 @@ def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_
                              vocab_start=tp_rank * weight.size(0), chunk_size=chunk_size,
                              tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
                              with_entropy=with_entropy, entropy_grad=entropy_grad)
-    sizes = mb.response_sizes
-    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp
+    return lp, ent, lp

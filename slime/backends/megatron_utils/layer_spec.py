@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from slime.backends.training_utils.distributed import compile_ops
 from slime.utils.model_shape import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def block_spec(args, shape: ModelShape, impl: str):
     from slime.backends.megatron_utils.attention import PackedLocalAttention, SDPAttention
     from slime.backends.megatron_utils.norm import CompiledRMSNorm, RMSNorm
 
-    norm = CompiledRMSNorm if args.compile_ops else RMSNorm
+    norm = CompiledRMSNorm if compile_ops(args) else RMSNorm
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = norm
@@ -93,5 +94,6 @@ def describe(args, impl: str) -> str:
     if impl == "transformer_engine":
         return "Transformer Engine layer spec (fused norms + linears, fused RoPE, TE attention)"
     attn = "torch SDPA" if args.attention_backend in ("auto", "flash") else "megatron unfused attention"
-    fused = "RMSNorm + SwiGLU through torch.compile" if args.compile_ops else "unfused element-wise ops"
+    fused = (("RMSNorm, SwiGLU and the log-prob head through torch.compile" if compile_ops(args)
+             else "unfused element-wise ops") + f" (--compile-ops {args.compile_ops})")
     return f"local layer spec ({attn}, packed: varlen kernel / per sample; {fused})"

@@ -152,7 +152,7 @@ def output_weight(built: Built) -> torch.Tensor:
 
 
 def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_size: int,
-                        with_entropy: bool = False, entropy_grad: bool = False
+                        with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
                         ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R] (flat in item
     order), their entropies (or None) and a tensor that depends on every parameter used (for a no-op
@@ -169,5 +169,5 @@ def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, vocab_size=built.shape.vocab_size,
                              vocab_start=tp_rank * weight.size(0), chunk_size=chunk_size,
                              tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
-                             with_entropy=with_entropy, entropy_grad=entropy_grad)
+                             with_entropy=with_entropy, entropy_grad=entropy_grad, fused=fused)
     return lp, ent, lp

@@ -133,10 +133,17 @@ def fused_uncompiled(monkeypatch):
 @pytest.mark.parametrize("fused", [False, True], ids=["eager_head", "fused_head"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_megatron_micro_batch_never_reads_the_device(model_dir, megatron_on_meta, varlen_on_device, fused_uncompiled,
-                                                     packed, fused):
-    """Megatron's forward included: its unfused `thd` RoPE reads the segment lengths in every layer (it used to
-    read the device's copy)."""
+                                                     monkeypatch, packed, fused):
+    """Megatron's forward included: RoPE is ours (megatron's unfused `thd` RoPE read the segment lengths back from
+    the device in every layer, for q and for k), packed lengths from the host."""
+    import megatron.core.transformer.attention as megatron_attention
+
     from slime.backends.megatron_utils.model import forward_micro_batch
+
+    def megatrons_rope(*a, **k):
+        raise AssertionError("megatron's own RoPE ran")
+
+    monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb", megatrons_rope)
 
     args = megatron_args(model_dir, use_tis=True, entropy_coef=0.01)
     one_micro_batch(args, lambda mb: forward_micro_batch(megatron_on_meta, mb, 0.8, 5, True, True, fused), packed)

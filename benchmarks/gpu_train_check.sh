@@ -25,12 +25,13 @@
 #   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
 # --final (BUDGET_S 95; the wheels' install is skipped when $SITE already has them, e.g. SITE=/tmp/gpu_check_work/site
 # after benchmarks/gpu_check.sh):
-#   T. in the background, 3 pytest processes on the GPU: the CUDA offload test, the fused head on CUDA, the meta-device
-#      audit and the rest of test_logprob_head.py | test_megatron_trainer.py | test_train_at_length.py and
-#      test_fsdp_trainer.py (not the slow ones)                                 -> tests_final_{1,2,3}.xml
-#   R. meanwhile the RL batch as in C, one process: Megatron packed and padded (one trainer, interleaved), then FSDP
-#      packed, with the defaults (--compile-ops auto: on here); the fused head's log-probs against the eager head's
-#      on 8 samples; the timed train() calls wait for T to finish (its kernels would share the GPU) -> bench_final.json
+#   T. in the background, 4 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py |
+#      test_train_at_length.py | test_offload.py (the CUDA offload test) + test_logprob_head.py (the fused head on
+#      CUDA) | test_fsdp_trainer.py + test_train_device.py (not the slow ones)  -> tests_final_{1..4}.xml
+#   R. meanwhile the RL batch as in C, one process: Megatron packed, then FSDP packed (FINAL_PADDED=1: Megatron
+#      padded too, on the same trainer), with the defaults (--compile-ops auto: on here); the fused head's log-probs
+#      against the eager head's on 8 samples; the timed train() calls wait for T (its kernels would share the GPU)
+#                                                                               -> bench_final.json
 # The last lines printed are the summary (also $OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,25 +103,26 @@ PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 600)
 if ((FINAL)); then
   # T: the tests in 3 background processes (their kernels share the GPU with R's warm-up, not with its timing)
   rm -f "$OUT/.tests_done"
-  T_CAP=$(( BUDGET_S - (SECONDS - START) - 30 ))
-  (( T_CAP < 20 )) && T_CAP=20
+  # cut at T_CAP by SIGINT: pytest still writes its junit report (what ran, what passed) when interrupted
+  T_CAP=${T_CAP:-$( [[ $MODE == gpu ]] && echo 45 || echo $(( BUDGET_S - (SECONDS - START) - 30 )) )}
   tests_final() {  # tests_final N paths...
     local n=$1; shift
-    timeout -k 5 "$T_CAP" "${PYTEST[@]}" --junitxml="$OUT/tests_final_$n.xml" "$@" > "$OUT/T_tests_final_$n.log" 2>&1
-    echo "T_tests_final_$n: rc=$? in $(( SECONDS - START )) s since start (cap $T_CAP s)" >> "$OUT/status.txt"
+    timeout -s INT -k 10 "$T_CAP" "${PYTEST[@]}" --junitxml="$OUT/tests_final_$n.xml" "$@" > "$OUT/T_tests_final_$n.log" 2>&1
+    echo "T_tests_final_$n: rc=$? at $(( SECONDS - START )) s (cap $T_CAP s)" >> "$OUT/status.txt"
   }
   (
-    tests_final 1 tests/test_offload.py tests/test_train_device.py tests/test_logprob_head.py &  # (its slow one too)
-    tests_final 2 tests/test_megatron_trainer.py -m "not slow" &
-    tests_final 3 tests/test_train_at_length.py tests/test_fsdp_trainer.py -m "not slow" &
+    tests_final 1 tests/test_megatron_trainer.py -m "not slow" &
+    tests_final 2 tests/test_train_at_length.py -m "not slow" &
+    tests_final 3 tests/test_offload.py tests/test_logprob_head.py &  # (the fused head's test too: slow on CPU only)
+    tests_final 4 tests/test_fsdp_trainer.py tests/test_train_device.py -m "not slow" &
     wait
     touch "$OUT/.tests_done"
   ) &
   T_PID=$!
-  FINAL_CONFIGS=(megatron:packed megatron:padded fsdp:packed)
-  [[ "${FINAL_PADDED:-1}" == 0 ]] && FINAL_CONFIGS=(megatron:packed fsdp:packed)
+  FINAL_CONFIGS=(megatron:packed fsdp:packed)  # padded: FINAL_PADDED=1 (~+12 s: its warm-up compiles its shapes)
+  [[ "${FINAL_PADDED:-0}" == 1 ]] && FINAL_CONFIGS=(megatron:packed megatron:padded fsdp:packed)
   step R_bench_final $(( BUDGET_S - 5 )) $PY "${BENCH[@]}" "${LRL[@]}" --steps 2 --configs "${FINAL_CONFIGS[@]}" \
-    --check-fused-head 8 --wait-for-file "$OUT/.tests_done" --wait-for-timeout "$T_CAP" --json "$OUT/bench_final.json"
+    --check-fused-head 8 --wait-for-file "$OUT/.tests_done" --wait-for-timeout $(( T_CAP + 15 )) --json "$OUT/bench_final.json"
   wait "$T_PID"
 else
 step A_tests_gpu "${CAPS[0]}" "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
@@ -151,7 +153,7 @@ print("==== gpu_train_check summary ====")
 print(open(os.path.join(out, "env.txt")).read().strip())
 print(open(os.path.join(out, "status.txt")).read().strip())
 slowest = []
-for name in ("tests_gpu", "tests_rest", "tests_final_1", "tests_final_2", "tests_final_3"):
+for name in ("tests_gpu", "tests_rest", "tests_final_1", "tests_final_2", "tests_final_3", "tests_final_4"):
     path = os.path.join(out, name + ".xml")
     if not os.path.exists(path):
         print(f"{name}: no report"); continue

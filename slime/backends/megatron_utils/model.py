@@ -124,10 +124,10 @@ def final_hidden(built: Built, mb: MicroBatch) -> torch.Tensor:
 
     psp = None
     if mb.packed:
-        # megatron's unfused `thd` RoPE (the local spec's) reads the segment lengths with .tolist() in every
-        # layer, for q and for k: from `cu_seqlens_*_padded` when set (our segments carry no padding, so they
-        # are the same boundaries), here the host's copy, so no layer waits for the device. TE's fused RoPE and
-        # attention take the device's tensors.
+        # the local spec's RoPE (rope.py) and per-sample attention read the samples' lengths in every layer: from
+        # `cu_seqlens_*_padded` (our segments carry no padding, so they are the same boundaries), here the host's
+        # copy, so no layer waits for the device (megatron's own thd RoPE reads them too, with .tolist()). TE's
+        # fused RoPE and attention take the device's tensors.
         host = mb.cu_seqlens_host if built.impl == "local" else None
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                               cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,

@@ -25,9 +25,9 @@
 #   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
 # --final (BUDGET_S 95; the wheels' install is skipped when $SITE already has them, e.g. SITE=/tmp/gpu_check_work/site
 # after benchmarks/gpu_check.sh):
-#   T. in the background, 4 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py |
-#      test_train_at_length.py | test_offload.py (the CUDA offload test) + test_logprob_head.py (the fused head on
-#      CUDA) | test_fsdp_trainer.py + test_train_device.py (not the slow ones)  -> tests_final_{1..4}.xml
+#   T. in the background, 5 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py in two
+#      halves | test_train_at_length.py | test_offload.py (the CUDA offload test) + test_logprob_head.py (the fused
+#      head on CUDA) | test_fsdp_trainer.py + test_train_device.py (not the slow ones) -> tests_final_{1..5}.xml
 #   R. meanwhile the RL batch as in C, one process: Megatron packed, then FSDP packed (FINAL_PADDED=1: Megatron
 #      padded too, on the same trainer), with the defaults (--compile-ops auto: on here); the fused head's log-probs
 #      against the eager head's on 8 samples; the timed train() calls wait for T (its kernels would share the GPU)
@@ -111,10 +111,12 @@ if ((FINAL)); then
     echo "T_tests_final_$n: rc=$? at $(( SECONDS - START )) s (cap $T_CAP s)" >> "$OUT/status.txt"
   }
   (
-    tests_final 1 tests/test_megatron_trainer.py -m "not slow" &
-    tests_final 2 tests/test_train_at_length.py -m "not slow" &
-    tests_final 3 tests/test_offload.py tests/test_logprob_head.py &  # (the fused head's test too: slow on CPU only)
-    tests_final 4 tests/test_fsdp_trainer.py tests/test_train_device.py -m "not slow" &
+    MT="rl_step or old_log_probs or micro_and_dynamic or failed_samples or sft_and_kl"  # ~half of its tests
+    tests_final 1 tests/test_megatron_trainer.py -m "not slow" -k "$MT" &
+    tests_final 2 tests/test_megatron_trainer.py -m "not slow" -k "not ($MT)" &
+    tests_final 3 tests/test_train_at_length.py -m "not slow" &
+    tests_final 4 tests/test_offload.py tests/test_logprob_head.py &  # (the fused head's test too: slow on CPU only)
+    tests_final 5 tests/test_fsdp_trainer.py tests/test_train_device.py -m "not slow" &
     wait
     touch "$OUT/.tests_done"
   ) &
@@ -153,7 +155,7 @@ print("==== gpu_train_check summary ====")
 print(open(os.path.join(out, "env.txt")).read().strip())
 print(open(os.path.join(out, "status.txt")).read().strip())
 slowest = []
-for name in ("tests_gpu", "tests_rest", "tests_final_1", "tests_final_2", "tests_final_3", "tests_final_4"):
+for name in ("tests_gpu", "tests_rest", *(f"tests_final_{i}" for i in range(1, 6))):
     path = os.path.join(out, name + ".xml")
     if not os.path.exists(path):
         print(f"{name}: no report"); continue

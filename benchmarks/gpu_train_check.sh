@@ -101,7 +101,7 @@ BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 600)
 
 if ((FINAL)); then
-  # T: the tests in 3 background processes (their kernels share the GPU with R's warm-up, not with its timing)
+  # T: the tests in 5 background processes (their kernels share the GPU with R's warm-up, not with its timing)
   rm -f "$OUT/.tests_done"
   # cut at T_CAP by SIGINT: pytest still writes its junit report (what ran, what passed) when interrupted
   T_CAP=${T_CAP:-$( [[ $MODE == gpu ]] && echo 45 || echo $(( BUDGET_S - (SECONDS - START) - 30 )) )}

@@ -53,8 +53,9 @@ PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site_train_check}
 if [[ -f "$SITE/megatron/core/__init__.py" ]]; then
   echo "wheels already installed in $SITE"
-elif compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -2
+elif compgen -G ".whl/megatron_core-*.whl" > /dev/null; then  # the trainer needs megatron-core and orjson only
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/megatron_core-*.whl \
+    $(compgen -G ".whl/orjson-*.whl") 2>&1 | tail -2
 fi
 STUBS=/tmp/gpu_train_check_stubs  # (nothing big under $OUT: it travels back)
 for pkg in ray sglang sglang_router datasets wandb math_verify; do

@@ -3,6 +3,9 @@
 #
 #   bash benchmarks/gpu_train_check.sh          # on the GPU box (wheels in .whl/, results under $OUT)
 #   bash benchmarks/gpu_train_check.sh --cpu    # dry run here: the same steps at toy sizes (imports, flags, typos)
+#   bash benchmarks/gpu_train_check.sh --final  # ~95 s: the RL batch with the default kernels (--compile-ops auto:
+#                                               # on) and the trainer tests on CUDA, see "--final" below
+#   bash benchmarks/gpu_train_check.sh --final --cpu   # its dry run here
 #
 # Needs next to the checkout: .whl/ with megatron-core 0.16.1 and orjson (cp312 wheels; /work/shared/gpu.md says
 # how to download them). Ray, SGLang, datasets and wandb are not there: stub packages that raise ImportError stand
@@ -20,21 +23,39 @@
 #   D. the rest of the trainer tests on CUDA (test_train_at_length, test_megatron_trainer, test_fsdp_trainer,
 #      test_logprob_head; not the slow ones)                                                        -> tests_rest.xml
 #   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
+# --final (BUDGET_S 95; the wheels' install is skipped when $SITE already has them, e.g. SITE=/tmp/gpu_check_work/site
+# after benchmarks/gpu_check.sh):
+#   T. in the background, 5 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py in two
+#      halves | test_train_at_length.py | test_offload.py (the CUDA offload test) + test_logprob_head.py (the fused
+#      head on CUDA) | test_fsdp_trainer.py + test_train_device.py (not the slow ones) -> tests_final_{1..5}.xml
+#   R. meanwhile the RL batch as in C, one process: Megatron packed, then FSDP packed (FINAL_PADDED=1: Megatron
+#      padded too, on the same trainer), with the defaults (--compile-ops auto: on here); the fused head's log-probs
+#      against the eager head's on 8 samples; the timed train() calls wait for T (its kernels would share the GPU)
+#                                                                               -> bench_final.json
 # The last lines printed are the summary (also $OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=gpu
-[[ "${1:-}" == "--cpu" ]] && MODE=cpu
+MODE=gpu FINAL=0
+for a in "$@"; do
+  case "$a" in
+    --cpu) MODE=cpu ;;
+    --final) FINAL=1 ;;
+    *) echo "usage: bash benchmarks/gpu_train_check.sh [--final] [--cpu]" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-/tmp/gpu_train_check}
-BUDGET_S=${BUDGET_S:-290}
+BUDGET_S=${BUDGET_S:-$( ((FINAL)) && echo 95 || echo 290)}
 mkdir -p "$OUT"
 START=$SECONDS
 PY=${PYTHON:-python3}
 
 # --- carried wheels and stubs --------------------------------------------------------------------------------
 SITE=${SITE:-/tmp/site_train_check}
-if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -2
+if [[ -f "$SITE/megatron/core/__init__.py" ]]; then
+  echo "wheels already installed in $SITE"
+elif compgen -G ".whl/megatron_core-*.whl" > /dev/null; then  # the trainer needs megatron-core and orjson only
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/megatron_core-*.whl \
+    $(compgen -G ".whl/orjson-*.whl") 2>&1 | tail -2
 fi
 STUBS=/tmp/gpu_train_check_stubs  # (nothing big under $OUT: it travels back)
 for pkg in ray sglang sglang_router datasets wandb math_verify; do
@@ -75,11 +96,38 @@ else
   LRL=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --max-tokens-per-gpu 160)
   LRL2=(--samples 8 --group-size 4 --prompt-len 8 --response-min 16 --response-max 64 --micro-batch-size 2)
   CAPS=(240 120 240 120 300 120)
-  BUDGET_S=${BUDGET_S_CPU:-900}
+  BUDGET_S=${BUDGET_S_CPU:-$( ((FINAL)) && echo 600 || echo 900)}
 fi
 BENCH=(benchmarks/train_throughput.py --model "$MODEL" $BF16 --in-process --root "${MODELS:-/tmp/gpu_train_check_models}")
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts="" --timeout 600)
 
+if ((FINAL)); then
+  # T: the tests in 5 background processes (their kernels share the GPU with R's warm-up, not with its timing)
+  rm -f "$OUT/.tests_done"
+  # cut at T_CAP by SIGINT: pytest still writes its junit report (what ran, what passed) when interrupted
+  T_CAP=${T_CAP:-$( [[ $MODE == gpu ]] && echo 45 || echo $(( BUDGET_S - (SECONDS - START) - 30 )) )}
+  tests_final() {  # tests_final N paths...
+    local n=$1; shift
+    timeout -s INT -k 10 "$T_CAP" "${PYTEST[@]}" --junitxml="$OUT/tests_final_$n.xml" "$@" > "$OUT/T_tests_final_$n.log" 2>&1
+    echo "T_tests_final_$n: rc=$? at $(( SECONDS - START )) s (cap $T_CAP s)" >> "$OUT/status.txt"
+  }
+  (
+    MT="rl_step or old_log_probs or micro_and_dynamic or failed_samples or sft_and_kl"  # ~half of its tests
+    tests_final 1 tests/test_megatron_trainer.py -m "not slow" -k "$MT" &
+    tests_final 2 tests/test_megatron_trainer.py -m "not slow" -k "not ($MT)" &
+    tests_final 3 tests/test_train_at_length.py -m "not slow" &
+    tests_final 4 tests/test_offload.py tests/test_logprob_head.py &  # (the fused head's test too: slow on CPU only)
+    tests_final 5 tests/test_fsdp_trainer.py tests/test_train_device.py -m "not slow" &
+    wait
+    touch "$OUT/.tests_done"
+  ) &
+  T_PID=$!
+  FINAL_CONFIGS=(megatron:packed fsdp:packed)  # padded: FINAL_PADDED=1 (~+12 s: its warm-up compiles its shapes)
+  [[ "${FINAL_PADDED:-0}" == 1 ]] && FINAL_CONFIGS=(megatron:packed megatron:padded fsdp:packed)
+  step R_bench_final $(( BUDGET_S - 5 )) $PY "${BENCH[@]}" "${LRL[@]}" --steps 2 --configs "${FINAL_CONFIGS[@]}" \
+    --check-fused-head 8 --wait-for-file "$OUT/.tests_done" --wait-for-timeout $(( T_CAP + 15 )) --json "$OUT/bench_final.json"
+  wait "$T_PID"
+else
 step A_tests_gpu "${CAPS[0]}" "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
   tests/test_megatron_gpu.py \
   "tests/test_offload.py::test_cuda_offload_frees_most_of_the_trainers_memory" \
@@ -98,6 +146,7 @@ step D_tests_rest "${CAPS[4]}" "${PYTEST[@]}" --junitxml="$OUT/tests_rest.xml" -
   tests/test_train_at_length.py tests/test_logprob_head.py tests/test_megatron_trainer.py tests/test_fsdp_trainer.py
 step E_bench_rl_mbs2 "${CAPS[5]}" $PY "${BENCH[@]}" --configs megatron:packed megatron:padded "${LRL2[@]}" --steps 1 \
   --json "$OUT/bench_rl_mbs2.json"
+fi
 
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, sys
@@ -106,7 +155,8 @@ out = sys.argv[1]
 print("==== gpu_train_check summary ====")
 print(open(os.path.join(out, "env.txt")).read().strip())
 print(open(os.path.join(out, "status.txt")).read().strip())
-for name in ("tests_gpu", "tests_rest"):
+slowest = []
+for name in ("tests_gpu", "tests_rest", *(f"tests_final_{i}" for i in range(1, 6))):
     path = os.path.join(out, name + ".xml")
     if not os.path.exists(path):
         print(f"{name}: no report"); continue
@@ -115,21 +165,29 @@ for name in ("tests_gpu", "tests_rest"):
     n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     print(f"{name}: {n['tests']} tests, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped")
     for case in root.iter("testcase"):
+        slowest.append((float(case.get("time") or 0), f"{case.get('classname')}::{case.get('name')}"))
         for bad in list(case.findall("failure")) + list(case.findall("error")):
             msg = (bad.get("message") or "").splitlines()[0][:200] if bad.get("message") else ""
             print(f"  FAIL {case.get('classname')}::{case.get('name')}: {msg}")
+if slowest:
+    print("slowest tests: " + ", ".join(f"{n.split('.')[-1]} {t:.1f} s" for t, n in sorted(slowest)[::-1][:6]))
 def rows(name):
     path = os.path.join(out, name + ".json")
     return json.load(open(path))["results"] if os.path.exists(path) else []
-for name in ("bench_16k", "bench_rl", "bench_rl_compile", "bench_rl_mbs2"):
+for name in ("bench_16k", "bench_rl", "bench_rl_compile", "bench_rl_mbs2", "bench_final"):
     for r in rows(name):
         if "error" in r:
             print(f"{name} {r['backend']} {r['layout']}: ERROR {r['error'].strip().splitlines()[-1][:200]}"); continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         gpu = f"{r['gpu_peak_gb']:.1f} GB" if r.get("gpu_peak_gb") is not None else "-"
+        extra = f", compile-ops {'on' if r.get('compile_ops') else 'off'}" if "compile_ops" in r else ""
+        if r.get("fused_head_max_diff") is not None:
+            extra += f", fused vs eager head max |d logp| {r['fused_head_max_diff']:.2g}"
+        if (r.get("waited_s") or 0) >= 0.5:
+            extra += f", waited {r['waited_s']:.0f} s for the tests"
         print(f"{name} {r['backend']:<8} {r['layout']:<6} {r['tokens']} tok: {r['train_s']:.2f} s/train "
-              f"(old lp {r['old_logprob_s']:.2f} s), {r['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {gpu}")
-rl = {(r["backend"], r["layout"]): r for r in rows("bench_rl") if "error" not in r}
+              f"(old lp {r['old_logprob_s']:.2f} s), {r['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {gpu}{extra}")
+rl = {(r["backend"], r["layout"]): r for r in rows("bench_rl") + rows("bench_final") if "error" not in r}
 if ("fsdp", "packed") in rl and ("megatron", "packed") in rl:
     print(f"FSDP / Megatron time (bf16, packed): {rl['fsdp', 'packed']['train_s'] / rl['megatron', 'packed']['train_s']:.2f}x"
           " (target <= 1.3)")

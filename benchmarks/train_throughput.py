@@ -24,6 +24,7 @@ Lengths: `--samples` responses uniform in [--response-min, --response-max] (defa
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -118,10 +119,9 @@ def trainer_args(o, model_dir: str, backend: str, layout: str, chunk: int):
 def run_backend(o, backend: str, layouts: list[str], chunk: int) -> list[dict]:
     """In this process: one trainer; a warm-up train() per layout, then `--steps` rounds of one timed train() per
     layout, the layouts interleaved (the same weights, and the box's drift hits them alike)."""
-    import copy
-
     import torch
 
+    from slime.backends.training_utils.distributed import compile_ops
     from slime.utils.peak_memory import PeakRSS
 
     model_dir = build_model_dir(o.model, o.root)
@@ -140,9 +140,11 @@ def run_backend(o, backend: str, layouts: list[str], chunk: int) -> list[dict]:
         n_params = sum(p.numel() for p in {id(p): p for p in _params(trainer)}.values())
         groups = make_groups(o)
         tokens = sum(len(s.tokens) for g in groups for s in g)
-        for lay in layouts:  # warm-up
+        for lay in layouts:  # warm-up (and, with --compile-ops, the kernels' compilation)
             trainer.args = base.replace(micro_batch_layout=lay)
             trainer.train(0, copy.deepcopy(groups), 0)
+        head_diff = fused_head_diff(trainer, base, groups, o.check_fused_head) if o.check_fused_head else None
+        waited = wait_for_file(o.wait_for_file, o.wait_for_timeout) if o.wait_for_file else 0.0
         for step in range(o.steps):
             for lay in layouts[step % len(layouts):] + layouts[: step % len(layouts)]:
                 trainer.args = base.replace(micro_batch_layout=lay)  # the same model, the other layout
@@ -174,8 +176,41 @@ def run_backend(o, backend: str, layouts: list[str], chunk: int) -> list[dict]:
                     "old_logprob_s": sorted(r["old"])[len(r["old"]) // 2], "tokens_per_s": tokens / dt,
                     "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
                     "rss_rise_gb": max(r["rises"]) / 2**30,
-                    "gpu_peak_gb": (max(r["peaks"]) / 2**30) if r["peaks"] else None, "bf16": bool(o.bf16)})
+                    "gpu_peak_gb": (max(r["peaks"]) / 2**30) if r["peaks"] else None, "bf16": bool(o.bf16),
+                    "compile_ops": compile_ops(base), "fused_head_max_diff": head_diff, "waited_s": waited})
     return out
+
+
+def fused_head_diff(trainer, args, groups, n: int) -> float | None:
+    """Max |log-prob| difference between the fused (compiled) head and the eager one on the first `n` samples,
+    same weights, same body (the head alone switches with --compile-ops at each forward); None when the
+    trainer does not fuse."""
+    from slime.backends.training_utils.data import flatten_groups
+    from slime.backends.training_utils.distributed import compile_ops
+
+    if not compile_ops(args):
+        return None
+    items = [it for g in flatten_groups(copy.deepcopy(groups))[0] for it in g][:n]
+    for i, it in enumerate(items):
+        it.pos = i
+    trainer.args = args
+    fused = trainer._log_probs(trainer._actor, items)
+    trainer.args = args.replace(compile_ops="off")
+    try:
+        eager = trainer._log_probs(trainer._actor, items)
+    finally:
+        trainer.args = args
+    return max(float((a - b).abs().max()) for a, b in zip(fused, eager))
+
+
+def wait_for_file(path: str, timeout: float) -> float:
+    """Until `path` exists (other work on the GPU has finished) or `timeout` seconds; returns the wait."""
+    t0 = time.perf_counter()
+    while not os.path.exists(path) and time.perf_counter() - t0 < timeout:
+        time.sleep(0.2)
+    if not os.path.exists(path):
+        print(f"--wait-for-file {path}: not there after {timeout:.0f} s; timing anyway", file=sys.stderr)
+    return time.perf_counter() - t0
 
 
 def _params(trainer):
@@ -288,6 +323,13 @@ def parse(argv=None):
     p.add_argument("--memory-check", action="store_true",
                    help="CPU acceptance: 2 samples of 1,024 then 2,048 tokens, micro-batch 1, model tiny, both "
                         "backends, packed: the peak RSS rise of one train() (bounds 0.5 / 0.6 GB)")
+    p.add_argument("--check-fused-head", type=int, default=0, metavar="N",
+                   help="after the warm-up, the max |log-prob| difference between the fused (--compile-ops) head and "
+                        "the eager one on the first N samples (0: not measured)")
+    p.add_argument("--wait-for-file", default=None, metavar="PATH",
+                   help="the timed train() calls start only once PATH exists (e.g. tests sharing the GPU during the "
+                        "warm-up have finished), or after --wait-for-timeout seconds")
+    p.add_argument("--wait-for-timeout", type=float, default=120.0)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     o, extra = p.parse_known_args(argv)

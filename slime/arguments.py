@@ -285,9 +285,11 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto / flash: torch SDPA (flash kernels on GPU); unfused / local: megatron's own attention; "
                         "fused needs TransformerEngine (not supported)")
-    g.add_argument("--compile-ops", action="store_true",
-                   help="torch.compile the element-wise parts of each layer (RMSNorm, SwiGLU) into fused kernels, "
-                        "both trainer backends (measured by benchmarks/train_throughput.py; slow to compile on CPU)")
+    g.add_argument("--compile-ops", nargs="?", const="on", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile the element-wise work of each layer (RMSNorm, SwiGLU) and of the log-prob head "
+                        "into fused kernels, both trainer backends; auto: on where the trainer runs on a GPU (0.80x "
+                        "the time per train() on an H200, benchmarks/train_throughput.py), off on CPU (inductor's "
+                        "C++ compile costs more than it saves there); the bare flag means on")
     g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
                    help="the layer GPTModel is built from: Transformer Engine's fused layer spec, or megatron's local "
                         "spec with torch kernels (auto: TE where transformer_engine imports on a CUDA machine)")

@@ -37,7 +37,10 @@ def make_args(hf_dir: str, *extra_argv: str, **over):
         "--hf-checkpoint", hf_dir, "--prompt-data", prompt_file, "--rm-type", "math", "--num-rollout", "1",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--lr", "1e-3", "--adam-beta2", "0.999", "--seed", "1",
-        "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14), *extra_argv,
+        "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14),
+        # eager kernels on a GPU too (auto compiles there): tests compare numbers, not kernels, and a compile
+        # costs tens of seconds per process; the compiled paths have their own tests
+        "--compile-ops", "off", *extra_argv,
     ]
     args = parse_args(argv)
     return args.replace(**over) if over else args

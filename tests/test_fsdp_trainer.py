@@ -228,7 +228,7 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
     sequences whose sequence ratio exceeds 3 (it used to ignore the flag)."""
     import math
 
-    from slime.backends.training_utils.loss import micro_batch_loss
+    from slime.backends.training_utils.loss import loss_inputs, micro_batch_loss
 
     # sequence ratios: e^1.5 ~ 4.48 with A=-1 (dual-clipped), e^0.5 with A=-2 (not), e^1.5 with A=+1 (PPO clip)
     log_probs, advantages = [[1.0, 2.0], [0.5, 0.5], [1.5, 1.5]], [-1.0, -2.0, 1.0]
@@ -236,9 +236,10 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
     for eps_c in (None, 3.0):
         args = make_args(str(tmp_path), "--train-backend", "fsdp", advantage_estimator="gspo", eps_clip_c=eps_c, calculate_per_token_loss=False)
         lps, masks, rt = _loss_inputs(advantages, log_probs)
-        loss, metrics = micro_batch_loss(args, lps, None, [0, 1, 2], masks, rt, num_tokens=6.0, num_samples=3.0)
+        inp = loss_inputs(args, rt, [0, 1, 2], masks, num_tokens=6.0, num_samples=3.0, device="cpu")
+        loss, metrics = micro_batch_loss(args, torch.cat(lps), None, inp)
         loss.backward()
-        results[eps_c] = (loss.item(), metrics, [lp.grad.clone() for lp in lps])
+        results[eps_c] = (loss.item(), {k: float(v) for k, v in metrics.items()}, [lp.grad.clone() for lp in lps])
     first = 3.0  # capped at -A * eps_clip_c
     rest = 2 * math.exp(0.5) - 1.2
     assert results[3.0][0] == pytest.approx((first + rest) / 3, rel=1e-6)
@@ -253,11 +254,12 @@ def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
 
 def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
     """Convention: under GSPO the TIS weight of token t scales token t's gradient (upstream spreads mean(w))."""
-    from slime.backends.training_utils.loss import micro_batch_loss
+    from slime.backends.training_utils.loss import loss_inputs, micro_batch_loss
 
     args = make_args(str(tmp_path), "--train-backend", "fsdp", advantage_estimator="gspo", use_tis=True, calculate_per_token_loss=False)
     lps, masks, rt = _loss_inputs([1.0], [[0.0, 0.0, 0.0]], tis=[[0.5, 2.0, 1.0]])
-    loss, _ = micro_batch_loss(args, lps, None, [0], masks, rt, num_tokens=3.0, num_samples=1.0)
+    inp = loss_inputs(args, rt, [0], masks, num_tokens=3.0, num_samples=1.0, device="cpu")
+    loss, _ = micro_batch_loss(args, torch.cat(lps), None, inp)
     loss.backward()
     # loss = mean_t(-A * s * w_t) with s = 1: d/d logp_t = -w_t / 3 (upstream: -mean(w) / 3 for every token)
     torch.testing.assert_close(lps[0].grad, torch.tensor([-0.5, -2.0, -1.0]) / 3)

@@ -146,12 +146,16 @@ def mid_model_dir(tmp_path_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_cuda_offload_frees_most_of_the_trainers_memory(mid_model_dir, backend):
-    """The trainer's own allocation (allocated after a train() minus before the trainer existed) leaves the GPU."""
+    """The trainer's own allocation (allocated after a train() minus before the trainer existed) leaves the GPU,
+    and the driver gets it back: the process reserves no more than it did before the trainer existed (plus a
+    margin). Reserved memory is measured against that baseline, not against the moment of the offload: earlier
+    tests in this process leave live blocks (cuBLAS workspaces, caches) in cached segments that empty_cache
+    cannot give back, and the trainer's tensors may have been placed in those segments' free space."""
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
-    baseline = torch.cuda.memory_allocated()
+    baseline, baseline_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     if backend == "fsdp":
         from slime.backends.fsdp_utils.actor import FSDPTrainer
 
@@ -169,7 +173,7 @@ def test_cuda_offload_frees_most_of_the_trainers_memory(mid_model_dir, backend):
         assert stats["offload_bytes"] >= 0.85 * own, stats
         # what stays: cuBLAS's workspace and small buffers (RoPE caches, RNG state)
         assert stats["allocated_after"] - baseline <= 0.1 * own, stats
-        assert stats["reserved_after"] <= stats["reserved_before"] - 0.8 * own, stats
+        assert stats["reserved_after"] - baseline_reserved <= 0.2 * own, (stats, baseline_reserved)
         t.onload()
         t.train(1, make_groups(seed=2, vocab=32000), 1)
     finally:

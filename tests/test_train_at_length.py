@@ -256,3 +256,19 @@ def test_layer_spec_choice_and_transformer_engine_names(model_dir):
     assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
     assert canonical_name("decoder.layers.0.self_attention.q_layernorm.weight") == \
         "decoder.layers.0.self_attention.q_layernorm.weight"
+
+
+def test_compile_ops_is_on_where_the_trainer_runs_on_a_gpu(model_dir):
+    """--compile-ops auto (the default) fuses on a GPU and not on CPU; the bare flag means on; off is off."""
+    from slime.arguments import parse_args
+    from slime.backends.training_utils.distributed import compile_ops
+
+    make_args(model_dir)  # writes the prompt file
+    base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(model_dir, "prompts.jsonl"),
+            "--rollout-batch-size", "1", "--rm-type", "math", "--num-rollout", "1"]
+    assert parse_args(base).compile_ops == "auto"
+    assert compile_ops(parse_args(base)) == torch.cuda.is_available()
+    assert compile_ops(parse_args([*base, "--compile-ops"])) and compile_ops(parse_args([*base, "--compile-ops", "on"]))
+    assert not compile_ops(parse_args([*base, "--compile-ops", "off"]))
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--compile-ops", "sometimes"])

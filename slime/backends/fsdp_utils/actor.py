@@ -16,7 +16,7 @@ from slime.backends.fsdp_utils import checkpoint as ckpt
 from slime.backends.fsdp_utils.model import build_model, describe, forward_micro_batch, init_distributed
 from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.backends.training_utils.data import MicroBatch
-from slime.backends.training_utils.distributed import device, physical_device_index
+from slime.backends.training_utils.distributed import compile_ops, device, physical_device_index
 from slime.backends.training_utils.loss import needs_ref
 from slime.backends.training_utils.offload import module_tensors, optimizer_tensors
 from slime.backends.training_utils.trainer import Trainer
@@ -72,7 +72,7 @@ class FSDPTrainer(Trainer):
 
     def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         return forward_micro_batch(model, mb, self.temperature, int(self.args.log_probs_chunk_size), with_entropy,
-                                   entropy_grad)
+                                   entropy_grad, compile_ops(self.args))
 
     def _set_train_mode(self, model, training: bool) -> None:
         model.train(training)

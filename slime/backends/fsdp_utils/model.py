@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from slime.backends.training_utils.data import MicroBatch
-from slime.backends.training_utils.distributed import device, free_port, init_distributed, use_cuda  # noqa: F401
+from slime.backends.training_utils.distributed import compile_ops, device, free_port, init_distributed, use_cuda  # noqa: F401
 from slime.backends.training_utils.logprob_head import head_log_probs
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def build_model(path: str, trainable: bool, args) -> nn.Module:
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    if args.compile_ops and not compile_elementwise(model):
+    if compile_ops(args) and not compile_elementwise(model):
         raise ValueError(f"--compile-ops: {type(model).__name__} has no RMSNorm / MLP modules to compile")
     return shard_model(model, bf16=bool(args.bf16))
 
@@ -145,7 +145,8 @@ def describe(args) -> str:
     attn = {"sdpa": "torch SDPA (packed: varlen kernel on a GPU in bf16, else one call per sample)",
             "flash_attention_2": "flash-attn (packed: its varlen kernel)",
             "eager": "eager (packed: a block-diagonal mask)"}[args.attn_implementation]
-    ops = "RMSNorm + MLP through torch.compile" if args.compile_ops else "unfused element-wise ops"
+    ops = ("RMSNorm, MLP and the log-prob head through torch.compile" if compile_ops(args)
+           else "unfused element-wise ops") + f" (--compile-ops {args.compile_ops})"
     return f"attention {attn}; {ops}"
 
 
@@ -166,17 +167,16 @@ def final_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
 
 
 def forward_micro_batch(model: nn.Module, mb: MicroBatch, temperature: float, chunk_size: int,
-                        with_entropy: bool = False, entropy_grad: bool = False
-                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs [R]
-    (log_softmax(logits / T) at the taken token), per-item entropies (or None) and a tensor that depends on
-    every parameter used (for a no-op backward)."""
+                        with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
+                        ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R]
+    (log_softmax(logits / T) at the taken token, flat in item order), their entropies (or None) and a tensor
+    that depends on every parameter used (for a no-op backward)."""
     hidden = final_hidden(model, mb)
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, mb.rows)
     # after the root's forward FSDP2 keeps the root's parameters (the head among them) unsharded until the
     # backward: this is the full weight, in the compute dtype
     weight = model.get_output_embeddings().weight
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                             entropy_grad=entropy_grad)
-    sizes = mb.response_sizes
-    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp
+                             entropy_grad=entropy_grad, fused=fused)
+    return lp, ent, lp

@@ -24,7 +24,7 @@ from slime.backends.megatron_utils.model import Built, build_gpt, forward_micro_
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
 from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
 from slime.backends.training_utils.data import MicroBatch
-from slime.backends.training_utils.distributed import physical_device_index
+from slime.backends.training_utils.distributed import compile_ops, physical_device_index
 from slime.backends.training_utils.loss import needs_ref
 from slime.backends.training_utils.offload import module_tensors, optimizer_tensors
 from slime.backends.training_utils.trainer import Trainer
@@ -97,7 +97,7 @@ class MegatronTrainer(Trainer):
 
     def _forward(self, built: Built, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         return forward_micro_batch(built, mb, self.temperature, int(self.args.log_probs_chunk_size), with_entropy,
-                                   entropy_grad)
+                                   entropy_grad, compile_ops(self.args))
 
     def _set_train_mode(self, built: Built, training: bool) -> None:
         built.model.train(training)

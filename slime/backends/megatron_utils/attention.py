@@ -68,7 +68,8 @@ class PackedLocalAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         _check(attn_mask_type, attention_mask, attention_bias, self.attn_mask_type)
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        host = packed_seq_params.cu_seqlens_q_padded  # the host's copy when the trainer set it (model.py)
+        bounds = (host if host is not None else packed_seq_params.cu_seqlens_q).tolist()
         outs = [super(PackedLocalAttention, self).forward(query[a:b, None], key[a:b, None], value[a:b, None], None,
                                                           attn_mask_type=attn_mask_type)
                 for a, b in zip(bounds[:-1], bounds[1:])]

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slime.backends.training_utils.distributed import compile_ops
 from slime.utils.model_shape import ModelShape
 
 
@@ -63,7 +64,7 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool, impl: s
         # apex's fused kernels are not used; --compile-ops (or TE) fuses SwiGLU through megatron's own
         # torch.compile'd bias_swiglu, TE's layer spec brings its fused RoPE
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=bool(args.compile_ops) or impl == "transformer_engine",
+        bias_activation_fusion=compile_ops(args) or impl == "transformer_engine",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

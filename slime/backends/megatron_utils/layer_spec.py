@@ -5,8 +5,9 @@
   attention kernels (flash / cuDNN, packed `thd` input natively).
 - `local` (everywhere else): megatron's local spec with our RMSNorm (HF's arithmetic, sequence
   parallelism), and our core attention: torch SDPA (`--attention-backend flash/auto`) or megatron's
-  unfused attention, both packed-aware (`attention.py`). `--compile-ops` fuses RMSNorm and SwiGLU
-  with torch.compile.
+  unfused attention, both packed-aware (`attention.py`), and our RoPE after the q / k norms (`rope.py`:
+  per-token frequencies built once per layer, nothing read back from the device). `--compile-ops` fuses
+  RMSNorm, RoPE and SwiGLU with torch.compile.
 
 Parameter names differ: TE folds the two pre-norms into the following linear layer
 (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`). `canonical_name` maps them to the local
@@ -22,6 +23,7 @@ import re
 
 import torch
 
+from slime.backends.training_utils.distributed import compile_ops
 from slime.utils.model_shape import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -77,14 +79,18 @@ def block_spec(args, shape: ModelShape, impl: str):
 
     from slime.backends.megatron_utils.attention import PackedLocalAttention, SDPAttention
     from slime.backends.megatron_utils.norm import CompiledRMSNorm, RMSNorm
+    from slime.backends.megatron_utils.rope import RoPESelfAttention
 
-    norm = CompiledRMSNorm if args.compile_ops else RMSNorm
+    norm = CompiledRMSNorm if compile_ops(args) else RMSNorm
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
     layer, attn = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = norm
     if shape.qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = norm
     attn.core_attention = SDPAttention if args.attention_backend in ("auto", "flash") else PackedLocalAttention
+    # RoPE after the q / k norms by our kernel (compiled with --compile-ops), not megatron's unfused one (rope.py)
+    spec.submodules.self_attention.module = RoPESelfAttention
+    spec.submodules.self_attention.params = {**spec.submodules.self_attention.params, "fused_rope": compile_ops(args)}
     return TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers, layer_norm=norm)
 
 
@@ -93,5 +99,6 @@ def describe(args, impl: str) -> str:
     if impl == "transformer_engine":
         return "Transformer Engine layer spec (fused norms + linears, fused RoPE, TE attention)"
     attn = "torch SDPA" if args.attention_backend in ("auto", "flash") else "megatron unfused attention"
-    fused = "RMSNorm + SwiGLU through torch.compile" if args.compile_ops else "unfused element-wise ops"
+    fused = (("RMSNorm, RoPE, SwiGLU and the log-prob head through torch.compile" if compile_ops(args)
+             else "unfused element-wise ops") + f" (--compile-ops {args.compile_ops})")
     return f"local layer spec ({attn}, packed: varlen kernel / per sample; {fused})"

@@ -124,7 +124,13 @@ def final_hidden(built: Built, mb: MicroBatch) -> torch.Tensor:
 
     psp = None
     if mb.packed:
+        # the local spec's RoPE (rope.py) and per-sample attention read the samples' lengths in every layer: from
+        # `cu_seqlens_*_padded` (our segments carry no padding, so they are the same boundaries), here the host's
+        # copy, so no layer waits for the device (megatron's own thd RoPE reads them too, with .tolist()). TE's
+        # fused RoPE and attention take the device's tensors.
+        host = mb.cu_seqlens_host if built.impl == "local" else None
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                              cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,
                               max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
     core = built.core
     core.post_process = False
@@ -146,10 +152,11 @@ def output_weight(built: Built) -> torch.Tensor:
 
 
 def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_size: int,
-                        with_entropy: bool = False, entropy_grad: bool = False
-                        ) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns per-item response log-probs, entropies (or
-    None) and a tensor that depends on every parameter used (for a no-op backward)."""
+                        with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
+                        ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R] (flat in item
+    order), their entropies (or None) and a tensor that depends on every parameter used (for a no-op
+    backward)."""
     hidden = final_hidden(built, mb)  # [S, B, H]
     s, b = hidden.size(0), hidden.size(1)
     # rows index the [B, S] layout of input_ids; hidden is [S, B]: row r = (r // S, r % S) -> (r % S) * B + r // S
@@ -162,6 +169,5 @@ def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, vocab_size=built.shape.vocab_size,
                              vocab_start=tp_rank * weight.size(0), chunk_size=chunk_size,
                              tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,
-                             with_entropy=with_entropy, entropy_grad=entropy_grad)
-    sizes = mb.response_sizes
-    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None), lp
+                             with_entropy=with_entropy, entropy_grad=entropy_grad, fused=fused)
+    return lp, ent, lp

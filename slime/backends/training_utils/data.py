@@ -190,9 +190,10 @@ class MicroBatch:
     Padded: `input_ids` [B, S] right-padded to the longest sample (and to a multiple of
     `multiple`), `attention_mask` [B, S]. Packed: `input_ids` [1, T], the samples back to back with
     no padding (a trailing pad segment only to reach `multiple`), `cu_seqlens` [n + 1] int32 segment
-    boundaries, `attention_mask` None; attention must stay inside a segment. `position_ids` restart
-    at 0 for every sample in both. `rows` are the flat (row-major over `input_ids`) positions whose
-    next token is a response token, `targets` those tokens, in item order.
+    boundaries on the device and `cu_seqlens_host` the same on the host (for code that must read them
+    without waiting for the device), `attention_mask` None; attention must stay inside a segment.
+    `position_ids` restart at 0 for every sample in both. `rows` are the flat (row-major over
+    `input_ids`) positions whose next token is a response token, `targets` those tokens, in item order.
     """
 
     items: list[TrainItem]
@@ -203,6 +204,7 @@ class MicroBatch:
     max_seqlen: int
     rows: Tensor
     targets: Tensor
+    cu_seqlens_host: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -217,12 +219,37 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
 
+def to_device(tensors: list[Tensor | None], device: torch.device | str) -> list[Tensor | None]:
+    """Host tensors -> `device` in one copy per dtype. On a GPU the copy goes from pinned memory and is
+    asynchronous: the host never waits for the device here (a copy from pageable memory, as a plain
+    `.to("cuda")` makes, first waits for all queued work to finish). None entries stay None."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    out: list[Tensor | None] = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None:
+            by_dtype.setdefault(t.dtype, []).append(i)
+    pin = device.type == "cuda"
+    for dtype, idx in by_dtype.items():
+        flat = [tensors[i].reshape(-1) for i in idx]
+        total = sum(f.numel() for f in flat)
+        buf = torch.empty(total, dtype=dtype, pin_memory=pin)
+        torch.cat(flat, out=buf)
+        dev = buf.to(device, non_blocking=pin)
+        for i, part in zip(idx, dev.split([f.numel() for f in flat])):
+            out[i] = part.view(tensors[i].shape)
+    return out
+
+
 def build_micro_batch(items: list[TrainItem], pad_id: int, packed: bool, device: torch.device | str = "cpu",
                       multiple: int = 1) -> MicroBatch:
+    """Laid out on the host, then on `device` in one copy per dtype (`to_device`)."""
     if not items:
         raise ValueError("build_micro_batch: empty micro-batch")
     lengths = [it.num_tokens for it in items]
-    rows, targets = [], []
+    rows = []
     if packed:
         total = sum(lengths)
         extra = -total % multiple
@@ -245,12 +272,14 @@ def build_micro_batch(items: list[TrainItem], pad_id: int, packed: bool, device:
             input_ids[i, : it.num_tokens] = it.tokens
             mask[i, : it.num_tokens] = 1
             rows.append(torch.arange(i * width + it.prompt_len - 1, i * width + it.num_tokens - 1))
-        position_ids = torch.arange(width).expand(len(items), width)
+        position_ids = torch.arange(width)[None]
         cu, max_len = None, width
     targets = torch.cat([it.tokens[it.prompt_len :] for it in items])
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return MicroBatch(items, to(input_ids), to(position_ids), to(mask), to(cu), int(max_len), to(torch.cat(rows)),
-                      to(targets))
+    ids_d, pos_d, mask_d, cu_d, rows_d, tgt_d = to_device([input_ids, position_ids, mask, cu, torch.cat(rows), targets],
+                                                          device)
+    if not packed:
+        pos_d = pos_d.expand(len(items), width)
+    return MicroBatch(items, ids_d, pos_d, mask_d, cu_d, int(max_len), rows_d, tgt_d, cu_seqlens_host=cu)
 
 
 def num_steps_for(n_samples: int, global_batch_size: int) -> int:

@@ -80,6 +80,14 @@ def open_master_port(listen_host: str) -> tuple[socket.socket, str, int]:
     return sock, advertised_address(host), sock.getsockname()[1]
 
 
+def compile_ops(args) -> bool:
+    """Whether `--compile-ops` (auto / on / off) fuses the trainer's element-wise work here: auto is on where
+    the trainer runs on a GPU."""
+    if args.compile_ops not in ("auto", "on", "off"):
+        raise ValueError(f"--compile-ops must be auto, on or off, got {args.compile_ops!r}")
+    return args.compile_ops == "on" or (args.compile_ops == "auto" and use_cuda())
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
 

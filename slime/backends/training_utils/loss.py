@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slime.backends.training_utils.data import TrainItem
+from slime.backends.training_utils.data import TrainItem, to_device
 from slime.utils.ppo_utils import (
-    aggregate_loss,
     clipped_surrogate,
     compute_advantages,
     compute_approx_kl,
@@ -139,67 +138,83 @@ def _masked_token_mean(values: list[Tensor], masks: list[Tensor]) -> float:
     return float((v * m).sum() / m.sum().clamp(min=1))
 
 
-def micro_batch_loss(
-    args,
-    log_probs: list[Tensor],
-    entropies: list[Tensor] | None,
-    positions: list[int],
-    masks: list[Tensor],
-    rt: RolloutTensors,
-    num_tokens: float,
-    num_samples: float,
-) -> tuple[Tensor, dict[str, float]]:
-    """Loss (already divided by the step's global denominator) and metric
-    parts (same normalisation) for one micro-batch of real items."""
-    mode = loss_agg_mode(args)
-    agg = dict(num_tokens=num_tokens, num_samples=num_samples)
-    dev = log_probs[0].device  # rollout tensors live on the CPU; the model may not
-    masks = [m.to(dev) for m in masks]
+@dataclass
+class LossInputs:
+    """One micro-batch's rollout tensors on the model's device, flat over its items' response tokens (in
+    item order), and each token's share of the step's loss (`weight`): mask / num_tokens (``token_mean``)
+    or mask / (its sample's mask count x num_samples) (``sample_mean``), 0 off the mask. Built on the host
+    and copied in once (`data.to_device`), so the loss never waits for the device."""
 
-    def reduce(x: list[Tensor]) -> Tensor:
-        return aggregate_loss(x, masks, mode, **agg)
+    sizes: list[int]
+    mask: Tensor
+    weight: Tensor
+    old: Tensor
+    adv: Tensor
+    tis: Tensor | None
+    ref: Tensor | None
 
-    metrics: dict[str, float] = {}
+    def reduce(self, x: Tensor) -> Tensor:
+        """The step-normalised sum of a per-token quantity: Σ weight·x over masked tokens (a NaN or inf
+        where the mask is 0 never leaks). `x` may be [R] or [k, R] (k quantities at once)."""
+        return torch.where(self.weight != 0, x * self.weight, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
+
+
+def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tensor], num_tokens: float,
+                num_samples: float, device: torch.device | str) -> LossInputs:
+    """`micro_batch_loss`'s inputs for the items at `positions` (their loss masks `masks`), normalised by the
+    step's global token / sample count."""
+    mask = torch.cat(masks).float()
+    if loss_agg_mode(args) == "token_mean":
+        weight = mask / max(float(num_tokens), 1.0)
+    else:
+        denom = max(float(num_samples), 1e-12)
+        weight = torch.cat([m.float() / max(float(m.sum()), 1.0) / denom for m in masks])
+    pick = lambda ts: None if ts is None else torch.cat([ts[p].float() for p in positions])  # noqa: E731
+    host = [mask, weight, pick(rt.old_log_probs), pick(rt.advantages), pick(rt.tis_weights), pick(rt.ref_log_probs)]
+    mask, weight, old, adv, tis, ref = to_device(host, device)
+    return LossInputs([m.numel() for m in masks], mask, weight, old, adv, tis, ref)
+
+
+def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: LossInputs
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss (already divided by the step's global denominator) and metric parts (same normalisation, detached
+    0-dim tensors on the device: read back once per step, not per micro-batch) for one micro-batch of real
+    items; `log_probs` / `entropies` flat over the items' response tokens."""
+    metrics: dict[str, Tensor] = {}
     if args.loss_type == "sft_loss":
-        loss = -reduce(log_probs)
-        metrics["sft_loss"] = float(loss.detach())
+        loss = -inp.reduce(log_probs)
+        metrics["sft_loss"] = loss.detach()
         return loss, metrics
 
-    old = [rt.old_log_probs[p].to(dev) for p in positions]
-    adv = [rt.advantages[p].to(dev) for p in positions]
-    lengths = [m.numel() for m in masks]
     # GSPO: the sequence ratio on every token; otherwise the token ratio. The
     # same clipped surrogate (PPO clip, then the dual clip) applies to both.
     if args.advantage_estimator == "gspo":
-        ratio = torch.cat(compute_gspo_ratio(log_probs, old, masks))
+        ratio = torch.cat(compute_gspo_ratio(list(log_probs.split(inp.sizes)), list(inp.old.split(inp.sizes)),
+                                             list(inp.mask.split(inp.sizes))))
     else:
-        ratio = policy_ratio(torch.cat(log_probs), torch.cat(old))
-    adv_flat = torch.cat(adv)
-    pg_flat, clip_flat = clipped_surrogate(ratio, adv_flat, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
-    pg, clip = list(torch.split(pg_flat, lengths)), list(torch.split(clip_flat, lengths))
-    if rt.tis_weights is not None:  # per token, also under GSPO (see compute_gspo_ratio)
-        pg = [x * rt.tis_weights[p].to(dev) for x, p in zip(pg, positions)]
-    pg_loss = reduce(pg)
+        ratio = policy_ratio(log_probs, inp.old)
+    pg, clip = clipped_surrogate(ratio, inp.adv, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    if inp.tis is not None:  # per token, also under GSPO (see compute_gspo_ratio)
+        pg = pg * inp.tis
+    pg_loss = inp.reduce(pg)
     loss = pg_loss
-    metrics["pg_loss"] = float(pg_loss.detach())
-    metrics["pg_clipfrac"] = float(reduce(clip).detach())
+    names = ["pg_clipfrac", "ppo_kl"]
+    per_token = [clip, inp.old - log_probs.detach().float()]
     if args.eps_clip_c is not None:
-        dual = dual_clip_flags(ratio, adv_flat, args.eps_clip_c)
-        metrics["pg_dual_clipfrac"] = float(reduce(list(torch.split(dual, lengths))).detach())
-    metrics["ppo_kl"] = float(reduce([(o - lp).detach() for o, lp in zip(old, log_probs)]))
-
+        names.append("pg_dual_clipfrac")
+        per_token.append(dual_clip_flags(ratio, inp.adv, args.eps_clip_c))
     if entropies is not None:
-        ent = reduce(entropies)
-        metrics["entropy"] = float(ent.detach())
+        ent = inp.reduce(entropies)
+        metrics["entropy"] = ent.detach()
         coef = float(args.entropy_coef)
         if coef:
             loss = loss - coef * ent
     if args.use_kl_loss:
-        if rt.ref_log_probs is None:
+        if inp.ref is None:
             raise RuntimeError("--use-kl-loss needs reference log-probs, but no reference model was built")
-        ref = [rt.ref_log_probs[p].to(dev) for p in positions]
-        kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
-        kl_loss = reduce(kl)
-        metrics["kl_loss"] = float(kl_loss.detach())
+        kl_loss = inp.reduce(compute_approx_kl(log_probs, inp.ref, args.kl_loss_type))
+        metrics["kl_loss"] = kl_loss.detach()
         loss = loss + float(args.kl_loss_coef) * kl_loss
+    metrics["pg_loss"] = pg_loss.detach()
+    metrics.update(zip(names, inp.reduce(torch.stack(per_token).detach()).unbind()))
     return loss, metrics

@@ -12,6 +12,7 @@ host buffer is another CPU allocation, dropped after the onload).
 
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import contextmanager
 from typing import Iterable
@@ -85,7 +86,8 @@ class DeviceOffloader:
             storage.resize_(0)
             self._entries.append((storage, n, host))
             moved += n
-        if cuda:
+        if cuda:  # give the freed blocks back to the driver (garbage first: a cycle may still hold device tensors)
+            gc.collect()
             torch.cuda.empty_cache()
         self.offloaded = True
         after = _memory()

@@ -26,7 +26,8 @@ import torch
 from slime.backends.training_utils.data import (MicroBatch, TrainItem, build_micro_batch, dummy_item, flatten_groups,
                                                 plan_micro_batches, split_steps)
 from slime.backends.training_utils.distributed import open_master_port, use_cuda
-from slime.backends.training_utils.loss import RolloutTensors, compute_rollout_tensors, micro_batch_loss
+from slime.backends.training_utils.loss import (RolloutTensors, compute_rollout_tensors, loss_inputs,
+                                                micro_batch_loss)
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
 from slime.backends.training_utils.weight_feed import EngineFeed
 from slime.utils.types import Sample
@@ -41,6 +42,14 @@ def metric_keys(args) -> list[str]:
     keys = ["pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "loss"]
     keys += ["pg_dual_clipfrac"] if args.eps_clip_c is not None else []
     return keys + (["kl_loss"] if args.use_kl_loss else [])
+
+
+def read_metrics(parts: dict[str, torch.Tensor], keys: list[str]) -> list[float]:
+    """`keys`' values from `parts` (0-dim tensors, all on one device; a missing key is 0) in one read."""
+    if not parts:
+        return [0.0] * len(keys)
+    zero = torch.zeros((), dtype=torch.float32, device=next(iter(parts.values())).device)
+    return torch.stack([parts[k].float() if k in parts else zero for k in keys]).tolist()
 
 
 class Trainer(Offloadable):
@@ -63,7 +72,8 @@ class Trainer(Offloadable):
         raise NotImplementedError
 
     def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """(per-item log-probs, per-item entropies or None, a tensor depending on every parameter used)."""
+        """(log-probs [R], entropies [R] or None, a tensor depending on every parameter used), flat over the
+        micro-batch's response tokens in item order."""
         raise NotImplementedError
 
     def _set_train_mode(self, model, training: bool) -> None:
@@ -154,16 +164,22 @@ class Trainer(Offloadable):
 
     @torch.no_grad()
     def _log_probs(self, model, items: list[TrainItem]) -> list[torch.Tensor]:
-        """Response log-probs of every item (every rank gets all of them)."""
+        """Response log-probs of every item (every rank gets all of them), read back from the device once."""
         self._set_train_mode(model, False)
         try:
-            local = []
-            for mb_items in self._plan(items):
-                lps, _, _ = self._forward(model, self._micro_batch(mb_items))
-                local += [(it.pos, lp.detach().float().cpu()) for it, lp in zip(mb_items, lps)]
+            mine, flat = [], []
+            for mb_items in self._plan(items):  # an empty one (a dummy item) keeps the collectives in step
+                lp = self._forward(model, self._micro_batch(mb_items))[0]
+                if mb_items:
+                    mine += mb_items
+                    flat.append(lp.detach().float())
         finally:
             if model is self._actor:
                 self._set_train_mode(model, True)
+        local = []
+        if flat:
+            host = torch.cat(flat).cpu().split([it.response_len for it in mine])
+            local = [(it.pos, lp.clone()) for it, lp in zip(mine, host)]  # (own storage: pickled to other ranks)
         out: list[torch.Tensor | None] = [None] * len(items)
         for part in (self._dp_gather(local) if self._dp()[1] > 1 else [local]):
             for pos, lp in part:
@@ -217,30 +233,34 @@ class Trainer(Offloadable):
         parts = self._accumulate_grads(step_items, rt)
         grad_norm = self._optimizer_step()
         keys = self._metric_keys()
-        out = dict(zip(keys, self._dp_sum([parts.get(k, 0.0) for k in keys]) if self._dp()[1] > 1
-                       else [parts.get(k, 0.0) for k in keys]))
+        values = read_metrics(parts, keys)  # the step's one read of the loss metrics from the device
+        out = dict(zip(keys, self._dp_sum(values) if self._dp()[1] > 1 else values))
         out["grad_norm"] = float(grad_norm)
         return out
 
-    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
+    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, torch.Tensor]:
         """Forward / backward over this rank's micro-batches of one optimizer step, then the gradient
-        reductions; returns this rank's metric parts."""
+        reductions; returns this rank's metric parts (0-dim tensors on the device). Nothing here waits for
+        the device: inputs go in by asynchronous copies and metrics stay on the device."""
+        from slime.backends.training_utils.distributed import device
+
         args = self.args
         num_tokens = float(sum(float(it.loss_mask.sum()) for it in step_items))
         num_samples = float(len(step_items))
         dp_size = self._dp()[1]
         self._zero_grads()
-        parts: dict[str, float] = defaultdict(float)
+        parts: dict[str, torch.Tensor] = {}
         for mb_items in self._plan(step_items):
             mb = self._micro_batch(mb_items)
             if mb_items:
+                inp = loss_inputs(args, rt, [it.pos for it in mb_items], [it.loss_mask for it in mb_items],
+                                  num_tokens, num_samples, device())
                 lps, ents, _ = self._forward(self._actor, mb, with_entropy=True,
                                              entropy_grad=float(args.entropy_coef) != 0.0)
-                loss, m = micro_batch_loss(args, lps, ents, [it.pos for it in mb_items],
-                                           [it.loss_mask for it in mb_items], rt, num_tokens, num_samples)
-                m["loss"] = float(loss.detach())
+                loss, m = micro_batch_loss(args, lps, ents, inp)
+                m["loss"] = loss.detach()
                 for key, v in m.items():
-                    parts[key] += v
+                    parts[key] = parts[key] + v if key in parts else v
             else:  # this rank ran out of data: a no-op pass keeps the collectives in step
                 _, _, keep = self._forward(self._actor, mb)
                 loss = keep.sum() * 0.0

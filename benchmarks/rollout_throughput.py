@@ -215,6 +215,10 @@ async def main_async(opts, workdir):
                     if cal is not None:
                         speed[k].append(await box_speed(pinning))
                     lim = sum(t * d for t, d in paired) / sum(d for _, d in paired)
+                    if lim <= 0:  # the limit's engine generated nothing in its slices (a stalled driver on a busy box)
+                        lim = limit.tok_s
+                        print(f"round {r}, {k}: its paired limit slices saw no tokens; compared with the limit's mean "
+                              f"over every slice ({lim:.0f} tok/s)", flush=True)
                     ratios[k].append(runner.rounds[-1] / lim)
                     loads.append(os.getloadavg()[0])
                 round_s = time.monotonic() - t_round

@@ -235,6 +235,8 @@ async def main_async(opts, workdir):
     summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, clock.t_start)
     summary["engine"] = device
     summary["time_budget"] = plan.to_dict()
+    # what each engine did over the measured steps (busy, idle, steps, rows, prefill): where a mode's time went
+    summary["engine_counters"] = {**{k: r["engine"] for k, r in res.items()}, "limit": dict(limit.engine)}
     if cal is not None:
         summary["simulated"] = predict(runners, res, cal, opts, vocab, b, c_star, speed, on_gpu=device["device"] != "cpu")
         summary["gpu_acceptance"] = gpu_acceptance(summary)

@@ -67,6 +67,10 @@ async def step_time(session, url: str, rows: int, prompt_len: int, new_tokens: i
             break
         if time.monotonic() > deadline or all(t.done() for t in tasks):
             raise RuntimeError(f"{rows} rows never decoded together (last poll: {d})")
+    # the rows stop after `new_tokens`: a short context (the quick start's model) leaves less than warm-up + window
+    left = 0.8 * (new_tokens - d["decode_steps"] - 2) * d["decode_s"] / max(1, d["decode_steps"])
+    if warmup + seconds > left:
+        warmup, seconds = max(0.0, min(warmup, left - seconds)), min(seconds, max(left, 0.05))
     if warmup > 0:
         await asyncio.sleep(warmup)
         cur = await scheduler_stats(session, url)

@@ -250,7 +250,12 @@ else:
         print("simulator vs measured: " + ", ".join(
             f"{m} {sim[m]['sim_tok_s']:.0f} vs {sim[m]['measured_tok_s']:.0f} ({100 * sim[m]['error']:+.1f}%)"
             for m in ("sync", "april", "pool")))
-        ok.update({k: v for k, v in r["gpu_acceptance"].items() if isinstance(v, bool)})
+    else:
+        print("simulator: no prediction (see rollout.log)")
+    ok.update({k: v for k, v in (r.get("gpu_acceptance") or {}).items() if isinstance(v, bool)})
+    tb = r.get("time_budget") or {}
+    print(f"rollout benchmark: {tb.get('elapsed_s')}s of its {tb.get('budget_s')}s budget at the report, "
+          f"{tb.get('step_ms')} ms per decode step at C*, warm-up up to {tb.get('warmup_s')}s per mode")
 print("acceptance: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in ok.items()))
 json.dump(ok, open(os.path.join(out, "acceptance.json"), "w"), indent=1)
 EOF

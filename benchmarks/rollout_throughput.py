@@ -396,7 +396,7 @@ def gpu_acceptance(summary: dict) -> dict:
             out[f"sim_{m}_within_15%"] = abs(sim[m]["error"]) <= GPU_TARGETS["sim_error"]
         line += ("; simulator error " + ", ".join(f"{m} {100 * sim[m]['error']:+.1f}%" for m in ("sync", "april", "pool"))
                  + f" (within 15%: {all(out[f'sim_{m}_within_15%'] for m in ('sync', 'april', 'pool'))})")
-    else:
+    elif "simulated" in summary:  # --simulate, but no fit
         line += "; simulator: no prediction"
     print(line, flush=True)
     return out

@@ -1,16 +1,18 @@
 """The embedded engine's decode step at 1, 8, 64 and 128 rows: the flat cost APRIL relies on, on the engine's device.
 
     python benchmarks/engine_step.py [--model qwen3-0.5b | quickstart] [--rows 1 8 64 128] [--context 512]
-        [--seconds 2] [--device auto] [--memory-check] [--model-cache DIR] [--json-out FILE]
+        [--seconds 2] [--warmup 0.5] [--windows 3] [--device auto] [--memory-check] [--model-cache DIR] [--json-out FILE]
 
 The model is a preset of `slime.utils.tiny_model.model_preset` (random weights): `qwen3-0.5b` (Qwen3-0.6B's width,
 heads and vocabulary, 16 layers, bfloat16 on a GPU) or `quickstart` (the quick start's tiny Qwen3). For each row
 count R, R requests with prompts of `--context` random tokens (`ignore_eos`, temperature 1, log-probs: as a
-rollout asks) are sent at once; once the engine's counters show decode-only steps of exactly R rows, its decode
-time over `--seconds` gives the step time; then every request is aborted. Printed per R: ms per step; the part
-of it until the step's work was issued (on a GPU, launch ~ step means the device waited for the host: a
-launch-bound step, what CUDA graphs would shorten; on the CPU the two are equal); tokens/s; the step time over
-1 row's. `--memory-check` then releases the engine's memory (/release_memory_occupation, weights kept in host
+rollout asks) are sent at once; once the engine's counters show decode-only steps of exactly R rows and they
+decoded for `--warmup` seconds, the step time is the median over `--windows` windows of `--seconds` in all (every
+row count first runs briefly once: each batch size has kernels of its own to load); then every request is
+aborted. Printed per R: ms per step; the part of it until the step's work was issued (on a GPU, launch ~ step with
+a short read-back means the device waited for the host: a launch-bound step, what CUDA graphs would shorten; a
+full launch queue would show as a long read-back instead; on the CPU the two are equal); tokens/s; the step time
+over 1 row's. `--memory-check` then releases the engine's memory (/release_memory_occupation, weights kept in host
 memory) and prints what the device got back, resumes it and checks that greedy tokens are unchanged.
 The last line is one JSON object.
 """
@@ -46,8 +48,11 @@ async def wait_idle(session, url: str, timeout: float = 60.0) -> None:
 
 
 async def step_time(session, url: str, rows: int, prompt_len: int, new_tokens: int, seconds: float,
-                    rng: random.Random, vocab: int, min_steps: int = 10) -> dict:
-    """Decode-step time with `rows` rows decoding together (the engine's own counters)."""
+                    rng: random.Random, vocab: int, min_steps: int = 10, warmup: float = 0.0, windows: int = 1,
+                    strict: bool = True) -> dict | None:
+    """Decode-step time with `rows` rows decoding together (the engine's own counters): after `warmup` seconds of
+    them, the median of `windows` windows over `seconds` (a one-off slow step, e.g. a first kernel load, moves the
+    mean of one window, not the median of several)."""
     tasks = [asyncio.create_task(generate_one(session, url, random_ids(rng, vocab, prompt_len), new_tokens))
              for _ in range(rows)]
     base = await scheduler_stats(session, url)
@@ -62,22 +67,44 @@ async def step_time(session, url: str, rows: int, prompt_len: int, new_tokens: i
             break
         if time.monotonic() > deadline or all(t.done() for t in tasks):
             raise RuntimeError(f"{rows} rows never decoded together (last poll: {d})")
-    await asyncio.sleep(seconds)
-    d = stats_delta(await scheduler_stats(session, url), cur)
+    # the rows stop after `new_tokens`: a short context (the quick start's model) leaves less than warm-up + window
+    left = 0.8 * (new_tokens - d["decode_steps"] - 2) * d["decode_s"] / max(1, d["decode_steps"])
+    if warmup + seconds > left:
+        warmup, seconds = max(0.0, min(warmup, left - seconds)), min(seconds, max(left, 0.05))
+    if warmup > 0:
+        await asyncio.sleep(warmup)
+        cur = await scheduler_stats(session, url)
+    parts = []
+    for _ in range(max(1, windows)):
+        await asyncio.sleep(seconds / max(1, windows))
+        now = await scheduler_stats(session, url)
+        parts.append(stats_delta(now, cur))
+        cur = now
+    d = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]}
     while d["decode_steps"] < min_steps and not all(t.done() for t in tasks):  # a slow step: a few more of them
         await asyncio.sleep(0.1)
-        d = stats_delta(await scheduler_stats(session, url), cur)
+        now = await scheduler_stats(session, url)
+        extra = stats_delta(now, cur)
+        parts[-1] = {k: parts[-1].get(k, 0) + v for k, v in extra.items()}
+        d = {k: d.get(k, 0) + v for k, v in extra.items()}
+        cur = now
     await http_client.post(session, url, "/abort_request", {"abort_all": True}, timeout=30)
     await asyncio.gather(*tasks)
     await wait_idle(session, url)
     steps = d["decode_steps"]
+    if not strict:  # a warm-up pass: what it measured does not matter
+        return None
     if steps < min_steps or d["decode_rows"] != rows * steps:
         raise RuntimeError(f"{rows} rows: the window saw {steps} steps of {d['decode_rows'] / max(1, steps):.1f} rows "
                            f"(--new-tokens too few for {min_steps} steps?)")
-    return {"rows": rows, "steps": steps, "step_ms": 1000 * d["decode_s"] / steps,
-            "launch_ms": 1000 * d.get("decode_launch_s", d["decode_s"]) / steps,
-            "cpu_ms": 1000 * d.get("decode_cpu_s", 0.0) / steps, "tok_s": d["decode_rows"] / d["decode_s"],
-            "context": prompt_len + new_tokens // 2}
+    per = sorted((p["decode_s"] / p["decode_steps"], p) for p in parts if p.get("decode_steps"))
+    mid = per[(len(per) - 1) // 2][1]  # the median window
+    return {"rows": rows, "steps": steps, "step_ms": 1000 * mid["decode_s"] / mid["decode_steps"],
+            "mean_step_ms": 1000 * d["decode_s"] / steps,
+            "window_ms": [round(1000 * p["decode_s"] / p["decode_steps"], 3) for p in parts if p.get("decode_steps")],
+            "launch_ms": 1000 * mid.get("decode_launch_s", mid["decode_s"]) / mid["decode_steps"],
+            "cpu_ms": 1000 * mid.get("decode_cpu_s", 0.0) / mid["decode_steps"],
+            "tok_s": mid["decode_rows"] / mid["decode_s"], "context": prompt_len + new_tokens // 2}
 
 
 async def greedy(session, url: str, prompt: list[int], n: int = 16) -> list[int]:
@@ -135,14 +162,18 @@ async def run(opts, model_dir: str, vocab: int, max_pos: int, log_path: str) -> 
             again = await greedy(session, server.url, prompt)
             print(f"engine on {info.get('device')} ({info.get('device_name')}), {info.get('dtype')}, started in "
                   f"{started:.1f}s; greedy tokens {served[:8]}... deterministic: {served == again}", flush=True)
-            await step_time(session, server.url, min(opts.rows), prompt_len, new_tokens, 0.3, rng, vocab, 1)  # warm-up
+            # warm-up: every row count once (each batch size has kernels, and cuBLAS heuristics, of its own)
+            for r in opts.rows:
+                await step_time(session, server.url, r, prompt_len, new_tokens, 0.05, rng, vocab, 1, strict=False)
             results = []
             for r in opts.rows:
-                res = await step_time(session, server.url, r, prompt_len, new_tokens, opts.seconds, rng, vocab)
+                res = await step_time(session, server.url, r, prompt_len, new_tokens, opts.seconds, rng, vocab,
+                                      warmup=opts.warmup, windows=opts.windows)
                 results.append(res)
                 print(f"rows {r:4d}: {res['step_ms']:7.2f} ms/step (issued after {res['launch_ms']:6.2f} ms, thread CPU "
                       f"{res['cpu_ms']:6.2f} ms), {res['tok_s']:9.0f} tok/s, x{res['step_ms'] / results[0]['step_ms']:.2f} "
-                      f"of {results[0]['rows']} row(s)  [{res['steps']} steps, context ~{res['context']}]", flush=True)
+                      f"of {results[0]['rows']} row(s)  [median of windows {res['window_ms']} ms; {res['steps']} steps, "
+                      f"context ~{res['context']}]", flush=True)
             memory = await memory_check(session, server.url, prompt) if opts.memory_check else None
     finally:
         server.stop()
@@ -152,6 +183,8 @@ async def run(opts, model_dir: str, vocab: int, max_pos: int, log_path: str) -> 
            "deterministic": served == again, "prompt_len": prompt_len,
            "step_ms": {str(r["rows"]): round(r["step_ms"], 3) for r in results},
            "launch_ms": {str(r["rows"]): round(r["launch_ms"], 3) for r in results},
+           "mean_step_ms": {str(r["rows"]): round(r["mean_step_ms"], 3) for r in results},
+           "window_ms": {str(r["rows"]): r["window_ms"] for r in results},
            "tok_s": {str(r["rows"]): round(r["tok_s"], 1) for r in results},
            f"step_{results[-1]['rows']}_over_{results[0]['rows']}": round(ratio, 3), "flat_ok": ratio <= FLAT_LIMIT}
     if memory is not None:
@@ -172,7 +205,10 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128])
     p.add_argument("--context", type=int, default=512, help="prompt tokens per row (at most a quarter of the context)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens each row may generate (default: up to 1024)")
-    p.add_argument("--seconds", type=float, default=2.0, help="measured window per row count")
+    p.add_argument("--seconds", type=float, default=2.0, help="measured time per row count")
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="seconds each row count decodes before it is measured (after a short first pass over them all)")
+    p.add_argument("--windows", type=int, default=3, help="the measured time in this many windows: the median counts")
     p.add_argument("--device", default="auto", help="the engine's --device")
     p.add_argument("--memory-check", action="store_true", help="release and resume the engine's memory at the end")
     p.add_argument("--model-cache", default=None, help="build the model here (reused when already built)")

@@ -81,7 +81,7 @@ def report(res: dict, ratios: dict, limit, c_star: int, curve: dict, loads: list
     over_sync = {k: [x / y for x, y in zip(v, ratios["sync"])] for k, v in ratios.items() if k != "sync"}
     sps = {k: spread(v) for k, v in over_sync.items()}
     # the box's own noise: how much one limit slice differs from the previous one (the limit did not change)
-    steps = [b / a for a, b in zip(limit.slices, limit.slices[1:])]
+    steps = [b / a for a, b in zip(limit.slices, limit.slices[1:]) if a > 0]  # (a stalled driver: a slice of 0)
     noise = spread(steps)
     print(f"\n{'mode':8s} {'tok/s':>8s}  {'x limit (mean of rounds +- 90% CI)':34s} {'x sync':>7s} {'off-pol':>7s} "
           f"{'steps':>5s} {'wall':>6s} {'rows':>5s}  per-step means: step, to-target, drain (abort->idle), outside, gap "

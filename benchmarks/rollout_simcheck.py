@@ -20,16 +20,19 @@ from slime.rollout.simulator.lengths import read_trace
 GPU_SCALE_TOKENS = 16384  # the workload's cap at GPU scale (a reasoning model's --rollout-max-response-len)
 
 
-def make_calibrator(engines, vocab: int, args, quick: bool = False) -> Calibrator:
+def make_calibrator(engines, vocab: int, args, quick: bool = False, max_context: int | None = None,
+                    new_tokens: int = 64) -> Calibrator:
     """The modes' engine, timed through their router; the client's cost through the rollout's request path
     (`args`: the modes' flags), this driver's CPU time and the router's (pinned to the driver's CPU). `quick`: the
-    calibration's quick probe set."""
+    calibration's quick probe set; `max_context`: the probes' longest context (the workload's, not the model's);
+    `new_tokens`: tokens per probe row."""
     urls = engines.worker_urls()
     if len(urls) != 1:
         raise ValueError(f"--simulate calibrates one engine; the benchmark runs {len(urls)}")
     router = engines.router.process.pid if engines.router is not None and engines.router.process is not None else None
     return Calibrator(urls[0], vocab, client_url=engines.router_url, name="embedded engine (this benchmark)",
-                      args=args, client_pids=[router] if router else [], quick=quick)
+                      args=args, client_pids=[router] if router else [], quick=quick, max_context=max_context,
+                      new_tokens=new_tokens)
 
 
 def replay(opts, vocab: int, groups: int) -> ReplayLengths:

@@ -160,6 +160,7 @@ class ModeRunner:
         self.name, self.args, self.engines, self.http = name, args, engines, http
         self.planner = planner  # --over-sampling-batch-size auto
         self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
+        self.warm_step_s: float | None = None  # the warm-up's mean step seconds
         self.flush = not args.reuse_stale_kv
         self.source = ParetoSource(seed, n, cap, vocab, scale)
         self.buffer = CountingBuffer(args)
@@ -170,12 +171,14 @@ class ModeRunner:
         self.engine: dict = {}  # the engine's counters over the measured steps
         self.engine_total: dict = {}  # and over every step, the warm-up's too
 
-    async def run_for(self, min_seconds: float, min_steps: int, after_step=None) -> float:
+    async def run_for(self, min_seconds: float, min_steps: int, after_step=None, deadline: float | None = None) -> float:
         """Steps until this slice took >= min_seconds of rollout time (and >= min_steps); returns its
-        rollout time. `after_step(seconds)` is awaited after each step, outside the step's time."""
+        rollout time. `after_step(seconds)` is awaited after each step, outside the step's time. `deadline`
+        (time.monotonic()): no step starts after it, once one step ran."""
         tokens, wall, steps = 0.0, 0.0, 0
         prev_end = None
-        while wall < min_seconds or steps < min_steps:
+        while (wall < min_seconds or steps < min_steps) and not (steps and deadline is not None
+                                                                  and time.monotonic() >= deadline):
             t_bump = time.monotonic()
             bump_version(self.engines, self.step, self.flush)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
@@ -224,16 +227,20 @@ class ModeRunner:
         self.rounds.append(tokens / wall)
         return wall
 
-    async def warm_up(self, engine_steps: int) -> int:
-        """Steps (not measured) until the engine ran `engine_steps` forward steps for this mode; returns
-        how many rollout steps that took."""
-        done = 0
-        while self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0) < engine_steps:
+    async def warm_up(self, engine_steps: int, seconds: float | None = None) -> tuple[int, int]:
+        """Steps (not measured) until the engine ran `engine_steps` forward steps for this mode, or (`seconds`) no
+        step starts after that long; returns (rollout steps, engine steps) it took."""
+        done, t0 = 0, time.monotonic()
+        ran = 0
+        while ran < engine_steps and (seconds is None or time.monotonic() - t0 < seconds):
             await self.run_for(0.0, 1)
             done += 1
+            ran = self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0)
+        steps = self.stats["step_s"]
+        self.warm_step_s = sum(steps) / len(steps) if steps else None  # what a step took, for planning
         self.reset_measurements()
         self.warmup_steps = done
-        return done
+        return done, ran
 
     def reset_measurements(self) -> None:
         """Forget what was measured so far (after a warm-up); the buffer and its parked samples stay."""

@@ -165,6 +165,73 @@ def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, ke
         PagedBatch(m.ref, prefill_attention="fused")
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_prefill_chunks_of_many_shapes_share_padded_buckets_and_match_the_reference(model_dir, ref_model, kernel):
+    """Off the CPU (`prefill_attention="masked"`) prefill chunks of different lengths share a bucket padded to the
+    longest: fresh prompts of 6 lengths in one step, then chunks after prefixes of 6 lengths, beside decoding rows;
+    every row's logits still equal its own plain forward, with far fewer buckets than shapes."""
+    m = Mirror(model_dir, ref_model, seed=13, block_size=4, kernel=kernel, prefill_attention="masked")
+    rows = [m.add(n) for n in (2, 3, 5, 9, 17, 33)]
+    m.step(max_chunk=1000, whole=True)  # six fresh prompts, six lengths
+    prefill = [bk for bk in m.batch.last_plan.buckets if bk.q > 1]
+    assert len(prefill) == 1 and prefill[0].pad is not None and prefill[0].cells == 2 + 3 + 5 + 9 + 17 + 33
+    for _ in range(2):
+        m.step()  # decoding
+    for row, n in zip(rows, (7, 4, 11, 2, 6, 23)):  # each row gets a chunk of new tokens after its prefix
+        m.seqs[row] += m.tokens(n)
+    m.step(whole=True)
+    prefill = [bk for bk in m.batch.last_plan.buckets if bk.q > 1]
+    assert len(prefill) == 1 and prefill[0].p0 > 0 and prefill[0].pad is not None
+    late = [m.add(n) for n in (12, 40)]  # fresh prompts again, beside chunks after a prefix and decoding rows
+    m.seqs[rows[0]] += m.tokens(5)
+    m.step(whole=True)
+    assert {bool(bk.p0) for bk in m.batch.last_plan.buckets if bk.q > 1} == {False, True}
+    for _ in range(3):
+        m.step()
+    assert all(m.batch.cached(r) == len(m.seqs[r]) - 1 for r in rows + late)
+
+
+def test_padded_prefill_buckets_waste_at_most_their_bound():
+    """merge_prefill: every segment in exactly one bucket; a padded bucket's maps send each packed cell to its own
+    padded cell and each padding cell to its chunk's last; the padded (query, key) pairs stay within 2x the exact
+    ones plus the slack; one long chunk among many short ones is not padded to."""
+    from slime.backends.hf_engine.paged_attention import PAD_SLACK_PAIRS
+
+    tables = torch.arange(256 * 600).view(256, 600)
+    rng = random.Random(3)
+    for trial in range(30):
+        segs = [(1, rng.randint(0, 3000), r) for r in range(rng.randint(0, 40))]
+        for r in range(len(segs), len(segs) + rng.randint(1, 60)):
+            q = rng.choice([2, 6, rng.randint(2, 120), 512])
+            segs.append((q, 0 if rng.random() < 0.6 else rng.randint(1, 4000), r))
+        buckets = plan_buckets(segs, tables, block_size=32, merge_prefill=True)
+        assert sorted(i for bk in buckets for i in bk.segments) == list(range(len(segs)))
+        start = 0
+        for bk in buckets:
+            assert bk.start == start and bk.cells == sum(segs[i][0] for i in bk.segments)
+            start += bk.cells
+            if bk.q == 1:
+                continue
+            assert len({segs[i][1] == 0 for i in bk.segments}) == 1  # fresh and prefixed chunks apart
+            keys = [segs[i][0] + (segs[i][1] if bk.p0 else 0) for i in bk.segments]
+            exact = sum(segs[i][0] * k for i, k in zip(bk.segments, keys))
+            assert bk.b == 1 or bk.b * bk.q * max(keys) <= 2 * exact + PAD_SLACK_PAIRS
+            if bk.pad is None:
+                assert all(segs[i][0] == bk.q for i in bk.segments)
+                continue
+            gather, keep = bk.pad[0].tolist(), bk.pad[1].tolist()
+            at = 0
+            for r, i in enumerate(bk.segments):
+                n = segs[i][0]
+                assert gather[r * bk.q: (r + 1) * bk.q] == [at + min(j, n - 1) for j in range(bk.q)]
+                assert keep[at: at + n] == [r * bk.q + j for j in range(n)]
+                assert bk.limit[r].tolist() == [segs[i][1] + min(j, n - 1) for j in range(bk.q)]
+                at += n
+    one_long = [(512, 0, 0)] + [(6, 0, r) for r in range(1, 40)]
+    buckets = plan_buckets(one_long, tables, block_size=32, merge_prefill=True)
+    assert len(buckets) == 2 and buckets[0].b <= 8  # no more than a few of 39 6-token prompts padded to 512
+
+
 def test_join_and_leave_copy_no_kv(model_dir, ref_model):
     """Rows joining, leaving and resuming never move another row's KV: the pool tensors stay the same
     objects and a surviving row's blocks keep their contents bit for bit."""

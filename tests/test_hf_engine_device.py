@@ -71,8 +71,9 @@ def test_a_step_and_its_sampling_stay_on_the_models_device(meta_model):
     gen.manual_seed(3)
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logit_bias={4: 2.0}),
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, sampling_seed=7), SamplingParams()]
-    new = batch.add_row()
-    segments = [(r, [6], True) for r in rows] + [(new, [5] * 12, False)]  # 4 decode rows, a fresh prompt's chunk
+    new, other = batch.add_row(), batch.add_row()
+    # 4 decode rows, chunks of two fresh prompts of different lengths (one bucket, padded to the longer)
+    segments = [(r, [6], True) for r in rows] + [(new, [5] * 12, False), (other, [5] * 7, False)]
     audit = DeviceAudit()
     with audit:
         sb = prepare_sampling(params, [None, None, gen, None], torch.Generator(), vocab, batch.device)
@@ -80,6 +81,7 @@ def test_a_step_and_its_sampling_stay_on_the_models_device(meta_model):
         tokens, logprobs = sample_tokens(logits, sb)
     assert audit.ops > 100 and audit.mixed == [], audit.mixed[:5]
     assert len([bk for bk in batch.last_plan.buckets if bk.q == 1]) >= 2  # rows of different lengths, split
+    assert [bk.pad is not None for bk in batch.last_plan.buckets if bk.q > 1] == [True]
     assert logits.device.type == "meta" and tuple(logits.shape) == (4, vocab)
     assert tokens.device.type == "meta" and tuple(tokens.shape) == (4,) and tuple(logprobs.shape) == (4,)
     # a chunk with a prefix after the new row's first chunk: the masked path reads keys it wrote this step

@@ -117,7 +117,8 @@ class PagedBatch:
             self._reserve(row, p0 + len(toks))
             shapes.append((len(toks), p0, row))
         bs = self.block_size
-        buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving)
+        buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving,
+                               merge_prefill=self.prefill_attention == "masked")
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []  # pool slot of each packed token: its row's block for the position, and offset

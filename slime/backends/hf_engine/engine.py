@@ -14,6 +14,7 @@ import torch
 from slime.backends.hf_engine import tensor_payload, weights
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, BUCKET_MIN_SAVING_GPU
 from slime.backends.hf_engine.device import resolve_device, resolve_dtype
+from slime.backends.hf_engine.fused_norms import fuse_rms_norms
 from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.memory import EngineMemory
 from slime.backends.hf_engine.scheduler import Request, Scheduler
@@ -74,7 +75,8 @@ class Engine:
             torch.cuda.set_device(self.device)  # the scheduler thread's current device, and IPC handles' target
         self.model = load_model(cfg.model_path, self.dtype, cfg.attn_implementation, self.device)
         self.dtype = str(self.model.dtype).removeprefix("torch.")
-        logger.info("model on %s in %s", self.device, self.dtype)
+        fused = fuse_rms_norms(self.model)  # one op per norm instead of eight (see fused_norms)
+        logger.info("model on %s in %s (%d RMSNorm layers as torch's rms_norm)", self.device, self.dtype, fused)
         tok_path = cfg.tokenizer_path or cfg.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.model_path = cfg.model_path

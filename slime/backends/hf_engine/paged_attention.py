@@ -50,7 +50,14 @@ class Bucket:
     keys: int | None = None  # decode buckets whose rows all attend this many keys need no mask
     start: int = 0
     p0: int = 0  # first query position of the bucket's first segment (a prefill bucket's: of all of them)
+    # prefill chunks of different lengths padded to the longest, `q` (merge_prefill): (padded cell -> packed cell of
+    # the bucket, [b * q]: a padding cell repeats its chunk's last token; packed cell -> padded cell, [cells])
+    pad: tuple[torch.Tensor, torch.Tensor] | None = None
+    cells: int = 0  # packed tokens of the bucket (b * q unless padded)
     _masks: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cells = self.cells or self.b * self.q
 
     @property
     def b(self) -> int:
@@ -153,8 +160,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     q_all = query[0].transpose(0, 1)  # [N, H, D]
     outs = []
     for bk in plan.buckets:
-        b, nq, end = bk.b, bk.q, bk.start + bk.b * bk.q
-        q = q_all[bk.start: end].view(b, nq, h, d)
+        b, nq, end = bk.b, bk.q, bk.start + bk.cells
+        q = q_all[bk.start: end]
+        if bk.pad is not None:  # chunks of different lengths, padded to the longest (its output cells dropped below)
+            q = q.index_select(0, bk.pad[0])
+        q = q.view(b, nq, h, d)
         if nq > 1 and bk.p0 and plan.prefill == "masked":  # chunks with a prefix, as one masked bucket
             k, v = pool.gather(layer, bk.blocks, b)  # every position up to the chunks' last (written above)
             qs = q.view(b, nq, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * g, d)
@@ -163,16 +173,19 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 o = _eager(qs, k, v, mask, scaling)
             else:
                 o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scaling)
-            outs.append(o.view(hkv, b, nq, g, d).permute(1, 2, 0, 3, 4).reshape(b * nq, h, d))
+            outs.append(_unpad(o.view(hkv, b, nq, g, d).permute(1, 2, 0, 3, 4).reshape(b * nq, h, d), bk))
             continue
         if nq > 1:  # prefill chunks of one shape: their own keys causally, plus the keys before them
-            k_new = key[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
-            v_new = value[0, :, bk.start: end].reshape(hkv, b, nq, d).transpose(0, 1)
+            k_new, v_new = key[0, :, bk.start: end], value[0, :, bk.start: end]
+            if bk.pad is not None:  # a padding cell's key is its chunk's last: causal attention never reaches it
+                k_new, v_new = k_new.index_select(1, bk.pad[0]), v_new.index_select(1, bk.pad[0])
+            k_new = k_new.reshape(hkv, b, nq, d).transpose(0, 1)
+            v_new = v_new.reshape(hkv, b, nq, d).transpose(0, 1)
             prefix = None
             if bk.p0:
                 k, v = pool.gather(layer, bk.blocks, b)
                 prefix = (k[:, :, :bk.p0], v[:, :, :bk.p0])
-            outs.append(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d))
+            outs.append(_unpad(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d), bk))
             continue
         k, v = pool.gather(layer, bk.blocks, b)
         q = q.view(b, hkv, g, d).transpose(0, 1)  # [Hkv, b, G, D]: a KV head's G query heads as G queries
@@ -187,6 +200,11 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         outs.append(o.transpose(0, 1).reshape(b, h, d))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None
+
+
+def _unpad(o: torch.Tensor, bk: Bucket) -> torch.Tensor:
+    """A padded bucket's output cells back in packing order (padding dropped); others as they are."""
+    return o if bk.pad is None else o.index_select(0, bk.pad[1])
 
 
 def step_mask(device: torch.device | str) -> torch.Tensor:
@@ -206,30 +224,89 @@ def register() -> None:
 
 
 def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,
-                 min_saving: int = BUCKET_MIN_SAVING) -> list[Bucket]:
+                 min_saving: int = BUCKET_MIN_SAVING, merge_prefill: bool = False) -> list[Bucket]:
     """Buckets for `segments` = (number of queries q, first position p0, table row), in packing order;
     every segment lands in exactly one bucket, and `start` numbers the cells bucket after bucket.
 
     A segment's queries are positions p0 .. p0 + q - 1 of its row; each attends keys 0 .. its own
     position. Decode segments (q = 1) are sorted by context length, longest first, and split where
-    `buckets.decode_bucket_ranges` says. Prefill segments (q > 1, few per step) share a
-    bucket only with segments of the same shape (e.g. fresh prompts of one length), so no cell is padding."""
+    `buckets.decode_bucket_ranges` says. Prefill segments (q > 1) share a bucket with segments of the same shape
+    (e.g. fresh prompts of one length), so no cell is padding; with `merge_prefill` (the masked prefill of a GPU,
+    where a bucket's ~10 launches per layer cost more than attending some padding) chunks of different shapes
+    share a bucket padded to its longest (fresh chunks, and chunks with a prefix, apart), as long as the padded
+    attention is at most twice the exact one plus PAD_SLACK_PAIRS (query, key) pairs: a step resuming 60 samples
+    then runs one or two prefill buckets instead of 60."""
     buckets: list[Bucket] = []
     decode = sorted((i for i, s in enumerate(segments) if s[0] == 1), key=lambda i: -segments[i][1])
     blocks = [segments[i][1] // block_size + 1 for i in decode]
     for i, j in decode_bucket_ranges(blocks, block_size, min_saving):  # the rule lives in buckets.py
         buckets.append(_bucket(segments, decode[i:j], 1, blocks[i], tables))
-    prefill: dict[tuple[int, int], list[int]] = {}
-    for i, s in enumerate(segments):
-        if s[0] > 1:
-            prefill.setdefault((s[0], s[1]), []).append(i)
-    for (q, p0), idx in prefill.items():
-        buckets.append(_bucket(segments, idx, q, (p0 + q - 1) // block_size + 1, tables))
+    if merge_prefill:
+        for fresh in (True, False):
+            idx = sorted((i for i, s in enumerate(segments) if s[0] > 1 and (s[1] == 0) == fresh),
+                         key=lambda i: (-segments[i][0], -segments[i][1]))
+            for group in _padded_groups(segments, idx, fresh):
+                buckets.append(_padded_bucket(segments, group, tables, block_size))
+    else:
+        prefill: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(segments):
+            if s[0] > 1:
+                prefill.setdefault((s[0], s[1]), []).append(i)
+        for (q, p0), idx in prefill.items():
+            buckets.append(_bucket(segments, idx, q, (p0 + q - 1) // block_size + 1, tables))
     start = 0
     for bk in buckets:
         bk.start = start
-        start += bk.b * bk.q
+        start += bk.cells
     return buckets
+
+
+PAD_SLACK_PAIRS = 1 << 20  # padded (query, key) pairs a merged prefill bucket may waste beyond its exact ones
+MAX_PADDED_PAIRS = 1 << 26  # and at most this many in all (its mask: this x query heads per KV head, in bytes)
+
+
+def _padded_groups(segments, idx: list[int], fresh: bool) -> list[list[int]]:
+    """`idx` (longest chunks first) cut into groups whose padded attention stays within the bounds above."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    exact = q_max = k_max = 0
+    for i in idx:
+        q, p0 = segments[i][0], segments[i][1]
+        keys = q if fresh else p0 + q
+        e, qm, km = exact + q * keys, max(q_max, q), max(k_max, keys)
+        padded = (len(cur) + 1) * qm * km
+        if cur and (padded > 2 * e + PAD_SLACK_PAIRS or padded > MAX_PADDED_PAIRS):
+            groups.append(cur)
+            cur, e, qm, km = [], q * keys, q, keys
+        cur.append(i)
+        exact, q_max, k_max = e, qm, km
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _padded_bucket(segments, idx: list[int], tables: torch.Tensor, block_size: int) -> Bucket:
+    """Prefill chunks `idx` (all fresh, or all with a prefix) in one bucket, each padded to the longest with copies
+    of its last token (which attend what that token attends; their outputs are dropped)."""
+    qs = [segments[i][0] for i in idx]
+    starts = [segments[i][1] for i in idx]
+    q = max(qs)
+    m = max((p0 + n - 1) // block_size + 1 for p0, n in zip(starts, qs))
+    if all(n == q for n in qs):  # one length: nothing to pad (chunks after prefixes of any lengths are masked)
+        bk = _bucket(segments, idx, q, m, tables)
+        bk.p0 = min(starts)
+        return bk
+    gather, keep, at = [], [], 0
+    for r, n in enumerate(qs):
+        gather += [at + min(j, n - 1) for j in range(q)]
+        keep += [r * q + j for j in range(n)]
+        at += n
+    rows = torch.tensor([segments[i][2] for i in idx], dtype=torch.long)
+    blocks = tables.index_select(0, rows)[:, :m].reshape(-1)
+    offs = torch.tensor([[min(j, n - 1) for j in range(q)] for n in qs], dtype=torch.long)
+    limit = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + offs
+    return Bucket(idx, q, m, blocks, limit, p0=min(starts), cells=at,
+                  pad=(torch.tensor(gather, dtype=torch.long), torch.tensor(keep, dtype=torch.long)))
 
 
 def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> Bucket:
@@ -251,12 +328,16 @@ def move_plan(buckets: list[Bucket], extra: list[torch.Tensor], device: torch.de
         return extra
     host = [*extra]
     for bk in buckets:
-        host += [bk.blocks, bk.limit]
+        host += [bk.blocks, bk.limit, *(bk.pad or ())]
     flat = host_to_device(torch.cat([t.reshape(-1) for t in host]), device)
     out, at = [], 0
     for t in host:
         out.append(flat[at: at + t.numel()].view(t.shape))
         at += t.numel()
-    for i, bk in enumerate(buckets):
-        bk.blocks, bk.limit = out[len(extra) + 2 * i], out[len(extra) + 2 * i + 1]
+    at = len(extra)
+    for bk in buckets:
+        bk.blocks, bk.limit = out[at], out[at + 1]
+        at += 2
+        if bk.pad is not None:
+            bk.pad, at = (out[at], out[at + 1]), at + 2
     return out[: len(extra)]

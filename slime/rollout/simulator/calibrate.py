@@ -36,6 +36,7 @@ token of the one serial resource the simulator's client is.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -54,6 +55,8 @@ CLIENT_TERMS = ("client_per_request_s", "client_per_input_token_s", "client_per_
 
 EMBEDDED_BACKEND = "slime.hf_engine"
 
+logger = logging.getLogger(__name__)
+
 
 class Calibrator:
     """Probes one engine (`url`); `measure()` adds a pass over every probe (call it several times,
@@ -63,10 +66,13 @@ class Calibrator:
 
     def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
                  seed: int = 0, name: str | None = None, quick: bool = False, args=None,
-                 client_pids: Sequence[int] = ()):
+                 client_pids: Sequence[int] = (), max_context: int | None = None):
         # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
         self.url, self.vocab, self.client_url = url, vocab, client_url or url
         self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
+        # the longest context the probes use: the engine's own (None), or a workload's (a 16k-context model serving
+        # 400-token samples is fitted where it runs, and its probes do not prefill 8k-token prompts)
+        self.max_context = max_context
         self.info: dict | None = None
         self.stats_ok = False
         self.probes: list[Probe] = []
@@ -81,15 +87,35 @@ class Calibrator:
         self.client_bursts: list[dict] = []
         self.driver_share: list[float] = []
 
-    async def measure(self, session, curve_levels: tuple[int, ...] = ()) -> None:
+    @property
+    def context(self) -> int:
+        """The context the probes are sized for: the engine's, capped at `max_context`."""
+        context = int((self.info or {}).get("context_length") or 2048)
+        return min(context, self.max_context) if self.max_context else context
+
+    async def measure(self, session, curve_levels: tuple[int, ...] = (), deadline: float | None = None) -> bool:
+        """One pass over every probe and measurement. `deadline` (time.monotonic()): nothing new starts after it
+        (the probes first, which the fit needs most); returns whether the pass was complete."""
         if self.info is None:
             self.info = await http_client.get(session, self.url, "/get_server_info", timeout=30)
             self.stats_ok = await scheduler_stats(session, self.url) is not None
-            self.probes = default_probes(self.max_running, int(self.info.get("context_length") or 2048), self.new_tokens,
-                                         self.quick)
+            self.probes = default_probes(self.max_running, self.context, self.new_tokens, self.quick)
             await generate_one(session, self.url, random_ids(self.rng, self.vocab, 4), 8)  # warm-up
-        for p in self.probes:
+        started = time.monotonic()
+
+        def out_of_time(what: str) -> bool:
+            if deadline is None or time.monotonic() < deadline:
+                return False
+            logger.warning("calibration pass stopped before %s: its time is up (%.1fs into the pass)", what,
+                           time.monotonic() - started)
+            return True
+
+        for i, p in enumerate(self.probes):
+            if out_of_time(f"probe {i + 1} of {len(self.probes)}"):
+                return False
             await run_probe(session, self.url, p, self.vocab, self.rng, self.stats_ok)
+        if out_of_time("the round trips"):
+            return False
         for _ in range(6):  # one request's round trip (one token: one tiny prefill)
             t0 = time.perf_counter()
             await generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
@@ -97,24 +123,30 @@ class Calibrator:
         # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
         # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
         burst = min(32, self.max_running)
-        context = int(self.info.get("context_length") or 2048)
+        context = self.context
         long_in = max(16, min(1024, context // 2))
         long_n = max(16, min(64 if self.quick else 256, context - 16))
+        if out_of_time("the bursts"):
+            return False
         for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n)):
             self.bursts.append(await self._burst(session, burst, in_len, out_n))
-        if self.stats_ok:
+        if self.stats_ok and not out_of_time("the trickle"):
             self.trickles.append(await self._trickle(session, min(32, self.max_running), long_n, max(8, long_in // 4)))
         if self.args is not None:
+            if out_of_time("the rollout client's bursts"):
+                return False
             self.driver_share.append(_cpu_share())
             for in_len, out_n in ((8, 1), (long_in, 1), (8, long_n), (8, 1), (long_in, 1), (8, long_n)):
                 self.client_bursts.append(await self._rollout_burst(session, burst, in_len, out_n))
+        if out_of_time("the abort"):
+            return False
         prompts = [random_ids(self.rng, self.vocab, 16) for _ in range(64)]
-        context = int(self.info.get("context_length") or 2048)
         self.abort.append(await abort_to_idle_s(session, self.url, prompts, min(16, self.max_running),
                                                 max(64, min(900, context - 32))))
         for c in curve_levels:
             tps = await closed_loop_tps(session, self.url, prompts, c, 64, 2)
             self.curve[str(c)] = round(max(self.curve.get(str(c), 0.0), tps), 1)
+        return True
 
     async def _burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
         """`n` requests sent at once: wall seconds, the engine's busy seconds and its HTTP side's CPU seconds."""
@@ -249,9 +281,10 @@ class Calibrator:
             prefill, prefill_err = nnls_fit([[f, pos, sq] for _, f, pos, sq in rows], [s for s, *_ in rows],
                                             PREFILL_TERMS[:3], weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
         one_prefill = prefill.get("prefill_base_s", 0.0) + 8 * prefill.get("prefill_per_token_s", 0.0)
-        lat = sorted(self.latency)
+        # a pass cut short by its deadline may lack these (logged there); they then count as free
+        lat = sorted(self.latency) or [0.0]
         latency = max(0.0, lat[len(lat) // 2] - one_prefill)
-        ab = sorted(self.abort)
+        ab = sorted(self.abort) or [0.0]
         ev = sorted(e for p in self.probes for e in p.evict)
         cpu = [r for p in self.probes for r in p.cpu_runs]
         wall = [r for p in self.probes for r in p.runs]

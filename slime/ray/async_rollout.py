@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.staleness import StalenessCap
 from slime.rollout.steps_ahead import StepsAhead
 from slime.rollout.stream import StreamRollout
 from slime.rollout.version_gate import VersionGate
@@ -175,9 +176,9 @@ class AsyncRollout:
     async def _end_in_place(self) -> None:
         self.gate.end_update()
         await self.producer.rebalance()
-        a = self.args
-        if a.max_staleness is not None and a.staleness_policy == "restart":
-            stale = self.gate.stale_requests(self.gate.train_version - a.max_staleness)
+        floor = StalenessCap.from_args(self.args).restart_floor(self.gate.train_version)
+        if floor is not None:
+            stale = self.gate.stale_requests(floor)
             await self.gate.abort_requests(stale, self.manager.engines, self.session)
 
     async def _before_update(self) -> None:

@@ -35,7 +35,7 @@ import uuid
 from typing import Any
 
 from slime.backends.sglang_utils import http_client
-from slime.rollout.staleness import apply_to_sample
+from slime.rollout.staleness import StalenessCap
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -142,6 +142,7 @@ class SampleRequester:
                  policy_version: int, max_response_len: int | None = None, gate=None):
         self.args, self.session, self.url = args, session, url
         self.gate = gate  # VersionGate or None
+        self.cap = StalenessCap.from_args(args)
         self.sampling_params = sampling_params
         self.rollout_id, self.policy_version = rollout_id, policy_version
         self.max_len = int(max_response_len or args.rollout_max_response_len)
@@ -187,8 +188,7 @@ class SampleRequester:
                     return False
                 if gate.version != seen_version:  # resumed across a weight update: apply the staleness cap
                     seen_version = gate.version
-                    gate.staleness.update(apply_to_sample(sample, gate.train_version, self.args.max_staleness,
-                                                          self.args.staleness_policy))
+                    gate.staleness.update(self.cap.at_resume_in_flight(sample, gate.train_version))
             payload = self.payload(sample)
             sent_version = gate.version if gate is not None else None
             self.requests += 1

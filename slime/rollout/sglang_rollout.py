@@ -54,7 +54,7 @@ from slime.rollout.group_outcome import GroupOutcome, StepGroup
 from slime.rollout.pool_mode import SamplePool
 from slime.rollout.rollout_metrics import OccupancySampler, StepClock, step_metrics
 from slime.rollout.sampling_request import SampleRequester, call_maybe_remote, sampling_params_from_args
-from slime.rollout.staleness import apply_staleness_policy
+from slime.rollout.staleness import StalenessCap
 from slime.rollout.step_end import StepEnd
 from slime.utils.ledger import group_id
 from slime.utils.misc import load_function
@@ -113,8 +113,7 @@ class _RolloutStep(GroupOutcome, StepEnd):
         # the version that will train this step's groups: staleness and version metrics are measured against it
         self.version = int(ctx.gate.train_version if ctx.gate is not None else ctx.policy_version)
         self.halted = False
-        self.max_staleness = args.max_staleness
-        self.staleness_policy = args.staleness_policy
+        self.cap = StalenessCap.from_args(args)
         fpath = args.dynamic_sampling_filter_path
         self.filter = load_function(fpath) if fpath else None
         self.rpc_timeout = args.rollout_rpc_timeout
@@ -223,8 +222,7 @@ class _RolloutStep(GroupOutcome, StepEnd):
         ready = await call_maybe_remote(self.ctx.buffer, "take_ready", self.target, timeout=self.rpc_timeout)
         for g in ready:
             gid = group_id(g)
-            if self.max_staleness is not None and any(
-                    v < self._train_version() - self.max_staleness for s in g for v in s.weight_versions):
+            if self.cap.ready_is_stale(g, self._train_version()):
                 self.rejected[gid] = "stale_ready"  # finished at an older policy than the cap allows
             else:
                 self.accepted.append(g)
@@ -237,7 +235,7 @@ class _RolloutStep(GroupOutcome, StepEnd):
             out: list[list[Sample]] = []
             if self.ctx.buffer is not None and num > 0:
                 parked = await call_maybe_remote(self.ctx.buffer, "take_parked", num, timeout=self.rpc_timeout)
-                st = apply_staleness_policy(parked, self._train_version(), self.max_staleness, self.staleness_policy)
+                st = self.cap.at_resume(parked, self._train_version())
                 self.counts.update({f"staleness_{k}": v for k, v in st.items()})
                 out.extend(parked)
                 self.resumed.extend(group_id(g) for g in parked)

@@ -39,7 +39,7 @@ from slime.rollout.group_outcome import StepGroup
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.sampling_request import call_maybe_remote
 from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, _RolloutStep
-from slime.rollout.staleness import check_before_training
+from slime.rollout.staleness import StalenessCap
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
 from slime.utils.types import Sample
@@ -86,6 +86,7 @@ class StreamRollout:
         self.max_lag = int(args.max_async_lag)
         self.offset = int(version_offset)
         self.rpc_timeout = args.rollout_rpc_timeout
+        self.cap = StalenessCap.from_args(args)
         self.next_batch = int(first_rollout_id)  # the next batch take() hands out
         self.num_rollout = int(num_rollout)  # no batch beyond the last one is collected
         self.queue: deque[tuple[list[Sample], int]] = deque()  # (group, engine version when it joined a batch)
@@ -227,8 +228,7 @@ class StreamRollout:
                 break  # data exhausted
             part = [self.queue.popleft() for _ in range(min(self.batch_size - len(kept), len(self.queue)))]
             await self._mark_finished([g for g, _ in part])
-            ok, stale, c = check_before_training([g for g, _ in part], version, self.args.max_staleness,
-                                                 self.args.staleness_policy)
+            ok, stale, c = self.cap.before_training([g for g, _ in part], version)
             counts.update(c)
             ok_ids = {id(g) for g in ok}
             kept += [(g, a) for g, a in part if id(g) in ok_ids]

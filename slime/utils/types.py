@@ -131,6 +131,10 @@ class Sample:
         return masked
 
     # ---- version accounting -----------------------------------------------
+    def loss_tokens_older_than(self, min_version: int) -> int:
+        """How many response tokens in the loss (mask 1) were produced before `min_version`."""
+        return sum(1 for v, m in zip(self.weight_versions, self.loss_mask) if m and v < min_version)
+
     def oldest_version(self) -> int | None:
         return min(self.weight_versions) if self.weight_versions else None
 

@@ -74,7 +74,7 @@ def bump_version(env, version: int) -> dict:
 def start(env, args):
     load_weights(env, "A", 0)
     manager = RolloutManager(args, str(env["root"] / "run"), start_engines=False)
-    manager.engines = env["engines"]
+    manager.attach_engines(env["engines"])
     return manager, AsyncRollout(args, manager, 0).start()
 
 
@@ -239,9 +239,9 @@ def test_backpressure_keeps_the_rollout_within_the_lag(env):
             time.sleep(0.05)
         assert rollout.gate.in_flight == 0
         producer = rollout.producer
-        requests_before = producer.segment.requester.requests
+        requests_before = producer.segment_io.requester.requests
         time.sleep(1.0)
-        assert producer.segment.requester.requests == requests_before and rollout.gate.in_flight == 0
+        assert producer.segment_io.requester.requests == requests_before and rollout.gate.in_flight == 0
         assert len(producer.queue) == lag * args.rollout_batch_size
         assert len(producer.waiting) <= args.rollout_pool_size // args.n_samples_per_prompt
         # the trainer catches up one version at a time; every batch respects the lag

@@ -24,10 +24,10 @@ import time
 from typing import Any, Callable
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.sglang_rollout import StepHooks, generate_rollout, generate_rollout_async, run_rollout_step
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.steps_ahead import StepsAhead
-from slime.rollout.stream import StreamRollout
+from slime.rollout.stream import StreamConfig, StreamRollout
 from slime.rollout.version_gate import VersionGate
 
 logger = logging.getLogger(__name__)
@@ -83,12 +83,22 @@ class AsyncRollout:
     def _drain_timeout(self) -> float:
         return self.args.rollout_abort_timeout + CALL_SLACK_S
 
-    def _make_ctx(self, halt: asyncio.Event) -> RolloutContext:
-        m = self.manager
-        return RolloutContext(data_source=m.data_source, buffer=m.buffer, engines=m.engines, tokenizer=m.tokenizer,
-                              policy_version=self.gate.version, http_session=self.session,
-                              over_sampling_planner=m.over_sampling_planner,
-                              gate=self.gate if self.pausable else None, halt=halt)
+    def _make_ctx(self) -> RolloutContext:
+        return self.manager.context(policy_version=self.gate.version)
+
+    def _hooks(self, halt: asyncio.Event, on_io=None) -> StepHooks:
+        """The built-in step's async hooks: this loop's session, the gate, the halt event."""
+        return StepHooks(session=self.session, gate=self.gate, halt=halt, on_io=on_io)
+
+    async def _builtin_step(self, rollout_id: int, halt: asyncio.Event) -> RolloutOutput:
+        return await generate_rollout_async(self.args, rollout_id, self._make_ctx(), hooks=self._hooks(halt))
+
+    def _custom_step(self, rollout_id: int) -> RolloutOutput:
+        return self.manager.call_rollout_fn(rollout_id, self._make_ctx())
+
+    async def _run_segment(self, rollout_id: int, supply, placement, halt: asyncio.Event, on_io) -> RolloutOutput:
+        return await run_rollout_step(self.args, rollout_id, self._make_ctx(), supply, placement,
+                                      self._hooks(halt, on_io))
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "AsyncRollout":
@@ -110,11 +120,14 @@ class AsyncRollout:
         self.gate = VersionGate(version, train_version=version)
         m = self.manager
         if a.rollout_mode == "stream":
-            self.producer = StreamRollout(a, self._make_ctx, self.gate, m.buffer, m.engines, self.first_rollout_id,
-                                          m.num_rollout, self.offset, session=self.session)
+            self.producer = StreamRollout(StreamConfig.from_args(a), self._run_segment, self.gate, m.buffer, m.engines,
+                                          self.first_rollout_id, m.num_rollout, self.offset, session=self.session)
+        elif self.pausable:
+            self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
+                                       builtin_step=self._builtin_step)
         else:
-            self.producer = StepsAhead(a, self._make_ctx, self.gate, m.buffer, self.first_rollout_id, m.num_rollout,
-                                       self.offset, rollout_fn=None if self.pausable else m.rollout_fn)
+            self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
+                                       custom_step=self._custom_step)
         await self.producer.resume()
 
     def stop(self) -> None:

@@ -38,6 +38,7 @@ from slime.rollout.simulator import SimConfig, kaplan_meier, simulate
 from slime.rollout.simulator.calibrate import calibrate_async
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.gpu_presets import cost_model_from_spec
+from slime.rollout.step_supply import FixedOverSampling
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +51,6 @@ SIM_STEPS, SIM_WARMUP = 24, 6
 TIE = 0.01  # sizes this close to the best lose to the smallest of them (fewer parked, fewer off-policy tokens)
 SWITCH = 0.03  # a new plan replaces the current size only if predicted this much better (no flip-flopping on noise)
 FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter's doing
-
-
-class FixedOverSampling:
-    """A fixed `--over-sampling-batch-size`."""
-
-    def __init__(self, size: int):
-        if size < 1:
-            raise ValueError(f"--over-sampling-batch-size must be >= 1, got {size}")
-        self.choice = int(size)
-
-    def size(self) -> int:
-        return self.choice
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    async def after_step(self, state, engines) -> None:
-        return None
 
 
 def over_sampling_from_args(args) -> "FixedOverSampling | OverSamplingPlanner":

@@ -27,11 +27,10 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
     distinct: list[int] = []
     for group in groups:
         for s in group:
-            for v, m in zip(s.weight_versions, s.loss_mask):
-                if m:
-                    lags[current_version - v] += 1
+            for v, c in s.version_counts().items():
+                lags[current_version - v] += c
             if s.status.is_finished:
-                distinct.append(len(set(s.weight_versions)))
+                distinct.append(len(s.version_counts(in_loss_only=False)))
     total = sum(lags.values())
     off = sum(c for lag, c in lags.items() if lag > 0)
     out: dict[str, float] = {

@@ -156,29 +156,21 @@ class VersionWindow:
     now: Callable[[], int]
 
 
-class SampleRequester:
-    """Sends samples' requests through one URL (the router) and counts what came back."""
+class RequestLoop:
+    """A sample's requests until it finishes: its budget, its status, resuming after an abort the step did not
+    ask for; counts what came back. `send` (one request) is the transport's: `SampleRequester` over HTTP, the
+    simulator's engines (slime/rollout/simulator/cluster.py)."""
 
-    def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
-                 policy_version: int, max_response_len: int | None = None, evaluation: bool = False):
-        self.args, self.session, self.url = args, session, url
-        self.sampling_params = sampling_params
-        self.rollout_id, self.policy_version = rollout_id, policy_version
-        self.max_len = int(max_response_len or args.rollout_max_response_len)
-        self.timeout = float(args.rollout_request_timeout)
-        self.evaluation = evaluation
-        path = args.custom_generate_function_path
-        self.custom_generate = load_function(path) if path else None
-        self.plugin_args = args_with_router(args, url) if path else args
-        self._custom_takes_evaluation = (self.custom_generate is not None
-                                         and "evaluation" in inspect.signature(self.custom_generate).parameters)
+    custom_generate = None
+
+    def __init__(self, max_response_len: int, rollout_id: int = 0):
+        self.max_len = int(max_response_len)
+        self.rollout_id = rollout_id
         self.new_tokens = 0
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
         self.timeline: list[tuple[float, int]] | None = None  # (loop time, in flight) at each change, if a list
-        self.refused = 0
-        self._bad_versions = 0
 
     def budget(self, sample: Sample) -> int:
         """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`."""
@@ -195,15 +187,8 @@ class SampleRequester:
     def new_rid(self, sample: Sample) -> str:
         return f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
 
-    def payload(self, sample: Sample, rid: str | None = None) -> dict[str, Any]:
-        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
-        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
-                "rid": rid or self.new_rid(sample)}
-
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
         """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
-        if self.custom_generate is not None:
-            return await self.run_custom(sample)
         unexpected_aborts = 0
         while True:
             if self.at_budget(sample):
@@ -221,10 +206,49 @@ class SampleRequester:
         """An abort the step did not ask for (e.g. a weight update elsewhere): resume, a few times in a row."""
         aborts = 0 if got else aborts + 1
         if aborts > MAX_UNEXPECTED_ABORTS:
-            raise GenerateResponseError(f"{self.url}/generate aborted sample {sample.index} {aborts} times in a row "
-                                        "with no progress")
+            raise GenerateResponseError(f"sample {sample.index} was aborted {aborts} times in a row with no progress")
         logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
         return aborts
+
+    async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
+        """One request for `sample`: its segment appended and its status set; returns the tokens appended."""
+        raise NotImplementedError
+
+    def _in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self.timeline is not None:
+            self.timeline.append((asyncio.get_running_loop().time(), self.in_flight))
+
+
+class SampleRequester(RequestLoop):
+    """Sends samples' requests through one URL (the router)."""
+
+    def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
+                 policy_version: int, max_response_len: int | None = None, evaluation: bool = False):
+        super().__init__(max_response_len or args.rollout_max_response_len, rollout_id)
+        self.args, self.session, self.url = args, session, url
+        self.sampling_params = sampling_params
+        self.policy_version = policy_version
+        self.timeout = float(args.rollout_request_timeout)
+        self.evaluation = evaluation
+        path = args.custom_generate_function_path
+        self.custom_generate = load_function(path) if path else None
+        self.plugin_args = args_with_router(args, url) if path else args
+        self._custom_takes_evaluation = (self.custom_generate is not None
+                                         and "evaluation" in inspect.signature(self.custom_generate).parameters)
+        self.refused = 0
+        self._bad_versions = 0
+
+    def payload(self, sample: Sample, rid: str | None = None) -> dict[str, Any]:
+        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
+        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
+                "rid": rid or self.new_rid(sample)}
+
+    async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
+        if self.custom_generate is not None:
+            return await self.run_custom(sample)
+        return await super().generate(sample, stop)
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
         """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
@@ -274,12 +298,6 @@ class SampleRequester:
                 f"versions {window.sent}..{window.newest()} while request {rid} ran; "
                 "is something else updating the engines' weights?")
         return versions
-
-    def _in_flight(self, delta: int) -> None:
-        self.in_flight += delta
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        if self.timeline is not None:
-            self.timeline.append((asyncio.get_running_loop().time(), self.in_flight))
 
     def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
         sample.status = Status.FAILED

@@ -68,7 +68,9 @@ class StepIO:
 async def run_step(state: StepState, io: StepIO, supply, placement, halt: asyncio.Event | None = None) -> None:
     """Run one step on `state` (see the module docstring); never raises for what goes wrong inside the step:
     the error is in `state.errors` and `step_error(state)` names it."""
-    watcher = asyncio.ensure_future(_watch_halt(state, halt)) if halt is not None else None
+    watchers = [asyncio.ensure_future(_guard_lost_work(state))]
+    if halt is not None:
+        watchers.append(asyncio.ensure_future(_watch_halt(state, halt)))
     try:
         await placement.take_ready(state, io)
         if not state.filled():
@@ -76,13 +78,22 @@ async def run_step(state: StepState, io: StepIO, supply, placement, halt: asynci
     except Exception as e:  # stop cleanly: drain, keep finished groups, then raise RolloutError
         fail(state, f"{type(e).__name__}: {e}")
     finally:
-        if watcher is not None:
-            watcher.cancel()
+        for w in watchers:
+            w.cancel()
         await stop_and_drain(state, io)
         if io.monitors is not None:
             io.monitor_metrics = await io.monitors.stop(state)
     await settle_rewards(state)
     await commit(state, io.buffer)
+
+
+async def _guard_lost_work(state: StepState) -> None:
+    """Each second: groups still open with nothing generating or rewarding them would never settle."""
+    while not state.stop.is_set():
+        await asyncio.sleep(1.0)
+        if state.open_groups() and not state.tasks and not state.reward_tasks:
+            open_ids = [gid for gid, st in state.groups.items() if st.outcome is None]
+            fail(state, f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
 
 
 async def _watch_halt(state: StepState, halt: asyncio.Event) -> None:
@@ -154,14 +165,9 @@ async def sample_task(state: StepState, io: StepIO, st: StepGroup, sample, place
 
 
 async def wait_progress(state: StepState) -> None:
-    """Wait for a request or a group to settle, checking each second that open groups still have work."""
-    while not state.progress.is_set():
-        try:
-            await asyncio.wait_for(state.progress.wait(), timeout=1.0)
-        except TimeoutError:
-            if state.open_groups() and not state.tasks and not state.reward_tasks:
-                open_ids = [gid for gid, st in state.groups.items() if st.outcome is None]
-                fail(state, f"groups {open_ids[:10]} are neither generating nor being rewarded (lost tasks)")
+    """Wait for a request or a group to settle, a failure or a halt (`_guard_lost_work` fails the step if open
+    groups lose their work)."""
+    await state.progress.wait()
 
 
 __all__ = ["RolloutError", "RolloutEngineFaultError", "StepIO", "begin_group", "engine_fault", "run_step",

@@ -65,6 +65,25 @@ def _data_exhausted(state: StepState) -> None:
                    len(state.accepted), state.target)
 
 
+class FixedOverSampling:
+    """A fixed `--over-sampling-batch-size` (slime/rollout/over_sampling.py resolves the flag; `auto` is a planner
+    with the same three methods)."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"--over-sampling-batch-size must be >= 1, got {size}")
+        self.choice = int(size)
+
+    def size(self) -> int:
+        return self.choice
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def after_step(self, state: StepState, engines) -> None:
+        return None
+
+
 class ChunkedSupply:
     """Over-sampled chunks with top-ups (APRIL). `over_sampling` sizes each step's chunk (a fixed size or
     `--over-sampling-batch-size auto`'s planner); `concurrency_per_engine` caps the requests in flight."""
@@ -156,6 +175,8 @@ class PoolSupply:
                 await sample_task(state, io, *item, placement)
 
         workers = [state.spawn(worker(), state.tasks) for _ in range(self.pool_size)]
+        for w in workers:
+            w.add_done_callback(lambda _: state.progress.set())
         while True:
             state.progress.clear()
             if state.errors or state.halted or state.filled():
@@ -163,7 +184,4 @@ class PoolSupply:
             if all(w.done() for w in workers) and not state.reward_tasks:
                 _data_exhausted(state)
                 return
-            try:
-                await asyncio.wait_for(state.progress.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
+            await wait_progress(state)

@@ -267,8 +267,7 @@ class StreamRollout:
         self._tokens_at_take, self._time_at_take = tokens, now
         st = self.gate.staleness - self._staleness_at_take
         self._staleness_at_take = Counter(self.gate.staleness)
-        newest = [max(v for s in g for v in s.weight_versions) if any(s.weight_versions for s in g) else version
-                  for g in groups]
+        newest = [max((v for s in g if (v := s.newest_version()) is not None), default=version) for g in groups]
         out: dict[str, float] = {
             "rollout/new_tokens": float(new_tokens),
             "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,

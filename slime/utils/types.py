@@ -9,6 +9,7 @@ response grows is `append_response`, which keeps all of them in step.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -157,6 +158,15 @@ class Sample:
         return masked
 
     # ---- version accounting -----------------------------------------------
+    def version_counts(self, in_loss_only: bool = True) -> Counter:
+        """{policy version: response tokens it produced}, over the tokens in the loss (mask 1) by default."""
+        if not in_loss_only:
+            return Counter(self.weight_versions)
+        return Counter(v for v, m in zip(self.weight_versions, self.loss_mask) if m)
+
+    def newest_version(self) -> int | None:
+        return max(self.weight_versions) if self.weight_versions else None
+
     def loss_tokens_older_than(self, min_version: int) -> int:
         """How many response tokens in the loss (mask 1) were produced before `min_version`."""
         return sum(1 for v, m in zip(self.weight_versions, self.loss_mask) if m and v < min_version)

@@ -89,15 +89,14 @@ def test_the_cap_at_every_site(policy):
     c = cap.at_resume_in_flight(s, 3)
     assert c["stale_samples_in_flight"] == 1 and c[policy] == 1
     assert not cap.at_resume_in_flight(sample([2, 3]), 3)
-    # a finished group held ready: stale if any token is older than the floor, whatever the policy
-    assert cap.ready_is_stale([sample([1, 2], Status.COMPLETED)], 3) and not cap.ready_is_stale([sample([2], Status.COMPLETED)], 3)
-    assert not StalenessCap(None, policy).ready_is_stale([sample([0], Status.COMPLETED)], 9)
-    # before training: a loss-masked old token makes the group stale; restart hands it back, mask masks, keep keeps
+    # before training (stream batches, groups held ready): a loss-masked old token makes the group stale; restart
+    # hands it back, mask masks, keep keeps
     old, masked_old = [sample([1, 2], Status.COMPLETED)], [sample([1, 2], Status.COMPLETED, mask=[0, 1])]
     kept, stale, counts = cap.before_training([old, masked_old], 3)
     assert counts["stale_groups_at_train"] == 1 and masked_old in kept  # its old token is already out of the loss
     assert (stale == [old]) == (policy == "restart") and (old in kept) == (policy != "restart")
     assert counts["masked_tokens_at_train"] == (1 if policy == "mask" else 0)
+    assert StalenessCap(None, policy).before_training([old], 9) == ([old], [], {})
     # in-place updates abort requests below this version only under restart
     assert cap.restart_floor(5) == (4 if policy == "restart" else None)
     with pytest.raises(ValueError, match="staleness-policy"):

@@ -307,14 +307,16 @@ def test_the_simulator_drives_the_real_step(monkeypatch):
 
 def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
     """The real StalenessCap on simulated samples: with mask and a cap of 0, resumed samples' tokens from older
-    versions leave the loss (counted as wasted), and with keep they are trained; under either policy a group held
-    ready from the step before is too old for a cap of 0 and is dropped (stale_ready)."""
+    versions leave the loss (counted as wasted), and with keep they are trained; a group held ready from the step
+    before is too old for a cap of 0: restart drops it (stale_ready), mask and keep train it as they say."""
     lengths = ParetoLengths(1.0, 8, 128)
     mask = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                staleness_policy="mask"), FLAT, lengths)
     keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                staleness_policy="keep"), FLAT, lengths)
     assert sum(s.get("staleness_mask", 0) for s in mask.steps) > 0 and mask.summary()["wasted_tokens"] > 0
-    assert sum(s.get("staleness_keep", 0) for s in keep.steps) > 0
-    assert sum(s["stale_ready"] for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] < mask.summary()["wasted_tokens"]
+    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0), FLAT, lengths)
+    assert sum(s.get("staleness_keep", 0) for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] == 0
+    assert sum(s["stale_ready"] for s in restart.steps) > 0 and sum(s["stale_ready"] for s in mask.steps) == 0
+    assert sum(s.get("staleness_stale_groups_at_train", 0) for s in mask.steps) > 0
     assert mask.summary()["off_policy_token_ratio"] < keep.summary()["off_policy_token_ratio"]

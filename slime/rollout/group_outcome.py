@@ -90,11 +90,13 @@ class TargetPlacement:
             return
         ready = await call_maybe_remote(io.buffer, "take_ready", state.target, timeout=state.rpc_timeout)
         state.ready_in = list(ready)
-        for g in ready:
-            if state.cap.ready_is_stale(g, state.train_version()):
-                state.rejected[group_id(g)] = "stale_ready"  # finished at an older policy than the cap allows
-            else:
-                self._accept(state, g)
+        # finished at an older policy: the cap as before training (restart drops the group, mask masks, keep keeps)
+        kept, stale, counts = state.cap.before_training(ready, state.train_version())
+        state.counts.update({f"staleness_{k}": v for k, v in counts.items()})
+        for g in stale:
+            state.rejected[group_id(g)] = "stale_ready"
+        for g in kept:
+            self._accept(state, g)
         state.counts["ready_in"] = len(ready)
 
     def _accept(self, state: StepState, group: list) -> None:

@@ -13,9 +13,9 @@ The sites (each counts what it did, keys as below):
 - `at_resume(groups, v)`: parked groups handed out again (the step's supply, once per group);
 - `at_resume_in_flight(sample, v)`: one sample sent again after the engines changed version under a
   running step (train_async.py's gate);
-- `ready_is_stale(group, v)`: a finished group held ready for the next step (the step drops it);
-- `before_training(groups, v)`: a batch about to be trained (stream mode: a group may wait after its
-  last resume);
+- `before_training(groups, v)`: finished groups about to be trained: stream mode's batches (a group may
+  wait after its last resume) and the groups held ready from the step before (they finished at an older
+  version);
 - `restart_floor(v)`: with in-place updates, requests whose samples may now hold a stale token are
   aborted so the cap is applied when they resume (restart policy only).
 
@@ -97,14 +97,6 @@ class StalenessCap:
             counts["stale_samples_in_flight"] += 1
             self._apply(sample, self.floor(train_version), counts)
         return counts
-
-    def ready_is_stale(self, group: list, train_version: int) -> bool:
-        """A finished group (held ready) with a token older than the floor: too old to train, dropped."""
-        floor = self.floor(train_version)
-        if floor is None:
-            return False
-        oldest = [v for s in group if (v := s.oldest_version()) is not None]
-        return bool(oldest) and min(oldest) < floor
 
     def before_training(self, groups: list[list], train_version: int) -> tuple[list[list], list[list], Counter]:
         """(kept, stale, counts) for finished groups about to be trained at `train_version`: a loss-masked token

@@ -99,6 +99,7 @@ class RolloutManager:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
         self.rollout_fn = load_function(args.rollout_function_path)
+        self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
         # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
         self.over_sampling = over_sampling_from_args(args)
         self.engine_restarts = 0
@@ -167,11 +168,11 @@ class RolloutManager:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        where = f"--rollout-function-path {self.args.rollout_function_path} (evaluation)"
+        where = f"--eval-function-path {self.args.eval_function_path or self.args.rollout_function_path}"
         for name, groups in self.eval_sets.items():
             def run(groups=groups):
                 fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
-                return self.rollout_fn(self.plugin_args, rollout_id, self.context(eval_groups=fresh), evaluation=True)
+                return self.eval_fn(self.plugin_args, rollout_id, self.context(eval_groups=fresh), evaluation=True)
 
             out = self._surviving_engine_faults(run)
             if isinstance(out, RolloutOutput):

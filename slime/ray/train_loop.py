@@ -161,8 +161,9 @@ class TrainingRun:
         return start
 
     def evaluate_start(self) -> None:
-        """The starting point's eval (fresh runs only)."""
-        if self.rollout_manager.eval_sets and self.args.eval_interval and self.start_rollout_id == 0:
+        """The starting point's eval (fresh runs only; not with --skip-eval-before-train)."""
+        if (self.rollout_manager.eval_sets and self.args.eval_interval and self.start_rollout_id == 0
+                and not self.args.skip_eval_before_train):
             self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
 
     # ---- one step ------------------------------------------------------------------------

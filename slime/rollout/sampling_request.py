@@ -79,8 +79,8 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     sp: dict[str, Any] = {
         "temperature": float(temperature),
         "top_p": float(top_p),
-        "top_k": int(args.rollout_top_k),
-        "skip_special_tokens": False,
+        "top_k": int(args.eval_top_k if evaluation else args.rollout_top_k),
+        "skip_special_tokens": bool(args.rollout_skip_special_tokens),
         "no_stop_trim": True,
     }
     if args.rollout_stop:

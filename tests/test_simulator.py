@@ -320,3 +320,14 @@ def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
     assert sum(s["stale_ready"] for s in restart.steps) > 0 and sum(s["stale_ready"] for s in mask.steps) == 0
     assert sum(s.get("staleness_stale_groups_at_train", 0) for s in mask.steps) > 0
     assert mask.summary()["off_policy_token_ratio"] < keep.summary()["off_policy_token_ratio"]
+
+
+def test_a_simulation_runs_from_inside_a_running_event_loop():
+    """The rollout benchmark calls the simulator from its own asyncio loop."""
+    import asyncio
+
+    async def main():
+        return simulate(_long_tail(steps=2, over_sampling_batch_size=16, partial_rollout=True), FLAT,
+                        ParetoLengths(1.0, 8, 128)).summary()
+
+    assert asyncio.run(main())["tokens_per_s"] > 0

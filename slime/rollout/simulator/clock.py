@@ -12,6 +12,7 @@ of rollout takes as long as its events take to compute.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import selectors
 
@@ -76,7 +77,18 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(coro, start: float = 0.0):
-    """Run `coro` on a fresh `VirtualTimeLoop` and return its result; tasks left over are cancelled."""
+    """Run `coro` on a fresh `VirtualTimeLoop` and return its result; tasks left over are cancelled. Called from a
+    thread that already runs an event loop (a benchmark's), it runs on a worker thread (and blocks, as any
+    computation does)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run(coro, start)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simulation") as pool:
+        return pool.submit(_run, coro, start).result()
+
+
+def _run(coro, start: float):
     loop = VirtualTimeLoop(start)
     try:
         return loop.run_until_complete(coro)

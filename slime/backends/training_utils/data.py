@@ -10,7 +10,6 @@ computes the same plan and only keeps its own part.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -280,7 +279,3 @@ def build_micro_batch(items: list[TrainItem], pad_id: int, packed: bool, device:
     if not packed:
         pos_d = pos_d.expand(len(items), width)
     return MicroBatch(items, ids_d, pos_d, mask_d, cu_d, int(max_len), rows_d, tgt_d, cu_seqlens_host=cu)
-
-
-def num_steps_for(n_samples: int, global_batch_size: int) -> int:
-    return math.ceil(n_samples / global_batch_size) if n_samples else 0

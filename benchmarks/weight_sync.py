@@ -42,7 +42,7 @@ def bench_model(name: str, model_dir: str, rounds: int, log_dir: str) -> dict:
     from slime.arguments import parse_args
     from slime.backends.fsdp_utils.actor import FSDPTrainer
     from slime.backends.fsdp_utils.update_weight import WeightUpdater
-    from slime.backends.hf_engine.testing import EngineServer
+    from slime.backends.hf_engine.local_server import EngineServer
 
     prompts = os.path.join(log_dir, f"{name}-prompts.jsonl")
     with open(prompts, "w") as f:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, greedy_reference
+from slime.backends.hf_engine.local_server import EngineServer
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import requests
 
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.backends.sglang_utils.process_utils import pick_free_ports
 from slime.backends.sglang_utils.router import Router
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer

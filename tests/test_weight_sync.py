@@ -12,7 +12,7 @@ from test_fsdp_helpers import make_args, make_groups, make_model_dir
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.training_utils.data import flatten_groups
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.types import Sample
 
 torch.set_num_threads(1)
@@ -163,7 +163,7 @@ class ReaderServer:
         import subprocess
         import sys
 
-        from slime.backends.hf_engine.testing import free_port
+        from slime.backends.hf_engine.local_server import free_port
 
         self.out = out_dir
         self.url = f"http://127.0.0.1:{(port := free_port())}"

@@ -5,7 +5,7 @@ and one `VersionGate`; the driver thread (the training loop) calls in with block
 
     rollout = AsyncRollout(args, rollout_manager, first_rollout_id).start()
     batch = rollout.next_batch(rollout_id)              # waits only if the rollout is behind
-    rollout.update_weights(push, new_version)           # in flight: pause at the gate, push, resume
+    with rollout.updating_weights(new_version): push()  # in flight: pause at the gate, push, resume
     with rollout.paused("eval"): ...                    # nothing of ours on the engines meanwhile
     with rollout.quiesced(): save_checkpoint(...)       # everything in flight parked in the buffer first
     rollout.stop()                                      # parks everything, closes the loop
@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout, generate_rollout_async, run_rollout_step
@@ -161,24 +161,26 @@ class AsyncRollout:
                 "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
                 "async/engine_version": float(self.gate.version), "async/update_pause_s": self.update_pause_s}
 
-    def update_weights(self, push: Callable[[], dict], new_version: int) -> dict:
-        """Push new weights while the rollout runs, as `new_version`; returns push()'s metrics.
+    @contextlib.contextmanager
+    def updating_weights(self, new_version: int):
+        """The driver pushes new weights inside, as `new_version`, while the rollout runs.
 
         abort: every request of ours is aborted and waits at the gate (a custom rollout function's step is
-        waited for instead), `push()` runs, then they resume from their tokens. in_place: they run on
-        and the engine labels their tokens; afterwards the ones that may now exceed --max-staleness
-        (restart policy) are aborted by rid so they restart when they resume."""
+        waited for instead), then they resume from their tokens. in_place: they run on and the engine labels
+        their tokens; afterwards the ones that may now exceed --max-staleness (restart policy) are aborted by
+        rid so they restart when they resume."""
         t0 = time.monotonic()
         if self.in_place:
             self._call(self._begin_in_place(int(new_version)), self._drain_timeout)
             try:
-                return push()
+                yield
             finally:
                 self._call(self._end_in_place(), self._drain_timeout)
                 self.update_pause_s = time.monotonic() - t0
+            return
         self._call(self._before_update(), self._drain_timeout + self.args.rollout_request_timeout)
         try:
-            return push()
+            yield
         finally:
             self._call(self._after_update(int(new_version)), self._drain_timeout)
             self.update_pause_s = time.monotonic() - t0

@@ -7,9 +7,9 @@ checkpoints. The policy version that the engines serve is tracked here.
 Engine faults: a rollout or eval step that loses an engine raises
 `EngineFaultError` (its unfinished samples already parked). Without
 `--use-fault-tolerance` that ends the run with the engine named; with it the
-manager restarts the engine (`EngineGroup.restart_engine`), re-syncs the
-current weights (the trainer's `update_weights`, attached with
-`attach_weight_sync`) and runs the step again, parked samples first. After
+driver (slime/ray/train_loop.py) has the manager restart the engine
+(`restart_engines`), pushes the current weights to it (`push_weights`, with the
+trainer it passes) and runs the step again, parked samples first. After
 `--max-engine-restarts` restarts the next fault raises
 `EngineRestartsExhausted` (train.py checkpoints, then stops).
 """
@@ -103,7 +103,6 @@ class RolloutManager:
         # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
         self.over_sampling = over_sampling_from_args(args)
         self.engine_restarts = 0
-        self._weight_sync = None
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
@@ -152,8 +151,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        out = self._surviving_engine_faults(lambda: self.call_rollout_fn(rollout_id, self.context()))
-        return self.finish_batch(rollout_id, out)
+        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.context()))
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
         """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
@@ -174,7 +172,7 @@ class RolloutManager:
                 fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
                 return self.eval_fn(self.plugin_args, rollout_id, self.context(eval_groups=fresh), evaluation=True)
 
-            out = self._surviving_engine_faults(run)
+            out = run()
             if isinstance(out, RolloutOutput):
                 metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
             else:  # upstream's RolloutFnEvalOutput (or its dict), keyed by the function's own set names
@@ -184,33 +182,17 @@ class RolloutManager:
             metrics["eval/accuracy"] = sum(accs) / len(accs)
         return metrics
 
-    # ---- engine faults ---------------------------------------------------------
-    def attach_weight_sync(self, update_weights) -> None:
-        """`update_weights(engines, version)` (the trainer's): how a restarted engine gets the current weights."""
-        self._weight_sync = update_weights
-
-    def _surviving_engine_faults(self, step):
-        """Run `step()`; with --use-fault-tolerance restart failed engines and run it again (bounded)."""
-        while True:
-            try:
-                return step()
-            except EngineFaultError as e:
-                if not self.args.use_fault_tolerance:
-                    raise EngineFaultError(f"{e} (--use-fault-tolerance would restart it)", e.faults) from e
-                self.recover(e)
-
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to every engine as `version` (the attached `update_weights`).
+    # ---- engine faults and the weight push ------------------------------------------
+    def push_weights(self, trainer, version: int) -> dict[str, float]:
+        """The driver's push: `trainer.update_weights(engines, version)` (a RayTrainGroup) to every engine.
 
         An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
         instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
         """
-        if self._weight_sync is None:
-            raise RuntimeError("sync_weights: no trainer attached (attach_weight_sync)")
         while True:
-            with ProcessWatch(self.engines, on_fault=self._kill_faulty) as watch:
+            with ProcessWatch(self.engines, on_fault=self.kill_faulty) as watch:
                 try:
-                    return self._weight_sync(self.engines, version)
+                    return trainer.update_weights(self.engines, version)
                 except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
                     faults = list(watch.faults.values()) or _faults_within(watch, FAULT_CONFIRM_S)
                     if not faults:
@@ -219,17 +201,17 @@ class RolloutManager:
                                              + "; ".join(f.describe() for f in faults) + f" ({type(e).__name__}: {e})",
                                              faults)
                     error.__cause__ = e
-            if not self.args.use_fault_tolerance:
-                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
-            self.recover(error, resync=False)  # the loop pushes `version` to the fresh engines
+            self.restart_engines(error)  # then the loop pushes `version` to the fresh engines
 
-    def _kill_faulty(self, fault: EngineFault) -> None:
+    def kill_faulty(self, fault: EngineFault) -> None:
         if fault.rank is not None:
             self.engines.kill_engine(fault.rank)
 
-    def recover(self, error: EngineFaultError, resync: bool = True) -> None:
-        """Restart every engine in `error.faults` and (`resync`) re-sync the current weights; raise when out of
-        restarts."""
+    def restart_engines(self, error: EngineFaultError) -> None:
+        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes); raise when
+        --use-fault-tolerance is off or out of restarts (--max-engine-restarts)."""
+        if not self.args.use_fault_tolerance:
+            raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
         budget = self.args.max_engine_restarts
         for fault in error.faults:
             if fault.rank is None:
@@ -247,9 +229,6 @@ class RolloutManager:
                     break
                 except ServerLaunchError as e:
                     logger.error("restarting engine %d failed: %s", fault.rank, e)
-        if resync and self._weight_sync is not None:
-            self.sync_weights(self.policy_version)
-            logger.info("re-synced policy version %d to the engines", self.policy_version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version

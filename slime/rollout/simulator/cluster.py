@@ -6,6 +6,7 @@ requests to them, and the prompt groups.
   sends each request and reads each reply, at the cost model's client costs.
 - `SimRequester`: the step's request loop (slime/rollout/sampling_request.py's `RequestLoop`: budget,
   statuses, resumes) with requests sent to the simulated engines instead of over HTTP.
+- `SimSample`: one sample, answering what the step reads of a `Sample` from runs of (version, tokens).
 - `SimSource`: fresh prompt groups of `SimSample`s drawn from a length model (the data source).
 """
 
@@ -14,10 +15,98 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+from collections import Counter
 
 from slime.rollout.sampling_request import RequestLoop
-from slime.rollout.simulator.engine import EventLoop, SimEngine, SimRequest, SimSample
+from slime.rollout.simulator.engine import EventLoop, SimEngine, SimRequest
 from slime.utils.types import Status
+
+
+class SimSample:
+    """One sample's progress: its final length (known to the simulator, not to the engines), its tokens so
+    far and the policy version of each run of them. It answers what the rollout step, the staleness cap,
+    the buffer and the metrics read of a `Sample` (slime/utils/types.py), from the runs instead of per-token
+    lists: a 16k-token response is a handful of numbers here."""
+
+    __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
+                 "status", "metadata", "reward", "masked_below")
+
+    def __init__(self, sid: int, gid: int, prompt_len: int, final_len: int, budget: int):
+        self.index, self.group_index, self.prompt_len = sid, gid, prompt_len
+        self.final_len, self.budget = min(final_len, budget), budget
+        self.resp_len = 0
+        self.segments: list[list[int]] = []  # [version, tokens]
+        self.kv: tuple[int, int] | None = None  # (engine id, cached tokens) of its last abort
+        self.status = Status.PENDING
+        self.metadata = {"max_response_len": budget}
+        self.reward = None
+        self.masked_below: int | None = None  # tokens of older versions are out of the loss
+
+    @property
+    def sid(self) -> int:
+        return self.index
+
+    @property
+    def gid(self) -> int:
+        return self.group_index
+
+    @property
+    def n_tokens(self) -> int:
+        return self.prompt_len + self.resp_len
+
+    @property
+    def response_length(self) -> int:
+        return self.resp_len
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_len
+
+    def add(self, segments: list[tuple[int, int]]) -> None:
+        for version, n in segments:
+            if n <= 0:
+                continue
+            if self.segments and self.segments[-1][0] == version:
+                self.segments[-1][1] += n
+            else:
+                self.segments.append([version, n])
+            self.resp_len += n
+
+    # ---- what the step reads of a Sample -----------------------------------------------------
+    def reset_response(self) -> None:
+        """Drop the response (a staleness restart)."""
+        self.resp_len, self.segments, self.kv, self.masked_below = 0, [], None, None
+        self.status = Status.PENDING
+
+    def oldest_version(self) -> int | None:
+        return min(v for v, _ in self.segments) if self.segments else None
+
+    def newest_version(self) -> int | None:
+        return max(v for v, _ in self.segments) if self.segments else None
+
+    def _masked(self, version: int) -> bool:
+        return self.masked_below is not None and version < self.masked_below
+
+    def mask_tokens_older_than(self, min_version: int) -> int:
+        masked = sum(n for v, n in self.segments if v < min_version and not self._masked(v))
+        self.masked_below = max(min_version, self.masked_below if self.masked_below is not None else min_version)
+        return masked
+
+    def loss_tokens_older_than(self, min_version: int) -> int:
+        return sum(n for v, n in self.segments if v < min_version and not self._masked(v))
+
+    def version_counts(self, in_loss_only: bool = True) -> Counter:
+        out: Counter = Counter()
+        for v, n in self.segments:
+            if not (in_loss_only and self._masked(v)):
+                out[v] += n
+        return out
+
+    def masked_tokens(self) -> int:
+        return sum(n for v, n in self.segments if self._masked(v))
+
+    def scalar_reward(self, reward_key=None):
+        return None
 
 
 class SimCluster:

@@ -15,4 +15,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Buffer", "PartialRolloutBuffer"]
+__all__ = ["PartialRolloutBuffer"]  # and Buffer, made on first use

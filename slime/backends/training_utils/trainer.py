@@ -29,7 +29,7 @@ from slime.backends.training_utils.distributed import open_master_port, use_cuda
 from slime.backends.training_utils.loss import (RolloutTensors, compute_rollout_tensors, loss_inputs,
                                                 micro_batch_loss)
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
-from slime.backends.training_utils.weight_feed import EngineFeed
+from slime.backends.training_utils.weight_sync.feed import EngineFeed
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -381,7 +381,7 @@ def _add_upstream_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--no-{name}-fusion", action="store_true",
                        help="Megatron's; always the case here (apex's fused kernels are not used)")
     g.add_argument("--no-rope-fusion", action="store_true",
-                   help="Megatron's: no fused RoPE kernel (--transformer-impl transformer_engine's; local never fuses it)")
+                   help="Megatron's: no fused RoPE (Transformer Engine's, or ours compiled with --compile-ops)")
 
 
 def _add_async_args(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ def train(args) -> dict:
     for rollout_id in tqdm(run.steps(), desc="rollout steps"):
         # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
         with run.phases.rollout(), run.checkpoint_if_engines_give_up(rollout_id - 1):
-            rollout = run.rollout_manager.generate(rollout_id)
+            rollout = run.rollout(rollout_id)
         step_metrics = dict(rollout.metrics)
 
         # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
@@ -43,7 +43,7 @@ def train(args) -> dict:
                 step_metrics.update(run.train(rollout_id, rollout))
             # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
             with run.phases.weight_sync():
-                step_metrics.update(run.update_weights(rollout_id))
+                step_metrics.update(run.push_weights(rollout_id, run.new_policy_version()))
 
         # 4. Save (every --save-interval steps, and after the last one).
         if run.save_due(rollout_id):

@@ -49,10 +49,13 @@ def train(args) -> dict:
             if run.trainable(rollout_id, batch):
                 step_metrics.update(run.train(rollout_id, batch))
 
-            # 3. New policy version, pushed to the engines in flight (every --update-weights-interval steps).
+            # 3. New policy version, pushed to the engines while requests are in flight (every
+            #    --update-weights-interval steps): they wait at the gate (abort) or run on (in place) meanwhile.
+            version = run.new_policy_version()
             eval_due = run.eval_due(rollout_id)
-            push = is_due(rollout_id, args.update_weights_interval) or eval_due
-            step_metrics.update(run.update_weights(rollout_id, push=push, push_around=rollout.update_weights))
+            if is_due(rollout_id, args.update_weights_interval) or eval_due:
+                with rollout.updating_weights(version):
+                    step_metrics.update(run.push_weights(rollout_id, version))
 
             # 4. Save, with everything in flight parked in the buffer first.
             if run.save_due(rollout_id):

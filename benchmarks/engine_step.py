@@ -30,7 +30,7 @@ import time
 
 import aiohttp
 
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.probes import generate_one, random_ids, requests_in_flight, scheduler_stats, stats_delta
 from slime.tasks.subtract_chain import VOCAB

@@ -20,7 +20,7 @@ import time
 import aiohttp
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.rollout.simulator.probes import abort_to_idle_s, closed_loop_tps, requests_in_flight
 from slime.rollout.simulator.gpu_presets import gpu_cost_model
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer

@@ -177,7 +177,7 @@ if [[ $MODE == rollout ]]; then
   :
 elif (( $(left) > 50 )); then
   stage "5. tools/simulate_rollout.py calibrate --url (engine on $CAL_MODEL)"
-  PORT=$($PY -c "from slime.backends.hf_engine.testing import free_port; print(free_port())")
+  PORT=$($PY -c "from slime.backends.hf_engine.local_server import free_port; print(free_port())")
   [[ -d "$CACHE/$CAL_MODEL" ]] || $PY -c "from slime.utils.tiny_model import build_preset, build_tokenizer; from slime.tasks.subtract_chain import VOCAB; build_preset('$CAL_MODEL', '$CACHE', build_tokenizer(VOCAB))"
   $PY -m slime.backends.hf_engine --model-path "$CACHE/$CAL_MODEL" --port "$PORT" > "$OUT/calibrate_engine.log" 2>&1 &
   ENGINE_PID=$!

@@ -24,7 +24,7 @@ from slime.ray.buffer import PartialRolloutBuffer
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.rollout_metrics import OccupancySampler
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
-from slime.rollout.sglang_rollout import generate_rollout_async
+from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
 from slime.rollout.simulator.probes import stats_delta
 from slime.tasks.subtract_chain import sample_steps
 from slime.utils.ledger import TRAINED
@@ -185,8 +185,8 @@ class ModeRunner:
             e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, http_session=self.http,
-                over_sampling_planner=self.planner))
+                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner),
+                hooks=StepHooks(session=self.http))
             dt = time.monotonic() - t0
             for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only
                 self.engine[k] = self.engine.get(k, 0) + v

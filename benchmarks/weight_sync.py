@@ -41,8 +41,8 @@ def bench_model(name: str, model_dir: str, rounds: int, log_dir: str) -> dict:
 
     from slime.arguments import parse_args
     from slime.backends.fsdp_utils.actor import FSDPTrainer
-    from slime.backends.fsdp_utils.update_weight import WeightUpdater
-    from slime.backends.hf_engine.testing import EngineServer
+    from slime.backends.fsdp_utils.update_weight import FSDPWeightUpdater
+    from slime.backends.hf_engine.local_server import EngineServer
 
     prompts = os.path.join(log_dir, f"{name}-prompts.jsonl")
     with open(prompts, "w") as f:
@@ -55,7 +55,7 @@ def bench_model(name: str, model_dir: str, rounds: int, log_dir: str) -> dict:
     try:
         engine.wait_healthy(600)
         info = trainer.init()
-        updaters = {m: WeightUpdater(args.replace(update_weight_mode=m), trainer.model, 0) for m in MODES}
+        updaters = {m: FSDPWeightUpdater(args.replace(update_weight_mode=m), trainer.model, 0) for m in MODES}
         times: dict[str, list[float]] = {m: [] for m in MODES}
         version = 0
         for r in range(rounds + 1):

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from slime.upstream_flags import refusal
 from slime.utils.net import AUTO, WILDCARDS, interface_addresses, is_ip_address, is_loopback
 
 
@@ -52,11 +53,6 @@ class Args(argparse.Namespace):
 
 # the built-in APRIL rollout (--rollout-function-path's default); stream mode always runs it
 BUILTIN_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
-
-# Flags whose component is still to be built: setting them fails at once
-# instead of being silently ignored.
-NOT_BUILT_YET: dict[str, str] = {}
-
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
@@ -257,12 +253,25 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="optimizer steps to decay over (linear / cosine)")
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight-sync bucket")
-    g.add_argument("--update-weight-mode", choices=["tensor", "distributed", "disk"], default=None,
+    g.add_argument("--update-weight-mode", type=_update_weight_mode, default=None,
                    help="how weights reach the engines: tensor (CUDA IPC handles / shared memory to the engine on the "
                         "same devices; needs --colocate), distributed (a broadcast group) or disk (a saved directory); "
                         "default: tensor with --colocate, else distributed")
     g.add_argument("--update-weights-from-disk", action="store_true",
                    help="slime's flag: the same as --update-weight-mode disk")
+
+
+UPDATE_WEIGHT_MODES = ("tensor", "distributed", "disk")
+
+
+def _update_weight_mode(value: str) -> str:
+    if value in UPDATE_WEIGHT_MODES:
+        return value
+    if value in ("full", "delta"):  # upstream slime's values (with --update-weight-transport nccl | disk)
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is upstream slime's; here the mode is the transport: tensor (colocated), distributed (upstream's "
+            "full with --update-weight-transport nccl) or disk (full with disk); delta is not supported")
+    raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(UPDATE_WEIGHT_MODES)}")
 
 
 def _add_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -333,9 +342,46 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="also log to wandb, offline unless --wandb-mode online (--no-use-wandb: metrics.jsonl only)")
     g.add_argument("--wandb-project", type=str, default="slime-april")
     g.add_argument("--wandb-group", type=str, default=None)
-    g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default="offline")
+    g.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default=None,
+                   help="default: online with --wandb-key, else offline")
+    g.add_argument("--wandb-key", type=str, default=None,
+                   help="upstream slime's: the W&B API key this run logs in with (online by default then); prefer "
+                        "WANDB_API_KEY in the environment: a flag's value shows in the process list")
     g.add_argument("--run-dir", type=str, default=None,
                    help="metrics.jsonl, traces, logs (default: runs/<date-time> under the working directory)")
+
+
+def _add_upstream_args(p: argparse.ArgumentParser) -> None:
+    """Upstream slime's flags that exist here only for its scripts (the rest are refused with what to use instead:
+    slime/upstream_flags.py; docs/upstream-flags.md)."""
+    g = p.add_argument_group("upstream slime compatibility")
+    g.add_argument("--rollout-global-dataset", action="store_true",
+                   help="upstream's; the only mode here: every rollout draws its prompts from --prompt-data")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="upstream's name for --offload (the trainer's state off the GPU while the engines generate)")
+    g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
+                   help="upstream's: engines release weights and KV cache while the trainer trains, which --colocate "
+                        "always does (needs --colocate)")
+    g.add_argument("--balance-data", action="store_true",
+                   help="fixed-size micro-batches: each sample of an optimizer step goes to the data-parallel rank "
+                        "with the fewest tokens (longest first) instead of striding (token-budget micro-batches, "
+                        "--use-dynamic-batch-size, always balance)")
+    g.add_argument("--eval-function-path", type=str, default=None,
+                   help="the rollout function for evaluation (default: --rollout-function-path)")
+    g.add_argument("--skip-eval-before-train", action="store_true", help="no eval of the starting point")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None,
+                   help="optimizer steps per rollout step: sets --global-batch-size to rollout-batch-size x "
+                        "n-samples-per-prompt / this")
+    g.add_argument("--rollout-skip-special-tokens", action="store_true",
+                   help="the engines leave special tokens out of the response text")
+    g.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
+    g.add_argument("--get-mismatch-metrics", action="store_true",
+                   help="upstream's; always on here: train/ reports the engine vs trainer log-prob mismatch every step")
+    for name in ("gradient-accumulation", "masked-softmax"):
+        g.add_argument(f"--no-{name}-fusion", action="store_true",
+                       help="Megatron's; always the case here (apex's fused kernels are not used)")
+    g.add_argument("--no-rope-fusion", action="store_true",
+                   help="Megatron's: no fused RoPE (Transformer Engine's, or ours compiled with --compile-ops)")
 
 
 def _add_async_args(p: argparse.ArgumentParser) -> None:
@@ -402,7 +448,7 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
     )
     adders = [_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
               _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
-              _add_reward_args, _add_logging_args, _add_debug_args, _add_sglang_args]
+              _add_reward_args, _add_logging_args, _add_debug_args, _add_sglang_args, _add_upstream_args]
     if entry == "train_async.py":
         adders.insert(4, _add_async_args)
     for add in adders:
@@ -416,6 +462,9 @@ def _split_sglang_extra(unknown: list[str]) -> dict[str, str | bool]:
     i = 0
     while i < len(unknown):
         tok = unknown[i]
+        instead = refusal(tok)
+        if instead is not None:
+            raise ArgumentError(f"{tok.split('=', 1)[0]}: upstream slime's flag is not taken here: {instead}")
         if not tok.startswith("--sglang-"):
             raise ArgumentError(f"unrecognized argument: {tok}")
         name, eq, value = tok[len("--sglang-"):].partition("=")
@@ -479,8 +528,17 @@ def _fill_defaults(a: Args) -> None:
         a.rollout_num_gpus = a.actor_num_nodes * a.actor_num_gpus_per_node if a.colocate else 1
     if a.over_sampling_batch_size is None:
         a.over_sampling_batch_size = a.rollout_batch_size
+    if a.num_steps_per_rollout is not None and a.global_batch_size is None and a.rollout_batch_size is not None:
+        a.global_batch_size = a.rollout_batch_size * a.n_samples_per_prompt // max(1, a.num_steps_per_rollout)
     if a.global_batch_size is None and a.rollout_batch_size is not None:
         a.global_batch_size = a.rollout_batch_size * a.n_samples_per_prompt
+    if a.offload_train is not None:  # upstream's name for --offload
+        _require(a.offload_train or not a.offload, "--no-offload-train", "contradicts --offload")
+        a.offload = a.offload or a.offload_train
+    if a.wandb_mode is None:
+        a.wandb_mode = "online" if a.wandb_key else "offline"
+    if a.eval_top_k is None:
+        a.eval_top_k = a.rollout_top_k
     if a.eps_clip_high is None:
         a.eps_clip_high = a.eps_clip
     if a.eval_temperature is None:
@@ -531,9 +589,17 @@ def validate_async_args(a: Args) -> None:
 
 def validate_args(a: Args, entry: str = "train.py") -> None:
     """All rules in one place; each error names the flag and the rule."""
-    for name, why in NOT_BUILT_YET.items():
-        _require(not getattr(a, name), f"--{name.replace('_', '-')}", why)
     _require(not a.offload or a.colocate, "--offload", "needs --colocate (the engines use the memory it frees)")
+    _require(not a.offload_rollout or a.colocate, "--offload-rollout",
+             "needs --colocate (engines release their memory for a trainer on the same devices)")
+    _require(a.offload_rollout is not False or not a.colocate, "--no-offload-rollout",
+             "contradicts --colocate: colocated engines release weights and KV cache while the trainer trains")
+    _require(a.num_steps_per_rollout is None or a.num_steps_per_rollout > 0, "--num-steps-per-rollout", "must be > 0")
+    _require(a.num_steps_per_rollout is None or a.rollout_batch_size is None
+             or a.global_batch_size * a.num_steps_per_rollout == a.rollout_batch_size * a.n_samples_per_prompt,
+             "--num-steps-per-rollout", f"({a.num_steps_per_rollout}) must divide --rollout-batch-size x "
+             f"--n-samples-per-prompt and agree with --global-batch-size ({a.global_batch_size})")
+    _require(a.eval_top_k == -1 or a.eval_top_k > 0, "--eval-top-k", "must be -1 (off) or > 0")
     _require(not a.update_weights_from_disk or a.update_weight_mode == "disk", "--update-weights-from-disk",
              f"contradicts --update-weight-mode {a.update_weight_mode}")
     _require(not (a.colocate and a.reuse_stale_kv), "--reuse-stale-kv",

@@ -9,32 +9,42 @@ async def parity_reward(args, sample) -> float:
 TOOL_TOKEN_TEXT = ","
 
 
-async def tool_turn_generate(args, sample, sampling_params, ctx):
-    """--custom-generate-function-path contract: two model turns with one inserted 'tool' token between them,
-    kept out of the loss (loss mask 0). `ctx` is the rollout's SampleRequester (url, session, policy_version)."""
-    from slime.backends.sglang_utils import http_client
-    from slime.rollout.sampling_request import parse_segment
-    from slime.utils.types import Status
+async def tool_turn_generate(args, sample, sampling_params):
+    """--custom-generate-function-path, written to upstream slime's documented contract (`async def
+    custom_generate(args, sample, sampling_params) -> Sample`, posting to the router named by args with
+    slime.utils.http_utils.post, growing the sample's fields directly): two model turns with one inserted
+    'tool' token between them, kept out of the loss (loss mask 0)."""
+    from slime.utils.http_utils import post
+    from slime.utils.types import Sample
 
-    budget = sampling_params["max_new_tokens"]
-    first = max(1, budget // 2)
-    out = await http_client.generate(ctx.session, ctx.url, {"input_ids": list(sample.tokens), "return_logprob": True,
-                                                            "sampling_params": {**sampling_params, "max_new_tokens": first}})
-    ids, lps, version, text, _ = parse_segment(out, ctx.url)
-    sample.append_response(ids, lps, version, text)
-    tool = [sample.tokens[-1]]  # stands for a tool's answer; any in-vocabulary id does
-    sample.append_response(tool, [0.0], ctx.policy_version, TOOL_TOKEN_TEXT, loss_mask=[0])
-    rest = budget - len(ids) - 1
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    budget = sampling_params["max_new_tokens"] - sample.response_length  # upstream passes the whole budget
+
+    async def turn(max_new: int) -> None:
+        out = await post(url, {"input_ids": sample.tokens, "return_logprob": True,
+                               "sampling_params": {**sampling_params, "max_new_tokens": max_new}})
+        pairs = out["meta_info"]["output_token_logprobs"]
+        sample.tokens = sample.tokens + [t for _, t, *_ in pairs]
+        sample.rollout_log_probs = sample.rollout_log_probs + [lp for lp, *_ in pairs]
+        sample.loss_mask = sample.loss_mask + [1] * len(pairs)
+        sample.response += out["text"]
+        sample.response_length += len(pairs)
+
+    await turn(max(1, budget // 2))
+    tool = sample.tokens[-1]  # stands for a tool's answer; any in-vocabulary id does
+    sample.tokens = sample.tokens + [tool]
+    sample.rollout_log_probs = sample.rollout_log_probs + [0.0]
+    sample.loss_mask = sample.loss_mask + [0]
+    sample.response += TOOL_TOKEN_TEXT
+    sample.response_length += 1
+    rest = budget - sample.response_length
     if rest > 0:
-        out = await http_client.generate(ctx.session, ctx.url, {"input_ids": list(sample.tokens), "return_logprob": True,
-                                                                "sampling_params": {**sampling_params, "max_new_tokens": rest}})
-        ids, lps, version, text, _ = parse_segment(out, ctx.url)
-        sample.append_response(ids, lps, version, text)
-    sample.status = Status.COMPLETED
+        await turn(rest)
+    sample.status = Sample.Status.COMPLETED
     return sample
 
 
-async def returns_nothing_generate(args, sample, sampling_params, ctx):
+async def returns_nothing_generate(args, sample, sampling_params):
     """Breaks the contract (returns None): the rollout must refuse it with a message naming the flag."""
     return None
 

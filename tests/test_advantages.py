@@ -248,24 +248,23 @@ def _args(tmp_path, *extra):
                        "--n-samples-per-prompt", "2", "--global-batch-size", "4", *extra])
 
 
-def test_compute_advantages_from_args_reads_the_flags(tmp_path):
-    from slime.utils.advantages import compute_advantages_from_args
+def test_the_trainers_advantages_read_the_flags(tmp_path):
+    """training_utils/loss.py's advantages from the parsed flags (--advantage-estimator,
+    --disable-grpo-std-normalization, --kl-coef)."""
+    from types import SimpleNamespace
 
-    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    from slime.backends.training_utils.loss import _advantages
+
     masks = _masks([2, 1, 3, 2])
-    plain = compute_advantages_from_args(_args(tmp_path), rewards, masks)
+    groups = [[SimpleNamespace(reward=1.0), SimpleNamespace(reward=0.0)], [SimpleNamespace(reward=3.0), SimpleNamespace(reward=3.0)]]
+    plain = _advantages(_args(tmp_path), "grpo", groups, masks, None, 0.0)
     s = 0.5 / (math.sqrt(0.5) + 1e-6)  # (1 - 0.5) / unbiased std of {1, 0}
     assert plain[0].tolist() == pytest.approx([s, s]) and plain[2].tolist() == [0.0, 0.0, 0.0]
-    no_std = compute_advantages_from_args(_args(tmp_path, "--disable-grpo-std-normalization"), rewards, masks)
+    no_std = _advantages(_args(tmp_path, "--disable-grpo-std-normalization"), "grpo", groups, masks, None, 0.0)
     assert no_std[0].tolist() == [0.5, 0.5] and no_std[1].tolist() == [-0.5]
-    whitened = compute_advantages_from_args(
-        _args(tmp_path, "--disable-grpo-std-normalization", "--normalize-advantages"), rewards, masks)
-    expected = _np_whiten([a.numpy() for a in no_std], [m.numpy() for m in masks])
-    for a, e in zip(whitened, expected):
-        np.testing.assert_allclose(a.numpy(), e, rtol=1e-5, atol=1e-6)
-    rpp = compute_advantages_from_args(
-        _args(tmp_path, "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.1"),
-        rewards, masks, kl=[torch.ones(n) for n in (2, 1, 3, 2)])
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    rpp = _advantages(_args(tmp_path, "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.1"),
+                      "reinforce_plus_plus", groups, masks, [torch.ones(n) for n in (2, 1, 3, 2)], 0.1)
     expected = _np_reinforce_pp(rewards.tolist(), [[1.0] * n for n in (2, 1, 3, 2)], masks, 0.1, 1.0)
     for a, e in zip(rpp, expected):
         np.testing.assert_allclose(a.numpy(), e, rtol=1e-5, atol=1e-6)

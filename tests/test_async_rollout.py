@@ -74,7 +74,7 @@ def bump_version(env, version: int) -> dict:
 def start(env, args):
     load_weights(env, "A", 0)
     manager = RolloutManager(args, str(env["root"] / "run"), start_engines=False)
-    manager.engines = env["engines"]
+    manager.attach_engines(env["engines"])
     return manager, AsyncRollout(args, manager, 0).start()
 
 
@@ -134,8 +134,8 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with frozen_mid_request(env):  # every update cuts through requests that hold tokens
-                pushed = rollout.update_weights(lambda v=step + 1: load_weights(env, weights[v], v), step + 1)
+            with frozen_mid_request(env), rollout.updating_weights(step + 1):  # cuts through requests holding tokens
+                pushed = load_weights(env, weights[step + 1], step + 1)
             if update == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0
             else:  # the frozen requests ran on across it
@@ -201,7 +201,8 @@ def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, update)
                     lags = [step - v for v, m in zip(s.weight_versions, s.loss_mask) if m]
                     assert max(lags, default=0) <= 1, (step, s.weight_versions, s.loss_mask)
             manager.mark_trained(b.groups)
-            rollout.update_weights(lambda v=step + 1: bump_version(env, v), step + 1)
+            with rollout.updating_weights(step + 1):
+                bump_version(env, step + 1)
             manager.set_policy_version(step + 1)
             if step >= 9 and cap_acted(batches, policy):
                 break
@@ -239,14 +240,15 @@ def test_backpressure_keeps_the_rollout_within_the_lag(env):
             time.sleep(0.05)
         assert rollout.gate.in_flight == 0
         producer = rollout.producer
-        requests_before = producer.segment.requester.requests
+        requests_before = producer.segment_io.requester.requests
         time.sleep(1.0)
-        assert producer.segment.requester.requests == requests_before and rollout.gate.in_flight == 0
+        assert producer.segment_io.requester.requests == requests_before and rollout.gate.in_flight == 0
         assert len(producer.queue) == lag * args.rollout_batch_size
         assert len(producer.waiting) <= args.rollout_pool_size // args.n_samples_per_prompt
         # the trainer catches up one version at a time; every batch respects the lag
         for step in range(1, 5):
-            rollout.update_weights(lambda v=step: bump_version(env, v), step)
+            with rollout.updating_weights(step):
+                bump_version(env, step)
             manager.set_policy_version(step)
             b = rollout.next_batch(step)
             manager.mark_trained(b.groups)

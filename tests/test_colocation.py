@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime.backends.training_utils.weight_feed import EngineFeed, feed_plan
+from slime.backends.training_utils.weight_sync.feed import EngineFeed, feed_plan
 from slime.ray.colocation import ColocatedPhases, Phases, device_phases
 
 

@@ -132,7 +132,7 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
 
 
 def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
-    """RolloutManager.sync_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
+    """RolloutManager.push_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
     version is pushed to the fresh engine (the trainer's update_weights stands in as a blocking HTTP call)."""
     from slime.ray.rollout import RolloutManager
 
@@ -150,9 +150,9 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
             requests.post(urls[0] + "/generate", json=LONG, timeout=120)  # waits on the frozen engine
         return {"weight_sync_time_s": 0.0}
 
-    manager.attach_weight_sync(update_weights)
     t0 = time.monotonic()
-    assert manager.sync_weights(7) == {"weight_sync_time_s": 0.0}
+    trainer = type("Trainer", (), {"update_weights": staticmethod(update_weights)})()
+    assert manager.push_weights(trainer, 7) == {"weight_sync_time_s": 0.0}
     assert time.monotonic() - t0 < 90  # killed, restarted and pushed again: never the 120 s timeout
     assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
     assert manager.engine_restarts == 1 and group.engine_problem(group.engine_urls[0]) is None

@@ -12,8 +12,9 @@ import pytest
 import requests
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, greedy_reference
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.sglang_versions import SGLANG_PINNED
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -395,7 +396,7 @@ def test_requests_join_and_leave_a_running_batch(server, ref_model):
 
 def test_sglang_router_registers_engine(server, tmp_path):
     """sglang-router 0.3.2 probes /health, /get_server_info, /get_model_info and then routes /generate to us."""
-    from slime.backends.hf_engine.testing import free_port
+    from slime.backends.hf_engine.local_server import free_port
 
     port, prom = free_port(), free_port()
     log = open(tmp_path / "router.log", "w")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, greedy_reference
+from slime.backends.hf_engine.local_server import EngineServer
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,7 +84,7 @@ def test_engine_on_cuda_serves_the_references_greedy_tokens(tiny, tmp_path):
 
 
 def test_bf16_engine_takes_cuda_ipc_updates_in_place_and_gives_released_memory_back(tmp_path):
-    from slime.backends.sglang_utils.tensor_payload import dtype_buckets, flatten_bucket, serialize
+    from slime.backends.training_utils.weight_sync.payload import dtype_buckets, flatten_bucket, serialize
 
     tok = build_tokenizer(WORDS)
     models = {}

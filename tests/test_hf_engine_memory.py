@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, greedy_reference
-from slime.backends.sglang_utils.tensor_payload import dtype_buckets, flatten_bucket, serialize
+from slime.backends.hf_engine.local_server import EngineServer
+from hf_engine_reference import greedy_reference
+from slime.backends.training_utils.weight_sync.payload import dtype_buckets, flatten_bucket, serialize
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 torch.set_num_threads(1)

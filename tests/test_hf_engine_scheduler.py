@@ -9,7 +9,7 @@ import torch
 
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.backends.hf_engine.scheduler import Request, Scheduler
-from slime.backends.hf_engine.testing import greedy_reference
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")

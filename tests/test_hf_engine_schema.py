@@ -16,7 +16,8 @@ import requests
 import torch
 
 from slime.backends.hf_engine.fields import GENERATE_FIELDS, HONOURED, SAMPLING_FIELDS, NoEffect, Refused
-from slime.backends.hf_engine.testing import EngineServer, greedy_reference
+from slime.backends.hf_engine.local_server import EngineServer
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 SGLANG_GENERATE_REQ_INPUT = (

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from slime.backends.hf_engine.testing import EngineServer, free_port, greedy_reference
+from slime.backends.hf_engine.local_server import EngineServer, free_port
+from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")

@@ -87,6 +87,27 @@ def test_floors_only_look_down():
     assert not up, "imports that climb back up:\n" + "\n".join(sorted(up))
 
 
+# backends and the folders each may use besides its own: the trainers share training_utils (weight sync included),
+# which reaches the engines through sglang_utils' protocol client; sglang_utils' launcher starts either engine
+# (the embedded one's command line included); no trainer backend imports another, an engine or the launcher
+BACKEND_USES = {"fsdp_utils": {"training_utils"}, "megatron_utils": {"training_utils"},
+                "training_utils": {"sglang_utils"}, "sglang_utils": {"hf_engine"}, "hf_engine": set()}
+
+
+def test_no_backend_imports_another():
+    graph = _graph()
+    across = []
+    for mod, deps in graph.items():
+        parts = mod.split(".")
+        if len(parts) < 3 or parts[1] != "backends" or parts[2] not in BACKEND_USES:
+            continue
+        for dep in deps:
+            d = dep.split(".")
+            if len(d) >= 3 and d[1] == "backends" and d[2] != parts[2] and d[2] not in BACKEND_USES[parts[2]]:
+                across.append(f"{mod} imports {dep}")
+    assert not across, "a backend imports another:\n" + "\n".join(sorted(across))
+
+
 def test_no_import_cycles():
     graph = _graph()
     state: dict[str, int] = {}

@@ -76,7 +76,7 @@ def test_round_trip_is_exact(converted, hf_dir):
 def test_round_trip_loads_in_transformers_and_in_our_engine(converted, hf_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slime.backends.hf_engine.testing import EngineServer
+    from slime.backends.hf_engine.local_server import EngineServer
 
     out = str(converted / "hf")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

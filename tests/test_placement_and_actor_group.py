@@ -145,7 +145,7 @@ def test_world_size_two_matches_world_size_one(ray_session, model_dir, tmp_path)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.hf_engine.testing import EngineServer
+    from slime.backends.hf_engine.local_server import EngineServer
 
     groups = make_groups(seed=21)
     groups[1][2].status = Status.FAILED  # 7 samples: the ranks get unequal shares

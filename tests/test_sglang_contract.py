@@ -139,11 +139,11 @@ def trainer(tmp_path_factory):
 
 
 def _use_mode(trainer, mode: str):
-    from slime.backends.fsdp_utils.update_weight import WeightUpdater
+    from slime.backends.fsdp_utils.update_weight import FSDPWeightUpdater
 
     if trainer.updater is not None:
         trainer.updater.close()
-    trainer.updater = WeightUpdater(trainer.args.replace(update_weight_mode=mode), trainer.model, 0)
+    trainer.updater = FSDPWeightUpdater(trainer.args.replace(update_weight_mode=mode), trainer.model, 0)
     trainer.updater.timeout = 60.0  # a group that never forms fails the test within a minute, not ten
     return trainer.updater
 

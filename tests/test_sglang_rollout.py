@@ -383,8 +383,8 @@ def test_custom_generate_function_must_return_the_sample(env):
 
 
 def test_a_shared_http_session_is_reused_across_steps_and_left_open(env):
-    """RolloutContext.http_session: every step sends through the caller's session (keep-alive connections to
-    the router are reused), and the step never closes it; pool mode exercises the abort path through it too."""
+    """StepHooks.session: every step sends through the caller's session (keep-alive connections to the router
+    are reused), and the step never closes it; pool mode exercises the abort path through it too."""
     import aiohttp
 
     args = make_args(env["root"], "--partial-rollout", "--rollout-mode", "pool", "--rollout-pool-size", "6")
@@ -399,13 +399,13 @@ def test_a_shared_http_session_is_reused_across_steps_and_left_open(env):
 
         trace.on_request_start.append(on_start)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), trace_configs=[trace]) as session:
-            from slime.rollout.sglang_rollout import generate_rollout_async
+            from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
 
             outs = []
             for step in range(3):
                 set_version(env, step)
-                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step, http_session=session)
-                outs.append(await generate_rollout_async(args, step, ctx))
+                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step)
+                outs.append(await generate_rollout_async(args, step, ctx, hooks=StepHooks(session=session)))
                 buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
                 assert not session.closed
             return outs, requests_sent
@@ -447,13 +447,13 @@ def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
     planner = OverSamplingPlanner.from_args(args)
     source = RecordingSource(args, env["tok"])
     buffer = PartialRolloutBuffer(args)
-    with pytest.raises(ValueError, match="over_sampling_planner"):
+    with pytest.raises(ValueError, match="no over_sampling planner"):
         generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
     sizes = []
     for step in range(4):
         set_version(env, step)
         out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
-                                                          over_sampling_planner=planner))
+                                                          over_sampling=planner))
         buffer.mark([g[0].group_index for g in out.groups], TRAINED)
         planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
         sizes.append(out.metrics["rollout/over_sampling_batch_size"])

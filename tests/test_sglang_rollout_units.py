@@ -8,7 +8,7 @@ import pytest
 
 from slime.rollout.rollout_metrics import running_requests, token_version_metrics
 from slime.rollout.sampling_request import GenerateResponseError, SampleRequester, parse_segment, sampling_params_from_args
-from slime.rollout.staleness import apply_staleness_policy
+from slime.rollout.staleness import StalenessCap
 from slime.utils.types import Sample, Status
 
 
@@ -67,7 +67,7 @@ def sample(versions, status=Status.ABORTED, mask=None, budget=None):
 @pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
 def test_staleness_policies_touch_only_stale_unfinished_samples(policy):
     stale, fresh, done = sample([0, 0, 2]), sample([2, 3]), sample([0, 1], Status.COMPLETED)
-    counts = apply_staleness_policy([[stale, fresh, done]], current_version=3, max_staleness=1, policy=policy)
+    counts = StalenessCap(1, policy).at_resume([[stale, fresh, done]], train_version=3)
     assert counts[policy] == 1 and counts["stale_groups"] == 1
     assert fresh.weight_versions == [2, 3] and fresh.loss_mask == [1, 1]
     assert done.weight_versions == [0, 1] and done.loss_mask == [1, 1]  # finished members are final
@@ -78,7 +78,29 @@ def test_staleness_policies_touch_only_stale_unfinished_samples(policy):
         assert stale.loss_mask == [0, 0, 1] and counts["masked_tokens"] == 2 and stale.response_length == 3
     else:
         assert stale.loss_mask == [1, 1, 1]
-    assert not apply_staleness_policy([[sample([0])]], 3, None, policy)  # no cap: nothing happens
+    assert not StalenessCap(None, policy).at_resume([[sample([0])]], 3)  # no cap: nothing happens
+
+
+@pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
+def test_the_cap_at_every_site(policy):
+    cap = StalenessCap(1, policy)
+    # one sample resumed in flight (train_async.py's gate): the same policy, counted as in flight
+    s = sample([0, 2])
+    c = cap.at_resume_in_flight(s, 3)
+    assert c["stale_samples_in_flight"] == 1 and c[policy] == 1
+    assert not cap.at_resume_in_flight(sample([2, 3]), 3)
+    # before training (stream batches, groups held ready): a loss-masked old token makes the group stale; restart
+    # hands it back, mask masks, keep keeps
+    old, masked_old = [sample([1, 2], Status.COMPLETED)], [sample([1, 2], Status.COMPLETED, mask=[0, 1])]
+    kept, stale, counts = cap.before_training([old, masked_old], 3)
+    assert counts["stale_groups_at_train"] == 1 and masked_old in kept  # its old token is already out of the loss
+    assert (stale == [old]) == (policy == "restart") and (old in kept) == (policy != "restart")
+    assert counts["masked_tokens_at_train"] == (1 if policy == "mask" else 0)
+    assert StalenessCap(None, policy).before_training([old], 9) == ([old], [], {})
+    # in-place updates abort requests below this version only under restart
+    assert cap.restart_floor(5) == (4 if policy == "restart" else None)
+    with pytest.raises(ValueError, match="staleness-policy"):
+        StalenessCap(1, "drop")
 
 
 def test_token_version_metrics_are_exact_per_token():

@@ -257,3 +257,77 @@ def test_a_paged_engine_pays_for_its_buckets():
     assert extra == 1 and padded == 4000 // 32 * 32 + 32 + 63 * 32
     assert base.decode_read(spread) == (64 * 4000, 0)
     assert paged.decode_step_s(64, sum(spread), padded, extra) == pytest.approx(1e-3 + 1e-8 * padded + 1e-4)
+
+
+def test_the_virtual_clock_jumps_and_keeps_equal_times_in_order():
+    import asyncio
+
+    from slime.rollout.simulator.clock import run_virtual
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        order = []
+        for i in range(5):
+            loop.call_at(10.0, order.append, i)
+        await asyncio.sleep(3600)  # an hour of simulated time, at once
+        t = loop.time()
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), 5)
+        except TimeoutError:
+            pass
+        return order, t, loop.time()
+
+    assert run_virtual(main()) == ([0, 1, 2, 3, 4], 3600.0, 3605.0)
+
+
+def test_the_simulator_drives_the_real_step(monkeypatch):
+    """chunked and pool run slime/rollout/step.py's run_step (and its supplies); stream runs StreamRollout."""
+    import slime.rollout.simulator.drive as drive
+
+    seen = []
+    real_step, real_take = drive.run_step, drive.StreamRollout.take
+
+    async def counting_step(state, io, supply, placement, halt=None):
+        seen.append((type(supply).__name__, type(placement).__name__))
+        return await real_step(state, io, supply, placement, halt)
+
+    async def counting_take(self, rollout_id, timeout):
+        seen.append(("take", rollout_id))
+        return await real_take(self, rollout_id, timeout)
+
+    monkeypatch.setattr(drive, "run_step", counting_step)
+    monkeypatch.setattr(drive.StreamRollout, "take", counting_take)
+    lengths = ParetoLengths(1.0, 8, 128)
+    simulate(_long_tail(steps=2, over_sampling_batch_size=16, partial_rollout=True), FLAT, lengths)
+    simulate(_long_tail(steps=2, mode="pool", partial_rollout=True, pool_size=16), FLAT, lengths)
+    simulate(_long_tail(steps=2, mode="stream", pool_size=16, train_time_s=0.05), FLAT, lengths)
+    assert seen[:4] == [("ChunkedSupply", "TargetPlacement")] * 2 + [("PoolSupply", "TargetPlacement")] * 2
+    assert sorted(seen[4:]) == [("PoolSupply", "StreamPlacement"), ("take", 0), ("take", 1)]  # one segment
+
+
+def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
+    """The real StalenessCap on simulated samples: with mask and a cap of 0, resumed samples' tokens from older
+    versions leave the loss (counted as wasted), and with keep they are trained; a group held ready from the step
+    before is too old for a cap of 0: restart drops it (stale_ready), mask and keep train it as they say."""
+    lengths = ParetoLengths(1.0, 8, 128)
+    mask = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
+                               staleness_policy="mask"), FLAT, lengths)
+    keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
+                               staleness_policy="keep"), FLAT, lengths)
+    assert sum(s.get("staleness_mask", 0) for s in mask.steps) > 0 and mask.summary()["wasted_tokens"] > 0
+    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0), FLAT, lengths)
+    assert sum(s.get("staleness_keep", 0) for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] == 0
+    assert sum(s["stale_ready"] for s in restart.steps) > 0 and sum(s["stale_ready"] for s in mask.steps) == 0
+    assert sum(s.get("staleness_stale_groups_at_train", 0) for s in mask.steps) > 0
+    assert mask.summary()["off_policy_token_ratio"] < keep.summary()["off_policy_token_ratio"]
+
+
+def test_a_simulation_runs_from_inside_a_running_event_loop():
+    """The rollout benchmark calls the simulator from its own asyncio loop."""
+    import asyncio
+
+    async def main():
+        return simulate(_long_tail(steps=2, over_sampling_batch_size=16, partial_rollout=True), FLAT,
+                        ParetoLengths(1.0, 8, 128)).summary()
+
+    assert asyncio.run(main())["tokens_per_s"] > 0

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import requests
 
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.backends.sglang_utils.process_utils import pick_free_ports
 from slime.backends.sglang_utils.router import Router
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -156,7 +156,7 @@ def test_bad_input_through_the_router_names_the_field_and_the_engine_keeps_servi
 
 
 def test_router_drops_some_sampling_params_before_the_worker(stack):
-    """Pins the docs' list (docs/sglang-router-notes.md): sglang-router 0.3.2 re-serialises sampling_params into
+    """Pins the docs' list (docs/sglang-compat.md): sglang-router 0.3.2 re-serialises sampling_params into
     a typed struct without logit_bias, stop_regex, structural_tag, custom_params, stream_interval,
     spaces_between_special_tokens, and drops unknown keys, so real SGLang never sees them either."""
     sp = {"max_new_tokens": 3, "logit_bias": {"7": 100.0}, "ignore_eos": True}

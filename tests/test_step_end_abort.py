@@ -1,4 +1,4 @@
-"""The end-of-step abort leaves an engine that fails while the abort waits on it (StepEnd._abort_live_engines).
+"""The end-of-step abort leaves an engine that fails while the abort waits on it (step_end.abort_live_engines).
 
 An engine stopped just before a step ends (SIGSTOP, a hung GPU) accepts the abort's connection and never answers;
 the watchdog names it a moment later. Before, the abort waited out --rollout-abort-timeout (120 s) on it.
@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from slime.rollout.step_end import StepEnd
+from types import SimpleNamespace
+
+from slime.rollout.staleness import StalenessCap
+from slime.rollout.step_end import abort_live_engines
+from slime.rollout.step_state import StepState
 
 
 class Engines:
@@ -27,15 +31,21 @@ class Engines:
         return 0.01 * len(live)
 
 
-class Step(StepEnd):
+class Step:
+    """A step's state and the engines it aborts (what abort_live_engines reads)."""
+
     def __init__(self, engines, timeout=30.0):
-        self.ctx = type("Ctx", (), {"engines": engines})()
-        self.abort_timeout, self.rollout_id = timeout, 3
-        self.faults, self.fault_seen = {}, asyncio.Event()
+        self.state = StepState(rollout_id=3, target=1, n=1, partial=True, cap=StalenessCap(), policy_version=0,
+                               train_version=lambda: 0, rpc_timeout=30.0, abort_timeout=timeout, reward_settle_s=30.0)
+        self.io = SimpleNamespace(engines=engines, session=None)
+        self.fault_seen = self.state.fault_seen
 
     def fault(self, url):
-        self.faults[url] = object()
-        self.fault_seen.set()
+        self.state.faults[url] = object()
+        self.state.fault_seen.set()
+
+    def _abort_live_engines(self, session):
+        return abort_live_engines(self.state, self.io)
 
 
 def test_an_engine_failing_during_the_abort_leaves_it_at_once():

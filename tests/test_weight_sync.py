@@ -12,7 +12,7 @@ from test_fsdp_helpers import make_args, make_groups, make_model_dir
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.training_utils.data import flatten_groups
-from slime.backends.hf_engine.testing import EngineServer
+from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.types import Sample
 
 torch.set_num_threads(1)
@@ -163,7 +163,7 @@ class ReaderServer:
         import subprocess
         import sys
 
-        from slime.backends.hf_engine.testing import free_port
+        from slime.backends.hf_engine.local_server import free_port
 
         self.out = out_dir
         self.url = f"http://127.0.0.1:{(port := free_port())}"
@@ -236,7 +236,7 @@ def test_tensor_payload_read_by_an_independent_sglang_reader(trainer, backend, t
 
 def _feed_two_ranks(rank, world, out_dir, model_dir, port, urls):
     """Each of 2 FSDP ranks feeds the engine on 'its device' (engines 0 and 1), then both feed one TP-2 engine."""
-    from slime.backends.training_utils.weight_feed import EngineFeed
+    from slime.backends.training_utils.weight_sync.feed import EngineFeed
 
     args = make_args(model_dir, "--train-backend", "fsdp", lr=1e-2, update_weight_mode="tensor")
     t = FSDPTrainer(args, rank, world)
@@ -298,7 +298,7 @@ def test_tensor_sync_each_rank_feeds_the_engine_on_its_device(model_dir, tmp_pat
 def test_cuda_buckets_release_their_ipc_handles_after_the_reply(monkeypatch):
     """SGLang expects a sender to call torch.cuda.ipc_collect() once the engine has replied to a bucket shared
     by CUDA IPC handle (otherwise the memory stays allocated until the process ends); CPU buckets have none."""
-    from slime.backends.fsdp_utils import update_weight_tensor
+    from slime.backends.training_utils.weight_sync import tensor as update_weight_tensor
 
     calls = []
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append(1))
@@ -313,8 +313,8 @@ def test_tensor_sender_on_cuda_returns_the_bucket_memory(tmp_path):
     """On a GPU: every bucket goes out as CUDA IPC handles to a reader in another process (read with an exact
     SGLang allow-list), the flush only with the last one, and once the reader has replied the sender's memory is
     back where it was (the bucket freed, its IPC handles collected)."""
-    from slime.backends.fsdp_utils.update_weight_tensor import TensorSender
-    from slime.backends.training_utils.weight_feed import EngineFeed
+    from slime.backends.training_utils.weight_sync.tensor import TensorSender
+    from slime.backends.training_utils.weight_sync.feed import EngineFeed
 
     reader = ReaderServer(tmp_path)
     try:
@@ -341,7 +341,7 @@ def test_cuda_ipc_payload_opens_in_another_process_without_a_copy(tmp_path):
     import subprocess
     import sys
 
-    from slime.backends.sglang_utils.tensor_payload import flatten_bucket, serialize
+    from slime.backends.training_utils.weight_sync.payload import flatten_bucket, serialize
 
     named = [("a", torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)),
              ("b", torch.randn(7, device="cuda", dtype=torch.bfloat16))]
@@ -369,7 +369,7 @@ torch.cuda.synchronize()
 
 
 def test_slime_disk_flag_replaced_without_the_mode_is_refused(model_dir):
-    from slime.backends.fsdp_utils.update_weight import WeightUpdater
+    from slime.backends.training_utils.weight_sync import WeightUpdater
 
     args = make_args(model_dir)
     with pytest.raises(ValueError, match="update_weight_mode='disk'"):

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.backends.fsdp_utils.hf_weights import TOKENIZER_FILES  # noqa: E402
+from slime.backends.training_utils.weight_sync import TOKENIZER_FILES  # noqa: E402
 from slime.utils.checkpoint import iter_dir_name, latest_checkpoint  # noqa: E402
 
 logger = logging.getLogger("export_hf")

@@ -157,7 +157,7 @@ def _calibrate(a) -> int:
     else:
         from transformers import AutoTokenizer
 
-        from slime.backends.hf_engine.testing import EngineServer
+        from slime.backends.hf_engine.local_server import EngineServer
 
         vocab = len(AutoTokenizer.from_pretrained(a.model_path))
         server = EngineServer(a.model_path, ["--num-threads", str(a.num_threads)]).wait_healthy(300)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from slime.backends.training_utils.weight_feed import feed_plan
+from slime.backends.training_utils.weight_sync.feed import feed_plan
 
 logger = logging.getLogger(__name__)
 

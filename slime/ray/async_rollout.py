@@ -5,7 +5,7 @@ and one `VersionGate`; the driver thread (the training loop) calls in with block
 
     rollout = AsyncRollout(args, rollout_manager, first_rollout_id).start()
     batch = rollout.next_batch(rollout_id)              # waits only if the rollout is behind
-    rollout.update_weights(push, new_version)           # in flight: pause at the gate, push, resume
+    with rollout.updating_weights(new_version): push()  # in flight: pause at the gate, push, resume
     with rollout.paused("eval"): ...                    # nothing of ours on the engines meanwhile
     with rollout.quiesced(): save_checkpoint(...)       # everything in flight parked in the buffer first
     rollout.stop()                                      # parks everything, closes the loop
@@ -21,12 +21,13 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.sglang_rollout import StepHooks, generate_rollout, generate_rollout_async, run_rollout_step
+from slime.rollout.staleness import StalenessCap
 from slime.rollout.steps_ahead import StepsAhead
-from slime.rollout.stream import StreamRollout
+from slime.rollout.stream import StreamConfig, StreamRollout
 from slime.rollout.version_gate import VersionGate
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,22 @@ class AsyncRollout:
     def _drain_timeout(self) -> float:
         return self.args.rollout_abort_timeout + CALL_SLACK_S
 
-    def _make_ctx(self, halt: asyncio.Event) -> RolloutContext:
-        m = self.manager
-        return RolloutContext(data_source=m.data_source, buffer=m.buffer, engines=m.engines, tokenizer=m.tokenizer,
-                              policy_version=self.gate.version, http_session=self.session,
-                              over_sampling_planner=m.over_sampling_planner,
-                              gate=self.gate if self.pausable else None, halt=halt)
+    def _make_ctx(self) -> RolloutContext:
+        return self.manager.context(policy_version=self.gate.version)
+
+    def _hooks(self, halt: asyncio.Event, on_io=None) -> StepHooks:
+        """The built-in step's async hooks: this loop's session, the gate, the halt event."""
+        return StepHooks(session=self.session, gate=self.gate, halt=halt, on_io=on_io)
+
+    async def _builtin_step(self, rollout_id: int, halt: asyncio.Event) -> RolloutOutput:
+        return await generate_rollout_async(self.args, rollout_id, self._make_ctx(), hooks=self._hooks(halt))
+
+    def _custom_step(self, rollout_id: int) -> RolloutOutput:
+        return self.manager.call_rollout_fn(rollout_id, self._make_ctx())
+
+    async def _run_segment(self, rollout_id: int, supply, placement, halt: asyncio.Event, on_io) -> RolloutOutput:
+        return await run_rollout_step(self.args, rollout_id, self._make_ctx(), supply, placement,
+                                      self._hooks(halt, on_io))
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "AsyncRollout":
@@ -109,11 +120,14 @@ class AsyncRollout:
         self.gate = VersionGate(version, train_version=version)
         m = self.manager
         if a.rollout_mode == "stream":
-            self.producer = StreamRollout(a, self._make_ctx, self.gate, m.buffer, m.engines, self.first_rollout_id,
-                                          m.num_rollout, self.offset, session=self.session)
+            self.producer = StreamRollout(StreamConfig.from_args(a), self._run_segment, self.gate, m.buffer, m.engines,
+                                          self.first_rollout_id, m.num_rollout, self.offset, session=self.session)
+        elif self.pausable:
+            self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
+                                       builtin_step=self._builtin_step)
         else:
-            self.producer = StepsAhead(a, self._make_ctx, self.gate, m.buffer, self.first_rollout_id, m.num_rollout,
-                                       self.offset, rollout_fn=None if self.pausable else m.rollout_fn)
+            self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
+                                       custom_step=self._custom_step)
         await self.producer.resume()
 
     def stop(self) -> None:
@@ -147,24 +161,26 @@ class AsyncRollout:
                 "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
                 "async/engine_version": float(self.gate.version), "async/update_pause_s": self.update_pause_s}
 
-    def update_weights(self, push: Callable[[], dict], new_version: int) -> dict:
-        """Push new weights while the rollout runs, as `new_version`; returns push()'s metrics.
+    @contextlib.contextmanager
+    def updating_weights(self, new_version: int):
+        """The driver pushes new weights inside, as `new_version`, while the rollout runs.
 
         abort: every request of ours is aborted and waits at the gate (a custom rollout function's step is
-        waited for instead), `push()` runs, then they resume from their tokens. in_place: they run on
-        and the engine labels their tokens; afterwards the ones that may now exceed --max-staleness
-        (restart policy) are aborted by rid so they restart when they resume."""
+        waited for instead), then they resume from their tokens. in_place: they run on and the engine labels
+        their tokens; afterwards the ones that may now exceed --max-staleness (restart policy) are aborted by
+        rid so they restart when they resume."""
         t0 = time.monotonic()
         if self.in_place:
             self._call(self._begin_in_place(int(new_version)), self._drain_timeout)
             try:
-                return push()
+                yield
             finally:
                 self._call(self._end_in_place(), self._drain_timeout)
                 self.update_pause_s = time.monotonic() - t0
+            return
         self._call(self._before_update(), self._drain_timeout + self.args.rollout_request_timeout)
         try:
-            return push()
+            yield
         finally:
             self._call(self._after_update(int(new_version)), self._drain_timeout)
             self.update_pause_s = time.monotonic() - t0
@@ -175,9 +191,9 @@ class AsyncRollout:
     async def _end_in_place(self) -> None:
         self.gate.end_update()
         await self.producer.rebalance()
-        a = self.args
-        if a.max_staleness is not None and a.staleness_policy == "restart":
-            stale = self.gate.stale_requests(self.gate.train_version - a.max_staleness)
+        floor = StalenessCap.from_args(self.args).restart_floor(self.gate.train_version)
+        if floor is not None:
+            stale = self.gate.stale_requests(floor)
             await self.gate.abort_requests(stale, self.manager.engines, self.session)
 
     async def _before_update(self) -> None:

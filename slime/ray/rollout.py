@@ -7,9 +7,9 @@ checkpoints. The policy version that the engines serve is tracked here.
 Engine faults: a rollout or eval step that loses an engine raises
 `EngineFaultError` (its unfinished samples already parked). Without
 `--use-fault-tolerance` that ends the run with the engine named; with it the
-manager restarts the engine (`EngineGroup.restart_engine`), re-syncs the
-current weights (the trainer's `update_weights`, attached with
-`attach_weight_sync`) and runs the step again, parked samples first. After
+driver (slime/ray/train_loop.py) has the manager restart the engine
+(`restart_engines`), pushes the current weights to it (`push_weights`, with the
+trainer it passes) and runs the step again, parked samples first. After
 `--max-engine-restarts` restarts the next fault raises
 `EngineRestartsExhausted` (train.py checkpoints, then stops).
 """
@@ -27,7 +27,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
-from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
+from slime.rollout.over_sampling import over_sampling_from_args
+from slime.rollout.sampling_request import args_with_router
+from slime.rollout.staleness import StalenessCap
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
@@ -86,6 +89,7 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.policy_version = 0
         self.engines = None
+        self.plugin_args = args  # with the router's address once engines are attached
         self.data_source = RolloutDataSource(args, self.tokenizer) if args.prompt_data else None
         self.eval_sets = {
             name: load_eval_groups(args, self.tokenizer, name, path, args.n_samples_per_eval_prompt)
@@ -95,17 +99,14 @@ class RolloutManager:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
         self.rollout_fn = load_function(args.rollout_function_path)
-        self.over_sampling_planner = None
-        if args.over_sampling_batch_size == "auto":
-            from slime.rollout.over_sampling import OverSamplingPlanner
-
-            self.over_sampling_planner = OverSamplingPlanner.from_args(args)
+        self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
+        # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
+        self.over_sampling = over_sampling_from_args(args)
         self.engine_restarts = 0
-        self._weight_sync = None
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
-            self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
+            self.attach_engines(EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start())
         # the rollout runs in this process: keep the start-up heap (tokenizer, data, torch, Ray) out of the full
         # collections that would otherwise stall every request in flight for a walk over all of it
         freeze_gc_heap("rollout manager")
@@ -118,23 +119,39 @@ class RolloutManager:
             return self.args.num_rollout
         return max(1, self.args.num_epoch * len(self.data_source) // self.args.rollout_batch_size)
 
-    def _context(self, eval_groups=None) -> RolloutContext:
+    def attach_engines(self, engines) -> None:
+        """The engines (and router) this manager's rollouts use; plugins see the router's address in
+        `args.sglang_router_ip` / `args.sglang_router_port`, as upstream slime's plugins do."""
+        self.engines = engines
+        self.plugin_args = args_with_router(self.args, engines.router_url)
+
+    def context(self, policy_version: int | None = None, eval_groups=None) -> RolloutContext:
+        """What a rollout function gets as its `data_source` (upstream's third argument)."""
         return RolloutContext(
             data_source=self.data_source,
             buffer=None if eval_groups is not None else self.buffer,
             engines=self.engines,
             tokenizer=self.tokenizer,
-            policy_version=self.policy_version,
+            policy_version=self.policy_version if policy_version is None else policy_version,
             eval_groups=eval_groups,
-            over_sampling_planner=None if eval_groups is not None else self.over_sampling_planner,
+            over_sampling=None if eval_groups is not None else self.over_sampling,
+            cap=StalenessCap.from_args(self.args),
         )
+
+    def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
+        """One training step of the rollout function, called as upstream slime calls it; its result (ours,
+        upstream's `RolloutFnTrainOutput` or a list of groups) as a `RolloutOutput`, and the groups it took with
+        `get_samples` settled in the ledger (returned: finished; neither returned nor handed back: dropped)."""
+        where = f"--rollout-function-path {self.args.rollout_function_path}"
+        result = self.rollout_fn(self.plugin_args, rollout_id, ctx, evaluation=False)
+        out = to_rollout_output(result, where, ctx.policy_version)
+        out.dropped.update(ctx.settle_issued(out.groups))
+        return out
 
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        out = self._surviving_engine_faults(
-            lambda: self.rollout_fn(self.args, rollout_id, self._context(), evaluation=False))
-        return self.finish_batch(rollout_id, out)
+        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.context()))
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
         """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
@@ -149,45 +166,33 @@ class RolloutManager:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        where = f"--eval-function-path {self.args.eval_function_path or self.args.rollout_function_path}"
         for name, groups in self.eval_sets.items():
             def run(groups=groups):
                 fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
-                return self.rollout_fn(self.args, rollout_id, self._context(eval_groups=fresh), evaluation=True)
+                return self.eval_fn(self.plugin_args, rollout_id, self.context(eval_groups=fresh), evaluation=True)
 
-            out = self._surviving_engine_faults(run)
-            metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
+            out = run()
+            if isinstance(out, RolloutOutput):
+                metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
+            else:  # upstream's RolloutFnEvalOutput (or its dict), keyed by the function's own set names
+                metrics.update(eval_output_metrics(out, where, self.args.reward_key))
         accs = [v for k, v in metrics.items() if k.endswith("/accuracy")]
         if accs:
             metrics["eval/accuracy"] = sum(accs) / len(accs)
         return metrics
 
-    # ---- engine faults ---------------------------------------------------------
-    def attach_weight_sync(self, update_weights) -> None:
-        """`update_weights(engines, version)` (the trainer's): how a restarted engine gets the current weights."""
-        self._weight_sync = update_weights
-
-    def _surviving_engine_faults(self, step):
-        """Run `step()`; with --use-fault-tolerance restart failed engines and run it again (bounded)."""
-        while True:
-            try:
-                return step()
-            except EngineFaultError as e:
-                if not self.args.use_fault_tolerance:
-                    raise EngineFaultError(f"{e} (--use-fault-tolerance would restart it)", e.faults) from e
-                self.recover(e)
-
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to every engine as `version` (the attached `update_weights`).
+    # ---- engine faults and the weight push ------------------------------------------
+    def push_weights(self, trainer, version: int) -> dict[str, float]:
+        """The driver's push: `trainer.update_weights(engines, version)` (a RayTrainGroup) to every engine.
 
         An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
         instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
         """
-        if self._weight_sync is None:
-            raise RuntimeError("sync_weights: no trainer attached (attach_weight_sync)")
         while True:
-            with ProcessWatch(self.engines, on_fault=self._kill_faulty) as watch:
+            with ProcessWatch(self.engines, on_fault=self.kill_faulty) as watch:
                 try:
-                    return self._weight_sync(self.engines, version)
+                    return trainer.update_weights(self.engines, version)
                 except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
                     faults = list(watch.faults.values()) or _faults_within(watch, FAULT_CONFIRM_S)
                     if not faults:
@@ -196,17 +201,17 @@ class RolloutManager:
                                              + "; ".join(f.describe() for f in faults) + f" ({type(e).__name__}: {e})",
                                              faults)
                     error.__cause__ = e
-            if not self.args.use_fault_tolerance:
-                raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
-            self.recover(error, resync=False)  # the loop pushes `version` to the fresh engines
+            self.restart_engines(error)  # then the loop pushes `version` to the fresh engines
 
-    def _kill_faulty(self, fault: EngineFault) -> None:
+    def kill_faulty(self, fault: EngineFault) -> None:
         if fault.rank is not None:
             self.engines.kill_engine(fault.rank)
 
-    def recover(self, error: EngineFaultError, resync: bool = True) -> None:
-        """Restart every engine in `error.faults` and (`resync`) re-sync the current weights; raise when out of
-        restarts."""
+    def restart_engines(self, error: EngineFaultError) -> None:
+        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes); raise when
+        --use-fault-tolerance is off or out of restarts (--max-engine-restarts)."""
+        if not self.args.use_fault_tolerance:
+            raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
         budget = self.args.max_engine_restarts
         for fault in error.faults:
             if fault.rank is None:
@@ -224,9 +229,6 @@ class RolloutManager:
                     break
                 except ServerLaunchError as e:
                     logger.error("restarting engine %d failed: %s", fault.rank, e)
-        if resync and self._weight_sync is not None:
-            self.sync_weights(self.policy_version)
-            logger.info("re-synced policy version %d to the engines", self.policy_version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version

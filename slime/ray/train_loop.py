@@ -6,12 +6,12 @@ where a batch comes from and when the weights reach the engines.
     run = TrainingRun(args)              # checks, run dir, logging, Ray, engines + buffer, trainers, resume
     run.evaluate_start()
     for rollout_id in run.steps():
-        ...                              # a batch from the rollout
+        batch = run.rollout(rollout_id)                    # or train_async.py's rollout running ahead
         if run.trainable(rollout_id, batch):               # not a step where every group failed
             with run.phases.train():                       # --colocate: who holds the devices
                 metrics |= run.train(rollout_id, batch)
             with run.phases.weight_sync():
-                metrics |= run.update_weights(rollout_id)  # or with `push_around=` (in flight)
+                metrics |= run.push_weights(rollout_id, run.new_policy_version())
         if run.save_due(rollout_id): run.save(rollout_id)
         if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
         run.log(rollout_id, metrics)
@@ -29,7 +29,7 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
 from slime.backends.sglang_utils.watchdog import EngineFaultError
@@ -104,8 +104,6 @@ class TrainingRun:
                                               engine_slots=pgs.engine_slots(args.num_engines,
                                                                             args.rollout_num_gpus_per_engine))
         self.actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
-        if self.actor_model is not None:  # a restarted engine gets the current weights
-            self.rollout_manager.attach_weight_sync(self.actor_model.update_weights)
         # who runs where: RUN_DIR/placement.json
         write_placement(self.run_dir, pgs, self.actor_model, self.rollout_manager.engines)
         self.start_rollout_id = self._resume(ckpt, state)
@@ -157,15 +155,32 @@ class TrainingRun:
         start = state["rollout_id"] + 1
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start, manager.policy_version)
         if self.actor_model is not None and manager.engines is not None:
-            manager.sync_weights(manager.policy_version)
+            manager.push_weights(self.actor_model, manager.policy_version)
         return start
 
     def evaluate_start(self) -> None:
-        """The starting point's eval (fresh runs only)."""
-        if self.rollout_manager.eval_sets and self.args.eval_interval and self.start_rollout_id == 0:
+        """The starting point's eval (fresh runs only; not with --skip-eval-before-train)."""
+        if (self.rollout_manager.eval_sets and self.args.eval_interval and self.start_rollout_id == 0
+                and not self.args.skip_eval_before_train):
             self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
 
     # ---- one step ------------------------------------------------------------------------
+    def rollout(self, rollout_id: int) -> RolloutOutput:
+        """The step's batch (train.py: one APRIL step). An engine fault is named, or with --use-fault-tolerance the
+        engine is restarted, given the current weights and the step run again (parked samples first)."""
+        return self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
+
+    def _surviving_engine_faults(self, step: Callable[[], Any]) -> Any:
+        manager = self.rollout_manager
+        while True:
+            try:
+                return step()
+            except EngineFaultError as e:
+                manager.restart_engines(e)  # raises without --use-fault-tolerance, or out of restarts
+                if self.actor_model is not None:
+                    manager.push_weights(self.actor_model, manager.policy_version)
+                    logger.info("pushed policy version %d to the restarted engines", manager.policy_version)
+
     def trainable(self, rollout_id: int, rollout: RolloutOutput) -> bool:
         """Whether there is anything to train: not without a trainer (--debug-rollout-only), nor on a batch
         where every group failed (counted; --max-consecutive-empty-steps in a row stop the run)."""
@@ -186,26 +201,25 @@ class TrainingRun:
             self.rollout_manager.mark_trained(rollout.groups)
         return {f"train/{k}": v for k, v in out.items()}
 
-    def update_weights(self, rollout_id: int, push: bool = True,
-                       push_around: Callable[[Callable[[], dict], int], dict] | None = None) -> dict[str, float]:
-        """The trainer's next policy version; pushed to every engine when `push` (through `push_around(push_fn,
-        version)` when given: train_async.py pauses its rollout in flight around it). An engine that fails
-        meanwhile is named, or restarted and pushed again (--use-fault-tolerance)."""
+    def new_policy_version(self) -> int:
+        """The trainer's weights after this step's update: the next policy version (what a restarted engine gets)."""
         manager = self.rollout_manager
-        new_version = manager.policy_version + 1
-        manager.set_policy_version(new_version)  # the trainer's weights (what a restarted engine gets)
-        if not push or manager.engines is None:
+        manager.set_policy_version(manager.policy_version + 1)
+        return manager.policy_version
+
+    def push_weights(self, rollout_id: int, version: int) -> dict[str, float]:
+        """The trainer's weights to every engine as `version` (the loop calls this after each update; train_async.py
+        inside its rollout's `updating_weights`). An engine that fails meanwhile is named, or restarted and pushed
+        again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id` first."""
+        manager = self.rollout_manager
+        if manager.engines is None or self.actor_model is None:
             return {}
-
-        def push_fn() -> dict:
-            t0 = time.monotonic()
-            try:
-                with self.checkpoint_if_engines_give_up(rollout_id):
-                    return manager.sync_weights(new_version)
-            finally:
-                self._trainer_busy += time.monotonic() - t0
-
-        sync = push_around(push_fn, new_version) if push_around is not None else push_fn()
+        t0 = time.monotonic()
+        try:
+            with self.checkpoint_if_engines_give_up(rollout_id):
+                sync = manager.push_weights(self.actor_model, version)
+        finally:
+            self._trainer_busy += time.monotonic() - t0
         return {f"weight_sync/{k}": v for k, v in sync.items()}
 
     @contextlib.contextmanager
@@ -239,7 +253,7 @@ class TrainingRun:
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Eval sets on the engines' current weights (never enters the buffer, never trains)."""
         t0 = time.monotonic()
-        out = self.rollout_manager.evaluate(rollout_id)
+        out = self._surviving_engine_faults(lambda: self.rollout_manager.evaluate(rollout_id))
         out["perf/eval_time_s"] = time.monotonic() - t0
         return out
 

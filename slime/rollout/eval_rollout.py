@@ -14,7 +14,7 @@ import aiohttp
 
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.rollout_metrics import StepClock
+from slime.rollout.step_state import StepClock
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
 from slime.utils.types import Sample, Status
 
@@ -45,7 +45,7 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session, \
             EngineWatchdog(args, ctx.engines, session) as watchdog:  # a dead / frozen engine: EngineFaultError
         req = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args, evaluation=True),
-                              rollout_id, int(ctx.policy_version), max_response_len=max_len)
+                              rollout_id, int(ctx.policy_version), max_response_len=max_len, evaluation=True)
 
         async def one_group(group: list[Sample]) -> None:
             async def one(s: Sample) -> None:

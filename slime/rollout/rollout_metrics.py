@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 from collections import Counter
 from typing import Any
 
@@ -28,11 +27,10 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
     distinct: list[int] = []
     for group in groups:
         for s in group:
-            for v, m in zip(s.weight_versions, s.loss_mask):
-                if m:
-                    lags[current_version - v] += 1
+            for v, c in s.version_counts().items():
+                lags[current_version - v] += c
             if s.status.is_finished:
-                distinct.append(len(set(s.weight_versions)))
+                distinct.append(len(s.version_counts(in_loss_only=False)))
     total = sum(lags.values())
     off = sum(c for lag, c in lags.items() if lag > 0)
     out: dict[str, float] = {
@@ -121,26 +119,13 @@ def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-class StepClock:
-    """Wall-clock marks of one step (seconds since its start)."""
-
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-        self.marks: dict[str, float] = {}
-
-    def mark(self, name: str) -> float:
-        self.marks[name] = time.monotonic() - self.t0
-        return self.marks[name]
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-
-def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, float]:
-    """The `rollout/` metrics of one finished step (`step`: the `_RolloutStep`) and its trace line."""
+def step_metrics(args, state, requester, occ: dict[str, float]) -> dict[str, float]:
+    """The `rollout/` metrics of one finished step (its `StepState`, slime/rollout/step_state.py, and its
+    requester's counters) and its trace line."""
+    step = state
     m = step.clock.marks
     elapsed = m.get("drained", step.clock.now())
-    new_tokens = step.requester.new_tokens
+    new_tokens = requester.new_tokens
     out: dict[str, float] = {
         "rollout/new_tokens": float(new_tokens),
         "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
@@ -148,9 +133,9 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         "rollout/time_to_target_s": m.get("target", m.get("stop", elapsed)),
         "rollout/abort_to_idle_s": step.abort_to_idle,
         "rollout/drain_s": m.get("drained", 0.0) - m.get("stop", 0.0),
-        "rollout/requests": float(step.requester.requests),
-        "rollout/in_flight_cap": float(in_flight_cap),
-        "rollout/in_flight_peak": float(step.requester.peak_in_flight),
+        "rollout/requests": float(requester.requests),
+        "rollout/in_flight_cap": float(step.in_flight_cap),
+        "rollout/in_flight_peak": float(requester.peak_in_flight),
         "rollout/groups_submitted": float(len(step.submitted)),
         "rollout/groups_resumed": float(len(step.resumed)),
         "rollout/groups_fresh": float(len(step.submitted) - len(step.resumed)),
@@ -162,28 +147,29 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
         "rollout/groups_parked": float(step.counts["parked"]),
         "rollout/groups_dropped": float(len(step.rejected) + step.counts["discarded"]),
         "rollout/groups_failed": float(len(step.failed)),
-        "rollout/policy_version": float(step.version),
+        "rollout/policy_version": float(step.policy_version),
     }
     reasons = Counter(reason_category(r) for r in step.rejected.values())
     if step.counts["discarded"]:
         reasons["discarded_unfinished"] += step.counts["discarded"]
     for reason, c in reasons.items():
         out[f"rollout/groups_dropped/{reason}"] = float(c)
-    for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups"):
+    for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",
+              "masked_tokens_at_train"):
         out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
-    if step.mode == "chunked":
+    if step.chunk is not None:
         out["rollout/over_sampling_batch_size"] = float(step.chunk)
-    out.update(token_version_metrics(step.accepted, step.version))
-    out.update(sample_metrics(step.accepted, step.args.reward_key))
+    out.update(token_version_metrics(step.accepted, step.policy_version))
+    out.update(sample_metrics(step.accepted, args.reward_key))
     out.update(occ)
-    append_trace(step.args.run_dir, {
-        "rollout_id": step.rollout_id, "policy_version": step.version, "mode": step.mode,
+    append_trace(args.run_dir, {
+        "rollout_id": step.rollout_id, "policy_version": step.policy_version, "mode": args.rollout_mode,
         "partial_rollout": step.partial, "submitted": step.submitted, "resumed": step.resumed,
         "abort": step.abort_point, "accepted": [group_id(g) for g in step.accepted],
         "overflow": [group_id(g) for g in step.overflow], "rejected": step.rejected,
         "unfinished": [gid for gid, st in step.groups.items() if st.outcome is None],
         "tokens_per_s": out["rollout/tokens_per_s"], "new_tokens": new_tokens, "step_time_s": round(elapsed, 4),
-        **workload_trace(step, in_flight_cap),
+        **workload_trace(args, step, requester),
     })
     return out
 
@@ -191,28 +177,28 @@ def step_metrics(step, occ: dict[str, float], in_flight_cap: int) -> dict[str, f
 MAX_TIMELINE_POINTS = 500  # per step: a 3000-step run keeps its trace in tens of MB
 
 
-def workload_trace(step, in_flight_cap: int) -> dict[str, Any]:
+def workload_trace(args, step, requester) -> dict[str, Any]:
     """The step's workload for the simulator and the plots: its sizes, every final response length
     (once, when its group leaves the rollout), the lengths of the samples still unfinished, when each
     group finished, and the requests in flight over the step."""
     finished = [[s.response_length for s in st.samples] for st in step.groups.values() if st.outcome is not None]
     prompts = [st.samples[0].prompt_length for st in step.groups.values()]
-    timeline = step.requester.timeline or []
+    timeline = requester.timeline or []
     if len(timeline) > MAX_TIMELINE_POINTS:
         k = -(-len(timeline) // MAX_TIMELINE_POINTS)
         timeline = timeline[::k] + [timeline[-1]]
     return {
-        "target": step.target, "n_samples_per_prompt": step.n, "in_flight_cap": in_flight_cap,
-        "num_engines": step.num_engines, "ignore_eos": bool(step.args.rollout_ignore_eos),
-        "over_sampling_batch_size": step.chunk if step.mode == "chunked" else None,
-        "max_response_len": int(step.args.rollout_max_response_len),
+        "target": step.target, "n_samples_per_prompt": step.n, "in_flight_cap": step.in_flight_cap,
+        "num_engines": step.num_engines, "ignore_eos": bool(args.rollout_ignore_eos),
+        "over_sampling_batch_size": step.chunk,
+        "max_response_len": int(args.rollout_max_response_len),
         "finished_lengths": finished,
         "unfinished_lengths": [s.response_length for st in step.groups.values() if st.outcome is None
                                for s in st.samples if not s.status.is_finished],
         "prompt_len": round(sum(prompts) / len(prompts), 1) if prompts else None,
         "group_finish_t": sorted(round(st.finished_t, 4) for st in step.groups.values() if st.finished_t is not None),
-        "occupancy": [[round(t - step.clock.t0, 4), n] for t, n in timeline],
+        "occupancy": [[round(step.clock.at(t), 4), n] for t, n in timeline],
         # the step's own bookkeeping (buffer and data-source calls, commit): before the first request, after the drain
-        "first_request_t": round(timeline[0][0] - step.clock.t0, 4) if timeline else None,
+        "first_request_t": round(step.clock.at(timeline[0][0]), 4) if timeline else None,
         "drained_t": round(step.clock.marks.get("drained", 0.0), 4),
     }

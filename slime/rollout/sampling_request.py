@@ -17,25 +17,27 @@ returns it (the embedded engine and newer SGLang: one span per weight version
 that sampled part of the segment, so a segment that crossed an in-flight
 weight update is labelled exactly), else from the single `weight_version`.
 
-With a `VersionGate` (train_async.py) every request passes the gate first and is counted in flight
-while it runs (with its rid and sample, so a stale one can be aborted); a sample whose request was
-aborted by a gate hold waits there and resumes from its token ids once the gate reopens. Whenever a
-sample is sent again after the engines changed version, `--max-staleness` is applied to it against the
-gate's `train_version` (`staleness.apply_to_sample`). Every token's version must lie between the
-version the engines served when the request was sent and the one they serve when it returns.
+`send(sample, rid, window)` is one request; `generate` loops over it for the synchronous step. train_async.py
+wraps the requester in a `GatedRequester` (slime/rollout/version_gate.py), whose loop passes the gate before
+each request and checks every token's version against the `VersionWindow` of the request.
+
+`--custom-generate-function-path`: upstream slime's `async def generate(args, sample, sampling_params) -> Sample`
+(with an `evaluation` keyword when it declares one) replaces the request loop; `sampling_params["max_new_tokens"]`
+is the sample's whole budget, as upstream passes it (a resumed sample has `response_length` of it used). What it
+left out when growing the response itself (versions, loss mask) is filled in (`Sample.complete_response`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import inspect
 import logging
-import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from slime.backends.sglang_utils import http_client
-from slime.rollout.staleness import apply_to_sample
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -61,6 +63,15 @@ async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 
         raise TimeoutError(f"{type(obj).__name__}.{method} did not answer within {timeout}s") from e
 
 
+def args_with_router(args, router_url: str):
+    """`args` as a plugin sees them: `sglang_router_ip` / `sglang_router_port` name the router the rollout uses
+    (upstream slime's plugins post to it from there)."""
+    router = urlsplit(router_url)
+    if (args.sglang_router_ip, args.sglang_router_port) == (router.hostname, router.port):
+        return args
+    return args.replace(sglang_router_ip=router.hostname, sglang_router_port=router.port)
+
+
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling_params (without max_new_tokens) from the rollout (or eval) flags."""
     temperature = args.eval_temperature if evaluation else args.rollout_temperature
@@ -68,8 +79,8 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     sp: dict[str, Any] = {
         "temperature": float(temperature),
         "top_p": float(top_p),
-        "top_k": int(args.rollout_top_k),
-        "skip_special_tokens": False,
+        "top_k": int(args.eval_top_k if evaluation else args.rollout_top_k),
+        "skip_special_tokens": bool(args.rollout_skip_special_tokens),
         "no_stop_trim": True,
     }
     if args.rollout_stop:
@@ -135,120 +146,158 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int
     return [int(t) for t in ids], [float(e[0]) for e in lps], versions, out.get("text") or "", ftype
 
 
-class SampleRequester:
-    """Sends samples' requests through one URL (the router) and counts what came back."""
+@dataclass
+class VersionWindow:
+    """The versions a reply may carry: from `sent` (served when the request was sent) to `newest()` (the newest
+    pushed while it ran); `now()`: the version served when the reply came back."""
 
-    def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
-                 policy_version: int, max_response_len: int | None = None, gate=None):
-        self.args, self.session, self.url = args, session, url
-        self.gate = gate  # VersionGate or None
-        self.sampling_params = sampling_params
-        self.rollout_id, self.policy_version = rollout_id, policy_version
-        self.max_len = int(max_response_len or args.rollout_max_response_len)
-        self.timeout = float(args.rollout_request_timeout)
-        # --custom-generate-function-path: `async def generate(args, sample, sampling_params, ctx) -> Sample`,
-        # called instead of the built-in request loop; `ctx` is this requester (url, session, versions).
-        path = args.custom_generate_function_path
-        self.custom_generate = load_function(path) if path else None
+    sent: int
+    newest: Callable[[], int]
+    now: Callable[[], int]
+
+
+class RequestLoop:
+    """A sample's requests until it finishes: its budget, its status, resuming after an abort the step did not
+    ask for; counts what came back. `send` (one request) is the transport's: `SampleRequester` over HTTP, the
+    simulator's engines (slime/rollout/simulator/cluster.py)."""
+
+    custom_generate = None
+
+    def __init__(self, max_response_len: int, rollout_id: int = 0):
+        self.max_len = int(max_response_len)
+        self.rollout_id = rollout_id
         self.new_tokens = 0
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
-        self.timeline: list[tuple[float, int]] | None = None  # (monotonic time, in flight) at each change, if a list
-        self.refused = 0
-        self._bad_versions = 0
+        self.timeline: list[tuple[float, int]] | None = None  # (loop time, in flight) at each change, if a list
 
     def budget(self, sample: Sample) -> int:
         """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`."""
         own = sample.metadata.get("max_response_len") if isinstance(sample.metadata, dict) else None
         return self.max_len if own is None else min(self.max_len, int(own))
 
-    def payload(self, sample: Sample) -> dict[str, Any]:
-        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
-        rid = f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
-        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True, "rid": rid}
+    def at_budget(self, sample: Sample) -> bool:
+        """True (and the sample TRUNCATED) when it has no budget left: it is never resumed forever."""
+        if sample.response_length >= self.budget(sample):
+            sample.status = Status.TRUNCATED
+            return True
+        return False
+
+    def new_rid(self, sample: Sample) -> str:
+        return f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
         """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
-        if self.custom_generate is not None:
-            return await self._custom(sample)
         unexpected_aborts = 0
-        budget = self.budget(sample)
-        gate = self.gate
-        seen_version = gate.version if gate is not None else None
         while True:
-            if sample.response_length >= budget:
-                sample.status = Status.TRUNCATED  # at its budget: never resumed forever
+            if self.at_budget(sample):
                 return True
             if stop is not None and stop.is_set():
                 return False
-            if gate is not None:
-                if not await gate.wait_open(stop):
-                    return False
-                if gate.version != seen_version:  # resumed across a weight update: apply the staleness cap
-                    seen_version = gate.version
-                    gate.staleness.update(apply_to_sample(sample, gate.train_version, self.args.max_staleness,
-                                                          self.args.staleness_policy))
-            payload = self.payload(sample)
-            sent_version = gate.version if gate is not None else None
-            self.requests += 1
-            self._in_flight(+1)
-            try:
-                with gate.request(payload["rid"], sample) if gate is not None else contextlib.nullcontext():
-                    out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
-            except http_client.EngineHTTPError as e:
-                if not e.is_refusal:
-                    raise
-                self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
+            got = await self.send(sample)
+            if sample.status.is_finished:
                 return True
-            finally:
-                self._in_flight(-1)
-            stale_abort = gate is not None and gate.was_aborted(payload["rid"])
-            ids, lps, versions, text, ftype = parse_segment(out, self.url)
-            if versions is None:
-                if gate is not None and gate.version != sent_version:
-                    raise GenerateResponseError(
-                        f"{self.url}/generate: the engines changed version ({sent_version} -> {gate.version}) during "
-                        f"request {payload['rid']} and its reply does not say which version sampled which token")
-                fallback = gate.version if gate is not None else self.policy_version
-                self._bad_versions += 1
-                if self._bad_versions == 1:
-                    logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d",
-                                   out["meta_info"].get("weight_version"), fallback)
-                versions = fallback
-            elif gate is not None and any(v < sent_version or v > gate.newest_version for v in versions):
-                raise GenerateResponseError(
-                    f"{self.url}/generate: reply tagged versions {sorted(set(versions))} but the engines served "
-                    f"versions {sent_version}..{gate.newest_version} while request {payload['rid']} ran; "
-                    "is something else updating the engines' weights?")
-            if len(ids) > payload["sampling_params"]["max_new_tokens"]:
-                raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
-                                            f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
-            sample.append_response(ids, lps, versions, text)
-            self.new_tokens += len(ids)
-            if ftype == "stop":
-                sample.status = Status.COMPLETED
-                return True
-            if ftype == "length" or sample.response_length >= budget:
-                sample.status = Status.TRUNCATED
-                return True
-            sample.status = Status.ABORTED
             if stop is not None and stop.is_set():
                 return False
-            if gate is not None and (not gate.is_open or stale_abort):
-                continue  # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
-            # aborted while the step still wants it (e.g. a weight update elsewhere): resume, a few times
-            unexpected_aborts = 0 if ids else unexpected_aborts + 1
-            if unexpected_aborts > MAX_UNEXPECTED_ABORTS:
-                raise GenerateResponseError(f"{self.url}/generate aborted sample {sample.index} {unexpected_aborts} "
-                                            f"times in a row with no progress (last rid {payload['rid']})")
-            logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
+            unexpected_aborts = self.resume_after_abort(sample, got, unexpected_aborts)
+
+    def resume_after_abort(self, sample: Sample, got: int, aborts: int) -> int:
+        """An abort the step did not ask for (e.g. a weight update elsewhere): resume, a few times in a row."""
+        aborts = 0 if got else aborts + 1
+        if aborts > MAX_UNEXPECTED_ABORTS:
+            raise GenerateResponseError(f"sample {sample.index} was aborted {aborts} times in a row with no progress")
+        logger.info("sample %s aborted by the engine before the step ended; resuming it", sample.index)
+        return aborts
+
+    async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
+        """One request for `sample`: its segment appended and its status set; returns the tokens appended."""
+        raise NotImplementedError
 
     def _in_flight(self, delta: int) -> None:
         self.in_flight += delta
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self.timeline is not None:
-            self.timeline.append((time.monotonic(), self.in_flight))
+            self.timeline.append((asyncio.get_running_loop().time(), self.in_flight))
+
+
+class SampleRequester(RequestLoop):
+    """Sends samples' requests through one URL (the router)."""
+
+    def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
+                 policy_version: int, max_response_len: int | None = None, evaluation: bool = False):
+        super().__init__(max_response_len or args.rollout_max_response_len, rollout_id)
+        self.args, self.session, self.url = args, session, url
+        self.sampling_params = sampling_params
+        self.policy_version = policy_version
+        self.timeout = float(args.rollout_request_timeout)
+        self.evaluation = evaluation
+        path = args.custom_generate_function_path
+        self.custom_generate = load_function(path) if path else None
+        self.plugin_args = args_with_router(args, url) if path else args
+        self._custom_takes_evaluation = (self.custom_generate is not None
+                                         and "evaluation" in inspect.signature(self.custom_generate).parameters)
+        self.refused = 0
+        self._bad_versions = 0
+
+    def payload(self, sample: Sample, rid: str | None = None) -> dict[str, Any]:
+        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
+        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
+                "rid": rid or self.new_rid(sample)}
+
+    async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
+        if self.custom_generate is not None:
+            return await self.run_custom(sample)
+        return await super().generate(sample, stop)
+
+    async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
+        """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
+        finish reason (a refusal fails the sample). Returns the tokens appended. `window`: the versions the reply
+        may carry (None: the engines serve one version for the whole step)."""
+        payload = self.payload(sample, rid)
+        self.requests += 1
+        self._in_flight(+1)
+        try:
+            out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+        except http_client.EngineHTTPError as e:
+            if not e.is_refusal:
+                raise
+            self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
+            return 0
+        finally:
+            self._in_flight(-1)
+        ids, lps, versions, text, ftype = parse_segment(out, self.url)
+        versions = self._checked_versions(versions, window, payload["rid"], out["meta_info"].get("weight_version"))
+        if len(ids) > payload["sampling_params"]["max_new_tokens"]:
+            raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
+                                        f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
+        sample.append_response(ids, lps, versions, text)
+        self.new_tokens += len(ids)
+        if ftype == "stop":
+            sample.status = Status.COMPLETED
+        elif ftype == "length" or sample.response_length >= self.budget(sample):
+            sample.status = Status.TRUNCATED
+        else:
+            sample.status = Status.ABORTED
+        return len(ids)
+
+    def _checked_versions(self, versions: list[int] | None, window: VersionWindow | None, rid: str, raw) -> list[int] | int:
+        if versions is None:  # the engine's versions are not ints: tag with the version served
+            if window is not None and window.now() != window.sent:
+                raise GenerateResponseError(
+                    f"{self.url}/generate: the engines changed version ({window.sent} -> {window.now()}) during "
+                    f"request {rid} and its reply does not say which version sampled which token")
+            fallback = window.now() if window is not None else self.policy_version
+            self._bad_versions += 1
+            if self._bad_versions == 1:
+                logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d", raw, fallback)
+            return fallback
+        if window is not None and any(v < window.sent or v > window.newest() for v in versions):
+            raise GenerateResponseError(
+                f"{self.url}/generate: reply tagged versions {sorted(set(versions))} but the engines served "
+                f"versions {window.sent}..{window.newest()} while request {rid} ran; "
+                "is something else updating the engines' weights?")
+        return versions
 
     def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
         sample.status = Status.FAILED
@@ -257,22 +306,27 @@ class SampleRequester:
         logger.warning("engine refused sample %s (group %s, %d prompt tokens): HTTP %d %s", sample.index,
                        sample.group_index, sample.prompt_length, error.status, error.message)
 
-    async def _custom(self, sample: Sample) -> bool:
-        """Run the user's generate function; it must grow the sample only through `append_response`."""
+    async def run_custom(self, sample: Sample, version: int | None = None) -> bool:
+        """Run the user's generate function (upstream's contract, see the module docstring); `version`: the version
+        the engines serve (tokens the function added without one are tagged with it)."""
+        path = self.args.custom_generate_function_path
+        where = f"--custom-generate-function-path {path}"
         before = sample.response_length
-        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
+        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample))
+        kwargs = {"evaluation": self.evaluation} if self._custom_takes_evaluation else {}
         self._in_flight(+1)
         try:
-            out = await self.custom_generate(self.args, sample, sp, self)
+            out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
         finally:
             self._in_flight(-1)
-        path = self.args.custom_generate_function_path
+        if isinstance(out, list):
+            raise TypeError(f"{where}: returned {len(out)} samples for one; splitting a rollout into several "
+                            "samples is not supported yet: return the Sample it was given")
         if out is not sample:
-            raise TypeError(f"--custom-generate-function-path {path}: must return the Sample it was given "
-                            f"(got {type(out).__name__})")
-        sample.check()
+            raise TypeError(f"{where}: must return the Sample it was given (got {type(out).__name__})")
+        sample.complete_response(self.policy_version if version is None else version, where)
         self.new_tokens += sample.response_length - before
         if sample.status is Status.PENDING:
-            raise ValueError(f"--custom-generate-function-path {path}: sample {sample.index} came back PENDING; "
-                             "set its status (completed, truncated, aborted or failed)")
+            raise ValueError(f"{where}: sample {sample.index} came back PENDING; set its status (completed, "
+                             "truncated, aborted or failed)")
         return sample.status.is_finished

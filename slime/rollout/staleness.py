@@ -1,118 +1,130 @@
-"""Staleness cap for resumed partial trajectories (`--max-staleness`, `--staleness-policy`).
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): one object, used wherever a token may be too old.
 
-Every response token carries the policy version that produced it. When a
-parked group is handed out again at policy version `current`, an unfinished
-member whose oldest token is older than `current - max_staleness` is handled
-by the policy:
+Every response token carries the policy version that produced it. Measured against the version that will
+train a group (`train_version`), a token older than `train_version - max_staleness` is stale, and the
+policy says what happens to it:
 
-- `restart`: drop its response and generate it again from the prompt;
-- `mask`: keep the tokens as context but zero the loss mask of the stale ones
-  (`Sample.mask_tokens_older_than`);
-- `keep`: keep everything and rely on importance-sampling correction (TIS).
+- `restart`: an unfinished sample drops its response and is generated again from the prompt; a finished
+  group cannot be regenerated, so the caller drops it;
+- `mask`: the stale tokens stay as context, their loss mask is zeroed (`Sample.mask_tokens_older_than`);
+- `keep`: everything stays; importance-sampling correction (TIS) handles it.
 
-Finished members are final and never touched. Each case is counted.
+The sites (each counts what it did, keys as below):
+- `at_resume(groups, v)`: parked groups handed out again (the step's supply, once per group);
+- `at_resume_in_flight(sample, v)`: one sample sent again after the engines changed version under a
+  running step (train_async.py's gate);
+- `before_training(groups, v)`: finished groups about to be trained: stream mode's batches (a group may
+  wait after its last resume) and the groups held ready from the step before (they finished at an older
+  version);
+- `restart_floor(v)`: with in-place updates, requests whose samples may now hold a stale token are
+  aborted so the cap is applied when they resume (restart policy only).
 
-`apply_to_sample` does the same for one sample resumed in flight (train_async.py: after a weight
-update, see `version_gate.py`); `check_before_training` applies the cap once more to a batch about to be
-trained (stream mode: a group may wait for the trainer after its last resume).
+The simulator applies the same object to its samples: a sample here is anything with `status`,
+`response_length`, `metadata`, `oldest_version()`, `reset_response()`, `mask_tokens_older_than(v)` and
+`loss_tokens_older_than(v)` (slime/utils/types.py's `Sample`, the simulator's `SimSample`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-
-from slime.utils.types import Sample
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
 
 
-def is_stale(sample: Sample, current_version: int, max_staleness: int | None) -> bool:
-    """True if an unfinished sample has a token older than `current_version - max_staleness`."""
-    if max_staleness is None or sample.status.is_finished:
-        return False
-    oldest = sample.oldest_version()
-    return oldest is not None and oldest < current_version - max_staleness
+@dataclass(frozen=True)
+class StalenessCap:
+    max_staleness: int | None = None  # None: no cap
+    policy: str = "restart"
 
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"--staleness-policy {self.policy!r} is not one of {POLICIES}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
 
-def apply_to_sample(sample: Sample, current_version: int, max_staleness: int | None, policy: str) -> Counter:
-    """`apply_staleness_policy` for one unfinished sample (resumed in flight); same counts."""
-    if policy not in POLICIES:
-        raise ValueError(f"--staleness-policy {policy!r} is not one of {POLICIES}")
-    counts: Counter = Counter()
-    if not is_stale(sample, current_version, max_staleness):
+    @classmethod
+    def from_args(cls, args) -> "StalenessCap":
+        return cls(args.max_staleness, args.staleness_policy)
+
+    def floor(self, train_version: int) -> int | None:
+        """The oldest version a token trained at `train_version` may have (None: no cap)."""
+        return None if self.max_staleness is None else train_version - self.max_staleness
+
+    def is_stale(self, sample, train_version: int) -> bool:
+        """An unfinished sample holding a token older than the floor (finished samples are final)."""
+        floor = self.floor(train_version)
+        if floor is None or sample.status.is_finished:
+            return False
+        oldest = sample.oldest_version()
+        return oldest is not None and oldest < floor
+
+    def _apply(self, sample, floor: int, counts: Counter) -> None:
+        counts[self.policy] += 1
+        if self.policy == "restart":
+            counts["restarted_tokens"] += sample.response_length
+            sample.reset_response()
+            sample.metadata["staleness_restarts"] = sample.metadata.get("staleness_restarts", 0) + 1
+        elif self.policy == "mask":
+            counts["masked_tokens"] += sample.mask_tokens_older_than(floor)
+
+    # ---- the sites ---------------------------------------------------------------------------
+    def at_resume(self, groups: list[list], train_version: int) -> Counter:
+        """The policy applied in place to the stale unfinished members of parked `groups` handed out again.
+        Counts: `restart` / `mask` / `keep` (samples), `masked_tokens`, `restarted_tokens`, `stale_groups`."""
+        counts: Counter = Counter()
+        floor = self.floor(train_version)
+        if floor is None:
+            return counts
+        for group in groups:
+            stale = [s for s in group if self.is_stale(s, train_version)]
+            if stale:
+                counts["stale_groups"] += 1
+            for s in stale:
+                self._apply(s, floor, counts)
+        if counts:
+            logger.info("staleness (train version v%d, max lag %d, policy %s): %s", train_version, self.max_staleness,
+                        self.policy, dict(counts))
         return counts
-    counts["stale_samples_in_flight"] += 1
-    counts[policy] += 1
-    if policy == "restart":
-        counts["restarted_tokens"] += sample.response_length
-        sample.reset_response()
-        sample.metadata["staleness_restarts"] = sample.metadata.get("staleness_restarts", 0) + 1
-    elif policy == "mask":
-        counts["masked_tokens"] += sample.mask_tokens_older_than(current_version - max_staleness)
-    return counts
 
-
-def check_before_training(groups: list[list[Sample]], train_version: int, max_staleness: int | None,
-                          policy: str) -> tuple[list[list[Sample]], list[list[Sample]], Counter]:
-    """(kept, stale, counts): the cap applied to finished groups about to be trained at `train_version`.
-
-    A loss-masked token older than `train_version - max_staleness` makes its group stale: `restart`
-    returns it in `stale` (a finished group cannot be regenerated: the caller drops it), `mask` zeroes
-    those tokens' loss mask and keeps the group, `keep` keeps it (TIS corrects it).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"--staleness-policy {policy!r} is not one of {POLICIES}")
-    counts: Counter = Counter()
-    if max_staleness is None:
-        return list(groups), [], counts
-    min_version = train_version - max_staleness
-    kept, stale = [], []
-    for group in groups:
-        old = sum(1 for s in group for v, m in zip(s.weight_versions, s.loss_mask) if m and v < min_version)
-        if not old:
-            kept.append(group)
-            continue
-        counts["stale_groups_at_train"] += 1
-        if policy == "restart":
-            stale.append(group)
-        elif policy == "mask":
-            counts["masked_tokens_at_train"] += sum(s.mask_tokens_older_than(min_version) for s in group)
-            kept.append(group)
-        else:
-            kept.append(group)
-    return kept, stale, counts
-
-
-def apply_staleness_policy(
-    groups: list[list[Sample]], current_version: int, max_staleness: int | None, policy: str
-) -> Counter:
-    """Apply `policy` in place to stale unfinished samples of resumed `groups`; return counts.
-
-    Keys: `restart`, `mask`, `keep` (samples handled each way), `masked_tokens`,
-    `restarted_tokens` (response tokens thrown away), `stale_groups`.
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"--staleness-policy {policy!r} is not one of {POLICIES}")
-    counts: Counter = Counter()
-    if max_staleness is None:
+    def at_resume_in_flight(self, sample, train_version: int) -> Counter:
+        """`at_resume` for one unfinished sample sent again within a running step; adds `stale_samples_in_flight`."""
+        counts: Counter = Counter()
+        if self.is_stale(sample, train_version):
+            counts["stale_samples_in_flight"] += 1
+            self._apply(sample, self.floor(train_version), counts)
         return counts
-    min_version = current_version - max_staleness
-    for group in groups:
-        stale = [s for s in group if is_stale(s, current_version, max_staleness)]
-        if not stale:
-            continue
-        counts["stale_groups"] += 1
-        for s in stale:
-            counts[policy] += 1
-            if policy == "restart":
-                counts["restarted_tokens"] += s.response_length
-                s.reset_response()
-                s.metadata["staleness_restarts"] = s.metadata.get("staleness_restarts", 0) + 1
-            elif policy == "mask":
-                counts["masked_tokens"] += s.mask_tokens_older_than(min_version)
-    if counts["stale_groups"]:
-        logger.info("staleness (current v%d, max lag %d, policy %s): %s", current_version, max_staleness, policy, dict(counts))
-    return counts
+
+    def before_training(self, groups: list[list], train_version: int) -> tuple[list[list], list[list], Counter]:
+        """(kept, stale, counts) for finished groups about to be trained at `train_version`: a loss-masked token
+        older than the floor makes its group stale; `restart` returns it in `stale` (the caller drops it),
+        `mask` zeroes those tokens' loss mask and keeps it, `keep` keeps it. Counts: `stale_groups_at_train`,
+        `masked_tokens_at_train`."""
+        counts: Counter = Counter()
+        floor = self.floor(train_version)
+        if floor is None:
+            return list(groups), [], counts
+        kept, stale = [], []
+        for group in groups:
+            if not any(s.loss_tokens_older_than(floor) for s in group):
+                kept.append(group)
+                continue
+            counts["stale_groups_at_train"] += 1
+            if self.policy == "restart":
+                stale.append(group)
+                continue
+            if self.policy == "mask":
+                counts["masked_tokens_at_train"] += sum(s.mask_tokens_older_than(floor) for s in group)
+            kept.append(group)
+        return kept, stale, counts
+
+    def restart_floor(self, train_version: int) -> int | None:
+        """With requests running across an in-place update: the version below which a request's sample must be
+        aborted and restarted (restart policy only; None: nothing to abort)."""
+        return self.floor(train_version) if self.policy == "restart" else None
+
+
+__all__ = ["POLICIES", "StalenessCap"]

@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.base_types import RolloutOutput
 from slime.rollout.sampling_request import call_maybe_remote
-from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, generate_rollout_async
+from slime.rollout.step import RolloutEngineFaultError, RolloutError
 from slime.rollout.version_gate import VersionGate
 
 logger = logging.getLogger(__name__)
@@ -36,12 +36,16 @@ TAKE_POLL_S = 5.0
 class StepsAhead:
     """Rollout steps produced ahead of the trainer, on the rollout's event loop (driven by `AsyncRollout`)."""
 
-    def __init__(self, args, make_ctx: Callable[[asyncio.Event], RolloutContext], gate: VersionGate, buffer,
-                 first_rollout_id: int, num_rollout: int, version_offset: int, rollout_fn: Callable | None = None):
-        """`rollout_fn`: None for the built-in APRIL step (paused in flight at the gate), else a custom
-        synchronous rollout function, run on a worker thread (updates wait for its step to end)."""
-        self.args, self.make_ctx, self.gate, self.buffer = args, make_ctx, gate, buffer
-        self.rollout_fn = rollout_fn
+    def __init__(self, args, gate: VersionGate, buffer, first_rollout_id: int, num_rollout: int, version_offset: int,
+                 builtin_step: Callable[[int, asyncio.Event], Awaitable[RolloutOutput]] | None = None,
+                 custom_step: Callable[[int], RolloutOutput] | None = None):
+        """One of: `builtin_step(j, halt)`, the built-in APRIL step (paused in flight at the gate), or
+        `custom_step(j)`, a custom synchronous rollout function's step, run on a worker thread (updates wait for
+        its step to end)."""
+        if (builtin_step is None) == (custom_step is None):
+            raise ValueError("StepsAhead: give builtin_step or custom_step")
+        self.args, self.gate, self.buffer = args, gate, buffer
+        self.builtin_step, self.custom_step = builtin_step, custom_step
         self.max_lag = int(args.max_async_lag)
         self.offset = int(version_offset)
         self.num_rollout = int(num_rollout)
@@ -95,10 +99,10 @@ class StepsAhead:
         self.gate.set_train_version(self.train_version(j))
         self.running_step = j
         try:
-            if self.rollout_fn is None:
-                return await generate_rollout_async(self.args, j, self.make_ctx(halt))
+            if self.builtin_step is not None:
+                return await self.builtin_step(j, halt)
             async with self.step_lock:
-                return await asyncio.to_thread(self.rollout_fn, self.args, j, self.make_ctx(halt), False)
+                return await asyncio.to_thread(self.custom_step, j)
         finally:
             self.running_step = None
 

@@ -14,13 +14,15 @@ and the stream holds at most K batches of queued groups, the requests in flight 
 and the few groups that finished while the gate was closing (`waiting`, admitted to a batch once one
 within the lag has room: their newest token is then K+1 versions behind the policy that trains them).
 `--max-staleness` is applied at every resume (against the version that would train the group if it
-finished now) and again to each group when it is taken (`check_before_training`).
+finished now) and again to each group when it is taken (`StalenessCap.before_training`).
 
-The stream runs in segments: a segment is a pool-mode rollout step with no target whose accepted
-groups go to the queue. `quiesce()` ends the segment (requests aborted, unfinished groups parked in
-the buffer, groups that finished during the stop kept ready) and moves every queued group to the
-buffer's ready list, so a checkpoint taken then holds everything in flight; `resume()` takes the
-ready groups back first and starts a new segment, which resumes the parked groups first.
+The stream runs in segments: a segment is a rollout step (slime/rollout/step.py) with pool mode's supply
+(gated: no new group while the gate is held) and a placement that sends accepted groups to the queue
+(no target); `run_segment` runs it against the real engines (slime/ray/async_rollout.py) or the simulator's.
+`quiesce()` ends the segment (requests aborted, unfinished groups parked in the buffer, groups that
+finished during the stop kept ready) and moves every queued group to the buffer's ready list, so a
+checkpoint taken then holds everything in flight; `resume()` takes the ready groups back first and starts
+a new segment, which resumes the parked groups first.
 
 Ledger: queued groups stay `issued` until they are taken (or quiesced), when they are marked
 `finished`; a group dropped when taken (stale) goes `finished -> dropped`.
@@ -34,12 +36,16 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.group_outcome import StepGroup
+from dataclasses import dataclass
+from typing import Awaitable
+
+from slime.rollout.base_types import RolloutOutput
+from slime.rollout.group_outcome import StreamPlacement
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.sampling_request import call_maybe_remote
-from slime.rollout.sglang_rollout import RolloutEngineFaultError, RolloutError, _RolloutStep
-from slime.rollout.staleness import check_before_training
+from slime.rollout.staleness import StalenessCap
+from slime.rollout.step import RolloutEngineFaultError, RolloutError
+from slime.rollout.step_supply import PoolSupply
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
 from slime.utils.types import Sample
@@ -49,43 +55,36 @@ logger = logging.getLogger(__name__)
 TAKE_POLL_S = 5.0
 
 
-class _StreamSegment(_RolloutStep):
-    """A pool-mode step with no target: accepted groups go straight to the stream's queue."""
+@dataclass(frozen=True)
+class StreamConfig:
+    batch_size: int  # --rollout-batch-size
+    max_lag: int  # --max-async-lag
+    pool_size: int  # --rollout-pool-size
+    cap: StalenessCap
+    rpc_timeout: float = 120.0
 
-    def __init__(self, args, rollout_id: int, ctx: RolloutContext, stream: "StreamRollout"):
-        super().__init__(args, rollout_id, ctx)
-        self.stream = stream
+    @classmethod
+    def from_args(cls, args) -> "StreamConfig":
+        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size),
+                   StalenessCap.from_args(args), args.rollout_rpc_timeout)
 
-    def _filled(self) -> bool:
-        return False
 
-    async def _take_ready(self) -> None:
-        return  # the stream hands ready groups out itself (resume)
-
-    async def _next_groups(self, num: int) -> list[list[Sample]]:
-        if not await self.gate.wait_open(self.stop):  # issue nothing while paused (lag, update, eval)
-            return []
-        return await super()._next_groups(num)
-
-    def _place_group(self, st: StepGroup, reason: str | None) -> None:
-        if reason is None and not self.stop.is_set():
-            st.outcome = "accepted"
-            self.stream.accept(st.samples)
-        else:  # rejected, or finished while the segment was stopping: kept ready by the commit
-            super()._place_group(st, reason)
+# run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput
+RunSegment = Callable[..., Awaitable[RolloutOutput]]
 
 
 class StreamRollout:
     """The stream's state on the rollout's event loop; `AsyncRollout` (slime/ray) drives it."""
 
-    def __init__(self, args, make_ctx: Callable[[asyncio.Event], RolloutContext], gate: VersionGate, buffer,
-                 engines, first_rollout_id: int, num_rollout: int, version_offset: int, session=None):
-        self.args, self.make_ctx, self.gate, self.buffer, self.engines = args, make_ctx, gate, buffer, engines
+    def __init__(self, config: StreamConfig, run_segment: RunSegment, gate: VersionGate, buffer, engines,
+                 first_rollout_id: int, num_rollout: int, version_offset: int, session=None):
+        self.config, self.run_segment, self.gate, self.buffer, self.engines = config, run_segment, gate, buffer, engines
         self.session = session
-        self.batch_size = int(args.rollout_batch_size)
-        self.max_lag = int(args.max_async_lag)
+        self.batch_size = config.batch_size
+        self.max_lag = config.max_lag
         self.offset = int(version_offset)
-        self.rpc_timeout = args.rollout_rpc_timeout
+        self.rpc_timeout = config.rpc_timeout
+        self.cap = config.cap
         self.next_batch = int(first_rollout_id)  # the next batch take() hands out
         self.num_rollout = int(num_rollout)  # no batch beyond the last one is collected
         self.queue: deque[tuple[list[Sample], int]] = deque()  # (group, engine version when it joined a batch)
@@ -95,7 +94,7 @@ class StreamRollout:
         self.exhausted = False
         self.error: str | None = None
         self.engine_fault: RolloutEngineFaultError | None = None  # a segment that lost an engine (it names it)
-        self.segment: _StreamSegment | None = None
+        self.segment_io = None  # the running segment's StepIO (its requester counts the tokens)
         self._segment_task: asyncio.Task | None = None
         self._halt: asyncio.Event | None = None
         self._balance_lock = asyncio.Lock()
@@ -168,11 +167,10 @@ class StreamRollout:
             self._segment_task = asyncio.ensure_future(self._run_segment(self._halt))
 
     async def _run_segment(self, halt: asyncio.Event) -> None:
-        seg = _StreamSegment(self.args, self.next_batch, self.make_ctx(halt), self)
-        self.segment = seg
+        supply = PoolSupply(self.config.pool_size, gate=self.gate)  # issue nothing while paused (lag, update, eval)
         try:
-            await seg.run()
-            if not seg.halted:
+            out = await self.run_segment(self.next_batch, supply, StreamPlacement(self.accept), halt, self._segment_io)
+            if not out.metrics.get("rollout/halted"):
                 logger.warning("stream: the prompt data is exhausted; %d groups queued", len(self.queue))
                 self.exhausted = True
         except Exception as e:  # noqa: BLE001 - handed to the trainer's take()
@@ -180,14 +178,16 @@ class StreamRollout:
             self.engine_fault = e if isinstance(e, RolloutEngineFaultError) else None
             logger.error("stream segment failed: %s", self.error)
         finally:
-            requester = getattr(seg, "requester", None)
-            self._tokens_done += requester.new_tokens if requester is not None else 0
-            self.segment = None
+            if self.segment_io is not None:
+                self._tokens_done += self.segment_io.requester.new_tokens
+            self.segment_io = None
             self.changed.set()
 
+    def _segment_io(self, io) -> None:
+        self.segment_io = io
+
     def _new_tokens(self) -> int:
-        requester = getattr(self.segment, "requester", None) if self.segment is not None else None
-        return self._tokens_done + (requester.new_tokens if requester is not None else 0)
+        return self._tokens_done + (self.segment_io.requester.new_tokens if self.segment_io is not None else 0)
 
     async def quiesce(self) -> None:
         """End the segment (in flight -> parked, late finishers -> ready) and move queued groups to the buffer's ready list."""
@@ -227,8 +227,7 @@ class StreamRollout:
                 break  # data exhausted
             part = [self.queue.popleft() for _ in range(min(self.batch_size - len(kept), len(self.queue)))]
             await self._mark_finished([g for g, _ in part])
-            ok, stale, c = check_before_training([g for g, _ in part], version, self.args.max_staleness,
-                                                 self.args.staleness_policy)
+            ok, stale, c = self.cap.before_training([g for g, _ in part], version)
             counts.update(c)
             ok_ids = {id(g) for g in ok}
             kept += [(g, a) for g, a in part if id(g) in ok_ids]
@@ -268,8 +267,7 @@ class StreamRollout:
         self._tokens_at_take, self._time_at_take = tokens, now
         st = self.gate.staleness - self._staleness_at_take
         self._staleness_at_take = Counter(self.gate.staleness)
-        newest = [max(v for s in g for v in s.weight_versions) if any(s.weight_versions for s in g) else version
-                  for g in groups]
+        newest = [max((v for s in g if (v := s.newest_version()) is not None), default=version) for g in groups]
         out: dict[str, float] = {
             "rollout/new_tokens": float(new_tokens),
             "rollout/tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,

@@ -1,7 +1,8 @@
 """VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
 version exact (`train_async.py`).
 
-Every request of a rollout that has a gate passes it before it is sent (`SampleRequester`). `hold(reason)`
+Every request of a rollout that has a gate passes it before it is sent (`GatedRequester`, below: the
+rollout's `SampleRequester` seen through the gate; only train_async.py makes one). `hold(reason)`
 closes the gate and drains the engines through SGLang's documented API: abort every request
 (`POST /abort_request {"abort_all": true}`, repeated until `/v1/loads` shows it idle) and wait until every
 request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
@@ -36,6 +37,7 @@ import time
 from collections import Counter
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.sampling_request import VersionWindow
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class VersionGate:
         self.pending_version: int | None = None  # an in-place update to this version is being pushed
         self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
         self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
-        self.staleness = Counter()  # what the cap did at in-flight resumes (keys as apply_staleness_policy's)
+        self.staleness = Counter()  # what the cap did at in-flight resumes (keys as StalenessCap.at_resume_in_flight's)
         self.pauses = 0
         self.pauses_by_reason: Counter = Counter()  # holds that closed an open gate (drained), by reason
         self.held_s = 0.0
@@ -207,4 +209,48 @@ class VersionGate:
         return {"pauses": float(self.pauses), "held_s": held, "drain_s": self.drain_s}
 
 
-__all__ = ["VersionGate"]
+class GatedRequester:
+    """`requester.generate` through `gate`: each request waits while the gate is held and is counted in flight
+    (its rid and sample, so a stale one can be aborted); a sample whose request a hold aborted waits at the
+    gate and resumes from its token ids once it reopens, after `cap` (the staleness cap) is applied against
+    the gate's train version; every token's version must lie in the request's `VersionWindow`. A custom
+    generate function passes the gate before each call (a hold aborts its requests like any other)."""
+
+    def __init__(self, requester, gate: VersionGate, cap):
+        self.requester, self.gate, self.cap = requester, gate, cap
+
+    async def generate(self, sample, stop: asyncio.Event | None = None) -> bool:
+        r, gate = self.requester, self.gate
+        seen = gate.version
+        aborts = 0
+        while True:
+            if r.at_budget(sample):
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            if not await gate.wait_open(stop):
+                return False
+            if gate.version != seen:  # resumed across a weight update: the staleness cap
+                seen = gate.version
+                gate.staleness.update(self.cap.at_resume_in_flight(sample, gate.train_version))
+            stale_abort = False
+            if r.custom_generate is not None:
+                before = sample.response_length
+                await r.run_custom(sample, version=gate.version)
+                got = sample.response_length - before
+            else:
+                rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
+                with gate.request(rid, sample):
+                    got = await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version,
+                                                                  lambda: gate.version))
+                stale_abort = gate.was_aborted(rid)
+            if sample.status.is_finished:
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            if not gate.is_open or stale_abort:
+                continue  # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
+            aborts = r.resume_after_abort(sample, got, aborts)
+
+
+__all__ = ["GatedRequester", "VersionGate"]

@@ -181,36 +181,6 @@ def compute_advantages(
     return normalize_advantages(returns, masks, all_reduce=all_reduce)
 
 
-def compute_advantages_from_args(
-    args,
-    rewards: Tensor,
-    response_masks: Sequence[Tensor],
-    kl: Sequence[Tensor] | None = None,
-    *,
-    all_reduce: bool = False,
-) -> list[Tensor]:
-    """``compute_advantages`` configured from the parsed flags
-    (``--advantage-estimator``, ``--n-samples-per-prompt``,
-    ``--disable-grpo-std-normalization``, ``--kl-coef``, ``--gamma``), then
-    ``--normalize-advantages`` whitening for GRPO/GSPO (REINFORCE++ variants
-    are whitened already)."""
-    estimator = args.advantage_estimator
-    advs = compute_advantages(
-        estimator,
-        rewards,
-        args.n_samples_per_prompt,
-        response_masks,
-        normalize_std=not args.disable_grpo_std_normalization,
-        kl=kl,
-        kl_coef=args.kl_coef,
-        gamma=args.gamma,
-        all_reduce=all_reduce,
-    )
-    if args.normalize_advantages and estimator in ("grpo", "gspo"):
-        advs = normalize_advantages(advs, response_masks, all_reduce=all_reduce)
-    return advs
-
-
 def _check_lengths(values: Sequence[Tensor], masks: Sequence[Tensor], name: str) -> None:
     if len(values) != len(masks):
         raise ValueError(f"{name}: got {len(values)} samples but {len(masks)} masks")

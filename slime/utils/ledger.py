@@ -9,7 +9,7 @@ Every prompt group (keyed by `Sample.group_index`) moves through
                         └──▶ dropped(reason)        (final)
 
 These are data-model concepts (next to `Sample`): the rollout marks groups,
-the buffer (`slime/ray/buffer.py`) holds the ledger and persists it.
+the buffer (`slime/rollout/buffer.py`) holds the ledger and persists it.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ class MetricsLogger:
                     mode=args.wandb_mode,
                     dir=run_dir,
                     config=redact_flags({k: v for k, v in vars(args).items() if not k.startswith("_")}),
+                    # --wandb-key (upstream's flag): this run's key; else wandb's own (WANDB_API_KEY, netrc)
+                    settings=wandb.Settings(api_key=args.wandb_key) if args.wandb_key else None,
                 )
             logger.info("wandb run %s (mode=%s)", self._wandb_run.id, args.wandb_mode)
 

@@ -21,7 +21,6 @@ from torch import Tensor
 from slime.utils.advantages import (  # noqa: F401  (re-exported)
     ESTIMATORS,
     compute_advantages,
-    compute_advantages_from_args,
     group_relative_rewards,
     normalize_advantages,
 )
@@ -157,21 +156,6 @@ def dual_clip_flags(ratio: Tensor, advantages: Tensor, eps_clip_c: float) -> Ten
     return ((advantages < 0) & (ratio.detach() > eps_clip_c)).to(ratio.dtype)
 
 
-def compute_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Token-level PPO loss with ratio exp(logp − old_logp) (``policy_ratio``).
-
-    Returns (pg_losses, clipfrac), both per token, unaggregated.
-    """
-    return clipped_surrogate(policy_ratio(log_probs, old_log_probs), advantages, eps_clip, eps_clip_high, eps_clip_c)
-
-
 def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mask: TensorOrList) -> TensorOrList:
     """GSPO per-token ratio (same shape as ``log_probs``).
 
@@ -200,27 +184,6 @@ def _gspo_ratio(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tenso
     seq_log_ratio = masked_mean(diff, mask, dim=-1).unsqueeze(-1)
     seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(lp - lp.detach() + seq_log_ratio)
-
-
-def compute_gspo_policy_loss(
-    log_probs: TensorOrList,
-    old_log_probs: TensorOrList,
-    advantages: TensorOrList,
-    mask: TensorOrList,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-) -> tuple[TensorOrList, TensorOrList]:
-    """GSPO loss: the clipped surrogate on the sequence-level ratio (GSPO uses
-    tiny clip ranges, e.g. 3e-4 / 4e-4), with the dual clip (``eps_clip_c``)
-    applied to it as upstream slime does. Returns per-token (pg_losses,
-    clipfrac); aggregate with ``aggregate_loss(..., "sample_mean")`` to match
-    the paper's per-sequence length normalisation."""
-    ratio = compute_gspo_ratio(log_probs, old_log_probs, mask)
-    if isinstance(ratio, Tensor):
-        return clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
-    pairs = [clipped_surrogate(r, a, eps_clip, eps_clip_high, eps_clip_c) for r, a in zip(ratio, advantages, strict=True)]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 # ----------------------------------------------------------- aggregation ----

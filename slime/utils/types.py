@@ -9,6 +9,7 @@ response grows is `append_response`, which keeps all of them in step.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -110,6 +111,32 @@ class Sample:
         self.response_length += k
         self.response += text
 
+    def complete_response(self, weight_version: int, where: str) -> None:
+        """A response a plugin grew by setting the fields itself (upstream slime's way) gets what it left out:
+        `weight_version` (the version the engines served) for tokens without one, loss mask 1 for tokens without
+        one; behaviour log-probs cannot be made up, so missing ones are refused (`where` names the plugin)."""
+        n = self.response_length
+        if n < 0 or n > len(self.tokens):
+            raise SampleInvariantError(f"{where}: sample {self.index} has response_length {n} but {len(self.tokens)} "
+                                       "tokens (tokens must be the prompt followed by the response)")
+        if self.rollout_log_probs is None or len(self.rollout_log_probs) != n:
+            got = None if self.rollout_log_probs is None else len(self.rollout_log_probs)
+            raise SampleInvariantError(f"{where}: sample {self.index} has {got} rollout_log_probs for {n} response "
+                                       "tokens; request them (\"return_logprob\": true) and set one per token: the "
+                                       "trainer corrects off-policy tokens against them")
+        if self.loss_mask is None:
+            self.loss_mask = []
+        if self.weight_versions is None:
+            self.weight_versions = []
+        if len(self.loss_mask) < n:
+            self.loss_mask = list(self.loss_mask) + [1] * (n - len(self.loss_mask))
+        if len(self.weight_versions) < n:
+            self.weight_versions = list(self.weight_versions) + [int(weight_version)] * (n - len(self.weight_versions))
+        try:
+            self.check()
+        except SampleInvariantError as e:
+            raise SampleInvariantError(f"{where}: {e}") from None
+
     def reset_response(self) -> None:
         """Drop the whole response and go back to the bare prompt (staleness restart)."""
         del self.tokens[self.prompt_length :]
@@ -131,6 +158,19 @@ class Sample:
         return masked
 
     # ---- version accounting -----------------------------------------------
+    def version_counts(self, in_loss_only: bool = True) -> Counter:
+        """{policy version: response tokens it produced}, over the tokens in the loss (mask 1) by default."""
+        if not in_loss_only:
+            return Counter(self.weight_versions)
+        return Counter(v for v, m in zip(self.weight_versions, self.loss_mask) if m)
+
+    def newest_version(self) -> int | None:
+        return max(self.weight_versions) if self.weight_versions else None
+
+    def loss_tokens_older_than(self, min_version: int) -> int:
+        """How many response tokens in the loss (mask 1) were produced before `min_version`."""
+        return sum(1 for v, m in zip(self.weight_versions, self.loss_mask) if m and v < min_version)
+
     def oldest_version(self) -> int | None:
         return min(self.weight_versions) if self.weight_versions else None
 
@@ -159,3 +199,6 @@ class Sample:
         if unknown:
             raise ValueError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
         return cls(**copy.deepcopy(d))
+
+
+Sample.Status = Status  # upstream slime's spelling (`Sample.Status.COMPLETED`), for plugins written against it

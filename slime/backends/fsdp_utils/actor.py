@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint as ckpt
 from slime.backends.fsdp_utils.model import build_model, describe, forward_micro_batch, init_distributed
-from slime.backends.fsdp_utils.update_weight import WeightUpdater
+from slime.backends.fsdp_utils.update_weight import FSDPWeightUpdater
 from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import compile_ops, device, physical_device_index
 from slime.backends.training_utils.loss import needs_ref
@@ -54,7 +54,7 @@ class FSDPTrainer(Trainer):
         )
         cfg = self.model.config
         self.pad_id = next((v for v in (cfg.pad_token_id, cfg.eos_token_id, 0) if isinstance(v, int)), 0)
-        self.updater = WeightUpdater(args, self.model, self.rank)
+        self.updater = FSDPWeightUpdater(args, self.model, self.rank)
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("rank %d: loaded %s (%d params, ref=%s, %s compute, fp32 master weights, %s micro-batches); %s",
                     self.rank, hf, n_params, self.ref_model is not None, "bf16" if args.bf16 else "fp32",

@@ -1,7 +1,8 @@
 """The trainer model's weights under their HF names, and a plain HF directory written from them.
 
 Shared by checkpoints (`checkpoint.py`: export, save) and weight sync
-(`update_weight.py`: the disk path), so neither imports the other.
+(`update_weight.py`: the disk path), so neither imports the other; the tokenizer files
+copied next to the weights are weight_sync's (`hf_dir.TOKENIZER_FILES`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import shutil
 import torch
 from torch import nn
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+from slime.backends.training_utils.weight_sync.hf_dir import TOKENIZER_FILES
+
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

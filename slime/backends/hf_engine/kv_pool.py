@@ -112,7 +112,3 @@ class KVPool:
         self._kv.clear()
         self._reset()
         return freed
-
-    def clear_tensors(self) -> None:
-        """Drop the per-layer tensors (e.g. after a dtype change); ids stay valid, contents are lost."""
-        self._kv.clear()

@@ -22,7 +22,8 @@ from slime.backends.megatron_utils import parallel
 from slime.backends.megatron_utils.layer_spec import describe
 from slime.backends.megatron_utils.model import Built, build_gpt, forward_micro_batch, load_hf
 from slime.backends.megatron_utils.optimizer import build_optimizer, build_scheduler
-from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights, write_hf_dir
+from slime.backends.megatron_utils.update_weight import MegatronWeightUpdater, gather_hf_weights
+from slime.backends.training_utils.weight_sync import write_hf_dir
 from slime.backends.training_utils.data import MicroBatch
 from slime.backends.training_utils.distributed import compile_ops, physical_device_index
 from slime.backends.training_utils.loss import needs_ref

@@ -68,5 +68,5 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool, impl: s
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=impl == "transformer_engine",
+        apply_rope_fusion=impl == "transformer_engine" and not args.no_rope_fusion,
     )

@@ -17,7 +17,8 @@ import torch
 from slime.backends.megatron_utils import checkpoint as ckpt
 from slime.backends.megatron_utils import parallel
 from slime.backends.megatron_utils.model import build_gpt, load_hf
-from slime.backends.megatron_utils.update_weight import gather_hf_weights, write_hf_dir
+from slime.backends.megatron_utils.update_weight import gather_hf_weights
+from slime.backends.training_utils.weight_sync import write_hf_dir
 from slime.backends.training_utils.distributed import free_port
 from slime.utils.model_shape import flag_mismatches, read_shape
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -199,8 +199,3 @@ class HFReader:
                 return self.get("model.embed_tokens.weight")  # tied checkpoints omit the head
             raise KeyError(f"{self.hf_dir}: no tensor {name!r}")
         return self._handles[self._where[name]].get_tensor(name)
-
-
-def iter_hf(named_full: Iterator[tuple[str, Tensor]], shape: ModelShape) -> Iterator[tuple[str, Tensor]]:
-    for name, full in named_full:
-        yield from full_to_hf(name, full, shape)

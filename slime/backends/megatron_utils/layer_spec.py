@@ -90,7 +90,8 @@ def block_spec(args, shape: ModelShape, impl: str):
     attn.core_attention = SDPAttention if args.attention_backend in ("auto", "flash") else PackedLocalAttention
     # RoPE after the q / k norms by our kernel (compiled with --compile-ops), not megatron's unfused one (rope.py)
     spec.submodules.self_attention.module = RoPESelfAttention
-    spec.submodules.self_attention.params = {**spec.submodules.self_attention.params, "fused_rope": compile_ops(args)}
+    spec.submodules.self_attention.params = {**spec.submodules.self_attention.params,
+                                             "fused_rope": compile_ops(args) and not args.no_rope_fusion}
     return TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers, layer_norm=norm)
 
 

@@ -1,6 +1,5 @@
-"""Megatron weights → the engines, under HF names, through the same
-weight-sync paths as FSDP (`fsdp_utils.update_weight.WeightUpdater`: a
-broadcast group in buckets, or a HF directory on disk).
+"""Megatron weights → the engines, under HF names, through the trainers' weight sync
+(`training_utils/weight_sync`: a broadcast group in buckets, CUDA IPC handles, or a HF directory on disk).
 
 Weights stream one parameter at a time: the TP ranks of data-parallel
 replica 0 all-gather each shard, global rank 0 converts it to HF names and
@@ -9,24 +8,18 @@ hands it to the bucketer; other replicas hold the same weights and skip.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.hf_weights import TOKENIZER_FILES
-from slime.backends.fsdp_utils.update_weight import WeightUpdater
 from slime.backends.megatron_utils import hf_weights
 from slime.backends.megatron_utils.model import Built, named_local_params
 from slime.backends.megatron_utils.parallel import Layout, tp_group
+from slime.backends.training_utils.weight_sync import WeightUpdater, write_hf_dir
 
 logger = logging.getLogger(__name__)
-
-SAFETENSORS_SHARD_BYTES = 4 * 1024**3
 
 
 def gather_full(built: Built, layout: Layout, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,38 +62,3 @@ class MegatronWeightUpdater(WeightUpdater):
 
     def write_hf(self, state: dict[str, torch.Tensor], path: str) -> None:
         write_hf_dir(state, path, self.args.hf_checkpoint)
-
-
-def write_hf_dir(state: dict[str, torch.Tensor], path: str, origin_hf_dir: str | None) -> None:
-    """A plain HF model directory: config (and tokenizer) of `origin_hf_dir`,
-    weights from `state` (safetensors, sharded above 4 GiB with an index)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    if not origin_hf_dir or not os.path.isfile(os.path.join(origin_hf_dir, "config.json")):
-        raise FileNotFoundError(f"the HF config to write next to the weights: {origin_hf_dir!r} has no config.json")
-    shutil.copy2(os.path.join(origin_hf_dir, "config.json"), os.path.join(path, "config.json"))
-    for name in TOKENIZER_FILES:
-        src = os.path.join(origin_hf_dir, name)
-        if os.path.exists(src):
-            shutil.copy2(src, os.path.join(path, name))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SAFETENSORS_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().cpu().contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, part in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in part})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -116,9 +116,6 @@ class Router:
             raise self._error(f"answered GET /workers with an unexpected body: {out!r}")
         return out["workers"]
 
-    def healthy_worker_urls(self, timeout: float = 10.0) -> list[str]:
-        return [w["url"] for w in self.list_workers(timeout) if w.get("is_healthy")]
-
     def add_worker(self, url: str, timeout: float = 10.0) -> None:
         """POST /workers {"url"}; registration finishes asynchronously (see wait_workers_healthy)."""
         self.check_alive(f"registering worker {url}")

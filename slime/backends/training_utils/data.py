@@ -10,7 +10,6 @@ computes the same plan and only keeps its own part.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +105,11 @@ def shard(positions: list[int] | range, rank: int, world_size: int) -> list[int]
 
 
 def plan_micro_batches(items: list[TrainItem], dp_size: int, micro_batch_size: int,
-                       max_tokens: int | None = None) -> list[list[list[TrainItem]]]:
+                       max_tokens: int | None = None, balance: bool = False) -> list[list[list[TrainItem]]]:
     """Every data-parallel rank's micro-batches for `items` (index = DP rank).
 
-    Fixed size (`max_tokens` None): a strided share per rank, cut into micro-batches of
-    `micro_batch_size`. Token budget (`--use-dynamic-batch-size --max-tokens-per-gpu`): samples go
+    Fixed size (`max_tokens` None): a strided share per rank (with `balance`, `--balance-data`: each sample,
+    longest first, to the rank with the fewest tokens so far), cut into micro-batches of `micro_batch_size`. Token budget (`--use-dynamic-batch-size --max-tokens-per-gpu`): samples go
     to the rank with the fewest tokens so far (longest first), then each rank's share is cut into
     bins of at most `max_tokens` tokens (first fit, longest first; a sample longer than the budget
     gets a bin of its own), and the bins are rebalanced: every rank gets as many bins as the rank
@@ -122,8 +121,8 @@ def plan_micro_batches(items: list[TrainItem], dp_size: int, micro_batch_size: i
         mbs = micro_batch_size or 1
         if mbs < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
-        return [[part[i : i + mbs] for i in range(0, len(part), mbs)]
-                for part in (shard(items, r, dp_size) for r in range(dp_size))]
+        parts = _lightest_first(items, dp_size) if balance else [shard(items, r, dp_size) for r in range(dp_size)]
+        return [[part[i : i + mbs] for i in range(0, len(part), mbs)] for part in parts]
     if max_tokens < 1:
         raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
     shares = _lightest_first(items, dp_size)
@@ -280,7 +279,3 @@ def build_micro_batch(items: list[TrainItem], pad_id: int, packed: bool, device:
     if not packed:
         pos_d = pos_d.expand(len(items), width)
     return MicroBatch(items, ids_d, pos_d, mask_d, cu_d, int(max_len), rows_d, tgt_d, cu_seqlens_host=cu)
-
-
-def num_steps_for(n_samples: int, global_batch_size: int) -> int:
-    return math.ceil(n_samples / global_batch_size) if n_samples else 0

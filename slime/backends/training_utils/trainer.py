@@ -29,7 +29,7 @@ from slime.backends.training_utils.distributed import open_master_port, use_cuda
 from slime.backends.training_utils.loss import (RolloutTensors, compute_rollout_tensors, loss_inputs,
                                                 micro_batch_loss)
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
-from slime.backends.training_utils.weight_feed import EngineFeed
+from slime.backends.training_utils.weight_sync.feed import EngineFeed
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Trainer(Offloadable):
         args = self.args
         dp_rank, dp_size = self._dp()
         max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
-        mine = plan_micro_batches(items, dp_size, int(args.micro_batch_size), max_tokens)[dp_rank]
+        mine = plan_micro_batches(items, dp_size, int(args.micro_batch_size), max_tokens, args.balance_data)[dp_rank]
         n = self._dp_max(len(mine)) if dp_size > 1 else len(mine)
         return mine + [[] for _ in range(n - len(mine))]
 

@@ -359,7 +359,3 @@ async def calibrate_async(url: str, vocab: int | Sequence[int], passes: int = 3,
         for i in range(passes):
             await cal.measure(session, curve_levels if i == 0 else ())
     return cal.fit(stat)
-
-
-def calibrate(url: str, vocab: int | Sequence[int], **kw) -> EngineCostModel:
-    return asyncio.run(calibrate_async(url, vocab, **kw))

@@ -1,7 +1,9 @@
-"""Discrete-event model of engines serving requests (continuous batching), and the event loop.
+"""Discrete-event model of engines serving requests (continuous batching).
 
-`EventLoop` orders everything in time: client callbacks, inputs reaching an engine (requests,
-aborts, weight updates) and engines reaching a step boundary. `SimEngine` behaves as our
+`EventLoop` schedules the engines' events (inputs reaching an engine: requests, aborts, weight
+updates; engines reaching a step boundary; replies reaching the client) on the running asyncio loop,
+which in the simulator runs a simulated clock (clock.py), so the real rollout step waits on them
+as it waits on real engines. `SimEngine` behaves as our
 scheduler (and SGLang's) does, at step boundaries only: take commands, admit waiting requests, then
 run a step. With the cost model's `prefill_mode` "batched" admitted requests are prefilled by
 separate forwards and every running sequence then decodes one token per step; with "mixed" (our
@@ -20,8 +22,8 @@ a request runs splits its tokens between the two versions.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
-import itertools
 import math
 from collections import deque
 from typing import Callable
@@ -29,53 +31,13 @@ from typing import Callable
 from slime.rollout.simulator.cost_model import EngineCostModel
 
 
-class SimSample:
-    """One sample's progress: final length (known to the simulator, not to the engines), tokens so
-    far and the policy version of each run of them."""
-
-    __slots__ = ("sid", "gid", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv")
-
-    def __init__(self, sid: int, gid: int, prompt_len: int, final_len: int, budget: int):
-        self.sid, self.gid, self.prompt_len = sid, gid, prompt_len
-        self.final_len, self.budget = min(final_len, budget), budget
-        self.resp_len = 0
-        self.segments: list[list[int]] = []  # [version, tokens]
-        self.kv: tuple[int, int] | None = None  # (engine id, cached tokens) of its last abort
-
-    @property
-    def finished(self) -> bool:
-        return self.resp_len >= self.final_len
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_len + self.resp_len
-
-    def add(self, segments: list[tuple[int, int]]) -> None:
-        for version, n in segments:
-            if n <= 0:
-                continue
-            if self.segments and self.segments[-1][0] == version:
-                self.segments[-1][1] += n
-            else:
-                self.segments.append([version, n])
-            self.resp_len += n
-
-    def reset(self) -> int:
-        """Drop the response (a staleness restart); returns the tokens thrown away."""
-        n, self.resp_len, self.segments, self.kv = self.resp_len, 0, [], None
-        return n
-
-    def oldest_version(self) -> int | None:
-        return self.segments[0][0] if self.segments else None
-
-
 class SimRequest:
     __slots__ = ("seq", "sample", "n_input", "target", "max_new", "arrive_t", "k_join", "finish_k", "gen0",
                  "produced", "splits", "reserve", "on_done", "cached", "ctx0")
 
-    def __init__(self, seq, sample: SimSample, arrive_t: float, on_done: Callable):
+    def __init__(self, seq, sample, arrive_t: float, on_done: Callable):
         self.seq, self.sample, self.arrive_t, self.on_done = seq, sample, arrive_t, on_done
-        self.n_input = sample.tokens
+        self.n_input = sample.n_tokens
         self.target = sample.final_len - sample.resp_len  # tokens it will produce unless aborted
         self.max_new = sample.budget - sample.resp_len  # what the engine is told (max_new_tokens)
         self.k_join = self.finish_k = self.gen0 = 0
@@ -87,27 +49,24 @@ class SimRequest:
 
 
 class EventLoop:
-    """Time-ordered callbacks; equal times run in the order they were scheduled."""
+    """The engines' events at simulated times: `at(t, fn, *args)` runs `fn(t, *args)` at `t` on the asyncio loop
+    (the running one unless given), equal times in the order they were scheduled."""
 
-    def __init__(self):
-        self._heap: list = []
-        self._seq = itertools.count()
-        self.now = 0.0
+    def __init__(self, aloop: asyncio.AbstractEventLoop | None = None):
+        self._aloop = aloop
+
+    @property
+    def aloop(self) -> asyncio.AbstractEventLoop:
+        if self._aloop is None:
+            self._aloop = asyncio.get_running_loop()
+        return self._aloop
 
     def at(self, t: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+        (self._aloop or self.aloop).call_at(t, fn, t, *args)
 
-    def run(self, until: Callable[[], bool] | None = None, max_events: int = 50_000_000) -> None:
-        n = 0
-        while self._heap:
-            if until is not None and until():
-                return
-            t, _, fn, args = heapq.heappop(self._heap)
-            self.now = max(self.now, t)
-            fn(t, *args)
-            n += 1
-            if n > max_events:
-                raise RuntimeError(f"simulation exceeded {max_events} events")
+    @property
+    def now(self) -> float:
+        return self.aloop.time()
 
 
 class SimEngine:
@@ -286,7 +245,7 @@ class SimEngine:
         for req in list(self.running.values()):
             n = self._produced(req)
             if self.prefix_cache_on:  # SGLang's radix cache keeps an aborted request's KV
-                self.cache[req.sample.sid] = (req.sample.tokens + n - 1, self.version)
+                self.cache[req.sample.sid] = (req.sample.n_tokens + n - 1, self.version)
             self._emit(t, req, n, False)
         self.running.clear()
         self.finish_heap.clear()
@@ -325,7 +284,7 @@ class SimEngine:
             del self.running[req.seq]
             self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
             req.produced = n
-            req.n_input = req.sample.tokens + n
+            req.n_input = req.sample.n_tokens + n
             req.splits = [(u, v) for u, v in req.splits]
             self.waiting.appendleft(req)
             self.stats["retractions"] += 1

@@ -1,5 +1,8 @@
 """`simulate(config, cost, lengths) -> SimResult`: run a rollout mode for some steps in simulation.
 
+The rollout is the real one (slime/rollout/step.py, and stream mode's `StreamRollout`), driven by drive.py
+against simulated engines (engine.py, cluster.py) on a simulated clock (clock.py).
+
 The result holds per-step records and the aggregates over the steps after `warmup_steps` (the
 buffer starts empty, so APRIL's and pool mode's first steps are not their steady state):
 rollout tokens/s (new tokens / rollout time, what `benchmarks/rollout_throughput.py` measures),
@@ -10,14 +13,16 @@ off-policy token ratio and the per-token staleness histogram (lag in policy vers
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from slime.rollout.simulator.async_mode import AsyncRun
+from slime.rollout.simulator.clock import run_virtual
+from slime.rollout.simulator.cluster import SimCluster, SimSource
 from slime.rollout.simulator.cost_model import EngineCostModel
+from slime.rollout.simulator.drive import Judge, Recorder, drive_steps, drive_stream
 from slime.rollout.simulator.engine import EventLoop, SimEngine
-from slime.rollout.simulator.modes import ChunkedStep, Cluster, PoolStep, RolloutState, StepCounters
 
 MODES = ("chunked", "pool", "stream")  # --rollout-mode's names (stream: train_async.py)
 
@@ -80,8 +85,8 @@ class SimConfig:
     def from_args(cls, args, over_sampling_batch_size: int | None = None, **kw) -> "SimConfig":
         """The simulated configuration of a run's flags (`over_sampling_batch_size` for `auto`)."""
         osb = over_sampling_batch_size
-        if osb is None and args.over_sampling_batch_size != "auto":
-            osb = int(args.over_sampling_batch_size)
+        if osb is None and isinstance(args.over_sampling_batch_size, int):  # auto: the caller gives the size
+            osb = args.over_sampling_batch_size
         base = dict(mode=args.rollout_mode, rollout_batch_size=args.rollout_batch_size,
                     n_samples_per_prompt=args.n_samples_per_prompt, over_sampling_batch_size=osb,
                     partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size,
@@ -140,18 +145,6 @@ class SimResult:
         }
 
 
-def _record(c: StepCounters, busy: float, requests: int, reprefill: int, wall_extra: float) -> dict:
-    rollout = c.t_end - c.t_start
-    return {
-        "t_start": c.t_start, "t_end": c.t_end, "rollout_s": rollout, "wall_s": rollout + wall_extra,
-        "time_to_target_s": (c.t_target if c.t_target is not None else c.t_end) - c.t_start,
-        "new_tokens": c.new_tokens, "wasted_tokens": c.wasted_tokens,
-        "trained_tokens": sum(c.lag_tokens.values()), "lag_tokens": dict(c.lag_tokens),
-        "accepted": len(c.accepted), "busy_s": busy, "requests": requests, "reprefill_tokens": reprefill,
-        "group_finish_t": list(c.group_finish_t), **{k: v for k, v in c.counts.items()},
-    }
-
-
 def sum_counters(counters) -> dict:
     """Counter dicts summed key by key (engines' stats, or steps' engine deltas)."""
     total: dict = {}
@@ -162,51 +155,20 @@ def sum_counters(counters) -> dict:
 
 
 def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
-    loop = EventLoop()
+    return run_virtual(_simulate(cfg, cost, lengths))
+
+
+async def _simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
+    events = EventLoop(asyncio.get_running_loop())
     timeline = [] if cfg.record_timeline else None
-    engines = [SimEngine(i, cost, loop, prefix_cache=cfg.prefix_cache, timeline=timeline) for i in range(cfg.num_engines)]
-    cluster = Cluster(loop, engines)
+    engines = [SimEngine(i, cost, events, prefix_cache=cfg.prefix_cache, timeline=timeline)
+               for i in range(cfg.num_engines)]
+    cluster = SimCluster(events, engines)
     if cfg.record_timeline:
         cluster.timeline = []
-    state = RolloutState(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
-    result = SimResult(cfg, cost.name, lengths.describe(), timeline=timeline, client_timeline=cluster.timeline)
-    marks = {"busy": 0.0, "requests": 0, "reprefill": 0, "engine": {}}
-
-    def snapshot(c: StepCounters, extra: float) -> None:
-        busy = cluster.busy_s()
-        result.steps.append(_record(c, busy - marks["busy"], cluster.requests - marks["requests"],
-                                    cluster.reprefill_tokens - marks["reprefill"], extra))
-        total = sum_counters(e.stats for e in engines)
-        result.steps[-1]["engine"] = {k: v - marks["engine"].get(k, 0) for k, v in total.items()}
-        marks.update(busy=busy, requests=cluster.requests, reprefill=cluster.reprefill_tokens, engine=total)
-
-    def finish() -> SimResult:
-        result.engine_stats = sum_counters(e.stats for e in engines)
-        return result
-
-    if cfg.mode == "stream":
-        run = AsyncRun(cfg, cluster, state, lambda t, c: snapshot(c, 0.0))
-        loop.at(0.0, run.start)
-        loop.run()
-        return finish()
-
-    step_cls = ChunkedStep if cfg.mode == "chunked" else PoolStep
-    between = cfg.train_time_s + cost.weight_update_s
-
-    def start_step(t: float) -> None:
-        state.version = len(result.steps)
-        for e in engines:  # the new weights: engines are idle between steps
-            e.version = state.version
-            if not cfg.reuse_stale_kv:
-                e.cache.clear()
-        step = step_cls(cfg, cluster, state, t, end_step)
-        step.start(t)
-
-    def end_step(t: float, step) -> None:
-        snapshot(step.c, between)
-        if len(result.steps) < cfg.steps:
-            loop.at(t + between, start_step)
-
-    loop.at(0.0, start_step)
-    loop.run()
-    return finish()
+    source = SimSource(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
+    recorder = Recorder(cluster)
+    drive = drive_stream if cfg.mode == "stream" else drive_steps
+    await drive(cfg, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
+    return SimResult(cfg, cost.name, lengths.describe(), steps=recorder.steps, timeline=timeline,
+                     engine_stats=sum_counters(e.stats for e in engines), client_timeline=cluster.timeline)

@@ -1,4 +1,4 @@
-"""Helpers to run the embedded engine as a subprocess (tests, benchmarks)."""
+"""The embedded engine as a subprocess on a free loopback port (tools, benchmarks, tests)."""
 
 from __future__ import annotations
 
@@ -83,14 +83,3 @@ class EngineServer:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
         return self.proc.returncode
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """`n` greedy tokens from a plain transformers model, one full forward per token (no cache): the reference."""
-    import torch
-
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]

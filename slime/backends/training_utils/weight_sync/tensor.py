@@ -3,12 +3,12 @@
 Per bucket of one dtype (at most --update-weight-buffer-size bytes): every feeding rank copies its full,
 HF-named tensors into one flat tensor on its device and serializes it for SGLang's
 `/update_weights_from_tensor` (load_format "flattened_bucket"; CUDA IPC handles on a GPU, shared memory on
-CPU; see sglang_utils/tensor_payload.py). An engine's TP ranks are fed by the trainer ranks on their
-devices (`training_utils/weight_feed.py`); those ranks gather their payloads to the engine's first one,
+CPU; see payload.py). An engine's TP ranks are fed by the trainer ranks on their
+devices (`feed.py`); those ranks gather their payloads to the engine's first one,
 which posts them in TP order. The flat tensor stays alive until the engine has copied it and replied; then, on a
 GPU, `torch.cuda.ipc_collect()` releases the CUDA IPC handles the engine has closed (as SGLang expects of a
 sender: otherwise every bucket's memory stays allocated until the process ends). Only the last bucket says
-`flush_cache` (see update_weight.py). Rank 0 opens and closes SGLang's weight-update session around it all.
+`flush_cache` (see updater.py). Rank 0 opens and closes SGLang's weight-update session around it all.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from slime.backends.fsdp_utils.engine_calls import post
-from slime.backends.sglang_utils.tensor_payload import dtype_buckets, flatten_bucket, serialize
-from slime.backends.training_utils.weight_feed import EngineFeed
+from slime.backends.training_utils.weight_sync.engine_calls import post
+from slime.backends.training_utils.weight_sync.feed import EngineFeed
+from slime.backends.training_utils.weight_sync.payload import dtype_buckets, flatten_bucket, serialize
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,176 @@
+"""The partial-rollout buffer (APRIL), which owns the ledger (`slime/utils/ledger.py`).
+
+`PartialRolloutBuffer` holds the groups between rollout steps:
+- parked groups: unfinished (at least one member not finished) groups with
+  all their per-token fields, handed out first next step (FIFO, or
+  `--buffer-filter-path`);
+- ready groups: groups that finished (rewarded, accepted) after the step's
+  target was met; they stay `finished` in the ledger and are handed out as
+  accepted groups at the start of the next step instead of being thrown away.
+
+`save(path)`/`load(path)` persist both lists and the ledger atomically (write a
+temporary file, then `os.replace`), so a restart resumes parked groups and
+never trains a group twice. `slime/ray/buffer.py`'s `Buffer` is the same class as a Ray actor (the
+run's one owner of these groups); the simulator holds a plain one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+from slime.utils.ledger import DROPPED, FINISHED, ISSUED, PARKED, Ledger, LedgerError, group_id, is_group_finished
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+SAVE_FORMAT_VERSION = 1
+
+
+class PartialRolloutBuffer:
+    """Parked partial groups + ready finished groups + the ledger (plain class; `Buffer` is the Ray actor)."""
+
+    def __init__(self, args: Any = None) -> None:
+        self.args = args
+        self.ledger = Ledger()
+        self._parked: list[list[Sample]] = []
+        self._ready: list[list[Sample]] = []
+        path = args.buffer_filter_path if args is not None else None
+        self._filter = load_function(path) if path else None
+
+    # ---- ledger passthrough --------------------------------------------------
+    def mark(self, group_ids: list[int], state: str, reason: str | None = None) -> None:
+        self.ledger.mark(group_ids, state, reason)
+
+    def issue(self, groups: list[list[Sample]]) -> None:
+        """Record fresh groups as issued (the rollout calls this before submitting them)."""
+        self.ledger.mark([group_id(g) for g in groups], ISSUED)
+
+    def ledger_summary(self) -> dict[str, int]:
+        return self.ledger.summary()
+
+    def group_state(self, gid: int) -> str | None:
+        return self.ledger.state(gid)
+
+    def check_balanced(self, idle: bool = True) -> dict[str, int]:
+        return self.ledger.check_balanced(
+            [group_id(g) for g in self._parked], [group_id(g) for g in self._ready], idle=idle
+        )
+
+    # ---- parked groups ---------------------------------------------------------
+    def park(self, groups: list[list[Sample]]) -> None:
+        """Hold unfinished groups (issued -> parked); finished members are kept as they are."""
+        ids = [group_id(g) for g in groups]
+        done = [gid for gid, g in zip(ids, groups) if is_group_finished(g)]
+        if done:
+            raise LedgerError(f"cannot park finished groups {done[:10]} (every member is finished)")
+        self.ledger.mark(ids, PARKED)
+        self._parked.extend(groups)
+
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def parked_ids(self) -> list[int]:
+        return [group_id(g) for g in self._parked]
+
+    def take_parked(self, num: int) -> list[list[Sample]]:
+        """Hand out up to `num` parked groups (FIFO or the buffer filter) and mark them issued."""
+        if num <= 0 or not self._parked:
+            return []
+        if self._filter is None:
+            chosen = self._parked[:num]
+        else:
+            chosen = self._filter(self.args, list(self._parked), num)
+            self._check_filter_result(chosen, num)
+        chosen_ids = {id(g) for g in chosen}
+        self.ledger.mark([group_id(g) for g in chosen], ISSUED)
+        self._parked = [g for g in self._parked if id(g) not in chosen_ids]
+        return list(chosen)
+
+    def _check_filter_result(self, chosen: Any, num: int) -> None:
+        where = f"--buffer-filter-path {self.args.buffer_filter_path!r}"
+        if not isinstance(chosen, list):
+            raise TypeError(f"{where} must return a list of groups, got {type(chosen).__name__}")
+        if len(chosen) > num:
+            raise ValueError(f"{where} returned {len(chosen)} groups but only {num} were asked for")
+        held = {id(g) for g in self._parked}
+        seen: set[int] = set()
+        for i, g in enumerate(chosen):
+            if id(g) not in held:
+                raise ValueError(f"{where} returned group #{i} that is not one of the parked groups (must return a subset)")
+            if id(g) in seen:
+                raise ValueError(f"{where} returned parked group {group_id(g)} twice")
+            seen.add(id(g))
+
+    # ---- ready (finished, accepted, not yet handed out) groups ----------------
+    def hold_ready(self, groups: list[list[Sample]]) -> None:
+        """Keep finished groups (already `finished` in the ledger) for the next step."""
+        for g in groups:
+            gid = group_id(g)
+            if not is_group_finished(g):
+                raise LedgerError(f"group {gid} is not finished; park it instead of holding it ready")
+            if self.ledger.state(gid) != FINISHED:
+                raise LedgerError(f"group {gid} is {self.ledger.state(gid) or 'new'} in the ledger, not finished")
+        self._ready.extend(groups)
+
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    def take_ready(self, num: int) -> list[list[Sample]]:
+        """Hand out up to `num` ready groups, oldest first (they stay `finished`)."""
+        out, self._ready = self._ready[: max(num, 0)], self._ready[max(num, 0) :]
+        return out
+
+    # ---- persistence -------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Write parked + ready groups and the ledger to `path` atomically (tmp file + os.replace)."""
+        state = {
+            "format_version": SAVE_FORMAT_VERSION,
+            "parked": [[s.to_dict() for s in g] for g in self._parked],
+            "ready": [[s.to_dict() for s in g] for g in self._ready],
+            "ledger": self.ledger.state_dict(),
+        }
+        try:
+            text = json.dumps(state)
+        except TypeError as e:
+            raise TypeError(f"buffer.save({path}): a sample field (metadata?) is not JSON-serialisable: {e}") from e
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".buffer-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        logger.info("buffer saved to %s: %d parked, %d ready groups", path, len(self._parked), len(self._ready))
+
+    def load(self, path: str) -> None:
+        """Replace this buffer's contents with what `save(path)` wrote."""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"buffer.load: cannot read {path}: {e}") from e
+        if state.get("format_version") != SAVE_FORMAT_VERSION:
+            raise ValueError(f"buffer.load: {path} has format_version {state.get('format_version')!r}, expected {SAVE_FORMAT_VERSION}")
+        ledger = Ledger()
+        ledger.load_state_dict(state["ledger"])
+        parked = [[Sample.from_dict(d) for d in g] for g in state["parked"]]
+        ready = [[Sample.from_dict(d) for d in g] for g in state["ready"]]
+        ledger.check_balanced([group_id(g) for g in parked], [group_id(g) for g in ready], idle=False)
+        lost = ledger.ids_in(ISSUED)
+        if lost:  # saved mid-step: their samples were not saved, so they can never come back
+            logger.warning("buffer.load: %d groups were issued when %s was saved; marking them dropped", len(lost), path)
+            ledger.mark(lost, DROPPED, reason="issued_at_save")
+        self.ledger, self._parked, self._ready = ledger, parked, ready
+        logger.info("buffer loaded from %s: %d parked, %d ready groups", path, len(parked), len(ready))
+

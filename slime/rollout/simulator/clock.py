@@ -1,0 +1,107 @@
+"""asyncio on a simulated clock: the real rollout step runs on it against the simulated engines.
+
+`VirtualTimeLoop` is asyncio's own selector event loop whose `time()` is simulated: when nothing is ready to
+run, instead of waiting for the next timer it jumps the clock to it. Everything scheduled through the loop
+(`asyncio.sleep`, `wait_for` timeouts, the simulated engines' events) therefore happens in simulated time, in
+time order, and callbacks due at the same time run in the order they were scheduled. A simulation of hours
+of rollout takes as long as its events take to compute.
+
+`run_virtual(coro)` runs a coroutine to completion on a fresh loop (in the calling thread, which may be any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import selectors
+
+# how long the loop waits for another thread when nothing at all is scheduled (in the simulation nothing should
+# come from another thread: a wait that long means the simulated rollout deadlocked)
+STALL_WAIT_S = 60.0
+
+
+class _Tick(float):
+    """A timer's due time that orders equal times by when they were scheduled (asyncio's own timers compare
+    only the time)."""
+
+    def __new__(cls, when: float, seq: int):
+        tick = super().__new__(cls, when)
+        tick.seq = seq
+        return tick
+
+    def __lt__(self, other):
+        if isinstance(other, _Tick) and float.__eq__(self, other):
+            return self.seq < other.seq
+        return float.__lt__(self, other)
+
+
+class _JumpSelector(selectors.DefaultSelector):
+    """Answers at once; a wait for the next timer moves the loop's clock there instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.loop: VirtualTimeLoop | None = None
+
+    def select(self, timeout=None):
+        # (a call from another thread puts its callback in the ready queue itself; the loop's self-pipe only wakes
+        # a loop that waits, so it is read only when nothing at all is scheduled)
+        if timeout == 0:
+            return []
+        if timeout is None:  # nothing scheduled, nothing ready: only another thread can go on
+            events = super().select(STALL_WAIT_S)
+            if not events:
+                raise RuntimeError(f"simulation stalled: nothing scheduled for {STALL_WAIT_S:.0f}s of wall time "
+                                   "(a coroutine waits for something no simulated event will do)")
+            return events
+        self.loop.advance(timeout)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self, start: float = 0.0):
+        selector = _JumpSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self._now = float(start)
+        self._tick = itertools.count()
+
+    def time(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    def call_at(self, when, callback, *args, context=None):
+        return super().call_at(_Tick(when, next(self._tick)), callback, *args, context=context)
+
+
+def run_virtual(coro, start: float = 0.0):
+    """Run `coro` on a fresh `VirtualTimeLoop` and return its result; tasks left over are cancelled. Called from a
+    thread that already runs an event loop (a benchmark's), it runs on a worker thread (and blocks, as any
+    computation does)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run(coro, start)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simulation") as pool:
+        return pool.submit(_run, coro, start).result()
+
+
+def _run(coro, start: float):
+    loop = VirtualTimeLoop(start)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+__all__ = ["VirtualTimeLoop", "run_virtual"]

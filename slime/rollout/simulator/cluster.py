@@ -1,0 +1,241 @@
+"""What the real rollout step talks to in the simulator: the simulated engines behind a router, the client's
+requests to them, and the prompt groups.
+
+- `SimCluster`: the engines (slime/rollout/simulator/engine.py) behind a round-robin router, seen as the step
+  sees an `EngineGroup` (`worker_urls`, `abort_all_until_idle`), and the client: one serial resource that
+  sends each request and reads each reply, at the cost model's client costs.
+- `SimRequester`: the step's request loop (slime/rollout/sampling_request.py's `RequestLoop`: budget,
+  statuses, resumes) with requests sent to the simulated engines instead of over HTTP.
+- `SimSample`: one sample, answering what the step reads of a `Sample` from runs of (version, tokens).
+- `SimSource`: fresh prompt groups of `SimSample`s drawn from a length model (the data source).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from collections import Counter
+
+from slime.rollout.sampling_request import RequestLoop
+from slime.rollout.simulator.engine import EventLoop, SimEngine, SimRequest
+from slime.utils.types import Status
+
+
+class SimSample:
+    """One sample's progress: its final length (known to the simulator, not to the engines), its tokens so
+    far and the policy version of each run of them. It answers what the rollout step, the staleness cap,
+    the buffer and the metrics read of a `Sample` (slime/utils/types.py), from the runs instead of per-token
+    lists: a 16k-token response is a handful of numbers here."""
+
+    __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
+                 "status", "metadata", "reward", "masked_below")
+
+    def __init__(self, sid: int, gid: int, prompt_len: int, final_len: int, budget: int):
+        self.index, self.group_index, self.prompt_len = sid, gid, prompt_len
+        self.final_len, self.budget = min(final_len, budget), budget
+        self.resp_len = 0
+        self.segments: list[list[int]] = []  # [version, tokens]
+        self.kv: tuple[int, int] | None = None  # (engine id, cached tokens) of its last abort
+        self.status = Status.PENDING
+        self.metadata = {"max_response_len": budget}
+        self.reward = None
+        self.masked_below: int | None = None  # tokens of older versions are out of the loss
+
+    @property
+    def sid(self) -> int:
+        return self.index
+
+    @property
+    def gid(self) -> int:
+        return self.group_index
+
+    @property
+    def n_tokens(self) -> int:
+        return self.prompt_len + self.resp_len
+
+    @property
+    def response_length(self) -> int:
+        return self.resp_len
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_len
+
+    def add(self, segments: list[tuple[int, int]]) -> None:
+        for version, n in segments:
+            if n <= 0:
+                continue
+            if self.segments and self.segments[-1][0] == version:
+                self.segments[-1][1] += n
+            else:
+                self.segments.append([version, n])
+            self.resp_len += n
+
+    # ---- what the step reads of a Sample -----------------------------------------------------
+    def reset_response(self) -> None:
+        """Drop the response (a staleness restart)."""
+        self.resp_len, self.segments, self.kv, self.masked_below = 0, [], None, None
+        self.status = Status.PENDING
+
+    def oldest_version(self) -> int | None:
+        return min(v for v, _ in self.segments) if self.segments else None
+
+    def newest_version(self) -> int | None:
+        return max(v for v, _ in self.segments) if self.segments else None
+
+    def _masked(self, version: int) -> bool:
+        return self.masked_below is not None and version < self.masked_below
+
+    def mask_tokens_older_than(self, min_version: int) -> int:
+        masked = sum(n for v, n in self.segments if v < min_version and not self._masked(v))
+        self.masked_below = max(min_version, self.masked_below if self.masked_below is not None else min_version)
+        return masked
+
+    def loss_tokens_older_than(self, min_version: int) -> int:
+        return sum(n for v, n in self.segments if v < min_version and not self._masked(v))
+
+    def version_counts(self, in_loss_only: bool = True) -> Counter:
+        out: Counter = Counter()
+        for v, n in self.segments:
+            if not (in_loss_only and self._masked(v)):
+                out[v] += n
+        return out
+
+    def masked_tokens(self) -> int:
+        return sum(n for v, n in self.segments if self._masked(v))
+
+    def scalar_reward(self, reward_key=None):
+        return None
+
+
+class SimCluster:
+    router_url = "sim://router"
+
+    def __init__(self, events: EventLoop, engines: list[SimEngine]):
+        self.events, self.engines = events, engines
+        self.cost = engines[0].cost
+        self.rr = 0
+        self.seq = 0
+        self.in_flight = 0
+        self.requests = 0
+        self.new_tokens = 0
+        self.reprefill_tokens = 0
+        self.timeline: list[tuple[float, int]] | None = None  # (t, requests in flight), the client's view
+        self.client_free_at = 0.0  # the client sends one request after another
+
+    # ---- as the step sees an EngineGroup -----------------------------------------------------
+    def worker_urls(self) -> list[str]:
+        return [f"sim://engine-{e.eid}" for e in self.engines]
+
+    async def abort_all_until_idle(self, timeout: float = 0.0, session=None, exclude=frozenset()) -> float:
+        """Abort-all reaches every engine `abort_s` from now; the engines are idle once its reply is back."""
+        t = self.events.now
+        self.command_all(t + self.cost.abort_s, "abort")
+        took = self.cost.abort_s + self.cost.request_latency_s
+        await asyncio.sleep(took)
+        return took
+
+    # ---- the client -------------------------------------------------------------------------
+    def request(self, sample: SimSample) -> asyncio.Future:
+        """Send `sample`'s request now (after the client's queued work); resolves to (segments, finished) once
+        the client has read the reply."""
+        fut = self.events.aloop.create_future()
+        eng = self.engines[self.rr % len(self.engines)]
+        cost = eng.cost
+        t = max(self.events.now, self.client_free_at) + cost.client_per_request_s / 2 \
+            + cost.client_per_input_token_s * sample.n_tokens
+        self.client_free_at = t
+        self.rr += 1
+        self.seq += 1
+        self.requests += 1
+        if sample.resp_len:
+            self.reprefill_tokens += sample.n_tokens
+        self.in_flight += 1
+        if self.timeline is not None:
+            self.timeline.append((t, self.in_flight))
+        req = SimRequest(self.seq, sample, t + cost.request_latency_s / 2, functools.partial(self._receive, fut))
+        self.events.at(req.arrive_t, eng.deliver, "request", req)
+        return fut
+
+    def _receive(self, fut: asyncio.Future, t: float, req: SimRequest, segs, finished: bool) -> None:
+        """A reply reaches the client, which reads it (per request and per token) when it is free."""
+        t = max(t, self.client_free_at) + self.cost.client_per_request_s / 2 \
+            + self.cost.client_per_token_s * sum(n for _, n in segs)
+        self.client_free_at = t
+        self.events.at(t, self._read, fut, segs, finished)
+
+    def _read(self, t: float, fut: asyncio.Future, segs, finished: bool) -> None:
+        self.in_flight -= 1
+        self.new_tokens += sum(n for _, n in segs)
+        if self.timeline is not None:
+            self.timeline.append((t, self.in_flight))
+        fut.set_result((segs, finished))
+
+    # ---- commands ----------------------------------------------------------------------------
+    def command_all(self, t: float, kind: str, payload=None) -> None:
+        for eng in self.engines:
+            self.events.at(t, eng.deliver, kind, payload)
+
+    def set_version(self, version: int, flush: bool) -> None:
+        """New weights while the engines are idle (between synchronous steps)."""
+        for e in self.engines:
+            e.version = version
+            if flush:
+                e.cache.clear()
+
+    def busy_s(self) -> float:
+        return sum(e.busy_s() for e in self.engines)
+
+
+class SimRequester(RequestLoop):
+    """The step's request loop, each request sent to the simulated engines."""
+
+    def __init__(self, cluster: SimCluster, max_response_len: int, rollout_id: int = 0):
+        super().__init__(max_response_len, rollout_id)
+        self.cluster = cluster
+
+    async def send(self, sample: SimSample, rid: str | None = None, window=None) -> int:
+        # (the simulated engines tag every token with the version that produced it: nothing to check)
+        self.requests += 1
+        self._in_flight(+1)
+        try:
+            segs, finished = await self.cluster.request(sample)
+        finally:
+            self._in_flight(-1)
+        sample.add(segs)
+        got = sum(n for _, n in segs)
+        self.new_tokens += got
+        if finished:
+            sample.status = Status.TRUNCATED if sample.resp_len >= sample.budget else Status.COMPLETED
+        else:
+            sample.status = Status.ABORTED
+        return got
+
+
+class SimSource:
+    """Fresh groups of `n` samples from `lengths` (each sample's final length drawn, its budget the cap, or its
+    length with `budgets_are_lengths`: ignore_eos benchmarks)."""
+
+    def __init__(self, lengths, n: int, max_response_len: int, seed: int, budgets_are_lengths: bool = False):
+        self.lengths, self.n, self.max_len = lengths, n, max_response_len
+        self.rng = random.Random(seed)
+        self.budgets_are_lengths = budgets_are_lengths
+        self.next_gid = 0
+        self.next_sid = 0
+
+    def get_groups(self, num: int) -> list[list[SimSample]]:
+        out = []
+        for _ in range(num):
+            prompt, lens = self.lengths.sample_group(self.rng, self.n)
+            group = []
+            for x in lens:
+                budget = min(self.max_len, x) if self.budgets_are_lengths else self.max_len
+                group.append(SimSample(self.next_sid, self.next_gid, prompt, min(x, self.max_len), budget))
+                self.next_sid += 1
+            out.append(group)
+            self.next_gid += 1
+        return out
+
+
+__all__ = ["SimCluster", "SimRequester", "SimSource"]

@@ -65,19 +65,25 @@ def sample(versions, status=Status.ABORTED, mask=None, budget=None):
 
 
 @pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
-def test_staleness_policies_touch_only_stale_unfinished_samples(policy):
+def test_staleness_policies_touch_only_stale_samples(policy):
+    """Unfinished members with any old token, and finished members with an old token still in the loss (they
+    train with the resumed group), get the policy; fresh members and old tokens already out of the loss do not."""
     stale, fresh, done = sample([0, 0, 2]), sample([2, 3]), sample([0, 1], Status.COMPLETED)
-    counts = StalenessCap(1, policy).at_resume([[stale, fresh, done]], train_version=3)
-    assert counts[policy] == 1 and counts["stale_groups"] == 1
+    done_masked = sample([0, 2], Status.COMPLETED, mask=[0, 1])  # its old token is already out of the loss
+    counts = StalenessCap(1, policy).at_resume([[stale, fresh, done, done_masked]], train_version=3)
+    assert counts[policy] == 2 and counts["stale_groups"] == 1
     assert fresh.weight_versions == [2, 3] and fresh.loss_mask == [1, 1]
-    assert done.weight_versions == [0, 1] and done.loss_mask == [1, 1]  # finished members are final
-    if policy == "restart":
-        assert stale.tokens == [1, 2] and stale.response_length == 0 and stale.status == Status.PENDING
-        assert counts["restarted_tokens"] == 3
-    elif policy == "mask":
-        assert stale.loss_mask == [0, 0, 1] and counts["masked_tokens"] == 2 and stale.response_length == 3
+    assert done_masked.weight_versions == [0, 2] and done_masked.loss_mask == [0, 1]
+    assert done_masked.status == Status.COMPLETED
+    if policy == "restart":  # both are generated again with the group
+        for s in (stale, done):
+            assert s.tokens == [1, 2] and s.response_length == 0 and s.status == Status.PENDING and s.reward is None
+        assert counts["restarted_tokens"] == 5
+    elif policy == "mask":  # the old tokens leave the loss, the finished member stays finished
+        assert stale.loss_mask == [0, 0, 1] and done.loss_mask == [0, 0] and counts["masked_tokens"] == 4
+        assert stale.response_length == 3 and done.status == Status.COMPLETED
     else:
-        assert stale.loss_mask == [1, 1, 1]
+        assert stale.loss_mask == [1, 1, 1] and done.loss_mask == [1, 1]
     assert not StalenessCap(None, policy).at_resume([[sample([0])]], 3)  # no cap: nothing happens
 
 

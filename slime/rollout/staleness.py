@@ -4,8 +4,9 @@ Every response token carries the policy version that produced it. Measured again
 train a group (`train_version`), a token older than `train_version - max_staleness` is stale, and the
 policy says what happens to it:
 
-- `restart`: an unfinished sample drops its response and is generated again from the prompt; a finished
-  group cannot be regenerated, so the caller drops it;
+- `restart`: the sample drops its response and is generated again from the prompt (at resume that includes a
+  finished member of the group); a group that has wholly finished cannot be regenerated before training, so
+  the caller drops it;
 - `mask`: the stale tokens stay as context, their loss mask is zeroed (`Sample.mask_tokens_older_than`);
 - `keep`: everything stays; importance-sampling correction (TIS) handles it.
 
@@ -55,10 +56,14 @@ class StalenessCap:
         return None if self.max_staleness is None else train_version - self.max_staleness
 
     def is_stale(self, sample, train_version: int) -> bool:
-        """An unfinished sample holding a token older than the floor (finished samples are final)."""
+        """A sample holding a token older than the floor: any token of an unfinished sample (it is context for
+        what comes next), a token still in the loss of a finished one (a finished member of a resumed group
+        trains with the group: restart regenerates it with the others, mask takes its old tokens out)."""
         floor = self.floor(train_version)
-        if floor is None or sample.status.is_finished:
+        if floor is None:
             return False
+        if sample.status.is_finished:
+            return sample.loss_tokens_older_than(floor) > 0
         oldest = sample.oldest_version()
         return oldest is not None and oldest < floor
 
@@ -73,7 +78,7 @@ class StalenessCap:
 
     # ---- the sites ---------------------------------------------------------------------------
     def at_resume(self, groups: list[list], train_version: int) -> Counter:
-        """The policy applied in place to the stale unfinished members of parked `groups` handed out again.
+        """The policy applied in place to the stale members of parked `groups` handed out again.
         Counts: `restart` / `mask` / `keep` (samples), `masked_tokens`, `restarted_tokens`, `stale_groups`."""
         counts: Counter = Counter()
         floor = self.floor(train_version)

@@ -1,6 +1,6 @@
 """RL training with APRIL partial rollouts: read this file top to bottom.
 
-    setup → for each step: rollout → train → update weights → save → eval
+    setup → for each step: rollout → train → update weights → eval → log → save
 
 `train_async.py` is the same loop with the rollout running ahead of the trainer; the pieces both use
 (checks, set-up, resume, training step, weight push, checkpoints, eval, logging) are in
@@ -45,15 +45,15 @@ def train(args) -> dict:
             with run.phases.weight_sync():
                 step_metrics.update(run.push_weights(rollout_id, run.new_policy_version()))
 
-        # 4. Save (every --save-interval steps, and after the last one).
-        if run.save_due(rollout_id):
-            run.save(rollout_id)
-
-        # 5. Eval (never enters the buffer, never trains).
+        # 4. Eval (never enters the buffer, never trains).
         if run.eval_due(rollout_id):
             step_metrics.update(run.evaluate(rollout_id))
-
         run.log(rollout_id, step_metrics)
+
+        # 5. Save (every --save-interval steps, and after the last one), after the step's metrics are logged:
+        #    a checkpoint of step k always has step k's row (a resume drops the rows after its checkpoint).
+        if run.save_due(rollout_id):
+            run.save(rollout_id)
 
     return run.finish()
 

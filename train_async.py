@@ -1,7 +1,7 @@
 """Asynchronous RL training with APRIL partial rollouts: read this file top to bottom.
 
     setup → start the rollout (it runs ahead of the trainer, on its own thread)
-          → for each step: take a batch → train → update weights in flight → save → eval
+          → for each step: take a batch → train → update weights in flight → eval → log → save
 
 With `--rollout-mode chunked|pool` (one-step-off) the rollout of step k+1 (APRIL: over-sample, stop at the
 target, abort, park, resume parked first) runs while the trainer trains on step k. With `--rollout-mode
@@ -57,17 +57,16 @@ def train(args) -> dict:
                 with rollout.updating_weights(version):
                     step_metrics.update(run.push_weights(rollout_id, version))
 
-            # 4. Save, with everything in flight parked in the buffer first.
-            if run.save_due(rollout_id):
-                with rollout.quiesced(resume=not run.is_last(rollout_id)):
-                    run.save(rollout_id)
-
-            # 5. Eval, with the rollout paused (it shares the engines).
+            # 4. Eval, with the rollout paused (it shares the engines).
             if eval_due:
                 with rollout.paused("eval"):
                     step_metrics.update(run.evaluate(rollout_id))
-
             run.log(rollout_id, step_metrics)
+
+            # 5. Save, with everything in flight parked in the buffer first (after the step's row is logged).
+            if run.save_due(rollout_id):
+                with rollout.quiesced(resume=not run.is_last(rollout_id)):
+                    run.save(rollout_id)
     finally:
         rollout.stop()  # parks whatever is still in flight
     return run.finish()

@@ -1,0 +1,63 @@
+"""Tools for the tool-runner and multi-turn tests (run inside tool workers, imported by dotted path)."""
+
+import os
+import time
+
+
+def echo(arguments):
+    return f"echo:{arguments}"
+
+
+def upper(arguments):
+    return str(arguments["text"]).upper()
+
+
+def raises(arguments):
+    raise ZeroDivisionError("division by zero")
+
+
+def hangs(arguments):
+    time.sleep(3600)
+    return "never"
+
+
+def returns_int(arguments):
+    return 42
+
+
+def floods(arguments):
+    return "x" * 100_000
+
+
+def prints_then_answers(arguments):
+    print("noise on stdout that must not reach the reply")
+    os.write(1, b"more noise from fd 1\n")
+    return "answer"
+
+
+def exits(arguments):
+    os._exit(3)
+
+
+def connects(arguments):
+    import socket
+
+    s = socket.socket()
+    s.settimeout(2)
+    s.connect(("127.0.0.1", int(arguments)))
+    return "connected"
+
+
+def pid(arguments):
+    return str(os.getpid())
+
+
+def counts_runs(arguments):
+    """Appends one line to the file named by `arguments` per run (a tool with a side effect)."""
+    with open(arguments, "a") as f:
+        f.write("run\n")
+    return "done"
+
+
+def environment(arguments):
+    return ",".join(sorted(os.environ))

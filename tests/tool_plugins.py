@@ -61,3 +61,18 @@ def counts_runs(arguments):
 
 def environment(arguments):
     return ",".join(sorted(os.environ))
+
+
+def counting_calculator(arguments):
+    """subtract_tool's calculator that also logs each run to calls.log in its working directory (the runner's
+    scratch directory), so a test can count how often a call really ran."""
+    from slime.tasks.subtract_tool import calculator
+
+    with open("calls.log", "a") as f:
+        f.write(f"{arguments}\n")
+    return calculator(arguments)
+
+
+def slow_counting_calculator(arguments):
+    time.sleep(0.3)
+    return counting_calculator(arguments)

@@ -115,9 +115,9 @@ class ToolRunner:
         self.keep_results = keep_results
         # a reply is JSON: each character at most 6 bytes (an escape), plus the fields around it
         self.max_reply_bytes = 6 * self.max_output_chars + 4096
-        self._scratch = tempfile.mkdtemp(prefix="slime-tools-")
+        self.scratch_dir = tempfile.mkdtemp(prefix="slime-tools-")  # the workers' working and home directory
         self._env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
-        self._env.update(HOME=self._scratch, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path),
+        self._env.update(HOME=self.scratch_dir, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path),
                          PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
         self._cmd = [sys.executable, "-m", "slime.utils.tool_worker", "--max-output-chars", str(self.max_output_chars),
                      "--memory-mb", str(self.memory_mb)]
@@ -139,7 +139,7 @@ class ToolRunner:
             if self.closed:
                 raise RuntimeError("ToolRunner is closed")
             fut = self._calls.get(call_id)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():  # a cancelled call never started: it may be sent again
                 return fut
             timeout = float(spec.timeout_s or self.timeout_s)
             fut = self._pool.submit(self._run, spec.function, arguments, timeout)
@@ -208,12 +208,13 @@ class ToolRunner:
         if old is not None:
             old.kill()
             self._forget_worker(old)
-        with self._lock:
-            if self.closed:
-                raise OSError("ToolRunner is closed")
-        worker = _Worker(self._cmd, self._env, self._scratch)
-        with self._lock:
+        worker = _Worker(self._cmd, self._env, self.scratch_dir)
+        with self._lock:  # registered before close() can miss it: a worker started while closing is killed here
             self._live.add(worker)
+            closed = self.closed
+        if closed:
+            worker.kill()
+            raise OSError("ToolRunner is closed")
         hello = worker.read_line(time.monotonic() + WORKER_START_TIMEOUT_S, 4096)
         if isinstance(hello, str):
             worker.kill()
@@ -239,7 +240,7 @@ class ToolRunner:
         for w in live:
             w.kill()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
     def __enter__(self) -> "ToolRunner":
         return self

@@ -355,3 +355,22 @@ def test_upstream_signature_generate_runs_in_the_agent_scope(tok, script, runner
     assert asyncio.run(main()).response_tokens == target
     with pytest.raises(RuntimeError, match="no agent_scope is active"):
         asyncio.run(generate(None, fresh_sample(tok), {"max_new_tokens": 256}))
+
+
+# ---- the flags --------------------------------------------------------------------------------------------------
+def test_agent_flags_are_filled_with_agent_env_and_refused_without(base_args):
+    from slime.arguments import ArgumentError, parse_args
+
+    base = ["--hf-checkpoint", base_args.hf_checkpoint, "--prompt-data", base_args.prompt_data, "--rm-type", "math",
+            "--rollout-batch-size", "1", "--num-rollout", "1", "--run-dir", base_args.run_dir]
+    a = parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--max-tokens-per-turn", "64"])
+    assert a.custom_generate_function_path == "slime.rollout.multi_turn.generate"
+    assert (a.max_turns, a.tool_timeout, a.tool_workers, a.max_tokens_per_turn) == (16, 30.0, 4, 64)
+    assert base_args.agent_env is None and base_args.max_turns is None and base_args.tool_timeout is None
+    with pytest.raises(ArgumentError, match="--max-turns: needs --agent-env"):
+        parse_args(base + ["--max-turns", "4"])
+    with pytest.raises(ArgumentError, match="--agent-env: runs the built-in multi-turn generate"):
+        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV",
+                           "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate"])
+    with pytest.raises(ArgumentError, match="--tool-timeout: must be > 0"):
+        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--tool-timeout", "0"])

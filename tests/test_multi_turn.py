@@ -374,3 +374,45 @@ def test_agent_flags_are_filled_with_agent_env_and_refused_without(base_args):
                            "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate"])
     with pytest.raises(ArgumentError, match="--tool-timeout: must be > 0"):
         parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--tool-timeout", "0"])
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args, tmp_path):
+    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the logits that
+    predict observation tokens get exactly zero gradient, those that predict model tokens do not."""
+    import torch
+
+    from slime.backends.fsdp_utils.model import forward_items
+    from slime.backends.training_utils.data import flatten_groups
+    from slime.backends.training_utils.loss import compute_rollout_tensors, micro_batch_loss
+    from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
+
+    torch.manual_seed(0)
+    model = build_tiny_qwen3(str(tmp_path / "m"), tok, TinyQwen3Spec(hidden_size=32, num_hidden_layers=1,
+                                                                     num_attention_heads=2, num_key_value_heads=1,
+                                                                     intermediate_size=64), seed=0)
+    target, obs = script
+    agent = ToolAgent(COUNTING, tok, runner, max_turns=64)
+    group = [run(agent, fresh_sample(tok, i), ScriptedModel(tok, 6, target, obs), budget=b)
+             for i, b in enumerate((256, 20))]  # complete and cut: different rewards, nonzero advantages
+    for s, r in zip(group, (1.0, 0.0)):
+        s.reward, s.group_index = r, 0
+    args = base_args.replace(use_tis=True, entropy_coef=0.01, advantage_estimator="grpo")
+    item_groups, _ = flatten_groups([group])
+    items = [it for g in item_groups for it in g]
+    with torch.no_grad():
+        old = [lp.detach() for lp in forward_items(model, items, tok.pad_token_id, 1.0)[0]]
+    rt = compute_rollout_tensors(args, item_groups, old, None)
+    lps, ents, logits = forward_items(model, items, tok.pad_token_id, 1.0, with_entropy=True, entropy_grad=True)
+    logits.retain_grad()
+    num_tokens = float(sum(it.loss_mask.sum() for it in items))
+    loss, _ = micro_batch_loss(args, lps, ents, [it.pos for it in items], [it.loss_mask for it in items], rt,
+                               num_tokens, float(len(items)))
+    loss.backward()
+    for i, s in enumerate(group):
+        p = s.prompt_length
+        grad_rows = logits.grad[i, p - 1 : p - 1 + s.response_length].abs().sum(-1)
+        obs_rows = [k for k in range(s.response_length) if s.loss_mask[k] == 0]
+        model_rows = [k for k in range(s.response_length) if s.loss_mask[k] == 1]
+        assert obs_rows and all(grad_rows[k] == 0 for k in obs_rows)
+        assert sum(float(grad_rows[k]) > 0 for k in model_rows) == len(model_rows)

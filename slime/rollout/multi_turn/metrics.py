@@ -1,7 +1,8 @@
 """Per-turn metrics of multi-turn samples (their records, slime/rollout/multi_turn/trajectory.py).
 
 `tool_metrics(samples, prefix)` -> `{prefix}tool/...`: turns per trajectory (mean, max), tool calls per
-trajectory, the share of trajectories with a call, tool time (total and per call), tool failures (by
+trajectory, the tool-call rate (`call_rate`: model turns that ended with a call), the share of trajectories
+with a call, tool time (total and per call), tool failures (by
 tool), bad calls (written badly by the model), calls re-run after a lost result, cut outputs, calls pending
 (parked with an unfinished call), model tokens per turn and observation tokens per trajectory, and the
 off-policy share of model tokens only (observation tokens carry their calling turn's version but were never
@@ -34,6 +35,8 @@ def tool_metrics(samples: list[Sample], prefix: str = "rollout/", train_version:
         p + "turns_per_sample_max": float(max(turns)),
         p + "calls_per_sample_mean": len(calls) / n,
         p + "samples_with_call_ratio": sum(1 for _, r in recs if r["calls"]) / n,
+        # the tool-call rate: the share of model turns that ended by calling a tool
+        p + "call_rate": len(calls) / sum(turns) if sum(turns) else 0.0,
         p + "time_s_total": sum(c["seconds"] for c in ran),
         p + "time_s_per_call_mean": sum(c["seconds"] for c in ran) / len(ran) if ran else 0.0,
         p + "failures": float(sum(failed.values())),

@@ -76,3 +76,12 @@ def counting_calculator(arguments):
 def slow_counting_calculator(arguments):
     time.sleep(0.3)
     return counting_calculator(arguments)
+
+
+def _env_with_missing_module():
+    from slime.utils.tool_calls import AgentEnv, ToolCallFormat, ToolSpec
+
+    return AgentEnv(tools=(ToolSpec("ghost", "tests.no_such_module.run"),), call_format=ToolCallFormat("[", "]"))
+
+
+MISSING_TOOL_ENV = _env_with_missing_module()

@@ -23,11 +23,13 @@ again only when its ToolSpec says `safe_to_rerun`; otherwise the sample fails, t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import uuid
 
 from slime.rollout.multi_turn.model_turn import ModelTurn, TurnRefused
 from slime.rollout.multi_turn.trajectory import Trajectory
+from slime.utils.misc import load_function
 from slime.utils.tool_calls import AgentEnv
 from slime.utils.tool_runner import ToolResult, ToolRunner
 from slime.utils.types import Sample, Status
@@ -46,6 +48,29 @@ class ToolAgent:
         close = tokenizer.encode(env.call_format.call_close, add_special_tokens=False)
         # a one-token closing marker stops the engine by id (exact, cheap); otherwise by string
         self.close_token_id = close[0] if len(close) == 1 else None
+
+    @classmethod
+    def from_args(cls, args, tokenizer) -> "ToolAgent":
+        """The agent of `--agent-env` with its own ToolRunner (the caller owns it: `close()` when done)."""
+        env = load_function(args.agent_env)
+        if not isinstance(env, AgentEnv):
+            raise TypeError(f"--agent-env {args.agent_env}: is a {type(env).__name__}, not an AgentEnv "
+                            "(slime/utils/tool_calls.py)")
+        for spec in env.tools:  # found without importing it here: tools are imported only in their workers
+            module = spec.function.rpartition(".")[0]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise ImportError(f"--agent-env {args.agent_env}: tool {spec.name!r} names {spec.function}, but there "
+                                  f"is no module {module}")
+        runner = ToolRunner(workers=args.tool_workers, timeout_s=args.tool_timeout,
+                            max_output_chars=args.tool_max_output_chars, memory_mb=args.tool_memory_mb)
+        return cls(env, tokenizer, runner, args.max_turns, args.max_tokens_per_turn)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def turn_params(self, sampling_params: dict, max_new_tokens: int) -> dict:
         sp = dict(sampling_params, max_new_tokens=max_new_tokens, no_stop_trim=True)

@@ -79,3 +79,29 @@ def test_tool_sampler_feeds_the_calculators_answer_after_each_call(tok, tmp_path
     rows = [{"prompt": p, "label": task.solve(*task.parse_prompt(p))} for p in ("47-5=", "09-3=")]
     out = evaluate_with_tools(model, tok, rows, temperature=1.0)
     assert 0.0 <= out["accuracy"] <= 1.0 and out["num"] == 2 and out["calls_per_sample"] >= 0
+
+
+def test_prepare_cli_builds_the_agentic_task(tmp_path):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    try:
+        import prepare_tiny_task
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "tiny-tool"
+    argv = ["--out", str(out), "--task", "subtract_tool", "--train-size", "30", "--eval-size", "6", "--sft-steps", "3",
+            "--hidden-size", "32", "--num-layers", "1", "--p-call", "0.5"]
+    first = prepare_tiny_task.prepare(prepare_tiny_task.parse_cli(argv))
+    assert first["cached"] is False and 0 <= first["eval_tool_call_share_t1"] and "eval_accuracy_long_t1" not in first
+    key = json.loads(json.loads((out / "model-sft" / "warm_start.json").read_text())["key"])
+    assert key["task"] == "subtract_tool" and key["warm_start"]["p_call"] == 0.5 and key["warm_start"]["cap"] == 24
+    rows = task.read_dataset(str(out / "eval.jsonl"))
+    assert all(r["metadata"]["steps"] <= 24 for r in rows)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out / "model-sft"))
+    assert tok.convert_tokens_to_ids("]") != tok.pad_token_id and tok.decode(tok.encode("[37-5]32", add_special_tokens=False)) == "[37-5]32"
+    assert prepare_tiny_task.prepare(prepare_tiny_task.parse_cli(argv))["cached"] is True

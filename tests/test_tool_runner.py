@@ -148,3 +148,41 @@ def test_json_calls_name_their_tool_and_bad_ones_say_why():
     assert env.bad_call_text("x") == "error: x"
     with pytest.raises(ValueError, match="exactly one"):
         AgentEnv(tools=(spec("echo"), spec("upper")), call_format=ToolCallFormat("[", "]"))
+
+
+OWNER = """
+import sys, time
+from slime.utils.tool_calls import ToolSpec
+from slime.utils.tool_runner import ToolRunner
+r = ToolRunner(workers=2, timeout_s=600)
+pids = [r.submit(f"p{i}", ToolSpec("pid", "tests.tool_plugins.pid"), None).result(timeout=60).output for i in range(2)]
+r.submit("h", ToolSpec("hangs", "tests.tool_plugins.hangs"), None)
+print(r.scratch_dir, *pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_owner_leaves_no_worker_and_its_scratch_is_cleaned_later():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    scratch, *pids = owner.stdout.readline().split()
+    assert os.path.isdir(scratch) and pids
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=30)
+    def alive(pid):  # a zombie waiting for init to reap it is dead
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)  # the workers died with their owner
+    with ToolRunner(workers=1):
+        assert not os.path.exists(scratch)

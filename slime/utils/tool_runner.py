@@ -40,7 +40,19 @@ from slime.utils.tool_calls import ToolSpec
 logger = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 60.0
+SCRATCH_PREFIX = "slime-tools-"
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
+
+
+def _remove_dead_scratch_dirs() -> None:
+    """Scratch directories of runners whose process is gone (a run killed with -9 cannot remove its own)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -115,9 +127,11 @@ class ToolRunner:
         self.keep_results = keep_results
         # a reply is JSON: each character at most 6 bytes (an escape), plus the fields around it
         self.max_reply_bytes = 6 * self.max_output_chars + 4096
-        self.scratch_dir = tempfile.mkdtemp(prefix="slime-tools-")  # the workers' working and home directory
+        _remove_dead_scratch_dirs()
+        # the workers' working and home directory (named by pid: a killed run's is removed by the next runner)
+        self.scratch_dir = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         self._env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
-        self._env.update(HOME=self.scratch_dir, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path),
+        self._env.update(HOME=self.scratch_dir, SLIME_TOOL_PARENT=str(os.getpid()), PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path),
                          PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
         self._cmd = [sys.executable, "-m", "slime.utils.tool_worker", "--max-output-chars", str(self.max_output_chars),
                      "--memory-mb", str(self.memory_mb)]

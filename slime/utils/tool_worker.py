@@ -7,7 +7,8 @@ reply on the original stdout, `{"ok": true, "output": str, "truncated": bool, "s
 `{"ok": false, "error": str, "seconds": float}`. Whatever a tool prints (Python or C) goes to stderr, never
 into the replies.
 
-Isolation, set up before any tool is imported: its own session (the runner kills the whole group), a scratch
+Isolation, set up before any tool is imported: it dies with the process that started it, its own session (the
+runner kills the whole group), a scratch
 working directory, an environment without the trainer's variables (keys, proxies), an address-space limit, and
 no network: a new user + network namespace where the kernel allows one (only a loopback that is down), and
 always an audit hook that refuses socket connect / bind / send and name lookups.
@@ -19,14 +20,26 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 
+_PR_SET_PDEATHSIG = 1
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _REFUSED_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
                              "socket.gethostbyname", "socket.gethostbyaddr"})
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the process that started it dies (kill -9 of the driver leaves no worker behind)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(os.environ.pop("SLIME_TOOL_PARENT", os.getppid())):
+        os._exit(1)  # the parent died before the line above took effect
 
 
 def _own_network_namespace() -> bool:
@@ -89,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-output-chars", type=int, required=True)
     p.add_argument("--memory-mb", type=int, default=0)
     a = p.parse_args(argv)
+    _die_with_parent()
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # a tool's prints (and a C library's writes to fd 1) go to stderr, never into the replies
     sys.stdout = sys.stderr

@@ -262,6 +262,10 @@ def test_budgets_total_per_turn_and_turns(tok, script, reference, runner):
         s = run(agent, fresh_sample(tok), ScriptedModel(tok, 6, target, obs), budget=budget)
         assert s.status is Status.TRUNCATED and s.response_tokens == target[:budget], budget
     first_turn = next(p for p, o in enumerate(obs) if o)  # tokens of the first model turn
+    before = len(runs_logged(runner))
+    s = run(agent, fresh_sample(tok), ScriptedModel(tok, 6, target, obs), budget=first_turn)  # no room for the answer
+    assert s.status is Status.TRUNCATED and s.metadata[KEY]["calls"] == [] and len(runs_logged(runner)) == before
+    assert s.metadata[KEY]["turns"][-1]["end_reason"] == "length"
     per_turn = ToolAgent(COUNTING, tok, runner, max_turns=64, max_tokens_per_turn=first_turn - 1)
     s = run(per_turn, fresh_sample(tok), ScriptedModel(tok, 6, target, obs))
     assert s.status is Status.TRUNCATED and s.response_length == first_turn - 1

@@ -135,8 +135,9 @@ class ToolAgent:
                 traj.close_turn("answer" if seg.finish == "stop" else "length")
                 sample.status = Status.COMPLETED if seg.finish == "stop" else Status.TRUNCATED
                 return sample
-            if traj.model_turns() >= self.max_turns:
-                traj.close_turn("turn_limit")  # its answer could never be read: the call is not run
+            if traj.model_turns() >= self.max_turns or sample.response_length >= limit:
+                # its answer could never be read (no turn left, or no room left): the call is not run
+                traj.close_turn("turn_limit" if sample.response_length < limit else "length")
                 sample.status = Status.TRUNCATED
                 return sample
             traj.close_turn("call")

@@ -382,19 +382,20 @@ def test_agent_flags_are_filled_with_agent_env_and_refused_without(base_args):
 
 # ---- training ---------------------------------------------------------------------------------------------------
 def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args, tmp_path):
-    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the logits that
-    predict observation tokens get exactly zero gradient, those that predict model tokens do not."""
+    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the log-probs and
+    entropies of observation tokens get exactly zero gradient, every model token's log-prob does not."""
     import torch
 
-    from slime.backends.fsdp_utils.model import forward_items
-    from slime.backends.training_utils.data import flatten_groups
-    from slime.backends.training_utils.loss import compute_rollout_tensors, micro_batch_loss
+    from slime.backends.fsdp_utils.model import forward_micro_batch, load_hf_model
+    from slime.backends.training_utils.data import build_micro_batch, flatten_groups
+    from slime.backends.training_utils.loss import compute_rollout_tensors, loss_inputs, micro_batch_loss
     from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
 
     torch.manual_seed(0)
-    model = build_tiny_qwen3(str(tmp_path / "m"), tok, TinyQwen3Spec(hidden_size=32, num_hidden_layers=1,
-                                                                     num_attention_heads=2, num_key_value_heads=1,
-                                                                     intermediate_size=64), seed=0)
+    build_tiny_qwen3(str(tmp_path / "m"), tok, TinyQwen3Spec(hidden_size=32, num_hidden_layers=1,
+                                                             num_attention_heads=2, num_key_value_heads=1,
+                                                             intermediate_size=64), seed=0)
+    model = load_hf_model(str(tmp_path / "m"))  # as the trainer loads it: the head feeds the chunked log-prob head
     target, obs = script
     agent = ToolAgent(COUNTING, tok, runner, max_turns=64)
     group = [run(agent, fresh_sample(tok, i), ScriptedModel(tok, 6, target, obs), budget=b)
@@ -404,22 +405,23 @@ def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args,
     args = base_args.replace(use_tis=True, entropy_coef=0.01, advantage_estimator="grpo")
     item_groups, _ = flatten_groups([group])
     items = [it for g in item_groups for it in g]
+    mb = build_micro_batch(items, tok.pad_token_id, packed=False)
     with torch.no_grad():
-        old = [lp.detach() for lp in forward_items(model, items, tok.pad_token_id, 1.0)[0]]
+        old = list(forward_micro_batch(model, mb, 1.0, 64)[0].split(mb.response_sizes))
     rt = compute_rollout_tensors(args, item_groups, old, None)
-    lps, ents, logits = forward_items(model, items, tok.pad_token_id, 1.0, with_entropy=True, entropy_grad=True)
-    logits.retain_grad()
-    num_tokens = float(sum(it.loss_mask.sum() for it in items))
-    loss, _ = micro_batch_loss(args, lps, ents, [it.pos for it in items], [it.loss_mask for it in items], rt,
-                               num_tokens, float(len(items)))
+    lps, ents, _ = forward_micro_batch(model, mb, 1.0, 64, with_entropy=True, entropy_grad=True)
+    lps.retain_grad()
+    ents.retain_grad()
+    masks = [it.loss_mask for it in items]
+    inp = loss_inputs(args, rt, list(range(len(items))), masks, float(sum(m.sum() for m in masks)),
+                      float(len(items)), "cpu")
+    loss, _ = micro_batch_loss(args, lps, ents, inp)
     loss.backward()
-    for i, s in enumerate(group):
-        p = s.prompt_length
-        grad_rows = logits.grad[i, p - 1 : p - 1 + s.response_length].abs().sum(-1)
-        obs_rows = [k for k in range(s.response_length) if s.loss_mask[k] == 0]
-        model_rows = [k for k in range(s.response_length) if s.loss_mask[k] == 1]
-        assert obs_rows and all(grad_rows[k] == 0 for k in obs_rows)
-        assert sum(float(grad_rows[k]) > 0 for k in model_rows) == len(model_rows)
+    mask = torch.cat(masks)
+    assert (mask == 0).any() and (mask == 1).any()
+    assert torch.all(lps.grad[mask == 0] == 0) and torch.all(ents.grad[mask == 0] == 0)
+    assert torch.all(lps.grad[mask == 1] != 0)
+    assert sum(s.response_length for s in group) == mask.numel()
 
 
 def test_the_agent_of_the_flags(tok, base_args):

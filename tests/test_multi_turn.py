@@ -119,7 +119,7 @@ def script(tok):
 
 
 def run(agent, sample, model, budget=256, stop=None) -> Sample:
-    return asyncio.run(agent.run(sample, {"temperature": 1.0, "max_new_tokens": budget - sample.response_length},
+    return asyncio.run(agent.run(sample, {"temperature": 1.0, "max_new_tokens": budget},
                                  model, stop))
 
 

@@ -1,7 +1,7 @@
 """The multi-turn generate against the embedded engine behind the real sglang-router.
 
 A tiny Qwen3 on the subtract_tool vocabulary, briefly warm-started so that it calls the calculator; model
-turns go through `POST /generate` (HttpModelTurn), tools through a real ToolRunner. Checked: observation
+turns go through `POST /generate` (the rollout's SampleRequester.turn), tools through a real ToolRunner. Checked: observation
 tokens are the calculator's answers and out of the loss, every model token's log-prob is the model's own
 (teacher-forced), and an abort-all on the engines at any moment parks trajectories that resume to valid
 ones (and, greedy, to the very trajectory an uninterrupted run writes).
@@ -19,8 +19,8 @@ import torch
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.rollout.multi_turn import ToolAgent
-from slime.rollout.multi_turn.model_turn import HttpModelTurn
 from slime.rollout.multi_turn.trajectory import KEY
+from slime.rollout.sampling_request import SampleRequester
 from slime.tasks import subtract_tool as task
 from slime.tasks.tool_warm_start import ToolWarmStartConfig, teacher_batches
 from slime.tasks.warm_start import encode_example, train_warm_start
@@ -97,8 +97,8 @@ def check_trajectory(env, s: Sample) -> int:
 async def run_all(env, samples, sp, stop=None, abort_after=None):
     agent = ToolAgent(task.ENV, env["tok"], env["runner"], max_turns=32)
     async with aiohttp.ClientSession() as session:
-        model = HttpModelTurn(session, env["engines"].router_url, policy_version=0)
-        jobs = [asyncio.ensure_future(agent.run(s, dict(sp, max_new_tokens=200 - s.response_length), model, stop))
+        model = SampleRequester(env["args"], session, env["engines"].router_url, {}, 0, 0).turn
+        jobs = [asyncio.ensure_future(agent.run(s, dict(sp, max_new_tokens=200), model, stop))
                 for s in samples]
         if abort_after is not None:
             await asyncio.sleep(abort_after)

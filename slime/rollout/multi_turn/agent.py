@@ -7,8 +7,9 @@
             ends with a call   -> send it to the tool runner (pending), then its observation (loss mask 0)
             ends otherwise     -> the answer: COMPLETED (or TRUNCATED at a length limit)
 
-Budgets: the whole response (model and observation tokens) within `sampling_params["max_new_tokens"]` of
-where the call started (the rollout's budget left, as for any custom generate), each model turn within
+Budgets: the whole response (model and observation tokens) within `sampling_params["max_new_tokens"]` (the
+sample's whole response budget, as upstream slime passes it to any custom generate: a resumed sample has used
+`response_length` of it), each model turn within
 `max_tokens_per_turn`, at most `max_turns` model turns. An observation that does not fit is cut and the
 sample TRUNCATED. A tool that raises, hangs past its limit, dies or returns garbage FAILS the sample
 (`metadata["failure"] = "tool: <name>: <what happened>"`, which the ledger shows as the group's drop reason
@@ -85,7 +86,7 @@ class ToolAgent:
                   stop: asyncio.Event | None = None) -> Sample:
         """Go on with `sample` until it is finished or stopped (ABORTED, resumable); returns the sample."""
         traj = Trajectory.of(sample)
-        limit = sample.response_length + int(sampling_params["max_new_tokens"])
+        limit = int(sampling_params["max_new_tokens"])  # the whole response budget (upstream's convention)
         while True:
             if traj.pending_call() is not None:
                 if not await self._take_result(sample, traj, limit, stop):

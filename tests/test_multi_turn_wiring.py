@@ -215,3 +215,29 @@ def test_batch_metrics_carry_the_tool_metrics_of_multi_turn_samples(args, tok, s
     single = Sample(index=9, group_index=9, tokens=[1, 2], status=Status.COMPLETED, reward=0.0)
     assert not any("tool" in k for k in sample_metrics([[single]]))
     assert task.ENV.tool("calculator") is not None
+
+
+def test_the_staleness_cap_reads_model_tokens_only(args, tok, script, runner, monkeypatch):  # noqa: F811
+    """A trajectory written across versions 0 and 2 (parked after its first call, resumed after two updates):
+    the cap at training (lag 1, mask) masks its version-0 model tokens; observation tokens were never in the
+    loss and stay out, so what the cap counts and masks are model tokens."""
+    target, obs = script
+    model = ScriptedModel(tok, 6, target, obs)
+    monkeypatch.setattr(http_client, "generate", ScriptedEngine(model).generate)
+    agent = ToolAgent(COUNTING, tok, runner, max_turns=64)
+    s = fresh_sample(tok)
+    model.abort_at = len(target) // 2
+    asyncio.run(requester(args, agent).generate(s))
+    assert s.status is Status.ABORTED
+    model.version = 2
+    asyncio.run(requester(args, agent, policy_version=2).generate(s))
+    assert s.status is Status.COMPLETED and set(s.weight_versions) == {0, 2}
+    model_mask = [1 - o for o in obs]
+    assert s.loss_mask == model_mask
+    old_model = sum(1 for v, m in zip(s.weight_versions, model_mask) if m and v < 1)
+    assert 0 < s.loss_tokens_older_than(1) == old_model
+    kept, stale, counts = StalenessCap(1, "mask").before_training([[s]], train_version=2)
+    assert kept == [[s]] and counts["masked_tokens_at_train"] == old_model
+    assert all(m == 0 for m, o in zip(s.loss_mask, obs) if o)
+    assert [m for m, v in zip(s.loss_mask, s.weight_versions) if v == 2] == [1 - o for o, v in
+                                                                               zip(obs, s.weight_versions) if v == 2]

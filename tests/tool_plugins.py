@@ -85,3 +85,27 @@ def _env_with_missing_module():
 
 
 MISSING_TOOL_ENV = _env_with_missing_module()
+
+
+def flaky_calculator(arguments):
+    """subtract_tool's calculator that hangs on a call starting with '9' and raises on one it cannot read (the
+    end-to-end test's tool: its failures are named in the ledger and the run goes on)."""
+    from slime.tasks.subtract_tool import BAD_CALL, calculator
+
+    if str(arguments).startswith("9"):
+        time.sleep(3600)
+    answer = calculator(arguments)
+    if answer == BAD_CALL:
+        raise ValueError(f"cannot subtract {arguments!r}")
+    return answer
+
+
+def _flaky_env():
+    from slime.tasks.subtract_tool import BAD_CALL, CALL_FORMAT
+    from slime.utils.tool_calls import AgentEnv, ToolSpec
+
+    return AgentEnv(tools=(ToolSpec("calculator", "tests.tool_plugins.flaky_calculator", safe_to_rerun=True),),
+                    call_format=CALL_FORMAT, bad_call_output=BAD_CALL)
+
+
+FLAKY_ENV = _flaky_env()

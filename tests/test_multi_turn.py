@@ -348,6 +348,25 @@ def test_a_record_that_does_not_match_the_response_is_refused_and_a_reset_one_re
     assert s.status is Status.COMPLETED and s.response_tokens == target
 
 
+def test_a_staleness_restart_lets_go_of_the_call_it_left_pending(tok, script, runner):
+    target, obs = script
+    model = ScriptedModel(tok, 6, target, obs)
+    model.stop, model.stop_after_call = asyncio.Event(), 1
+    agent = ToolAgent(env_with("tests.tool_plugins.slow_counting_calculator"), tok, runner, max_turns=64)
+    stop = model.stop
+
+    async def first_part():
+        return await agent.run(fresh_sample(tok), {"max_new_tokens": 256}, model, stop)
+
+    s = asyncio.run(first_part())
+    pending = Trajectory.of(s).pending_call()
+    assert pending is not None and runner.lookup(pending["id"]) is not None
+    s.reset_response()  # --staleness-policy restart
+    s = run(agent, s, ScriptedModel(tok, 6, target, obs))
+    assert s.status is Status.COMPLETED and s.response_tokens == target
+    assert runner.lookup(pending["id"]) is None and pending["id"] not in {c["id"] for c in s.metadata[KEY]["calls"]}
+
+
 def test_upstream_signature_generate_runs_in_the_agent_scope(tok, script, runner):
     target, obs = script
     agent = ToolAgent(COUNTING, tok, runner, max_turns=64)

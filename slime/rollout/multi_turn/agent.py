@@ -29,7 +29,7 @@ import logging
 import uuid
 
 from slime.rollout.multi_turn.model_turn import ModelTurn, TurnRefused
-from slime.rollout.multi_turn.trajectory import Trajectory
+from slime.rollout.multi_turn.trajectory import KEY, Trajectory
 from slime.utils.misc import load_function
 from slime.utils.tool_calls import AgentEnv
 from slime.utils.tool_runner import ToolResult, ToolRunner
@@ -85,6 +85,8 @@ class ToolAgent:
     async def run(self, sample: Sample, sampling_params: dict, model: ModelTurn,
                   stop: asyncio.Event | None = None) -> Sample:
         """Go on with `sample` until it is finished or stopped (ABORTED, resumable); returns the sample."""
+        if sample.response_length == 0:
+            self._release_dropped_calls(sample)
         traj = Trajectory.of(sample)
         limit = int(sampling_params["max_new_tokens"])  # the whole response budget (upstream's convention)
         while True:
@@ -148,6 +150,17 @@ class ToolAgent:
                 continue
             record = traj.begin_call(uuid.uuid4().hex, call.name, call.arguments)
             self.runner.submit(record["id"], self.env.tool(call.name), call.arguments)
+
+    def _release_dropped_calls(self, sample: Sample) -> None:
+        """A staleness restart dropped the response its record describes: a call it left pending is withdrawn
+        (or, running, its result is no longer kept); the trajectory starts again."""
+        old = sample.metadata.get(KEY)
+        for call in (old or {}).get("calls", []):
+            if call["state"] == "pending":
+                fut = self.runner.lookup(call["id"])
+                if fut is not None:
+                    fut.cancel()
+                    self.runner.forget(call["id"])
 
     async def _take_result(self, sample: Sample, traj: Trajectory, limit: int, stop: asyncio.Event | None) -> bool:
         """The pending call's result into the sample; False when `stop` came first (the call stays pending)."""

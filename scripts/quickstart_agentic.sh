@@ -3,7 +3,7 @@
 # to call a calculator while it writes a subtract chain (slime/tasks/subtract_tool.py, docs/multi-turn.md).
 # Multi-turn trajectories (model turns, tool calls, observations with loss mask 0) go through APRIL:
 # partial rollouts with over-sampling, so trajectories are parked mid-turn or with a call running, and
-# resumed next step. ~4 minutes on 2 cores the first time (the warm start is cached), ~3 after.
+# resumed next step. ~7 minutes on 2 cores the first time (a ~5-minute warm start, then cached), 2-4 after.
 #
 #   bash scripts/quickstart.sh --agentic                     # train.py, APRIL
 #   STEPS=20 bash scripts/quickstart.sh --agentic            # fewer steps; extra arguments go to train.py

@@ -9,6 +9,7 @@
 #   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
 #   bash scripts/quickstart.sh --train-backend megatron   # the same job on the Megatron-core trainer
 #   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
+#   bash scripts/quickstart.sh --agentic       # multi-turn tool use: a calculator, partial rollouts (docs/multi-turn.md)
 #
 # It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
 # rollout tokens/s, off-policy tokens and staleness, response lengths, engine occupancy over one rollout
@@ -16,6 +17,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# --agentic: the multi-turn tool-use quick start (scripts/quickstart_agentic.sh, docs/multi-turn.md)
+if [[ "${1:-}" == "--agentic" ]]; then shift; exec bash scripts/quickstart_agentic.sh "$@"; fi
 
 MODE=april
 if [[ "${1:-}" == "--no-partial" ]]; then MODE=sync; shift; fi

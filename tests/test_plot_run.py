@@ -91,3 +91,23 @@ def test_staleness_lags_are_banded_so_the_legend_stays_short():
     held = [g for _, h in bands for g in h]
     assert sorted(held) == list(range(31))  # every lag in exactly one band
     assert [b for b, _ in _plot_run().lag_bands([0, 6])] == ["0", "5-8"]  # only the bands that hold a lag
+
+
+def test_a_multi_turn_run_gets_its_tool_use_picture(tmp_path):
+    run = str(tmp_path / "agent")
+    write_run(run, partial=True)
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    for r in rows:
+        if r["step"] >= 0:
+            r["rollout/tool/call_rate"] = 0.3 + 0.05 * r["step"]
+            r["rollout/tool/calls_per_sample_mean"] = 1.0 + 0.3 * r["step"]
+        if "eval/accuracy" in r:
+            r["eval/tiny/tool/call_rate"] = 0.3 + 0.05 * max(0, r["step"])
+            r["eval/tiny/tool/calls_per_sample_mean"] = 1.0 + 0.3 * max(0, r["step"])
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    paths = _plot_run().plot_run(run)
+    tools = [p for p in paths if os.path.basename(p) == "tools.png"]
+    assert tools and open(tools[0], "rb").read(8) == PNG and os.path.getsize(tools[0]) > 5_000
+    write_run(str(tmp_path / "plain"), partial=True)  # no tool metrics: no tools.png
+    assert "tools.png" not in [os.path.basename(p) for p in _plot_run().plot_run(str(tmp_path / "plain"))]

@@ -7,6 +7,8 @@
 - lengths.png: the response-length distribution (every finished sample's final length);
 - occupancy.png: requests in flight over one rollout step, this run beside its sync / APRIL
   sibling when it exists (runs/quickstart-april <-> runs/quickstart-sync, or --compare DIR);
+- tools.png (multi-turn runs, --agent-env): the tool-call rate (model turns that ended with a call) and tool
+  calls per trajectory over steps, in rollouts and evals, beside eval accuracy;
 - simulator.png: the rollout simulator's tokens/s beside the measured ones, per step (needs a cost
   model: --cost, or RUN_DIR/cost_model.json written by `tools/simulate_rollout.py calibrate`; runs
   with `--over-sampling-batch-size auto` also carry the planner's own per-step prediction).
@@ -67,6 +69,37 @@ def plot_reward(rows, out) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, os.path.join(out, "reward.png"))
+
+
+def plot_tools(rows, out) -> str | None:
+    """Tool use of a multi-turn run: rollout/tool/* and eval/<set>/tool/* metrics, with eval accuracy."""
+    rx, rate = _series([r for r in rows if r["step"] >= 0], "rollout/tool/call_rate")
+    if not rx:
+        return None
+    _, per_sample = _series([r for r in rows if r["step"] >= 0], "rollout/tool/calls_per_sample_mean")
+    evals = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("eval/") and k.endswith("/tool/call_rate")})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(rx, rate, lw=1.5, label="rollout tool-call rate")
+    for name in evals:
+        ex, ey = _series(rows, f"eval/{name}/tool/call_rate")
+        left.plot(ex, ey, "s--", lw=1.5, label=f"eval {name} tool-call rate")
+    ax, ay = _series(rows, "eval/accuracy")
+    if ax:
+        left.plot(ax, ay, "o-", lw=2, label="eval accuracy")
+    left.set_ylim(-0.02, 1.02)
+    left.set_xlabel("rollout step")
+    left.set_title("tool-call rate (model turns ending in a call) and accuracy")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    right.plot(rx, per_sample, lw=1.5, label="rollout")
+    for name in evals:
+        ex, ey = _series(rows, f"eval/{name}/tool/calls_per_sample_mean")
+        right.plot(ex, ey, "s--", lw=1.5, label=f"eval {name}")
+    right.set_xlabel("rollout step")
+    right.set_title("tool calls per trajectory")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    return _save(fig, os.path.join(out, "tools.png"))
 
 
 def plot_throughput(rows, out) -> str | None:
@@ -244,7 +277,7 @@ def plot_run(run_dir: str, cost: str | None = None, compare: str | None = None) 
     os.makedirs(out, exist_ok=True)
     if cost is None and os.path.isfile(os.path.join(run_dir, "cost_model.json")):
         cost = os.path.join(run_dir, "cost_model.json")
-    written = [plot_reward(rows, out), plot_throughput(rows, out), plot_off_policy(rows, out),
+    written = [plot_reward(rows, out), plot_tools(rows, out), plot_throughput(rows, out), plot_off_policy(rows, out),
                plot_lengths(trace, rows, out), plot_occupancy(run_dir, trace, out, compare or sibling(run_dir)),
                plot_simulator(run_dir, rows, out, cost if trace else None)]
     return [p for p in written if p]

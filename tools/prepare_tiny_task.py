@@ -1,6 +1,12 @@
 """Prepare the embedded `subtract_chain` quick start: data, tokenizer, tiny Qwen3 and its supervised warm start.
 
     python tools/prepare_tiny_task.py --out runs/tiny
+    python tools/prepare_tiny_task.py --out runs/tiny-tool --task subtract_tool   # the agentic quick start
+
+With `--task subtract_tool` (slime/tasks/subtract_tool.py) the vocabulary has the calculator's call markers,
+chains are capped at 24 steps, and the warm start imitates a teacher that calls the calculator on `--p-call`
+of the steps (observations out of its loss); its accuracy and tool use are measured with the calculator in
+the loop.
 
 writes
     OUT/train.jsonl, OUT/eval.jsonl   rows {"prompt", "label", "metadata"} (--input-key prompt --label-key label)
@@ -32,7 +38,12 @@ def parse_cli(argv=None):
     p.add_argument("--train-size", type=int, default=20000, help="rows in train.jsonl")
     p.add_argument("--eval-size", type=int, default=512, help="rows in eval.jsonl (fixed eval set)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cap", type=int, default=64, help="maximum number of chain steps (response <= 3*cap tokens)")
+    p.add_argument("--task", choices=["subtract_chain", "subtract_tool"], default="subtract_chain",
+                   help="subtract_tool: the agentic variant, with a calculator the model may call")
+    p.add_argument("--p-call", type=float, default=None,
+                   help="subtract_tool: share of steps on which the warm start's teacher calls the calculator")
+    p.add_argument("--cap", type=int, default=None,
+                   help="maximum number of chain steps (default 64; 24 for subtract_tool, whose calls cost 9 tokens a step)")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index of the number of steps")
     p.add_argument("--sft-steps", type=int, default=None, help="supervised warm-start steps (batches)")
     p.add_argument("--sft-seconds", type=float, default=None, help="wall-clock cap on the warm start")
@@ -48,6 +59,7 @@ def parse_cli(argv=None):
 
 
 def _config(a):
+    from slime.tasks.tool_warm_start import ToolWarmStartConfig
     from slime.tasks.warm_start import WarmStartConfig
 
     overrides = {
@@ -63,20 +75,33 @@ def _config(a):
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
     }
+    if a.task == "subtract_tool":
+        overrides["p_call"] = a.p_call
+        return ToolWarmStartConfig(**{k: v for k, v in overrides.items() if v is not None})
+    if a.p_call is not None:
+        raise SystemExit("--p-call is for --task subtract_tool")
     return WarmStartConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def cache_key(a, cfg) -> str:
-    return json.dumps({"warm_start": json.loads(cfg.key()), "train_size": a.train_size, "eval_size": a.eval_size}, sort_keys=True)
+    key = {"warm_start": json.loads(cfg.key()), "train_size": a.train_size, "eval_size": a.eval_size}
+    if a.task != "subtract_chain":  # (the quick start's existing caches keep their key)
+        key["task"] = a.task
+    return json.dumps(key, sort_keys=True)
 
 
 def prepare(a) -> dict:
     import torch
 
-    from slime.tasks import subtract_chain as task
+    import random
+
+    from slime.tasks import subtract_chain, subtract_tool
+    from slime.tasks.tool_warm_start import evaluate_with_tools, teacher_batches
     from slime.tasks.warm_start import evaluate, train_warm_start
     from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
+    agentic = a.task == "subtract_tool"
+    task = subtract_tool if agentic else subtract_chain
     cfg = _config(a)
     key = cache_key(a, cfg)
     out = os.path.abspath(a.out)
@@ -105,10 +130,11 @@ def prepare(a) -> dict:
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=max(256, 4 * cfg.cap + 16),
+        max_position_embeddings=max(256, (9 if agentic else 4) * cfg.cap + 16),
     )
     model = build_tiny_qwen3(os.path.join(out, "model-init"), tokenizer, spec, seed=cfg.seed)
-    history = train_warm_start(model, tokenizer, cfg)
+    batches = teacher_batches(cfg, tokenizer, random.Random(cfg.seed + 1)) if agentic else None
+    history = train_warm_start(model, tokenizer, cfg, batches=batches)
 
     summary = {
         "key": key,
@@ -122,6 +148,12 @@ def prepare(a) -> dict:
         t0 = time.perf_counter()
         rows = task.read_dataset(os.path.join(out, "eval.jsonl"))
         for name, temp in (("t1", 1.0), ("greedy", 0.0)):
+            if agentic:
+                res = evaluate_with_tools(model, tokenizer, rows, temperature=temp, seed=a.seed)
+                summary[f"eval_accuracy_{name}"] = round(res["accuracy"], 4)
+                summary[f"eval_tool_calls_per_sample_{name}"] = round(res["calls_per_sample"], 3)
+                summary[f"eval_tool_call_share_{name}"] = round(res["call_share"], 3)
+                continue
             res = evaluate(model, tokenizer, rows, temperature=temp, seed=a.seed)
             summary[f"eval_accuracy_{name}"] = round(res["accuracy"], 4)
             summary[f"eval_accuracy_long_{name}"] = round(res["accuracy_long"], 4)

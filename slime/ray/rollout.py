@@ -28,6 +28,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
+from slime.rollout.multi_turn import ToolAgent
+from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.rollout.over_sampling import over_sampling_from_args
 from slime.rollout.sampling_request import args_with_router
 from slime.rollout.staleness import StalenessCap
@@ -102,6 +104,8 @@ class RolloutManager:
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
         # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
         self.over_sampling = over_sampling_from_args(args)
+        # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
+        self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
         self.engine_restarts = 0
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
@@ -136,6 +140,7 @@ class RolloutManager:
             eval_groups=eval_groups,
             over_sampling=None if eval_groups is not None else self.over_sampling,
             cap=StalenessCap.from_args(self.args),
+            agent=self.agent,
         )
 
     def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
@@ -175,6 +180,7 @@ class RolloutManager:
             out = run()
             if isinstance(out, RolloutOutput):
                 metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
+                metrics.update(tool_metrics([s for g in out.groups for s in g], f"eval/{name}/"))  # multi-turn only
             else:  # upstream's RolloutFnEvalOutput (or its dict), keyed by the function's own set names
                 metrics.update(eval_output_metrics(out, where, self.args.reward_key))
         accs = [v for k, v in metrics.items() if k.endswith("/accuracy")]
@@ -283,6 +289,9 @@ class RolloutManager:
                                                      **group_reward_metrics(groups, "reward", self.args.reward_key)})
 
     def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
         if self.engines is not None:
             self.engines.shutdown()
             self.engines = None

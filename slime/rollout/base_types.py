@@ -72,6 +72,9 @@ class RolloutContext:
     # chunked mode's over-sampling size (slime/rollout/over_sampling.py), living across steps; None: from args
     over_sampling: Any = None
     cap: StalenessCap | None = None  # applied to parked groups handed out by get_samples
+    # --agent-env: the ToolAgent (slime/rollout/multi_turn/) the multi-turn generate runs with; it lives as long as
+    # the manager, so a tool call left running at a park is picked up, never run twice, in a later step
+    agent: Any = None
     # ids handed out by get_samples and not yet handed back or returned (the manager settles them)
     issued: set[int] = field(default_factory=set)
 

@@ -45,7 +45,8 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session, \
             EngineWatchdog(args, ctx.engines, session) as watchdog:  # a dead / frozen engine: EngineFaultError
         req = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args, evaluation=True),
-                              rollout_id, int(ctx.policy_version), max_response_len=max_len, evaluation=True)
+                              rollout_id, int(ctx.policy_version), max_response_len=max_len, evaluation=True,
+                              agent=ctx.agent)
 
         async def one_group(group: list[Sample]) -> None:
             async def one(s: Sample) -> None:

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from slime.backends.sglang_utils import engine_api
+from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
 
@@ -46,10 +47,12 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
 
 
 def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
+    """Sizes, failures, lengths and rewards of a batch's samples; for multi-turn samples also their per-turn
+    metrics (`rollout/tool/*`, slime/rollout/multi_turn/metrics.py)."""
     samples = [s for g in groups for s in g]
     n = len(samples)
     rewards = [r for s in samples if (r := s.scalar_reward(reward_key)) is not None]
-    return {
+    return tool_metrics(samples, "rollout/") | {
         "rollout/samples": float(n),
         "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n if n else 0.0,

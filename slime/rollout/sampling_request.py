@@ -25,6 +25,9 @@ each request and checks every token's version against the `VersionWindow` of the
 (with an `evaluation` keyword when it declares one) replaces the request loop; `sampling_params["max_new_tokens"]`
 is the sample's whole budget, as upstream passes it (a resumed sample has `response_length` of it used). What it
 left out when growing the response itself (versions, loss mask) is filled in (`Sample.complete_response`).
+With `--agent-env` that function is the built-in multi-turn generate (slime/rollout/multi_turn/): `run_custom`
+runs it inside the scope of the rollout's `ToolAgent`, each model turn sent by `turn` (the same request as
+`send`, nothing appended), so a turn has the request ids, version checks and counters of any request.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
+from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, Status
 
@@ -225,13 +230,15 @@ class SampleRequester(RequestLoop):
     """Sends samples' requests through one URL (the router)."""
 
     def __init__(self, args, session, url: str, sampling_params: dict[str, Any], rollout_id: int,
-                 policy_version: int, max_response_len: int | None = None, evaluation: bool = False):
+                 policy_version: int, max_response_len: int | None = None, evaluation: bool = False,
+                 agent: ToolAgent | None = None):
         super().__init__(max_response_len or args.rollout_max_response_len, rollout_id)
         self.args, self.session, self.url = args, session, url
         self.sampling_params = sampling_params
         self.policy_version = policy_version
         self.timeout = float(args.rollout_request_timeout)
         self.evaluation = evaluation
+        self.agent = agent  # the RolloutManager's ToolAgent (--agent-env): the multi-turn generate runs with it
         path = args.custom_generate_function_path
         self.custom_generate = load_function(path) if path else None
         self.plugin_args = args_with_router(args, url) if path else args
@@ -240,46 +247,68 @@ class SampleRequester(RequestLoop):
         self.refused = 0
         self._bad_versions = 0
 
-    def payload(self, sample: Sample, rid: str | None = None) -> dict[str, Any]:
-        sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
+    def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None) -> dict[str, Any]:
+        """The /generate body: the sample's token ids, `sampling_params` (default: the rollout's, with the budget
+        left as max_new_tokens), log-probs on, a request id."""
+        sp = sampling_params
+        if sp is None:
+            sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
         return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
                 "rid": rid or self.new_rid(sample)}
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
         if self.custom_generate is not None:
-            return await self.run_custom(sample)
+            return await self.run_custom(sample, stop=stop)
         return await super().generate(sample, stop)
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
         """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
         finish reason (a refusal fails the sample). Returns the tokens appended. `window`: the versions the reply
         may carry (None: the engines serve one version for the whole step)."""
-        payload = self.payload(sample, rid)
-        self.requests += 1
-        self._in_flight(+1)
         try:
-            out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+            seg = await self.request(self.payload(sample, rid), window)
         except http_client.EngineHTTPError as e:
             if not e.is_refusal:
                 raise
             self._refused(sample, e)  # this prompt can never be served: fail the sample, not the run
             return 0
-        finally:
-            self._in_flight(-1)
-        ids, lps, versions, text, ftype = parse_segment(out, self.url)
-        versions = self._checked_versions(versions, window, payload["rid"], out["meta_info"].get("weight_version"))
-        if len(ids) > payload["sampling_params"]["max_new_tokens"]:
-            raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens="
-                                        f"{payload['sampling_params']['max_new_tokens']} (rid {payload['rid']})")
-        sample.append_response(ids, lps, versions, text)
-        self.new_tokens += len(ids)
-        if ftype == "stop":
+        sample.append_response(seg.ids, seg.log_probs, seg.versions, seg.text)
+        if seg.finish == "stop":
             sample.status = Status.COMPLETED
-        elif ftype == "length" or sample.response_length >= self.budget(sample):
+        elif seg.finish == "length" or sample.response_length >= self.budget(sample):
             sample.status = Status.TRUNCATED
         else:
             sample.status = Status.ABORTED
-        return len(ids)
+        return len(seg.ids)
+
+    async def turn(self, sample: Sample, sampling_params: dict, rid: str | None = None,
+                   window: VersionWindow | None = None) -> Segment:
+        """One model turn of a multi-turn sample (a `ModelTurn`, slime/rollout/multi_turn/model_turn.py): the same
+        request as `send`, with the turn's sampling params, nothing appended; a refusal raises `TurnRefused`."""
+        try:
+            return await self.request(self.payload(sample, rid, sampling_params), window)
+        except http_client.EngineHTTPError as e:
+            if not e.is_refusal:
+                raise
+            self.refused += 1
+            raise TurnRefused(e.message) from e
+
+    async def request(self, payload: dict[str, Any], window: VersionWindow | None) -> Segment:
+        """One `POST /generate`; the reply checked (SGLang's contract, versions, length) and counted."""
+        rid, max_new = payload["rid"], payload["sampling_params"]["max_new_tokens"]
+        self.requests += 1
+        self._in_flight(+1)
+        try:
+            out = await http_client.generate(self.session, self.url, payload, timeout=self.timeout)
+        finally:
+            self._in_flight(-1)
+        ids, lps, versions, text, ftype = parse_segment(out, self.url)
+        versions = self._checked_versions(versions, window, rid, out["meta_info"].get("weight_version"))
+        if len(ids) > max_new:
+            raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens={max_new} "
+                                        f"(rid {rid})")
+        self.new_tokens += len(ids)
+        return Segment(ids, lps, versions, text, ftype)
 
     def _checked_versions(self, versions: list[int] | None, window: VersionWindow | None, rid: str, raw) -> list[int] | int:
         if versions is None:  # the engine's versions are not ints: tag with the version served
@@ -306,26 +335,33 @@ class SampleRequester(RequestLoop):
         logger.warning("engine refused sample %s (group %s, %d prompt tokens): HTTP %d %s", sample.index,
                        sample.group_index, sample.prompt_length, error.status, error.message)
 
-    async def run_custom(self, sample: Sample, version: int | None = None) -> bool:
+    async def run_custom(self, sample: Sample, version: int | None = None, stop: asyncio.Event | None = None,
+                         turn: ModelTurn | None = None) -> bool:
         """Run the user's generate function (upstream's contract, see the module docstring); `version`: the version
-        the engines serve (tokens the function added without one are tagged with it)."""
+        the engines serve (tokens the function added without one are tagged with it). With `--agent-env` it is the
+        built-in multi-turn generate, run inside its agent scope: the rollout's agent, `turn` for each model turn
+        (default: this requester's own; train_async.py's gate passes its gated one) and the step's `stop`."""
         path = self.args.custom_generate_function_path
         where = f"--custom-generate-function-path {path}"
         before = sample.response_length
         sp = dict(self.sampling_params, max_new_tokens=self.budget(sample))
         kwargs = {"evaluation": self.evaluation} if self._custom_takes_evaluation else {}
-        self._in_flight(+1)
-        try:
-            out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
-        finally:
-            self._in_flight(-1)
+        if self.agent is not None:  # its model turns are this requester's own requests (counted there)
+            with agent_scope(AgentScope(self.agent, turn or self.turn, stop)):
+                out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
+        else:
+            self._in_flight(+1)
+            try:
+                out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
+            finally:
+                self._in_flight(-1)
+            self.new_tokens += sample.response_length - before
         if isinstance(out, list):
             raise TypeError(f"{where}: returned {len(out)} samples for one; splitting a rollout into several "
                             "samples is not supported yet: return the Sample it was given")
         if out is not sample:
             raise TypeError(f"{where}: must return the Sample it was given (got {type(out).__name__})")
         sample.complete_response(self.policy_version if version is None else version, where)
-        self.new_tokens += sample.response_length - before
         if sample.status is Status.PENDING:
             raise ValueError(f"{where}: sample {sample.index} came back PENDING; set its status (completed, "
                              "truncated, aborted or failed)")

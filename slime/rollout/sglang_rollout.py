@@ -149,7 +149,7 @@ async def run_rollout_step(args, rollout_id: int, ctx: RolloutContext, supply, p
     async with contextlib.nullcontext(shared) if shared is not None else aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=state.in_flight_cap + SESSION_EXTRA_CONNECTIONS)) as session:
         requester = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args), rollout_id,
-                                    int(ctx.policy_version))
+                                    int(ctx.policy_version), agent=ctx.agent)
         requester.timeline = []  # requests in flight over the step (the trace's occupancy)
         generate = (GatedRequester(requester, hooks.gate, state.cap).generate if hooks.gate is not None
                     else requester.generate)

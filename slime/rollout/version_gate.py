@@ -37,6 +37,7 @@ import time
 from collections import Counter
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.multi_turn.model_turn import Segment
 from slime.rollout.sampling_request import VersionWindow
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,8 @@ class GatedRequester:
     (its rid and sample, so a stale one can be aborted); a sample whose request a hold aborted waits at the
     gate and resumes from its token ids once it reopens, after `cap` (the staleness cap) is applied against
     the gate's train version; every token's version must lie in the request's `VersionWindow`. A custom
-    generate function passes the gate before each call (a hold aborts its requests like any other)."""
+    generate function passes the gate before each call (a hold aborts its requests like any other); the
+    multi-turn generate's model turns pass it one by one (`GatedTurn`)."""
 
     def __init__(self, requester, gate: VersionGate, cap):
         self.requester, self.gate, self.cap = requester, gate, cap
@@ -236,8 +238,10 @@ class GatedRequester:
             stale_abort = False
             if r.custom_generate is not None:
                 before = sample.response_length
-                await r.run_custom(sample, version=gate.version)
+                turn = GatedTurn(self, seen, stop)  # the multi-turn generate's model turns pass the gate one by one
+                await r.run_custom(sample, version=gate.version, stop=stop, turn=turn)
                 got = sample.response_length - before
+                stale_abort = turn.sent_back
             else:
                 rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
                 with gate.request(rid, sample):
@@ -253,4 +257,30 @@ class GatedRequester:
             aborts = r.resume_after_abort(sample, got, aborts)
 
 
-__all__ = ["GatedRequester", "VersionGate"]
+class GatedTurn:
+    """A multi-turn sample's model turns (a `ModelTurn`) through the gate, as `GatedRequester` sends a plain
+    sample's requests: each waits while the gate is held and is counted in flight by rid, its reply's versions
+    are checked against its `VersionWindow`. A turn that finds the engines at another version than the one the
+    sample last passed the staleness cap at (`seen`) is not sent, nor is one the step stopped at the gate: the
+    sample parks (an empty `abort` segment) and `sent_back` tells `GatedRequester` to take it back to the gate,
+    where the cap is applied, the same as for a turn a hold or a stale-abort cut short."""
+
+    def __init__(self, gated: GatedRequester, seen: int, stop: asyncio.Event | None):
+        self.gated, self.seen, self.stop = gated, seen, stop
+        self.sent_back = False
+
+    async def __call__(self, sample, sampling_params: dict) -> Segment:
+        r, gate = self.gated.requester, self.gated.gate
+        if not await gate.wait_open(self.stop) or gate.version != self.seen:
+            self.sent_back = True
+            return Segment.not_sent(gate.version)
+        rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
+        with gate.request(rid, sample):
+            seg = await r.turn(sample, sampling_params, rid, VersionWindow(gate.version, lambda: gate.newest_version,
+                                                                           lambda: gate.version))
+        if gate.was_aborted(rid) or (seg.finish == "abort" and not gate.is_open):
+            self.sent_back = True
+        return seg
+
+
+__all__ = ["GatedRequester", "GatedTurn", "VersionGate"]

@@ -84,17 +84,23 @@ def _bucketed_batches(cfg: WarmStartConfig, tokenizer, rng: random.Random):
 
 
 def collate(batch, pad_id: int):
-    """Right-padded input ids, attention mask and labels (-100 outside the response)."""
+    """Right-padded input ids, attention mask and labels (-100 outside the response).
+
+    An example is (ids, n_prompt) or (ids, n_prompt, response_mask): response tokens whose mask is 0 (a tool's
+    observation in a multi-turn trajectory) get -100 too, so the model never learns to write them."""
     import torch
 
-    width = max(len(ids) for ids, _ in batch)
+    width = max(len(ex[0]) for ex in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(batch):
+    for i, (ids, n_prompt, *mask) in enumerate(batch):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attn[i, : len(ids)] = 1
         labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        if mask:
+            keep = torch.tensor(mask[0], dtype=torch.bool)
+            labels[i, n_prompt : len(ids)][~keep] = -100
     return input_ids, attn, labels
 
 
@@ -172,21 +178,22 @@ def _lr_at(cfg: WarmStartConfig, step: int, frac_done: float) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
-def train_warm_start(model, tokenizer, cfg: WarmStartConfig, eval_rows: list[dict] | None = None, eval_every_steps: int = 0, eval_limit: int = 256) -> dict:
+def train_warm_start(model, tokenizer, cfg: WarmStartConfig, eval_rows: list[dict] | None = None, eval_every_steps: int = 0, eval_limit: int = 256, batches=None) -> dict:
     """Supervised training on the noisy teacher until `max_steps` or `max_seconds`; returns a history dict.
 
     The learning rate follows a cosine schedule over whichever budget runs out
     first (progress = max(steps fraction, seconds fraction)). With
     `eval_every_steps` > 0 it also records accuracy at T=1 on `eval_rows[:eval_limit]`
     along the way (evaluation time is excluded from the training clock; process
-    CPU time is recorded too, as contention inflates wall time).
+    CPU time is recorded too, as contention inflates wall time). `batches`: an endless iterator of
+    `collate` batches from another teacher (default: subtract_chain's noisy teacher).
     """
     import torch
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    batches = _bucketed_batches(cfg, tokenizer, rng)
+    batches = _bucketed_batches(cfg, tokenizer, rng) if batches is None else batches
     curve, losses = [], []
     train_s, cpu_s, step = 0.0, 0.0, 0
     model.train()

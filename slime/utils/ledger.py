@@ -148,11 +148,12 @@ def reason_category(reason: str) -> str:
 
 
 def sample_failure(sample: Sample) -> str:
-    """Why a FAILED sample failed, as a drop reason: `reward_failed: ...`, `engine_refused: ...`, or `failed: ...`."""
+    """Why a FAILED sample failed, as a drop reason: `reward_failed: ...`, `engine_refused: ...`, `tool: <name>: ...`
+    (a multi-turn sample's tool raised, hung, died or returned garbage), or `failed: ...`."""
     failure = str(sample.metadata.get("failure") or "unknown") if isinstance(sample.metadata, dict) else "unknown"
     if failure.startswith("reward: "):
         return "reward_failed: " + failure[len("reward: "):]
-    if failure.startswith("engine_refused: "):
+    if failure.startswith(("engine_refused: ", "tool: ")):
         return failure
     return "failed: " + failure
 

@@ -16,13 +16,37 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _eval_tool_series(rows: list[dict], name: str) -> list[float]:
+    """Per eval, the mean over eval sets of `eval/<set>/tool/<name>` (multi-turn runs)."""
+    out = []
+    for r in rows:
+        vals = [v for k, v in r.items() if k.startswith("eval/") and k.endswith(f"/tool/{name}")]
+        if vals:
+            out.append(sum(vals) / len(vals))
+    return out
+
+
 def summarize(rows: list[dict]) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     steps = [r for r in rows if r["step"] >= 0]
     rewards = [r.get("reward/mean") for r in steps]
     rewards = [r for r in rewards if r is not None]
     k = max(1, len(rewards) // 4)
-    return {
+    tools = {}
+    rates = [r["rollout/tool/call_rate"] for r in steps if r.get("rollout/tool/call_rate") is not None]
+    if rates:  # a multi-turn run (--agent-env): how tool use moved
+        q = max(1, len(rates) // 4)
+        eval_rates, eval_calls = _eval_tool_series(rows, "call_rate"), _eval_tool_series(rows, "calls_per_sample_mean")
+        tools = {
+            "tool_call_rate_first_quarter": _mean(rates[:q]),
+            "tool_call_rate_last_quarter": _mean(rates[-q:]),
+            "eval_tool_call_rate_first": eval_rates[0] if eval_rates else None,
+            "eval_tool_call_rate_last": eval_rates[-1] if eval_rates else None,
+            "eval_tool_calls_per_sample_first": eval_calls[0] if eval_calls else None,
+            "eval_tool_calls_per_sample_last": eval_calls[-1] if eval_calls else None,
+            "tool_failures": sum(r.get("rollout/tool/failures", 0.0) for r in steps),
+        }
+    return {**tools, 
         "steps": len(steps),
         "eval_accuracy_first": evals[0][1] if evals else None,
         "eval_accuracy_last": evals[-1][1] if evals else None,
@@ -50,6 +74,16 @@ def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
         f"reward (first -> last quarter of steps): {fmt(summary.get('reward_first_quarter'))} -> {fmt(summary.get('reward_last_quarter'))}",
         f"rollout tokens/s: {fmt(summary.get('rollout_tokens_per_s'), '.1f')}",
         f"off-policy token ratio: {fmt(summary.get('off_policy_token_ratio'))}",
+    ]
+    if "tool_call_rate_first_quarter" in summary:
+        lines += [
+            f"tool-call rate, eval (model turns ending in a call): {fmt(summary['eval_tool_call_rate_first'])} -> "
+            f"{fmt(summary['eval_tool_call_rate_last'])}; tool calls per sample, eval: "
+            f"{fmt(summary['eval_tool_calls_per_sample_first'], '.2f')} -> {fmt(summary['eval_tool_calls_per_sample_last'], '.2f')}",
+            f"tool-call rate, rollout (first -> last quarter of steps): {fmt(summary['tool_call_rate_first_quarter'])} "
+            f"-> {fmt(summary['tool_call_rate_last_quarter'])}; tool failures: {summary['tool_failures']:.0f}",
+        ]
+    lines += [
         f"metrics: {metrics_path}",
         f"checkpoint: {summary['checkpoint'] or 'none (--save not set)'}",
     ]

@@ -29,6 +29,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 # calls the calculator on some steps (skipped when cached with the same settings).
 $PY tools/prepare_tiny_task.py --out "$WORK" --task subtract_tool ${PREPARE_ARGS:-}
 
+# over-sampled chunks of 16 groups (APRIL); pool and stream modes keep --rollout-pool-size requests in flight instead
+OVER_SAMPLING=(--over-sampling-batch-size 16)
+[[ " $* " == *" --rollout-mode pool "* || " $* " == *" --rollout-mode stream "* ]] && OVER_SAMPLING=()
+
 rm -rf "$RUN"
 $PY "$ENTRY" \
   --hf-checkpoint "$WORK/model-sft" \
@@ -38,7 +42,7 @@ $PY "$ENTRY" \
   --max-turns 32 --tool-workers 2 --tool-timeout 10 \
   --num-rollout "$STEPS" --rollout-batch-size 8 --n-samples-per-prompt 8 \
   --rollout-max-response-len 192 --rollout-temperature 1.0 \
-  --partial-rollout --over-sampling-batch-size 16 \
+  --partial-rollout "${OVER_SAMPLING[@]}" \
   --advantage-estimator grpo --calculate-per-token-loss --use-tis \
   --lr 1e-4 --global-batch-size 64 --micro-batch-size 16 \
   --eval-prompt-data tiny "$WORK/eval.jsonl" --eval-interval "$EVAL_INTERVAL" \

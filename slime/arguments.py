@@ -650,6 +650,13 @@ def validate_async_args(a: Args) -> None:
              f"--rollout-mode stream runs the built-in rollout ({BUILTIN_ROLLOUT_FUNCTION}), not {a.rollout_function_path}")
 
 
+def validate_given_args(a: Args) -> None:
+    """Rules about what the user wrote, checked before defaults fill the gaps."""
+    _require(a.over_sampling_batch_size is None or a.rollout_mode == "chunked", "--over-sampling-batch-size",
+             f"sizes --rollout-mode chunked's over-sampled chunks; --rollout-mode {a.rollout_mode} keeps "
+             "--rollout-pool-size requests in flight instead (drop --over-sampling-batch-size, or set --rollout-pool-size)")
+
+
 def validate_args(a: Args, entry: str = "train.py") -> None:
     """All rules in one place; each error names the flag and the rule."""
     _require(not a.offload or a.colocate, "--offload", "needs --colocate (the engines use the memory it frees)")
@@ -683,8 +690,9 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")
     if a.over_sampling_batch_size == "auto":
-        _require(a.rollout_mode == "chunked", "--over-sampling-batch-size",
-                 "auto sizes chunked mode's over-sampling; pool mode keeps --rollout-pool-size requests in flight instead")
+        _require(a.custom_generate_function_path is None, "--over-sampling-batch-size",
+                 "auto plans with the rollout simulator, which models one request per sample; with "
+                 "--custom-generate-function-path / --agent-env give a size")
     else:
         _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0 (or auto)")
     if a.rollout_cost_model is not None:
@@ -855,6 +863,7 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
     ns.sglang_extra_args = _split_sglang_extra(unknown)
+    validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)
     return ns._freeze()

@@ -142,6 +142,16 @@ def test_rule_errors_name_the_flag(base, extra, flag):
     assert str(e.value).startswith(flag + ":")
 
 
+def test_over_sampling_is_refused_where_it_would_be_ignored(base):
+    # pool (and stream) mode keeps --rollout-pool-size requests in flight: a chunk size would do nothing
+    with pytest.raises(ArgumentError, match="--over-sampling-batch-size: sizes --rollout-mode chunked.*--rollout-pool-size"):
+        parse_args(base + ["--rollout-mode", "pool", "--over-sampling-batch-size", "8"])
+    assert parse_args(base + ["--rollout-mode", "pool"]).rollout_mode == "pool"
+    # auto's planner simulates one request per sample: a custom (multi-turn) generate is not what it models
+    with pytest.raises(ArgumentError, match="--over-sampling-batch-size: auto plans with the rollout simulator"):
+        parse_args(base + ["--over-sampling-batch-size", "auto", "--custom-generate-function-path", "m.generate"])
+
+
 def test_required_inputs_named(tmp_path, base):
     with pytest.raises(ArgumentError, match="--hf-checkpoint: is required"):
         parse_args(base[2:])

@@ -125,7 +125,8 @@ def post_ok(url: str, body: dict) -> None:
                                           ("pool", "in_place")])
 def test_versions_are_exact_across_in_flight_updates(env, mode, update):
     # a lag the test never reaches: the rollout always has work in flight when an update comes (never held back)
-    args = make_args(env["root"], "--rollout-mode", mode, "--over-sampling-batch-size", "3", "--max-async-lag", "40",
+    over_sampling = ("--over-sampling-batch-size", "3") if mode == "chunked" else ()
+    args = make_args(env["root"], "--rollout-mode", mode, *over_sampling, "--max-async-lag", "40",
                      "--in-flight-update", update)
     manager, rollout = start(env, args)
     weights = {0: "A", 1: "B", 2: "A", 3: "B"}

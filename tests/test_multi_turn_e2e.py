@@ -46,7 +46,8 @@ def _cmd(d, out, *extra, entry="train.py"):
             "--agent-env", "tests.tool_plugins.FLAKY_ENV", "--tool-timeout", "1", "--tool-workers", "2",
             "--max-turns", "8", "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", "1",
             "--rollout-max-response-len", "48", "--num-rollout", str(STEPS), "--partial-rollout",
-            "--over-sampling-batch-size", str(2 * BATCH), "--lr", "1e-4", "--use-tis",
+            *(() if "--rollout-mode" in extra else ("--over-sampling-batch-size", str(2 * BATCH))),
+            "--lr", "1e-4", "--use-tis",
             "--eval-prompt-data", "tiny", str(d / "eval.jsonl"), "--eval-interval", "2",
             "--run-dir", str(out / "run"), "--save", str(out / "ckpt"), "--save-interval", "1",
             "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.json"), *extra]

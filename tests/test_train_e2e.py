@@ -32,8 +32,8 @@ def workdir(tmp_path_factory):
 
 # (entry point, its extra flags): train.py, and train_async.py in one-step-off and stream mode
 ENTRIES = {
-    "sync": ("train.py", ()),
-    "one_step_off": ("train_async.py", ()),
+    "sync": ("train.py", ("--over-sampling-batch-size", str(2 * BATCH))),
+    "one_step_off": ("train_async.py", ("--over-sampling-batch-size", str(2 * BATCH))),
     "stream": ("train_async.py", ("--rollout-mode", "stream", "--rollout-pool-size", "16")),
 }
 
@@ -45,7 +45,7 @@ def _cmd(d, *extra, out=None, mode="sync"):
             "--hf-checkpoint", str(d / "model"), "--prompt-data", str(d / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--custom-rm-path", "tests.plugins_for_tests.parity_reward",
             "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48",
-            "--num-rollout", str(STEPS), "--partial-rollout", "--over-sampling-batch-size", str(2 * BATCH),
+            "--num-rollout", str(STEPS), "--partial-rollout",
             "--lr", "1e-4", "--use-tis", "--run-dir", str(out / "run"), "--save", str(out / "ckpt"), "--save-interval", "1",
             "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.json"), *flags, *extra]
 

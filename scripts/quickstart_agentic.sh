@@ -30,8 +30,12 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 $PY tools/prepare_tiny_task.py --out "$WORK" --task subtract_tool ${PREPARE_ARGS:-}
 
 # over-sampled chunks of 16 groups (APRIL); pool and stream modes keep --rollout-pool-size requests in flight instead
-OVER_SAMPLING=(--over-sampling-batch-size 16)
-[[ " $* " == *" --rollout-mode pool "* || " $* " == *" --rollout-mode stream "* ]] && OVER_SAMPLING=()
+APRIL_FLAGS=(--over-sampling-batch-size 16)
+[[ " $* " == *" --rollout-mode pool "* || " $* " == *" --rollout-mode stream "* ]] && APRIL_FLAGS=()
+# the staleness cap, as the main quick start: a parked trajectory holding a model token more than MAX_STALENESS
+# versions older than the policy being trained is regenerated from its prompt (MAX_STALENESS= runs uncapped)
+MAX_STALENESS=${MAX_STALENESS-4}
+[[ -z $MAX_STALENESS ]] || APRIL_FLAGS+=(--max-staleness "$MAX_STALENESS" --staleness-policy restart)
 
 rm -rf "$RUN"
 $PY "$ENTRY" \
@@ -42,7 +46,7 @@ $PY "$ENTRY" \
   --max-turns 32 --tool-workers 2 --tool-timeout 10 \
   --num-rollout "$STEPS" --rollout-batch-size 8 --n-samples-per-prompt 8 \
   --rollout-max-response-len 192 --rollout-temperature 1.0 \
-  --partial-rollout "${OVER_SAMPLING[@]}" \
+  --partial-rollout "${APRIL_FLAGS[@]}" \
   --advantage-estimator grpo --calculate-per-token-loss --use-tis \
   --lr 1e-4 --global-batch-size 64 --micro-batch-size 16 \
   --eval-prompt-data tiny "$WORK/eval.jsonl" --eval-interval "$EVAL_INTERVAL" \

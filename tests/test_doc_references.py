@@ -74,3 +74,26 @@ def test_readme_is_a_map_under_12_kb_and_links_every_doc():
     for doc in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [os.path.join(REPO, "benchmarks", "README.md")]:
         rel = os.path.relpath(doc, REPO)
         assert rel in readme, f"README.md does not link {rel}"
+
+
+METRIC = re.compile(r"""f?["']((?:rollout|reward|eval|train|weight_sync|colocate|engine|ledger|perf|async)/[\w{}/]*)["']""")
+
+
+def logged_keys() -> set[str]:
+    """Metric keys written in the code: literal ones, and f-string templates cut at their first placeholder."""
+    keys = set()
+    for pattern in ("slime/**/*.py", "train.py", "train_async.py"):
+        for name in glob.glob(os.path.join(REPO, pattern), recursive=True):
+            with open(name, encoding="utf-8") as f:
+                for m in METRIC.finditer(f.read()):
+                    keys.add(m.group(1).split("{")[0])
+    return keys
+
+
+def test_docs_metrics_names_every_logged_key():
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as f:
+        doc = f.read()
+    keys = logged_keys()
+    assert "rollout/off_policy_token_ratio" in keys and "rollout/staleness_hist/lag_" in keys
+    missing = sorted(k for k in keys if f"`{k}" not in doc)
+    assert not missing, f"docs/metrics.md does not explain: {missing}"

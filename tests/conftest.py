@@ -41,3 +41,40 @@ def quickstart_task():
     subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
                    cwd=repo, check=True, timeout=1800)
     return work
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The trainer tests' tiny random Qwen3 (2 layers, hidden 32; tests/test_fsdp_helpers.py's make_model_dir),
+    built once per session and shared read-only by every trainer test."""
+    from test_fsdp_helpers import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir):
+    """`make_trainer(backend, *argv, model_dir=None, **over)`: an initialised FSDP or Megatron-core trainer with
+    real parsed flags (tests/test_fsdp_helpers.py's make_args: `argv` more flags, `over` replaced values) on the
+    tiny model (or `model_dir`); every trainer made is shut down after the test. One fixture for both backends."""
+    from test_fsdp_helpers import make_args
+
+    made = []
+
+    def _make(backend: str, *argv: str, model_dir=None, **over):
+        args = make_args(str(model_dir or tiny_model_dir), "--train-backend", backend, *argv, **over)
+        if backend == "fsdp":
+            from slime.backends.fsdp_utils.actor import FSDPTrainer
+
+            t = FSDPTrainer(args)
+        else:
+            from slime.backends.megatron_utils.actor import MegatronTrainer
+
+            t = MegatronTrainer(args)
+        t.init()
+        made.append(t)
+        return t
+
+    yield _make
+    for t in made:
+        t.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fsdp_helpers import make_args, make_groups, make_model_dir
+from test_fsdp_helpers import make_args, make_groups
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.training_utils.data import flatten_groups
@@ -20,8 +20,8 @@ PROMPT = [1, 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -56,24 +56,8 @@ def engine_version(engine) -> str:
 
 
 @pytest.fixture
-def trainer(model_dir):
-    made = []
-
-    def _make(backend: str = "fsdp", **over):
-        args = make_args(model_dir, "--train-backend", backend, lr=1e-2, **over)
-        if backend == "fsdp":
-            t = FSDPTrainer(args)
-        else:
-            from slime.backends.megatron_utils.actor import MegatronTrainer
-
-            t = MegatronTrainer(args)
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
+def trainer(make_trainer):
+    return lambda backend="fsdp", **over: make_trainer(backend, **{"lr": 1e-2, **over})
 
 
 def _train_then_sync(t, engine, version: int) -> dict:

@@ -78,3 +78,25 @@ def make_trainer(tiny_model_dir):
     yield _make
     for t in made:
         t.shutdown()
+
+
+@pytest.fixture(scope="module")
+def start_engine(tmp_path_factory):
+    """`start_engine(model_dir, *flags)`: the embedded engine (`python -m slime.backends.hf_engine`) serving
+    `model_dir` on a free loopback port, healthy. One fixture for every engine test module: each engine started
+    is stopped after the module, which fails unless it exited cleanly (its log's tail in the message); a test may
+    stop it itself first (another signal, a crash it provokes and checks)."""
+    from slime.backends.hf_engine.local_server import EngineServer
+
+    started = []
+
+    def _start(model_dir, *flags: str) -> EngineServer:
+        log = tmp_path_factory.mktemp("engine_log") / "engine.log"
+        srv = EngineServer(model_dir, list(flags), log_path=str(log)).wait_healthy()
+        started.append((srv, log))
+        return srv
+
+    yield _start
+    for srv, log in started:
+        rc = srv.stop()
+        assert rc == 0, f"engine exited with {rc}:\n" + log.read_text()[-3000:]

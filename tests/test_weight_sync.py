@@ -12,7 +12,6 @@ from test_fsdp_helpers import make_args, make_groups
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.training_utils.data import flatten_groups
-from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.types import Sample
 
 torch.set_num_threads(1)
@@ -25,11 +24,8 @@ def model_dir(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    srv = EngineServer(model_dir, ["--seed", "0"], log_path=str(log)).wait_healthy()
-    yield srv
-    srv.stop()
+def engine(model_dir, start_engine):
+    return start_engine(model_dir, "--seed", "0")
 
 
 def sample_from_engine(engine, n: int = 8) -> tuple[Sample, str]:

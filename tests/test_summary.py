@@ -32,6 +32,8 @@ def test_the_line_says_what_the_ratio_and_the_cap_mean(base_args):
     masked = staleness_line(s, base_args.replace(max_staleness=4, staleness_policy="mask"))
     assert "out of the loss" in masked and "uncorrected" in masked
     assert "uncapped" in staleness_line(s, base_args.replace(max_staleness=None))
+    over = staleness_line(s, base_args.replace(max_staleness=2))
+    assert "largest lag 4 versions, OVER --max-staleness 2" in over and "<=" not in over
     on_policy = staleness_line(summarize(rows([{0: 10}], 0.0)), base_args)
     assert "every trained token was sampled by the policy it trained" in on_policy
 

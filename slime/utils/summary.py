@@ -47,6 +47,8 @@ def staleness_line(summary: dict, args) -> str:
             f"versions")
     if args.max_staleness is None:
         return line + " (no --max-staleness: uncapped)"
+    if lag > args.max_staleness:  # said as it is: a token older than the cap reached the trainer
+        return line + f", OVER --max-staleness {args.max_staleness}"
     fate = {"restart": "regenerated", "mask": "kept as context, out of the loss", "keep": "trained, TIS-weighted"}
     return line + (f" <= --max-staleness {args.max_staleness} (older tokens are {fate[args.staleness_policy]}: "
                    f"--staleness-policy {args.staleness_policy})")

@@ -32,14 +32,20 @@ def base_args(tmp_path_factory):
 @pytest.fixture(scope="session")
 def quickstart_task():
     """runs/tiny: the quick start's task and warm-started model, built as scripts/quickstart.sh builds it
-    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too."""
+    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too.
+    Tests that run scripts/quickstart.sh ask for it first, so that only this fixture builds it."""
+    import fcntl
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     work = os.path.join(repo, "runs", "tiny")
-    subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
-                   cwd=repo, check=True, timeout=1800)
+    os.makedirs(os.path.dirname(work), exist_ok=True)
+    # scripts/test.sh runs two pytest workers: one builds the task, the other waits for it (then finds it cached)
+    with open(work + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
+                       cwd=repo, check=True, timeout=1800)
     return work
 
 

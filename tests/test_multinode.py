@@ -63,7 +63,7 @@ def _wait_gone(pids, timeout=60.0):
     return alive
 
 
-def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_different_nodes(cluster, tmp_path):
+def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_different_nodes(cluster, tmp_path, quickstart_task):
     import ray
     from ray._private.state import actors  # the GCS actor table (Ray's state API without a dashboard)
 
@@ -109,7 +109,7 @@ def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_differe
     # 512 eval problems at T=1 (sd of one accuracy ~0.022); 40 GRPO steps gain ~0.1 (as the quick-start test)
     assert summary["eval_accuracy_last"] > summary["eval_accuracy_first"] + 0.02, summary
     assert 0.0 < summary["off_policy_token_ratio"] < 1.0  # partial rollout resumed parked samples across nodes
-    assert summary["max_staleness"] == 4  # the quick start's cap
+    assert summary["max_staleness"] == 4 and summary["max_lag"] <= 4  # the quick start's cap holds
     assert "==== run summary ====" in out.stderr
     assert os.path.isdir(run / "ckpt" / f"iter_{STEPS - 1:07d}")
     for name in ("reward", "throughput", "off_policy", "lengths", "occupancy"):

@@ -39,6 +39,6 @@ setup(
     extras_require={
         "sglang": [_versions["sglang_requirement"]()],
         "megatron": [],  # megatron-core is a core dependency now; kept so `.[sglang,megatron]` still installs
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5"],  # scripts/test.sh runs two workers
     },
 )

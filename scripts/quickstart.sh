@@ -9,6 +9,7 @@
 #   STEPS=20 bash scripts/quickstart.sh        # fewer steps; extra arguments go to train.py
 #   bash scripts/quickstart.sh --train-backend megatron   # the same job on the Megatron-core trainer
 #   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
+#   MAX_STALENESS= bash scripts/quickstart.sh  # APRIL without the staleness cap (default: 4 policy versions)
 #   bash scripts/quickstart.sh --agentic       # multi-turn tool use: a calculator, partial rollouts (docs/multi-turn.md)
 #
 # It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
@@ -37,8 +38,13 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 # Data, tokenizer, model and the supervised warm start (skipped when cached with the same settings).
 $PY tools/prepare_tiny_task.py --out "$WORK" ${PREPARE_ARGS:-}
 
+# APRIL resumes parked samples, so some trained tokens come from older policies (TIS corrects them). The cap keeps
+# them recent: a parked sample holding a token more than MAX_STALENESS versions older than the policy being trained
+# is regenerated from its prompt. Without it, a sample parked again and again here trains tokens ~28 versions old.
+MAX_STALENESS=${MAX_STALENESS-4}
 if [[ $MODE == april ]]; then
   ROLLOUT_MODE=(--partial-rollout --over-sampling-batch-size 16)
+  [[ -z $MAX_STALENESS ]] || ROLLOUT_MODE+=(--max-staleness "$MAX_STALENESS" --staleness-policy restart)
 else
   ROLLOUT_MODE=()
 fi

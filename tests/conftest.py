@@ -32,12 +32,77 @@ def base_args(tmp_path_factory):
 @pytest.fixture(scope="session")
 def quickstart_task():
     """runs/tiny: the quick start's task and warm-started model, built as scripts/quickstart.sh builds it
-    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too."""
+    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too.
+    Tests that run scripts/quickstart.sh ask for it first, so that only this fixture builds it."""
+    import fcntl
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     work = os.path.join(repo, "runs", "tiny")
-    subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
-                   cwd=repo, check=True, timeout=1800)
+    os.makedirs(os.path.dirname(work), exist_ok=True)
+    # scripts/test.sh runs two pytest workers: one builds the task, the other waits for it (then finds it cached)
+    with open(work + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
+                       cwd=repo, check=True, timeout=1800)
     return work
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The trainer tests' tiny random Qwen3 (2 layers, hidden 32; tests/test_fsdp_helpers.py's make_model_dir),
+    built once per session and shared read-only by every trainer test."""
+    from test_fsdp_helpers import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir):
+    """`make_trainer(backend, *argv, model_dir=None, **over)`: an initialised FSDP or Megatron-core trainer with
+    real parsed flags (tests/test_fsdp_helpers.py's make_args: `argv` more flags, `over` replaced values) on the
+    tiny model (or `model_dir`); every trainer made is shut down after the test. One fixture for both backends."""
+    from test_fsdp_helpers import make_args
+
+    made = []
+
+    def _make(backend: str, *argv: str, model_dir=None, **over):
+        args = make_args(str(model_dir or tiny_model_dir), "--train-backend", backend, *argv, **over)
+        if backend == "fsdp":
+            from slime.backends.fsdp_utils.actor import FSDPTrainer
+
+            t = FSDPTrainer(args)
+        else:
+            from slime.backends.megatron_utils.actor import MegatronTrainer
+
+            t = MegatronTrainer(args)
+        t.init()
+        made.append(t)
+        return t
+
+    yield _make
+    for t in made:
+        t.shutdown()
+
+
+@pytest.fixture(scope="module")
+def start_engine(tmp_path_factory):
+    """`start_engine(model_dir, *flags)`: the embedded engine (`python -m slime.backends.hf_engine`) serving
+    `model_dir` on a free loopback port, healthy. One fixture for every engine test module: each engine started
+    is stopped after the module, which fails unless it exited cleanly (its log's tail in the message); a test may
+    stop it itself first (another signal, a crash it provokes and checks)."""
+    from slime.backends.hf_engine.local_server import EngineServer
+
+    started = []
+
+    def _start(model_dir, *flags: str) -> EngineServer:
+        log = tmp_path_factory.mktemp("engine_log") / "engine.log"
+        srv = EngineServer(model_dir, list(flags), log_path=str(log)).wait_healthy()
+        started.append((srv, log))
+        return srv
+
+    yield _start
+    for srv, log in started:
+        rc = srv.stop()
+        assert rc == 0, f"engine exited with {rc}:\n" + log.read_text()[-3000:]

@@ -1,6 +1,6 @@
 """The colocated step's phases and the trainer-rank -> engine feed plan. The order of the hand-overs is
 checked against recorders that answer like RayTrainGroup and EngineGroup; the whole path with the real
-ones runs in tests/test_quickstart.py (fsdp-colocated)."""
+ones runs in tests/test_quickstart.py (the quick start colocated, on Megatron)."""
 
 from __future__ import annotations
 

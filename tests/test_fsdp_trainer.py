@@ -9,34 +9,13 @@ import copy
 import pytest
 import torch
 
-from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
+from test_fsdp_helpers import make_args, make_groups, model_log_probs, reference_log_probs
 
-from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.fsdp_utils.hf_weights import full_state_dict
 from slime.backends.training_utils.data import flatten_groups
 from slime.utils.types import Status
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture
-def make_trainer(model_dir):
-    made = []
-
-    def _make(**over):
-        t = FSDPTrainer(make_args(model_dir, **over))
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:
@@ -48,15 +27,15 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, model_dir):
+def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, tiny_model_dir):
     temperature = 0.7
-    t = make_trainer(rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
+    t = make_trainer("fsdp", rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
     groups = make_groups(seed=3)
     items = [it for g in flatten_groups(groups)[0] for it in g]
     got = t._log_probs(t.model, items)
     samples = [s for g in groups for s in g]
     for s, lp in zip(samples, got):
-        want = reference_log_probs(model_dir, s, temperature)
+        want = reference_log_probs(tiny_model_dir, s, temperature)
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
     rt_items = [it for g in flatten_groups(groups)[0] for it in g]
@@ -74,7 +53,7 @@ def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_tra
 
 
 def test_off_policy_tokens_lower_ess(make_trainer):
-    t = make_trainer(use_tis=True)
+    t = make_trainer("fsdp", use_tis=True)
     groups = make_groups(seed=4)
     for g in groups:
         for s in g:  # stale behaviour log-probs, different per token
@@ -84,12 +63,12 @@ def test_off_policy_tokens_lower_ess(make_trainer):
     assert m["logprob_abs_diff_max"] > 0.1
 
 
-def test_positive_advantage_raises_log_prob(make_trainer, model_dir):
-    t = make_trainer(lr=1e-2, n_samples_per_prompt=2, global_batch_size=2)
+def test_positive_advantage_raises_log_prob(make_trainer, tiny_model_dir):
+    t = make_trainer("fsdp", lr=1e-2, n_samples_per_prompt=2, global_batch_size=2)
     groups = make_groups(n_groups=1, group_size=2, seed=5)
     good, bad = groups[0]
     good.reward, bad.reward = 1.0, 0.0
-    before = [reference_log_probs(model_dir, s).sum() for s in (good, bad)]
+    before = [reference_log_probs(tiny_model_dir, s).sum() for s in (good, bad)]
     t.train(0, groups, 0)
     items = [it for g in flatten_groups(groups)[0] for it in g]
     after = [lp.sum() for lp in t._log_probs(t.model, items)]
@@ -99,7 +78,7 @@ def test_positive_advantage_raises_log_prob(make_trainer, model_dir):
 
 def _grad_like_update(make_trainer, groups, **over) -> tuple[dict, dict]:
     # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
-    t = make_trainer(lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
+    t = make_trainer("fsdp", lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
     w0 = weights(t)
     m = t.train(0, copy.deepcopy(groups), 0)
     w1 = weights(t)
@@ -140,20 +119,20 @@ def test_failed_samples_never_enter_training(make_trainer):
 
 
 def test_gradient_accumulation_steps_per_rollout(make_trainer):
-    t = make_trainer(global_batch_size=4)
+    t = make_trainer("fsdp", global_batch_size=4)
     m = t.train(0, make_groups(seed=8), 0)
     assert m["num_optimizer_steps"] == 2
     assert m["num_samples"] == 8
 
 
-def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, model_dir):
-    t = make_trainer(loss_type="sft_loss")
+def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, tiny_model_dir):
+    t = make_trainer("fsdp", loss_type="sft_loss")
     groups = make_groups(seed=9)
     samples = [s for g in groups for s in g]
     samples[0].loss_mask[0] = 0  # masked tokens do not count
     num, den = 0.0, 0.0
     for s in samples:
-        lp = reference_log_probs(model_dir, s)
+        lp = reference_log_probs(tiny_model_dir, s)
         mk = torch.tensor(s.loss_mask, dtype=torch.float32)
         num += float((lp * mk).sum())
         den += float(mk.sum())
@@ -162,7 +141,7 @@ def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, model_dir):
 
 
 def test_kl_loss_uses_frozen_reference(make_trainer):
-    t = make_trainer(use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
+    t = make_trainer("fsdp", use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
     assert t.ref_model is not None
     groups = make_groups(seed=10)
     m0 = t.train(0, copy.deepcopy(groups), 0)
@@ -173,7 +152,7 @@ def test_kl_loss_uses_frozen_reference(make_trainer):
 
 def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
     groups = make_groups(seed=11)
-    a = make_trainer(lr=1e-2)
+    a = make_trainer("fsdp", lr=1e-2)
     a.train(0, copy.deepcopy(groups), 0)
     a.save(str(tmp_path / "ckpt"))
     m_a = a.train(1, copy.deepcopy(groups), 1)
@@ -181,7 +160,7 @@ def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
     opt_a = copy.deepcopy(a.optimizer.state_dict())
     a.shutdown()
 
-    b = make_trainer(lr=1e-2)
+    b = make_trainer("fsdp", lr=1e-2)
     b.load(str(tmp_path / "ckpt"))
     m_b = b.train(1, copy.deepcopy(groups), 1)
     assert max_diff(w_a, weights(b)) == 0.0
@@ -198,7 +177,7 @@ def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
 def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t = make_trainer(lr=1e-2)
+    t = make_trainer("fsdp", lr=1e-2)
     groups = make_groups(seed=12)
     t.train(0, groups, 0)
     out = tmp_path / "hf"
@@ -266,7 +245,7 @@ def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
 
 
 def test_gspo_with_dual_clip_trains_and_reports_the_dual_clipfrac(make_trainer):
-    t = make_trainer(advantage_estimator="gspo", eps_clip_c=3.0, global_batch_size=4)
+    t = make_trainer("fsdp", advantage_estimator="gspo", eps_clip_c=3.0, global_batch_size=4)
     m = t.train(0, make_groups(seed=13), 0)
     assert m["pg_dual_clipfrac"] == 0.0  # the first step is on-policy (ratio 1)
     assert m["num_optimizer_steps"] == 2 and torch.isfinite(torch.tensor(m["loss"]))

@@ -12,7 +12,6 @@ import pytest
 import requests
 import torch
 
-from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.sglang_versions import SGLANG_PINNED
 from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -38,11 +37,8 @@ def ref_model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hf_engine_log") / "server.log"
-    srv = EngineServer(model_dir, ["--seed", "0", "--max-running-requests", "16"], log_path=str(log)).wait_healthy()
-    yield srv
-    assert srv.stop() == 0, log.read_text()[-3000:]
+def server(model_dir, start_engine):
+    return start_engine(model_dir, "--seed", "0", "--max-running-requests", "16")
 
 
 def gen(server, ids, timeout=60, **kw) -> dict:

@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-from slime.backends.hf_engine.local_server import EngineServer
 from hf_engine_reference import greedy_reference
 from slime.backends.training_utils.weight_sync.payload import dtype_buckets, flatten_bucket, serialize
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -36,18 +35,17 @@ def models(tmp_path_factory):
     return out
 
 
-def _start(models, tmp_path_factory, *flags):
+def _start(models, start_engine, *flags):
     """An engine with SGLang's weight-update session open (as a trainer holds it around an update's buckets; these
     tests push many updates): tensor updates are refused outside one (test_hf_engine_weights.py checks that)."""
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    srv = EngineServer(models["a"][0], ["--seed", "0", *flags], log_path=str(log)).wait_healthy()
+    srv = start_engine(models["a"][0], "--seed", "0", *flags)
     assert srv.post("/begin_weight_update", {}).json()["success"]
     return srv
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    srv = _start(models, tmp_path_factory, "--enable-memory-saver")
+def server(models, start_engine):
+    srv = _start(models, start_engine, "--enable-memory-saver")
     yield srv
     assert srv.post("/end_weight_update", {}).json()["success"]
     srv.stop()
@@ -131,8 +129,8 @@ def test_resumed_weights_without_backup_wait_for_every_parameter(server, models)
     assert greedy(server) == greedy_reference(ma, PROMPT, 6)
 
 
-def test_weights_cpu_backup_restores_on_resume(models, tmp_path_factory):
-    srv = _start(models, tmp_path_factory, "--enable-memory-saver", "--enable-weights-cpu-backup")
+def test_weights_cpu_backup_restores_on_resume(models, start_engine):
+    srv = _start(models, start_engine, "--enable-memory-saver", "--enable-weights-cpu-backup")
     try:
         before = greedy(srv)
         assert srv.post("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}).json()["success"]
@@ -143,8 +141,8 @@ def test_weights_cpu_backup_restores_on_resume(models, tmp_path_factory):
         srv.stop()
 
 
-def test_release_needs_the_memory_saver_flag_and_an_idle_engine(models, tmp_path_factory, server):
-    plain = _start(models, tmp_path_factory)
+def test_release_needs_the_memory_saver_flag_and_an_idle_engine(models, start_engine, server):
+    plain = _start(models, start_engine)
     try:
         r = plain.post("/release_memory_occupation", {})
         assert r.status_code == 400 and "--enable-memory-saver" in r.json()["message"]

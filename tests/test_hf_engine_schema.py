@@ -16,7 +16,6 @@ import requests
 import torch
 
 from slime.backends.hf_engine.fields import GENERATE_FIELDS, HONOURED, SAMPLING_FIELDS, NoEffect, Refused
-from slime.backends.hf_engine.local_server import EngineServer
 from hf_engine_reference import greedy_reference
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -66,11 +65,8 @@ def ref(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("schema_log") / "server.log"
-    srv = EngineServer(model_dir, ["--seed", "0"], log_path=str(log)).wait_healthy()
-    yield srv
-    assert srv.stop() == 0, log.read_text()[-3000:]
+def server(model_dir, start_engine):
+    return start_engine(model_dir, "--seed", "0")
 
 
 def post(server, body) -> requests.Response:

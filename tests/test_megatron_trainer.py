@@ -20,28 +20,6 @@ pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture
-def make_trainer(model_dir):
-    from slime.backends.megatron_utils.actor import MegatronTrainer
-
-    made = []
-
-    def _make(*argv, **over):
-        t = MegatronTrainer(megatron_args(model_dir, *argv, **over))
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
-
-
 def hf_weights_of(trainer) -> dict[str, torch.Tensor]:
     from slime.backends.megatron_utils.update_weight import gather_hf_weights
 
@@ -55,7 +33,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
-def test_one_rl_step_equals_fsdp(model_dir, make_trainer, estimator):
+def test_one_rl_step_equals_fsdp(tiny_model_dir, make_trainer, estimator):
     """Same flags, same batch: the FSDP and Megatron backends report the same
     loss and end with the same weights (one implementation of the RL math)."""
     from slime.backends.fsdp_utils.actor import FSDPTrainer
@@ -66,13 +44,13 @@ def test_one_rl_step_equals_fsdp(model_dir, make_trainer, estimator):
     for g in groups:  # off-policy behaviour log-probs: TIS weights != 1
         for s in g:
             s.rollout_log_probs = [-0.4 * (i % 3) - 1.5 for i in range(s.response_length)]
-    fsdp = FSDPTrainer(make_args(model_dir, **over))
+    fsdp = FSDPTrainer(make_args(tiny_model_dir, **over))
     fsdp.init()
     m_fsdp = fsdp.train(0, copy.deepcopy(groups), 0)
     w_fsdp = {k: v.clone() for k, v in full_state_dict(fsdp.model).items()}
     fsdp.shutdown()
 
-    meg = make_trainer(**over)
+    meg = make_trainer("megatron", **over)
     w0 = hf_weights_of(meg)
     m_meg = meg.train(0, copy.deepcopy(groups), 0)
     w_meg = hf_weights_of(meg)
@@ -83,14 +61,14 @@ def test_one_rl_step_equals_fsdp(model_dir, make_trainer, estimator):
     assert max_diff(w_meg, w0) > 1e-3  # the step moved the weights
 
 
-def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, model_dir):
+def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, tiny_model_dir):
     temperature = 0.7
-    t = make_trainer(rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
+    t = make_trainer("megatron", rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
     groups = make_groups(seed=3)
     items = [it for g in flatten_groups(groups)[0] for it in g]
     got = t._log_probs(t.actor, items)
     for s, lp in zip([s for g in groups for s in g], got):
-        want = reference_log_probs(model_dir, s, temperature)
+        want = reference_log_probs(tiny_model_dir, s, temperature)
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
     m = t.train(0, groups, policy_version=0)
@@ -101,7 +79,7 @@ def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_tra
 
 def _grad_like_update(make_trainer, groups, *argv, **over) -> tuple[dict, dict]:
     # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
-    t = make_trainer(*argv, lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
+    t = make_trainer("megatron", *argv, lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
     w0 = full_weights(t)
     m = t.train(0, copy.deepcopy(groups), 0)
     w1 = full_weights(t)
@@ -140,18 +118,18 @@ def test_failed_samples_never_enter_training(make_trainer):
     assert max_diff(g_failed, g_without) < 1e-7
 
 
-def test_sft_and_kl_losses(make_trainer, model_dir):
-    t = make_trainer(loss_type="sft_loss")
+def test_sft_and_kl_losses(make_trainer, tiny_model_dir):
+    t = make_trainer("megatron", loss_type="sft_loss")
     groups = make_groups(seed=9)
     num, den = 0.0, 0.0
     for s in [s for g in groups for s in g]:
-        lp = reference_log_probs(model_dir, s)
+        lp = reference_log_probs(tiny_model_dir, s)
         num += float(lp.sum())
         den += s.response_length
     assert t.train(0, groups, 0)["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
     t.shutdown()
 
-    k = make_trainer(use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
+    k = make_trainer("megatron", use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
     assert k.ref is not None
     m0 = k.train(0, make_groups(seed=10), 0)
     assert m0["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
@@ -161,14 +139,14 @@ def test_sft_and_kl_losses(make_trainer, model_dir):
 
 def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
     groups = make_groups(seed=11)
-    a = make_trainer("--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
+    a = make_trainer("megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
     a.train(0, copy.deepcopy(groups), 0)
     a.save(str(tmp_path / "ckpt"))
     m_a = a.train(1, copy.deepcopy(groups), 1)
     w_a = full_weights(a)
     a.shutdown()
 
-    b = make_trainer("--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
+    b = make_trainer("megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
     b.load(str(tmp_path / "ckpt"))
     m_b = b.train(1, copy.deepcopy(groups), 1)
     assert max_diff(w_a, full_weights(b)) == 0.0
@@ -179,22 +157,22 @@ def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
 def test_fresh_distributed_optimizer_saves_and_resumes(make_trainer, tmp_path):
     """Trap (a): a never-stepped distributed optimizer has no Adam state to save; resuming it is a fresh Adam."""
     groups = make_groups(seed=16)
-    a = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    a = make_trainer("megatron", "--use-distributed-optimizer", lr=1e-2)
     a.save(str(tmp_path / "fresh"))
     m_a = a.train(0, copy.deepcopy(groups), 0)
     w_a = full_weights(a)
     a.shutdown()
-    b = make_trainer("--use-distributed-optimizer", lr=1e-2)
+    b = make_trainer("megatron", "--use-distributed-optimizer", lr=1e-2)
     b.load(str(tmp_path / "fresh"))
     m_b = b.train(0, copy.deepcopy(groups), 0)
     assert max_diff(full_weights(b), w_a) == 0.0 and m_a["grad_norm"] == m_b["grad_norm"]
 
 
 def test_resume_refuses_another_optimizer_kind(make_trainer, tmp_path):
-    a = make_trainer()
+    a = make_trainer("megatron")
     a.save(str(tmp_path / "ckpt"))
     a.shutdown()
-    b = make_trainer("--use-distributed-optimizer")
+    b = make_trainer("megatron", "--use-distributed-optimizer")
     with pytest.raises(ValueError, match="without --use-distributed-optimizer"):
         b.load(str(tmp_path / "ckpt"))
 
@@ -202,7 +180,7 @@ def test_resume_refuses_another_optimizer_kind(make_trainer, tmp_path):
 def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t = make_trainer(lr=1e-2)
+    t = make_trainer("megatron", lr=1e-2)
     groups = make_groups(seed=12)
     t.train(0, groups, 0)
     out = tmp_path / "hf"
@@ -233,19 +211,19 @@ def test_tied_embeddings_and_unfused_attention(tmp_path_factory):
         t.shutdown()
 
 
-def test_bf16_and_recompute_train(make_trainer, model_dir):
+def test_bf16_and_recompute_train(make_trainer, tiny_model_dir):
     groups = make_groups(seed=14)
-    ref = make_trainer(lr=1e-2, micro_batch_size=8)
+    ref = make_trainer("megatron", lr=1e-2, micro_batch_size=8)
     m_ref = ref.train(0, copy.deepcopy(groups), 0)
     w_ref = full_weights(ref)
     ref.shutdown()
     for recompute in (["full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], ["selective"]):
-        rec = make_trainer("--recompute-granularity", *recompute, lr=1e-2, micro_batch_size=8)
+        rec = make_trainer("megatron", "--recompute-granularity", *recompute, lr=1e-2, micro_batch_size=8)
         m_rec = rec.train(0, copy.deepcopy(groups), 0)
         assert m_rec["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
         assert max_diff(full_weights(rec), w_ref) <= 1e-6  # recompute changes memory, not numbers
         rec.shutdown()
-    bf = make_trainer("--bf16", lr=1e-2, micro_batch_size=8)
+    bf = make_trainer("megatron", "--bf16", lr=1e-2, micro_batch_size=8)
     assert next(bf.actor.core.parameters()).dtype == torch.bfloat16
     m_bf = bf.train(0, copy.deepcopy(groups), 0)
     assert m_bf["loss"] == pytest.approx(m_ref["loss"], abs=2e-2)  # bf16 tolerance
@@ -316,7 +294,7 @@ def test_cpu_shim_leaves_transformers_alone(make_trainer, tmp_path):
     (a global patch of torch's factories once left their RoPE buffers uninitialised)."""
     from transformers import AutoModelForCausalLM
 
-    make_trainer()
+    make_trainer("megatron")
     d = make_model_dir(tmp_path / "after_shim", seed=5)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     head_dim = model.config.head_dim

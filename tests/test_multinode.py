@@ -2,7 +2,8 @@
 directory other than the repo and without the repo on its PYTHONPATH), joined through RAY_ADDRESS: it runs to
 the end with the trainer and the engine on different nodes (Ray's actor table says so), every actor imports
 this checkout (the job's runtime_env), relative path flags work (made absolute at parse time), it learns, and
-afterwards the run's processes are gone while the cluster's nodes stay."""
+afterwards the run's processes are gone while the cluster's nodes stay. It is also the quick start's FSDP run with
+its weights over the broadcast group (the default without --colocate): checkpoint, summary and pictures."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _wait_gone(pids, timeout=60.0):
     return alive
 
 
-def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_different_nodes(cluster, tmp_path):
+def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_different_nodes(cluster, tmp_path, quickstart_task):
     import ray
     from ray._private.state import actors  # the GCS actor table (Ray's state API without a dashboard)
 
@@ -108,3 +109,13 @@ def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_differe
     # 512 eval problems at T=1 (sd of one accuracy ~0.022); 40 GRPO steps gain ~0.1 (as the quick-start test)
     assert summary["eval_accuracy_last"] > summary["eval_accuracy_first"] + 0.02, summary
     assert 0.0 < summary["off_policy_token_ratio"] < 1.0  # partial rollout resumed parked samples across nodes
+    assert summary["max_staleness"] == 4 and summary["max_lag"] <= 4  # the quick start's cap holds
+    assert "==== run summary ====" in out.stderr
+    assert os.path.isdir(run / "ckpt" / f"iter_{STEPS - 1:07d}")
+    for name in ("reward", "throughput", "off_policy", "lengths", "occupancy"):
+        assert (run / "plots" / f"{name}.png").stat().st_size > 5_000, name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "weight_sync/weight_sync_tensor" in r]
+    # every update went over the broadcast group (SGLang's layout and session), across nodes
+    assert len(steps) == STEPS and all(r["weight_sync/weight_sync_tensor"] == 0.0
+                                       and r["weight_sync/weight_sync_from_disk"] == 0.0 for r in steps)

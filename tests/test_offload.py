@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_helpers import megatron_args
-from test_fsdp_helpers import make_args, make_groups, make_model_dir
+from test_fsdp_helpers import make_args, make_groups
 
 from slime.backends.training_utils.offload import DeviceOffloader, _local
 
@@ -20,31 +20,10 @@ pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
 @pytest.fixture
-def trainer(model_dir):
-    made = []
-
-    def _make(backend: str, *argv, **over):
-        if backend == "fsdp":
-            from slime.backends.fsdp_utils.actor import FSDPTrainer
-
-            t = FSDPTrainer(make_args(model_dir, "--use-kl-loss", "--kl-loss-coef", "0.1", *argv, **over))
-        else:
-            from slime.backends.megatron_utils.actor import MegatronTrainer
-
-            t = MegatronTrainer(megatron_args(model_dir, "--use-kl-loss", "--kl-loss-coef", "0.1", *argv, **over))
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
+def trainer(make_trainer):
+    """A trainer of either backend with a KL loss (so the reference model's state is offloaded too)."""
+    return lambda backend, *argv, **over: make_trainer(backend, "--use-kl-loss", "--kl-loss-coef", "0.1", *argv, **over)
 
 
 def snapshot(trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:

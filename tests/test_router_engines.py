@@ -254,6 +254,8 @@ def test_shutdown_leaves_no_child_processes(group):
             rest = stat[stat.rfind(")") + 2:].split()
             if rest[1] == me and rest[0] != "Z":
                 children.append((entry, open(f"/proc/{entry}/cmdline").read().replace("\0", " ")))
-    assert not [c for c in children if "hf_engine" in c[1] or "sglang" in c[1]], children
+    # (tests/sglang_real_server.py processes belong to the SGLang contract tests' fixture, which may share this
+    # pytest worker: they are not the group's)
+    assert not [c for c in children if ("hf_engine" in c[1] or "sglang" in c[1]) and "sglang_real_server.py" not in c[1]], children
     with pytest.raises(Exception):
         requests.get(group.router_url + "/workers", timeout=2)

@@ -328,7 +328,8 @@ def test_staleness_policies(env, policy):
         run_steps(env, args, 1, source=source, buffer=buffer)
     stale = [s for g in buffer._parked for s in g if not s.status.is_finished and s.response_length]
     assert stale, "nothing partial was parked"
-    stale_ids = {s.index for s in stale}
+    # every parked group is resumed below: its unfinished samples and its finished ones alike are checked
+    parked_groups = {g[0].group_index for g in buffer._parked}
     # jump two versions: tokens from version 0 are now older than current (2) - max_staleness (1). The step takes
     # every parked group in its first chunk (APRIL's top-ups may have parked more than 8), so each one is checked
     args2 = args.replace(over_sampling_batch_size=buffer.num_parked() + 8)
@@ -338,7 +339,7 @@ def test_staleness_policies(env, policy):
     assert m[f"rollout/staleness_{policy}"] >= len(stale) and m["rollout/staleness_stale_groups"] > 0
     others = {"restart", "mask", "keep"} - {policy}
     assert all(m[f"rollout/staleness_{o}"] == 0 for o in others)
-    resumed = [s for g in outs2[0].groups + buffer._parked + buffer._ready for s in g if s.index in stale_ids]
+    resumed = [s for g in outs2[0].groups + buffer._parked + buffer._ready for s in g if s.group_index in parked_groups]
     old = [(v, k) for s in resumed for v, k in zip(s.weight_versions, s.loss_mask) if v == 0]
     if policy == "restart":
         assert old == [] and m["rollout/staleness_restarted_tokens"] > 0

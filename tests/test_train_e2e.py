@@ -153,6 +153,11 @@ def test_kill_dash_nine_then_resume_with_the_megatron_backend_at_tp2(workdir):
                       "--tensor-model-parallel-size", "2", "--use-distributed-optimizer")
     meta = json.loads((out / "ckpt" / f"iter_{STEPS - 1:07d}" / "trainer" / "trainer_meta.json").read_text())
     assert meta["backend"] == "megatron" and meta["tp"] == 2
+    # disaggregated: every update went over the broadcast group (the default without --colocate), both TP ranks
+    rows = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
+    synced = [r for r in rows if "weight_sync/weight_sync_tensor" in r]
+    assert len(synced) == STEPS and all(r["weight_sync/weight_sync_tensor"] == 0.0
+                                        and r["weight_sync/weight_sync_from_disk"] == 0.0 for r in synced)
 
 
 def test_export_hf_gives_a_loadable_model_with_the_trained_weights(workdir):

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fsdp_helpers import make_args, make_groups, make_model_dir
+from test_fsdp_helpers import make_args, make_groups
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
 from slime.backends.training_utils.data import flatten_groups
-from slime.backends.hf_engine.local_server import EngineServer
 from slime.utils.types import Sample
 
 torch.set_num_threads(1)
@@ -20,16 +19,13 @@ PROMPT = [1, 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    srv = EngineServer(model_dir, ["--seed", "0"], log_path=str(log)).wait_healthy()
-    yield srv
-    srv.stop()
+def engine(model_dir, start_engine):
+    return start_engine(model_dir, "--seed", "0")
 
 
 def sample_from_engine(engine, n: int = 8) -> tuple[Sample, str]:
@@ -56,24 +52,8 @@ def engine_version(engine) -> str:
 
 
 @pytest.fixture
-def trainer(model_dir):
-    made = []
-
-    def _make(backend: str = "fsdp", **over):
-        args = make_args(model_dir, "--train-backend", backend, lr=1e-2, **over)
-        if backend == "fsdp":
-            t = FSDPTrainer(args)
-        else:
-            from slime.backends.megatron_utils.actor import MegatronTrainer
-
-            t = MegatronTrainer(args)
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
+def trainer(make_trainer):
+    return lambda backend="fsdp", **over: make_trainer(backend, **{"lr": 1e-2, **over})
 
 
 def _train_then_sync(t, engine, version: int) -> dict:

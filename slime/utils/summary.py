@@ -26,6 +26,34 @@ def _eval_tool_series(rows: list[dict], name: str) -> list[float]:
     return out
 
 
+LAG_PREFIX = "rollout/staleness_hist/lag_"
+
+
+def max_lag(rows: list[dict]) -> int | None:
+    """The largest lag (policy versions between a trained token's and the step's) of any trained token."""
+    lags = [int(k[len(LAG_PREFIX):]) for r in rows for k, v in r.items() if k.startswith(LAG_PREFIX) and v]
+    return max(lags, default=None)
+
+
+def staleness_line(summary: dict, args) -> str:
+    """One line: what the off-policy token ratio and the staleness cap mean for this run."""
+    ratio, lag = summary.get("off_policy_token_ratio"), summary.get("max_lag")
+    if ratio is None:
+        return "off-policy token ratio: n/a"
+    if not lag:
+        return f"off-policy token ratio: {ratio:.3f} (every trained token was sampled by the policy it trained)"
+    line = (f"off-policy token ratio: {ratio:.3f} = the share of trained tokens sampled by an older policy (resumed "
+            f"partial rollouts; {'corrected by TIS' if args.use_tis else 'uncorrected: no --use-tis'}); largest lag {lag} "
+            f"versions")
+    if args.max_staleness is None:
+        return line + " (no --max-staleness: uncapped)"
+    if lag > args.max_staleness:  # said as it is: a token older than the cap reached the trainer
+        return line + f", OVER --max-staleness {args.max_staleness}"
+    fate = {"restart": "regenerated", "mask": "kept as context, out of the loss", "keep": "trained, TIS-weighted"}
+    return line + (f" <= --max-staleness {args.max_staleness} (older tokens are {fate[args.staleness_policy]}: "
+                   f"--staleness-policy {args.staleness_policy})")
+
+
 def summarize(rows: list[dict]) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     steps = [r for r in rows if r["step"] >= 0]
@@ -46,7 +74,7 @@ def summarize(rows: list[dict]) -> dict:
             "eval_tool_calls_per_sample_last": eval_calls[-1] if eval_calls else None,
             "tool_failures": sum(r.get("rollout/tool/failures", 0.0) for r in steps),
         }
-    return {**tools, 
+    return {**tools,
         "steps": len(steps),
         "eval_accuracy_first": evals[0][1] if evals else None,
         "eval_accuracy_last": evals[-1][1] if evals else None,
@@ -54,6 +82,7 @@ def summarize(rows: list[dict]) -> dict:
         "reward_last_quarter": _mean(rewards[-k:]),
         "rollout_tokens_per_s": _mean([r.get("rollout/tokens_per_s") for r in steps]),
         "off_policy_token_ratio": _mean([r.get("rollout/off_policy_token_ratio") for r in steps]),
+        "max_lag": max_lag(steps),
     }
 
 
@@ -61,6 +90,7 @@ def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
     summary = summarize(read_metrics(metrics_path)) if os.path.isfile(metrics_path) else {}
     summary["metrics"] = metrics_path
     summary["checkpoint"] = os.path.abspath(args.save) if args.save else None
+    summary["max_staleness"] = args.max_staleness
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
 
@@ -73,7 +103,7 @@ def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
         f"eval accuracy: {fmt(summary.get('eval_accuracy_first'))} -> {fmt(summary.get('eval_accuracy_last'))}",
         f"reward (first -> last quarter of steps): {fmt(summary.get('reward_first_quarter'))} -> {fmt(summary.get('reward_last_quarter'))}",
         f"rollout tokens/s: {fmt(summary.get('rollout_tokens_per_s'), '.1f')}",
-        f"off-policy token ratio: {fmt(summary.get('off_policy_token_ratio'))}",
+        staleness_line(summary, args),
     ]
     if "tool_call_rate_first_quarter" in summary:
         lines += [

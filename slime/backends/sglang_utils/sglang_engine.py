@@ -1,6 +1,6 @@
 """Launch one rollout engine as a child HTTP server: real SGLang on a GPU
 machine, or our embedded transformers engine on CPU. Both speak SGLang's
-native HTTP API (see docs/CONTRACTS.md), so everything above this file is
+native HTTP API (see docs/architecture.md), so everything above this file is
 backend-agnostic."""
 
 from __future__ import annotations

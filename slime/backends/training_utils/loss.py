@@ -9,7 +9,7 @@ one batch. Reported metrics use the same denominators and are summed over
 micro-batches and ranks. ``pg_clipfrac`` is the share of tokens where the PPO
 clip is active (upstream slime's definition); with ``--eps-clip-c`` the dual
 clip's share is ``pg_dual_clipfrac`` (GSPO included). Conventions of the loss
-(log-ratio clamp, empty samples, GSPO with TIS) are in docs/CONTRACTS.md.
+(log-ratio clamp, empty samples, GSPO with TIS) are in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -332,7 +332,9 @@ def test_staleness_policies(env, policy):
     parked_groups = {g[0].group_index for g in buffer._parked}
     # jump two versions: tokens from version 0 are now older than current (2) - max_staleness (1). The step takes
     # every parked group in its first chunk (APRIL's top-ups may have parked more than 8), so each one is checked
-    args2 = args.replace(over_sampling_batch_size=buffer.num_parked() + 8)
+    # groups held ready from the top-ups count first toward the target: ask for 3 more than those, so that the step
+    # must supply (parked first) rather than return the ready ones alone
+    args2 = args.replace(rollout_batch_size=buffer.num_ready() + 3, over_sampling_batch_size=buffer.num_parked() + 8)
     _, _, outs2 = run_steps(env, args2, 1, source=source, buffer=buffer, first_version=2, train=False)
     m = outs2[0].metrics
     assert m["rollout/groups_resumed"] >= len({s.group_index for s in stale})

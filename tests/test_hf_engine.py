@@ -184,14 +184,13 @@ def test_abort_returns_partial_and_resume_continues(server, ref_model):
     full = gen(server, prompt, sampling_params=sp)["output_ids"]
     box = {"ready": threading.Event()}
     t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "rid": "abort-me", "return_logprob": True, "sampling_params": sp}, 3, box))
-    t0 = time.monotonic()
     t.start()
     assert box["ready"].wait(30)
     assert server.post("/abort_request", {"rid": "abort-me"}).status_code == 200
-    t.join(30)
-    assert not t.is_alive() and time.monotonic() - t0 < 30
+    t.join(60)  # a safety net: the abort ends the stream
+    assert not t.is_alive(), "the aborted stream did not end"
     part = box["final"]
-    assert part["meta_info"]["finish_reason"]["type"] == "abort"
+    assert part["meta_info"]["finish_reason"]["type"] == "abort"  # ended by the abort, not by finishing
     k = len(part["output_ids"])
     assert 3 <= k < total
     assert len(part["meta_info"]["output_token_logprobs"]) == k
@@ -245,14 +244,14 @@ def test_pause_in_place_abort_all_and_waiting(server):
     waiting = {}
     w = threading.Thread(target=lambda: waiting.update(gen(server, [1, 4], rid="wait-1", sampling_params=sp)))
     w.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while server.load()["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    t0 = time.monotonic()
+    assert server.load()["num_waiting_reqs"] == 1, "the request sent while paused is not waiting"
     assert server.post("/abort_request", {"abort_all": True}).status_code == 200
-    w.join(10)
-    t.join(10)
-    assert time.monotonic() - t0 < 5
+    w.join(60)  # safety nets: while paused nothing finishes, so only the abort can end these two
+    t.join(60)
+    assert not w.is_alive() and not t.is_alive(), "abort_all did not end the paused and the waiting request"
     assert waiting["meta_info"]["finish_reason"]["type"] == "abort" and waiting["output_ids"] == []
     assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(box["final"]["output_ids"]) >= 2
     assert server.post("/continue_generation", {}).json()["status"] == "ok"

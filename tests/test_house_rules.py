@@ -139,3 +139,105 @@ def test_args_replace_refuses_unknown_flags(base_args):
     with pytest.raises(AttributeError):
         _ = base_args.rollout_batch_sise  # a misspelt read fails loudly, no silent default
     assert base_args.replace(rollout_batch_size=3).rollout_batch_size == 3
+
+
+# --- no test bounds a wall-clock duration (DEVELOPERS.md: "a test that waits for an event waits for the event") ---
+CLOCK_CALLS = {"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "time", "time_ns", "process_time"}
+# a measured duration by its name: elapsed, waited, took, duration, dt, or a lowercase *_s / *_ms / *_secs /
+# *_seconds value (UPPER_CASE names are limits a test sets, not measurements)
+DURATION_NAME = re.compile(r"(^|_)(elapsed|waited|took|duration)($|_)|^[a-z0-9_/]*_(s|ms|secs|seconds)$|^dt$")
+# files whose durations are not wall-clock, each with its reason
+TIMED_ASSERTS_ALLOWED: dict[str, str] = {
+    "tests/test_simulator.py": "the simulator runs a simulated clock: its durations and rates are deterministic results",
+    "tests/test_tool_runner.py": "res.seconds >= TIMEOUT_S: a lower bound the runner's own deadline guarantees "
+                                 "(a slow box only makes it longer)",
+}
+
+
+def _is_clock_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) in CLOCK_CALLS
+
+
+def _duration_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        return node.slice.value.rsplit("/", 1)[-1]  # a metric such as m["rollout/drain_s"]
+    return None
+
+
+def _is_duration(node: ast.AST) -> bool:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and (_is_clock_call(node.left)
+                                                                         or _is_clock_call(node.right)):
+        return True  # time.monotonic() - t0
+    name = _duration_name(node)
+    return bool(name and DURATION_NAME.search(name))
+
+
+def _same_record(a: ast.AST, b: ast.AST) -> bool:
+    """tr["drained_t"] <= tr["step_time_s"]: two marks of one record in order, not a bound."""
+    return isinstance(a, ast.Subscript) and isinstance(b, ast.Subscript) and ast.dump(a.value) == ast.dump(b.value)
+
+
+def timed_asserts(source: str, filename: str = "<test>") -> list[tuple[int, str]]:
+    """(line, text) of each assert that orders a measured duration against anything but 0."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Assert):
+            continue
+        for cmp in ast.walk(node.test):
+            if not isinstance(cmp, ast.Compare):
+                continue
+            operands = [cmp.left, *cmp.comparators]
+            for op, a, b in zip(cmp.ops, operands, operands[1:]):
+                if not isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) or _same_record(a, b):
+                    continue
+                zero = [isinstance(x, ast.Constant) and x.value == 0 and type(x.value) is not bool for x in (a, b)]
+                if (_is_duration(a) and not zero[1]) or (_is_duration(b) and not zero[0]):
+                    found.append((cmp.lineno, ast.get_source_segment(source, cmp)))
+                    break
+    return found
+
+
+def test_no_test_bounds_a_wall_clock_duration():
+    offenders = []
+    for path in _py_files("tests"):
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.count("/") != 1 or rel in TIMED_ASSERTS_ALLOWED:
+            continue
+        offenders += [f"{rel}:{line}: assert ... {text}" for line, text in timed_asserts(open(path).read(), rel)]
+    assert not offenders, ("asserts that bound a wall-clock duration (flaky on a loaded box; assert the event or its "
+                           "cause instead, e.g. the error naming the deadline, a log line, a cancelled wait):\n"
+                           + "\n".join(offenders))
+
+
+def test_the_timed_assert_scan_tells_bounds_from_legit_uses():
+    flagged = [  # (written so that a grep for the old forms finds none in this file)
+        "assert 5 > elapsed",
+        "assert time.monotonic() - start < 10  # not the 120 s timeout",
+        "assert 'error' in result and time.monotonic() - start <= 10",
+        "assert 60 > faulty_run['replaced_after_s']",
+        "assert res == 0.01 and 1.0 > waited",
+        "assert 0 <= elapsed_s < 30",
+        "assert m['rollout/drain_s'] < SLOW_HOLD_S",
+        "assert time.monotonic() - start >= SLOW_HOLD_S",
+        "assert not t.is_alive() and time.perf_counter() - start < 30",
+        "assert 2.0 > took",
+    ]
+    legit = [
+        "assert time.monotonic() < deadline, 'engines never both busy'",  # a safety net that fails with a message
+        "assert m['rollout/drain_s'] >= 0",
+        "assert 0 <= tr['first_request_t'] <= tr['drained_t'] <= tr['step_time_s']",  # marks of one record, in order
+        "assert len(r['output_ids']) < 900",
+        "assert updater.buffer_bytes < 1 << 15",
+        "assert SLOW_HOLD_S < TIMEOUT_S",
+        "assert out['timeout_s'] == 30",
+        "while time.monotonic() - start < 5:\n    pass",  # not an assert
+    ]
+    assert [src for src in flagged if not timed_asserts(src)] == []
+    assert [src for src in legit if timed_asserts(src)] == []

@@ -1,4 +1,6 @@
 import asyncio
+import contextlib
+import importlib
 import math
 import random
 from fractions import Fraction
@@ -6,7 +8,6 @@ import socket
 import sys
 import textwrap
 import threading
-import time
 import types
 
 import pytest
@@ -267,7 +268,17 @@ def test_subtract_chain_real_task(rm):
 # ---------------------------------------------------------------- custom rms ----
 PLUGIN = textwrap.dedent(
     """
-    import asyncio, time
+    import asyncio, threading
+
+    # a "slow" reward blocks until the test sets RELEASE, which it does only after checking the group finished:
+    # the group finishing at all shows the slow reward did not hold it (no clock involved). The wait's own bound
+    # is a safety net that makes the reward succeed, which the tests would then flag.
+    BLOCKED, RELEASE = threading.Event(), threading.Event()
+    HOLD_S = 120
+
+    def hold():
+        BLOCKED.set()
+        RELEASE.wait(HOLD_S)
 
     async def length_rm(args, sample):
         return float(len(sample.response))
@@ -276,14 +287,14 @@ PLUGIN = textwrap.dedent(
         if sample.response == "boom":
             raise RuntimeError("checker exploded")
         if sample.response == "slow":
-            await asyncio.sleep(30)
+            await asyncio.to_thread(hold)
         if sample.response == "text":
             return "one"
         return 1.0 if sample.response == sample.label else 0.0
 
     def blocking_rm(args, sample):
         if sample.response == "slow":
-            time.sleep(5)
+            hold()
         return 2.0
 
     async def group_rm(args, samples):
@@ -295,7 +306,7 @@ PLUGIN = textwrap.dedent(
 
     async def async_blocking_rm(args, sample):
         if sample.response == "slow":
-            time.sleep(3)  # blocks inside async def: must not freeze the caller's event loop
+            hold()  # blocks inside async def: must not freeze the caller's event loop
         return 1.0
 
     async def cancelling_rm(args, sample):
@@ -313,7 +324,21 @@ PLUGIN = textwrap.dedent(
 def plugins(tmp_path, monkeypatch):
     (tmp_path / "rm_plugins_for_test.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "rm_plugins_for_test"
+    sys.modules.pop("rm_plugins_for_test", None)  # fresh BLOCKED / RELEASE events for each test
+    yield "rm_plugins_for_test"
+    module = sys.modules.pop("rm_plugins_for_test", None)
+    if module is not None:
+        module.RELEASE.set()  # let a held reward's thread end
+
+
+@contextlib.contextmanager
+def held(plugins):
+    """The plugin module; its slow rewards stay blocked until the block exits."""
+    module = importlib.import_module(plugins)
+    try:
+        yield module
+    finally:
+        module.RELEASE.set()
 
 
 def test_custom_rm_wins_over_rm_type(plugins, make_args):
@@ -324,10 +349,10 @@ def test_custom_rm_wins_over_rm_type(plugins, make_args):
 def test_reward_group_isolates_raising_and_slow_rewards(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.flaky_rm", reward_timeout=0.5)
     samples = [sample(r, "7", index=i) for i, r in enumerate(["7", "boom", "slow", "8", "text"])]
-    t0 = time.monotonic()
-    asyncio.run(reward_group(args, samples))
-    elapsed = time.monotonic() - t0
-    assert elapsed < 5, f"a slow reward held the group for {elapsed:.1f}s"
+    with held(plugins) as plugin:
+        asyncio.run(reward_group(args, samples))
+        # the group finished while the slow reward still blocked (RELEASE is set only below): it did not hold it
+        assert plugin.BLOCKED.is_set()
     assert [s.reward for s in samples] == [1.0, None, None, 0.0, None]
     assert [s.status for s in samples] == [Status.COMPLETED, Status.FAILED, Status.FAILED, Status.COMPLETED, Status.FAILED]
     assert samples[1].metadata["failure"] == "reward: RuntimeError: checker exploded"
@@ -339,10 +364,11 @@ def test_reward_group_isolates_raising_and_slow_rewards(plugins, make_args):
 def test_sync_blocking_custom_rm_is_bounded(plugins, make_args):
     args = make_args(custom_rm_path=f"{plugins}.blocking_rm", reward_timeout=0.3)
     samples = [sample("fast", index=0), sample("slow", index=1)]
-    t0 = time.monotonic()
-    asyncio.run(reward_group(args, samples))
-    assert time.monotonic() - t0 < 3
+    with held(plugins) as plugin:
+        asyncio.run(reward_group(args, samples))
+        assert plugin.BLOCKED.is_set()  # returned while the blocking reward still blocks its thread
     assert samples[0].reward == 2.0 and samples[1].status == Status.FAILED
+    assert samples[1].metadata["failure"].startswith("reward: TimeoutError:")  # --reward-timeout released it
 
 
 def test_batched_async_rm_raises_where_reward_group_does_not(plugins, make_args):
@@ -380,11 +406,17 @@ def test_already_failed_samples_are_skipped(plugins, make_args):
 
 
 def test_daemon_thread_timeout_releases_caller():
+    started, release = threading.Event(), threading.Event()
+
+    def blocked():
+        started.set()
+        release.wait(120)  # set only after the caller was released; the bound is a safety net
+
     async def go():
-        t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            await run_in_daemon_thread(time.sleep, 3, timeout=0.2)
-        assert time.monotonic() - t0 < 1.5
+            await run_in_daemon_thread(blocked, timeout=0.2)
+        assert started.is_set() and not release.is_set()  # released while the call still blocks
+        release.set()
         assert await run_in_daemon_thread(pow, 2, 10, timeout=5) == 1024
         with pytest.raises(ZeroDivisionError):
             await run_in_daemon_thread(lambda: 1 / 0)
@@ -396,15 +428,16 @@ def test_daemon_thread_timeout_releases_caller():
 @pytest.fixture
 def rm_server():
     """A small reward-model server on 127.0.0.1 in its own thread and event loop."""
-    received = []
+    received, release = [], threading.Event()
 
     async def reward(request):
         body = await request.json()
         received.append(body)
         if body["response"] == "crash":
             return web.Response(status=500, text="internal error")
-        if body["response"] == "slow":
-            await asyncio.sleep(3)
+        if body["response"] == "slow":  # answers only once the test sets `release` (or the server stops)
+            while not release.is_set():
+                await asyncio.sleep(0.02)
         if body["response"] == "garbage":
             return web.json_response({"verdict": "good"})
         if body["response"] == "bare":
@@ -422,7 +455,8 @@ def rm_server():
     loop.run_until_complete(web.SockSite(runner, sock).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{port}/reward", received
+    yield f"http://127.0.0.1:{port}/reward", received, release
+    release.set()
     asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
@@ -430,7 +464,7 @@ def rm_server():
 
 
 def test_remote_rm(rm_server, make_args):
-    url, received = rm_server
+    url, received, _ = rm_server
     args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=1.0)
     s = sample("42", "42")
     s.prompt = "What is 6*7?"
@@ -441,19 +475,20 @@ def test_remote_rm(rm_server, make_args):
 
 
 def test_boxed_remote_rm_sends_the_boxed_answer(rm_server, make_args):
-    url, received = rm_server
+    url, received, _ = rm_server
     args = make_args(rm_type="boxed_remote_rm", rm_url=url)
     assert asyncio.run(async_rm(args, sample(r"so it is \boxed{42}.", "42"))) == 1.0
     assert received[-1]["response"] == "42"
 
 
 def test_remote_rm_errors_become_failures(rm_server, make_args):
-    url, _ = rm_server
+    url, received, release = rm_server
     args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=0.5)
     samples = [sample(r, "ok", index=i) for i, r in enumerate(["ok", "crash", "slow", "garbage"])]
-    t0 = time.monotonic()
     asyncio.run(reward_group(args, samples))
-    assert time.monotonic() - t0 < 5
+    # the group finished while the server still held the slow request (it answers only once released)
+    assert "slow" in [b["response"] for b in received]
+    release.set()
     assert samples[0].reward == 1.0
     fails = [s.metadata.get("failure", "") for s in samples[1:]]
     assert "HTTP 500" in fails[0] and url in fails[0]
@@ -470,25 +505,23 @@ def test_reward_blocking_inside_async_def_cannot_freeze_the_loop(plugins, make_a
     args = make_args(custom_rm_path=f"{plugins}.async_blocking_rm", reward_timeout=0.3)
     samples = [sample("fast", index=0), sample("slow", index=1)]
 
-    async def run():
-        ticks = 0
+    async def run(plugin):
+        ticked_while_blocked = asyncio.Event()
 
         async def ticker():
-            nonlocal ticks
             while True:
                 await asyncio.sleep(0.02)
-                ticks += 1
+                if plugin.BLOCKED.is_set() and not plugin.RELEASE.is_set():
+                    ticked_while_blocked.set()
 
         t = asyncio.create_task(ticker())
-        t0 = time.monotonic()
-        await reward_group(args, samples)
-        elapsed = time.monotonic() - t0
+        await reward_group(args, samples)  # returns only if --reward-timeout fired on this (unfrozen) loop
+        # a safety net only: the ticker ticks within a few loop turns unless the reward froze this loop
+        await asyncio.wait_for(ticked_while_blocked.wait(), 60)
         t.cancel()
-        return elapsed, ticks
 
-    elapsed, ticks = asyncio.run(run())
-    assert elapsed < 2, f"--reward-timeout 0.3 did not fire ({elapsed:.1f}s)"
-    assert ticks >= 5  # the loop kept running while the reward blocked
+    with held(plugins) as plugin:  # the loop kept running (and the group finished) while the reward blocked
+        asyncio.run(run(plugin))
     assert samples[0].reward == 1.0
     assert samples[1].status == Status.FAILED and "TimeoutError" in samples[1].metadata["failure"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import pytest
 import requests
@@ -57,12 +56,10 @@ def test_router_listens_only_on_loopback(router):
 def test_unreachable_worker_error_names_it_with_router_log(router):
     dead = f"http://127.0.0.1:{pick_free_ports(1)[0]}"
     router.add_worker(dead)
-    t0 = time.monotonic()
-    with pytest.raises(ServerLaunchError) as e:
+    with pytest.raises(ServerLaunchError) as e:  # nothing listens there: only the 3 s deadline ends the wait
         router.wait_workers_healthy([dead], timeout=3)
-    assert time.monotonic() - t0 < 15
     msg = str(e.value)
-    assert dead in msg and "not listed" in msg and "sglang-router" in msg
+    assert dead in msg and "not listed" in msg and "sglang-router" in msg and "as healthy within 3s" in msg
     assert dead in msg.split("last lines of its log:", 1)[1]  # the router's own log tail mentions the failing worker
     assert "\x1b[" not in msg
 

@@ -137,12 +137,11 @@ def test_abort_all_until_idle_stops_in_flight_requests_on_both_engines(group):
                 assert time.monotonic() < deadline, f"engines never both busy: {loads}"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)  # let a few tokens be generated
-            elapsed = await group.abort_all_until_idle(timeout=30)
-            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-            return elapsed, results
+            # returns once every worker reports no request; raises naming the busy ones if that never happens
+            await group.abort_all_until_idle(timeout=30)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
 
-    elapsed, results = asyncio.run(main())
-    assert 0 <= elapsed < 30
+    results = asyncio.run(main())
     assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
     assert all(len(r["output_ids"]) < 900 for r in results)
     assert sum(len(r["output_ids"]) for r in results) > 0  # partial outputs came back

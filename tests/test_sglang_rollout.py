@@ -239,18 +239,22 @@ async def failing_rm(args, sample):
     return 1.0
 
 
-SLOW_HOLD_S = 3.0  # how long the slow groups' rewards hold on after the fast groups met the target
+SLOW_HOLD_SAFETY_S = 30.0  # a safety net only (below --reward-timeout): the step drains long before
 
 
 class SlowRewardGate:
-    """Groups 0 and 1 are rewarded slowly: not before two other groups were rewarded in full (they meet the
-    target of 2, so the step is stopping), then SLOW_HOLD_S more. Ordered by events, not by a race of
-    sleeps against generation speed."""
+    """Groups 0 and 1 are rewarded slowly: their rewards end only once the step has drained (the test sets
+    `drained` right after stop_and_drain returns). Two other groups are rewarded at once and meet the target of
+    2. Ordered by events, not by a race of sleeps against generation speed: a drain that waited for these
+    rewards would never end, and the rewards would give up (recorded in `gave_up`)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.rewarded: dict[int, int] = {}  # fast group -> members rewarded
         self.fast_groups_done = threading.Event()
+        self.drained = threading.Event()
+        self.slow_done: list[int] = []  # sample indices of the slow rewards that ended after the drain
+        self.gave_up: list[int] = []  # ... and of those that stopped waiting for it
 
 
 SLOW_GATE = SlowRewardGate()
@@ -259,10 +263,11 @@ SLOW_GATE = SlowRewardGate()
 async def slow_rm(args, sample):
     gate = SLOW_GATE
     if sample.group_index in (0, 1):
-        deadline = time.monotonic() + 60
-        while not gate.fast_groups_done.is_set() and time.monotonic() < deadline:
+        deadline = time.monotonic() + SLOW_HOLD_SAFETY_S
+        while not gate.drained.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await asyncio.sleep(SLOW_HOLD_S)
+        with gate.lock:
+            (gate.slow_done if gate.drained.is_set() else gate.gave_up).append(sample.index)
     else:
         with gate.lock:
             gate.rewarded[sample.group_index] = gate.rewarded.get(sample.group_index, 0) + 1
@@ -298,19 +303,30 @@ def test_filter_rejects_are_dropped_with_reason_and_reward_failures_counted(env)
     assert s["dropped/odd group"] == sum(o.metrics.get("rollout/groups_dropped/odd group", 0) for o in outs) > 0
 
 
-def test_slow_reward_does_not_block_the_drain(env):
+def test_slow_reward_does_not_block_the_drain(env, monkeypatch):
+    import slime.rollout.step as step
+
     global SLOW_GATE
-    SLOW_GATE = SlowRewardGate()
+    SLOW_GATE = gate = SlowRewardGate()
+    drain = step.stop_and_drain
+
+    async def drain_then_release_the_slow_rewards(state, io):
+        await drain(state, io)
+        gate.drained.set()
+
+    monkeypatch.setattr(step, "stop_and_drain", drain_then_release_the_slow_rewards)
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-batch-size", "2",
                      "--rm-type", "math", "--custom-rm-path", f"{__name__}.slow_rm")
-    t0 = time.monotonic()
     source, buffer, outs = run_steps(env, args, 1, source=SlowFirstSource(args, env["tok"]), train=False)
+    with gate.lock:
+        slow_done_at_return, gave_up = list(gate.slow_done), list(gate.gave_up)
     m = outs[0].metrics
-    assert SLOW_GATE.fast_groups_done.is_set()
+    assert gate.fast_groups_done.is_set()
     assert all(g[0].group_index not in (0, 1) for g in outs[0].groups) and len(outs[0].groups) == 2
-    # the step stopped and drained while groups 0/1 were still rewarding (held SLOW_HOLD_S after the target) ...
-    assert m["rollout/drain_s"] < SLOW_HOLD_S
-    assert time.monotonic() - t0 >= SLOW_HOLD_S  # ... and their rewards were awaited before the step returned
+    # the step stopped and drained while groups 0/1 were still rewarding (their rewards could end only after it) ...
+    assert gave_up == [], f"the drain waited for the slow rewards: {gave_up} gave up waiting for it"
+    # ... and their rewards were awaited before the step returned
+    assert len(slow_done_at_return) == 2 * args.n_samples_per_prompt, slow_done_at_return
     ready = buffer.take_ready(10)  # finished after the target: kept for the next step, rewarded
     assert all(s.reward == 0.5 for g in ready for s in g) and m["rollout/groups_ready_out"] == len(ready)
     assert {0, 1} <= {g[0].group_index for g in ready}  # they finished generating first: never parked, never lost

@@ -149,8 +149,6 @@ DURATION_NAME = re.compile(r"(^|_)(elapsed|waited|took|duration)($|_)|^[a-z0-9_/
 # files whose durations are not wall-clock, each with its reason
 TIMED_ASSERTS_ALLOWED: dict[str, str] = {
     "tests/test_simulator.py": "the simulator runs a simulated clock: its durations and rates are deterministic results",
-    "tests/test_tool_runner.py": "res.seconds >= TIMEOUT_S: a lower bound the runner's own deadline guarantees "
-                                 "(a slow box only makes it longer)",
 }
 
 

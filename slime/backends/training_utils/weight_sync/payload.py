@@ -74,20 +74,28 @@ def serialize(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def dtype_buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) pairs in buckets of one dtype and at most `max_bytes` (a larger tensor travels
-    alone). Lazy: a streaming source never holds more than one bucket."""
+def buckets(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], max_bytes: int,
+            one_dtype: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) pairs in buckets of at most `max_bytes` (a larger tensor travels alone), and with
+    `one_dtype` of one dtype and device (a bucket flattened into one buffer). Lazy: a bucket is cut as soon as it is
+    full, so a streaming source never holds more than one."""
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in named:
+    for name, t in (named.items() if isinstance(named, dict) else named):
         nbytes = t.numel() * t.element_size()
-        if cur and (size + nbytes > max_bytes or t.dtype != cur[0][1].dtype or t.device != cur[0][1].device):
+        other_kind = one_dtype and cur and (t.dtype != cur[0][1].dtype or t.device != cur[0][1].device)
+        if cur and (size + nbytes > max_bytes or other_kind):
             yield cur
             cur, size = [], 0
         cur.append((name, t))
         size += nbytes
     if cur:
         yield cur
+
+
+def dtype_buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`buckets` of one dtype and device each: what `flatten_bucket` packs into one buffer."""
+    return buckets(named, max_bytes, one_dtype=True)
 
 
 def shared_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

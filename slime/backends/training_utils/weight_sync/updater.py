@@ -42,7 +42,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from slime.backends.training_utils.weight_sync.engine_calls import post as _post
 from slime.backends.sglang_utils.weight_session import WeightUpdateSessions
 from slime.backends.training_utils.distributed import use_cuda
 from slime.backends.training_utils.weight_sync.feed import EngineFeed, feed_plan
+from slime.backends.training_utils.weight_sync.payload import buckets
 from slime.backends.training_utils.weight_sync.tensor import TensorSender, buckets_with_last
 from slime.utils import weight_update_group
 from slime.utils.net import advertised_address, listen_socket, resolve_listen_host, serve_store
@@ -59,23 +60,6 @@ from slime.utils.net import advertised_address, listen_socket, resolve_listen_ho
 logger = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 600.0
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
-            max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) pairs grouped so each bucket holds at most
-    `max_bytes` (a larger tensor travels alone). Lazy: a bucket is cut as
-    soon as it is full, so a streaming source never holds more than one."""
-    cur, size = [], 0
-    for name, t in (named.items() if isinstance(named, dict) else named):
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > max_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, t))
-        size += nbytes
-    if cur:
-        yield cur
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from slime.tasks import subtract_tool as task
-from slime.tasks.warm_start import WarmStartConfig, encode_example
+from slime.tasks.warm_start import WarmStartConfig, encode_example, pick_next
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,7 @@ def sample_with_tools(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
     with torch.no_grad():
         for _ in range(max_new_tokens):
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1)
-            else:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+            nxt = pick_next(logits, temperature, generator)
             nxt = nxt.tolist()
             for i in range(bsz):
                 if finished[i]:

@@ -112,6 +112,15 @@ def token_mean_nll(model, input_ids, attn, labels):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tgt.reshape(-1), ignore_index=-100)
 
 
+def pick_next(logits, temperature: float, generator=None):
+    """One token per row of [rows, vocab] logits: greedy at temperature 0, else sampled from the softmax."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+
+
 def sample_batch(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, generator=None) -> SampleResult:
     """Batched sampling with a KV cache for prompts of equal length (greedy when temperature == 0)."""
     import torch
@@ -128,11 +137,7 @@ def sample_batch(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: 
     with torch.no_grad():
         for _ in range(max_new_tokens):
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            nxt = pick_next(logits, temperature, generator)
             for i in torch.nonzero(~finished).flatten().tolist():
                 out_tokens[i].append(int(nxt[i]))
             finished |= nxt == eos

@@ -72,18 +72,28 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
     source2 = RolloutDataSource(args, env["tok"])
     source2.load_state_dict(ds_state)
     assert ray.get(buf2.parked_ids.remote(), timeout=T) == parked_before
-    for step in (1, 2):
+    # Step 0's overflow (finished, held ready) counts first, so a step may be filled by ready groups alone and
+    # submit nothing; the parked groups must be resumed in the first step that submits, ahead of any fresh group.
+    step, submitted = 0, False
+    while step < 2 or not submitted:
+        step += 1
+        assert step <= 4, "no step after the restart submitted a group"
+        parked_now = ray.get(buf2.parked_ids.remote(), timeout=T)
         out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step))
         assert len(out.groups) == 3
-        if step == 1:  # the parked groups were resumed first: no fresh group before every parked one
-            m = out.metrics
+        m = out.metrics
+        if m["rollout/groups_submitted"] > 0 and not submitted:
+            submitted = True
+            assert parked_now == parked_before
             assert m["rollout/groups_resumed"] > 0
             assert m["rollout/groups_resumed"] == len(parked_before) or m["rollout/groups_fresh"] == 0
+        elif not submitted:  # filled by the ready groups alone
+            assert m["rollout/groups_ready_in"] == 3
         assert not set(ids(out.groups)) & set(trained)
         ray.get(buf2.mark.remote(ids(out.groups), TRAINED), timeout=T)
         trained += ids(out.groups)
     summary = ray.get(buf2.check_balanced.remote(), timeout=T)
-    assert summary[TRAINED] == len(trained) == len(set(trained)) == 9
+    assert summary[TRAINED] == len(trained) == len(set(trained)) == 3 * (step + 1)
     assert summary["total"] == source2.group_counter
 
 

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import requests
-import torch
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
@@ -22,6 +21,8 @@ from slime.ray.rollout import RolloutManager
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+from logprob_reference import teacher_forced
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -76,14 +77,6 @@ def start(env, args):
     manager = RolloutManager(args, str(env["root"] / "run"), start_engines=False)
     manager.attach_engines(env["engines"])
     return manager, AsyncRollout(args, manager, 0).start()
-
-
-def teacher_forced(model, sample) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([sample.tokens])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    start_pos = sample.prompt_length
-    return [lp[start_pos - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron_helpers import full_logits, megatron_args
+from megatron_helpers import full_logits
 from test_fsdp_helpers import make_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -42,20 +42,9 @@ def qwen3_half_b(tmp_path_factory):
 
 
 @pytest.fixture
-def trainer(qwen3_half_b):
-    from slime.backends.megatron_utils.actor import MegatronTrainer
-
-    made = []
-
-    def _make(*argv, **over):
-        t = MegatronTrainer(megatron_args(qwen3_half_b, "--bf16", *argv, **over))
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
+def trainer(make_trainer, qwen3_half_b):
+    """`trainer(*argv, **over)`: a bf16 Megatron trainer on the 0.5B model (conftest's make_trainer)."""
+    return lambda *argv, **over: make_trainer("megatron", "--bf16", *argv, model_dir=qwen3_half_b, **over)
 
 
 def test_bf16_logits_match_transformers(trainer, qwen3_half_b):

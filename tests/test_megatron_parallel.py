@@ -113,20 +113,9 @@ def two_ranks(model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def tp1(model_dir):
-    from slime.backends.megatron_utils.actor import MegatronTrainer
-
-    made = []
-
-    def _make(*argv):
-        t = MegatronTrainer(megatron_args(model_dir, *LR, *argv))
-        t.init()
-        made.append(t)
-        return t
-
-    yield _make
-    for t in made:
-        t.shutdown()
+def tp1(make_trainer, model_dir):
+    """`tp1(*argv)`: a TP=1 Megatron trainer in this process on `model_dir` (conftest's make_trainer)."""
+    return lambda *argv: make_trainer("megatron", *LR, *argv, model_dir=model_dir)
 
 
 def _max_diff(a: dict, b: dict) -> float:

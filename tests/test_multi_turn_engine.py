@@ -28,6 +28,8 @@ from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokeni
 from slime.utils.tool_runner import ToolRunner
 from slime.utils.types import Sample, Status
 
+from logprob_reference import teacher_forced
+
 pytestmark = pytest.mark.slow
 SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                      intermediate_size=128, max_position_embeddings=320)
@@ -59,14 +61,6 @@ def env(tmp_path_factory):
 def new_sample(tok, prompt: str, index: int) -> Sample:
     ids = encode_example(tok, prompt, None)[0]
     return Sample(index=index, group_index=index, prompt=prompt, tokens=ids, label=task.solve(*task.parse_prompt(prompt)))
-
-
-def teacher_forced(model, sample):
-    with torch.no_grad():
-        logits = model(torch.tensor([sample.tokens])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    start = sample.prompt_length
-    return [lp[start - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
 
 
 def check_trajectory(env, s: Sample) -> int:

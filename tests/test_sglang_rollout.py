@@ -14,18 +14,19 @@ import time
 
 import pytest
 import requests
-import torch
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 from slime.utils.types import Status
+
+from logprob_reference import teacher_forced
 
 pytestmark = pytest.mark.slow
 SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -99,14 +100,6 @@ def check_group_invariants(groups, n, prompts, version, max_len):
             assert s.weight_versions == sorted(s.weight_versions) and s.weight_versions[-1] <= version
             assert all(lp <= 0 for lp in s.rollout_log_probs)
             assert s.reward is not None or s.status == Status.FAILED
-
-
-def teacher_forced(model, sample):
-    with torch.no_grad():
-        logits = model(torch.tensor([sample.tokens])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    start = sample.prompt_length
-    return [lp[start - 1 + i, t].item() for i, t in enumerate(sample.response_tokens)]
 
 
 def test_april_steps_resume_parked_first_and_balance(env, tmp_path):

@@ -4,8 +4,11 @@ The format is part of the reward, as in DeepScaleR: a response without a finishe
 (`</think>`, or the `###Response` marker) or without a boxed answer after it scores 0. Right means
 `math_grader.answers_match` against any gold answer (a label may be a list of answers, or boxed).
 
-Deliberate differences from upstream slime's DeepScaleR grader (every one also listed in
-`math_grader`'s docstring where it concerns normalisation):
+Every answer upstream slime's DeepScaleR grader accepts is accepted (`\\text{45 degrees}` for `45`, `X+1` for
+`x+1`, `\\boxed{\\boxed{3}}`; tests/test_rm_upstream_verdicts.py), except what it accepts only by accident of its
+normalisation: a unit word after a word answer (`yes cm` for `yes`), `\\frac{1}{2}.0`, any two characters
+before `=` (`+x=3` for `x=3`). Deliberate differences (every one also listed in `math_grader`'s docstring where it
+concerns normalisation), all accepting more:
 - we split at the FIRST `</think>` (upstream: the last): everything after the reasoning is the
   solution and its last boxed answer counts, so a stray `</think>` after the answer does not void it;
 - `\\boxed 42` without braces and `\\fbox{42}` are read (upstream: 0), thin spaces `1\\,234` dropped;

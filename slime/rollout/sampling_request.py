@@ -329,13 +329,18 @@ class SampleRequester(RequestLoop):
                 out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
             finally:
                 self._in_flight(-1)
+        served = self.policy_version if version is None else version
+        if isinstance(out, list):  # upstream's fan-out: several training samples from one rollout
+            done = sample.adopt_fanout(out, served, where)
+            if self.agent is None:
+                self.new_tokens += sum(s.response_length for s in (sample, *sample.fanout)) - before
+            return done
+        if self.agent is None:
             self.new_tokens += sample.response_length - before
-        if isinstance(out, list):
-            raise TypeError(f"{where}: returned {len(out)} samples for one; splitting a rollout into several "
-                            "samples is not supported yet: return the Sample it was given")
         if out is not sample:
-            raise TypeError(f"{where}: must return the Sample it was given (got {type(out).__name__})")
-        sample.complete_response(self.policy_version if version is None else version, where)
+            raise TypeError(f"{where}: must return the Sample it was given, or a list of Samples (got "
+                            f"{type(out).__name__})")
+        sample.complete_response(served, where)
         if sample.status is Status.PENDING:
             raise ValueError(f"{where}: sample {sample.index} came back PENDING; set its status (completed, "
                              "truncated, aborted or failed)")

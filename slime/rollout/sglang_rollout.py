@@ -48,6 +48,7 @@ from slime.rollout.step_state import StepState
 from slime.rollout.step_supply import ChunkedSupply, PoolSupply
 from slime.rollout.version_gate import GatedRequester
 from slime.utils.plugin_args import plugin_args, run_flags
+from slime.utils.types import expand_fanout
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ async def run_rollout_step(args, rollout_id: int, ctx: RolloutContext, supply, p
         generate = (GatedRequester(requester, hooks.gate, state.cap).generate if hooks.gate is not None
                     else requester.generate)
         io = StepIO(buffer=ctx.buffer, data_source=ctx.data_source, engines=ctx.engines, requester=requester,
-                    generate=generate, reward=lambda samples: reward_group(args, samples), filter=group_filter(args, state),
+                    generate=generate, reward=lambda samples: reward_group(args, expand_fanout(samples)), filter=group_filter(args, state),
                     session=session)
         io.monitors = EngineMonitors(args, ctx.engines, session, urls, state, requester, bar)
         if hooks.on_io is not None:

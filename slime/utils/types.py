@@ -62,6 +62,9 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    # more training samples a list-returning custom generate made of this one (upstream's fan-out), finished;
+    # they join its group when the group is rewarded (`expand_fanout`)
+    fanout: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -173,6 +176,36 @@ class Sample:
         self.weight_versions = _versions_for(self.weight_versions, n, UNKNOWN_VERSION)
         self.check()
 
+    def adopt_fanout(self, samples: list, weight_version: int, where: str) -> bool:
+        """A list-returning custom generate's result for this sample (upstream's fan-out: one rollout made into
+        several training samples). All finished: this sample becomes the first of them (itself, if the list holds
+        it) and the others wait in `fanout` to join its group when the group is rewarded; each is then trained,
+        rewarded unless it came with a reward. One not finished (the step stopped it): the fan-out is dropped and
+        this sample is ABORTED, generated again when resumed. Returns whether it finished."""
+        if not isinstance(samples, list) or not samples:
+            raise TypeError(f"{where}: returned an empty list for sample {self.index}; return the Sample it was "
+                            "given (FAILED if nothing came of it), or a list of finished Samples")
+        for k, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"{where}: returned a list whose item {k} is a {type(s).__name__}, not a Sample")
+            if s.group_index not in (None, self.group_index):
+                raise ValueError(f"{where}: sample {s.index} of the list returned for sample {self.index} has "
+                                 f"group_index {s.group_index}; a fan-out stays in its group ({self.group_index})")
+        if not all(s.status.is_finished for s in samples):
+            self.status = Status.ABORTED
+            return False
+        first = self if self in samples else samples[0]
+        others = [s for s in samples if s is not first]
+        if first is not self:  # this object is the one its group holds: it becomes the first of them
+            vars(self).clear()
+            vars(self).update(vars(first))
+        for s in (self, *others):
+            s.group_index, s.fanout = self.group_index, []
+            s.index = self.index if s.index is None else s.index
+            s.complete_response(weight_version, where)
+        self.fanout = others
+        return True
+
     def get_reward_value(self, args) -> Any:
         """Upstream's: the reward, or with `--reward-key` the reward dict's field of that name."""
         if not args.reward_key:
@@ -272,6 +305,7 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value
+        d["fanout"] = [s.to_dict() for s in self.fanout]
         extra = self.extra()
         if extra:
             d["extra"] = copy.deepcopy(extra)
@@ -284,10 +318,20 @@ class Sample:
         unknown = set(d) - _FIELD_NAMES
         if unknown:
             raise ValueError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
+        d["fanout"] = [cls.from_dict(x) for x in d.get("fanout", [])]
         sample = cls(**d)
         for k, v in extra.items():
             setattr(sample, k, v)
         return sample
+
+
+def expand_fanout(group: list[Sample]) -> list[Sample]:
+    """`group` (in place, and returned) with each sample's fan-out (`Sample.adopt_fanout`) right after it."""
+    if any(s.fanout for s in group):
+        group[:] = [x for s in group for x in (s, *s.fanout)]
+        for s in group:
+            s.fanout = []
+    return group
 
 
 def _versions_for(versions: list[int], n: int, missing: int) -> list[int]:

@@ -28,8 +28,8 @@ import math
 import numbers
 
 from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
-from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer
-from slime.rollout.rm_hub.math_utils import extract_answer, extract_boxed_answer, grade_answer_verl
+from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer, grade_answer_verl
+from slime.rollout.rm_hub.math_utils import extract_answer, extract_boxed_answer
 from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
 from slime.rollout.rm_hub.remote_rm import remote_rm
 from slime.rollout.rm_hub.threads import run_in_daemon_thread

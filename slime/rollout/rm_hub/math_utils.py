@@ -102,13 +102,3 @@ def extract_answer(passage: str) -> str | None:
     """Upstream slime's name: the content of the last `\\boxed{...}` in `passage`, or None."""
     return extract_boxed_answer(passage)
 
-
-def grade_answer_verl(solution_str: str, ground_truth) -> bool:
-    """Upstream slime's: is the last boxed answer of `solution_str` right for `ground_truth` (boxed or not)?
-    Graded as `--rm-type deepscaler` grades (`math_grader`); an empty ground truth is never matched."""
-    from slime.rollout.rm_hub.deepscaler import grade_answer  # (deepscaler reads this module)
-
-    if ground_truth is None or str(ground_truth) == "":
-        return False
-    given = extract_answer(solution_str)
-    return given is not None and grade_answer(given, ground_truth)

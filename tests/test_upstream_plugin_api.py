@@ -350,3 +350,14 @@ def test_rollout_max_context_len(base_args, tmp_path):
     assert loop.budget(s) == 17
     s.append_response([9] * 17, [-0.1] * 17, 0)
     assert loop.at_budget(s) and s.status is Status.TRUNCATED
+
+
+def test_a_rollout_functions_fanned_out_groups_are_flattened():
+    """Upstream's rollout output may hold a list in a sample's place (its generate_and_rm of a list-returning
+    generate): each becomes a sample of that group."""
+    from slime.rollout.base_types import RolloutFnTrainOutput, to_rollout_output
+
+    carrier = prompt_sample()
+    a, b, c = (generated(carrier, [t]) for t in (10, 11, 12))
+    out = to_rollout_output(RolloutFnTrainOutput(samples=[[[a, b], c]]), "--rollout-function-path f", 2)
+    assert out.groups == [[a, b, c]] and all(s.weight_versions == [2] for s in out.groups[0])

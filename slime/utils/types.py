@@ -194,7 +194,7 @@ class Sample:
         if not all(s.status.is_finished for s in samples):
             self.status = Status.ABORTED
             return False
-        first = self if self in samples else samples[0]
+        first = self if any(s is self for s in samples) else samples[0]  # by identity: copies compare equal
         others = [s for s in samples if s is not first]
         if first is not self:  # this object is the one its group holds: it becomes the first of them
             vars(self).clear()

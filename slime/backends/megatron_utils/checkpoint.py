@@ -41,17 +41,17 @@ from slime.utils.checkpoint import LATEST as TRACKER
 from slime.utils.checkpoint import model_dir_of, model_only_checkpoint
 from slime.utils.safe_load import check_dist_checkpoint, safe_torch_load
 
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DIST_OPTIM_SHARDING = "fully_reshardable"
+
 
 def megatron_safe_globals() -> list:
     """What Megatron-LM's `common.pt` may name (its args Namespace, a few enums): megatron-core's own list."""
     from megatron.core.safe_globals import SAFE_GLOBALS
 
     return list(SAFE_GLOBALS)
-
-logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-DIST_OPTIM_SHARDING = "fully_reshardable"
 
 
 def _require_psutil() -> None:

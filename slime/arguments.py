@@ -33,6 +33,19 @@ class Args(argparse.Namespace):
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"args are read-only after parsing (tried to delete {name!r})")
 
+    def for_plugins(self):
+        """The one writable copy of these flags that every plugin in this process gets (slime/utils/plugin_args.py);
+        what plugins write to it never changes these."""
+        view = self.__dict__.get("_plugin_view")
+        if view is None:
+            from slime.utils.plugin_args import PluginArgs
+
+            view = self.__dict__["_plugin_view"] = PluginArgs(self)
+        return view
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_plugin_view"}  # each process makes its own
+
     def _freeze(self) -> "Args":
         super().__setattr__("_frozen", True)
         return self
@@ -43,7 +56,7 @@ class Args(argparse.Namespace):
         Derived values (`num_engines`, `eval_datasets`, defaults filled from other flags) are not
         recomputed: change them too when the flags they come from change.
         """
-        values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        values = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         unknown = sorted(set(changes) - set(values))
         if unknown:
             raise AttributeError(f"Args.replace: no flag named {unknown[0]!r} (misspelt?)")
@@ -89,6 +102,10 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-samples-per-prompt", type=int, default=1, help="samples per prompt group")
     g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="prompts longer than this (tokens) are dropped")
     g.add_argument("--rollout-max-response-len", type=int, default=1024, help="response budget in tokens")
+    g.add_argument("--rollout-max-context-len", type=int, default=None,
+                   help="upstream slime's: prompt + response tokens a sample may reach (each request's max_new_tokens "
+                        "is cut to what is left, a custom generate gets that as its budget; sets "
+                        "--rollout-max-prompt-len to this - 1 when that is not given)")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
@@ -188,6 +205,7 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
     g.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
+    g.add_argument("--eval-max-context-len", type=int, default=None, help="default: --rollout-max-context-len")
 
 
 def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
@@ -609,6 +627,10 @@ def _fill_defaults(a: Args) -> None:
         a.eval_top_p = a.rollout_top_p
     if a.eval_max_response_len is None:
         a.eval_max_response_len = a.rollout_max_response_len
+    if a.rollout_max_context_len is not None and a.rollout_max_prompt_len is None:
+        a.rollout_max_prompt_len = a.rollout_max_context_len - 1  # room for one response token (as upstream)
+    if a.eval_max_context_len is None:
+        a.eval_max_context_len = a.rollout_max_context_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
     if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
         # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
@@ -686,6 +708,12 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.n_samples_per_prompt > 0, "--n-samples-per-prompt", "must be > 0")
     _require(a.rollout_max_response_len > 0, "--rollout-max-response-len", "must be > 0")
     _require(a.rollout_max_prompt_len is None or a.rollout_max_prompt_len > 0, "--rollout-max-prompt-len", "must be > 0")
+    for flag in ("rollout_max_context_len", "eval_max_context_len"):
+        _require(getattr(a, flag) is None or getattr(a, flag) > 1, "--" + flag.replace("_", "-"),
+                 "must be > 1 (a prompt token and a response token)")
+    _require(a.rollout_max_context_len is None or a.rollout_max_prompt_len < a.rollout_max_context_len,
+             "--rollout-max-prompt-len", f"({a.rollout_max_prompt_len}) must be below --rollout-max-context-len "
+             f"({a.rollout_max_context_len}): a prompt needs room for at least one response token")
     _require(a.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
     _require(0 < a.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _require(a.rollout_top_k == -1 or a.rollout_top_k > 0, "--rollout-top-k", "must be -1 (off) or > 0")

@@ -28,8 +28,6 @@ REFUSED: dict[str, str] = {
                           "--rollout-function-path",
     "--mask-offpolicy-in-partial-rollout": "use --max-staleness 0 --staleness-policy mask: every token knows the policy "
                                            "version that produced it, and a resumed sample's older tokens leave the loss",
-    "--rollout-max-context-len": "not needed: a prompt whose prompt + response budget exceeds the model's positions is "
-                                 "dropped when the data is loaded (counted in data/dropped_rows)",
     "--rollout-task-type": "not needed: the task is the reward (--rm-type or --custom-rm-path)",
     "--min-batch-collection-ratio": "a step collects --rollout-batch-size groups; with --partial-rollout the rest is "
                                     "parked and resumed first",
@@ -81,7 +79,6 @@ REFUSED: dict[str, str] = {
     "--eval-input-key": "eval sets are read with --input-key / --label-key",
     "--eval-label-key": "eval sets are read with --input-key / --label-key",
     "--eval-tool-key": "tool schemas in the prompt data are not supported yet",
-    "--eval-max-context-len": "eval prompts are checked against the model's positions when loaded",
     "--eval-max-prompt-len": "eval prompts follow --rollout-max-prompt-len",
     "--eval-min-new-tokens": "not supported: eval responses are bounded by --eval-max-response-len only",
     "--eval-reward-key": "use --reward-key (training and eval share it)",

@@ -53,11 +53,15 @@ def test_rng_state_round_trip_through_json():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-def test_load_of_a_converted_model_checkpoint_says_ref_load(tmp_path):
-    (tmp_path / "iter_0000000").mkdir()
-    (tmp_path / "iter_0000000" / "metadata.json").write_text("{}")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("0")
-    with pytest.raises(FileNotFoundError, match="torch_dist checkpoint.*--ref-load"):
+@pytest.mark.parametrize("tracker, name", [("0", "iter_0000000"), ("release", "release")])
+def test_load_of_a_model_only_checkpoint_names_the_conversion(tmp_path, tracker, name):
+    """Our converter's output, or upstream slime's (`release/`, or a training checkpoint's `iter_N/`): the FSDP
+    trainer cannot read it; the error names the command that converts it (train_loop takes it for megatron)."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "metadata.json").write_text("{}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    with pytest.raises(FileNotFoundError, match=f"torch_dist model checkpoint.*--ref-load.*python tools/"
+                                                f"convert_torch_dist_to_hf.py --input-dir {tmp_path / name} "):
         latest_checkpoint(str(tmp_path))
 
 

@@ -73,7 +73,10 @@ def test_plugin_contract_enforced(tmp_path, monkeypatch, base_args):
                 return DynamicFilterOutput(keep=ok, reason=None if ok else "too short")
 
             def returns_bool(args, samples):
-                return True
+                return len(samples) > 1
+
+            def returns_text(args, samples):
+                return "keep"
             """
         )
     )
@@ -84,7 +87,10 @@ def test_plugin_contract_enforced(tmp_path, monkeypatch, base_args):
     assert (out.keep, out.reason) == (False, "too short")
     samples[1].append_response([8, 9], [-0.1, -0.2], 0)
     assert call_dynamic_filter("my_filters.long_enough", base_args.replace(rollout_max_response_len=2), samples).keep is True
-    with pytest.raises(TypeError, match="my_filters.returns_bool.*DynamicFilterOutput"):
-        call_dynamic_filter("my_filters.returns_bool", base_args, samples)
+    # upstream reads a plain bool as DynamicFilterOutput(keep=...)
+    assert call_dynamic_filter("my_filters.returns_bool", base_args, samples) == DynamicFilterOutput(keep=True)
+    assert call_dynamic_filter("my_filters.returns_bool", base_args, samples[:1]) == DynamicFilterOutput(keep=False)
+    with pytest.raises(TypeError, match="my_filters.returns_text returned str.*DynamicFilterOutput"):
+        call_dynamic_filter("my_filters.returns_text", base_args, samples)
     with pytest.raises(ImportError, match="no_such_module"):
         call_dynamic_filter("no_such_module.f", base_args, samples)

@@ -36,6 +36,7 @@ from slime.rollout.staleness import StalenessCap
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.policy_version = 0
         self.engines = None
-        self.plugin_args = args  # with the router's address once engines are attached
+        self.plugin_args = plugin_args(args)  # what plugins get (writable); the router's address once engines attach
         self.data_source = RolloutDataSource(args, self.tokenizer) if args.prompt_data else None
         self.eval_sets = {
             name: load_eval_groups(args, self.tokenizer, name, path, args.n_samples_per_eval_prompt)

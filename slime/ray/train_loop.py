@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -131,20 +132,43 @@ class TrainingRun:
         (and the data contract it was saved under). Returns (checkpoint dir or None, its driver state)."""
         args = self.args
         check_hf_checkpoint(args.hf_checkpoint)
-        if args.ref_load:
+        if args.ref_load and ckpts.model_dir_of(args.ref_load) is None:  # else a torch_dist one, read by the trainer
             check_hf_checkpoint(args.ref_load, "--ref-load", need_tokenizer=False)
         if args.save:
             ckpts.prepare_save_dir(args.save, 0 if args.debug_rollout_only else ckpts.checkpoint_size_estimate(args.hf_checkpoint))
-        ckpt = ckpts.resolve_checkpoint(args.load, args.ckpt_step) if args.load else None
+        self.foreign = self._foreign_load()
+        ckpt = ckpts.resolve_checkpoint(args.load, args.ckpt_step) if args.load and self.foreign is None else None
         state = ckpts.read_driver_state(ckpt) if ckpt is not None else None
         if state is not None:
             ckpts.check_data_contract(state.get("contract"), args)
             truncate_run_logs(self.run_dir, state["rollout_id"])  # the steps after the checkpoint are re-run
         return ckpt, state
 
+    def _foreign_load(self):
+        """`--load` naming a Megatron checkpoint train.py did not write (upstream slime's): with --train-backend
+        megatron the trainer starts from its weights (said in one line); anything else is refused naming the
+        conversion to run (`ckpts.latest_checkpoint`)."""
+        args = self.args
+        if not args.load or args.train_backend != "megatron" or ckpts.model_only_checkpoint(args.load) is None:
+            return None
+        from slime.backends.megatron_utils.checkpoint import foreign_checkpoint
+
+        found = foreign_checkpoint(args.load)
+        if args.ckpt_step is not None:
+            raise ckpts.CheckpointLoadError(f"--ckpt-step picks one of train.py's checkpoints; {args.load} holds "
+                                            f"{found.model_dir}, which --load resumes without it")
+        logger.info("--load %s holds %s, not a train.py checkpoint (upstream slime's or a converter's): resuming its "
+                    "weights at rollout %d; its optimizer state, the buffer, the ledger and the data position start "
+                    "fresh", args.load, os.path.basename(found.model_dir), found.start_rollout)
+        return found
+
     def _resume(self, ckpt, state) -> int:
         """Trainer state, data position, parked groups + ledger, policy version, RNG; the first rollout id."""
         manager = self.rollout_manager
+        if self.foreign is not None:  # the trainer started from its weights; the engines get them
+            if self.actor_model is not None and manager.engines is not None:
+                manager.push_weights(self.actor_model, manager.policy_version)
+            return self.foreign.start_rollout
         if ckpt is None:
             return 0
         if self.actor_model is not None:

@@ -136,7 +136,9 @@ def to_rollout_output(result: Any, where: str, version: int) -> RolloutOutput:
     else:
         raise TypeError(f"{where}: a training rollout returns RolloutFnTrainOutput, RolloutOutput or a list of "
                         f"groups, got {type(result).__name__}")
-    groups = [g if isinstance(g, list) else [g] for g in groups]
+    # a group may hold a list in a sample's place (upstream's fan-out from a list-returning generate): flattened
+    groups = [[s for x in g for s in (x if isinstance(x, list) else [x])] if isinstance(g, list) else [g]
+              for g in groups]
     for g in groups:
         for s in g:
             if not isinstance(s, Sample):

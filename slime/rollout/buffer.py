@@ -3,7 +3,9 @@
 `PartialRolloutBuffer` holds the groups between rollout steps:
 - parked groups: unfinished (at least one member not finished) groups with
   all their per-token fields, handed out first next step (FIFO, or
-  `--buffer-filter-path`);
+  `--buffer-filter-path`: upstream slime's `def f(args, rollout_id, buffer, num_samples) -> groups`, called
+  with rollout_id None as upstream calls it, on a copy of the parked list it may pop from; it returns the
+  groups to hand out, a subset of `buffer`; the older 3-argument `f(args, buffer, num_samples)` is still taken);
 - ready groups: groups that finished (rewarded, accepted) after the step's
   target was met; they stay `finished` in the ledger and are handed out as
   accepted groups at the start of the next step instead of being thrown away.
@@ -16,19 +18,38 @@ run's one owner of these groups); the simulator holds a plain one.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from slime.utils.ledger import DROPPED, FINISHED, ISSUED, PARKED, Ledger, LedgerError, group_id, is_group_finished
 from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 SAVE_FORMAT_VERSION = 1
+
+
+def buffer_filter(path: str) -> Callable[[Any, list, int], Any]:
+    """`--buffer-filter-path` as `f(args, parked, num)`: upstream's 4-argument filter gets rollout_id None (as
+    upstream passes it), the older 3-argument one is called as it is; any other signature is refused now."""
+    fn = load_function(path)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: trust upstream's signature
+        return lambda args, parked, num: fn(args, None, parked, num)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) == 4:
+        return lambda args, parked, num: fn(args, None, parked, num)
+    if len(positional) == 3:
+        return fn
+    raise TypeError(f"--buffer-filter-path {path} takes {len(positional)} positional arguments; it must be "
+                    "upstream slime's def f(args, rollout_id, buffer, num_samples) -> list of groups")
 
 
 class PartialRolloutBuffer:
@@ -40,7 +61,7 @@ class PartialRolloutBuffer:
         self._parked: list[list[Sample]] = []
         self._ready: list[list[Sample]] = []
         path = args.buffer_filter_path if args is not None else None
-        self._filter = load_function(path) if path else None
+        self._filter = buffer_filter(path) if path else None
 
     # ---- ledger passthrough --------------------------------------------------
     def mark(self, group_ids: list[int], state: str, reason: str | None = None) -> None:
@@ -84,7 +105,7 @@ class PartialRolloutBuffer:
         if self._filter is None:
             chosen = self._parked[:num]
         else:
-            chosen = self._filter(self.args, list(self._parked), num)
+            chosen = self._filter(plugin_args(self.args), list(self._parked), num)
             self._check_filter_result(chosen, num)
         chosen_ids = {id(g) for g in chosen}
         self.ledger.mark([group_id(g) for g in chosen], ISSUED)

@@ -16,7 +16,7 @@ from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.step_state import StepClock
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
-from slime.utils.types import Sample, Status
+from slime.utils.types import Sample, Status, expand_fanout
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
                     await req.generate(s, None)
 
             await asyncio.gather(*(one(s) for s in group if not s.status.is_finished))
-            await reward_group(args, group)
+            await reward_group(args, expand_fanout(group))
 
         for name, groups in sets.items():
             await watchdog.guard(asyncio.gather(*(one_group(g) for g in groups)))

@@ -43,16 +43,14 @@ from urllib.parse import urlsplit
 from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
+from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
 from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
 MAX_UNEXPECTED_ABORTS = 3
-
-
-class GenerateResponseError(RuntimeError):
-    """An engine reply that breaks the SGLang /generate contract; the message names the field."""
 
 
 async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
@@ -69,12 +67,11 @@ async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 
 
 
 def args_with_router(args, router_url: str):
-    """`args` as a plugin sees them: `sglang_router_ip` / `sglang_router_port` name the router the rollout uses
-    (upstream slime's plugins post to it from there)."""
-    router = urlsplit(router_url)
-    if (args.sglang_router_ip, args.sglang_router_port) == (router.hostname, router.port):
-        return args
-    return args.replace(sglang_router_ip=router.hostname, sglang_router_port=router.port)
+    """`args` as a plugin sees them (`plugin_args`: writable, one per process): `sglang_router_ip` /
+    `sglang_router_port` name the router the rollout uses (upstream slime's plugins post to it from there)."""
+    view, router = plugin_args(args), urlsplit(router_url)
+    view.sglang_router_ip, view.sglang_router_port = router.hostname, router.port
+    return view
 
 
 def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
@@ -95,35 +92,6 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
     if args.rollout_ignore_eos:
         sp["ignore_eos"] = True
     return sp
-
-
-def token_versions(meta: dict, n: int, where: str) -> list[int] | None:
-    """The weight version of each of a reply's `n` output tokens, or None when the versions are not ints.
-
-    `meta_info.weight_versions` (spans `{"version", "start", "end"}` covering output_ids[start:end], in order)
-    when present, else `meta_info.weight_version` for every token."""
-    spans = meta.get("weight_versions")
-    if spans is None:
-        try:
-            return [int(meta.get("weight_version"))] * n
-        except (TypeError, ValueError):
-            return None
-    if not isinstance(spans, list) or not spans:
-        raise GenerateResponseError(f"{where}: meta_info.weight_versions must be a non-empty list, got {spans!r}")
-    versions: list[int] = []
-    for k, span in enumerate(spans):
-        ok = isinstance(span, dict) and all(isinstance(span.get(f), int) for f in ("start", "end"))
-        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
-            raise GenerateResponseError(f"{where}: meta_info.weight_versions[{k}] = {span!r} does not continue "
-                                        f"the spans at output token {len(versions)}")
-        try:
-            version = int(span.get("version"))
-        except (TypeError, ValueError):
-            return None
-        versions += [version] * (span["end"] - span["start"])
-    if len(versions) != n:
-        raise GenerateResponseError(f"{where}: meta_info.weight_versions cover {len(versions)} tokens, the reply has {n}")
-    return versions
 
 
 def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int] | None, str, str]:
@@ -167,6 +135,7 @@ class RequestLoop:
     simulator's engines (slime/rollout/simulator/cluster.py)."""
 
     custom_generate = None
+    max_context_len: int | None = None  # --rollout-max-context-len: prompt + response at most
 
     def __init__(self, max_response_len: int, rollout_id: int = 0):
         self.max_len = int(max_response_len)
@@ -178,9 +147,13 @@ class RequestLoop:
         self.timeline: list[tuple[float, int]] | None = None  # (loop time, in flight) at each change, if a list
 
     def budget(self, sample: Sample) -> int:
-        """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`."""
+        """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`, or what
+        `--rollout-max-context-len` leaves after its prompt."""
         own = sample.metadata.get("max_response_len") if isinstance(sample.metadata, dict) else None
-        return self.max_len if own is None else min(self.max_len, int(own))
+        budget = self.max_len if own is None else min(self.max_len, int(own))
+        if self.max_context_len is not None:
+            budget = min(budget, self.max_context_len - sample.prompt_length)
+        return budget
 
     def at_budget(self, sample: Sample) -> bool:
         """True (and the sample TRUNCATED) when it has no budget left: it is never resumed forever."""
@@ -238,6 +211,7 @@ class SampleRequester(RequestLoop):
         self.policy_version = policy_version
         self.timeout = float(args.rollout_request_timeout)
         self.evaluation = evaluation
+        self.max_context_len = args.eval_max_context_len if evaluation else args.rollout_max_context_len
         self.agent = agent  # the RolloutManager's ToolAgent (--agent-env): the multi-turn generate runs with it
         path = args.custom_generate_function_path
         self.custom_generate = load_function(path) if path else None
@@ -355,13 +329,18 @@ class SampleRequester(RequestLoop):
                 out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
             finally:
                 self._in_flight(-1)
+        served = self.policy_version if version is None else version
+        if isinstance(out, list):  # upstream's fan-out: several training samples from one rollout
+            done = sample.adopt_fanout(out, served, where)
+            if self.agent is None:
+                self.new_tokens += sum(s.response_length for s in (sample, *sample.fanout)) - before
+            return done
+        if self.agent is None:
             self.new_tokens += sample.response_length - before
-        if isinstance(out, list):
-            raise TypeError(f"{where}: returned {len(out)} samples for one; splitting a rollout into several "
-                            "samples is not supported yet: return the Sample it was given")
         if out is not sample:
-            raise TypeError(f"{where}: must return the Sample it was given (got {type(out).__name__})")
-        sample.complete_response(self.policy_version if version is None else version, where)
+            raise TypeError(f"{where}: must return the Sample it was given, or a list of Samples (got "
+                            f"{type(out).__name__})")
+        sample.complete_response(served, where)
         if sample.status is Status.PENDING:
             raise ValueError(f"{where}: sample {sample.index} came back PENDING; set its status (completed, "
                              "truncated, aborted or failed)")

@@ -34,6 +34,8 @@ from tqdm import tqdm
 
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.filter_hub import load_dynamic_filter
+from slime.rollout.generate_state import GenerateState
 from slime.rollout.group_outcome import TargetPlacement
 from slime.rollout.over_sampling import OverSamplingPlanner, over_sampling_from_args
 from slime.rollout.rm_hub import reward_group, reward_timeout
@@ -45,7 +47,8 @@ from slime.rollout.step_end import UNLIMITED_REWARD_SETTLE_S
 from slime.rollout.step_state import StepState
 from slime.rollout.step_supply import ChunkedSupply, PoolSupply
 from slime.rollout.version_gate import GatedRequester
-from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args, run_flags
+from slime.utils.types import expand_fanout
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +83,13 @@ def run_sync(coro):
 
 
 def generate_rollout(args, rollout_id: int, data_source: RolloutContext, evaluation: bool = False) -> RolloutOutput:
+    args = run_flags(args)  # called with the plugins' view of the flags: the step reads the validated ones
     return run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
 
 
 async def generate_rollout_async(args, rollout_id: int, data_source: RolloutContext, evaluation: bool = False,
                                  hooks: StepHooks | None = None) -> RolloutOutput:
+    args = run_flags(args)
     if evaluation:
         from slime.rollout.eval_rollout import generate_eval
 
@@ -117,16 +122,18 @@ def new_state(args, rollout_id: int, ctx: RolloutContext, target: int | None, ga
         reward_settle_s=(reward_timeout(args) or UNLIMITED_REWARD_SETTLE_S) + 30.0)
 
 
-def group_filter(args) -> Callable[[list], str | None] | None:
-    """`--dynamic-sampling-filter-path` as reason-or-None (upstream's DynamicFilterOutput(keep, reason))."""
+def group_filter(args, state: StepState) -> Callable[[list], str | None] | None:
+    """`--dynamic-sampling-filter-path` as reason-or-None; a rejected group that asked to be kept when the step
+    runs short (`keep_when_insufficient`) is kept while the step's candidates are no more than its target."""
     path = args.dynamic_sampling_filter_path
     if not path:
         return None
-    fn = load_function(path)
+    fn, view = load_dynamic_filter(path), plugin_args(args)
 
     def reason(samples: list) -> str | None:
-        out = fn(args, samples)
-        return None if out.keep else (out.reason or "filtered")
+        out = fn(view, samples)
+        candidates = len(state.accepted) + len(state.failed) + len(state.open_groups())
+        return (out.reason or "filtered") if out.drops(candidates, state.target) else None
 
     return reason
 
@@ -154,7 +161,7 @@ async def run_rollout_step(args, rollout_id: int, ctx: RolloutContext, supply, p
         generate = (GatedRequester(requester, hooks.gate, state.cap).generate if hooks.gate is not None
                     else requester.generate)
         io = StepIO(buffer=ctx.buffer, data_source=ctx.data_source, engines=ctx.engines, requester=requester,
-                    generate=generate, reward=lambda samples: reward_group(args, samples), filter=group_filter(args),
+                    generate=generate, reward=lambda samples: reward_group(args, expand_fanout(samples)), filter=group_filter(args, state),
                     session=session)
         io.monitors = EngineMonitors(args, ctx.engines, session, urls, state, requester, bar)
         if hooks.on_io is not None:
@@ -191,5 +198,5 @@ class EngineMonitors:
         return await self.occupancy.stop()
 
 
-__all__ = ["RolloutEngineFaultError", "RolloutError", "StepHooks", "default_supply", "generate_rollout",
+__all__ = ["GenerateState", "RolloutEngineFaultError", "RolloutError", "StepHooks", "default_supply", "generate_rollout",
            "generate_rollout_async", "run_rollout_step", "run_sync"]

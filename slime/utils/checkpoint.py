@@ -201,11 +201,53 @@ def save_checkpoint(save_dir: str, rollout_id: int, writers: dict[str, Callable[
     return final
 
 
+def model_dir_of(path: str) -> str | None:
+    """The dist-checkpoint directory of a Megatron model inside `path`: a torch_dist dir itself, a trainer dir, a
+    train.py iter dir, or a tracker file's checkpoint (`iter_N/` or upstream's `release/`). None when there is
+    none."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    for sub in ("torch_dist", os.path.join("trainer", "torch_dist")):
+        if os.path.isfile(os.path.join(path, sub, "metadata.json")):
+            return os.path.join(path, sub)
+    tracker = os.path.join(path, LATEST)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else iter_dir_name(int(text)) if text.isdigit() else None
+        if name is not None and os.path.isdir(os.path.join(path, name)):
+            return model_dir_of(os.path.join(path, name))
+    return None
+
+
+def model_only_checkpoint(load_dir: str) -> str | None:
+    """The checkpoint `load_dir`'s tracker names when it is a model dist-checkpoint train.py did not write (no
+    `driver_state.json`: upstream slime's converter or training output, or our converter's), else None."""
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        text = f.read().strip()
+    name = "release" if text == "release" else iter_dir_name(int(text)) if text.isdigit() else None
+    where = os.path.join(load_dir, name) if name else None
+    if where is None or os.path.isfile(os.path.join(where, "driver_state.json")):
+        return None
+    return where if os.path.isfile(os.path.join(where, "metadata.json")) else None
+
+
 def latest_checkpoint(load_dir: str) -> str | None:
     """The newest complete checkpoint under `load_dir`, or None if there is none yet."""
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
+    model_only = model_only_checkpoint(load_dir)
+    if model_only is not None:
+        raise FileNotFoundError(
+            f"--load: {model_only} is a Megatron torch_dist model checkpoint (upstream slime's, or a converter's), not "
+            "a train.py checkpoint: --train-backend megatron resumes its weights from it (or reads it as --ref-load); "
+            "for this trainer convert "
+            f"it first: python tools/convert_torch_dist_to_hf.py --input-dir {model_only} --output-dir HF_OUT "
+            "--origin-hf-dir <your --hf-checkpoint>, then train from HF_OUT (--hf-checkpoint HF_OUT, no --load)")
     with open(pointer) as f:
         text = f.read().strip()
     try:
@@ -214,10 +256,6 @@ def latest_checkpoint(load_dir: str) -> str | None:
         raise ValueError(f"--load: {pointer} holds {text!r}, not a rollout id") from e
     path = os.path.join(load_dir, iter_dir_name(rollout_id))
     if not os.path.isfile(os.path.join(path, "driver_state.json")):
-        if os.path.isfile(os.path.join(path, "metadata.json")):
-            raise FileNotFoundError(f"--load: {load_dir} is a model-only torch_dist checkpoint (as "
-                                    "tools/convert_hf_to_torch_dist.py writes), not a train.py checkpoint; "
-                                    "pass it as --ref-load")
         raise FileNotFoundError(f"--load: {pointer} names {path}, which is missing or incomplete")
     return path
 

@@ -19,3 +19,21 @@ def load_function(path: str) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError as e:
         raise ImportError(f"module {module_path!r} has no attribute {attr!r} (plugin {path!r})") from e
+
+
+class SingletonMeta(type):
+    """Upstream slime's metaclass: a class made with it has one instance per process, built by the first call
+    (later calls return it whatever their arguments); `cls.clear_instances()` forgets it. Kept for plugins
+    written against upstream (`from slime.utils.misc import SingletonMeta`); our own code keeps state in objects
+    with owners instead."""
+
+    def __call__(cls, *args, **kwargs):
+        instance = cls.__dict__.get("_singleton_instance")
+        if instance is None:
+            instance = super().__call__(*args, **kwargs)
+            type.__setattr__(cls, "_singleton_instance", instance)
+        return instance
+
+    def clear_instances(cls) -> None:
+        if "_singleton_instance" in cls.__dict__:
+            type.__delattr__(cls, "_singleton_instance")

@@ -132,16 +132,17 @@ def check_pickle_file(path: str, allowed=_dcp_metadata_global) -> None:
         raise CheckpointFileError(path, f"corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def check_dist_checkpoint(path: str) -> None:
+def check_dist_checkpoint(path: str, allowed_globals: Iterable[Any] = ()) -> None:
     """A Megatron / torch.distributed.checkpoint directory: `.metadata` (a raw pickle) and every `.pt` name
-    no code, JSON parses. Cheap (no tensor is read). Raises `CheckpointFileError` naming the file."""
+    no code but `allowed_globals` (Megatron-LM's `common.pt` holds its args as a Namespace), JSON parses. Cheap
+    (no tensor is read). Raises `CheckpointFileError` naming the file."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointFileError(os.path.join(path, ".metadata"), "missing (not a complete dist-checkpoint)")
     check_pickle_file(os.path.join(path, ".metadata"))
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name.endswith(".pt"):
-            check_torch_file(full)
+            check_torch_file(full, allowed_globals)
         elif name.endswith(".json"):
             read_json_file(full)
 

@@ -2,8 +2,14 @@
 
 Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`,
 `weight_versions`) always have exactly `response_length` entries, and
-`tokens` is the prompt followed by the response tokens. The only way a
-response grows is `append_response`, which keeps all of them in step.
+`tokens` is the prompt followed by the response tokens. A response grows by
+`append_response` (ours) or `append_response_tokens` (upstream slime's, for
+plugins), which keep all of them in step.
+
+Upstream slime's plugin API is here with upstream's meaning: `Sample.Status`,
+`append_response_tokens`, `get_reward_value(args)`, `effective_response_length`;
+attributes a plugin sets on a sample (`sample.tool_call_count = 2`) travel with
+it, into the buffer and its checkpoints too (`to_dict()["extra"]`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
+
+from slime.utils.engine_reply import token_versions
+
+# the version of a token whose producer is not known yet (a plugin appended it without the engine's reply);
+# `complete_response` gives it the version the engines served
+UNKNOWN_VERSION = -1
 
 
 class SampleInvariantError(ValueError):
@@ -50,6 +62,9 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    # more training samples a list-returning custom generate made of this one (upstream's fan-out), finished;
+    # they join its group when the group is rewarded (`expand_fanout`)
+    fanout: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -111,6 +126,100 @@ class Sample:
         self.response_length += k
         self.response += text
 
+    def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable: bool = True,
+                               meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """Upstream slime's way for a plugin to grow the response; every per-token field grows with it.
+
+        Model tokens: `trainable=True` with their behaviour `log_probs` and the engine's `meta_info` (their
+        versions come from its `weight_versions` / `weight_version`; without it they get the version the
+        engines serve when the plugin returns). Tool / environment tokens: `trainable=False`, no log-probs
+        (0.0 stored, loss mask 0, the version of the token before them). With `update_terminal_info`, the
+        reply's `finish_reason` sets the status: stop -> COMPLETED, length -> TRUNCATED, abort -> ABORTED.
+        `args` is accepted for upstream's signature and not read."""
+        ids = [int(t) for t in (tokens.reshape(-1).tolist() if hasattr(tokens, "reshape") else tokens or [])]
+        if log_probs is not None:
+            log_probs = [float(x) for x in (log_probs.reshape(-1).tolist() if hasattr(log_probs, "reshape") else log_probs)]
+            if len(log_probs) != len(ids):
+                raise SampleInvariantError(f"sample {self.index}: {len(log_probs)} log_probs for {len(ids)} tokens")
+        if ids and trainable and log_probs is None:
+            raise SampleInvariantError(f"sample {self.index}: trainable tokens need their rollout log_probs "
+                                       "(request them with \"return_logprob\": true)")
+        if ids and not trainable and log_probs is not None:
+            raise SampleInvariantError(f"sample {self.index}: non-trainable tokens take no log_probs")
+        self._adopt_plugin_fields(trainable and bool(ids))
+        meta = meta_info or {}
+        if trainable:
+            versions = token_versions(meta, len(ids), f"sample {self.index}: meta_info") if meta else None
+        else:
+            versions = [self.weight_versions[-1] if self.weight_versions else UNKNOWN_VERSION] * len(ids)
+        self.append_response(ids, log_probs if trainable else [0.0] * len(ids),
+                             versions if versions is not None else UNKNOWN_VERSION, text or "",
+                             loss_mask=[1 if trainable else 0] * len(ids))
+        finish = meta.get("finish_reason") if update_terminal_info else None
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind in _FINISH_STATUS:
+            self.status = _FINISH_STATUS[kind]
+
+    def _adopt_plugin_fields(self, trainable: bool) -> None:
+        """Per-token fields a plugin set to None (upstream's empty) or left short, as lists again."""
+        n = self.response_length
+        if self.loss_mask is None:
+            self.loss_mask = [1] * n
+        if self.weight_versions is None:
+            self.weight_versions = []
+        if self.rollout_log_probs is None:
+            if trainable and n:
+                raise SampleInvariantError(f"sample {self.index}: has {n} response tokens but no rollout_log_probs; "
+                                           "trainable tokens cannot follow them")
+            self.rollout_log_probs = [0.0] * n
+        self.weight_versions = _versions_for(self.weight_versions, n, UNKNOWN_VERSION)
+        self.check()
+
+    def adopt_fanout(self, samples: list, weight_version: int, where: str) -> bool:
+        """A list-returning custom generate's result for this sample (upstream's fan-out: one rollout made into
+        several training samples). All finished: this sample becomes the first of them (itself, if the list holds
+        it) and the others wait in `fanout` to join its group when the group is rewarded; each is then trained,
+        rewarded unless it came with a reward. One not finished (the step stopped it): the fan-out is dropped and
+        this sample is ABORTED, generated again when resumed. Returns whether it finished."""
+        if not isinstance(samples, list) or not samples:
+            raise TypeError(f"{where}: returned an empty list for sample {self.index}; return the Sample it was "
+                            "given (FAILED if nothing came of it), or a list of finished Samples")
+        for k, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"{where}: returned a list whose item {k} is a {type(s).__name__}, not a Sample")
+            if s.group_index not in (None, self.group_index):
+                raise ValueError(f"{where}: sample {s.index} of the list returned for sample {self.index} has "
+                                 f"group_index {s.group_index}; a fan-out stays in its group ({self.group_index})")
+        if not all(s.status.is_finished for s in samples):
+            self.status = Status.ABORTED
+            return False
+        first = self if any(s is self for s in samples) else samples[0]  # by identity: copies compare equal
+        others = [s for s in samples if s is not first]
+        if first is not self:  # this object is the one its group holds: it becomes the first of them
+            vars(self).clear()
+            vars(self).update(vars(first))
+        for s in (self, *others):
+            s.group_index, s.fanout = self.group_index, []
+            s.index = self.index if s.index is None else s.index
+            s.complete_response(weight_version, where)
+        self.fanout = others
+        return True
+
+    def get_reward_value(self, args) -> Any:
+        """Upstream's: the reward, or with `--reward-key` the reward dict's field of that name."""
+        if not args.reward_key:
+            return self.reward
+        if not isinstance(self.reward, dict) or args.reward_key not in self.reward:
+            raise KeyError(f"sample {self.index}: --reward-key {args.reward_key!r} is not a field of its reward "
+                           f"{self.reward!r}")
+        return self.reward[args.reward_key]
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens in the loss (loss mask 1): upstream's."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
     def complete_response(self, weight_version: int, where: str) -> None:
         """A response a plugin grew by setting the fields itself (upstream slime's way) gets what it left out:
         `weight_version` (the version the engines served) for tokens without one, loss mask 1 for tokens without
@@ -119,6 +228,8 @@ class Sample:
         if n < 0 or n > len(self.tokens):
             raise SampleInvariantError(f"{where}: sample {self.index} has response_length {n} but {len(self.tokens)} "
                                        "tokens (tokens must be the prompt followed by the response)")
+        if self.rollout_log_probs is None and n == 0:
+            self.rollout_log_probs = []
         if self.rollout_log_probs is None or len(self.rollout_log_probs) != n:
             got = None if self.rollout_log_probs is None else len(self.rollout_log_probs)
             raise SampleInvariantError(f"{where}: sample {self.index} has {got} rollout_log_probs for {n} response "
@@ -130,8 +241,8 @@ class Sample:
             self.weight_versions = []
         if len(self.loss_mask) < n:
             self.loss_mask = list(self.loss_mask) + [1] * (n - len(self.loss_mask))
-        if len(self.weight_versions) < n:
-            self.weight_versions = list(self.weight_versions) + [int(weight_version)] * (n - len(self.weight_versions))
+        self.weight_versions = [int(weight_version) if v == UNKNOWN_VERSION else v
+                                for v in _versions_for(self.weight_versions, n, UNKNOWN_VERSION)]
         try:
             self.check()
         except SampleInvariantError as e:
@@ -187,18 +298,49 @@ class Sample:
             return None
         return float(r)
 
+    def extra(self) -> dict[str, Any]:
+        """Attributes a plugin set that are not fields (upstream plugins keep their own state on samples)."""
+        return {k: v for k, v in vars(self).items() if k not in _FIELD_NAMES}
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value
+        d["fanout"] = [s.to_dict() for s in self.fanout]
+        extra = self.extra()
+        if extra:
+            d["extra"] = copy.deepcopy(extra)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        d = copy.deepcopy(d)
+        extra = d.pop("extra", None) or {}
+        unknown = set(d) - _FIELD_NAMES
         if unknown:
             raise ValueError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
-        return cls(**copy.deepcopy(d))
+        d["fanout"] = [cls.from_dict(x) for x in d.get("fanout", [])]
+        sample = cls(**d)
+        for k, v in extra.items():
+            setattr(sample, k, v)
+        return sample
 
 
+def expand_fanout(group: list[Sample]) -> list[Sample]:
+    """`group` (in place, and returned) with each sample's fan-out (`Sample.adopt_fanout`) right after it."""
+    if any(s.fanout for s in group):
+        group[:] = [x for s in group for x in (s, *s.fanout)]
+        for s in group:
+            s.fanout = []
+    return group
+
+
+def _versions_for(versions: list[int], n: int, missing: int) -> list[int]:
+    """One version per response token: a plugin that dropped tokens by setting `response_length` (upstream keeps
+    versions per request, so its plugins never trim them) keeps those of the first `n`; missing ones are
+    `missing`."""
+    return list(versions[:n]) + [missing] * (n - len(versions))
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(Sample))
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 Sample.Status = Status  # upstream slime's spelling (`Sample.Status.COMPLETED`), for plugins written against it

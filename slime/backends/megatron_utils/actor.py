@@ -53,7 +53,9 @@ class MegatronTrainer(Trainer):
         shape = read_shape(args.hf_checkpoint)
         tp = self.layout.tp_size
         self.actor = build_gpt(args, shape, tp, trainable=True, wrap_ddp=True)
-        self._load_initial(self.actor, args.ref_load)
+        # --load naming a checkpoint train.py did not write (upstream slime's): the actor starts from its weights
+        foreign = ckpt.foreign_checkpoint(args.load) if args.load else None
+        self._load_initial(self.actor, foreign.model_dir if foreign is not None else args.ref_load)
         if needs_ref(args):
             self.ref = build_gpt(args, shape, tp, trainable=False, wrap_ddp=False)
             self._load_initial(self.ref, args.ref_load)

@@ -17,6 +17,13 @@ makes it reshardable in TP and DP alike; three traps of megatron-core
 
 `tools/convert_hf_to_torch_dist.py` writes the model part alone:
 `OUT/iter_0000000/` + `OUT/latest_checkpointed_iteration.txt`.
+
+Upstream slime's checkpoints are Megatron-LM's (`megatron/training/checkpointing.py` `save_checkpoint`): its
+converter writes `OUT/release/` (tracker `release`), its training `SAVE/iter_N/` (tracker `N`, the rollout id),
+one dist-checkpoint holding `model` (the same keys as ours: megatron's local layer spec maps its norms onto
+Transformer Engine's names), `args` (a Namespace, in `common.pt`), `iteration`, `rng_state`, and in a training
+checkpoint `optimizer` and `opt_param_scheduler`. `--ref-load` reads its model; `--load` given one
+(`foreign_checkpoint`) resumes its weights only.
 """
 
 from __future__ import annotations
@@ -25,17 +32,26 @@ import json
 import logging
 import os
 import random
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from slime.utils.checkpoint import LATEST as TRACKER
+from slime.utils.checkpoint import model_dir_of, model_only_checkpoint
 from slime.utils.safe_load import check_dist_checkpoint, safe_torch_load
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-TRACKER = "latest_checkpointed_iteration.txt"
 DIST_OPTIM_SHARDING = "fully_reshardable"
+
+
+def megatron_safe_globals() -> list:
+    """What Megatron-LM's `common.pt` may name (its args Namespace, a few enums): megatron-core's own list."""
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    return list(SAFE_GLOBALS)
 
 
 def _require_psutil() -> None:
@@ -47,27 +63,37 @@ def _require_psutil() -> None:
 
 
 # -------------------------------------------------------------- finding ----
-def model_dir_of(path: str) -> str | None:
-    """The dist-checkpoint directory of the model inside `path`: a torch_dist
-    dir itself, a trainer dir, a train.py iter dir, or a converter output
-    (tracker file + iter dir). None when there is none."""
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    for sub in ("torch_dist", os.path.join("trainer", "torch_dist")):
-        if os.path.isfile(os.path.join(path, sub, "metadata.json")):
-            return os.path.join(path, sub)
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-        if name is not None and os.path.isdir(os.path.join(path, name)):
-            return model_dir_of(os.path.join(path, name))
-    return None
-
-
 def is_megatron_checkpoint(path: str) -> bool:
     return model_dir_of(path) is not None
+
+
+@dataclass
+class ForeignCheckpoint:
+    """A model checkpoint that `--load` names but train.py did not write (upstream slime's / Megatron-LM's, or
+    a converter's): the actor starts from its weights at `start_rollout`."""
+
+    model_dir: str
+    iteration: int | None  # the rollout id it was saved at (None: a converter's `release`)
+
+    @property
+    def start_rollout(self) -> int:
+        return 0 if self.iteration is None else self.iteration + 1
+
+
+def foreign_checkpoint(load_dir: str) -> ForeignCheckpoint | None:
+    """`load_dir`'s newest checkpoint if it is a model dist-checkpoint train.py did not write
+    (`slime.utils.checkpoint.model_only_checkpoint`: upstream's converter output, an upstream training checkpoint,
+    our converter's output). Its files are checked first (nothing in them runs)."""
+    from megatron.core import dist_checkpointing
+
+    where = model_only_checkpoint(load_dir)
+    if where is None:
+        return None
+    check_dist_checkpoint(where, megatron_safe_globals())
+    iteration = None
+    if os.path.basename(where) != "release":  # upstream's converter saves iteration 1, then names it release
+        iteration = dist_checkpointing.load_common_state_dict(where).get("iteration")
+    return ForeignCheckpoint(where, int(iteration) if isinstance(iteration, int) else None)
 
 
 # ----------------------------------------------------------------- model ----
@@ -94,7 +120,7 @@ def load_model(built, path: str) -> None:
     if where is None:
         raise FileNotFoundError(f"{path!r} holds no megatron model checkpoint (no metadata.json)")
     # {"model": ...} as megatron-LM (and slime's converter) store it; the rest of the file is ignored
-    check_dist_checkpoint(where)  # its .metadata is unpickled by torch: nothing else runs
+    check_dist_checkpoint(where, megatron_safe_globals())  # its .metadata is unpickled by torch: nothing else runs
     loaded = dist_checkpointing.load({"model": _model_sharded(built)}, where)
     built.core.load_state_dict(loaded["model"], strict=True)
     logger.info("loaded model weights from %s", where)

@@ -1,19 +1,49 @@
-"""Dynamic-sampling filters: `def f(args, samples) -> DynamicFilterOutput` (`--dynamic-sampling-filter-path`)."""
+"""Dynamic-sampling filters (`--dynamic-sampling-filter-path`), upstream slime's contract:
+`def f(args, samples) -> DynamicFilterOutput | bool` (a plain bool is `DynamicFilterOutput(keep=...)`, as upstream
+reads it; a `keep` that is a one-element tensor or numpy bool is read as its truth value)."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.utils.misc import load_function
 
-__all__ = ["DynamicFilterOutput", "call_dynamic_filter"]
+__all__ = ["DynamicFilterOutput", "as_filter_output", "call_dynamic_filter", "load_dynamic_filter"]
+
+
+def _truth(value: Any) -> bool | None:
+    """A bool, a numpy bool or a one-element boolean tensor / array as a bool; None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if "bool" in str(getattr(value, "dtype", "")):
+        size = value.numel() if hasattr(value, "numel") else getattr(value, "size", 1)
+        if size == 1:
+            return bool(value)
+    return None
+
+
+def as_filter_output(out: Any, path: str) -> DynamicFilterOutput:
+    """A filter's return value as a `DynamicFilterOutput`; anything else is refused naming the filter."""
+    if isinstance(out, DynamicFilterOutput):
+        keep = _truth(out.keep)
+        if keep is None:
+            raise TypeError(f"--dynamic-sampling-filter-path {path} returned DynamicFilterOutput(keep={out.keep!r}); "
+                            "keep must be a bool")
+        return DynamicFilterOutput(keep, out.reason, bool(out.keep_when_insufficient))
+    keep = _truth(out)
+    if keep is None:
+        raise TypeError(f"--dynamic-sampling-filter-path {path} returned {type(out).__name__}; it must return "
+                        "slime.rollout.filter_hub.base_types.DynamicFilterOutput(keep, reason) or a bool")
+    return DynamicFilterOutput(keep)
+
+
+def load_dynamic_filter(path: str) -> Callable[[Any, list], DynamicFilterOutput]:
+    """The filter at dotted `path`, its result checked and read as a `DynamicFilterOutput`."""
+    fn = load_function(path)
+    return lambda args, samples: as_filter_output(fn(args, samples), path)
 
 
 def call_dynamic_filter(path: str, args, samples) -> DynamicFilterOutput:
-    """Load the filter at dotted `path`, apply it to one finished group, check it kept the contract."""
-    out = load_function(path)(args, samples)
-    if not isinstance(out, DynamicFilterOutput):
-        raise TypeError(
-            f"--dynamic-sampling-filter-path {path} returned {type(out).__name__}; it must return "
-            "slime.rollout.filter_hub.base_types.DynamicFilterOutput(keep, reason)"
-        )
-    return out
+    """Load the filter at dotted `path` and apply it to one finished group."""
+    return load_dynamic_filter(path)(args, samples)

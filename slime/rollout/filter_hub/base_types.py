@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 @dataclass
 class DynamicFilterOutput:
-    """`keep`: whether the finished group goes to training; `reason`: why not (logged and counted)."""
+    """`keep`: whether the finished group goes to training; `reason`: why not (logged and counted);
+    `keep_when_insufficient` (upstream's): keep a rejected group after all when dropping it would leave the step
+    fewer candidate groups than it needs, instead of sampling more."""
 
     keep: bool
     reason: str | None = None
+    keep_when_insufficient: bool = False
+
+    def drops(self, candidates: int, target: int | None) -> bool:
+        """Whether the group is dropped, `candidates` being the step's groups accepted or still in play (this one
+        included) and `target` the groups it needs (None: no target, as in stream mode's segments)."""
+        if self.keep:
+            return False
+        return not (self.keep_when_insufficient and target is not None and candidates <= target)

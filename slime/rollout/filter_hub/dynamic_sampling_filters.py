@@ -1,4 +1,4 @@
-"""Built-in dynamic-sampling filters: `def f(args, samples) -> DynamicFilterOutput`."""
+"""Built-in dynamic-sampling filters: `def f(args, samples) -> DynamicFilterOutput`, upstream slime's names."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _scalar_reward(sample: Sample, args) -> float:
     return float(reward)
 
 
-def check_reward_nonzero_std(args, samples: list[Sample]) -> DynamicFilterOutput:
+def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
     """Keep a group only if its rewards are not all equal (DAPO's dynamic sampling).
 
     Failed samples (status FAILED or reward None) are left out of the check; a
@@ -34,3 +34,11 @@ def check_reward_nonzero_std(args, samples: list[Sample]) -> DynamicFilterOutput
     if all(math.isclose(r, first, rel_tol=0.0, abs_tol=1e-12) for r in rewards):
         return DynamicFilterOutput(keep=False, reason=f"all rewards equal (={first:g})")
     return DynamicFilterOutput(keep=True)
+
+
+def check_reward_nonzero_std_with_fallback(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
+    """`check_reward_nonzero_std`, but a rejected group is kept when the step would otherwise run short of groups
+    (`keep_when_insufficient`): prefer groups with spread without sampling more."""
+    out = check_reward_nonzero_std(args, samples)
+    out.keep_when_insufficient = True
+    return out

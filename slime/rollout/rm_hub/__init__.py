@@ -28,12 +28,13 @@ import math
 import numbers
 
 from slime.rollout.rm_hub.dapo import compute_score_dapo, compute_score_dapo_answer
-from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer
-from slime.rollout.rm_hub.math_utils import extract_boxed_answer
+from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward, grade_answer, grade_answer_verl
+from slime.rollout.rm_hub.math_utils import extract_answer, extract_boxed_answer
 from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
 from slime.rollout.rm_hub.remote_rm import remote_rm
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
 from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ RM_TYPES = ("deepscaler", "dapo", "math", "remote_rm", "subtract_chain")
 BOXED_PREFIX = "boxed_"
 INLINE_RM_TYPES = frozenset({"deepscaler", "dapo"})
 
-__all__ = ["async_rm", "batched_async_rm", "reward_group", "reward_timeout", "RM_TYPES", "extract_boxed_answer"]
+__all__ = ["async_rm", "batched_async_rm", "reward_group", "reward_timeout", "RM_TYPES", "extract_answer",
+           "extract_boxed_answer", "get_deepscaler_rule_based_reward", "grade_answer_verl"]
 
 
 def reward_timeout(args) -> float | None:
@@ -124,7 +126,8 @@ def _inline_reward(rm_type: str, response: str, label, answer_only: bool) -> flo
 async def _dispatch(args, sample: Sample, timeout: float | None) -> float:
     custom = args.custom_rm_path
     if custom:
-        return _to_reward(await _call_plugin(load_function(custom), timeout, args, sample), f"--custom-rm-path {custom}",
+        return _to_reward(await _call_plugin(load_function(custom), timeout, plugin_args(args), sample),
+                          f"--custom-rm-path {custom}",
                           args.reward_key)
 
     requested, rm_type, response, answer_only = _resolve(args, sample)
@@ -172,7 +175,8 @@ async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
 async def _group_call(args, samples: list[Sample], custom: str) -> list[float]:
     timeout = reward_timeout(args)
     try:
-        rewards = await asyncio.wait_for(_call_plugin(load_function(custom), timeout, args, samples), timeout)
+        rewards = await asyncio.wait_for(_call_plugin(load_function(custom), timeout, plugin_args(args), samples),
+                                         timeout)
     except TimeoutError as e:
         raise TimeoutError(f"no group reward within {timeout}s (--reward-timeout)") from e
     if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
@@ -194,12 +198,20 @@ async def reward_group(args, samples: list[Sample]) -> None:
     A sample whose reward raises or times out gets `status = FAILED`,
     `reward = None` and `metadata["failure"] = "reward: <type>: <message>"`;
     the others keep their rewards (with `--group-rm`, one failed call fails
-    the whole group). Samples already FAILED (e.g. by generation) are skipped.
+    the whole group). Samples already FAILED (e.g. by generation) are skipped, and so (as upstream) are samples
+    whose custom generate set their reward already (checked like any reward), except with `--group-rm`.
     """
     todo = [s for s in samples if s.status != Status.FAILED]
+    custom = args.custom_rm_path
+    if not args.group_rm:
+        for s in [s for s in todo if s.reward is not None]:
+            todo.remove(s)
+            try:
+                s.reward = _to_reward(s.reward, "the reward set by --custom-generate-function-path", args.reward_key)
+            except (TypeError, KeyError) as e:
+                _mark_failed(s, e)
     if not todo:
         return
-    custom = args.custom_rm_path
     if custom and args.group_rm:
         try:
             rewards = await _group_call(args, todo, custom)

@@ -11,7 +11,8 @@ Deliberate differences from upstream slime (`math_dapo_utils`), all on unambiguo
 - an integer-valued number is its integer on BOTH sides (upstream casts only the label, and
   raises on a non-numeric one): label `42.0` or `42` and `Answer: 42.0` or `Answer: 42` all match;
   a non-numeric label is compared as a normalised string;
-- commas are dropped only as thousands separators (`1,234`; upstream: any, so `34, 35` is 3435);
+- commas are dropped only as thousands separators (`1,234`) and after a number (`42,`); upstream drops any, so
+  `34, 35` is 3435;
 - also dropped: markdown bold (`**Answer:** 42`, `**Answer**: 42`), a trailing sentence period
   (`Answer: 42.`), braces or parentheses around a number (`{42}`, `\\left(42\\right)`), a leading `+`,
   `\\%`, thin spaces `1\\,234`, `\\displaystyle`, `\\(...\\)`, `\\mathbf{}`; `$$42$$` is `42`; `\\dfrac`/`\\tfrac`
@@ -87,7 +88,7 @@ def _canonical_number(s: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\u2212", "-").strip()
     while len(s) > 1 and (s[0], s[-1]) in (("{", "}"), ("(", ")")) and _NUMBER.match(s[1:-1].strip("{}")):
         s = s[1:-1]
-    if s.endswith(".") and _NUMBER.match(s[:-1]):
+    if s[-1:] in (".", ",") and _NUMBER.match(s[:-1]):  # `Answer: 42.` / `42,` (upstream drops every comma)
         s = s[:-1]
     if _THOUSANDS.match(s):
         s = s.replace(",", "")

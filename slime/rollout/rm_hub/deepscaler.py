@@ -4,8 +4,11 @@ The format is part of the reward, as in DeepScaleR: a response without a finishe
 (`</think>`, or the `###Response` marker) or without a boxed answer after it scores 0. Right means
 `math_grader.answers_match` against any gold answer (a label may be a list of answers, or boxed).
 
-Deliberate differences from upstream slime's DeepScaleR grader (every one also listed in
-`math_grader`'s docstring where it concerns normalisation):
+Every answer upstream slime's DeepScaleR grader accepts is accepted (`\\text{45 degrees}` for `45`, `X+1` for
+`x+1`, `\\boxed{\\boxed{3}}`; tests/test_upstream_plugin_api.py), except what it accepts only by accident of its
+normalisation: a unit word after a word answer (`yes cm` for `yes`), `\\frac{1}{2}.0`, any two characters
+before `=` (`+x=3` for `x=3`). Deliberate differences (every one also listed in `math_grader`'s docstring where it
+concerns normalisation), all accepting more:
 - we split at the FIRST `</think>` (upstream: the last): everything after the reasoning is the
   solution and its last boxed answer counts, so a stray `</think>` after the answer does not void it;
 - `\\boxed 42` without braces and `\\fbox{42}` are read (upstream: 0), thin spaces `1\\,234` dropped;
@@ -22,7 +25,7 @@ Deliberate differences from upstream slime's DeepScaleR grader (every one also l
 from __future__ import annotations
 
 from slime.rollout.rm_hub.math_grader import normalize_answer, normalized_match
-from slime.rollout.rm_hub.math_utils import THINK_END, extract_boxed_answer, labels_of
+from slime.rollout.rm_hub.math_utils import THINK_END, extract_answer, extract_boxed_answer, labels_of
 
 RESPONSE_MARKER = "###Response"
 
@@ -47,3 +50,13 @@ def grade_answer(pred: str, label) -> bool:
     if not normalized:
         return False
     return any(normalized_match(normalized, normalize_answer(gold)) for gold in labels_of(label))
+
+
+def grade_answer_verl(solution_str: str, ground_truth) -> bool:
+    """Upstream slime's (`from slime.rollout.rm_hub import grade_answer_verl`): is the last boxed answer of
+    `solution_str` right for `ground_truth` (boxed or not), as `grade_answer` judges? An empty ground truth is
+    never matched."""
+    if ground_truth is None or str(ground_truth) == "":
+        return False
+    given = extract_answer(solution_str)
+    return given is not None and grade_answer(given, ground_truth)

@@ -33,7 +33,8 @@ _DROPPED = ("\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "
 _RENAMED = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\dbinom", "\\binom"),
             ("\\tbinom", "\\binom"), ("\\mbox{", "\\text{"), ("\\textrm{", "\\text{"), ("\\textnormal{", "\\text{"),
             ("\\mathrm{", "\\text{"))
-_UNWRAPPED = ("\\text", "\\textbf", "\\textit", "\\mathbf", "\\mathit", "\\boldsymbol", "\\emph", "\\underline")
+_UNWRAPPED = ("\\text", "\\textbf", "\\textit", "\\mathbf", "\\mathit", "\\boldsymbol", "\\emph", "\\underline",
+              "\\boxed", "\\fbox")
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big)(?![a-zA-Z])\.?")
 _UNIT_WORDS = (
     "degree|cm|centimeter|centimetre|mm|millimeter|km|kilometer|meter|metre|mile|inch|inche|foot|feet|ft|yard|yd|"
@@ -42,7 +43,7 @@ _UNIT_WORDS = (
 )
 _TRAILING_TEXT_UNIT = re.compile(r"^(.*?[\w})\]])\s*\\text\{\s*[a-zA-Z][a-zA-Z .'/-]*\}(?:\^\{?[23]\}?)?\.?$")
 _TRAILING_WORD_UNIT = re.compile(
-    r"^(.*?[\d})\]])\s*(?:(?:square|sq\.?|cubic)\s*)?(?:" + _UNIT_WORDS + r")(?:es|s)?(?:\^\{?[23]\}?)?\.?$")
+    r"^(.*?(?:[\d})\]]|\\[a-zA-Z]+))\s*(?:(?:square|sq\.?|cubic)\s*)?(?:" + _UNIT_WORDS + r")(?:es|s)?(?:\^\{?[23]\}?)?\.?$")
 _SCALE_WORD = re.compile(r"^(.*?\d)\s*(million|billion|trillion)$")
 _SCALES = {"million": "10^{6}", "billion": "10^{9}", "trillion": "10^{12}"}
 _PLAIN_MIXED = re.compile(r"(?<![\w.^_}{])(\d+)\s+(\d+)/(\d+)(?![\w.])")
@@ -55,7 +56,7 @@ _RELATION = re.compile(r"=|\\in(?![a-zA-Z])")
 _COMMA_NUMBER = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 _DECIMAL = re.compile(r"^-?\d*\.\d+$")
 _ENDS_WITH_COMMAND = re.compile(r"\\[a-zA-Z]+$")
-_CHOICE = re.compile(r"^\(?([A-Z])\)?$")
+_CHOICE = re.compile(r"^\(?([A-Z])\)?$|^\(([a-z])\)$")  # `B`, `(B)`; `(b)` too (upstream ignores case)
 _WORD = re.compile(r"^[a-zA-Z]+(?: [a-zA-Z]+)*$")
 
 
@@ -146,14 +147,16 @@ def normalize_answer(answer) -> str:
     s = s.replace("{,}", "").replace("%", "").replace("$", "").replace("~", " ").strip()
     s = _strip_units(s)
     if "\\" in s:
+        unwrapped = s
         for cmd in _UNWRAPPED:
-            if cmd + "{" in s:
-                s = _unwrap_command(s, cmd)
+            if cmd + "{" in unwrapped:
+                unwrapped = _unwrap_command(unwrapped, cmd)
+        if unwrapped != s:  # `\\text{45 degrees}`: the unit was inside
+            s = _strip_units(unwrapped.strip())
     if "/" in s:
         s = _PLAIN_MIXED.sub(r"(\1+\2/\3)", s)
     s = _remove_spaces(s)
-    s = _element(s)
-    s = _strip_outer_braces(s)
+    s = _strip_outer_braces(_element(_strip_outer_braces(s)))
     if s.startswith("+") and len(s) > 1:
         s = s[1:]
     if "\\frac" in s:
@@ -172,7 +175,7 @@ def normalize_answer(answer) -> str:
             s = "0"
     m = _CHOICE.match(s)
     if m is not None:
-        s = m.group(1)
+        s = (m.group(1) or m.group(2)).upper()
     return s
 
 
@@ -261,7 +264,7 @@ def normalized_match(a: str, b: str) -> bool:
     """`answers_match` for answers already passed through `normalize_answer`."""
     if not a or not b:
         return False
-    if a == b:
+    if a == b or a.casefold() == b.casefold():  # upstream's grader ignores case
         return True
     if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
         return False

@@ -96,3 +96,9 @@ def labels_of(label) -> list[str]:
         unboxed = extract_boxed_answer(s) if "\\boxed" in s or "\\fbox" in s else None
         out.append(unboxed if unboxed is not None else s)
     return out
+
+
+def extract_answer(passage: str) -> str | None:
+    """Upstream slime's name: the content of the last `\\boxed{...}` in `passage`, or None."""
+    return extract_boxed_answer(passage)
+

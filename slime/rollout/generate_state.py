@@ -1,0 +1,71 @@
+"""Upstream slime's `GenerateState` (`from slime.rollout.sglang_rollout import GenerateState`), for plugins.
+
+Upstream's custom generate functions (search-r1, retool, tau-bench, ...) call `GenerateState(args)` on every
+sample and read `.tokenizer` (the `--hf-checkpoint` tokenizer), `.processor` (None: text models),
+`.semaphore` (at most `--sglang-server-concurrency` x engines generations at once) and `.sampling_params`
+(the rollout's sampling flags, `max_new_tokens` = `--rollout-max-response-len`). As upstream, it is one object
+per process (`SingletonMeta`), made by the first call; a call with another `--hf-checkpoint` makes a new one.
+Its `.semaphore` is the running event loop's own (the rollout runs each step on its loop). `aborted`,
+`reset()` and `dp_rank_context()` keep upstream's names; the APRIL step itself aborts and drains the engines
+(slime/rollout/step_end.py), so a plugin never has to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from typing import Any
+
+from slime.rollout.sampling_request import sampling_params_from_args
+from slime.utils.misc import SingletonMeta
+
+
+class _PerCheckpoint(SingletonMeta):
+    """One instance per process, remade when a call names another `--hf-checkpoint`."""
+
+    def __call__(cls, args):
+        current = cls.__dict__.get("_singleton_instance")
+        if current is not None and current.args.hf_checkpoint != args.hf_checkpoint:
+            cls.clear_instances()
+        return super().__call__(args)
+
+
+class GenerateState(metaclass=_PerCheckpoint):
+    def __init__(self, args) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        self.processor = None  # multimodal processors are not supported: text models only
+        self.concurrency = int(args.sglang_server_concurrency) * int(args.num_engines)
+        self.sampling_params: dict[str, Any] = dict(sampling_params_from_args(args),
+                                                    max_new_tokens=int(args.rollout_max_response_len),
+                                                    spaces_between_special_tokens=False)
+        self.dp_counts = [0]
+        self.dp_rank = 0
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.reset()
+
+    @property
+    def semaphore(self) -> asyncio.Semaphore:
+        """The running event loop's semaphore of `concurrency` slots."""
+        loop = asyncio.get_running_loop()
+        sem = self._semaphores.get(loop)
+        if sem is None:
+            sem = self._semaphores[loop] = asyncio.Semaphore(self.concurrency)
+        return sem
+
+    def reset(self) -> None:
+        self.remaining_batch_size = 0
+        self.pendings: set = set()
+        self.aborted = False
+
+    @contextlib.contextmanager
+    def dp_rank_context(self):
+        """Upstream balances requests over an engine's data-parallel ranks; engines here have one (rank 0)."""
+        self.dp_counts[0] += 1
+        try:
+            yield 0
+        finally:
+            self.dp_counts[0] -= 1

@@ -1,0 +1,136 @@
+"""Plugins written to upstream slime's contract (tests/upstream_plugins.py: GenerateState, append_response_tokens,
+math_dapo_utils, a 4-argument buffer filter, a bool dynamic filter, state kept on args, a list-returning generate)
+through the APRIL step on the embedded engine behind the real sglang-router, and through `bash
+scripts/quickstart.sh` as a user runs it, with and without --partial-rollout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from slime.rollout.base_types import RolloutContext
+from slime.rollout.buffer import PartialRolloutBuffer
+from slime.rollout.data_source import RolloutDataSource
+from slime.rollout.sglang_rollout import generate_rollout
+from slime.utils.ledger import FINISHED, TRAINED
+from slime.utils.plugin_args import plugin_args
+from slime.utils.types import Status
+
+from test_sglang_rollout import env, make_args, set_version  # noqa: F401 (the module's engine fixture)
+from upstream_plugins import FIRST_TURN
+
+pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGINS = "tests.upstream_plugins"
+
+
+def step(env, args, source, buffer, rollout_id):
+    set_version(env, rollout_id)
+    out = generate_rollout(plugin_args(args), rollout_id, RolloutContext(source, buffer, env["engines"], env["tok"],
+                                                                         rollout_id))
+    buffer.mark([g[0].group_index for g in out.groups], TRAINED)
+    return out
+
+
+def test_a_generate_continuing_from_sample_tokens_resumes_like_the_default_one(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path),
+                     "--custom-generate-function-path", f"{PLUGINS}.generate_with_state")
+    source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
+    parked: dict[int, list[int]] = {}
+    for rollout_id in range(12):  # whether an abort catches a sample mid-generation is timing: step until it does
+        out = step(env, args, source, buffer, rollout_id)
+        for g in out.groups:
+            for s in g:
+                if s.index in parked:  # a resumed sample: its parked tokens, then tokens of a later policy
+                    before = parked.pop(s.index)
+                    assert s.tokens[:len(before)] == before and len(s.tokens) > len(before)
+                    assert s.weight_versions == sorted(s.weight_versions) and s.weight_versions[-1] == rollout_id
+                    assert s.weight_versions[0] < rollout_id
+                    return
+        assert all(s.status.is_finished and s.reward is not None for g in out.groups for s in g)
+        parked.update({s.index: list(s.tokens) for g in buffer._parked for s in g
+                       if s.response_length and not s.status.is_finished})
+    pytest.fail("no partly generated sample was parked and resumed in 12 steps")
+
+
+def test_multi_turn_plugin_trains_model_tokens_not_tool_tokens(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path),
+                     "--custom-generate-function-path", f"{PLUGINS}.generate_multi_turn",
+                     "--rollout-max-context-len", "20")
+    source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
+    tool_id = env["tok"].encode(",", add_special_tokens=False)
+    seen = 0
+    for rollout_id in range(3):
+        for g in step(env, args, source, buffer, rollout_id).groups:
+            for s in g:
+                assert len(s.tokens) <= 20  # --rollout-max-context-len
+                if not getattr(s, "tool_called", False):
+                    assert 0 not in s.loss_mask  # answered before the tool
+                    continue
+                seen += 1
+                tool = slice(FIRST_TURN, FIRST_TURN + len(tool_id))
+                assert s.response_tokens[tool] == tool_id and s.loss_mask[tool] == [0] * len(tool_id)
+                assert s.rollout_log_probs[tool] == [0.0] * len(tool_id)
+                model = s.loss_mask[:FIRST_TURN] + s.loss_mask[tool.stop:]
+                assert model == [1] * len(model) and s.effective_response_length == s.response_length - len(tool_id)
+                assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+    assert seen > 0
+    assert plugin_args(args).upstream_tool_calls >= seen  # state the plugin kept on the args it was given
+
+
+def test_a_list_returning_generate_trains_every_sample_and_the_ledger_counts_them(env, tmp_path):
+    args = make_args(env["root"], "--run-dir", str(tmp_path), "--custom-rm-path", f"{PLUGINS}.dapo_reward",
+                     "--custom-generate-function-path", f"{PLUGINS}.generate_fanout")
+    source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
+    set_version(env, 0)
+    out = generate_rollout(plugin_args(args), 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
+    assert len(out.groups) == 3
+    for g in out.groups:
+        assert len(g) == 4 and len({s.group_index for s in g}) == 1  # 2 samples made of each of the 2
+        assert all(s.status.is_finished and s.reward in (1.0, -1.0) for s in g)
+        assert all(len(s.weight_versions) == s.response_length > 0 for s in g)
+        assert buffer.group_state(g[0].group_index) == FINISHED  # one group, settled once
+    assert buffer.ledger_summary()[FINISHED] == 3
+    assert plugin_args(args).upstream_rewards == 12  # 12 samples: 6 rewarded by the plugin, 6 by --custom-rm-path
+
+
+# ---- the quick start, as a user runs it with these plugins --------------------------------------------------------
+def quickstart(tmp_path, *argv, **env):
+    run = tmp_path / "run"
+    env = {**os.environ, "RUN": str(run), "STEPS": "3", "EVAL_INTERVAL": "1000", "SIMULATE": "0",
+           "PYTHONUNBUFFERED": "1", "SLIME_SKIP_INSTALL": "1", "PYTHONPATH": REPO, **env}
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts/quickstart.sh"), *argv, "--skip-eval-before-train"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(1800)
+def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
+    rows = quickstart(tmp_path, "--custom-generate-function-path", f"{PLUGINS}.generate_multi_turn",
+                      "--custom-rm-path", f"{PLUGINS}.dapo_reward", "--rollout-max-context-len", "256",
+                      "--buffer-filter-path", f"{PLUGINS}.longest_first",
+                      "--dynamic-sampling-filter-path", f"{PLUGINS}.rewards_differ")
+    steps = [r for r in rows if r["step"] >= 0]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["rollout/groups_accepted"] == 8 and r["train/grad_norm"] >= 0 for r in steps)
+    assert sum(r["rollout/groups_parked"] for r in steps) > 0  # APRIL parked groups, the 4-argument filter resumed them
+    assert any(r["rollout/groups_resumed"] > 0 for r in steps)
+    assert all(-1.0 <= r["reward/mean"] <= 1.0 for r in steps)  # math_dapo_utils' +1 / -1
+
+
+@pytest.mark.timeout(1800)
+def test_quickstart_with_an_upstream_rollout_function_synchronous(tmp_path, quickstart_task):
+    rows = quickstart(tmp_path, "--no-partial", "--rollout-function-path", f"{PLUGINS}.generate_rollout_with_plugins",
+                      "--custom-generate-function-path", f"{PLUGINS}.generate_with_state",
+                      "--custom-rm-path", f"{PLUGINS}.dapo_reward",
+                      "--dynamic-sampling-filter-path", f"{PLUGINS}.rewards_differ")
+    steps = [r for r in rows if r["step"] >= 0]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    # the counts the plugins kept on args grow across steps: one args object for the whole run
+    calls = [r["upstream/generate_calls"] for r in steps]
+    assert calls == [64 * (i + 1) for i in range(3)] and steps[-1]["upstream/rewards"] == 3 * 64
+    assert all(r["upstream/samples"] == r["train/num_samples"] > 0 for r in steps if "train/num_samples" in r)

@@ -58,7 +58,10 @@ REFUSED: dict[str, str] = {
     "--custom-convert-samples-to-train-data-path": _SAMPLES,
     "--custom-rollout-log-function-path": _LOGGING,
     "--custom-eval-rollout-log-function-path": _LOGGING,
-    "--custom-loss-function-path": "the loss is --loss-type policy_loss or sft_loss",
+    "--custom-loss-function-path": "upstream's custom loss gets Megatron's sharded logits and upstream's batch dict, "
+                                   "which this trainer does not build; use --loss-type policy_loss (shaped by "
+                                   "--advantage-estimator, --eps-clip*, --use-tis, --use-kl-loss, --entropy-coef) or "
+                                   "sft_loss, with your reward in --custom-rm-path",
     "--custom-pg-loss-reducer-function-path": "--calculate-per-token-loss chooses the token mean (else the sample mean)",
     "--custom-reward-post-process-path": "rewards are normalized by --advantage-estimator (--disable-grpo-std-normalization "
                                          "keeps their scale)",
@@ -124,6 +127,11 @@ REFUSED: dict[str, str] = {
     "--ci-load-grad-norm": _CI,
     "--ci-save-grad-norm": _CI,
     "--ci-train-rollout-logprob-abs-diff-threshold": _CI,
+    # engines
+    "--sglang-config": "upstream's engine-deployment YAML (server groups for prefill/decode disaggregation) is not "
+                       "supported: every engine is one SGLang server of --rollout-num-gpus-per-engine GPUs; give SGLang's "
+                       "own flags as --sglang-<flag>",
+    "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine is one SGLang server",
     # weight sync
     "--update-weight-transport": _WEIGHT_SYNC,
     "--update-weight-delta-checksum": _WEIGHT_SYNC,

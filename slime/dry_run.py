@@ -94,8 +94,8 @@ def model_shape(args):
         return None, f"--hf-checkpoint is not on this machine and {e}: no memory estimate"
 
 
-def dry_run(entry: str, args, out=sys.stdout) -> int:
-    say = lambda line="": print(line, file=out)  # noqa: E731
+def dry_run(entry: str, args, out=None) -> int:
+    say = lambda line="": print(line, file=out or sys.stdout)  # noqa: E731
     problems = plugin_problems(args)
     card = GPUS[args.dry_run]
     say(f"{entry} --dry-run: the command line parses and validates for {card.name} GPUs")

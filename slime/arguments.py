@@ -572,13 +572,20 @@ def _option_chunks(unknown: list[str]) -> list[list[str]]:
     return chunks
 
 
-def _split_pass_through(unknown: list[str], parser: argparse.ArgumentParser) -> tuple[dict, tuple[str, ...]]:
+def _split_pass_through(unknown: list[str], parser: argparse.ArgumentParser, rollout_backend: str
+                        ) -> tuple[dict, tuple[str, ...]]:
     """The `--sglang-<flag>[=][value ...]` options for SGLang's servers ({name: value, a list of values, or True})
     and upstream's `--router-<flag>` ones for sglang-router (its launcher's argv), each checked against the real
     part's own flags; anything else is refused, naming the flag."""
     from slime.utils.sglang_flags import router_pass_through, unknown_flag_error
 
     ours = [o for a in parser._actions for o in a.option_strings]
+    server = None
+    if rollout_backend == "embedded":  # the embedded engine takes those of SGLang's flags it has, and its own
+        from slime.backends.hf_engine.__main__ import build_parser as engine_parser
+
+        server = (frozenset(o[2:] for a in engine_parser()._actions for o in a.option_strings if o.startswith("--")),
+                  "the embedded engine (--rollout-backend embedded)")
     sglang: dict[str, Any] = {}
     router: list[str] = []
     for tok, *values in _option_chunks(unknown):
@@ -590,7 +597,7 @@ def _split_pass_through(unknown: list[str], parser: argparse.ArgumentParser) -> 
             router += [tok, *values]
         elif flag.startswith("--sglang-") and len(flag) > len("--sglang-"):
             name = flag[len("--sglang-"):]
-            error = unknown_flag_error(name, [o for o in ours if o.startswith("--sglang-")])
+            error = unknown_flag_error(name, [o for o in ours if o.startswith("--sglang-")], server)
             if error is not None:
                 raise ArgumentError(error)
             given = [value] if eq else values
@@ -986,7 +993,7 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     parser = build_parser(entry)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
-    ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser)
+    ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser, ns.rollout_backend)
     validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)

@@ -65,11 +65,12 @@ def server_flags() -> tuple[frozenset[str], str]:
     return frozenset(read_server_flags()), f"the installed SGLang {version}"
 
 
-def unknown_flag_error(name: str, own_flags: Iterable[str] = ()) -> str | None:
-    """None when `--sglang-<name>` reaches a real SGLang server flag; else the error, naming the closest real flag
-    (SGLang's, or one of `own_flags`: this project's own --sglang-* flags)."""
+def unknown_flag_error(name: str, own_flags: Iterable[str] = (), server: tuple[frozenset[str], str] | None = None
+                       ) -> str | None:
+    """None when `--sglang-<name>` reaches a real server flag (`server`: (names, whose); default SGLang's); else the
+    error, naming the closest real flag (the server's, or one of `own_flags`: this project's own --sglang-* flags)."""
     name = name.replace("_", "-")
-    known, source = server_flags()
+    known, source = server or server_flags()
     if name in known:
         return None
     candidates = sorted({f"--sglang-{k}" for k in known} | set(own_flags))

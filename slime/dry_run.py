@@ -77,7 +77,9 @@ def plugin_problems(args) -> list[str]:
 def missing_paths(args) -> list[str]:
     """The paths of the command line that are not on this machine (they may be on the GPU machines)."""
     wanted = [("--hf-checkpoint", args.hf_checkpoint, os.path.isdir), ("--prompt-data", args.prompt_data, os.path.isfile),
-              ("--ref-load", args.ref_load, os.path.isdir), ("--load", args.load, os.path.isdir)]
+              ("--ref-load", args.ref_load, os.path.isdir)]
+    if args.load != args.save:  # --load = --save: a first run starts fresh and creates it
+        wanted.append(("--load", args.load, os.path.isdir))
     wanted += [(f"--eval-prompt-data {name}", path, os.path.isfile) for name, path in args.eval_datasets]
     return [f"{flag} {path}" for flag, path, exists in wanted if path is not None and not exists(path)]
 

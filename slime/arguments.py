@@ -1,8 +1,10 @@
 """Every flag, with slime's names, parsed and validated in one place.
 
 `parse_args(argv)` returns an immutable `Args`: after parsing, code reads
-typed values and nobody mutates them. Unknown `--sglang-<flag>` options are
-passed through to SGLang servers (`args.sglang_extra_args`).
+typed values and nobody mutates them. Other `--sglang-<flag>` options are
+passed through to SGLang servers (`args.sglang_extra_args`) and upstream's
+`--router-<flag>` ones to sglang-router (`args.router_extra_args`), each
+checked against the real part's flags (slime/utils/sglang_flags.py).
 """
 
 from __future__ import annotations
@@ -530,7 +532,12 @@ def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
     _add_megatron_args(p)
     if extra is not None:
         extra(p)
-    return p.parse_args(list(argv))
+    ns = p.parse_args(list(argv))
+    # a tool stores and builds what it is told: fp32 unless --bf16 (a trainer casts what it loads to its precision)
+    for name in ("bf16", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32"):
+        if vars(ns)[name] is None:
+            setattr(ns, name, False)
+    return ns
 
 
 ENTRIES = {
@@ -936,7 +943,7 @@ _UNSUPPORTED = (
 
 def validate_trainer_args(a: Args) -> None:
     """The trainer backend's flags: Megatron's parallelism / precision / recompute and model-shape flags."""
-    from slime.utils.model_shape import ModelShapeError, flag_mismatches, read_shape
+    from slime.utils.model_shape import ModelShapeError, flag_mismatches, read_shape, shape_from_flags
 
     flag_of = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     for name, unused, why in _UNSUPPORTED:
@@ -969,16 +976,22 @@ def validate_trainer_args(a: Args) -> None:
     _require(a.lr_decay_style == "constant" or (a.lr_decay_iters or 0) > 0, "--lr-decay-iters",
              f"must be > 0 with --lr-decay-style {a.lr_decay_style} (or give --num-rollout)")
 
-    if a.dry_run is not None and not os.path.isfile(os.path.join(a.hf_checkpoint, "config.json")):
-        return  # a dry run without the model here: it says the shape flags went unchecked against config.json
-    try:
-        shape = read_shape(a.hf_checkpoint)
-    except ModelShapeError as e:
-        if a.train_backend == "megatron":
-            raise ArgumentError(f"--hf-checkpoint: {e}") from e
-        return  # FSDP trains any HF causal LM; model-shape flags cannot be checked against this one
-    errors = flag_mismatches(a, shape, os.path.join(a.hf_checkpoint, "config.json"))
-    _require(not errors, "model-shape flags", "; ".join(errors))
+    config = os.path.join(a.hf_checkpoint, "config.json")
+    if a.dry_run is not None and not os.path.isfile(config):
+        # a dry run without the model here: the shape MODEL_ARGS describe, if they do (the dry run says so)
+        try:
+            shape = shape_from_flags(a)
+        except ModelShapeError:
+            return
+    else:
+        try:
+            shape = read_shape(a.hf_checkpoint)
+        except ModelShapeError as e:
+            if a.train_backend == "megatron":
+                raise ArgumentError(f"--hf-checkpoint: {e}") from e
+            return  # FSDP trains any HF causal LM; model-shape flags cannot be checked against this one
+        errors = flag_mismatches(a, shape, config)
+        _require(not errors, "model-shape flags", "; ".join(errors))
     if a.train_backend == "megatron":
         _require(shape.num_attention_heads % tp == 0 and shape.num_query_groups % tp == 0,
                  "--tensor-model-parallel-size", f"({tp}) must divide the attention heads "

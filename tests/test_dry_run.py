@@ -120,7 +120,7 @@ def test_what_does_not_fit_is_named(qwen3_4b, capsys):
     assert (a.bf16, a.use_distributed_optimizer, a.offload) == (False, False, False)
     assert dry_run("train.py", a) == 0  # an estimate warns; it does not refuse
     text = capsys.readouterr().out
-    assert "fp32 (--no-bf16)" in text and "trainer stays on the GPUs while the engines generate (--no-offload)" in text
+    assert "trainer megatron: fp32 weights, compute and Adam state;" in text and "trainer stays on the GPUs while the engines generate (--no-offload)" in text
     assert peak_gb(text) > 80 and "DOES NOT FIT" in text and "WARNING: the fullest GPU would need more" in text
     assert dry_run("train.py", parse_args(local_argv(qwen3_4b) + ["--dry-run", "h200"])) == 0
     assert "for H200 GPUs" in capsys.readouterr().out

@@ -47,7 +47,7 @@ def effective_settings(args) -> str:
                      + ("fp32" if args.accumulate_allreduce_grads_in_fp32 else "bf16")
                      if args.train_backend == "megatron" else "bf16 compute over fp32 sharded weights and Adam state")
     else:
-        precision = "fp32 (--no-bf16)" if args.dry_run is not None else "fp32"
+        precision = "fp32 weights, compute and Adam state"
     if args.train_backend == "fsdp":
         sharding = f"optimizer state sharded over {dp} rank(s) (FSDP2)"
     elif args.use_distributed_optimizer:

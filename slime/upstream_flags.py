@@ -217,7 +217,8 @@ DEFAULTS_DIFFER: dict[str, tuple[str, str]] = {
     "--log-probs-chunk-size": ("-1 (the whole micro-batch)", "0: auto-sized chunks, so that no [tokens, vocabulary] "
                                "logits are held (same values)"),
     "--global-batch-size": ("Megatron-LM's micro-batch x data-parallel size", "--rollout-batch-size x "
-                            "--n-samples-per-prompt: one optimizer step per rollout (upstream's scripts pass 256, = 32 x 8)"),
+                            "--n-samples-per-prompt: one optimizer step per rollout (upstream's scripts pass 256, "
+                            "= 32 x 8)"),
     "--weight-decay": ("0.01 (Megatron-LM)", "0.0; upstream's RL scripts pass 0.1"),
     "--adam-beta2": ("0.999 (Megatron-LM)", "0.98, what upstream's RL scripts pass"),
     "--lr-decay-style": ("linear (Megatron-LM)", "constant, what upstream's RL scripts pass"),
@@ -233,7 +234,8 @@ DEFAULTS_DIFFER: dict[str, tuple[str, str]] = {
                                        "multiple of lcm(128, TP): one shape for every TP, so checkpoints reshard"),
     "--num-layers": ("required", _SHAPE), "--hidden-size": ("required", _SHAPE),
     "--ffn-hidden-size": ("required", _SHAPE), "--num-attention-heads": ("required", _SHAPE),
-    "--num-query-groups": ("the number of heads (Megatron-LM)", _SHAPE), "--kv-channels": ("hidden / heads (Megatron-LM)", _SHAPE),
+    "--num-query-groups": ("the number of heads (Megatron-LM)", _SHAPE),
+    "--kv-channels": ("hidden / heads (Megatron-LM)", _SHAPE),
     "--vocab-size": ("from the tokenizer", _SHAPE), "--max-position-embeddings": ("4096 (upstream's seq-length)", _SHAPE),
     "--norm-epsilon": ("1e-5 (Megatron-LM)", _SHAPE), "--rotary-base": ("10000 (Megatron-LM)", _SHAPE),
     "--normalization": ("LayerNorm (Megatron-LM)", _SHAPE),

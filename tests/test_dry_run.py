@@ -84,7 +84,7 @@ def test_train_async_dry_runs_a_disaggregated_command_line(tmp_path):
         "--rollout-num-gpus", "8", "--actor-num-nodes", "1", "--update-weights-interval", "2", "--max-async-lag", "2"]
     out = dry("train_async.py", argv + ["--dry-run", "h200"])
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "trainer on its own GPUs (not colocated)" in out.stdout and "for H200 GPUs" in out.stdout
+    assert "trainer on its own devices (not colocated)" in out.stdout and "for H200 GPUs" in out.stdout
     assert "rollout GPU 7: engine 3 (TP 1 of 2)" in out.stdout and "training (trainer GPUs)" in out.stdout
     bad = dry("train.py", argv[:-2] + ["--dry-run"])  # the interval is train_async.py's: refused on train.py, saying why
     assert bad.returncode == 2 and "--update-weights-interval: 2 is train_async.py's" in bad.stderr
@@ -120,7 +120,7 @@ def test_what_does_not_fit_is_named(qwen3_4b, capsys):
     assert (a.bf16, a.use_distributed_optimizer, a.offload) == (False, False, False)
     assert dry_run("train.py", a) == 0  # an estimate warns; it does not refuse
     text = capsys.readouterr().out
-    assert "trainer megatron: fp32 weights, compute and Adam state;" in text and "trainer stays on the GPUs while the engines generate (--no-offload)" in text
+    assert "trainer megatron: fp32 weights, compute and Adam state;" in text and "trainer stays on the devices while the engines generate (--no-offload)" in text
     assert peak_gb(text) > 80 and "DOES NOT FIT" in text and "WARNING: the fullest GPU would need more" in text
     assert dry_run("train.py", parse_args(local_argv(qwen3_4b) + ["--dry-run", "h200"])) == 0
     assert "for H200 GPUs" in capsys.readouterr().out

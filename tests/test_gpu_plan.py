@@ -64,7 +64,7 @@ def test_placement_and_effective_settings(tmp_path):
                          "rollout GPU 2: engine 1 (TP 0 of 2)", "rollout GPU 3: engine 1 (TP 1 of 2)"]
     assert effective_settings(a) == (
         "trainer megatron: bf16 weights and compute, fp32 main weights and Adam state, gradients reduced in fp32; "
-        "optimizer state sharded over 4 data-parallel rank(s) (distributed optimizer); trainer on its own GPUs "
+        "optimizer state sharded over 4 data-parallel rank(s) (distributed optimizer); trainer on its own devices "
         "(not colocated)")
     fsdp = args(tmp_path, HALF_B, "--train-backend", "fsdp", "--actor-num-gpus-per-node", "2", "--colocate")
     assert effective_settings(fsdp) == (

@@ -227,6 +227,9 @@ def run_train(d, name: str, *extra) -> list[dict]:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the effective precision, optimizer sharding and offload, in one line at start-up
+    assert "trainer fsdp: fp32 weights, compute and Adam state; optimizer state sharded over 1 rank(s) (FSDP2); " \
+           "trainer on its own devices (not colocated)" in open(out / "run" / "train.log").read()
     return [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
 
 

@@ -57,9 +57,9 @@ def effective_settings(args) -> str:
     if args.offload:
         offload = "trainer offloaded to host memory while the engines generate"
     elif args.colocate:
-        offload = "trainer stays on the GPUs while the engines generate (--no-offload)"
+        offload = "trainer stays on the devices while the engines generate (--no-offload)"
     else:
-        offload = "trainer on its own GPUs (not colocated)"
+        offload = "trainer on its own devices (not colocated)"
     return f"trainer {args.train_backend}: {precision}; {sharding}; {offload}"
 
 

@@ -17,6 +17,7 @@ import sys
 
 from slime.backends.sglang_utils.router import build_router_command
 from slime.backends.sglang_utils.sglang_engine import build_embedded_engine_command, build_sglang_server_command
+from slime.rollout.buffer import buffer_filter
 from slime.rollout.simulator.gpu_presets import GPUS
 from slime.utils.gpu_plan import effective_settings, memory_report, placement
 from slime.utils.misc import load_function
@@ -52,6 +53,8 @@ def plugin_problems(args) -> list[str]:
         flag = "--" + name.replace("_", "-")
         try:
             fn = load_function(path)
+            if name == "buffer_filter_path":
+                buffer_filter(path)  # the buffer's own loader: it refuses what it could not call
         except Exception as e:  # noqa: BLE001 - an import error of any kind is the user's to see
             problems.append(f"{flag} {path}: {type(e).__name__}: {e}")
             continue

@@ -143,6 +143,10 @@ def buffer_filter(args, rollout_id, buffer, num_samples):
     return buffer[:num_samples]
 
 
+def buffer_filter_two(args, buffer):
+    return buffer
+
+
 def dynamic_filter(args, samples, **kwargs):
     return True
 
@@ -167,6 +171,8 @@ def test_plugins_are_imported_and_their_signatures_checked(qwen3_4b, capsys):
         (["--custom-generate-function-path", "test_dry_run.generate_two"], "does not take upstream's async (args, "
                                                                             "sample, sampling_params)"),
         (["--buffer-filter-path", "test_dry_run.no_such_filter"], "has no attribute 'no_such_filter'"),
+        (["--buffer-filter-path", "test_dry_run.buffer_filter_two"], "TypeError: --buffer-filter-path "
+                                                                      "test_dry_run.buffer_filter_two takes 2"),
         (["--custom-rm-path", "no_such_module.reward"], "cannot import module 'no_such_module'"),
     ]:
         assert dry_run("train.py", parse_args(base + flags + ["--dry-run"])) == 2

@@ -18,7 +18,7 @@ import re
 import pytest
 
 from slime.arguments import ArgumentError, build_parser, parse_args
-from slime.upstream_flags import DEFAULTS_DIFFER
+from slime.upstream_flags import DEFAULTS_DIFFER, REFUSED
 from test_dry_run import APRIL_PARTIAL, UPSTREAM_RUN_QWEN3_4B
 from test_megatron_args import QWEN3, qwen3_config
 
@@ -51,6 +51,7 @@ UPSTREAM_DEFAULTS = {
     "--over-sampling-batch-size": Same("rollout_batch_size"), "--partial-rollout": False, "--ref-load": None,
     "--reward-key": None, "--rm-url": None, "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout",
     "--rollout-health-check-first-wait": 0, "--rollout-health-check-timeout": 30.0, "--rollout-max-prompt-len": None,
+    "--rollout-max-context-len": None, "--eval-max-context-len": Same("rollout_max_context_len"),
     "--rollout-num-gpus-per-engine": 1, "--rollout-seed": 42, "--rollout-shuffle": False, "--rollout-stop": None,
     "--rollout-stop-token-ids": None, "--rollout-temperature": 1.0, "--rollout-top-k": -1, "--rollout-top-p": 1.0,
     "--save": None, "--save-debug-rollout-data": None, "--save-interval": None, "--seed": 1234, "--clip-grad": 1.0,
@@ -142,3 +143,5 @@ def test_the_docs_list_each_default_once_with_upstreams_value_and_ours():
     for flag, (upstream, here) in DEFAULTS_DIFFER.items():
         assert f"| `{flag}` | {upstream} | {here} |" in differ, flag
     assert not set(DEFAULTS_DIFFER) & set(UPSTREAM_DEFAULTS)
+    refused = re.findall(r"^\| `(--[a-z0-9-]+)` \|", doc_section("Refused, with what to use instead"), re.M)
+    assert sorted(refused) == sorted(REFUSED)  # no row for a flag that is taken now

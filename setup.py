@@ -16,7 +16,7 @@ setup(
     install_requires=[
         # a range that the CPU wheel torch==2.13.0 satisfies (install it first on CPU machines)
         "torch>=2.6,<2.15",
-        "transformers>=5.17,<6",
+        _versions["TRANSFORMERS_REQUIREMENT"],  # a range that holds SGLang's own pin at both ends of ours
         "tokenizers>=0.22",
         "safetensors>=0.5",
         "datasets>=4.0,<6",

@@ -20,6 +20,7 @@ set_offline_defaults()  # before anything imports Ray: it reads RAY_ENABLE_WINDO
 from tqdm import tqdm  # noqa: E402
 
 from slime.arguments import ArgumentError, parse_args  # noqa: E402
+from slime.dry_run import dry_run  # noqa: E402
 from slime.ray.train_loop import TrainingRun, train_or_stop  # noqa: E402
 
 logger = logging.getLogger("train")
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run is not None:  # checks the whole command line, prints the plan, starts nothing
+        return dry_run("train.py", args)
     return train_or_stop("train.py", train, args)
 
 

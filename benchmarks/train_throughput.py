@@ -109,10 +109,12 @@ def trainer_args(o, model_dir: str, backend: str, layout: str, chunk: int):
             "--train-num-threads", str(o.threads), "--seed", "1"]
     if o.max_tokens_per_gpu:
         argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(o.max_tokens_per_gpu)]
-    if o.bf16:
-        argv += ["--bf16"]
-    if backend == "megatron" and o.bf16:
-        argv += ["--use-distributed-optimizer"]
+    # what the measurement says it is: fp32 unless --bf16 (the trainer's own default is bf16 on GPUs), and the
+    # distributed optimizer only with bf16 (the measured configurations)
+    argv += ["--bf16" if o.bf16 else "--no-bf16"]
+    if backend == "megatron":
+        argv += ["--use-distributed-optimizer" if o.bf16 else "--no-use-distributed-optimizer",
+                 "--no-accumulate-allreduce-grads-in-fp32"]
     return parse_args(argv + o.extra)
 
 

@@ -1,13 +1,16 @@
 """Every flag, with slime's names, parsed and validated in one place.
 
 `parse_args(argv)` returns an immutable `Args`: after parsing, code reads
-typed values and nobody mutates them. Unknown `--sglang-<flag>` options are
-passed through to SGLang servers (`args.sglang_extra_args`).
+typed values and nobody mutates them. Other `--sglang-<flag>` options are
+passed through to SGLang servers (`args.sglang_extra_args`) and upstream's
+`--router-<flag>` ones to sglang-router (`args.router_extra_args`), each
+checked against the real part's flags (slime/utils/sglang_flags.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -78,9 +81,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocate", action="store_true",
                    help="trainers and engines time-share the same devices: one bundle per device holds a trainer rank "
                         "and (a share of) an engine; the engines release their memory while the trainer trains")
-    g.add_argument("--offload", action="store_true",
+    g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="with --colocate: the trainer's parameters, gradients and optimizer state leave the device "
-                        "between training phases (host memory) and come back for the next one")
+                        "between training phases (host memory) and come back for the next one (default: on with "
+                        "--colocate, as upstream; --no-offload keeps the trainer on the device)")
     g.add_argument("--train-backend", choices=["auto", "fsdp", "megatron"], default="auto",
                    help="trainer: Megatron-core or FSDP2 (auto: megatron when megatron-core and CUDA are present, else fsdp)")
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
@@ -224,7 +228,9 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-grpo-std-normalization", action="store_true")
     g.add_argument("--normalize-advantages", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true", help="token-mean loss (default: per-sample mean)")
-    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss"], default="policy_loss")
+    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss",
+                   help="custom_loss (upstream's) is refused: its function gets Megatron's sharded logits and "
+                        "upstream's batch dict, which this trainer does not build")
     g.add_argument("--use-tis", action="store_true", help="truncated importance sampling against behaviour log-probs")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
@@ -277,6 +283,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "default: tensor with --colocate, else distributed")
     g.add_argument("--update-weights-from-disk", action="store_true",
                    help="slime's flag: the same as --update-weight-mode disk")
+    g.add_argument("--update-weights-interval", type=int, default=1,
+                   help="push the trainer's weights to the engines every N steps: train_async.py (in flight); "
+                        "train.py takes only 1 (it pushes after every step)")
 
 
 UPDATE_WEIGHT_MODES = ("tensor", "distributed", "disk")
@@ -301,13 +310,16 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="only 1 (dense models)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="only 1 (dense models)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard activations along the sequence over TP ranks")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP ranks")
+    g.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard the optimizer state over data-parallel ranks (default: on with --train-backend megatron, "
+                        "as upstream; --no-use-distributed-optimizer: every rank holds all of it)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--bf16", action="store_true",
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 compute with fp32 master weights and optimizer (Megatron: bf16 weights + fp32 main "
-                        "copies; FSDP: bf16 mixed-precision policy over fp32 sharded weights)")
+                        "copies; FSDP: bf16 mixed-precision policy over fp32 sharded weights); default: on where the "
+                        "trainer runs on a GPU (upstream always trains bf16), fp32 on CPU; --no-bf16: fp32")
     g.add_argument("--fp16", action="store_true", help="not supported (use --bf16)")
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                    help="auto / flash: torch SDPA (flash kernels on GPU); unfused / local: megatron's own attention; "
@@ -322,7 +334,9 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
                         "spec with torch kernels (auto: TE where transformer_engine imports on a CUDA machine)")
     g.add_argument("--attention-dropout", type=float, default=None, help="default: the HF config's")
     g.add_argument("--hidden-dropout", type=float, default=None, help="default: 0")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron: gradients accumulated and all-reduced in fp32 (default: on under --bf16, as "
+                        "Megatron-LM turns it on for bf16)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of lcm(this, TP) (padded rows never get probability; "
@@ -468,8 +482,6 @@ def _add_async_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-async-lag", type=int, default=1,
                    help="how many policy versions the rollout may run ahead of the trainer: a batch trained at "
                         "version P is collected while the engines serve versions >= P - lag (backpressure beyond)")
-    g.add_argument("--update-weights-interval", type=int, default=1,
-                   help="push the trainer's weights to the engines every N steps (in flight)")
     g.add_argument("--in-flight-update", choices=["auto", "abort", "in_place"], default="auto",
                    help="how a weight update reaches requests in flight. abort: every request is aborted, waits, and "
                         "resumes from its tokens under the new version (SGLang's documented pause path; any engine). "
@@ -486,12 +498,27 @@ def _add_debug_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-debug-rollout-data", type=str, default=None, help="path template with {rollout_id}")
 
 
+# the cards a dry run can size its memory estimate for (slime/rollout/simulator/gpu_presets.py's datasheets)
+DRY_RUN_GPUS = ("h100", "h200", "mi300x")
+
+
+def _add_dry_run_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dry run (docs/gpu.md: the first thing to run before spending GPUs)")
+    g.add_argument("--dry-run", nargs="?", const="h100", choices=DRY_RUN_GPUS, default=None,
+                   help="check the whole command line as it would run on GPUs of this kind (h100 when not named) and "
+                        "exit: flags, the model's config, the --sglang-* / --router-* pass-through flags, the plugins' "
+                        "imports and signatures; print the effective settings, the placement and an estimate of "
+                        "memory per GPU. Starts no Ray, engine or trainer; paths not on this machine are listed")
+
+
 def _add_sglang_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sglang (any other --sglang-<ServerArgs flag> is passed through)")
+    g = p.add_argument_group("sglang (any other --sglang-<flag> of SGLang's ServerArgs is passed to the servers, "
+                             "and upstream's --router-<flag> to sglang-router as --<flag>; both checked at parse time)")
     g.add_argument("--sglang-router-ip", type=str, default=None, help="use this router instead of starting one")
     g.add_argument("--sglang-router-port", type=int, default=None)
-    g.add_argument("--sglang-router-policy", type=str, default="round_robin")
-    g.add_argument("--sglang-router-log-level", type=str, default="warn")
+    g.add_argument("--sglang-router-policy", "--router-policy", type=str, default="round_robin",
+                   help="sglang-router's --policy (upstream's default: cache_aware)")
+    g.add_argument("--sglang-router-log-level", "--router-log-level", type=str, default="warn")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=None)
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="requests in flight per engine")
 
@@ -505,7 +532,12 @@ def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
     _add_megatron_args(p)
     if extra is not None:
         extra(p)
-    return p.parse_args(list(argv))
+    ns = p.parse_args(list(argv))
+    # a tool stores and builds what it is told: fp32 unless --bf16 (a trainer casts what it loads to its precision)
+    for name in ("bf16", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32"):
+        if vars(ns)[name] is None:
+            setattr(ns, name, False)
+    return ns
 
 
 ENTRIES = {
@@ -528,7 +560,7 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
     adders = [_add_cluster_args, _add_rollout_args, _add_fault_tolerance_args, _add_partial_rollout_args,
               _add_data_args, _add_eval_args, _add_algorithm_args, _add_training_args, _add_megatron_args,
               _add_reward_args, _add_agent_args, _add_logging_args, _add_debug_args, _add_sglang_args,
-              _add_upstream_args]
+              _add_upstream_args, _add_dry_run_args]
     if entry == "train_async.py":
         adders.insert(4, _add_async_args)
     for add in adders:
@@ -536,29 +568,54 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
     return p
 
 
-def _split_sglang_extra(unknown: list[str]) -> dict[str, str | bool]:
-    """Collect `--sglang-foo[=]value` / `--sglang-flag` pass-through options; reject anything else."""
-    extra: dict[str, str | bool] = {}
-    i = 0
-    while i < len(unknown):
-        tok = unknown[i]
-        instead = refusal(tok)
-        if instead is not None:
-            raise ArgumentError(f"{tok.split('=', 1)[0]}: upstream slime's flag is not taken here: {instead}")
-        if not tok.startswith("--sglang-"):
-            raise ArgumentError(f"unrecognized argument: {tok}")
-        name, eq, value = tok[len("--sglang-"):].partition("=")
-        if not name:
-            raise ArgumentError(f"unrecognized argument: {tok}")
-        if eq:
-            extra[name] = value
-        elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
-            extra[name] = unknown[i + 1]
-            i += 1
+def _option_chunks(unknown: list[str]) -> list[list[str]]:
+    """The options argparse did not know, each with the values that follow it."""
+    chunks: list[list[str]] = []
+    for tok in unknown:
+        if tok.startswith("--") or not chunks:
+            chunks.append([tok])
         else:
-            extra[name] = True
-        i += 1
-    return extra
+            chunks[-1].append(tok)
+    return chunks
+
+
+def _split_pass_through(unknown: list[str], parser: argparse.ArgumentParser, rollout_backend: str
+                        ) -> tuple[dict, tuple[str, ...]]:
+    """The `--sglang-<flag>[=][value ...]` options for SGLang's servers ({name: value, a list of values, or True})
+    and upstream's `--router-<flag>` ones for sglang-router (its launcher's argv), each checked against the real
+    part's own flags; anything else is refused, naming the flag."""
+    from slime.utils.sglang_flags import router_pass_through, unknown_flag_error
+
+    ours = [o for a in parser._actions for o in a.option_strings]
+    server = None
+    if rollout_backend == "embedded":  # the embedded engine takes those of SGLang's flags it has, and its own
+        from slime.backends.hf_engine.__main__ import build_parser as engine_parser
+
+        server = (frozenset(o[2:] for a in engine_parser()._actions for o in a.option_strings if o.startswith("--")),
+                  "the embedded engine (--rollout-backend embedded)")
+    sglang: dict[str, Any] = {}
+    router: list[str] = []
+    for tok, *values in _option_chunks(unknown):
+        flag, eq, value = tok.partition("=")
+        instead = refusal(flag)
+        if instead is not None:
+            raise ArgumentError(f"{flag}: upstream slime's flag is not taken here: {instead}")
+        if flag.startswith("--router-"):
+            router += [tok, *values]
+        elif flag.startswith("--sglang-") and len(flag) > len("--sglang-"):
+            name = flag[len("--sglang-"):]
+            error = unknown_flag_error(name, [o for o in ours if o.startswith("--sglang-")], server)
+            if error is not None:
+                raise ArgumentError(error)
+            given = [value] if eq else values
+            sglang[name] = True if not given else given[0] if len(given) == 1 else given
+        else:
+            close = difflib.get_close_matches(flag, ours, n=1, cutoff=0.8)
+            raise ArgumentError(f"unrecognized argument: {tok}" + (f" (did you mean {close[0]}?)" if close else ""))
+    try:
+        return sglang, router_pass_through(router, [o for o in ours if o.startswith("--router-")])
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def megatron_importable() -> bool:
@@ -570,13 +627,40 @@ def megatron_importable() -> bool:
         return False
 
 
-def _resolve_train_backend(requested: str) -> str:
-    """auto: Megatron where it is meant to run (megatron-core + CUDA), else FSDP."""
-    if requested != "auto":
-        return requested
+def _on_gpus(a: Args) -> bool:
+    """Whether the trainer runs on GPUs: CUDA (or ROCm) here, or a dry run of a GPU command line."""
+    if a.dry_run is not None:
+        return True
     import torch
 
-    return "megatron" if megatron_importable() and torch.cuda.is_available() else "fsdp"
+    return torch.cuda.is_available()
+
+
+def _resolve_train_backend(requested: str, gpus: bool) -> str:
+    """auto: Megatron where it is meant to run (megatron-core + GPUs), else FSDP."""
+    if requested != "auto":
+        return requested
+    return "megatron" if megatron_importable() and gpus else "fsdp"
+
+
+def _fill_trainer_defaults(a: Args, gpus: bool) -> None:
+    """Upstream's effective defaults: its Megatron argument post-processing forces bf16 and the distributed optimizer
+    (and Megatron-LM fp32 gradient accumulation under bf16), and --colocate turns on the trainer's offload. Here each
+    is a default that an explicit --no-<flag> turns off; bf16 only where the trainer runs on GPUs (CPU runs are
+    tests and tiny tasks, fp32)."""
+    megatron = a.train_backend == "megatron"
+    if a.bf16 is None:
+        a.bf16 = gpus
+    if a.use_distributed_optimizer is None:
+        a.use_distributed_optimizer = megatron
+    if a.accumulate_allreduce_grads_in_fp32 is None:
+        a.accumulate_allreduce_grads_in_fp32 = megatron and a.bf16
+    if a.offload_train is not None:  # upstream's name for --offload
+        _require(a.offload in (None, a.offload_train), "--offload-train",
+                 "contradicts --offload / --no-offload (upstream's name for the same thing)")
+        a.offload = a.offload_train
+    if a.offload is None:
+        a.offload = a.colocate
 
 
 # Flags that name files or directories: made absolute at parse time, so every process of the run (Ray
@@ -600,7 +684,9 @@ def _make_paths_absolute(a: Args) -> None:
 
 
 def _fill_defaults(a: Args) -> None:
-    a.train_backend = _resolve_train_backend(a.train_backend)
+    gpus = _on_gpus(a)
+    a.train_backend = _resolve_train_backend(a.train_backend, gpus)
+    _fill_trainer_defaults(a, gpus)
     if a.run_dir is None:
         a.run_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     _make_paths_absolute(a)
@@ -612,9 +698,6 @@ def _fill_defaults(a: Args) -> None:
         a.global_batch_size = a.rollout_batch_size * a.n_samples_per_prompt // max(1, a.num_steps_per_rollout)
     if a.global_batch_size is None and a.rollout_batch_size is not None:
         a.global_batch_size = a.rollout_batch_size * a.n_samples_per_prompt
-    if a.offload_train is not None:  # upstream's name for --offload
-        _require(a.offload_train or not a.offload, "--no-offload-train", "contradicts --offload")
-        a.offload = a.offload or a.offload_train
     if a.wandb_mode is None:
         a.wandb_mode = "online" if a.wandb_key else "offline"
     if a.eval_top_k is None:
@@ -652,10 +735,15 @@ def _require(cond: bool, flag: str, rule: str) -> None:
         raise ArgumentError(f"{flag}: {rule}")
 
 
+def _here(a: Args, exists: bool) -> bool:
+    """A path check; a dry run passes it (the path may live only on the GPU machines: the dry run lists what is
+    not on this one)."""
+    return exists or a.dry_run is not None
+
+
 def validate_async_args(a: Args) -> None:
     """train_async.py's rules (its flags exist only in its parser)."""
     _require(a.max_async_lag >= 1, "--max-async-lag", "must be >= 1 (0 is synchronous training: use train.py)")
-    _require(a.update_weights_interval >= 1, "--update-weights-interval", "must be >= 1")
     _require(a.max_async_lag >= a.update_weights_interval, "--max-async-lag",
              f"({a.max_async_lag}) must be >= --update-weights-interval ({a.update_weights_interval}): between two "
              "updates the engines fall that many versions behind, and a batch can only be collected within the lag")
@@ -702,7 +790,7 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
     _require(a.update_weight_mode != "tensor" or a.colocate, "--update-weight-mode tensor",
              "needs --colocate (tensors are handed over on the devices trainer and engines share)")
     _require(a.hf_checkpoint is not None, "--hf-checkpoint", "is required (a local Hugging Face model directory)")
-    _require(os.path.isdir(a.hf_checkpoint), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
+    _require(_here(a, os.path.isdir(a.hf_checkpoint)), "--hf-checkpoint", f"{a.hf_checkpoint!r} is not a directory")
     validate_trainer_args(a)
     _require(a.rollout_batch_size is not None and a.rollout_batch_size > 0, "--rollout-batch-size", "is required and must be > 0")
     _require(a.n_samples_per_prompt > 0, "--n-samples-per-prompt", "must be > 0")
@@ -725,7 +813,8 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
         _require(a.over_sampling_batch_size > 0, "--over-sampling-batch-size", "must be > 0 (or auto)")
     if a.rollout_cost_model is not None:
         _require(a.over_sampling_batch_size == "auto", "--rollout-cost-model", "is used by --over-sampling-batch-size auto only")
-        _require(a.rollout_cost_model.startswith("gpu:") or os.path.isfile(a.rollout_cost_model), "--rollout-cost-model",
+        _require(a.rollout_cost_model.startswith("gpu:") or _here(a, os.path.isfile(a.rollout_cost_model)),
+                 "--rollout-cost-model",
                  f"{a.rollout_cost_model!r} is neither a file nor gpu:<gpu>:<model>:tp<N>")
     _require(a.rollout_num_gpus_per_engine > 0, "--rollout-num-gpus-per-engine", "must be > 0")
     _require(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
@@ -758,7 +847,7 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
              "cannot be combined with --debug-train-only")
     if a.load_debug_rollout_data is None:
         _require(a.prompt_data is not None, "--prompt-data", "is required (or --load-debug-rollout-data)")
-        _require(os.path.isfile(a.prompt_data), "--prompt-data", f"{a.prompt_data!r} is not a file")
+        _require(_here(a, os.path.isfile(a.prompt_data)), "--prompt-data", f"{a.prompt_data!r} is not a file")
         _require(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type",
                  "one of --rm-type or --custom-rm-path is required")
     else:
@@ -799,19 +888,38 @@ def validate_args(a: Args, entry: str = "train.py") -> None:
              "need 0 <= --tis-clip-low < --tis-clip")
     _require(a.save_interval is None or (a.save_interval > 0 and a.save is not None), "--save-interval",
              "must be > 0 and needs --save")
-    _require(a.load is None or os.path.isdir(a.load) or a.save == a.load, "--load", f"{a.load!r} is not a directory")
+    _require(a.load is None or _here(a, os.path.isdir(a.load)) or a.save == a.load, "--load",
+             f"{a.load!r} is not a directory")
     _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")
 
     _require(a.eval_prompt_data is None or len(a.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
              "takes name/path pairs")
     for name, path in a.eval_datasets:
-        _require(os.path.isfile(path), "--eval-prompt-data", f"{name}: {path!r} is not a file")
+        _require(_here(a, os.path.isfile(path)), "--eval-prompt-data", f"{name}: {path!r} is not a file")
     _require(a.eval_interval is None or (a.eval_interval > 0 and a.eval_datasets), "--eval-interval",
              "must be > 0 and needs --eval-prompt-data")
     _require(a.n_samples_per_eval_prompt > 0, "--n-samples-per-eval-prompt", "must be > 0")
     validate_agent_args(a)
+    validate_loss_args(a)
+    validate_weight_update_interval(a, entry)
     if entry == "train_async.py":
         validate_async_args(a)
+
+
+def validate_loss_args(a: Args) -> None:
+    _require(a.loss_type != "custom_loss", "--loss-type custom_loss",
+             "is not supported: upstream's custom loss function gets Megatron's vocabulary-sharded logits and upstream's "
+             "batch dict, which this trainer does not build; use --loss-type policy_loss (shaped by "
+             "--advantage-estimator, --eps-clip / --eps-clip-high / --eps-clip-c, --use-tis, --use-kl-loss, "
+             "--entropy-coef, --calculate-per-token-loss) or sft_loss, with your reward in --custom-rm-path")
+
+
+def validate_weight_update_interval(a: Args, entry: str) -> None:
+    _require(a.update_weights_interval >= 1, "--update-weights-interval", "must be >= 1")
+    _require(entry == "train_async.py" or a.update_weights_interval == 1, "--update-weights-interval",
+             f"{a.update_weights_interval} is train_async.py's (engines that run behind the trainer); train.py pushes "
+             "the new weights after every step (so does upstream's train.py, which never reads this flag), and with "
+             "--colocate the engines drop their weights while the trainer trains, so they must get them back each step")
 
 
 # Megatron-only flags: (name, value that means "not used")
@@ -835,7 +943,7 @@ _UNSUPPORTED = (
 
 def validate_trainer_args(a: Args) -> None:
     """The trainer backend's flags: Megatron's parallelism / precision / recompute and model-shape flags."""
-    from slime.utils.model_shape import ModelShapeError, flag_mismatches, read_shape
+    from slime.utils.model_shape import ModelShapeError, flag_mismatches, read_shape, shape_from_flags
 
     flag_of = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     for name, unused, why in _UNSUPPORTED:
@@ -868,14 +976,22 @@ def validate_trainer_args(a: Args) -> None:
     _require(a.lr_decay_style == "constant" or (a.lr_decay_iters or 0) > 0, "--lr-decay-iters",
              f"must be > 0 with --lr-decay-style {a.lr_decay_style} (or give --num-rollout)")
 
-    try:
-        shape = read_shape(a.hf_checkpoint)
-    except ModelShapeError as e:
-        if a.train_backend == "megatron":
-            raise ArgumentError(f"--hf-checkpoint: {e}") from e
-        return  # FSDP trains any HF causal LM; model-shape flags cannot be checked against this one
-    errors = flag_mismatches(a, shape, os.path.join(a.hf_checkpoint, "config.json"))
-    _require(not errors, "model-shape flags", "; ".join(errors))
+    config = os.path.join(a.hf_checkpoint, "config.json")
+    if a.dry_run is not None and not os.path.isfile(config):
+        # a dry run without the model here: the shape MODEL_ARGS describe, if they do (the dry run says so)
+        try:
+            shape = shape_from_flags(a)
+        except ModelShapeError:
+            return
+    else:
+        try:
+            shape = read_shape(a.hf_checkpoint)
+        except ModelShapeError as e:
+            if a.train_backend == "megatron":
+                raise ArgumentError(f"--hf-checkpoint: {e}") from e
+            return  # FSDP trains any HF causal LM; model-shape flags cannot be checked against this one
+        errors = flag_mismatches(a, shape, config)
+        _require(not errors, "model-shape flags", "; ".join(errors))
     if a.train_backend == "megatron":
         _require(shape.num_attention_heads % tp == 0 and shape.num_query_groups % tp == 0,
                  "--tensor-model-parallel-size", f"({tp}) must divide the attention heads "
@@ -890,7 +1006,7 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     parser = build_parser(entry)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
-    ns.sglang_extra_args = _split_sglang_extra(unknown)
+    ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser, ns.rollout_backend)
     validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)

@@ -58,7 +58,10 @@ REFUSED: dict[str, str] = {
     "--custom-convert-samples-to-train-data-path": _SAMPLES,
     "--custom-rollout-log-function-path": _LOGGING,
     "--custom-eval-rollout-log-function-path": _LOGGING,
-    "--custom-loss-function-path": "the loss is --loss-type policy_loss or sft_loss",
+    "--custom-loss-function-path": "upstream's custom loss gets Megatron's sharded logits and upstream's batch dict, "
+                                   "which this trainer does not build; use --loss-type policy_loss (shaped by "
+                                   "--advantage-estimator, --eps-clip*, --use-tis, --use-kl-loss, --entropy-coef) or "
+                                   "sft_loss, with your reward in --custom-rm-path",
     "--custom-pg-loss-reducer-function-path": "--calculate-per-token-loss chooses the token mean (else the sample mean)",
     "--custom-reward-post-process-path": "rewards are normalized by --advantage-estimator (--disable-grpo-std-normalization "
                                          "keeps their scale)",
@@ -124,6 +127,11 @@ REFUSED: dict[str, str] = {
     "--ci-load-grad-norm": _CI,
     "--ci-save-grad-norm": _CI,
     "--ci-train-rollout-logprob-abs-diff-threshold": _CI,
+    # engines
+    "--sglang-config": "upstream's engine-deployment YAML (server groups for prefill/decode disaggregation) is not "
+                       "supported: every engine is one SGLang server of --rollout-num-gpus-per-engine GPUs; give SGLang's "
+                       "own flags as --sglang-<flag>",
+    "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine is one SGLang server",
     # weight sync
     "--update-weight-transport": _WEIGHT_SYNC,
     "--update-weight-delta-checksum": _WEIGHT_SYNC,
@@ -189,9 +197,69 @@ REFUSED: dict[str, str] = {
 }
 
 
+_SHAPE = ("optional here: the model is built from --hf-checkpoint's config.json, and a flag that is given must agree "
+          "with it; upstream builds the model from these flags (Megatron-LM's defaults otherwise)")
+_WANDB = ("on, offline (metrics never leave the machine unless --wandb-mode online or --wandb-key / WANDB_API_KEY); "
+          "--no-use-wandb: metrics.jsonl only")
+
+# Upstream's defaults that differ here: flag -> (upstream's, here and why). A flag upstream has and this project takes
+# is either here or has upstream's default (checked by tests/test_upstream_defaults.py); docs/upstream-flags.md lists
+# these. Upstream's values come from its slime/utils/arguments.py at 624b824 and, for Megatron's flags, from
+# Megatron-LM's argument defaults (TransformerConfig for the dropouts).
+DEFAULTS_DIFFER: dict[str, tuple[str, str]] = {
+    "--actor-num-gpus-per-node": ("8", "1: one trainer process (one GPU) unless a script says how many"),
+    "--rollout-num-gpus": ("unset (every trainer GPU with --colocate)", "every trainer GPU with --colocate, as "
+                           "upstream; otherwise 1"),
+    "--train-backend": ("megatron (the only one)", "auto: megatron where megatron-core and GPUs are, else fsdp (CPU)"),
+    "--input-key": ("input", "prompt (the DAPO-Math-17k / AIME-2024 files' key; every upstream script passes it)"),
+    "--rollout-max-response-len": ("unset (SGLang's own max_new_tokens)", "1024: a partial rollout needs a budget"),
+    "--rollout-health-check-interval": ("30", "10 seconds (an engine that dies mid-step is named sooner)"),
+    "--log-probs-chunk-size": ("-1 (the whole micro-batch)", "0: auto-sized chunks, so that no [tokens, vocabulary] "
+                               "logits are held (same values)"),
+    "--global-batch-size": ("Megatron-LM's micro-batch x data-parallel size", "--rollout-batch-size x "
+                            "--n-samples-per-prompt: one optimizer step per rollout (upstream's scripts pass 256, "
+                            "= 32 x 8)"),
+    "--weight-decay": ("0.01 (Megatron-LM)", "0.0; upstream's RL scripts pass 0.1"),
+    "--adam-beta2": ("0.999 (Megatron-LM)", "0.98, what upstream's RL scripts pass"),
+    "--lr-decay-style": ("linear (Megatron-LM)", "constant, what upstream's RL scripts pass"),
+    "--attention-dropout": ("0.1 (Megatron-LM)", "the config.json's attention_dropout (0.0 for Qwen3); upstream's "
+                            "scripts pass 0.0"),
+    "--hidden-dropout": ("0.1 (Megatron-LM)", "0.0; upstream's scripts pass 0.0"),
+    "--attention-backend": ("auto (Megatron-LM picks Transformer Engine's kernels)", "auto: torch SDPA (flash kernels on "
+                            "GPUs); fused (Transformer Engine) is refused"),
+    "--transformer-impl": ("transformer_engine (Megatron-LM)", "auto: Transformer Engine where it imports on a CUDA "
+                           "machine, else megatron-core's local layers"),
+    "--rotary-scaling-factor": ("1.0 (Megatron-LM)", "unset: rope scaling is not supported (a value is refused)"),
+    "--make-vocab-size-divisible-by": ("128, the vocabulary padded to a multiple of 128 x TP", "128, padded to a "
+                                       "multiple of lcm(128, TP): one shape for every TP, so checkpoints reshard"),
+    "--num-layers": ("required", _SHAPE), "--hidden-size": ("required", _SHAPE),
+    "--ffn-hidden-size": ("required", _SHAPE), "--num-attention-heads": ("required", _SHAPE),
+    "--num-query-groups": ("the number of heads (Megatron-LM)", _SHAPE),
+    "--kv-channels": ("hidden / heads (Megatron-LM)", _SHAPE),
+    "--vocab-size": ("from the tokenizer", _SHAPE), "--max-position-embeddings": ("4096 (upstream's seq-length)", _SHAPE),
+    "--norm-epsilon": ("1e-5 (Megatron-LM)", _SHAPE), "--rotary-base": ("10000 (Megatron-LM)", _SHAPE),
+    "--normalization": ("LayerNorm (Megatron-LM)", _SHAPE),
+    "--position-embedding-type": ("learned_absolute (Megatron-LM)", _SHAPE),
+    "--swiglu": ("off", _SHAPE), "--group-query-attention": ("off", _SHAPE), "--qk-layernorm": ("off", _SHAPE),
+    "--add-qkv-bias": ("off", _SHAPE), "--disable-bias-linear": ("off", _SHAPE),
+    "--untie-embeddings-and-output-weights": ("off", _SHAPE), "--use-rotary-position-embeddings": ("off", _SHAPE),
+    "--use-wandb": ("off", _WANDB),
+    "--wandb-mode": ("unset (wandb's own: online when logged in)", "offline, or online with --wandb-key / "
+                     "WANDB_API_KEY"),
+    "--wandb-project": ("unset", "slime-april"),
+    "--update-weight-mode": ("full (with --update-weight-transport nccl)", "tensor with --colocate, else distributed: "
+                             "this project's values (tensor, distributed, disk); full / delta stop with the mapping"),
+    "--router-policy": ("cache_aware (sglang-router's)", "round_robin (its other name here: --sglang-router-policy)"),
+    "--sglang-router-request-timeout-secs": ("14400", "unset: sglang-router's own 1800 s (a request is bounded by "
+                                             "--rollout-request-timeout, 1800 s, on our side)"),
+    "--router-balance-abs-threshold": ("10", "sglang-router's own 64 (it matters for cache_aware only)"),
+    "--router-balance-rel-threshold": ("1.2", "sglang-router's own 1.5 (it matters for cache_aware only)"),
+}
+
+
 def refusal(flag: str) -> str | None:
     """What to use instead of upstream slime's `flag` (`--name` or `--name=value`), or None if it is not one."""
     return REFUSED.get(flag.split("=", 1)[0])
 
 
-__all__ = ["REFUSED", "refusal"]
+__all__ = ["DEFAULTS_DIFFER", "REFUSED", "refusal"]

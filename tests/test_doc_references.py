@@ -13,7 +13,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A repository-relative path: one of our top-level folders, then name characters; `{a,b}` and `*` are expanded.
 REFERENCE = re.compile(r"(?<![\w./-])((?:slime|docs|scripts|tools|benchmarks|tests|docker|\.ci)/[\w.*{},/-]*[\w*}])")
 # Paths that name upstream slime's files, not ours (the line says so where they appear).
-UPSTREAM = {"slime/utils/arguments.py", "docs/en/get_started/customization.md"}
+UPSTREAM = {"slime/utils/arguments.py", "docs/en/get_started/customization.md", "scripts/run-qwen3-4B.sh",
+            "slime/backends/sglang_utils/arguments.py"}
 DOCS = ("README.md", "docs/*.md", "benchmarks/*.md")
 SOURCES = ("*.py", "slime/**/*.py", "tools/*.py", "benchmarks/*.py", "tests/*.py", "scripts/**/*.sh",
            "benchmarks/*.sh", ".ci/run")

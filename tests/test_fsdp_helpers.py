@@ -40,7 +40,10 @@ def make_args(hf_dir: str, *extra_argv: str, **over):
         "--calculate-per-token-loss", "--update-weight-buffer-size", str(1 << 14),
         # eager kernels on a GPU too (auto compiles there): tests compare numbers, not kernels, and a compile
         # costs tens of seconds per process; the compiled paths have their own tests
-        "--compile-ops", "off", *extra_argv,
+        "--compile-ops", "off",
+        # fp32 on a GPU too (bf16 is the default there): tests compare numbers to 1e-5; a test that wants bf16
+        # passes --bf16 (the last one wins)
+        "--no-bf16", *extra_argv,
     ]
     args = parse_args(argv)
     return args.replace(**over) if over else args

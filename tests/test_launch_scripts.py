@@ -1,7 +1,8 @@
 """The GPU launch scripts: one launcher (scripts/partial_rollout/common.sh) and small experiment files. Each
 script's command line is built (python is shimmed to parse_args only, against a checkpoint directory holding
-the model's published config.json) and validated; the APRIL paper's configuration is checked value by
-value, and each variant differs from it only where it says."""
+the model's published config.json) and validated; the APRIL setting is checked value by value, against the APRIL
+repository's own script too (every resolved flag equal but the differences common.sh names), and each variant differs
+from it only where it says."""
 
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ def script_model(script: str) -> str:
     raise AssertionError(f"{script} sets no MODEL")
 
 
-def run_script(script: str, tmp_path, **env_extra) -> dict:
+def run_script(script: str, tmp_path, *argv: str, fields=FIELDS, **env_extra) -> dict:
     """The parsed flags of `script`'s train.py command line (python shimmed to parse_args and print them)."""
     shim = tmp_path / "bin"
     shim.mkdir(exist_ok=True)
     (shim / "python3").write_text(
         "#!/usr/bin/env bash\nshift\n"  # drop train.py
         f"exec {sys.executable} -c \"import json, sys; from slime.arguments import parse_args; "
-        f"a = parse_args(sys.argv[1:]); print(json.dumps({{k: getattr(a, k) for k in {list(FIELDS)!r}}}))\" \"$@\"\n")
+        f"a = parse_args(sys.argv[1:]); print(json.dumps({{k: vars(a)[k] for k in {list(fields)!r}}}))\" \"$@\"\n")
     (shim / "python3").chmod(0o755)
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
@@ -57,14 +58,15 @@ def run_script(script: str, tmp_path, **env_extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update({"PATH": f"{shim}:{os.environ['PATH']}", "MODEL_DIR": str(model), "DATA": str(data),
                 "EVAL": str(data), "SAVE": str(tmp_path / "ckpt"), "PYTHONPATH": REPO, **env_extra})
-    out = subprocess.run(["bash", os.path.join(REPO, script)], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["bash", os.path.join(REPO, script), *argv], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
 
-PAPER = {  # the APRIL paper's Qwen3-4B setting, colocated on 8 GPUs
+PAPER = {  # the APRIL repository's Qwen3-4B setting, colocated on 8 GPUs
     "colocate": True, "offload": True, "update_weight_mode": "tensor", "rollout_backend": "sglang",
-    "train_backend": "megatron", "actor_num_gpus_per_node": 8, "num_engines": 8, "rollout_num_gpus_per_engine": 1,
+    "train_backend": "megatron", "actor_num_gpus_per_node": 8, "num_engines": 4, "rollout_num_gpus_per_engine": 2,
     "input_key": "prompt", "label_key": "label", "rm_type": "deepscaler", "rollout_batch_size": 32,
     "n_samples_per_prompt": 8, "over_sampling_batch_size": 64, "partial_rollout": True,
     "rollout_max_response_len": 16384, "rollout_temperature": 0.8, "global_batch_size": 256,
@@ -93,12 +95,40 @@ def test_every_experiment_is_listed():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_command_line_validates(script, tmp_path):
-    a = run_script(script, tmp_path)
+    a = run_script(script, tmp_path, "--dry-run")  # resolved as on the GPUs (bf16 is their default)
     want = {**PAPER, **VARIANTS[script]}
     assert {k: a[k] for k in want} == want
     assert a["eval_datasets"] == [["aime", str(tmp_path / "dapo.jsonl")]]
     assert a["hf_checkpoint"] == str(tmp_path / "model") and a["save"] == a["load"] == str(tmp_path / "ckpt")
     assert a["wandb_group"] == os.path.basename(script)[len("run-"):-len(".sh")]
+
+
+# what common.sh says it does differently from the APRIL repository's script (and what only names a place)
+NAMED_DIFFERENCES = {"use_tis", "save_interval", "use_kl_loss", "kl_loss_type", "ref_load", "wandb_project",
+                     "wandb_group", "wandb_key", "wandb_mode", "rollout_backend", "hf_checkpoint", "prompt_data",
+                     "eval_prompt_data", "eval_datasets", "load", "save", "run_dir", "no_gradient_accumulation_fusion",
+                     "expert_tensor_parallel_size"}
+
+
+def test_the_april_script_and_ours_differ_only_where_common_sh_says(tmp_path):
+    from slime.arguments import parse_args
+    from test_upstream_compat import APRIL_SCRIPT
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIGS["qwen3-4B"]))
+    (tmp_path / "dapo.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    april = vars(parse_args(APRIL_SCRIPT.format(model=model, ckpt=tmp_path / "ckpt", data=tmp_path / "dapo.jsonl",
+                                                key="k" * 40).split() + ["--dry-run"]))
+    fields = sorted(k for k in april if k not in ("_frozen", "run_dir"))
+    ours = run_script("scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh", tmp_path, "--dry-run",
+                      fields=fields)
+    differ = {k for k in fields if ours[k] != (list(april[k]) if isinstance(april[k], tuple) else april[k])}
+    assert differ <= NAMED_DIFFERENCES, {k: (april[k], ours[k]) for k in differ - NAMED_DIFFERENCES}
+    text = open(os.path.join(REPO, "scripts/partial_rollout/common.sh")).read()
+    for named in ("--use-tis", "--save-interval 20", "no --use-kl-loss", "no --ref-load", "W&B names",
+                  "--no-gradient-accumulation-fusion", "parallel sizes of 1"):
+        assert named in text
 
 
 def test_wandb_goes_online_only_with_a_key_from_the_environment(tmp_path):
@@ -119,8 +149,11 @@ def test_missing_paths_are_named(tmp_path):
 
 def test_fsdp_backend_gets_no_megatron_flags(tmp_path):
     a = run_script("scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh", tmp_path, TRAIN_BACKEND="fsdp",
-                   ROLLOUT_TP="2")
-    assert (a["train_backend"], a["tensor_model_parallel_size"], a["num_engines"]) == ("fsdp", 1, 4)
+                   ROLLOUT_TP="1")
+    assert (a["train_backend"], a["tensor_model_parallel_size"], a["num_engines"]) == ("fsdp", 1, 8)
+    # bf16 where the trainer runs on GPUs, FSDP too (a dry run resolves the command line as on them)
+    assert run_script("scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh", tmp_path, "--dry-run",
+                      TRAIN_BACKEND="fsdp")["bf16"] is True
 
 
 @pytest.mark.parametrize("dockerfile", ["docker/Dockerfile", "docker/Dockerfile.rocm"])

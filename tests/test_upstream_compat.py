@@ -1,7 +1,8 @@
 """Upstream slime's plugins and flags, unchanged.
 
-- Every flag of upstream slime (THUDM/slime `slime/utils/arguments.py` at 624b824, 2026-08-21, and the APRIL
-  repository's, RLsys-Foundation/APRIL at a72b585) and every train.py flag their scripts pass is either taken
+- Every flag of upstream slime (THUDM/slime `slime/utils/arguments.py` and `slime/backends/sglang_utils/arguments.py`
+  at 624b824, 2026-08-21, and the APRIL repository's, RLsys-Foundation/APRIL at a72b585; sglang-router's
+  `--router-*` flags are tests/test_pass_through_flags.py's) and every train.py flag their scripts pass is either taken
   (slime/arguments.py) or refused with what to use instead (slime/upstream_flags.py), never "unrecognized".
 - The APRIL repository's own run script (scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh with
   scripts/models/qwen3-4B.sh) parses as it is.
@@ -95,6 +96,8 @@ UPSTREAM_FLAGS = """
 --use-stateless-adam --use-tensorboard --use-tis --use-unbiased-kl --use-wandb --v-head-dim --value-clip
 --vocab-size --wandb-always-use-train-step --wandb-dir --wandb-group --wandb-host --wandb-key --wandb-mode
 --wandb-project --wandb-run-id --wandb-team --weight-decay
+--prefill-num-servers --sglang-config --sglang-router-ip --sglang-router-port --sglang-router-request-timeout-secs
+--sglang-server-concurrency --router-policy --router-log-level
 """.split()
 
 
@@ -224,6 +227,9 @@ def run_train(d, name: str, *extra) -> list[dict]:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the effective precision, optimizer sharding and offload, in one line at start-up
+    assert "trainer fsdp: fp32 weights, compute and Adam state; optimizer state sharded over 1 rank(s) (FSDP2); " \
+           "trainer on its own devices (not colocated)" in open(out / "run" / "train.log").read()
     return [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
 
 

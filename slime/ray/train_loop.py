@@ -42,6 +42,7 @@ from slime.rollout.base_types import RolloutOutput
 from slime.rollout.data_source import DataError
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
+from slime.utils.gpu_plan import effective_settings
 from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
 from slime.utils.net import ListenHostError
@@ -95,6 +96,7 @@ class TrainingRun:
         self.args = args
         self.run_dir = resolve_run_dir(args)
         setup_logging(self.run_dir)
+        logger.info("%s", effective_settings(args))  # precision, optimizer sharding, offload
         ckpt, state = self._check_inputs()
         init_ray(listen_host=args.listen_host)
         self.metrics = MetricsLogger(args, self.run_dir)

@@ -150,3 +150,31 @@ def flag_mismatches(args, shape: ModelShape, where: str) -> list[str]:
     if args.position_embedding_type is not None and args.position_embedding_type != "rope":
         errors.append(f"--position-embedding-type {args.position_embedding_type}: {where} uses rope")
     return errors
+
+
+def shape_from_flags(args) -> ModelShape:
+    """The shape that Megatron's model-shape flags (a slime script's MODEL_ARGS) describe, for a dry run on a machine
+    without the model's config.json. Raises ModelShapeError naming the flags it still needs."""
+    needed = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+    missing = [n for n in needed if vars(args)[n] is None]
+    if missing:
+        raise ModelShapeError("the model-shape flags lack " + ", ".join("--" + n.replace("_", "-") for n in missing))
+    heads = args.num_attention_heads
+    return ModelShape(
+        model_type="from flags", vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=heads, num_query_groups=args.num_query_groups or heads,
+        kv_channels=args.kv_channels or args.hidden_size // heads, ffn_hidden_size=args.ffn_hidden_size,
+        norm_epsilon=args.norm_epsilon or 1e-6, rotary_base=args.rotary_base or 10000.0,
+        max_position_embeddings=args.max_position_embeddings or 0,
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights, qk_layernorm=bool(args.qk_layernorm),
+        add_qkv_bias=bool(args.add_qkv_bias), initializer_range=0.02, attention_dropout=0.0)
+
+
+def num_params(shape: ModelShape, vocab: int | None = None) -> int:
+    """Parameters of the decoder-only LM (`vocab`: the padded vocabulary, default the config's)."""
+    h, q, kv = shape.hidden_size, shape.num_attention_heads * shape.kv_channels, shape.num_query_groups * shape.kv_channels
+    layer = h * (q + 2 * kv) + q * h + 3 * h * shape.ffn_hidden_size + 2 * h
+    layer += (q + 2 * kv) if shape.add_qkv_bias else 0
+    layer += 2 * shape.kv_channels if shape.qk_layernorm else 0
+    embed = (vocab or shape.vocab_size) * h
+    return shape.num_layers * layer + h + embed * (1 if shape.tie_word_embeddings else 2)

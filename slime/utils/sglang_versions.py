@@ -33,6 +33,11 @@ CONTRACT_VERSION_PACKAGES = {
 }
 
 
+# SGLang pins transformers to one version per release (0.5.23: 5.19.0; 0.5.15.post1: 5.12.1): ours holds both ends,
+# so that installing this package into either SGLang's image keeps SGLang's own (tests/test_pins.py reads its pins).
+TRANSFORMERS_REQUIREMENT = "transformers>=5.12.1,<6"
+
+
 def version_key(version: str) -> tuple:
     """0.5.15.post1 -> (0, 5, 15, 1): releases, then their post-releases, compare in order."""
     m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?(?:(?:rc|a|b|\.dev)\d*)?(?:[+-].*)?", version.strip())

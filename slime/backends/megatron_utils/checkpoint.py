@@ -287,9 +287,9 @@ def load(trainer, path: str) -> None:
         raise ValueError(f"{path}: a checkpoint of the {meta.get('backend', 'fsdp')} backend; "
                          f"it cannot be resumed with --train-backend megatron")
     if bool(meta["distributed_optimizer"]) != bool(trainer.args.use_distributed_optimizer):
-        raise ValueError(f"{path}: saved {'with' if meta['distributed_optimizer'] else 'without'} "
-                         f"--use-distributed-optimizer; resume {'with' if meta['distributed_optimizer'] else 'without'} "
-                         "it too (the two optimizers store their state differently)")
+        flag = "--use-distributed-optimizer" if meta["distributed_optimizer"] else "--no-use-distributed-optimizer"
+        raise ValueError(f"{path}: saved with {flag}; resume with {flag} too (the two optimizers store their state "
+                         "differently; the distributed one is the default with --train-backend megatron)")
     check_dist_checkpoint(os.path.join(path, "torch_dist"))  # its .metadata is unpickled by torch: nothing else runs
     load_state(trainer, os.path.join(path, "torch_dist"))
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")

@@ -154,9 +154,14 @@ class EngineGroup(WeightUpdateMixin):
         ip, port = self.args.sglang_router_ip, self.args.sglang_router_port
         if ip and port:
             try:
-                return Router.attach(f"http://{ip}:{port}", timeout=5.0)
+                router = Router.attach(f"http://{ip}:{port}", timeout=5.0)
             except ServerLaunchError:
                 logger.info("no router answers at %s:%s; starting one there", ip, port)
+            else:
+                if self.args.router_extra_args:  # they would be silently ignored
+                    raise ServerLaunchError(f"a router already runs at {ip}:{port}, so the --router-* flags "
+                                            f"{' '.join(self.args.router_extra_args)} cannot reach it: it keeps its own")
+                return router
         router_port, prom_port = self._ports(2)
         return Router.start(self.args, port or router_port, prom_port, self.log_dir)
 

@@ -50,7 +50,7 @@ def build_router_command(args, host: str, port: int, prometheus_port: int) -> li
     timeout = args.sglang_router_request_timeout_secs
     if timeout:
         cmd += ["--request-timeout-secs", str(int(timeout))]
-    return cmd
+    return cmd + list(args.router_extra_args)  # upstream's --router-<flag> options, checked at parse time
 
 
 def _url_key(url: str) -> str:

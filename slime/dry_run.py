@@ -1,0 +1,139 @@
+"""`train.py ... --dry-run [h100|h200|mi300x]` (and train_async.py's): the whole GPU command line checked on any
+machine, before GPUs are spent. Nothing starts: no Ray, no engine, no trainer.
+
+By the time it runs, `parse_args` has validated every flag (with the --sglang-* / --router-* pass-through names
+checked against SGLang's and sglang-router's own flags) as on the GPU machines. The dry run adds what parsing does
+not: the model's config.json (or, where the model is not on this machine, the shape that MODEL_ARGS describe),
+each plugin's dotted path imported and its signature checked against upstream's contract, the SGLang and router
+command lines built as the launcher builds them, the effective trainer settings, the placement and an estimate of
+memory per GPU with a warning when it exceeds the card. Exit 0 when everything holds, 2 with the problems listed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+from slime.backends.sglang_utils.router import build_router_command
+from slime.backends.sglang_utils.sglang_engine import build_embedded_engine_command, build_sglang_server_command
+from slime.rollout.buffer import buffer_filter
+from slime.rollout.simulator.gpu_presets import GPUS
+from slime.utils.gpu_plan import effective_settings, memory_report, placement
+from slime.utils.misc import load_function
+from slime.utils.model_shape import ModelShapeError, read_shape, shape_from_flags
+
+# plugin flag -> (upstream's signature, positional argument counts it must take, whether it must be a coroutine
+# function: None when either is taken)
+PLUGINS = {
+    "rollout_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),
+    "eval_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),
+    "custom_generate_function_path": ("async (args, sample, sampling_params)", (3,), True),
+    "custom_rm_path": ("(args, sample), or (args, samples) with --group-rm", (2,), None),
+    "dynamic_sampling_filter_path": ("(args, samples)", (2,), None),
+    "buffer_filter_path": ("(args, rollout_id, buffer, num_samples)", (4, 3), None),
+}
+
+
+def _takes(fn, n: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*range(n))
+        return True
+    except TypeError:
+        return False
+
+
+def plugin_problems(args) -> list[str]:
+    """Each plugin's dotted path imported and its signature checked against upstream's contract."""
+    problems = []
+    for name, (contract, counts, is_async) in PLUGINS.items():
+        path = vars(args)[name]
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        try:
+            fn = load_function(path)
+            if name == "buffer_filter_path":
+                buffer_filter(path)  # the buffer's own loader: it refuses what it could not call
+        except Exception as e:  # noqa: BLE001 - an import error of any kind is the user's to see
+            problems.append(f"{flag} {path}: {type(e).__name__}: {e}")
+            continue
+        if not callable(fn):
+            problems.append(f"{flag} {path}: is a {type(fn).__name__}, not a function {contract}")
+        elif not any(_takes(fn, n) for n in counts):
+            problems.append(f"{flag} {path}: its signature {inspect.signature(fn)} does not take upstream's {contract}")
+        elif is_async and not inspect.iscoroutinefunction(fn):
+            problems.append(f"{flag} {path}: must be an async function {contract}")
+    if args.agent_env is not None:
+        from slime.utils.tool_calls import AgentEnv
+
+        try:
+            env = load_function(args.agent_env)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"--agent-env {args.agent_env}: {type(e).__name__}: {e}")
+        else:
+            if not isinstance(env, AgentEnv):
+                problems.append(f"--agent-env {args.agent_env}: is a {type(env).__name__}, not an AgentEnv")
+    return problems
+
+
+def missing_paths(args) -> list[str]:
+    """The paths of the command line that are not on this machine (they may be on the GPU machines)."""
+    wanted = [("--hf-checkpoint", args.hf_checkpoint, os.path.isdir), ("--prompt-data", args.prompt_data, os.path.isfile),
+              ("--ref-load", args.ref_load, os.path.isdir)]
+    if args.load != args.save:  # --load = --save: a first run starts fresh and creates it
+        wanted.append(("--load", args.load, os.path.isdir))
+    wanted += [(f"--eval-prompt-data {name}", path, os.path.isfile) for name, path in args.eval_datasets]
+    return [f"{flag} {path}" for flag, path, exists in wanted if path is not None and not exists(path)]
+
+
+def model_shape(args):
+    """(shape, where it came from), or (None, why not)."""
+    if os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
+        shape = read_shape(args.hf_checkpoint)  # parse_args has checked it and the shape flags against it
+        return shape, f"{args.hf_checkpoint}/config.json ({shape.model_type}); the model-shape flags agree with it"
+    try:
+        return shape_from_flags(args), ("the model-shape flags (MODEL_ARGS): --hf-checkpoint is not on this machine, "
+                                        "so they are not checked against its config.json here")
+    except ModelShapeError as e:
+        return None, f"--hf-checkpoint is not on this machine and {e}: no memory estimate"
+
+
+def dry_run(entry: str, args, out=None) -> int:
+    say = lambda line="": print(line, file=out or sys.stdout)  # noqa: E731
+    problems = plugin_problems(args)
+    card = GPUS[args.dry_run]
+    say(f"{entry} --dry-run: the command line parses and validates for {card.name} GPUs")
+    say("  " + effective_settings(args))
+    missing = missing_paths(args)
+    for line in missing:
+        say(f"  not on this machine (checked again when the run starts): {line}")
+    shape, source = model_shape(args)
+    say(f"  model: {source}")
+    say("placement (bundle order; colocated: every GPU holds a trainer rank and a share of an engine):"
+        if args.colocate else "placement (bundle order):")
+    for line in placement(args):
+        say("  " + line)
+    try:
+        engine = (build_embedded_engine_command(args, 0, 0) if args.rollout_backend == "embedded"
+                  else build_sglang_server_command(args, 0, 0, 0, 0))
+        say("engine 0: " + " ".join(engine[1:]))
+        say("router: " + " ".join(build_router_command(args, "127.0.0.1", 0, 0)[1:]))
+    except ValueError as e:
+        problems.append(str(e))
+    fits = True
+    if shape is not None:
+        try:
+            lines, fits = memory_report(args, shape, card.name, card.memory_bytes)
+        except ValueError as e:
+            problems.append(str(e))
+        else:
+            for line in lines:
+                say(line)
+    if not fits:
+        say(f"WARNING: the fullest GPU would need more than the {card.name}'s memory: lower "
+            "--sglang-mem-fraction-static or --max-tokens-per-gpu, add --recompute-granularity full, raise "
+            "--tensor-model-parallel-size, keep the default offload / distributed optimizer / bf16")
+    for p in problems:
+        say(f"error: {p}")
+    return 2 if problems else 0

@@ -351,11 +351,12 @@ class Scheduler:
         t0 += self.batch.graphs.last_capture_s  # capturing a CUDA graph is not the step's cost
         self.num_steps += 1
         done: list[Request] = []
-        t_issued = time.perf_counter()
+        t_issued = t_back = time.perf_counter()
         if samplers:
             tok_dev, lp_dev = sample_tokens(logits, sampling)
             t_issued = time.perf_counter()
             tokens, lps = to_host(tok_dev, lp_dev)
+            t_back = time.perf_counter()
             record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])
@@ -374,6 +375,7 @@ class Scheduler:
         if prefill_tokens:
             st.prefill_s += t1 - t0
             st.prefill_cpu_s += c1 - c0
+            st.prefill_tail_s += t1 - t_back
             st.prefills += 1
             st.prefill_decode_rows += decoded
             st.prefill_decode_ctx_tokens += self._decode_ctx
@@ -389,6 +391,7 @@ class Scheduler:
             st.decode_s += t1 - t0
             st.decode_cpu_s += c1 - c0
             st.decode_launch_s += t_issued - t0
+            st.decode_tail_s += t1 - t_back
             st.decode_steps += 1
             st.decode_rows += decoded
             st.decode_ctx_tokens += self._decode_ctx

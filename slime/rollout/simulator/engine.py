@@ -455,8 +455,7 @@ class SimEngine:
             room = (c.kv_capacity_tokens - self.tokens_now - b) // b
             m = min(m, max(1, room))
         m = max(1, m)
-        alpha = c.decode_step_s(b, self.tokens_now, *self._decode_read(b))
-        beta = (c.decode_per_token_s + c.decode_per_padded_s) * b
+        alpha, beta = c.decode_jump(b, self.tokens_now, *self._decode_read(b))  # a step's cost and its growth
         self.jump = (t, alpha, beta, m, 0)
         self._schedule(t + self._jump_time(alpha, beta, m))
 

@@ -98,7 +98,7 @@ def test_step_split_prints_each_steps_time_and_memory(tmp_path):
             {"step": 1, "perf/step_time_s": 5.0, "perf/rollout_s": 3.0, "perf/train_s": 1.0, "perf/weight_push_s": 0.5}]
     split = step_split(rows)
     assert [r["step"] for r in split] == [0, 1]
-    assert split[0]["other_s"] == pytest.approx(10.0 - (6 + 0.2 + 0.5 + 2 + 0.4 + 0.6 + 0.1))  # ipc is inside push
+    assert split[0]["other_s"] == pytest.approx(10.0 - (6 + 0.2 + 0.5 + 2 + 0.4 + 0.6 + 0.1))  # the updater is inside push
     assert split[1]["release_s"] is None and split[1]["other_s"] == pytest.approx(0.5)  # not colocated
     run = tmp_path / "run"
     run.mkdir()

@@ -3,11 +3,12 @@
     python tools/step_split.py RUN_DIR [--json OUT.json]
 
 Per step (the keys of docs/metrics.md): the rollout, the engines' release, the trainer's onload, training, the
-weight push (and, of it, the updater's own time: by CUDA IPC handles with --update-weight-mode tensor), the
+weight push (and, of it, the updater's own time, "updater": CUDA IPC handles with --update-weight-mode tensor), the
 trainer's offload, the engines' resume, the rest of the step (eval, logging, checkpoints) and the whole step;
 then the memory handed back each way: what the engines released and took back (their own count), what the
 trainer offloaded and onloaded, and on a GPU what the device's free memory gained from each. A run that was not
-colocated has no hand-overs (those columns read "-").
+colocated has no hand-overs (those columns read "-"); for train_async.py, whose rollout runs beside the trainer,
+"rollout" is the time the trainer waited for its batch.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ import json
 import os
 import sys
 
-TIME_COLUMNS = (  # (column, metric)
-    ("rollout", "perf/rollout_s"), ("release", "colocate/engine_release_s"), ("onload", "colocate/trainer_onload_s"),
-    ("train", "perf/train_s"), ("push", "perf/weight_push_s"), ("ipc", "weight_sync/weight_sync_time_s"),
+TIME_COLUMNS = (  # (column, metric or metrics: the first the run logged; train_async.py logs the later ones)
+    ("rollout", ("perf/rollout_s", "rollout/wait_s")), ("release", "colocate/engine_release_s"),
+    ("onload", "colocate/trainer_onload_s"), ("train", ("perf/train_s", "train/train_time_s")),
+    ("push", ("perf/weight_push_s", "weight_sync/weight_sync_time_s")), ("updater", "weight_sync/weight_sync_time_s"),
     ("offload", "colocate/trainer_offload_s"), ("resume", "colocate/engine_resume_s"), ("step", "perf/step_time_s"))
 MEMORY_COLUMNS = (
     ("engine_released", "colocate/engine_release_bytes"), ("engine_resumed", "colocate/engine_resume_bytes"),
     ("engine_device_freed", "colocate/engine_device_freed_bytes"),
     ("trainer_offloaded", "colocate/trainer_offload_bytes"), ("trainer_onloaded", "colocate/trainer_onload_bytes"),
     ("trainer_device_freed", "colocate/trainer_device_freed_bytes"), ("pushed", "weight_sync/weight_sync_bytes"))
-PARTS = ("rollout", "release", "onload", "train", "push", "offload", "resume")  # "ipc" is inside "push"
+PARTS = ("rollout", "release", "onload", "train", "push", "offload", "resume")  # "updater" is inside "push"
 
 
 def step_split(records: list[dict]) -> list[dict]:
@@ -37,8 +39,8 @@ def step_split(records: list[dict]) -> list[dict]:
         if r.get("step", -1) < 0 or "perf/step_time_s" not in r:
             continue
         row = {"step": r["step"]}
-        for col, key in TIME_COLUMNS:
-            row[f"{col}_s"] = r.get(key)
+        for col, keys in TIME_COLUMNS:
+            row[f"{col}_s"] = next((r[k] for k in ((keys,) if isinstance(keys, str) else keys) if k in r), None)
         for col, key in MEMORY_COLUMNS:
             row[f"{col}_bytes"] = r.get(key)
         row["other_s"] = row["step_s"] - sum(row[f"{p}_s"] or 0.0 for p in PARTS)

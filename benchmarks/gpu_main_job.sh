@@ -19,7 +19,7 @@
 #      the CUDA IPC weight push and the memory handed back each way (tools/step_split.py), then the ledger audit of
 #      its checkpoint (tools/audit_ledger.py);
 #   T2 train_async.py --rollout-mode stream, disaggregated on the same GPU: a Ray node without GPU resources (both
-#      actors see the device and stay resident), weights by disk (NCCL pairs no two ranks on one GPU);
+#      actors see the device and stay resident), weights by disk (NCCL pairs no two ranks on one GPU), 4 steps;
 # then a summary, and acceptance_PART.json in $OUT. Every stage has its own time cap; one that fails or runs out of time
 # is reported and the next one runs.
 #
@@ -78,19 +78,19 @@ if ((DRY)); then
                 --rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --limit-seconds 2 --calibration-seconds 6
                 --report-seconds 5 --time-budget 40)
   ROLLOUT_CAP=200
-  CAP=128; TASK_ARGS=(--model quickstart --rows 512 --median 48 --cap $CAP); STEPS=${STEPS:-3}
+  CAP=128; TASK_ARGS=(--model quickstart --rows 512 --median 48 --cap $CAP); STEPS=${STEPS:-3}; STREAM_STEPS=$STEPS
   JOB_ARGS=(--rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --micro-batch-size 8)
   OVER_SAMPLING=8; JOB_CAP=300; STREAM_CAP=300
 else
   MODEL=qwen3-0.5b; GRAPHS=auto
-  STEP_ARGS=(--rows 1 8 64 128 --context 512 --seconds 1 --warmup 0.3 --windows 3); STEP_CAP=75
+  STEP_ARGS=(--rows 1 8 64 128 --context 512 --seconds 1 --warmup 0.3 --windows 3); STEP_CAP=60
   ROLLOUT_ARGS=(--model-preset qwen3-0.5b --cap 128 --scale 4 --concurrencies 128 --c-star 128 --rounds 3
                 --min-rounds 1 --min-seconds 3 --min-steps 1 --limit-seconds 2 --calibration-new-tokens 32
-                --calibration-seconds 12 --report-seconds 8 --time-budget 85)
-  ROLLOUT_CAP=220
-  CAP=512; TASK_ARGS=(--model qwen3-0.5b --rows 4096 --median 192 --cap $CAP); STEPS=${STEPS:-8}
+                --calibration-seconds 12 --report-seconds 8 --time-budget 80)
+  ROLLOUT_CAP=200
+  CAP=512; TASK_ARGS=(--model qwen3-0.5b --rows 4096 --median 192 --cap $CAP); STEPS=${STEPS:-8}; STREAM_STEPS=4
   JOB_ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 8)
-  OVER_SAMPLING=16; JOB_CAP=200; STREAM_CAP=130
+  OVER_SAMPLING=16; JOB_CAP=170; STREAM_CAP=120
 fi
 
 # ---- wheels and imports -------------------------------------------------------------------------------------------
@@ -155,23 +155,24 @@ fi
 if [[ $PART != engine ]]; then
   stage "T1. the main job: train.py colocated, $MODEL, $STEPS steps"
   TASK="$WORK/task"
-  $PY benchmarks/main_job_task.py --out "$TASK" "${TASK_ARGS[@]}" 2>&1 | grep -v "Writing model shards" | tail -n 1 \
-    | tee "$OUT/task.json"
-  TASK_MODEL="$TASK/$MODEL"
+  $PY benchmarks/main_job_task.py --out "$TASK" --model-cache "$MODELS" "${TASK_ARGS[@]}" 2>&1 \
+    | grep -v "Writing model shards" | tail -n 1 | tee "$OUT/task.json"
+  TASK_MODEL="$MODELS/$MODEL"
   COMMON=(--hf-checkpoint "$TASK_MODEL" --prompt-data "$TASK/train.jsonl" --input-key prompt --label-key label
-          --apply-chat-template --rm-type subtract_chain --num-rollout "$STEPS" --rollout-max-response-len
+          --apply-chat-template --rm-type subtract_chain --rollout-max-response-len
           "$CAP" --rollout-ignore-eos --rollout-temperature 1.0 --advantage-estimator grpo --use-tis
           --lr 1e-6 --train-backend megatron --bf16 --rollout-backend embedded --partial-rollout --no-use-wandb
           "${JOB_ARGS[@]}")  # (no wandb on the GPU box: metrics.jsonl only)
   JOB="$WORK/main_job"; rm -rf "$JOB"
-  run_capped T1_main_job "$JOB_CAP" $PY train.py "${COMMON[@]}" --over-sampling-batch-size "$OVER_SAMPLING" \
+  run_capped T1_main_job "$JOB_CAP" $PY train.py "${COMMON[@]}" --num-rollout "$STEPS" \
+    --over-sampling-batch-size "$OVER_SAMPLING" \
     --colocate --offload --update-weight-mode tensor \
     --save "$JOB/ckpt" --save-interval "$STEPS" --run-dir "$JOB"
   $PY tools/step_split.py "$JOB" --json "$OUT/main_job_split.json" | tee "$OUT/main_job_split.txt"
   $PY tools/audit_ledger.py "$JOB/ckpt" 2>&1 | tee "$OUT/main_job_audit.txt"
   cp "$JOB/metrics.jsonl" "$OUT/main_job_metrics.jsonl" 2>/dev/null
 
-  stage "T2. train_async.py --rollout-mode stream, disaggregated on the same device"
+  stage "T2. train_async.py --rollout-mode stream, disaggregated on the same device, $STREAM_STEPS steps"
   RAY_TMP=$(mktemp -d /tmp/gmj_ray.XXXX)  # short: Ray's socket paths must fit
   RAY_PORT=$($PY -c "from slime.backends.hf_engine.local_server import free_port; print(free_port())")
   # a node with no GPU resource: Ray leaves CUDA_VISIBLE_DEVICES alone, so trainer and engine both see the device
@@ -182,8 +183,8 @@ if [[ $PART != engine ]]; then
   STREAM="$WORK/stream"; rm -rf "$STREAM"
   for _ in $(seq 60); do grep -q "will now block" "$OUT/T2_ray_head.log" 2>/dev/null && break; sleep 1; done
   run_capped T2_stream "$STREAM_CAP" env RAY_ADDRESS=127.0.0.1:$RAY_PORT RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 \
-    $PY train_async.py "${COMMON[@]}" --rollout-mode stream --update-weight-mode disk --save "$STREAM/ckpt" \
-    --save-interval "$STEPS" --run-dir "$STREAM"
+    $PY train_async.py "${COMMON[@]}" --num-rollout "$STREAM_STEPS" --rollout-mode stream --update-weight-mode disk \
+    --save "$STREAM/ckpt" --save-interval "$STREAM_STEPS" --run-dir "$STREAM"
   kill "$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null
   rm -rf "$RAY_TMP"
   $PY tools/step_split.py "$STREAM" --json "$OUT/stream_split.json" | tee "$OUT/stream_split.txt"
@@ -192,7 +193,8 @@ fi
 
 # ---- summary ----------------------------------------------------------------------------------------------------
 stage "summary"
-$PY benchmarks/gpu_main_job_summary.py "$OUT" --part "$PART" --steps "$STEPS" $( ((DRY)) && echo --cpu-dry-run)
+$PY benchmarks/gpu_main_job_summary.py "$OUT" --part "$PART" --steps "$STEPS" --stream-steps "$STREAM_STEPS" \
+  $( ((DRY)) && echo --cpu-dry-run)
 rc=$?  # 1: a check failed (acceptance_PART.json says which)
 echo "gpu_main_job (part $PART$( ((DRY)) && echo ', CPU dry run')) done in $((SECONDS - START))s; files in $OUT"
 exit $rc

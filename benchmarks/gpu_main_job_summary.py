@@ -1,6 +1,6 @@
 """benchmarks/gpu_main_job.sh's summary: what each stage measured, and the issue's acceptance checks.
 
-    python benchmarks/gpu_main_job_summary.py OUT_DIR --part engine|train --steps N [--cpu-dry-run]
+    python benchmarks/gpu_main_job_summary.py OUT_DIR --part engine|train --steps N --stream-steps M [--cpu-dry-run]
 
 Reads the part's files in OUT_DIR, prints one block per stage and writes OUT_DIR/acceptance_PART.json:
 {check: bool}.
@@ -71,11 +71,12 @@ def engine_part(out: str, dry: bool, ok: dict) -> None:
     ok["E2: rollout benchmark ran on both workloads"] = {r["workload"] for r in rows} == {"pareto", "lognormal"}
 
 
-def train_part(out: str, steps: int, ok: dict) -> None:
+def train_part(out: str, steps: int, stream_steps: int, ok: dict) -> None:
     task = read(out, "task.json").strip()
     if task:
         print(f"main job task: {json.loads(task)['workload']}")
-    for name, label in (("main_job", "T1 main job (colocated)"), ("stream", "T2 stream (disaggregated)")):
+    for name, label, steps in (("main_job", "T1 main job (colocated)", steps),
+                               ("stream", "T2 stream (disaggregated)", stream_steps)):
         split = load(out, f"{name}_split.json") or []
         audit = read(out, f"{name}_audit.txt")
         print(f"{label}: {len(split)} steps logged; " + (audit.strip().splitlines() or ["no audit"])[-1])
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--part", choices=["engine", "train"], required=True)
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--stream-steps", type=int, required=True)
     p.add_argument("--cpu-dry-run", action="store_true")
     opts = p.parse_args(argv)
     ok: dict[str, bool] = {}
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     if opts.part == "engine":
         engine_part(opts.out, opts.cpu_dry_run, ok)
     else:
-        train_part(opts.out, opts.steps, ok)
+        train_part(opts.out, opts.steps, opts.stream_steps, ok)
     print("acceptance" + (" (CPU dry run: the stages ran; speeds are the GPU's to judge)" if opts.cpu_dry_run else "")
           + ": " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in ok.items()))
     with open(os.path.join(opts.out, f"acceptance_{opts.part}.json"), "w") as f:

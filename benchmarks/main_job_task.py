@@ -1,10 +1,10 @@
 """The GPU main job's task: a model preset and prompts whose response budgets have the APRIL paper's shape.
 
-    python benchmarks/main_job_task.py --out DIR [--model qwen3-0.5b | quickstart] [--rows 4096]
+    python benchmarks/main_job_task.py --out DIR [--model qwen3-0.5b | quickstart] [--model-cache DIR2] [--rows 4096]
         [--median 192] [--sigma 0.8] [--cap 512]
 
-Writes DIR/<model>/ (`slime.utils.tiny_model.build_preset`: random weights, reused when already built) and
-DIR/train.jsonl: subtract_chain problems (rows {"prompt", "label", "metadata"}), each with
+Writes the model preset into --model-cache (default DIR) as <model>/ (`slime.utils.tiny_model.build_preset`: random
+weights, reused when already built there) and DIR/train.jsonl: subtract_chain problems (rows {"prompt", "label", "metadata"}), each with
 `metadata.max_response_len` drawn from the log-normal that `tools/simulate_rollout.py paper` assumes for
 DAPO-Math-17k on Qwen3-4B (median 6,000 tokens, sigma 0.8, cap 16,384), scaled down to `--median` / `--cap`
 (the cap / median ratio kept near the paper's 2.7). A prompt's samples share its budget (a hard prompt is long
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="qwen3-0.5b", choices=["qwen3-0.5b", "quickstart"])
+    p.add_argument("--model-cache", default=None, help="build the model here, or reuse it from here (default: --out)")
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--median", type=float, default=192.0, help="median response budget (tokens)")
     p.add_argument("--sigma", type=float, default=0.8)
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     if opts.median <= 0 or opts.cap < 1 or opts.median > opts.cap:
         p.error(f"--median {opts.median} and --cap {opts.cap}: need 0 < median <= cap")
     os.makedirs(opts.out, exist_ok=True)
-    model_dir = build_preset(opts.model, opts.out, build_tokenizer(VOCAB))
+    model_dir = build_preset(opts.model, opts.model_cache or opts.out, build_tokenizer(VOCAB))
     data = os.path.join(opts.out, "train.jsonl")
     write_dataset(data, opts.rows, seed=opts.seed)
     lengths = LogNormalLengths(opts.median, opts.sigma, opts.cap)

@@ -13,7 +13,8 @@ import torch
 
 from hf_engine_reference import greedy_reference
 from slime.backends.hf_engine.batch import PagedBatch
-from slime.backends.hf_engine.decode_graphs import GraphModeError, block_bucket, resolve_mode, row_bucket
+from slime.backends.hf_engine.buckets import graph_blocks as block_bucket, graph_rows as row_bucket
+from slime.backends.hf_engine.decode_graphs import GraphModeError, resolve_mode
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.backends.hf_engine.scheduler import Request, Scheduler
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer

@@ -112,3 +112,17 @@ def test_a_cpu_calibration_fits_host_terms_from_the_embedded_engines_counters(tm
             device = sum(getattr(cost, k) * v for k, v in zip(DECODE_TERMS, x))
             errors.append(cost._host_on_sums(device, x[0], x[1], x[4]) / (device_s + tail_s) - 1)
     assert sorted(abs(e) for e in errors)[len(errors) // 2] < 0.25, errors
+
+
+def test_graph_decode_steps_are_priced_at_their_padded_shape():
+    """With CUDA graphs (calibrated from an engine that runs them) a decode-only step gathers its padded shape: rows
+    to the next graph bucket, key blocks to the next power of two, one bucket; larger steps and steps with prefill
+    tokens keep the eager bucket rule."""
+    from slime.backends.hf_engine.buckets import decode_shape
+
+    c = EngineCostModel(decode_base_s=1e-3, paged_block_size=32, graph_max_rows=128)
+    positions = [40, 100, 700]  # 3 rows -> 4; the longest reads 22 blocks -> 32
+    assert c.decode_read(positions) == (4 * 32 * 32, 0)
+    eager = decode_shape(positions, 32, c.bucket_min_saving)
+    assert c.decode_read(positions, graph=False) == (eager[0], eager[1] - 1)
+    assert c.replace(graph_max_rows=2).decode_read(positions)[0] == eager[0]  # beyond the graphs' rows: eager

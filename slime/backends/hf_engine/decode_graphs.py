@@ -5,8 +5,9 @@ Python cost more host time than the device needs to run them (the 0.5B preset on
 per layer, so 1 row was no cheaper than 128). A CUDA graph captures the step's forward once per shape and
 replays it with one launch.
 
-A graph replays fixed shapes and addresses, so a step is padded to a bucket:
-- rows up to the next of `ROW_BUCKETS` (at most `max_rows`); a padding row feeds token 0 at position 0 into
+A graph replays fixed shapes and addresses, so a step is padded to a bucket (`buckets.graph_rows` / `graph_blocks`,
+which the simulator replays too):
+- rows up to the next of `GRAPH_ROW_BUCKETS` (at most `max_rows`); a padding row feeds token 0 at position 0 into
   slot 0 (block 0, which the pool never hands out: it only ever holds finite values, so the masked positions
   that read it stay finite) and attends that one position; its logits are dropped;
 - key blocks per row up to the next power of two: one attention bucket over every row, masked per row (a
@@ -27,12 +28,12 @@ import time
 
 import torch
 
+from slime.backends.hf_engine.buckets import graph_blocks, graph_rows
 from slime.backends.hf_engine.paged_attention import Bucket, StepPlan
 
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "static", "capture")
-ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS picks its kernels and workspace there)
 
 
@@ -50,18 +51,6 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         raise GraphModeError(f"--cuda-graph-mode capture needs a CUDA device; the engine runs on {device} "
                              f"(static runs the same padded step without capture)")
     return mode
-
-
-def row_bucket(rows: int, max_rows: int) -> int | None:
-    """The padded row count for `rows` decoding rows (None beyond `max_rows`: the step then runs eagerly)."""
-    if rows > max_rows:
-        return None
-    return next((b for b in ROW_BUCKETS if rows <= b <= max_rows), max_rows)
-
-
-def block_bucket(blocks: int) -> int:
-    """Key blocks per row, padded to the next power of two."""
-    return 1 << max(0, blocks - 1).bit_length()
 
 
 class _Shape:
@@ -125,7 +114,7 @@ class DecodeGraphs:
             self.drop()
             self._generation = self.pool.generation
         n, bs = len(segments), self.pool.block_size
-        key = (row_bucket(n, self.max_rows), block_bucket(max(positions) // bs + 1))
+        key = (graph_rows(n, self.max_rows), graph_blocks(max(positions) // bs + 1))
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = _Shape(*key, self.device)

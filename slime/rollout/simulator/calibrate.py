@@ -324,6 +324,9 @@ class Calibrator:
             paged_block_size=int(info.get("page_size") or 0) if embedded and mixed else 0,
             # the engine's bucket rule as it runs it (its default differs on a GPU)
             bucket_min_saving=int(info.get("bucket_min_saving") or BUCKET_MIN_SAVING),
+            # decode-only steps padded to CUDA graphs' shapes (on a GPU by default; "static" pads the same way)
+            graph_max_rows=int(info.get("cuda_graph_max_bs") or 0)
+            if embedded and mixed and info.get("cuda_graph_mode") in ("capture", "static") else 0,
             pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "

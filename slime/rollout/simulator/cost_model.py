@@ -9,7 +9,8 @@ One `EngineCostModel` describes one engine (one tensor-parallel group):
   K the attention buckets: with `paged_block_size` (our embedded engine) the rows are grouped into
   buckets padded to their longest, in blocks, by the engine's own rule (`hf_engine/buckets.py`), and
   each bucket beyond the first costs its few small ops; without, one bucket padded to the longest row
-  W (P = B * W);
+  W (P = B * W); with `graph_max_rows` (the embedded engine's CUDA-graph decode steps) a decode-only step of up
+  to that many rows gathers its padded shape instead, in one bucket;
 - the host's part of a step (`host_fit.py`): issuing it costs `host_step_s + host_per_row_s * R +
   host_per_bucket_s * (K - 1)` (R rows: decoded rows and prefill chunks), which overlaps the device's work,
   and once its tokens are back `host_tail_s + host_tail_per_row_s * R` more, which nothing overlaps: a step
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_shape
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_shape, graph_blocks, graph_rows
 
 DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s", "decode_per_bucket_s")
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s", "prefill_per_chunk_s")
@@ -109,6 +110,7 @@ class EngineCostModel:
     chunked_prefill_size: int = -1  # "mixed": prompt tokens of one row per step (-1: max_prefill_tokens)
     paged_block_size: int = 0  # > 0: decode rows read whole KV blocks of this size, bucketed as the embedded engine does
     bucket_min_saving: int = BUCKET_MIN_SAVING  # the embedded engine's bucket rule (key positions a new bucket must save)
+    graph_max_rows: int = 0  # > 0: decode-only steps of up to this many rows replay CUDA graphs, padded (decode_graphs.py)
     name: str = "custom"
     source: str = ""  # where the numbers come from (calibration command, datasheets)
     extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
@@ -154,11 +156,15 @@ class EngineCostModel:
         growth = 0.0 if issue > device else (self.decode_per_token_s + self.decode_per_padded_s) * batch
         return self.with_host(device, batch, extra_buckets), growth
 
-    def decode_read(self, positions: list[int]) -> tuple[int, int]:
+    def decode_read(self, positions: list[int], graph: bool = True) -> tuple[int, int]:
         """(key positions gathered, buckets beyond the first) of a decode step whose rows feed their next token at
-        `positions`: the paged engine's buckets, or one bucket padded to the longest row."""
+        `positions`: the paged engine's buckets (a decode-only step, `graph`, within `graph_max_rows`: its CUDA
+        graph's padded shape), or one bucket padded to the longest row."""
         if not positions:
             return 0, 0
+        if graph and self.paged_block_size > 0 and len(positions) <= self.graph_max_rows:  # one padded graph bucket
+            bs = self.paged_block_size
+            return graph_rows(len(positions), self.graph_max_rows) * graph_blocks(max(positions) // bs + 1) * bs, 0
         if self.paged_block_size > 0:
             padded, buckets = decode_shape(positions, self.paged_block_size, self.bucket_min_saving)
             return padded, buckets - 1

@@ -54,6 +54,7 @@ def engine_part(out: str, dry: bool, ok: dict) -> None:
               f"{len(eager['greedy_batch_tokens'])} prompts sent together unchanged")
         ok["E1: greedy tokens unchanged with graphs"] = same and same_batch == len(eager["greedy_batch_tokens"])
         if not dry:
+            ok["E1: decode steps replayed CUDA graphs"] = graphs.get("cuda_graph_mode") == "capture"
             ok[f"E1: graphs' step at {rows[0]} row <= at {rows[-1]} rows"] = (
                 graphs["step_ms"][rows[0]] <= graphs["step_ms"][rows[-1]])
     wl = load(out, "rollout_workloads.json")

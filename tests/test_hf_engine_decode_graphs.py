@@ -140,3 +140,29 @@ def test_scheduler_greedy_tokens_are_the_same_with_the_static_graph_path(model_d
     # the counters see the padded shape: one bucket per graph step, padded rows x blocks gathered
     assert s.stats.decode_buckets == s.stats.decode_steps
     assert s.stats.decode_padded >= s.stats.decode_ctx_tokens
+
+
+@torch.no_grad()
+def test_a_step_whose_capture_fails_runs_eagerly_and_so_do_the_later_ones(model_dir, ref, monkeypatch, caplog):
+    """An op a CUDA graph capture refuses does not fail the step: it runs eagerly, as every later one, and the
+    failure is logged and served (/get_server_info's cuda_graph_mode)."""
+    from slime.backends.hf_engine import decode_graphs
+
+    batch = PagedBatch(load(model_dir)[0], block_size=4, max_tokens=1024, max_rows=8, decode_graphs="static")
+    batch.graphs.mode = "capture"  # as on a GPU; the capture itself fails here
+
+    def refuse(self, shape):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "_capture", refuse)
+    seq = [1, 5, 6, 7, 8, 9]
+    row = batch.add_row()
+    batch.forward([(row, seq[:-1], False)])
+    with caplog.at_level("ERROR"):
+        logits = batch.forward([(row, seq[-1:], True)])
+    torch.testing.assert_close(logits[0], ref(torch.tensor([seq])).logits[0, -1], atol=ATOL, rtol=0)
+    assert batch.graphs.mode == "off" and "capture failed" in batch.graphs.describe() and "capture failed" in caplog.text
+    seq.append(3)
+    logits = batch.forward([(row, seq[-1:], True)])
+    torch.testing.assert_close(logits[0], ref(torch.tensor([seq])).logits[0, -1], atol=ATOL, rtol=0)
+    assert batch.graphs.steps == 0

@@ -61,8 +61,8 @@ class PagedBatch:
         self.reclaim: Callable[[int], None] | None = None
         self.last_plan: StepPlan | None = None  # the last step's buckets (for stats and tests)
         # decode-only steps replayed from CUDA graphs ("capture"), or padded the same way without them ("static")
-        self.graphs = DecodeGraphs(model, self.pool, resolve_mode(decode_graphs, self.device), graph_max_rows, kernel, prefill_attention,
-                                   self._step_mask)
+        self.graphs = DecodeGraphs(model, self.pool, resolve_mode(decode_graphs, self.device), graph_max_rows, kernel,
+                                   prefill_attention, self._step_mask)
         self._layers = int(model.config.num_hidden_layers)
 
     # ---- rows --------------------------------------------------------------------------
@@ -127,10 +127,11 @@ class PagedBatch:
             positions = [p0 for _, p0, _ in shapes]
             slots = [self._blocks[row][p // bs] * bs + p % bs for (row, _, _), p in zip(segments, positions)]
             logits = self.graphs.forward(segments, positions, slots, self.tables)
-            self.last_plan = self.graphs.last_plan
-            for row, _, _ in segments:
-                self._cached[row] += 1
-            return logits
+            if logits is not None:  # (None: the capture failed; this step and every later one run eagerly)
+                self.last_plan = self.graphs.last_plan
+                for row, _, _ in segments:
+                    self._cached[row] += 1
+                return logits
         buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving,
                                merge_prefill=self.prefill_attention == "masked")
         ids: list[int] = []

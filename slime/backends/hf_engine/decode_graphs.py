@@ -83,10 +83,14 @@ class DecodeGraphs:
         self.steps = self.captures = 0
         self.capture_s = 0.0
         self.last_capture_s = 0.0  # of the last step: its capture's seconds (not the step's own cost)
+        self.failure: str | None = None  # why a capture failed (the mode is "off" since)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def describe(self) -> str:
+        return self.mode if self.failure is None else f"off (capture failed: {self.failure})"
 
     def counters(self) -> dict:
         return {"cuda_graph_steps": self.steps, "cuda_graph_captures": self.captures,
@@ -106,9 +110,10 @@ class DecodeGraphs:
         return (self.enabled and 0 < len(segments) <= self.max_rows and self.pool.layers_allocated == num_layers
                 and all(len(toks) == 1 and sample for _, toks, sample in segments))
 
-    def forward(self, segments, positions: list[int], slots: list[int], tables: torch.Tensor) -> torch.Tensor:
+    def forward(self, segments, positions: list[int], slots: list[int], tables: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(segments), V] of a decode-only step (row i is segment i's): segment i feeds its token at
-        `positions[i]` into KV slot `slots[i]`, its row's blocks in `tables`."""
+        `positions[i]` into KV slot `slots[i]`, its row's blocks in `tables`. None when its capture failed: the
+        caller runs the step eagerly, as every later one (the failure is logged and served in /get_server_info)."""
         self.last_capture_s = 0.0
         if self.pool.generation != self._generation:  # the pool grew or was released: its tensors moved
             self.drop()
@@ -124,7 +129,14 @@ class DecodeGraphs:
         if self.mode == "static":
             shape.logits = self._run(shape)
         elif shape.graph is None:
-            self._capture(shape)
+            try:
+                self._capture(shape)
+            except RuntimeError as e:  # an op the capture refuses (its warm-up runs wrote the same KV the step will)
+                self.failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                logger.error("CUDA graph capture failed (%s); decode steps run eagerly from now on", self.failure)
+                self.mode = "off"
+                self.drop()
+                return None
         else:
             shape.graph.replay()
         self.steps += 1

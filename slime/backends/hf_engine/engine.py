@@ -102,9 +102,9 @@ class Engine:
             BUCKET_MIN_SAVING if self.device.type == "cpu" else BUCKET_MIN_SAVING_GPU,
             cuda_graph=cfg.cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         )
-        logger.info("decode steps: CUDA graphs %s", {"capture": f"captured per shape (up to {cfg.cuda_graph_max_bs} rows)",
-                                                     "static": "off; padded to the graphs' static shapes",
-                                                     "off": "off"}[self.scheduler.batch.graphs.mode])
+        logger.info("decode steps: CUDA graphs %s", {
+            "capture": f"captured per padded shape (up to {cfg.cuda_graph_max_bs} rows)",
+            "static": "off; steps padded to the graphs' shapes", "off": "off"}[self.scheduler.batch.graphs.mode])
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()

@@ -77,7 +77,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "enable_memory_saver": cfg.memory_saver,
         "disable_cuda_graph": not engine.scheduler.batch.graphs.enabled,
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
-        "cuda_graph_mode": engine.scheduler.batch.graphs.mode,
+        "cuda_graph_mode": engine.scheduler.batch.graphs.describe(),
         "enable_weights_cpu_backup": cfg.weights_cpu_backup,
         "disaggregation_mode": "null",
         "version": SERVER_VERSION,  # SGLang reports sglang.__version__: we report the version whose API we serve

@@ -62,7 +62,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import sys
 import tempfile
 import time
@@ -72,7 +71,8 @@ import aiohttp
 import requests
 from rollout_report import median, report, spread
 from rollout_simcheck import make_calibrator, predict
-from rollout_workload import WORKLOADS, BudgetSource, ModeRunner, constant_load, engine_stats, stats_delta, workload_lengths
+from rollout_workload import (WORKLOADS, BudgetSource, ModeRunner, constant_load, engine_stats, stats_delta,
+                              workload_lengths, workload_summary)
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
@@ -106,14 +106,10 @@ async def main_async(opts, workdir):
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
     vocab = len(tok)
     lengths = workload_lengths(opts.workload, opts.scale, opts.cap)
-    wl_rng = random.Random(opts.seed)
-    lens = sorted(x for _ in range(5000) for x in lengths.sample_group(wl_rng, opts.n)[1])
-    workload = {"name": opts.workload, "lengths": lengths.describe(), "median": median(lens),
-                "mean": round(sum(lens) / len(lens), 1), "p90": lens[int(0.9 * len(lens))], "max": lens[-1],
-                "max_over_median": round(lens[-1] / median(lens), 1)}
-    print(f"workload {opts.workload} ({lengths.describe()}): budget tokens median {median(lens)}, mean "
-          f"{workload['mean']}, p90 {workload['p90']}, max {lens[-1]} (max/median {workload['max_over_median']:.1f}x); "
-          f"model {opts.model_preset or 'tiny'}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers", flush=True)
+    workload = workload_summary(opts.workload, lengths, opts.seed, opts.n)
+    print(f"workload {opts.workload} ({workload['lengths']}): budget tokens " + ", ".join(
+        f"{k} {workload[k]}" for k in ("median", "mean", "p90", "max", "max_over_median"))
+        + f"; model {opts.model_preset or 'tiny'}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers", flush=True)
     clock = Clock(opts.time_budget)
     # Engine groups with the same command and pinning: the modes' and the limit's. The limit never sees the
     # modes' cache flushes, so its in-flight samples continue on their KV from one slice to the next (an

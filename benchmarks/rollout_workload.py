@@ -49,6 +49,15 @@ def workload_lengths(name: str, scale: int, cap: int):
     raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
 
 
+def workload_summary(name: str, lengths, seed: int, n: int) -> dict:
+    """The budgets' shape, from 5,000 groups of `n`: what a figure from this workload names."""
+    rng = random.Random(seed)
+    lens = sorted(x for _ in range(5000) for x in lengths.sample_group(rng, n)[1])
+    med = lens[len(lens) // 2]
+    return {"name": name, "lengths": lengths.describe(), "median": med, "mean": round(sum(lens) / len(lens), 1),
+            "p90": lens[int(0.9 * len(lens))], "max": lens[-1], "max_over_median": round(lens[-1] / med, 1)}
+
+
 class BudgetSource:
     """Deterministic fresh groups: random 6-token prompts; a group's budgets (`metadata["max_response_len"]`) drawn
     together from `lengths`, so a log-normal's within-group correlation holds."""

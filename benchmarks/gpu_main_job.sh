@@ -169,6 +169,8 @@ if [[ $PART != engine ]]; then
     --colocate --offload --update-weight-mode tensor \
     --save "$JOB/ckpt" --save-interval "$STEPS" --run-dir "$JOB"
   $PY tools/step_split.py "$JOB" --json "$OUT/main_job_split.json" | tee "$OUT/main_job_split.txt"
+  # the engine re-captures its decode graphs after every release (the KV pool and weights move): what that cost
+  grep -h "cuda_graph (" "$JOB"/engine_logs/engine_*.log 2>/dev/null | tail -n 1 | tee "$OUT/main_job_graphs.txt"
   $PY tools/audit_ledger.py "$JOB/ckpt" 2>&1 | tee "$OUT/main_job_audit.txt"
   cp "$JOB/metrics.jsonl" "$OUT/main_job_metrics.jsonl" 2>/dev/null
 

@@ -86,6 +86,8 @@ def train_part(out: str, steps: int, stream_steps: int, ok: dict) -> None:
         ok[f"{label}: >= {steps} steps"] = len(split) >= steps
         ok[f"{label}: ledger audit clean"] = ": clean;" in audit
         if name == "main_job":
+            graphs = read(out, "main_job_graphs.txt").strip()
+            print("  the engine's last release: " + (graphs.split(": ", 1)[-1] if graphs else "not in its log"))
             ok[f"{label}: weight push and memory hand-back in every step"] = bool(split) and all(
                 r["updater_s"] is not None and r["engine_released_bytes"] is not None
                 and r["trainer_offloaded_bytes"] is not None for r in split)

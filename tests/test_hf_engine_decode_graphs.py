@@ -46,7 +46,7 @@ def ref(model_dir):
 
 
 def test_buckets_and_modes():
-    assert [row_bucket(n, 128) for n in (1, 2, 3, 5, 9, 13, 100, 128)] == [1, 2, 4, 8, 12, 16, 128, 128]
+    assert [row_bucket(n, 128) for n in (1, 2, 3, 5, 9, 17, 100, 128)] == [1, 2, 4, 8, 16, 32, 128, 128]
     assert row_bucket(129, 128) is None and row_bucket(97, 100) == 100 and row_bucket(3, 3) == 3
     assert [block_bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     cpu = torch.device("cpu")

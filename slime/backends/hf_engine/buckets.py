@@ -9,9 +9,9 @@ A bucket costs ~10 small ops per layer (~50-100 us here), worth ~1-4k key positi
 
 from __future__ import annotations
 
-# decode steps replayed from CUDA graphs (decode_graphs.py) are padded instead: rows to the next of these, key blocks
-# per row to the next power of two, in one bucket
-GRAPH_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# decode steps replayed from CUDA graphs (decode_graphs.py) are padded instead: rows to the next power of two, key
+# blocks per row too, in one bucket (few shapes: a colocated engine captures them again after every release)
+GRAPH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 BUCKET_SHRINK = 0.7
 BUCKET_MIN_SAVING = 2048

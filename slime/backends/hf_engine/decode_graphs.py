@@ -7,7 +7,7 @@ replays it with one launch.
 
 A graph replays fixed shapes and addresses, so a step is padded to a bucket (`buckets.graph_rows` / `graph_blocks`,
 which the simulator replays too):
-- rows up to the next of `GRAPH_ROW_BUCKETS` (at most `max_rows`); a padding row feeds token 0 at position 0 into
+- rows up to the next power of two (at most `max_rows`); a padding row feeds token 0 at position 0 into
   slot 0 (block 0, which the pool never hands out: it only ever holds finite values, so the masked positions
   that read it stay finite) and attends that one position; its logits are dropped;
 - key blocks per row up to the next power of two: one attention bucket over every row, masked per row (a
@@ -34,7 +34,7 @@ from slime.backends.hf_engine.paged_attention import Bucket, StepPlan
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "static", "capture")
-WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS picks its kernels and workspace there)
+WARMUP_RUNS = 1  # eager runs on a side stream before a capture (the engine's eager steps have initialised cuBLAS)
 
 
 class GraphModeError(ValueError):

@@ -33,9 +33,9 @@ class KVPool:
         self.generation = 0  # changes whenever a layer's tensor is (re)allocated or freed (CUDA graphs hold addresses)
         self._reset()
 
-    def _reset(self) -> None:
+    def _reset(self, capacity: int | None = None) -> None:
         self.generation += 1
-        self.capacity = min(max(2, self.initial_blocks), self.max_blocks)
+        self.capacity = min(max(2, capacity or self.initial_blocks), self.max_blocks)
         self._free: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() hands out low ids first
 
     # ---- blocks ------------------------------------------------------------------------
@@ -112,11 +112,13 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self._kv.values())
 
     def release(self) -> int:
-        """Free the storage (SGLang's kv_cache tag); every block must be back. The pool starts again from
-        `initial_blocks`, layers allocated on their first write. Returns the bytes freed."""
+        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers are allocated again on their
+        first write, at the capacity the pool had (the last rollout's working set: a colocated engine's next rollout
+        does not grow it again, and every growth moves the tensors its CUDA graphs captured). Returns the bytes
+        freed."""
         if self.num_used:
             raise RuntimeError(f"KV pool: {self.num_used} blocks still held (a running row or the prefix cache)")
         freed = self.nbytes()
         self._kv.clear()
-        self._reset()
+        self._reset(self.capacity)
         return freed

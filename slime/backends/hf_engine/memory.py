@@ -118,9 +118,11 @@ class EngineMemory:
             done.append(f"weights ({self._release_weights()} bytes)")
             self.released.add(TAG_WEIGHTS)
         # the decode graphs hold the weights' and the KV pool's addresses: any release drops them (captured again later)
-        graphs = sched.batch.graphs.drop()
+        graphs = sched.batch.graphs
+        shapes = graphs.drop()
         if TAG_CUDA_GRAPH in tags:
-            done.append(f"cuda_graph ({graphs} decode graph shapes)")
+            done.append(f"cuda_graph ({shapes} decode graph shapes; {graphs.captures} captures in "
+                        f"{graphs.capture_s:.2f}s so far)")
         _empty_device_cache(self.model)
         return "released " + (", ".join(done) if done else "nothing (already released)")
 

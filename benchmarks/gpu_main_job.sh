@@ -76,8 +76,8 @@ if ((DRY)); then
   STEP_ARGS=(--rows 1 4 --context 32 --new-tokens 230 --seconds 0.5 --warmup 0.1 --windows 2); STEP_CAP=120
   ROLLOUT_ARGS=(--model-preset quickstart --cap 64 --scale 2 --concurrencies 16 --c-star 16 --warmup-steps 32
                 --rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --limit-seconds 2 --calibration-seconds 6
-                --report-seconds 5 --time-budget 40)
-  ROLLOUT_CAP=200
+                --report-seconds 5 --time-budget 70)  # (slack for a loaded box: the calibration must fit)
+  ROLLOUT_CAP=260
   CAP=128; TASK_ARGS=(--model quickstart --rows 512 --median 48 --cap $CAP); STEPS=${STEPS:-3}; STREAM_STEPS=$STEPS
   JOB_ARGS=(--rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --micro-batch-size 8)
   OVER_SAMPLING=8; JOB_CAP=300; STREAM_CAP=300

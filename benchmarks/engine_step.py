@@ -1,7 +1,8 @@
 """The embedded engine's decode step at 1, 8, 64 and 128 rows: the flat cost APRIL relies on, on the engine's device.
 
     python benchmarks/engine_step.py [--model qwen3-0.5b | quickstart] [--rows 1 8 64 128] [--context 512]
-        [--seconds 2] [--warmup 0.5] [--windows 3] [--device auto] [--memory-check] [--model-cache DIR] [--json-out FILE]
+        [--seconds 2] [--warmup 0.5] [--windows 3] [--device auto] [--cuda-graph-mode auto] [--memory-check]
+        [--model-cache DIR] [--json-out FILE]
 
 The model is a preset of `slime.utils.tiny_model.model_preset` (random weights): `qwen3-0.5b` (Qwen3-0.6B's width,
 heads and vocabulary, 16 layers, bfloat16 on a GPU) or `quickstart` (the quick start's tiny Qwen3). For each row
@@ -14,6 +15,9 @@ a short read-back means the device waited for the host: a launch-bound step, wha
 full launch queue would show as a long read-back instead; on the CPU the two are equal); tokens/s; the step time
 over 1 row's. `--memory-check` then releases the engine's memory (/release_memory_occupation, weights kept in host
 memory) and prints what the device got back, resumes it and checks that greedy tokens are unchanged.
+`--cuda-graph-mode` is the engine's (auto: decode steps replay CUDA graphs on a GPU; off: eager): the JSON holds
+the greedy tokens of one prompt alone and of 5 prompts sent together (padded to 8 rows by the graphs), so two runs,
+one per mode, show whether the graphs change a token (benchmarks/gpu_main_job.sh compares them).
 The last line is one JSON object.
 """
 
@@ -146,7 +150,7 @@ async def run(opts, model_dir: str, vocab: int, max_pos: int, log_path: str) -> 
     new_tokens = opts.new_tokens or max(16, min(1024, max_pos - prompt_len - 1))
     total = max(opts.rows) * (prompt_len + new_tokens) + 4096
     flags = ["--max-running-requests", str(max(opts.rows)), "--max-total-tokens", str(total), "--seed", "0",
-             "--device", opts.device]
+             "--device", opts.device, "--cuda-graph-mode", opts.cuda_graph_mode]
     if opts.memory_check:
         flags += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
     t0 = time.monotonic()
@@ -160,15 +164,23 @@ async def run(opts, model_dir: str, vocab: int, max_pos: int, log_path: str) -> 
             prompt = random_ids(rng, vocab, 12)
             served = await greedy(session, server.url, prompt)
             again = await greedy(session, server.url, prompt)
-            print(f"engine on {info.get('device')} ({info.get('device_name')}), {info.get('dtype')}, started in "
+            together = [random_ids(rng, vocab, n) for n in (5, 17, 9, 30, 12)]  # 5 rows: padded to 8 by the graphs
+            batch_tokens = await asyncio.gather(*(greedy(session, server.url, p) for p in together))
+            print(f"engine on {info.get('device')} ({info.get('device_name')}), {info.get('dtype')}, CUDA graphs "
+                  f"{info.get('cuda_graph_mode')}, started in "
                   f"{started:.1f}s; greedy tokens {served[:8]}... deterministic: {served == again}", flush=True)
             # warm-up: every row count once (each batch size has kernels, and cuBLAS heuristics, of its own)
             for r in opts.rows:
                 await step_time(session, server.url, r, prompt_len, new_tokens, 0.05, rng, vocab, 1, strict=False)
             results = []
             for r in opts.rows:
-                res = await step_time(session, server.url, r, prompt_len, new_tokens, opts.seconds, rng, vocab,
-                                      warmup=opts.warmup, windows=opts.windows)
+                try:
+                    res = await step_time(session, server.url, r, prompt_len, new_tokens, opts.seconds, rng, vocab,
+                                          warmup=opts.warmup, windows=opts.windows)
+                except RuntimeError as e:  # rows ran out of tokens inside the window (a slower box than planned for)
+                    print(f"rows {r}: {e}; measured again over half the time", flush=True)
+                    res = await step_time(session, server.url, r, prompt_len, new_tokens, opts.seconds / 2, rng, vocab,
+                                          warmup=opts.warmup / 2, windows=opts.windows)
                 results.append(res)
                 print(f"rows {r:4d}: {res['step_ms']:7.2f} ms/step (issued after {res['launch_ms']:6.2f} ms, thread CPU "
                       f"{res['cpu_ms']:6.2f} ms), {res['tok_s']:9.0f} tok/s, x{res['step_ms'] / results[0]['step_ms']:.2f} "
@@ -181,6 +193,7 @@ async def run(opts, model_dir: str, vocab: int, max_pos: int, log_path: str) -> 
     out = {"model": opts.model, "device": info.get("device"), "device_name": info.get("device_name"),
            "dtype": info.get("dtype"), "startup_s": round(started, 1), "served": len(served) == 16,
            "deterministic": served == again, "prompt_len": prompt_len,
+           "cuda_graph_mode": info.get("cuda_graph_mode"), "greedy_tokens": served, "greedy_batch_tokens": batch_tokens,
            "step_ms": {str(r["rows"]): round(r["step_ms"], 3) for r in results},
            "launch_ms": {str(r["rows"]): round(r["launch_ms"], 3) for r in results},
            "mean_step_ms": {str(r["rows"]): round(r["mean_step_ms"], 3) for r in results},
@@ -210,6 +223,8 @@ def main(argv=None) -> int:
                    help="seconds each row count decodes before it is measured (after a short first pass over them all)")
     p.add_argument("--windows", type=int, default=3, help="the measured time in this many windows: the median counts")
     p.add_argument("--device", default="auto", help="the engine's --device")
+    p.add_argument("--cuda-graph-mode", default="auto", choices=["auto", "capture", "static", "off"],
+                   help="the engine's --cuda-graph-mode (auto: CUDA graphs on a GPU, none on the CPU)")
     p.add_argument("--memory-check", action="store_true", help="release and resume the engine's memory at the end")
     p.add_argument("--model-cache", default=None, help="build the model here (reused when already built)")
     p.add_argument("--json-out", default=None)

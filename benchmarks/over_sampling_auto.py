@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import aiohttp
-from rollout_workload import ModeRunner, ParetoSource, constant_load
+from rollout_workload import BudgetSource, ModeRunner, constant_load, workload_lengths
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
@@ -49,10 +49,11 @@ async def main_async(opts, workdir) -> dict:
             "--rollout-seed", str(opts.seed), "--run-dir", os.path.join(workdir, "run")]
     vocab = len(tok)
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
+    lengths = workload_lengths("pareto", opts.scale, opts.cap)
     t_start = time.monotonic()
     with EngineGroup(probe, log_dir=os.path.join(workdir, "logs")) as engines:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * opts.c_star + 64)) as http:
-            await constant_load(probe, engines, http, opts.c_star, 1.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))
+            await constant_load(probe, engines, http, opts.c_star, 1.0, BudgetSource(lengths, 2, 1, vocab))
             b = max(1, opts.c_star // opts.n)
 
             def args_for(size) -> object:
@@ -63,16 +64,16 @@ async def main_async(opts, workdir) -> dict:
             runners = {}
             for f in opts.factors:
                 size = max(1, round(f * b))
-                runners[f"os={size}"] = ModeRunner(f"os={size}", args_for(size), engines, http, opts.seed, opts.n,
-                                                   opts.cap, vocab, opts.scale)
+                runners[f"os={size}"] = ModeRunner(f"os={size}", args_for(size), engines, http,
+                                                   BudgetSource(lengths, opts.seed, opts.n, vocab))
             auto_args = args_for("auto")
             planner = OverSamplingPlanner.from_args(auto_args)
             cal = Calibrator(engines.worker_urls()[0], vocab, client_url=engines.router_url,
                              name="embedded engine (calibrated by auto)")
             await cal.measure(http)  # what a run does once after its first step; not timed here
             planner.cost = cal.fit("median")
-            runners["auto"] = ModeRunner("auto", auto_args, engines, http, opts.seed, opts.n, opts.cap, vocab,
-                                         opts.scale, planner=planner)
+            runners["auto"] = ModeRunner("auto", auto_args, engines, http, BudgetSource(lengths, opts.seed, opts.n, vocab),
+                                         planner=planner)
             freeze_gc_heap("over-sampling benchmark")  # as the RolloutManager does once started
             # one step of each size in turn, until every size has had its rollout time: a busy moment of the box
             # falls on all sizes alike (slices of seconds would let one size take a whole busy spell)

@@ -10,9 +10,9 @@ has the same lengths in both), from an empty buffer as the benchmark starts.
 from __future__ import annotations
 
 from rollout_report import median
-from rollout_workload import ParetoSource
+from rollout_workload import BudgetSource, workload_lengths
 
-from slime.rollout.simulator import ParetoLengths, ReplayLengths, SimConfig, simulate
+from slime.rollout.simulator import ReplayLengths, SimConfig, simulate
 from slime.rollout.simulator.calibrate import Calibrator
 from slime.rollout.simulator.gpu_presets import gpu_cost_model
 from slime.rollout.simulator.lengths import read_trace
@@ -36,8 +36,8 @@ def make_calibrator(engines, vocab: int, args, quick: bool = False, max_context:
 
 
 def replay(opts, vocab: int, groups: int) -> ReplayLengths:
-    """The budgets `ParetoSource(opts.seed, ...)` hands out, in order (every mode's source uses this seed)."""
-    src = ParetoSource(opts.seed, opts.n, opts.cap, vocab, opts.scale)
+    """The budgets the modes' `BudgetSource(..., opts.seed, ...)` hands out, in order (every mode's uses this seed)."""
+    src = BudgetSource(workload_lengths(opts.workload, opts.scale, opts.cap), opts.seed, opts.n, vocab)
     out = []
     for g in src.get_groups(groups):
         out.append((len(g[0].tokens), [s.metadata["max_response_len"] for s in g]))
@@ -179,7 +179,8 @@ def gpu_scale(runners: dict, opts) -> dict:
     datasheets), budgets stretched to a 16K cap, 256 requests in flight (64 groups x 4)."""
     cost = gpu_cost_model("h100", "qwen3-4b", tp=1)
     scale = max(1, GPU_SCALE_TOKENS // opts.cap)
-    lengths = ParetoLengths(1.0, scale, opts.cap, prompt_len=256)
+    lengths = workload_lengths(opts.workload, scale, opts.cap)
+    lengths.prompt_len = 256
     res = {}
     for name, runner in runners.items():
         a = runner.args
@@ -191,7 +192,7 @@ def gpu_scale(runners: dict, opts) -> dict:
                         reuse_stale_kv=a.reuse_stale_kv, steps=12, warmup_steps=3, budgets_are_lengths=True)
         res[name] = simulate(cfg, cost, lengths).summary()
     sync = res["sync"]["tokens_per_s"]
-    print(f"GPU scale (simulated: {cost.name}; the same budget shape x{scale}, max {scale * opts.cap}; 64 groups x "
+    print(f"GPU scale (simulated: {cost.name}; the {opts.workload} budgets x{scale}, max {scale * opts.cap}; 64 groups x "
           f"{runners['sync'].args.n_samples_per_prompt}, 256 in flight): " + "  ".join(
               f"{k} {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / sync:.2f}x sync)" for k, v in res.items()))
     return {k: {"tok_s": round(v["tokens_per_s"], 1), "over_sync": round(v["tokens_per_s"] / sync, 3),

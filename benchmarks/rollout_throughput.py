@@ -3,9 +3,10 @@
 1. Measures the embedded engine's decode throughput at several concurrencies
    (C requests always in flight) and picks C*, the smallest C within 5% of the
    best (prints the curve and ms per decode step).
-2. Long-tailed workload: ignore_eos, each sample's budget `--scale` x q tokens
-   with q from the truncated Pareto of the subtract_chain task (alpha 1, cap
-   --cap), so max >= 20x median (printed; 43x by default). Every parked sample
+2. Workload (`--workload`): ignore_eos; `pareto` (default, long-tailed): each sample's budget `--scale`
+   x q tokens with q from the truncated Pareto of the subtract_chain task (alpha 1, cap --cap), so max >=
+   20x median (printed; 43x by default); `lognormal`: the APRIL paper's setting as `tools/simulate_rollout.py
+   paper` assumes it, scaled to the same cap (median 0.37x the cap, max / median ~2.7x). Every parked sample
    is re-prefilled when it resumes (the simulated weight update flushed its
    KV), which on this CPU costs a good fraction of decoding it (on a GPU
    ~1/100): see the engine cost fit printed per mode.
@@ -61,7 +62,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import sys
 import tempfile
 import time
@@ -71,11 +71,12 @@ import aiohttp
 import requests
 from rollout_report import median, report, spread
 from rollout_simcheck import make_calibrator, predict
-from rollout_workload import ModeRunner, ParetoSource, constant_load, engine_stats, stats_delta
+from rollout_workload import (WORKLOADS, BudgetSource, ModeRunner, constant_load, engine_stats, stats_delta,
+                              workload_lengths, workload_summary)
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
-from slime.tasks.subtract_chain import VOCAB, sample_steps, write_dataset
+from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.tiny_model import TinyQwen3Spec, build_preset, build_tiny_qwen3, build_tokenizer, model_preset
 
@@ -104,11 +105,11 @@ async def main_async(opts, workdir):
             "--run-dir", os.path.join(workdir, "run")]
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
     vocab = len(tok)
-    wl_rng = random.Random(opts.seed)
-    lens = sorted(opts.scale * sample_steps(wl_rng, cap=opts.cap) for _ in range(20000))
-    print(f"workload: budget tokens median {median(lens)}, mean {sum(lens) / len(lens):.1f}, "
-          f"p90 {lens[int(0.9 * len(lens))]}, max {lens[-1]} (max/median {lens[-1] / median(lens):.0f}x); "
-          f"model {opts.model_preset or 'tiny'}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers", flush=True)
+    lengths = workload_lengths(opts.workload, opts.scale, opts.cap)
+    workload = workload_summary(opts.workload, lengths, opts.seed, opts.n)
+    print(f"workload {opts.workload} ({workload['lengths']}): budget tokens " + ", ".join(
+        f"{k} {workload[k]}" for k in ("median", "mean", "p90", "max", "max_over_median"))
+        + f"; model {opts.model_preset or 'tiny'}: hidden {spec.hidden_size} x {spec.num_hidden_layers} layers", flush=True)
     clock = Clock(opts.time_budget)
     # Engine groups with the same command and pinning: the modes' and the limit's. The limit never sees the
     # modes' cache flushes, so its in-flight samples continue on their KV from one slice to the next (an
@@ -126,10 +127,10 @@ async def main_async(opts, workdir):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(opts.concurrencies) + 64)) as http:
             # (1) throughput curve (on the limit's engine)
             curve = {}
-            await constant_load(probe, limit_engines, http, max(opts.concurrencies), 2.0, ParetoSource(2, 1, opts.cap, vocab, opts.scale))  # warm-up
+            await constant_load(probe, limit_engines, http, max(opts.concurrencies), 2.0, BudgetSource(lengths, 2, 1, vocab))  # warm-up
             for p in range(opts.probe_passes):  # best of a few passes: a busy moment of the box must not pick C*
                 for c in opts.concurrencies:
-                    v = await constant_load(probe, limit_engines, http, c, opts.probe_seconds, ParetoSource(1 + p, 1, opts.cap, vocab, opts.scale))
+                    v = await constant_load(probe, limit_engines, http, c, opts.probe_seconds, BudgetSource(lengths, 1 + p, 1, vocab))
                     curve[c] = max(curve.get(c, 0.0), v)
             for c in opts.concurrencies:
                 print(f"concurrency {c:4d}: {curve[c]:8.1f} tok/s   ms per decode step ~ {1000 * c / curve[c]:7.2f}", flush=True)
@@ -138,7 +139,7 @@ async def main_async(opts, workdir):
             c_star = max(opts.n, c_star - c_star % opts.n)
             if c_star not in curve:
                 curve[c_star] = await constant_load(probe, limit_engines, http, c_star, opts.probe_seconds,
-                                                    ParetoSource(1, 1, opts.cap, vocab, opts.scale))
+                                                    BudgetSource(lengths, 1, 1, vocab))
             b = c_star // opts.n
             print(f"C* = {c_star} (B = {b} groups x n = {opts.n}); step time at C* is "
                   f"{(c_star / curve[c_star]) / (min(curve) / curve[min(curve)]):.2f}x the step time at C={min(curve)}",
@@ -148,20 +149,21 @@ async def main_async(opts, workdir):
                 return parse_args(base + ["--rollout-batch-size", str(b), "--sglang-server-concurrency", str(c_star),
                                           *extra]).replace(rollout_ignore_eos=True)
 
+            def source():  # every mode's fresh groups: the same budgets in the same order
+                return BudgetSource(lengths, opts.seed, opts.n, vocab)
+
             runners = {
-                "sync": ModeRunner("sync", mode_args(), engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+                "sync": ModeRunner("sync", mode_args(), engines, http, source()),
                 "april": ModeRunner("april", mode_args("--partial-rollout", "--over-sampling-batch-size",
-                                                      str(opts.april_over_sampling * b)),
-                                    engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+                                                      str(opts.april_over_sampling * b)), engines, http, source()),
                 "pool": ModeRunner("pool", mode_args("--partial-rollout", "--rollout-mode", "pool",
-                                                     "--rollout-pool-size", str(c_star)),
-                                   engines, http, opts.seed, opts.n, opts.cap, vocab, opts.scale),
+                                                     "--rollout-pool-size", str(c_star)), engines, http, source()),
             }
             if kv_engines is not None:  # the same two modes resuming on the KV they had (no re-prefill)
                 for k in ("april", "pool"):
                     runners[k + "_kv"] = ModeRunner(k + "_kv", runners[k].args.replace(reuse_stale_kv=True), kv_engines,
-                                                    http, opts.seed, opts.n, opts.cap, vocab, opts.scale)
-            limit = LimitRunner(probe, limit_engines, http, c_star, ParetoSource(opts.seed, 1, opts.cap, vocab, opts.scale))
+                                                    http, source())
+            limit = LimitRunner(probe, limit_engines, http, c_star, BudgetSource(lengths, opts.seed, 1, vocab))
             # What the rest costs at this engine's step time (seconds per decode step at C*): a round (a sync step
             # lasts about as many decode steps as the longest budget), the calibration and the report; the warm-up
             # gets what --time-budget leaves beyond them.
@@ -234,6 +236,7 @@ async def main_async(opts, workdir):
     res = {k: v.result() for k, v in runners.items()}
     summary = report(res, ratios, limit, c_star, curve, loads, pinning, opts, clock.t_start)
     summary["engine"] = device
+    summary["workload"] = workload
     summary["time_budget"] = plan.to_dict()
     # what each engine did over the measured steps (busy, idle, steps, rows, prefill): where a mode's time went
     summary["engine_counters"] = {**{k: r["engine"] for k, r in res.items()}, "limit": dict(limit.engine)}
@@ -545,7 +548,10 @@ def main(argv=None):
                    help="CPUs for the engines, e.g. '1' (default: the last CPU; on a GPU up to 3 CPUs per engine)")
     p.add_argument("--driver-cpus", default=None, help="CPUs for this driver and the routers (default: the others)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
-    p.add_argument("--cap", type=int, default=128, help="Pareto cap on chain steps q (budget scale x q tokens)")
+    p.add_argument("--workload", choices=WORKLOADS, default="pareto",
+                   help="budgets: pareto (long tail, max/median 21-43x) or lognormal (the APRIL paper's shape, ~2.7x)")
+    p.add_argument("--cap", type=int, default=128, help="the longest budget is --scale x --cap tokens (pareto: the cap "
+                                                         "on chain steps q, budget scale x q)")
     p.add_argument("--scale", type=int, default=24,
                    help="tokens per chain step: a sample's budget is scale x q (24: median 72, max 3072)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[4, 16, 32, 64, 96, 128])

@@ -1,7 +1,10 @@
 """The rollout benchmark's workload and its modes (used by `rollout_throughput.py`).
 
-- `ParetoSource`: deterministic fresh groups whose budgets follow the
-  subtract_chain task's truncated Pareto (a long tail);
+- `workload_lengths`: the budgets' distribution, by `--workload`: `pareto`, the subtract_chain task's
+  truncated Pareto (a heavy tail: max / median 21-43x), or `lognormal`, the APRIL paper's setting as
+  `tools/simulate_rollout.py paper` assumes it (log-normal, sigma 0.8, median 0.37 x the cap: max / median
+  ~2.7x, a prompt's samples correlated), scaled to the same cap;
+- `BudgetSource`: deterministic fresh groups with budgets from such a distribution;
 - `constant_load`: C requests in flight the whole time (the full-occupancy
   limit, and the concurrency probe);
 - `bump_version`: a simulated weight update between steps;
@@ -25,32 +28,56 @@ from slime.rollout.base_types import RolloutContext
 from slime.rollout.rollout_metrics import OccupancySampler
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
+from slime.rollout.simulator.lengths import ParetoLengths, paper_lengths
 from slime.rollout.simulator.probes import stats_delta
-from slime.tasks.subtract_chain import sample_steps
 from slime.utils.ledger import TRAINED
 from slime.utils.types import Sample
 
 logger = logging.getLogger("rollout_throughput")
 
 
-class ParetoSource:
-    """Deterministic fresh groups: random 6-token prompts, per-sample budgets 3q, q ~ truncated Pareto."""
+WORKLOADS = ("pareto", "lognormal")
+PROMPT_LEN = 6
 
-    def __init__(self, seed: int, n: int, cap: int, vocab: int, scale: int):
-        self.rng, self.n, self.cap, self.vocab, self.scale = random.Random(seed), n, cap, vocab, scale
+
+def workload_lengths(name: str, scale: int, cap: int):
+    """The budgets of `--workload name`, at most `scale` x `cap` tokens (a simulator length model)."""
+    if name == "pareto":
+        return ParetoLengths(1.0, scale, cap, prompt_len=PROMPT_LEN)
+    if name == "lognormal":
+        return paper_lengths(scale * cap, prompt_len=PROMPT_LEN)
+    raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
+
+
+def workload_summary(name: str, lengths, seed: int, n: int) -> dict:
+    """The budgets' shape, from 5,000 groups of `n`: what a figure from this workload names."""
+    rng = random.Random(seed)
+    lens = sorted(x for _ in range(5000) for x in lengths.sample_group(rng, n)[1])
+    med = lens[len(lens) // 2]
+    return {"name": name, "lengths": lengths.describe(), "median": med, "mean": round(sum(lens) / len(lens), 1),
+            "p90": lens[int(0.9 * len(lens))], "max": lens[-1], "max_over_median": round(lens[-1] / med, 1)}
+
+
+class BudgetSource:
+    """Deterministic fresh groups: random 6-token prompts; a group's budgets (`metadata["max_response_len"]`) drawn
+    together from `lengths`, so a log-normal's within-group correlation holds."""
+
+    def __init__(self, lengths, seed: int, n: int, vocab: int):
+        self.lengths, self.rng, self.n, self.vocab = lengths, random.Random(seed), n, vocab
         self.group_counter = self.sample_counter = 0
-
-    def sample(self, group_index: int) -> Sample:
-        s = Sample(index=self.sample_counter, group_index=group_index,
-                   tokens=[1] + [self.rng.randrange(3, self.vocab) for _ in range(5)], label="00")
-        s.metadata["max_response_len"] = self.scale * sample_steps(self.rng, cap=self.cap)
-        self.sample_counter += 1
-        return s
 
     def get_groups(self, num: int) -> list[list[Sample]]:
         out = []
         for _ in range(num):
-            out.append([self.sample(self.group_counter) for _ in range(self.n)])
+            _, budgets = self.lengths.sample_group(self.rng, self.n)
+            group = []
+            for budget in budgets:
+                s = Sample(index=self.sample_counter, group_index=self.group_counter,
+                           tokens=[1] + [self.rng.randrange(3, self.vocab) for _ in range(PROMPT_LEN - 1)], label="00")
+                s.metadata["max_response_len"] = budget
+                group.append(s)
+                self.sample_counter += 1
+            out.append(group)
             self.group_counter += 1
         return out
 
@@ -154,7 +181,7 @@ STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s",
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, http, seed, n, cap, vocab, scale, planner=None):
+    def __init__(self, name, args, engines, http, source: BudgetSource, planner=None):
         # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
         args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
@@ -162,7 +189,7 @@ class ModeRunner:
         self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
         self.warm_step_s: float | None = None  # the warm-up's mean step seconds
         self.flush = not args.reuse_stale_kv
-        self.source = ParetoSource(seed, n, cap, vocab, scale)
+        self.source = source
         self.buffer = CountingBuffer(args)
         self.step = 0
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0

@@ -11,12 +11,16 @@ from slime.ray.colocation import ColocatedPhases, Phases, device_phases
 
 
 class Recorder:
+    """Answers as RayTrainGroup (offload / onload) and EngineGroup (release / resume) do, holding `held` bytes
+    per memory tag as the embedded engine counts them (the KV cache comes back empty on resume)."""
+
     def __init__(self, log: list, who: str):
         self.log, self.who = log, who
+        self.held = {"weights": 100, "kv_cache": 40, "cuda_graph": 0}
 
     def offload(self):
         self.log.append(f"{self.who}.offload")
-        return {"offload_bytes": 10.0}
+        return {"offload_bytes": 10.0, "reserved_before": 30.0, "reserved_after": 2.0}
 
     def onload(self):
         self.log.append(f"{self.who}.onload")
@@ -24,9 +28,16 @@ class Recorder:
 
     def release_memory_occupation(self, tags):
         self.log.append(f"{self.who}.release {','.join(tags)}")
+        for t in tags:
+            self.held[t] = 0
 
     def resume_memory_occupation(self, tags):
         self.log.append(f"{self.who}.resume {','.join(tags)}")
+        if "weights" in tags:
+            self.held["weights"] = 100
+
+    def memory(self):
+        return {"held": sum(self.held.values()), "device_free": 1000 - sum(self.held.values())}
 
 
 def run_steps(phases, log, steps=2):
@@ -43,13 +54,35 @@ def run_steps(phases, log, steps=2):
 
 def test_colocated_step_hands_the_devices_over_in_slimes_order():
     log: list[str] = []
-    phases = ColocatedPhases(Recorder(log, "trainer"), Recorder(log, "engines"), offload=True)
+    engines = Recorder(log, "engines")
+    phases = ColocatedPhases(Recorder(log, "trainer"), engines, offload=True, engine_memory=engines.memory)
     metrics = list(run_steps(phases, log))
     one_step = ["engines.release weights,kv_cache,cuda_graph", "trainer.onload", "train", "engines.resume weights",
                 "sync", "trainer.offload", "engines.resume kv_cache,cuda_graph", "eval"]
     assert log == ["trainer.offload", "generate", *one_step, "generate", *one_step]
-    assert metrics[1]["colocate/trainer_offload_bytes"] == 10.0
-    assert {"colocate/engine_release_s", "colocate/engine_resume_s", "colocate/trainer_onload_s"} <= set(metrics[1])
+    m = metrics[1]
+    # the time split of one step: the phases' bodies and every hand-over
+    assert {"perf/rollout_s", "perf/train_s", "perf/weight_push_s", "colocate/engine_release_s",
+            "colocate/engine_resume_s", "colocate/trainer_onload_s", "colocate/trainer_offload_s"} <= set(m)
+    # memory handed back each way: the trainer's bytes, the engines' own count, the device's free memory
+    assert m["colocate/trainer_offload_bytes"] == m["colocate/trainer_onload_bytes"] == 10.0
+    assert m["colocate/trainer_device_freed_bytes"] == 28.0
+    assert m["colocate/engine_resume_bytes"] == 100  # the weights; the KV cache comes back empty
+    # (these fakes never regrow it: the second release frees the weights alone; the first, what the engines held)
+    assert m["colocate/engine_release_bytes"] == m["colocate/engine_device_freed_bytes"] == 100
+    assert metrics[0]["colocate/engine_release_bytes"] == metrics[0]["colocate/engine_device_freed_bytes"] == 140
+
+
+def test_engine_memory_that_cannot_be_read_leaves_the_bytes_out_and_the_step_runs():
+    log: list[str] = []
+
+    def broken():
+        raise ConnectionError("engine gone")
+
+    phases = ColocatedPhases(Recorder(log, "trainer"), Recorder(log, "engines"), offload=True, engine_memory=broken)
+    m = list(run_steps(phases, log, 1))[0]
+    assert "colocate/engine_release_s" in m and not any(k.startswith("colocate/engine_") and k.endswith("_bytes")
+                                                        for k in m)
 
 
 def test_colocated_without_offload_and_debug_modes():
@@ -68,8 +101,9 @@ def test_disaggregated_phases_move_nothing(base_args):
     log: list[str] = []
     phases = device_phases(base_args, Recorder(log, "trainer"), Recorder(log, "engines"))
     assert type(phases) is Phases
-    list(run_steps(phases, log, 1))
+    m = list(run_steps(phases, log, 1))[0]
     assert log == ["generate", "train", "sync", "eval"]
+    assert set(m) == {"perf/rollout_s", "perf/train_s", "perf/weight_push_s"}  # the split, no hand-over
     colo = device_phases(base_args.replace(colocate=True, offload=True), Recorder(log, "t"), Recorder(log, "e"))
     assert isinstance(colo, ColocatedPhases) and colo.offload
 

@@ -137,3 +137,37 @@ def test_bf16_engine_takes_cuda_ipc_updates_in_place_and_gives_released_memory_b
         assert greedy() == (200, first)
     finally:
         srv.stop()
+
+
+def test_captured_decode_steps_replay_the_eager_steps_logits(tiny):
+    """CUDA graphs (the default on cuda): decode-only steps are captured once per padded shape and replayed; their
+    logits equal the eager path's for the same rows (float32), and a replayed step never waits for the device."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.hf_engine.batch import PagedBatch
+
+    model_dir, _ = tiny
+    batches = {mode: PagedBatch(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to("cuda"),
+                                block_size=4, max_tokens=4096, max_rows=16, decode_graphs=mode, graph_max_rows=8)
+               for mode in ("off", "capture")}
+    seqs = [[1] + [3 + (i * 5 + j) % 15 for j in range(n)] for i, n in enumerate((9, 2, 30))]
+    rows = {mode: [b.add_row() for _ in seqs] for mode, b in batches.items()}
+    with torch.no_grad():
+        for mode, b in batches.items():
+            for row, seq in zip(rows[mode], seqs):
+                b.forward([(row, seq[:-1], False)])
+        for t in range(12):
+            out = {}
+            for mode, b in batches.items():
+                if mode == "capture" and t >= 2:  # shapes captured by now: a replay issues without waiting
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out[mode] = b.forward([(row, seq[-1:], True) for row, seq in zip(rows[mode], seqs)])
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.testing.assert_close(out["capture"].float(), out["off"].float(), atol=2e-4, rtol=0)
+            for seq, lg in zip(seqs, out["off"]):
+                seq.append(int(lg.argmax()))
+    graphs = batches["capture"].graphs
+    assert graphs.steps == 12 and 1 <= graphs.captures <= 3  # three rows padded to 4; key blocks 4, then 8 or 16

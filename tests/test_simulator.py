@@ -331,3 +331,19 @@ def test_a_simulation_runs_from_inside_a_running_event_loop():
                         ParetoLengths(1.0, 8, 128)).summary()
 
     assert asyncio.run(main())["tokens_per_s"] > 0
+
+
+def test_the_simulator_pays_the_host_floor_on_a_shrinking_batch():
+    """A synchronous step's tail (the batch shrinking to its last rows) costs the host's floor per step, not the
+    device's tiny step: without the host terms it is predicted several times too fast."""
+    lens = ReplayLengths([(8, [16] * 7 + [400])] * 3, 512)
+    cfg = SimConfig(rollout_batch_size=1, n_samples_per_prompt=8, max_response_len=512, steps=3, warmup_steps=0)
+    gpu_like = EngineCostModel(decode_base_s=0.002, decode_per_seq_s=1e-4, decode_per_token_s=2e-8, host_step_s=0.015,
+                               host_per_row_s=2e-5, host_tail_s=3e-4, host_tail_per_row_s=1e-5, abort_s=0.0,
+                               request_latency_s=0.0, step_overhead_s=0.0)
+    with_host = simulate(cfg, gpu_like, lens).summary()
+    plain = gpu_like.replace(host_step_s=0.0, host_per_row_s=0.0, host_tail_s=0.0, host_tail_per_row_s=0.0)
+    without = simulate(cfg, plain, ReplayLengths([(8, [16] * 7 + [400])] * 3, 512)).summary()
+    assert with_host["rollout_s"] > 3 * without["rollout_s"]
+    per_step = with_host["rollout_s"] / 3
+    assert per_step == pytest.approx(400 * (0.015 + 3e-4), rel=0.1)  # ~400 steps, each the host's 15.3 ms

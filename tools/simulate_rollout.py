@@ -27,6 +27,7 @@ import sys
 from slime.rollout.simulator import LogNormalLengths, ParetoLengths, SimConfig, lengths_from_run, simulate
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.from_run import predict_run
+from slime.rollout.simulator.lengths import PAPER_LENGTHS
 from slime.rollout.simulator.gpu_presets import cost_model_from_spec, gpu_cost_model
 
 logger = logging.getLogger("simulate_rollout")
@@ -37,10 +38,8 @@ logger = logging.getLogger("simulate_rollout")
 # --rollout-batch-size 32 --n-samples-per-prompt 8 --over-sampling-batch-size 64, max response 16384.
 PAPER = dict(gpu="h100", model="qwen3-4b", tp=2, engines=4, mem_fraction=0.6, batch=32, n=8, over_sampling=64,
              max_response_len=16384, concurrency=512)
-# Our assumptions for the response lengths (the paper gives no distribution): log-normal, median 6000
-# tokens, sigma 0.8 (mean ~8.3k before the cap; 10.5% reach 16,384 and are truncated), half of the
-# log-length variance shared by a prompt's 8 samples (hard problems are long for all), prompts of 200 tokens.
-PAPER_LENGTHS = dict(median=6000, sigma=0.8, corr=0.5, prompt=200)
+# Our assumptions for the response lengths (the paper gives no distribution): PAPER_LENGTHS, in
+# slime/rollout/simulator/lengths.py (log-normal, median 6000, sigma 0.8, half the log-variance shared in a group).
 PAPER_RANGE = (0.17, 0.44)
 
 

@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-min-saving", type=int, default=None,
                    help="Key positions a new decode attention bucket must save (rows of very different lengths are "
                         "split into buckets; default 2048 on cpu, 16384 on cuda).")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="Run every decode step eagerly (SGLang's flag; the same as --cuda-graph-mode off).")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128,
+                   help="Decode steps of up to this many rows replay CUDA graphs; larger ones run eagerly (SGLang's "
+                        "flag; default 128).")
+    p.add_argument("--cuda-graph-mode", choices=["auto", "capture", "static", "off"], default="auto",
+                   help="auto (default): decode-only steps replay CUDA graphs on cuda, none on cpu; capture: the same, "
+                        "required; static: the graphs' padded static-buffer step run eagerly (what the CPU can check); "
+                        "off: as --disable-cuda-graph.")
     p.add_argument("--log-level", default="INFO", help="Logging level.")
     return p
 
@@ -64,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.bucket_min_saving is not None and args.bucket_min_saving < 0:
         logger.error("--bucket-min-saving must be >= 0, got %s", args.bucket_min_saving)
         return 2
+    if args.cuda_graph_max_bs < 1:
+        logger.error("--cuda-graph-max-bs must be >= 1, got %s", args.cuda_graph_max_bs)
+        return 2
+    if args.disable_cuda_graph and args.cuda_graph_mode not in ("auto", "off"):
+        logger.error("--disable-cuda-graph contradicts --cuda-graph-mode %s", args.cuda_graph_mode)
+        return 2
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         logger.error("--chunked-prefill-size must be -1 (no chunking) or >= 1, got %s", args.chunked_prefill_size)
         return 2
@@ -73,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.num_threads)
+    from slime.backends.hf_engine.decode_graphs import GraphModeError
     from slime.backends.hf_engine.device import DeviceError
     from slime.backends.hf_engine.engine import Engine, EngineConfig
     from slime.backends.hf_engine.server import serve
@@ -87,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation=args.attn_implementation, chunked_prefill_size=args.chunked_prefill_size,
         block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
         weights_cpu_backup=args.enable_weights_cpu_backup, bucket_min_saving=args.bucket_min_saving,
+        cuda_graph="off" if args.disable_cuda_graph else args.cuda_graph_mode, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     try:
         engine = Engine(cfg)
-    except (FileNotFoundError, DeviceError) as e:
+    except (FileNotFoundError, DeviceError, GraphModeError) as e:
         logger.error("%s", e)
         return 2
     except Exception as e:  # noqa: BLE001 - a clear message and a non-zero exit

@@ -23,8 +23,9 @@ from typing import Callable
 
 import torch
 
-from slime.backends.hf_engine.kv_pool import KVPool
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
+from slime.backends.hf_engine.decode_graphs import DecodeGraphs, resolve_mode
+from slime.backends.hf_engine.kv_pool import KVPool
 from slime.backends.hf_engine.paged_attention import (ATTN_NAME, PREFILL_ATTENTION, StepPlan, move_plan, plan_buckets,
                                                       register, step_mask)
 
@@ -33,7 +34,8 @@ Segment = tuple[int, list[int], bool]  # (row, token ids to feed at its next pos
 
 class PagedBatch:
     def __init__(self, model, block_size: int = 32, max_tokens: int = 262144, max_rows: int = 128,
-                 kernel: str = "sdpa", min_bucket_saving: int = BUCKET_MIN_SAVING, prefill_attention: str = "auto"):
+                 kernel: str = "sdpa", min_bucket_saving: int = BUCKET_MIN_SAVING, prefill_attention: str = "auto",
+                 decode_graphs: str = "off", graph_max_rows: int = 128):
         if kernel not in ("sdpa", "eager"):
             raise ValueError(f"attention kernel must be sdpa or eager, got {kernel!r}")
         self.kernel = kernel
@@ -58,6 +60,10 @@ class PagedBatch:
         # called with a number of blocks when the pool runs short (the prefix cache evicts entries)
         self.reclaim: Callable[[int], None] | None = None
         self.last_plan: StepPlan | None = None  # the last step's buckets (for stats and tests)
+        # decode-only steps replayed from CUDA graphs ("capture"), or padded the same way without them ("static")
+        self.graphs = DecodeGraphs(model, self.pool, resolve_mode(decode_graphs, self.device), graph_max_rows, kernel,
+                                   prefill_attention, self._step_mask)
+        self._layers = int(model.config.num_hidden_layers)
 
     # ---- rows --------------------------------------------------------------------------
     @property
@@ -117,6 +123,15 @@ class PagedBatch:
             self._reserve(row, p0 + len(toks))
             shapes.append((len(toks), p0, row))
         bs = self.block_size
+        if self.graphs.runs(segments, self._layers):
+            positions = [p0 for _, p0, _ in shapes]
+            slots = [self._blocks[row][p // bs] * bs + p % bs for (row, _, _), p in zip(segments, positions)]
+            logits = self.graphs.forward(segments, positions, slots, self.tables)
+            if logits is not None:  # (None: the capture failed; this step and every later one run eagerly)
+                self.last_plan = self.graphs.last_plan
+                for row, _, _ in segments:
+                    self._cached[row] += 1
+                return logits
         buckets = plan_buckets(shapes, self.tables, bs, self.min_bucket_saving,
                                merge_prefill=self.prefill_attention == "masked")
         ids: list[int] = []

@@ -9,6 +9,10 @@ A bucket costs ~10 small ops per layer (~50-100 us here), worth ~1-4k key positi
 
 from __future__ import annotations
 
+# decode steps replayed from CUDA graphs (decode_graphs.py) are padded instead: rows to the next power of two, key
+# blocks per row too, in one bucket (few shapes: a colocated engine captures them again after every release)
+GRAPH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
 BUCKET_SHRINK = 0.7
 BUCKET_MIN_SAVING = 2048
 # On a GPU a bucket's ~10 ops per layer cost ~0.5 ms of launches for a small model, while a key position not gathered
@@ -35,3 +39,15 @@ def decode_shape(positions: list[int], block_size: int, min_saving: int = BUCKET
     blocks = sorted((p // block_size + 1 for p in positions), reverse=True)
     ranges = decode_bucket_ranges(blocks, block_size, min_saving)
     return sum((j - i) * blocks[i] for i, j in ranges) * block_size, len(ranges)
+
+
+def graph_rows(rows: int, max_rows: int) -> int | None:
+    """The padded row count of a graph decode step of `rows` rows (None beyond `max_rows`: the step runs eagerly)."""
+    if rows > max_rows:
+        return None
+    return next((b for b in GRAPH_ROW_BUCKETS if rows <= b <= max_rows), max_rows)
+
+
+def graph_blocks(blocks: int) -> int:
+    """Key blocks per row of a graph decode step: the longest row's, padded to the next power of two."""
+    return 1 << max(0, blocks - 1).bit_length()

@@ -40,6 +40,9 @@ class EngineConfig:
     memory_saver: bool = False  # SGLang's --enable-memory-saver: /release_memory_occupation frees memory
     weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: released weights kept in host memory
     bucket_min_saving: int | None = None  # key positions a new decode bucket must save (None: by device, buckets.py)
+    # decode-only steps from CUDA graphs (decode_graphs.py): auto (capture on cuda, off on cpu), capture, static, off
+    cuda_graph: str = "auto"
+    cuda_graph_max_bs: int = 128  # SGLang's --cuda-graph-max-bs: larger decode steps run eagerly
 
 
 class EngineUnavailable(RuntimeError):
@@ -97,7 +100,11 @@ class Engine:
             weight_version=cfg.weight_version,
             bucket_min_saving=cfg.bucket_min_saving if cfg.bucket_min_saving is not None else
             BUCKET_MIN_SAVING if self.device.type == "cpu" else BUCKET_MIN_SAVING_GPU,
+            cuda_graph=cfg.cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         )
+        logger.info("decode steps: CUDA graphs %s", {
+            "capture": f"captured per padded shape (up to {cfg.cuda_graph_max_bs} rows)",
+            "static": "off; steps padded to the graphs' shapes", "off": "off"}[self.scheduler.batch.graphs.mode])
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()

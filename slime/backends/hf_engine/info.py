@@ -75,6 +75,9 @@ async def get_server_info(request: web.Request) -> web.Response:
         "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "random_seed": cfg.seed,
         "enable_memory_saver": cfg.memory_saver,
+        "disable_cuda_graph": not engine.scheduler.batch.graphs.enabled,
+        "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
+        "cuda_graph_mode": engine.scheduler.batch.graphs.describe(),
         "enable_weights_cpu_backup": cfg.weights_cpu_backup,
         "disaggregation_mode": "null",
         "version": SERVER_VERSION,  # SGLang reports sglang.__version__: we report the version whose API we serve
@@ -82,7 +85,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "backend": "slime.hf_engine",
         "startup_time": request.app["started"],
         "internal_states": [{"weight_version": engine.weight_version, "paused": engine.scheduler.paused,
-                             "scheduler_stats": {**engine.scheduler.stats.as_dict(), **engine.scheduler.cpu_times()},
+                             "scheduler_stats": {**engine.scheduler.stats.as_dict(), **engine.scheduler.cpu_times(),
+                                                 **engine.scheduler.batch.graphs.counters()},
                              "prefix_cache_entries": len(engine.scheduler.prefix_cache),
                              "memory": await engine.call(engine.memory.state, timeout=30)}],
     }

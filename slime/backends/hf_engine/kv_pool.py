@@ -30,10 +30,12 @@ class KVPool:
         self.max_blocks = max_blocks
         self.initial_blocks = initial_blocks
         self._kv: dict[int, torch.Tensor] = {}
+        self.generation = 0  # changes whenever a layer's tensor is (re)allocated or freed (CUDA graphs hold addresses)
         self._reset()
 
-    def _reset(self) -> None:
-        self.capacity = min(max(2, self.initial_blocks), self.max_blocks)
+    def _reset(self, capacity: int | None = None) -> None:
+        self.generation += 1
+        self.capacity = min(max(2, capacity or self.initial_blocks), self.max_blocks)
         self._free: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() hands out low ids first
 
     # ---- blocks ------------------------------------------------------------------------
@@ -74,6 +76,7 @@ class KVPool:
         self._free.extend(range(new - 1, self.capacity - 1, -1))
         self._free.sort(reverse=True)
         self.capacity = new
+        self.generation += 1
 
     # ---- tensors -----------------------------------------------------------------------
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +90,7 @@ class KVPool:
         if kv is None:
             h, _, d = keys.shape
             kv = self._kv[idx] = keys.new_zeros(2, h, self.capacity, self.block_size, d)
+            self.generation += 1
         flat = kv.view(2, kv.shape[1], -1, kv.shape[-1])
         flat[0].index_copy_(1, slots, keys)
         flat[1].index_copy_(1, slots, values)
@@ -99,16 +103,22 @@ class KVPool:
         g = g.view(2, kv.shape[1], rows, -1, kv.shape[-1])
         return g[0], g[1]
 
+    @property
+    def layers_allocated(self) -> int:
+        return len(self._kv)
+
     def nbytes(self) -> int:
         """Bytes held by the per-layer tensors (every block: a running row's, the prefix cache's, free ones)."""
         return sum(t.numel() * t.element_size() for t in self._kv.values())
 
     def release(self) -> int:
-        """Free the storage (SGLang's kv_cache tag); every block must be back. The pool starts again from
-        `initial_blocks`, layers allocated on their first write. Returns the bytes freed."""
+        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers are allocated again on their
+        first write, at the capacity the pool had (the last rollout's working set: a colocated engine's next rollout
+        does not grow it again, and every growth moves the tensors its CUDA graphs captured). Returns the bytes
+        freed."""
         if self.num_used:
             raise RuntimeError(f"KV pool: {self.num_used} blocks still held (a running row or the prefix cache)")
         freed = self.nbytes()
         self._kv.clear()
-        self._reset()
+        self._reset(self.capacity)
         return freed

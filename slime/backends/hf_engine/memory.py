@@ -117,8 +117,12 @@ class EngineMemory:
         if TAG_WEIGHTS in tags and TAG_WEIGHTS not in self.released:
             done.append(f"weights ({self._release_weights()} bytes)")
             self.released.add(TAG_WEIGHTS)
+        # the decode graphs hold the weights' and the KV pool's addresses: any release drops them (captured again later)
+        graphs = sched.batch.graphs
+        shapes = graphs.drop()
         if TAG_CUDA_GRAPH in tags:
-            done.append("cuda_graph (none held: the engine captures no CUDA graphs)")
+            done.append(f"cuda_graph ({shapes} decode graph shapes; {graphs.captures} captures in "
+                        f"{graphs.capture_s:.2f}s so far)")
         _empty_device_cache(self.model)
         return "released " + (", ".join(done) if done else "nothing (already released)")
 

@@ -82,7 +82,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int,
                  seed: int | None, chunked_prefill_size: int = -1, block_size: int = 32,
                  prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0",
-                 bucket_min_saving: int = BUCKET_MIN_SAVING):
+                 bucket_min_saving: int = BUCKET_MIN_SAVING, cuda_graph: str = "off", cuda_graph_max_bs: int = 128):
         self.model = model
         # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
         # token is stamped with the version that produced it
@@ -95,7 +95,8 @@ class Scheduler:
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.batch = PagedBatch(model, block_size=block_size, max_tokens=max_total_tokens, max_rows=max_running,
-                                kernel=attention_kernel, min_bucket_saving=bucket_min_saving)
+                                kernel=attention_kernel, min_bucket_saving=bucket_min_saving,
+                                decode_graphs=cuda_graph, graph_max_rows=cuda_graph_max_bs)
         self.vocab = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
         # aborted requests' KV, for the requests that resume them (None: as many positions as max_total_tokens)
         self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens,
@@ -347,13 +348,15 @@ class Scheduler:
         sampling = prepare_sampling([r.params for r in samplers], [r.generator for r in samplers],
                                     self.default_generator, self.vocab, self.batch.device) if samplers else None
         logits = self.batch.forward(segments)
+        t0 += self.batch.graphs.last_capture_s  # capturing a CUDA graph is not the step's cost
         self.num_steps += 1
         done: list[Request] = []
-        t_issued = time.perf_counter()
+        t_issued = t_back = time.perf_counter()
         if samplers:
             tok_dev, lp_dev = sample_tokens(logits, sampling)
             t_issued = time.perf_counter()
             tokens, lps = to_host(tok_dev, lp_dev)
+            t_back = time.perf_counter()
             record_output_logprobs(samplers, logits)  # no-op unless some request asked for top-k / chosen-id log-probs
             for i, r in enumerate(samplers):
                 self._append(r, tokens[i], lps[i])
@@ -372,6 +375,7 @@ class Scheduler:
         if prefill_tokens:
             st.prefill_s += t1 - t0
             st.prefill_cpu_s += c1 - c0
+            st.prefill_tail_s += t1 - t_back
             st.prefills += 1
             st.prefill_decode_rows += decoded
             st.prefill_decode_ctx_tokens += self._decode_ctx
@@ -387,6 +391,7 @@ class Scheduler:
             st.decode_s += t1 - t0
             st.decode_cpu_s += c1 - c0
             st.decode_launch_s += t_issued - t0
+            st.decode_tail_s += t1 - t_back
             st.decode_steps += 1
             st.decode_rows += decoded
             st.decode_ctx_tokens += self._decode_ctx

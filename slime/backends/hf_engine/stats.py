@@ -20,8 +20,12 @@ class SchedulerStats:
     # decode_s means the device waited for the host (a launch-bound step, what CUDA graphs would shorten); on the
     # CPU the two are the same (the work is done as it is issued)
     decode_launch_s: float = 0.0
+    # of decode_s, the time after the tokens were back on the host (appending them, finishing rows): host work that
+    # nothing overlaps (the simulator's host tail, slime/rollout/simulator/host_fit.py)
+    decode_tail_s: float = 0.0
     prefill_s: float = 0.0  # forward + sampling of steps with prefill tokens (and the rows they also decoded)
     prefill_cpu_s: float = 0.0
+    prefill_tail_s: float = 0.0  # of prefill_s, the time after the tokens were back, as decode_tail_s
     evict_s: float = 0.0  # finishing rows: freeing or caching their blocks
     idle_s: float = 0.0  # nothing to run (or paused)
     # the scheduler thread's work outside steps: taking requests and commands from the HTTP side, admitting rows

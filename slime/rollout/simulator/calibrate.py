@@ -10,6 +10,9 @@ outside: the same batch with two lengths N1 < N2, the difference being (N2 - N1)
 The decode and prefill terms are least-squares fits with non-negative coefficients; a request's
 HTTP round trip and abort-to-idle are timed directly.
 
+The host's part of a step (the embedded engine counts the time until a step's work is issued and the time after
+its tokens are back): `host_fit.py`; the step terms are then fitted on the step time less that tail.
+
 An engine that packs prompt chunks into its decode steps (the embedded engine's paged cache: its
 counters include `prefill_key_pairs`) is fitted as one step cost over every step it ran: decode-only
 steps [steps, rows, keys read, key positions gathered] and steps with prefill tokens [steps, decoded
@@ -47,6 +50,7 @@ import aiohttp
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
 from slime.backends.sglang_utils import http_client
 from slime.rollout.simulator.cost_model import DECODE_TERMS, PREFILL_TERMS, EngineCostModel, nnls_fit
+from slime.rollout.simulator.host_fit import fit_host
 from slime.rollout.simulator.probes import (Probe, abort_to_idle_s, closed_loop_tps, default_probes, generate_one, random_ids,
                                             run_probe, scheduler_stats, stats_delta)
 
@@ -280,6 +284,8 @@ class Calibrator:
         if len(rows) >= 3 and not mixed:
             prefill, prefill_err = nnls_fit([[f, pos, sq] for _, f, pos, sq in rows], [s for s, *_ in rows],
                                             PREFILL_TERMS[:3], weights=[1.0 / s if s > 0 else 1.0 for s, *_ in rows])
+        # the host's part (wall clock only: the CPU-time fit is the engine's work alone)
+        host, host_err = fit_host([r for p in self.probes for r in p.host]) if clock == "wall" else ({}, None)
         one_prefill = prefill.get("prefill_base_s", 0.0) + 8 * prefill.get("prefill_per_token_s", 0.0)
         # a pass cut short by its deadline may lack these (logged there); they then count as free
         lat = sorted(self.latency) or [0.0]
@@ -300,12 +306,13 @@ class Calibrator:
                  "stat": stat, "passes": max((len(p.runs) for p in self.probes), default=0),
                  "decode_fit_rel_rms": round(decode_err, 4),
                  "prefill_fit_rel_rms": None if prefill_err is None else round(prefill_err, 4),
+                 "host_fit_rel_rms": None if host_err is None else round(host_err, 4),
                  "timed_from": "scheduler_stats" if self.stats_ok else "wall_clock", "curve_tok_s": dict(self.curve),
                  "engine_cpu_share": None if share is None else round(share, 4),
                  "client": "rollout request path, CPU time" if self.client_bursts else "bare client, wall clock",
                  "driver_cpu_share": None if driver_share is None else round(driver_share, 4)}
         return EngineCostModel(
-            **decode, **prefill, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
+            **decode, **prefill, **host, abort_s=ab[(len(ab) - 1) // 2], request_latency_s=latency,
             finish_s=ev[(len(ev) - 1) // 2] if ev else 0.0,
             **client_http,
             admit_wait_s=0.02 if embedded and not mixed else 0.0, max_running=self.max_running,
@@ -317,6 +324,9 @@ class Calibrator:
             paged_block_size=int(info.get("page_size") or 0) if embedded and mixed else 0,
             # the engine's bucket rule as it runs it (its default differs on a GPU)
             bucket_min_saving=int(info.get("bucket_min_saving") or BUCKET_MIN_SAVING),
+            # decode-only steps padded to CUDA graphs' shapes (on a GPU by default; "static" pads the same way)
+            graph_max_rows=int(info.get("cuda_graph_max_bs") or 0)
+            if embedded and mixed and info.get("cuda_graph_mode") in ("capture", "static") else 0,
             pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "

@@ -4,12 +4,19 @@ One `EngineCostModel` describes one engine (one tensor-parallel group):
 
 - a decode step over B running sequences costs
   `decode_base_s + decode_per_seq_s * B + decode_per_token_s * S + decode_per_padded_s * P
-  + decode_per_bucket_s * (K - 1)`, S the cached tokens summed over the running sequences (a paged KV
+  + decode_per_bucket_s * (K - 1)` of device work, S the cached tokens summed over the running sequences (a paged KV
   cache reads each once: GPU decode is memory-bound on weights + KV), P the key positions gathered and
   K the attention buckets: with `paged_block_size` (our embedded engine) the rows are grouped into
   buckets padded to their longest, in blocks, by the engine's own rule (`hf_engine/buckets.py`), and
   each bucket beyond the first costs its few small ops; without, one bucket padded to the longest row
-  W (P = B * W);
+  W (P = B * W); with `graph_max_rows` (the embedded engine's CUDA-graph decode steps) a decode-only step of up
+  to that many rows gathers its padded shape instead, in one bucket;
+- the host's part of a step (`host_fit.py`): issuing it costs `host_step_s + host_per_row_s * R +
+  host_per_bucket_s * (K - 1)` (R rows: decoded rows and prefill chunks), which overlaps the device's work,
+  and once its tokens are back `host_tail_s + host_tail_per_row_s * R` more, which nothing overlaps: a step
+  costs max(issue, device) + tail. On a CPU issuing is computing (the max changes nothing); a GPU step without
+  CUDA graphs is launch-bound (the issue is its floor); with them the device's time is. All zero: the device
+  terms alone (a model from before the host terms, or the GPU presets);
 - prefill, by `prefill_mode`:
   "mixed" (our embedded engine's paged KV cache, and SGLang with mixed chunked prefill): every step is
   one packed forward over the decoding rows' last tokens plus up to `max_prefill_tokens` prompt tokens
@@ -50,12 +57,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_shape
+from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, decode_shape, graph_blocks, graph_rows
 
 DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "decode_per_padded_s", "decode_per_bucket_s")
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token2_s", "prefill_per_chunk_s")
+HOST_TERMS = ("host_step_s", "host_per_row_s", "host_per_bucket_s")  # issuing a step (overlaps the device)
+TAIL_TERMS = ("host_tail_s", "host_tail_per_row_s")  # after its tokens are back (overlaps nothing)
 PREFILL_MODES = ("batched", "mixed")
-TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
+TIME_FIELDS = DECODE_TERMS + PREFILL_TERMS + HOST_TERMS + TAIL_TERMS + ("finish_s", "abort_s", "request_latency_s", "client_per_request_s",
                                               "client_per_input_token_s", "client_per_token_s", "engine_per_request_s", "engine_per_input_token_s",
                                               "engine_per_output_token_s", "step_overhead_s", "weight_update_s")
 
@@ -71,6 +80,11 @@ class EngineCostModel:
     prefill_per_token_s: float = 0.0
     prefill_per_token2_s: float = 0.0
     prefill_per_chunk_s: float = 0.0  # "mixed": per prompt chunk (one row's segment) in a step
+    host_step_s: float = 0.0  # the host issuing a step: per step, per row (decoded or prefilled), per extra bucket
+    host_per_row_s: float = 0.0
+    host_per_bucket_s: float = 0.0
+    host_tail_s: float = 0.0  # the host after a step's tokens are back: per step, per row
+    host_tail_per_row_s: float = 0.0
     finish_s: float = 0.0
     abort_s: float = 0.01
     request_latency_s: float = 0.002
@@ -96,6 +110,7 @@ class EngineCostModel:
     chunked_prefill_size: int = -1  # "mixed": prompt tokens of one row per step (-1: max_prefill_tokens)
     paged_block_size: int = 0  # > 0: decode rows read whole KV blocks of this size, bucketed as the embedded engine does
     bucket_min_saving: int = BUCKET_MIN_SAVING  # the embedded engine's bucket rule (key positions a new bucket must save)
+    graph_max_rows: int = 0  # > 0: decode-only steps of up to this many rows replay CUDA graphs, padded (decode_graphs.py)
     name: str = "custom"
     source: str = ""  # where the numbers come from (calibration command, datasheets)
     extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
@@ -117,17 +132,39 @@ class EngineCostModel:
             raise ValueError("EngineCostModel: max_running and kv_capacity_tokens must be >= 1")
 
     # ---- costs ---------------------------------------------------------------------
-    def decode_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> float:
-        """A decode step of `batch` rows attending `tokens` keys in all, `padded` key positions gathered in
-        1 + `extra_buckets` buckets (see `decode_read`)."""
+    def decode_device_s(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> float:
+        """The device's work in a decode step of `batch` rows attending `tokens` keys in all, `padded` key positions
+        gathered in 1 + `extra_buckets` buckets (see `decode_read`)."""
         return (self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_token_s * tokens
                 + self.decode_per_padded_s * padded + self.decode_per_bucket_s * extra_buckets)
 
-    def decode_read(self, positions: list[int]) -> tuple[int, int]:
+    def with_host(self, device_s: float, rows: int, extra_buckets: int = 0) -> float:
+        """A step whose device work takes `device_s`: max(the host issuing it, the device) + the host's tail."""
+        issue = self.host_step_s + self.host_per_row_s * rows + self.host_per_bucket_s * extra_buckets
+        return max(issue, device_s) + self.host_tail_s + self.host_tail_per_row_s * rows
+
+    def decode_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> float:
+        """A decode step (see `decode_device_s`), the host's part included."""
+        return self.with_host(self.decode_device_s(batch, tokens, padded, extra_buckets), batch, extra_buckets)
+
+    def decode_jump(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> tuple[float, float]:
+        """(this decode step's seconds, how much each next one costs more) while the same rows decode, each adding a
+        key per step: the device's part grows by (per token + per padded position) x batch; a step the host bounds
+        does not grow (taken as such until the jump is planned again, at the next row that finishes or joins)."""
+        device = self.decode_device_s(batch, tokens, padded, extra_buckets)
+        issue = self.host_step_s + self.host_per_row_s * batch + self.host_per_bucket_s * extra_buckets
+        growth = 0.0 if issue > device else (self.decode_per_token_s + self.decode_per_padded_s) * batch
+        return self.with_host(device, batch, extra_buckets), growth
+
+    def decode_read(self, positions: list[int], graph: bool = True) -> tuple[int, int]:
         """(key positions gathered, buckets beyond the first) of a decode step whose rows feed their next token at
-        `positions`: the paged engine's buckets, or one bucket padded to the longest row."""
+        `positions`: the paged engine's buckets (a decode-only step, `graph`, within `graph_max_rows`: its CUDA
+        graph's padded shape), or one bucket padded to the longest row."""
         if not positions:
             return 0, 0
+        if graph and self.paged_block_size > 0 and len(positions) <= self.graph_max_rows:  # one padded graph bucket
+            bs = self.paged_block_size
+            return graph_rows(len(positions), self.graph_max_rows) * graph_blocks(max(positions) // bs + 1) * bs, 0
         if self.paged_block_size > 0:
             padded, buckets = decode_shape(positions, self.paged_block_size, self.bucket_min_saving)
             return padded, buckets - 1
@@ -142,11 +179,11 @@ class EngineCostModel:
                      key_pairs: float, chunks: int = 1) -> float:
         """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens in `chunks` chunks
         (`key_pairs` attended)."""
-        cost = self.decode_step_s(batch, tokens, padded, extra_buckets) if batch else self.decode_base_s
+        cost = self.decode_device_s(batch, tokens, padded, extra_buckets) if batch else self.decode_base_s
         if prefill_tokens:
             cost += (self.prefill_base_s + self.prefill_per_chunk_s * chunks + self.prefill_per_token_s * prefill_tokens
                      + self.prefill_per_token2_s * key_pairs)
-        return cost
+        return self.with_host(cost, batch + (chunks if prefill_tokens else 0), extra_buckets)
 
     def on_counters(self, st: dict) -> tuple[float, float]:
         """The model's seconds for the steps an engine counted (`scheduler_stats` deltas): (decode-only steps,
@@ -155,6 +192,9 @@ class EngineCostModel:
         dec = (self.decode_base_s * g("decode_steps", 0) + self.decode_per_seq_s * g("decode_rows", 0)
                + self.decode_per_token_s * g("decode_ctx_tokens", 0) + self.decode_per_padded_s * g("decode_padded", 0)
                + self.decode_per_bucket_s * max(0, g("decode_buckets", 0) - g("decode_steps", 0)))
+        # the host's part over the same steps, from the sums (max of the sums: each step's own max is not known)
+        dec = self._host_on_sums(dec, g("decode_steps", 0), g("decode_rows", 0),
+                                 max(0, g("decode_buckets", 0) - g("decode_steps", 0)))
         if self.prefill_mode == "mixed":
             pre = ((self.decode_base_s + self.prefill_base_s) * g("prefills", 0)
                    + self.decode_per_seq_s * g("prefill_decode_rows", 0)
@@ -163,9 +203,17 @@ class EngineCostModel:
                    + self.decode_per_bucket_s * max(0, g("prefill_decode_buckets", 0) - g("prefill_decode_steps", 0))
                    + self.prefill_per_chunk_s * g("prefill_rows", 0)
                    + self.prefill_per_token_s * g("prefill_tokens", 0) + self.prefill_per_token2_s * g("prefill_key_pairs", 0))
+            pre = self._host_on_sums(pre, g("prefills", 0), g("prefill_decode_rows", 0) + g("prefill_rows", 0),
+                                     max(0, g("prefill_decode_buckets", 0) - g("prefill_decode_steps", 0)))
         else:
             pre = self.prefill_base_s * g("prefills", 0) + self.prefill_per_token_s * g("prefill_positions", 0)
         return dec, pre
+
+    def _host_on_sums(self, device_s: float, steps: float, rows: float, extra_buckets: float) -> float:
+        if not steps:
+            return device_s
+        issue = self.host_step_s * steps + self.host_per_row_s * rows + self.host_per_bucket_s * extra_buckets
+        return max(issue, device_s) + self.host_tail_s * steps + self.host_tail_per_row_s * rows
 
     def prefill_s(self, lengths: list[int]) -> float:
         """Seconds to prefill rows of `lengths`, split into forwards as the engine would."""
@@ -223,7 +271,9 @@ class EngineCostModel:
     def describe(self) -> str:
         return (f"{self.name}: decode step {1e3 * self.decode_base_s:.3f} ms + {1e6 * self.decode_per_seq_s:.2f} us/seq "
                 f"+ {1e9 * self.decode_per_token_s:.3f} ns/cached token + {1e9 * self.decode_per_padded_s:.3f} ns/padded "
-                f"position + {1e6 * self.decode_per_bucket_s:.1f} us/extra bucket; prefill {1e3 * self.prefill_base_s:.3f} "
+                f"position + {1e6 * self.decode_per_bucket_s:.1f} us/extra bucket; host: issue {1e3 * self.host_step_s:.3f} ms + "
+                f"{1e6 * self.host_per_row_s:.2f} us/row + {1e6 * self.host_per_bucket_s:.1f} us/extra bucket, tail "
+                f"{1e3 * self.host_tail_s:.3f} ms + {1e6 * self.host_tail_per_row_s:.2f} us/row; prefill {1e3 * self.prefill_base_s:.3f} "
                 f"ms/forward + {1e6 * self.prefill_per_chunk_s:.1f} us/chunk + {1e6 * self.prefill_per_token_s:.3f} us/token "
                 f"+ {1e12 * self.prefill_per_token2_s:.3f} ps/token^2 ({self.prefill_mode}); abort {1e3 * self.abort_s:.1f} ms, request "
                 f"{1e3 * self.request_latency_s:.2f} ms, step overhead {1e3 * self.step_overhead_s:.1f} ms, weight update "

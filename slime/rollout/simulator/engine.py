@@ -405,7 +405,7 @@ class SimEngine:
             tokens += take
             pairs += take * req.cached + take * (take + 1) / 2
         self._chunks = chunks
-        alpha = c.mixed_step_s(b, self.tokens_now, *self._decode_read(b), tokens, pairs, len(chunks))
+        alpha = c.mixed_step_s(b, self.tokens_now, *self._decode_read(b, graph=False), tokens, pairs, len(chunks))
         self.jump = (t, alpha, 0.0, 1, 0)
         self._schedule(t + alpha)
 
@@ -423,12 +423,13 @@ class SimEngine:
             heapq.heappop(self.width_heap)
         return -self.width_heap[0][0] + self.k if self.width_heap else 0
 
-    def _decode_read(self, b: int) -> tuple[int, int]:
-        """(key positions gathered, buckets beyond the first) of the running rows' next decode step."""
+    def _decode_read(self, b: int, graph: bool = True) -> tuple[int, int]:
+        """(key positions gathered, buckets beyond the first) of the running rows' next decode step (`graph`: a
+        decode-only step, which may replay a CUDA graph; a step with prefill tokens never does)."""
         if not b:
             return 0, 0
         if self.cost.paged_block_size > 0:  # the paged engine's buckets, from every row's position
-            return self.cost.decode_read([r.ctx0 + self.k - r.k_join for r in self.running.values()])
+            return self.cost.decode_read([r.ctx0 + self.k - r.k_join for r in self.running.values()], graph)
         return b * self._longest(), 0  # cost.decode_read's padded case, from the heap (no pass over the rows)
 
     def _start_jump(self, t: float) -> None:
@@ -455,8 +456,7 @@ class SimEngine:
             room = (c.kv_capacity_tokens - self.tokens_now - b) // b
             m = min(m, max(1, room))
         m = max(1, m)
-        alpha = c.decode_step_s(b, self.tokens_now, *self._decode_read(b))
-        beta = (c.decode_per_token_s + c.decode_per_padded_s) * b
+        alpha, beta = c.decode_jump(b, self.tokens_now, *self._decode_read(b))  # a step's cost and its growth
         self.jump = (t, alpha, beta, m, 0)
         self._schedule(t + self._jump_time(alpha, beta, m))
 

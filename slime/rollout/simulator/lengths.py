@@ -63,6 +63,19 @@ class LogNormalLengths:
                 f"prompt {self.prompt_len} tokens")
 
 
+# The APRIL paper's response lengths as we assume them (it gives none; `tools/simulate_rollout.py paper`): Qwen3-4B on
+# DAPO-Math-17k, log-normal, median 6,000 tokens, sigma 0.8 (mean ~8.3k before the cap; 10.5% reach the 16,384 cap),
+# half of the log-length variance shared by a prompt's samples (hard problems are long for all), 200-token prompts.
+PAPER_LENGTHS = dict(median=6000, sigma=0.8, corr=0.5, prompt=200)
+PAPER_CAP = 16384
+
+
+def paper_lengths(cap: int = PAPER_CAP, prompt_len: int = PAPER_LENGTHS["prompt"]) -> LogNormalLengths:
+    """`PAPER_LENGTHS` scaled to a cap of `cap` tokens (median and cap shrink together: the same shape, shorter)."""
+    return LogNormalLengths(PAPER_LENGTHS["median"] * cap / PAPER_CAP, PAPER_LENGTHS["sigma"], cap,
+                            PAPER_LENGTHS["corr"], prompt_len)
+
+
 class ParetoLengths:
     """scale x q, q = min(cap_steps, ceil(X)), X ~ Pareto(x_m=1, alpha) (subtract_chain.sample_steps)."""
 

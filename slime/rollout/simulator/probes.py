@@ -106,6 +106,9 @@ class Probe:
         self.prefill: list[tuple[float, int, int, float]] = []  # (seconds, forwards, positions, sum of len^2)
         self.evict: list[float] = []  # seconds per row taking its rows out of the batch when they finished, per run
         self.cpu_prefill: list[tuple[float, int, int, float]] = []
+        # per run, engines that count them: (seconds issuing, seconds after the tokens were back, x) of its decode
+        # steps (host_fit.py); `runs` then holds the decode seconds less that tail
+        self.host: list[tuple[float, float, list[float]]] = []
 
     def step(self, stat, clock: str = "wall") -> tuple[float, list[float]] | None:
         """The run whose mean step time is the `stat` (min or median) of the runs."""
@@ -152,14 +155,17 @@ async def run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, 
                      d["decode_buckets"] - d["decode_steps"]]
             else:
                 x = probe.nominal(d["decode_steps"], d["decode_rows"])
-            probe.runs.append((d["decode_s"], x))
+            tail = d.get("decode_tail_s", 0.0)
+            probe.runs.append((d["decode_s"] - tail, x))
+            if "decode_launch_s" in d and "decode_tail_s" in d:
+                probe.host.append((d["decode_launch_s"], tail, x))
             if "decode_cpu_s" in d:
                 probe.cpu_runs.append((d["decode_cpu_s"], x))
         if d.get("prefills", 0) > 0 and "prefill_key_pairs" in d:  # mixed steps, as the engine counted them
             x = [d["prefills"], d["prefill_decode_rows"], d["prefill_decode_ctx_tokens"], d["prefill_decode_padded"],
                  d.get("prefill_decode_buckets", d["prefill_decode_steps"]) - d["prefill_decode_steps"],
                  d["prefills"], d["prefill_tokens"], d["prefill_key_pairs"], d["prefill_rows"]]
-            probe.mixed.append((d["prefill_s"], x))
+            probe.mixed.append((d["prefill_s"] - d.get("prefill_tail_s", 0.0), x))
             if "prefill_cpu_s" in d:
                 probe.cpu_mixed.append((d["prefill_cpu_s"], x))
         if d.get("prefills", 0) > 0:  # attention's token pairs: each row's own (long rows prefill alone)

@@ -106,3 +106,23 @@ def start_engine(tmp_path_factory):
     for srv, log in started:
         rc = srv.stop()
         assert rc == 0, f"engine exited with {rc}:\n" + log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def real_sglang_engines(tmp_path_factory):
+    """`real_sglang_engines(args)`: an EngineGroup of real SGLang servers (`args` from
+    `real_sglang.engine_args(...)`: `--rollout-backend sglang` from the CPU venv), started behind the real
+    sglang-router; every group started is shut down after the module. One group per module: a start costs
+    75-100 s here."""
+    from real_sglang import start_engines
+
+    started = []
+
+    def _start(args):
+        group = start_engines(args, str(tmp_path_factory.mktemp("real_sglang_logs")))
+        started.append(group)
+        return group
+
+    yield _start
+    for group in started:
+        group.shutdown()

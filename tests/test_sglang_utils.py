@@ -283,6 +283,7 @@ def test_terminate_kills_the_whole_group_even_if_sigterm_is_ignored(tmp_path):
 
 def test_make_engine_process_env_and_urls(tmp_path, monkeypatch):
     args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)  # a GPU machine
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what Ray gives an actor that asked for no GPU
     eng = sglang_engine.make_engine_process(args, "sglang", 1, 31000, str(tmp_path), nccl_port=31001)
     assert "CUDA_VISIBLE_DEVICES" not in eng.process._env
@@ -352,6 +353,9 @@ def test_sglang_on_a_cpu_box_runs_from_its_interpreter_with_the_cpu_flags_and_st
     assert env["PYTHONPATH"].split(os.pathsep) == [sglang_engine.CPU_STAND_INS, "/somewhere"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "0"
     assert os.path.exists(os.path.join(sglang_engine.CPU_STAND_INS, "vllm", "_custom_ops.py"))
+    # SGLang on CPU takes the GPU id for a NUMA node (engine 1 at --base-gpu-id 1 asserted on a 1-node box)
+    second = sglang_engine.make_engine_process(args, "sglang", 1, 31002, str(tmp_path), nccl_port=31003)
+    assert flag_value(second.process.cmd, "--base-gpu-id") == "0"
     with pytest.raises(ValueError, match="--colocate"):
         sglang_engine.make_engine_process(make_args(tmp_path, "--colocate"), "sglang", 0, 1, str(tmp_path), nccl_port=2)
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)  # a GPU: none of it

@@ -237,10 +237,11 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
     env = dict(os.environ)
     if backend == "sglang":
         tp = args.rollout_num_gpus_per_engine
-        base_gpu_id = 0 if gpu_ids else engine_rank * tp
+        cpu = not gpu_ids and not _cuda_available()
+        # on CPU SGLang reads the GPU id as the NUMA node to bind its threads to: every engine takes node 0
+        base_gpu_id = 0 if gpu_ids or cpu else engine_rank * tp
         if nccl_port is None:
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
-        cpu = not gpu_ids and not _cuda_available()
         cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host, cpu=cpu)
         host = _host_from_cmd(cmd, host)
         if cpu:

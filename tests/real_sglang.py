@@ -45,14 +45,15 @@ def sglang_python() -> str:
     return python
 
 
-def engine_args(model_dir: str, prompt_data: str, run_dir: str, *flags: str, engines: int = 1):
-    """Parsed flags for `engines` real SGLang engines serving `model_dir` (`flags` add or replace any)."""
+def engine_args(model_dir: str, prompt_data: str, run_dir: str, *flags: str, engines: int = 1,
+                entry: str = "train.py"):
+    """Parsed flags (of `entry`) for `engines` real SGLang engines serving `model_dir` (`flags` add or replace)."""
     from slime.arguments import parse_args
 
     return parse_args(["--hf-checkpoint", model_dir, "--prompt-data", prompt_data, "--label-key", "label",
                        "--rm-type", "subtract_chain", "--num-rollout", "4", "--rollout-batch-size", "2",
                        "--rollout-backend", "sglang", "--sglang-python", sglang_python(),
-                       "--rollout-num-gpus", str(engines), "--run-dir", run_dir, *flags])
+                       "--rollout-num-gpus", str(engines), "--run-dir", run_dir, *flags], entry=entry)
 
 
 def start_engines(args, log_dir: str):

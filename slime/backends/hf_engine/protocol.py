@@ -242,7 +242,7 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
     reason = req.finish_reason if finished else None
     spans = version_spans(req, weight_version)
     # SGLang 0.5.23's keys (tokenizer_manager.py), as its own server answers on CPU (tests/test_real_sglang.py
-    # compares them): no retractions or reasoning parser here, no cache breakdown, one DP rank (null)
+    # compares them): no retractions or reasoning parser here, every cached token on the device, one DP rank (null)
     meta = {
         "id": req.rid,
         "finish_reason": reason,
@@ -253,7 +253,7 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
         "completion_tokens": len(output_ids),
         "cached_tokens": req.cached_tokens,
         "weight_versions": spans,
-        "cached_tokens_details": None,
+        "cached_tokens_details": {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None,
         "dp_rank": None,
     }
     if finished:  # SGLang adds these once the request finished

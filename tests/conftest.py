@@ -126,3 +126,12 @@ def real_sglang_engines(tmp_path_factory):
     yield _start
     for group in started:
         group.shutdown()
+
+
+def pytest_runtest_logreport(report):
+    """The real-SGLang group's cost, test by test (set-up: its engines' start), into real_sglang.COSTS (scripts/test.sh
+    prints it); recorded once, by the process that reports (the xdist controller, or the only process)."""
+    if report.when in ("setup", "call") and "real_sglang" in report.keywords and "PYTEST_XDIST_WORKER" not in os.environ:
+        from real_sglang import record_cost
+
+        record_cost(f"{report.when} {report.nodeid}", report.duration, outcome=report.outcome)

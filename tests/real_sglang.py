@@ -12,6 +12,7 @@ A server start costs 75-100 s on a loaded 2-core box: share a group across a mod
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,11 @@ def sglang_python() -> str:
     """The CPU venv's interpreter, installed (waiting for a concurrent install) unless SLIME_SKIP_REAL_SGLANG=1."""
     if os.environ.get("SLIME_SKIP_REAL_SGLANG") == "1":
         pytest.skip("SLIME_SKIP_REAL_SGLANG=1: real SGLang tests skipped")
+    return _installed_venv()
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_venv() -> str:
     sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
         import sglang_cpu_env

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from slime.utils.sglang_versions import SGLANG_PINNED
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COSTS = os.path.join(REPO, "runs", "test-costs", "real_sglang.jsonl")  # scripts/test.sh prints it at the end
 
@@ -31,34 +33,35 @@ def record_cost(what: str, seconds: float, **info) -> None:
         f.write(json.dumps({"what": what, "seconds": round(seconds, 1), "pid": os.getpid(), **info}) + "\n")
 
 
-def sglang_python() -> str:
-    """The CPU venv's interpreter, installed (waiting for a concurrent install) unless SLIME_SKIP_REAL_SGLANG=1."""
+def sglang_python(version: str = SGLANG_PINNED) -> str:
+    """The CPU venv's interpreter for SGLang `version`, installed (waiting for a concurrent install) unless
+    SLIME_SKIP_REAL_SGLANG=1."""
     if os.environ.get("SLIME_SKIP_REAL_SGLANG") == "1":
         pytest.skip("SLIME_SKIP_REAL_SGLANG=1: real SGLang tests skipped")
-    return _installed_venv()
+    return _installed_venv(version)
 
 
 @functools.lru_cache(maxsize=None)
-def _installed_venv() -> str:
+def _installed_venv(version: str) -> str:
     sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
         import sglang_cpu_env
     finally:
         sys.path.pop(0)
     t0 = time.monotonic()
-    python = sglang_cpu_env.install()
-    record_cost("venv ready (waited for or installed)", time.monotonic() - t0)
+    python = sglang_cpu_env.install(version)
+    record_cost(f"SGLang {version} venv ready (waited for or installed)", time.monotonic() - t0)
     return python
 
 
 def engine_args(model_dir: str, prompt_data: str, run_dir: str, *flags: str, engines: int = 1,
-                entry: str = "train.py"):
+                entry: str = "train.py", version: str = SGLANG_PINNED):
     """Parsed flags (of `entry`) for `engines` real SGLang engines serving `model_dir` (`flags` add or replace)."""
     from slime.arguments import parse_args
 
     return parse_args(["--hf-checkpoint", model_dir, "--prompt-data", prompt_data, "--label-key", "label",
                        "--rm-type", "subtract_chain", "--num-rollout", "4", "--rollout-batch-size", "2",
-                       "--rollout-backend", "sglang", "--sglang-python", sglang_python(),
+                       "--rollout-backend", "sglang", "--sglang-python", sglang_python(version),
                        "--rollout-num-gpus", str(engines), "--run-dir", run_dir, *flags], entry=entry)
 
 

@@ -1,7 +1,11 @@
 """SGLang's own server on a CPU box: its own venv, built by the project (one command, cached, idempotent).
 
-    python tools/sglang_cpu_env.py install      # builds <root>/<version>/ once; later calls return at once
+    python tools/sglang_cpu_env.py install      # builds <root>/<version>/ once per version; later calls return at once
     python tools/sglang_cpu_env.py python       # prints the venv's interpreter (for --sglang-python)
+    python tools/sglang_cpu_env.py install --version 0.5.15.post1   # one version only
+
+Both ends of the supported range serve on CPU this way: the pinned SGLang (0.5.23) and the oldest (0.5.15.post1),
+each with its own pinned list.
     SLIME_SGLANG_PYTHON=$(python tools/sglang_cpu_env.py python) python train.py --rollout-backend sglang ...
 
 SGLang pins its own dependencies (CUDA torch 2.14.1, its GPU kernels: ~10 GB if pip resolves them), which ours
@@ -32,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from slime.utils.sglang_versions import SGLANG_PINNED  # noqa: E402
+from slime.utils.sglang_versions import CONTRACT_VERSIONS, SGLANG_PINNED  # noqa: E402
 
 logger = logging.getLogger("sglang_cpu_env")
 STAMP = ".slime-sglang-cpu-stamp.json"
@@ -110,14 +114,17 @@ def main() -> int:
     p.add_argument("cmd", choices=["install", "python", "check"],
                    help="install: build the venv (idempotent); python: print its interpreter; check: exit 1 unless "
                         "it is installed")
-    p.add_argument("--version", default=SGLANG_PINNED)
+    p.add_argument("--version", choices=CONTRACT_VERSIONS, default=None,
+                   help=f"one SGLang version (default: install every one of {', '.join(CONTRACT_VERSIONS)}, the "
+                        f"pinned first; python / check: {SGLANG_PINNED})")
     a = p.parse_args()
     if a.cmd == "install":
-        install(a.version)
+        for version in [a.version] if a.version else CONTRACT_VERSIONS:
+            install(version)
     elif a.cmd == "check":
-        return 0 if is_installed(a.version) else 1
+        return 0 if is_installed(a.version or SGLANG_PINNED) else 1
     else:
-        print(python(a.version))
+        print(python(a.version or SGLANG_PINNED))
     return 0
 
 

@@ -77,7 +77,8 @@ def resolve_rollout_backend(args) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"--rollout-backend: {choice!r} is not one of {BACKENDS}")
     if choice == "auto":
-        cuda, has_sglang = _cuda_available(), _sglang_importable()
+        cuda = _cuda_available()
+        has_sglang = cuda and _sglang_importable(args.sglang_python)
         backend = "sglang" if (cuda and has_sglang) else "embedded"
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
     else:

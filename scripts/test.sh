@@ -24,7 +24,6 @@ if [[ "${SLIME_SKIP_REAL_SGLANG:-0}" != 1 ]]; then
   mkdir -p runs/test-costs && rm -f runs/test-costs/real_sglang.jsonl
   setsid ${PYTHON:-python3} tools/sglang_cpu_env.py install > runs/test-costs/sglang-cpu-install.log 2>&1 &
   install_pid=$!
-  export SLIME_SGLANG_PYTHON=${SLIME_SGLANG_PYTHON:-$(${PYTHON:-python3} tools/sglang_cpu_env.py python)}
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false

@@ -92,10 +92,12 @@ class Recorder:
 
         monkeypatch.setattr(http_client, "generate", recording)
 
-    def segment_ending(self, tokens: list[int]) -> tuple[dict, dict]:
-        """The request whose input + output is exactly `tokens` (the sample's last segment)."""
-        hits = [(p, o) for p, o in self.calls if p["input_ids"] + o["output_ids"] == tokens]
-        assert len(hits) == 1, f"{len(hits)} requests end at {tokens}"
+    def segment_ending(self, index: int, tokens: list[int]) -> tuple[dict, dict]:
+        """Sample `index`'s request whose input + output is exactly `tokens` (the sample's last segment; the
+        samples of a group share a prompt, so their requests are told apart by the rid, `...-s<index>-...`)."""
+        hits = [(p, o) for p, o in self.calls
+                if f"-s{index}-" in p["rid"] and p["input_ids"] + o["output_ids"] == tokens]
+        assert len(hits) == 1, f"{len(hits)} requests of sample {index} end at {tokens}"
         return hits[0]
 
 
@@ -120,7 +122,7 @@ def test_april_steps_on_real_engines_park_what_sglang_returned_and_resume_it(env
                 # the trained sample is the concatenation of what SGLang returned, segment by segment
                 tokens, lps, versions = list(s.tokens), list(s.rollout_log_probs), list(s.weight_versions)
                 while len(tokens) > s.prompt_length:
-                    payload, reply = rec.segment_ending(tokens)
+                    payload, reply = rec.segment_ending(s.index, tokens)
                     ids = reply["output_ids"]
                     assert [x[1] for x in reply["meta_info"]["output_token_logprobs"]] == ids
                     assert lps[-len(ids):] == [x[0] for x in reply["meta_info"]["output_token_logprobs"]]
@@ -139,8 +141,10 @@ def test_april_steps_on_real_engines_park_what_sglang_returned_and_resume_it(env
         for g in buffer._parked:
             for s in g:
                 if s.response_length and s.status == Status.ABORTED:
-                    payload, reply = rec.segment_ending(list(s.tokens))
+                    payload, reply = rec.segment_ending(s.index, list(s.tokens))
                     assert reply["meta_info"]["finish_reason"]["type"] == "abort"
+                    # an abort that arrived with the EOS finished the sample: it is never parked (it would run on)
+                    assert s.tokens[-1] != env["tok"].eos_token_id
                     n = len(reply["output_ids"])
                     assert s.rollout_log_probs[-n:] == [x[0] for x in reply["meta_info"]["output_token_logprobs"]]
                     parked_seen[s.index] = (list(s.tokens), list(s.rollout_log_probs), list(s.weight_versions))

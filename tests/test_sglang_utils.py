@@ -46,7 +46,8 @@ def flag_value(cmd, flag):
 
 
 # --- command builders ----------------------------------------------------------------
-def test_sglang_command_sets_our_flags_and_passes_user_flags_through(tmp_path):
+def test_sglang_command_sets_our_flags_and_passes_user_flags_through(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLIME_SGLANG_PYTHON", raising=False)  # --sglang-python's default: this interpreter
     args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2", "--seed", "7",
                      "--sglang-mem-fraction-static", "0.8", "--sglang-enable-memory-saver",
                      "--sglang-log-level=warning")

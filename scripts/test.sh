@@ -16,7 +16,7 @@ if [[ "${SLIME_SKIP_SGLANG_CONTRACT:-0}" != 1 ]]; then
   ${PYTHON:-python3} tools/sglang_contract_env.py install || exit 1
   export SLIME_REQUIRE_SGLANG_CONTRACT=1
 fi
-# SGLang's own server on CPU for the `real_sglang` tests (tools/sglang_cpu_env.py: its own venv, ~70 s when pip's
+# SGLang's own server on CPU for the `real_sglang` tests (tools/sglang_cpu_env.py: a venv per version, 1-4 min each when pip's
 # cache is warm, 4-6 min cold): installed in the background while the other tests run; the tests wait for it on
 # its lock (or install it themselves). SLIME_SKIP_REAL_SGLANG=1 leaves it out, and those tests skip.
 install_pid=
@@ -38,7 +38,7 @@ if [[ -n $install_pid ]]; then
   cat runs/test-costs/sglang-cpu-install.log >&2
   [[ -f runs/test-costs/real_sglang.jsonl ]] && { echo "[test] real-SGLang costs (s):" >&2; cat runs/test-costs/real_sglang.jsonl >&2; }
 fi
-echo "[test] install and suite took ${SECONDS} s (targets on 2 cores: 900 s for the whole suite, 300 s with -m \"not slow\")" >&2
+echo "[test] install and suite took ${SECONDS} s (targets on 2 cores: 1200 s for the whole suite, 300 s with -m \"not slow\")" >&2
 if [[ $rc -eq 5 ]]; then
   echo "pytest collected no tests: that is a failure" >&2
   exit 1

@@ -16,7 +16,8 @@ torch; their stand-ins are the project's (slime/backends/sglang_utils/cpu_stand_
 on the server's PYTHONPATH. Root: $SLIME_SGLANG_CPU_DIR, default <repo>/.cache/sglang-cpu (git-ignored). A venv
 is complete when its stamp names exactly what it was installed from; anything else is rebuilt. Concurrent calls
 (two pytest workers, scripts/test.sh's background install) wait on one lock: the second finds it complete.
-Measured on the 2-core box: ~70 s with pip's cache warm, 4-6 min cold (~330 MB of downloads); ~2.8 GB on disk.
+Measured on the 2-core box: 1-4 min per version with pip's cache warm (loaded box: 235 s), 4-6 min cold (~330 MB of
+downloads); ~2.8 GB on disk per version.
 """
 
 from __future__ import annotations

@@ -39,10 +39,12 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 # --rollout-backend sglang: SGLang's own server. Without CUDA (or without sglang in this Python) it runs from its own
 # venv, built once by tools/sglang_cpu_env.py (4-6 minutes the first time); --sglang-python / $SLIME_SGLANG_PYTHON
 # name another interpreter.
-if [[ " $* " == *" --rollout-backend sglang "* && -z "${SLIME_SGLANG_PYTHON:-}" && " $* " != *" --sglang-python "* ]] \
-   && ! $PY -c 'import sglang' >/dev/null 2>&1; then
-  $PY tools/sglang_cpu_env.py install
-  export SLIME_SGLANG_PYTHON=$($PY tools/sglang_cpu_env.py python)
+if [[ " $* " == *" --rollout-backend sglang "* ]]; then
+  SIMULATE=${SIMULATE:-0}  # the simulator's calibration measures the embedded engine, not SGLang's server
+  if [[ -z "${SLIME_SGLANG_PYTHON:-}" && " $* " != *" --sglang-python "* ]] && ! $PY -c 'import sglang' >/dev/null 2>&1; then
+    $PY tools/sglang_cpu_env.py install
+    export SLIME_SGLANG_PYTHON=$($PY tools/sglang_cpu_env.py python)
+  fi
 fi
 
 # Data, tokenizer, model and the supervised warm start (skipped when cached with the same settings).

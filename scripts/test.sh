@@ -22,7 +22,7 @@ fi
 install_pid=
 if [[ "${SLIME_SKIP_REAL_SGLANG:-0}" != 1 ]]; then
   mkdir -p runs/test-costs && rm -f runs/test-costs/real_sglang.jsonl
-  setsid ${PYTHON:-python3} tools/sglang_cpu_env.py install > runs/test-costs/sglang-cpu-install.log 2>&1 &
+  setsid ${PYTHON:-python3} tools/sglang_cpu_env.py install --all > runs/test-costs/sglang-cpu-install.log 2>&1 &
   install_pid=$!
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \

@@ -1,8 +1,8 @@
 """SGLang's own server on a CPU box: its own venv, built by the project (one command, cached, idempotent).
 
-    python tools/sglang_cpu_env.py install      # builds <root>/<version>/ once per version; later calls return at once
+    python tools/sglang_cpu_env.py install      # builds <root>/0.5.23/ once; later calls return at once
     python tools/sglang_cpu_env.py python       # prints the venv's interpreter (for --sglang-python)
-    python tools/sglang_cpu_env.py install --version 0.5.15.post1   # one version only
+    python tools/sglang_cpu_env.py install --all                    # both ends of the range (scripts/test.sh)
 
 Both ends of the supported range serve on CPU this way: the pinned SGLang (0.5.23) and the oldest (0.5.15.post1),
 each with its own pinned list.
@@ -115,17 +115,17 @@ def main() -> int:
     p.add_argument("cmd", choices=["install", "python", "check"],
                    help="install: build the venv (idempotent); python: print its interpreter; check: exit 1 unless "
                         "it is installed")
-    p.add_argument("--version", choices=CONTRACT_VERSIONS, default=None,
-                   help=f"one SGLang version (default: install every one of {', '.join(CONTRACT_VERSIONS)}, the "
-                        f"pinned first; python / check: {SGLANG_PINNED})")
+    p.add_argument("--version", choices=CONTRACT_VERSIONS, default=SGLANG_PINNED, help="the SGLang version")
+    p.add_argument("--all", action="store_true",
+                   help=f"install: every supported end ({', '.join(CONTRACT_VERSIONS)}), the pinned first (the tests)")
     a = p.parse_args()
     if a.cmd == "install":
-        for version in [a.version] if a.version else CONTRACT_VERSIONS:
+        for version in CONTRACT_VERSIONS if a.all else [a.version]:
             install(version)
     elif a.cmd == "check":
-        return 0 if is_installed(a.version or SGLANG_PINNED) else 1
+        return 0 if is_installed(a.version) else 1
     else:
-        print(python(a.version or SGLANG_PINNED))
+        print(python(a.version))
     return 0
 
 

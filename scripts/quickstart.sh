@@ -11,6 +11,7 @@
 #   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
 #   MAX_STALENESS= bash scripts/quickstart.sh  # APRIL without the staleness cap (default: 4 policy versions)
 #   bash scripts/quickstart.sh --agentic       # multi-turn tool use: a calculator, partial rollouts (docs/multi-turn.md)
+#   STEPS=6 bash scripts/quickstart.sh --rollout-backend sglang   # on SGLang's own server (CPU: its venv is built once)
 #
 # It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
 # rollout tokens/s, off-policy tokens and staleness, response lengths, engine occupancy over one rollout
@@ -34,6 +35,17 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-20}
 [[ "${SLIME_SKIP_INSTALL:-0}" == 1 ]] || bash scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+
+# --rollout-backend sglang: SGLang's own server. Without CUDA (or without sglang in this Python) it runs from its own
+# venv, built once by tools/sglang_cpu_env.py (4-6 minutes the first time); --sglang-python / $SLIME_SGLANG_PYTHON
+# name another interpreter.
+if [[ " $* " == *" --rollout-backend sglang "* ]]; then
+  SIMULATE=${SIMULATE:-0}  # the simulator's calibration measures the embedded engine, not SGLang's server
+  if [[ -z "${SLIME_SGLANG_PYTHON:-}" && " $* " != *" --sglang-python "* ]] && ! $PY -c 'import sglang' >/dev/null 2>&1; then
+    $PY tools/sglang_cpu_env.py install
+    export SLIME_SGLANG_PYTHON=$($PY tools/sglang_cpu_env.py python)
+  fi
+fi
 
 # Data, tokenizer, model and the supervised warm start (skipped when cached with the same settings).
 $PY tools/prepare_tiny_task.py --out "$WORK" ${PREPARE_ARGS:-}

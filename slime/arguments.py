@@ -90,6 +90,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-backend", choices=["auto", "embedded", "sglang"], default="auto",
                    help="engines: real SGLang servers, or the embedded CPU engine (auto: sglang when CUDA and sglang are present)")
     g.add_argument("--embedded-engine-threads", type=int, default=1, help="torch threads of each embedded engine")
+    g.add_argument("--sglang-python", type=str, default=os.environ.get("SLIME_SGLANG_PYTHON") or None,
+                   help="the interpreter that runs `sglang.launch_server` (--rollout-backend sglang; default "
+                        "$SLIME_SGLANG_PYTHON, else this one): on a CPU box, the venv `python tools/sglang_cpu_env.py "
+                        "install` builds (scripts/quickstart.sh does it for --rollout-backend sglang)")
     g.add_argument("--train-num-threads", type=int, default=1, help="torch threads of each trainer process (CPU)")
     g.add_argument("--listen-host", type=str, default="auto",
                    help="where the run's servers listen (trainer stores and gloo, the weight-update store, the "

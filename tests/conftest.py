@@ -106,3 +106,32 @@ def start_engine(tmp_path_factory):
     for srv, log in started:
         rc = srv.stop()
         assert rc == 0, f"engine exited with {rc}:\n" + log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def real_sglang_engines(tmp_path_factory):
+    """`real_sglang_engines(args)`: an EngineGroup of real SGLang servers (`args` from
+    `real_sglang.engine_args(...)`: `--rollout-backend sglang` from the CPU venv), started behind the real
+    sglang-router; every group started is shut down after the module. One group per module: a start costs
+    75-100 s here."""
+    from real_sglang import start_engines
+
+    started = []
+
+    def _start(args):
+        group = start_engines(args, str(tmp_path_factory.mktemp("real_sglang_logs")))
+        started.append(group)
+        return group
+
+    yield _start
+    for group in started:
+        group.shutdown()
+
+
+def pytest_runtest_logreport(report):
+    """The real-SGLang group's cost, test by test (set-up: its engines' start), into real_sglang.COSTS (scripts/test.sh
+    prints it); recorded once, by the process that reports (the xdist controller, or the only process)."""
+    if report.when in ("setup", "call") and "real_sglang" in report.keywords and "PYTEST_XDIST_WORKER" not in os.environ:
+        from real_sglang import record_cost
+
+        record_cost(f"{report.when} {report.nodeid}", report.duration, outcome=report.outcome)

@@ -149,3 +149,32 @@ def test_running_requests_parses_the_load_report():
     # the legacy /get_load, on a server without /v1/loads
     assert running_requests([{"num_reqs": 3, "max_running_requests": 8}, {"num_reqs": 1, "max_running_requests": 8}]) == (4, 16)
     assert running_requests({"num_running_reqs": 2}) == (2, None)
+
+
+def test_an_abort_that_arrived_with_the_end_token_finishes_the_sample(base_args, tmp_path, monkeypatch):
+    """SGLang applies an abort arriving with a token before checking that token (`Req.update_finish_state`):
+    found by the real engine (tests/test_real_sglang.py), a reply said abort with EOS as its last token. Such a
+    sample has finished: parked and resumed it would generate past its end. Any other abort stays one."""
+    import json
+
+    from slime.backends.sglang_utils import http_client
+    from slime.utils.hf_dir import eos_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert eos_token_ids(str(tmp_path)) == {2, 9}
+    args = base_args.replace(hf_checkpoint=str(tmp_path), rollout_max_response_len=10)
+    replies = []
+
+    async def engine(session, url, payload, timeout=None):
+        return replies.pop(0)
+
+    monkeypatch.setattr(http_client, "generate", engine)
+    for ids, params, status in [([7, 2], {}, Status.COMPLETED), ([7, 9], {}, Status.COMPLETED),
+                                ([7, 5], {"stop_token_ids": [5]}, Status.COMPLETED), ([7, 5], {}, Status.ABORTED),
+                                ([7, 2], {"ignore_eos": True}, Status.ABORTED), ([], {}, Status.ABORTED)]:
+        replies.append(reply(ids, "abort", version="1"))
+        s = sample([])
+        req = SampleRequester(args, None, "http://x", params, 0, 1)
+        asyncio.run(req.send(s))
+        assert s.status == status and s.tokens[s.prompt_length:] == ids, (ids, params)

@@ -46,7 +46,8 @@ def flag_value(cmd, flag):
 
 
 # --- command builders ----------------------------------------------------------------
-def test_sglang_command_sets_our_flags_and_passes_user_flags_through(tmp_path):
+def test_sglang_command_sets_our_flags_and_passes_user_flags_through(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLIME_SGLANG_PYTHON", raising=False)  # --sglang-python's default: this interpreter
     args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2", "--seed", "7",
                      "--sglang-mem-fraction-static", "0.8", "--sglang-enable-memory-saver",
                      "--sglang-log-level=warning")
@@ -115,11 +116,11 @@ def test_builders_name_the_missing_checkpoint_flag(base_args):
 def test_backend_choice(tmp_path, monkeypatch):
     assert resolve_rollout_backend(make_args(tmp_path, "--rollout-backend", "embedded")) == "embedded"
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: False)
-    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: True)
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda python=None: True)
     assert resolve_rollout_backend(make_args(tmp_path)) == "embedded"  # auto without CUDA
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
     assert resolve_rollout_backend(make_args(tmp_path)) == "sglang"  # auto with CUDA + sglang
-    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: False)
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda python=None: False)
     assert resolve_rollout_backend(make_args(tmp_path)) == "embedded"
     with pytest.raises(RuntimeError, match="--rollout-backend sglang"):
         resolve_rollout_backend(make_args(tmp_path, "--rollout-backend", "sglang"))
@@ -283,6 +284,7 @@ def test_terminate_kills_the_whole_group_even_if_sigterm_is_ignored(tmp_path):
 
 def test_make_engine_process_env_and_urls(tmp_path, monkeypatch):
     args = make_args(tmp_path, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)  # a GPU machine
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what Ray gives an actor that asked for no GPU
     eng = sglang_engine.make_engine_process(args, "sglang", 1, 31000, str(tmp_path), nccl_port=31001)
     assert "CUDA_VISIBLE_DEVICES" not in eng.process._env
@@ -322,7 +324,7 @@ def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypa
     """--colocate with SGLang engines: the launcher passes --enable-memory-saver (release/resume free real GPU
     memory only with it), and so it does for the embedded engine."""
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
-    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda: True)
+    monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda python=None: True)
     colo = make_args(tmp_path, "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2")
     assert resolve_rollout_backend(colo) == "sglang"  # no longer refused
     cmd = build_sglang_server_command(colo, 1, 31001, 32001, base_gpu_id=2)
@@ -332,3 +334,41 @@ def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypa
 
     assert "--enable-memory-saver" in build_embedded_engine_command(make_args(tmp_path, "--colocate"), 0, 1)
     assert "--enable-memory-saver" not in build_embedded_engine_command(make_args(tmp_path), 0, 1)
+
+
+def test_sglang_on_a_cpu_box_runs_from_its_interpreter_with_the_cpu_flags_and_stand_ins(tmp_path, monkeypatch):
+    """No CUDA: SGLang's own server with our CPU flags (each replaced by a user's --sglang-<flag>), the import
+    stand-ins first on its PYTHONPATH only, from --sglang-python ($SLIME_SGLANG_PYTHON by default)."""
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: False)
+    monkeypatch.setenv("SLIME_SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    args = make_args(tmp_path, "--sglang-dtype", "bfloat16", "--sglang-max-total-tokens=4096")
+    assert args.sglang_python == "/opt/sglang-venv/bin/python"
+    eng = sglang_engine.make_engine_process(args, "sglang", 0, 31000, str(tmp_path), nccl_port=31001)
+    cmd, env = eng.process.cmd, eng.process._env
+    assert cmd[:3] == ["/opt/sglang-venv/bin/python", "-m", "sglang.launch_server"]
+    assert flag_value(cmd, "--device") == "cpu" and flag_value(cmd, "--attention-backend") == "torch_native"
+    assert flag_value(cmd, "--sampling-backend") == "pytorch" and flag_value(cmd, "--grammar-backend") == "none"
+    assert "--disable-cuda-graph" in cmd and "--skip-server-warmup" in cmd
+    assert flag_value(cmd, "--dtype") == "bfloat16" and flag_value(cmd, "--max-total-tokens") == "4096"
+    assert env["PYTHONPATH"].split(os.pathsep) == [sglang_engine.CPU_STAND_INS, "/somewhere"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "0"
+    assert os.path.exists(os.path.join(sglang_engine.CPU_STAND_INS, "vllm", "_custom_ops.py"))
+    # SGLang on CPU takes the GPU id for a NUMA node (engine 1 at --base-gpu-id 1 asserted on a 1-node box)
+    second = sglang_engine.make_engine_process(args, "sglang", 1, 31002, str(tmp_path), nccl_port=31003)
+    assert flag_value(second.process.cmd, "--base-gpu-id") == "0"
+    with pytest.raises(ValueError, match="--colocate"):
+        sglang_engine.make_engine_process(make_args(tmp_path, "--colocate"), "sglang", 0, 1, str(tmp_path), nccl_port=2)
+    monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)  # a GPU: none of it
+    gpu = sglang_engine.make_engine_process(make_args(tmp_path), "sglang", 0, 31000, str(tmp_path), nccl_port=31001)
+    assert "--device" not in gpu.process.cmd and gpu.process._env.get("PYTHONPATH") == "/somewhere"
+
+
+def test_sglang_backend_names_the_interpreter_that_cannot_import_it(tmp_path):
+    """An interpreter without sglang: --rollout-backend sglang with it is refused, naming the flag and the fix."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")  # every import fails
+    python.chmod(0o755)
+    args = make_args(tmp_path, "--rollout-backend", "sglang", "--sglang-python", str(python))
+    with pytest.raises(RuntimeError, match=r"--sglang-python .* cannot import `sglang`.*sglang_cpu_env.py install"):
+        resolve_rollout_backend(args)

@@ -44,6 +44,7 @@ from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
 from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
+from slime.utils.hf_dir import eos_token_ids
 from slime.utils.misc import load_function
 from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
@@ -127,6 +128,17 @@ class VersionWindow:
     sent: int
     newest: Callable[[], int]
     now: Callable[[], int]
+
+
+def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_checkpoint: str) -> str:
+    """"stop" for an aborted reply whose last token ends the request (EOS or `stop_token_ids`, unless
+    `ignore_eos`): SGLang applies an abort that arrives with a token before checking that token
+    (`Req.update_finish_state`), so the reply says abort although the request had finished; resumed, it would
+    generate past its end. Any other finish is returned as it is."""
+    if finish != "abort" or not ids or sampling_params.get("ignore_eos"):
+        return finish
+    ends = eos_token_ids(hf_checkpoint) | set(sampling_params.get("stop_token_ids") or ())
+    return "stop" if ids[-1] in ends else finish
 
 
 class RequestLoop:
@@ -282,7 +294,8 @@ class SampleRequester(RequestLoop):
             raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens={max_new} "
                                         f"(rid {rid})")
         self.new_tokens += len(ids)
-        return Segment(ids, lps, versions, text, ftype)
+        return Segment(ids, lps, versions, text, finished_by_token(ftype, ids, payload["sampling_params"],
+                                                                   self.args.hf_checkpoint))
 
     def _checked_versions(self, versions: list[int] | None, window: VersionWindow | None, rid: str, raw) -> list[int] | int:
         if versions is None:  # the engine's versions are not ints: tag with the version served

@@ -8,6 +8,7 @@ refuses prompts against).
 
 from __future__ import annotations
 
+import functools
 import os
 
 from slime.utils.safe_load import CheckpointFileError, check_safetensors, read_json_file
@@ -47,6 +48,22 @@ def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint", need_tokenizer
     if need_tokenizer and not any(f in files for f in TOKENIZER_FILES):
         raise ModelDirError(f"{flag} {path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); it holds {listing}")
     return config
+
+
+@functools.lru_cache(maxsize=16)
+def eos_token_ids(path: str) -> frozenset[int]:
+    """The EOS ids SGLang finishes a request on: `eos_token_id` (an int or a list) of the model directory's
+    config.json and generation_config.json; none where neither says (or `path` is no model directory)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json") if path else ():
+        try:
+            value = read_json_file(os.path.join(path, name)).get("eos_token_id")
+        except (CheckpointFileError, OSError, AttributeError):
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool):
+                ids.add(v)
+    return frozenset(ids)
 
 
 def max_positions(config: dict, sglang_extra_args: dict | None = None) -> int | None:

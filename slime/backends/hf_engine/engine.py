@@ -156,6 +156,7 @@ class Engine:
                 rid=r.rid, input_ids=r.input_ids, params=r.params, output_ids=list(r.output_ids),
                 logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason), cached_tokens=r.cached_tokens,
                 version_spans=list(r.version_spans), logprobs_extra=None if extra is None else extra.snapshot(),
+                created=r.created,
             )
             on_event(snap, finished)
 

@@ -7,6 +7,7 @@ silently ignored.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -240,18 +241,27 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
     output_ids = list(req.output_ids)
     reason = req.finish_reason if finished else None
     spans = version_spans(req, weight_version)
+    # SGLang 0.5.23's keys (tokenizer_manager.py), as its own server answers on CPU (tests/test_real_sglang.py
+    # compares them): no retractions or reasoning parser here, every cached token on the device, one DP rank (null)
     meta = {
         "id": req.rid,
         "finish_reason": reason,
         "prompt_tokens": len(req.input_ids),
+        "weight_version": spans[-1]["version"],
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": req.cached_tokens,
-        "weight_version": spans[-1]["version"],
         "weight_versions": spans,
-        "e2e_latency": None,
+        "cached_tokens_details": {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None,
+        "dp_rank": None,
     }
+    if finished:  # SGLang adds these once the request finished
+        meta["e2e_latency"] = time.monotonic() - req.created
+        meta["response_sent_to_client_ts"] = time.time()
     if return_logprob:
         meta["output_token_logprobs"] = _entries(zip(req.logprobs, output_ids), tokenizer, token_text)
+        meta["output_token_logprobs_length"] = len(output_ids)
         rec: LogprobRecord | None = req.logprobs_extra
         meta["input_token_logprobs"] = [] if rec is None or rec.prompt is None else \
             _entries(zip(rec.prompt, rec.prompt_ids), tokenizer, token_text)

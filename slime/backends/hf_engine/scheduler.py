@@ -74,8 +74,9 @@ class Request:
         return len(self.input_ids) + len(self.output_ids)
 
 
-def abort_reason(message: str) -> dict:
-    return {"type": "abort", "message": message, "status_code": 200, "err_type": None}
+def abort_reason(message: str = "Aborted", status_code: int | None = None) -> dict:
+    """SGLang's FINISH_ABORT: an abort asked for (/abort_request, a pause) is "Aborted" with no status code."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
 
 
 class Scheduler:
@@ -176,7 +177,7 @@ class Scheduler:
         self.waiting.append(req)
         self.stats.requests_in += 1
 
-    def abort(self, rid: str | None, message: str = "aborted by /abort_request") -> int:
+    def abort(self, rid: str | None, message: str = "Aborted") -> int:
         """Finish the request `rid` (or every request when rid is None) with an abort reason. A running
         request's KV goes to the prefix cache, for the request that resumes it."""
         t0 = time.perf_counter()
@@ -276,7 +277,7 @@ class Scheduler:
                 for r in victims:
                     r.row = None
                     if not r.finished:
-                        self._finish(r, abort_reason(f"engine error: {e}"))
+                        self._finish(r, abort_reason(f"engine error: {e}", 500))
 
     def _admit(self) -> None:
         """Waiting requests become rows as long as the running ones' token reservations allow: a row
@@ -294,7 +295,7 @@ class Scheduler:
                 fill_prompt_logprobs(self.model, r)  # no-op unless it asked for prompt log-probs
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 logger.exception("prompt log-probs of %s failed", r.rid)
-                self._finish(r, abort_reason(f"engine error: {e}"))
+                self._finish(r, abort_reason(f"engine error: {e}", 500))
                 continue
             if r.params.max_new_tokens == 0:  # scoring only: nothing to sample
                 self._finish(r, {"type": "length", "length": 0})

@@ -124,10 +124,10 @@ async def abort_request(request: web.Request) -> web.Response:
     if rid is not None and not (isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
         raise BadRequest(f"rid: expected a string or a list of strings, got {rid!r}")
     if body_field(body, "abort_all", bool, False):
-        await engine.call(engine.scheduler.abort, None, "aborted by /abort_request (abort_all)")
+        await engine.call(engine.scheduler.abort, None)
     elif rid is not None:
         for r in [rid] if isinstance(rid, str) else rid:
-            await engine.call(engine.scheduler.abort, r, "aborted by /abort_request")
+            await engine.call(engine.scheduler.abort, r)
     return web.Response(status=200)
 
 
@@ -166,7 +166,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     def pause():
         sched.set_paused(True)
         if mode == "abort":
-            return sched.abort(None, "aborted by /pause_generation")
+            return sched.abort(None)
         if mode == "retract":
             return sched.retract()
         return 0

@@ -1,13 +1,14 @@
-"""Launch one rollout engine as a child HTTP server: real SGLang on a GPU
-machine, or our embedded transformers engine on CPU. Both speak SGLang's
-native HTTP API (see docs/architecture.md), so everything above this file is
-backend-agnostic."""
+"""Launch one rollout engine as a child HTTP server: real SGLang (`sglang.launch_server`, on a GPU or on CPU), or
+our embedded transformers engine. Both speak SGLang's native HTTP API (see docs/architecture.md), so everything
+above this file is backend-agnostic. SGLang runs from `--sglang-python` (default: this interpreter); on a machine
+without CUDA the launcher adds the CPU flags and import stand-ins below, and nothing else differs."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 
 from slime.utils import sglang_versions as versions
@@ -31,6 +32,24 @@ _RESERVED_SGLANG_FLAGS = {
 }
 
 
+# SGLang's server on a CPU box (measured: /work/shared/sglang-cpu.md, docs/sglang-compat.md): its torch-native
+# attention and sampling, no CUDA graphs or grammar backend, fp32 like the CPU trainers, a small KV pool. Each is
+# set unless the user passes the same `--sglang-<flag>`.
+CPU_LAUNCH_FLAGS = {
+    "device": "cpu", "attention-backend": "torch_native", "sampling-backend": "pytorch", "disable-cuda-graph": True,
+    "dtype": "float32", "grammar-backend": "none", "skip-server-warmup": True, "mem-fraction-static": "0.1",
+    "max-total-tokens": "16384",
+}
+# Import stand-ins for two packages whose registry builds cannot run on a CPU torch (torchvision; vllm's rotary):
+# first on the PYTHONPATH of a CPU SGLang server only (cpu_stand_ins/README.md)
+CPU_STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stand_ins")
+
+
+def sglang_python(args) -> str:
+    """The interpreter that runs `sglang.launch_server`."""
+    return args.sglang_python or sys.executable
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -40,8 +59,16 @@ def _cuda_available() -> bool:
         return False
 
 
-def _sglang_importable() -> bool:
-    return importlib.util.find_spec("sglang") is not None
+def _sglang_importable(python: str | None = None) -> bool:
+    """Whether `python` (default: this interpreter) can import sglang."""
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):  # a venv's is a symlink
+        return importlib.util.find_spec("sglang") is not None
+    try:
+        out = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') "
+                                            "is None)"], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
 
 
 def resolve_rollout_backend(args) -> str:
@@ -50,13 +77,17 @@ def resolve_rollout_backend(args) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"--rollout-backend: {choice!r} is not one of {BACKENDS}")
     if choice == "auto":
-        cuda, has_sglang = _cuda_available(), _sglang_importable()
+        cuda = _cuda_available()
+        has_sglang = cuda and _sglang_importable(args.sglang_python)
         backend = "sglang" if (cuda and has_sglang) else "embedded"
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
     else:
-        if choice == "sglang" and not _sglang_importable():
-            raise RuntimeError("--rollout-backend sglang: the `sglang` package is not importable here (pip install "
-                               f"'{versions.sglang_requirement()}')")
+        if choice == "sglang" and not _sglang_importable(args.sglang_python):
+            where = f"--sglang-python {args.sglang_python}" if args.sglang_python else f"this Python ({sys.executable})"
+            raise RuntimeError(f"--rollout-backend sglang: {where} cannot import `sglang` (on a GPU machine: pip install "
+                               f"'{versions.sglang_requirement()}'; on a CPU box: python tools/sglang_cpu_env.py "
+                               "install, then --sglang-python (or $SLIME_SGLANG_PYTHON) set to what "
+                               "`python tools/sglang_cpu_env.py python` prints)")
         logger.info("--rollout-backend %s", choice)
         backend = choice
     return backend
@@ -85,8 +116,9 @@ def _extra_flag_names(extra: dict | None) -> set[str]:
 
 
 def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: int, base_gpu_id: int,
-                                host: str = DEFAULT_HOST) -> list[str]:
-    """`python -m sglang.launch_server ...` for engine `engine_rank`.
+                                host: str = DEFAULT_HOST, cpu: bool = False) -> list[str]:
+    """`<--sglang-python> -m sglang.launch_server ...` for engine `engine_rank`; `cpu`: no CUDA here (the CPU
+    flags are added, `--colocate` is refused).
 
     Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our
     flags, a per-engine --random-seed (args.seed + rank), --weight-version 0 and,
@@ -100,7 +132,7 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
     names = _extra_flag_names(extra)
     tp = args.rollout_num_gpus_per_engine
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        sglang_python(args), "-m", "sglang.launch_server",
         "--model-path", str(args.hf_checkpoint),
         "--tp-size", str(tp),
         "--port", str(port),
@@ -113,7 +145,12 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
         cmd += ["--random-seed", str(args.seed + engine_rank)]
     if "weight-version" not in names:
         cmd += ["--weight-version", "0"]
-    if args.colocate and "enable-memory-saver" not in names:
+    if cpu:
+        if args.colocate:
+            raise ValueError("--colocate with --rollout-backend sglang needs a GPU: SGLang releases its memory through "
+                             "torch_memory_saver, which has no CPU build (on CPU: --rollout-backend embedded)")
+        cmd += _extra_args_to_argv({k: v for k, v in CPU_LAUNCH_FLAGS.items() if k not in names}, "", {})
+    elif args.colocate and "enable-memory-saver" not in names:
         cmd += ["--enable-memory-saver"]  # /release_memory_occupation frees the GPU memory only with it
     cmd += _extra_args_to_argv(extra, "sglang-", _RESERVED_SGLANG_FLAGS)
     return cmd
@@ -201,11 +238,17 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
     env = dict(os.environ)
     if backend == "sglang":
         tp = args.rollout_num_gpus_per_engine
-        base_gpu_id = 0 if gpu_ids else engine_rank * tp
+        cpu = not gpu_ids and not _cuda_available()
+        # on CPU SGLang reads the GPU id as the NUMA node to bind its threads to: every engine takes node 0
+        base_gpu_id = 0 if gpu_ids or cpu else engine_rank * tp
         if nccl_port is None:
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
-        cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host)
+        cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host, cpu=cpu)
         host = _host_from_cmd(cmd, host)
+        if cpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "0"  # its own CPU path needs sgl_kernel's CPU build (no wheel has it)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STAND_INS, env.get("PYTHONPATH")) if p)
+            env.setdefault("OMP_NUM_THREADS", "1")  # as for the embedded engine: one core per engine here
         if gpu_ids:
             if len(gpu_ids) != tp:
                 raise ValueError(f"engine {engine_rank}: {len(gpu_ids)} GPU(s) {list(gpu_ids)} from its bundles, but "

@@ -101,6 +101,7 @@ class RolloutManager:
         # the buffer writes its part of each checkpoint next to the driver's: keep it on the driver's node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
+        self._record_dropped_rows()
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
         # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
@@ -258,6 +259,12 @@ class RolloutManager:
 
     def load_buffer(self, path: str) -> None:
         ray.get(self.buffer.load.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+        self._record_dropped_rows()  # this load's drops (a resumed run may drop rows differently)
+
+    def _record_dropped_rows(self) -> None:
+        """The data rows dropped at load go into the ledger with their reasons, so an audit accounts for them."""
+        if self.data_source is not None:
+            ray.get(self.buffer.drop_rows.remote(self.data_source.dropped), timeout=BUFFER_TIMEOUT_S)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -202,8 +202,8 @@ class TrainingRun:
             try:
                 return step()
             except EngineFaultError as e:
-                manager.restart_engines(e)  # raises without --use-fault-tolerance, or out of restarts
-                if self.actor_model is not None:
+                # raises without --use-fault-tolerance, or out of restarts; a restarted router keeps the weights
+                if manager.restart_engines(e) and self.actor_model is not None:
                     manager.push_weights(self.actor_model, manager.policy_version)
                     logger.info("pushed policy version %d to the restarted engines", manager.policy_version)
 

@@ -98,8 +98,8 @@ def explain(error: BaseException, record: RunRecord, names_itself: bool) -> str:
         held = record.held(role)
         what = f"{role} died ({type(died).__name__})" + (f": {held}" if held else "")
         reason = what if died is error else f"{reason}; {what}"
-    where = f" in step {record.step}" if record.step is not None else ""
-    return f"{reason}{where}; {record.resume_hint()}"
+    where = f"stopped in step {record.step}" if record.step is not None else "stopped while starting"
+    return f"{reason}; {where}: {record.resume_hint()}"
 
 
 def cause_lines(error: BaseException) -> list[str]:

@@ -289,7 +289,7 @@ def test_read_rows_file_errors(tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         read_rows(str(tmp_path / "d.csv"))
     (tmp_path / "arr.json").write_text(json.dumps(rows(2)))
-    assert read_rows(str(tmp_path / "arr.json")) == rows(2)
+    assert read_rows(str(tmp_path / "arr.json")) == [("row 1", rows(2)[0]), ("row 2", rows(2)[1])]
 
 
 def test_eval_groups_use_their_own_ids(tmp_path, tok):

@@ -108,13 +108,9 @@ def _read_parquet(path: str) -> list[tuple[str, Any]]:
         return [(f"row {i + 1}", row) for i, row in enumerate(ds.to_list())]
 
 
-def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
-    """All rows of a local `.jsonl` / `.json` / `.parquet` file as dicts; errors name the file and line."""
-    return [row for _, row in read_placed_rows(path, flag)]
-
-
-def read_placed_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for every row: where is `line N` (JSON lines) or `row N` (a JSON array, parquet), 1-based."""
+def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of a local `.jsonl` / `.json` / `.parquet` file, the row a dict and where it is
+    `line N` (JSON lines) or `row N` (a JSON array, parquet), 1-based; errors name the file and the line."""
     if not path:
         raise DataError(f"{flag} is not set")
     if not os.path.isfile(path):
@@ -231,7 +227,7 @@ def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
     budget_flag = args.rollout_max_response_len if response_budget is None else response_budget
     entries: list[PromptEntry | None] = []
     dropped: dict[int, str] = {}
-    for i, (place, row) in enumerate(read_placed_rows(path, flag)):
+    for i, (place, row) in enumerate(read_rows(path, flag)):
         where = f"{path}: {place}"
         if input_key not in row:
             raise DataError(f"{where}: missing key {input_key!r} (--input-key); row has {sorted(row)}")

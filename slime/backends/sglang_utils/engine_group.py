@@ -217,12 +217,6 @@ class EngineGroup(WeightUpdateMixin):
         problem = self.router.problem() if self.router is not None else None
         return None if problem is None else EngineFault(self.router.url, None, problem, router=True)
 
-    def check_router(self) -> None:
-        """Raise `EngineFaultError` naming the router (process, port, exit code) if ours died."""
-        fault = self.router_fault()
-        if fault is not None:
-            raise EngineFaultError(fault.describe(), [fault])
-
     def restart_router(self, timeout: float = 60.0) -> None:
         """Start our router again on its port, with the same flags, and register every engine with it again (the
         engines keep running, their weights and requests untouched). Raises ServerLaunchError if it does not come
@@ -325,7 +319,9 @@ class EngineGroup(WeightUpdateMixin):
         Raises `EngineFaultError` naming the router if the one we started died."""
         if self.router is None:
             raise RuntimeError("EngineGroup is not started")
-        self.check_router()
+        fault = self.router_fault()
+        if fault is not None:  # named as what it is (process, port, exit code), not as a refused connection
+            raise EngineFaultError(fault.describe(), [fault])
         return sorted(w["url"] for w in self.router.list_workers(timeout))
 
     # --- sync fan-out --------------------------------------------------------------

@@ -28,9 +28,9 @@ class TrainerRankError(RuntimeError):
     """A trainer rank failed a call: it raised (`died` False: out of memory, a bad batch), or its process or
     actor died (`died` True)."""
 
-    def __init__(self, message: str, rank: int, method: str, died: bool):
+    def __init__(self, message: str, rank: int, died: bool):
         super().__init__(message)
-        self.rank, self.method, self.died = rank, method, died
+        self.rank, self.died = rank, died
 
 
 def wait_ranks(refs: list, what: str, timeout: float, pids: list | None = None) -> list:
@@ -56,7 +56,7 @@ def wait_ranks(refs: list, what: str, timeout: float, pids: list | None = None) 
                 cause = str(e).strip().splitlines()[0] if died else str(e)
                 raise TrainerRankError(f"{what}: trainer rank {rank}{pid} failed: "
                                        + (f"its process died ({type(e).__name__}: {cause})" if died else cause),
-                                       rank, what, died) from e
+                                       rank, died) from e
     return [results[r] for r in range(len(refs))]
 
 
@@ -148,12 +148,6 @@ class RayTrainGroup:
             ray.kill(actor, no_restart=True)
         self.actors = self._spawn()
         self.init()
-
-    def kill_rank(self, rank: int) -> None:
-        """Kill rank `rank`'s actor (tests and tools: a trainer death on purpose)."""
-        import ray
-
-        ray.kill(self.actors[rank], no_restart=True)
 
     # ---------------------------------------------------------- contract ----
     def init(self) -> "RayTrainGroup":

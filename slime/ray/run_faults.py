@@ -2,7 +2,7 @@
 
 `TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or raises (out of memory) makes every rank
 start again on its bundles (`RayTrainGroup.restart`), from the newest checkpoint's trainer state (or the
---hf-checkpoint weights before the first one), while the engines and the router stay up, their processes and
+weights it started the run with, before the first one), while the engines and the router stay up, their processes and
 what they hold untouched. The batches trained since that checkpoint are kept in Ray's object store (the driver
 owns them, so a trainer's death cannot take them; Ray spills them to disk under memory pressure) and trained
 again in order, each with the policy version it was first trained under; then the call that failed runs again.
@@ -13,13 +13,27 @@ its training call returns). A checkpoint drops the kept batches. Each restart sp
 `RunRecord` + `explain`: what the driver knows at every moment (the step, the newest checkpoint, the ledger's
 counts after the last step and at that checkpoint, which Ray actor is which), so an error that ends the run
 names the part that died (a dead Ray actor by its role: the buffer actor, a trainer rank), what it held, and
-what `--load` restores. `RunStopped` carries that one line, the original error as its cause.
+what `--load` restores. `RunStopped` carries that one line, the original error as its cause; `train_or_stop`
+(the entry points' one error path) writes it last in <run>/train.log and on stderr.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
+from typing import Callable
+
+from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
+from slime.backends.sglang_utils.watchdog import EngineFaultError
+from slime.ray.actor_group import TrainerRankError
+from slime.ray.placement_group import PlacementError
+from slime.rollout.data_source import DataError
+from slime.utils import checkpoint as ckpts
+from slime.utils.empty_steps import EmptyStepsError
+from slime.utils.hf_dir import ModelDirError
+from slime.utils.net import ListenHostError
+from slime.utils.paths import PathNotVisibleError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +45,38 @@ class RunStopped(RuntimeError):
 
 class TrainerRestartsExhausted(RuntimeError):
     """The trainer kept failing after the restart budget was spent."""
+
+
+# errors that name their cause (flag, file, engine, trainer rank, reward): one line, no traceback
+STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion,
+         TrainerRankError, TrainerRestartsExhausted)
+
+
+def train_or_stop(entry: str, train: Callable, args) -> int:
+    """Run `train(args)`. Whatever error ends it is the last thing written to <run>/train.log (once logging is
+    set up): a traceback for an error that does not name its cause, the cause chain, then `stopped: <reason>`
+    as the last line; the reason's first line goes to stderr last, and the exit code is 1 (130 for Ctrl-C)."""
+    log = logging.getLogger("train")
+    try:
+        train(args)
+    except KeyboardInterrupt:
+        log.error("stopped: interrupted")
+        print(f"{entry}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        root = e.__cause__ if isinstance(e, RunStopped) and e.__cause__ is not None else e
+        if isinstance(root, STOPS):
+            log.debug("stopped", exc_info=root)
+        else:  # not named by its own message: where it came from is worth the traceback
+            log.error("the run failed with an unexpected error", exc_info=root)
+        for line in reversed(cause_lines(e)):  # the innermost first: the reason is the last line
+            log.error("because of %s", line)
+        reason = str(e).strip() if isinstance(e, (RunStopped,) + STOPS) else f"{type(e).__name__}: {str(e).strip()}"
+        log.error("stopped: %s", reason)
+        print(f"{entry}: error: {reason.splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @dataclass
@@ -149,7 +195,7 @@ class TrainerRecovery:
                 steps = [rid for rid, _, _ in self.replay]
                 logger.warning("restart %s: %s; the trainer starts again from %s and replays %d step(s) %s trained "
                                "since (the engines and the router stay up)", self.budget.progress(), error,
-                               self.checkpoint or "the --hf-checkpoint weights", len(steps), steps)
+                               self.checkpoint or "the weights it started the run with", len(steps), steps)
                 try:
                     self._restart()
                     return
@@ -168,7 +214,8 @@ class TrainerRecovery:
         for rollout_id, batch, version in self.replay:
             trainer.train(rollout_id, batch, version)
         logger.warning("trainer restarted (pids %s) from %s; replayed steps %s", trainer.pids,
-                       self.checkpoint or "the --hf-checkpoint weights", [rid for rid, _, _ in self.replay] or "none")
+                       self.checkpoint or "the weights it started the run with",
+                       [rid for rid, _, _ in self.replay] or "none")
 
     def _forget_weight_sync(self) -> None:
         """The engines drop the weight-update group they shared with the dead trainer (distributed mode), so the

@@ -35,27 +35,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from typing import Any, Callable
 
-from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
 from slime.backends.sglang_utils.watchdog import EngineFaultError
-from slime.ray.actor_group import RayTrainGroup, TrainerRankError
+from slime.ray.actor_group import RayTrainGroup
 from slime.ray.colocation import device_phases
-from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement
+from slime.ray.placement_group import create_placement_groups, write_placement
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
-from slime.ray.run_faults import (RunRecord, RunStopped, TrainerRecovery, TrainerRestartsExhausted, cause_lines,
-                                  explain)
+from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
 from slime.rollout.base_types import RolloutOutput
-from slime.rollout.data_source import DataError
 from slime.utils import checkpoint as ckpts
-from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
+from slime.utils.empty_steps import EmptySteps, count_trainable
 from slime.utils.gpu_plan import effective_settings
-from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
+from slime.utils.hf_dir import check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
-from slime.utils.net import ListenHostError
-from slime.utils.paths import PathNotVisibleError
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
 from slime.utils.summary import log_run_summary
 
@@ -81,37 +75,6 @@ def engine_idle_seconds(engines) -> float | None:
             return None
         total += float(stats["idle_s"])
     return total
-
-
-# errors that name their cause (flag, file, engine, trainer rank, reward): one line, no traceback
-STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
-         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion,
-         TrainerRankError, TrainerRestartsExhausted)
-
-
-def train_or_stop(entry: str, train: Callable, args) -> int:
-    """Run `train(args)`. Whatever error ends it is the last thing written to <run>/train.log (once logging is
-    set up): a traceback for an error that does not name its cause, the cause chain, then `stopped: <reason>`
-    as the last line; the reason's first line goes to stderr last, and the exit code is 1 (130 for Ctrl-C)."""
-    try:
-        train(args)
-    except KeyboardInterrupt:
-        logger.error("stopped: interrupted")
-        print(f"{entry}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        root = e.__cause__ if isinstance(e, RunStopped) and e.__cause__ is not None else e
-        if isinstance(root, STOPS):
-            logger.debug("stopped", exc_info=root)
-        else:  # not named by its own message: where it came from is worth the traceback
-            logger.error("the run failed with an unexpected error", exc_info=root)
-        for line in reversed(cause_lines(e)):  # the innermost first: the reason is the last line
-            logger.error("because of %s", line)
-        reason = str(e).strip() if isinstance(e, (RunStopped,) + STOPS) else f"{type(e).__name__}: {str(e).strip()}"
-        logger.error("stopped: %s", reason)
-        print(f"{entry}: error: {reason.splitlines()[0]}", file=sys.stderr)
-        return 1
-    return 0
 
 
 class TrainingRun:

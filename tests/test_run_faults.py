@@ -82,6 +82,17 @@ def ray_node():
     ray.shutdown()
 
 
+def _wait_dead(actor) -> Exception:
+    """The error a call to `actor` gets once Ray has seen it die (ray.kill is asynchronous: a call made at once
+    may still be served)."""
+    for _ in range(600):  # each round waits for a reply or the death, never a fixed time
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+        except ray.exceptions.RayActorError as e:
+            return e
+    raise AssertionError("the killed actor kept answering")
+
+
 def test_a_dead_ray_actor_is_named_by_its_role_with_what_it_held(ray_node):
     from slime.ray.buffer import Buffer
 
@@ -90,9 +101,8 @@ def test_a_dead_ray_actor_is_named_by_its_role_with_what_it_held(ray_node):
     buffer = Buffer.remote(None)
     record.actors[buffer._actor_id.hex()] = "the buffer actor"
     ray.kill(buffer, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError) as died:
-        ray.get(buffer.num_parked.remote(), timeout=60)
-    assert explain(died.value, record, names_itself=False) == (
+    died = _wait_dead(buffer)
+    assert explain(died, record, names_itself=False) == (
         "the buffer actor died (ActorDiedError): it held the ledger of every group and 5 parked and 1 ready groups "
         "after the last step; checkpoint iter_0000003 holds 12 parked and 2 ready groups and the ledger of step 3; "
         "stopped in step 5: `--load /ckpt` resumes at step 4 (checkpoint iter_0000003)")
@@ -110,6 +120,7 @@ def test_a_dead_ray_actor_is_named_by_its_role_with_what_it_held(ray_node):
     for rank, (actor, pid) in enumerate(zip(ranks, pids)):
         record.actors[actor._actor_id.hex()] = f"trainer rank {rank} (pid {pid})"
     ray.kill(ranks[1], no_restart=True)
+    _wait_dead(ranks[1])
     with pytest.raises(TrainerRankError) as failed:
         wait_ranks([r.train.remote() for r in ranks], "trainer.train", timeout=60, pids=pids)
     assert failed.value.rank == 1 and failed.value.died

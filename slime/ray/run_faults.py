@@ -169,6 +169,9 @@ class TrainerRecovery:
         self.trainer = None  # the RayTrainGroup, set once made
         self.checkpoint: str | None = None  # the trainer directory of the newest checkpoint
         self.replay: list[tuple[int, object, int]] = []  # (rollout id, ObjectRef of its groups, policy version)
+        if not args.save:
+            logger.warning("--use-fault-tolerance without --save: a restarted trainer starts from the run's first "
+                           "weights and replays every step, kept in Ray's object store for the whole run")
 
     def batch(self, groups):
         """The step's groups in the object store (trained from there; kept until the next checkpoint)."""

@@ -135,8 +135,8 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="restart an engine that dies or freezes during a rollout (re-sync the current weights, resume "
                         "its parked samples), the router (same port, engines registered again) and a trainer that "
-                        "dies or raises (from the last checkpoint, the engines kept, the steps since replayed); "
-                        "without it such a failure stops the run with an error naming the part")
+                        "dies or runs out of memory (from the last checkpoint, the engines kept, the steps since "
+                        "replayed); without it such a failure stops the run with an error naming the part")
     g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
                    help="seconds between GET /health_generate checks of every engine while a step runs "
                         "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")

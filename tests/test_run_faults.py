@@ -129,3 +129,21 @@ def test_a_dead_ray_actor_is_named_by_its_role_with_what_it_held(ray_node):
     assert (f"; trainer rank 1 (pid {pids[1]}) died (ActorDiedError): it held the weights and optimizer state of "
             "policy version 7; checkpoint iter_0000003 holds those of step 3; stopped in step 5: `--load /ckpt` "
             "resumes at step 4") in reason
+
+
+def test_only_a_dead_rank_or_one_out_of_memory_is_worth_a_restart(ray_node):
+    """A restarted trainer would raise a bug's error again: only a death or an out-of-memory error is recovered."""
+    import torch
+
+    @ray.remote(num_cpus=0)
+    def step(kind: str):
+        if kind == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise ValueError("loss plugin: bad shape")
+
+    with pytest.raises(TrainerRankError) as oom:
+        wait_ranks([step.remote("oom")], "trainer.train", timeout=60)
+    with pytest.raises(TrainerRankError) as bug:
+        wait_ranks([step.remote("bug")], "trainer.train", timeout=60)
+    assert oom.value.recoverable and not oom.value.died and "CUDA out of memory" in str(oom.value)
+    assert not bug.value.recoverable and "loss plugin: bad shape" in str(bug.value)

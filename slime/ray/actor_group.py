@@ -25,12 +25,21 @@ CALL_TIMEOUT_S = 3600.0
 
 
 class TrainerRankError(RuntimeError):
-    """A trainer rank failed a call: it raised (`died` False: out of memory, a bad batch), or its process or
-    actor died (`died` True)."""
+    """A trainer rank failed a call: its process or actor died (`died`), or it raised (out of memory, a bad
+    batch, a bug). `recoverable`: a restart can help (it died, or ran out of memory); an error it raised
+    otherwise would be raised again by a restarted trainer."""
 
-    def __init__(self, message: str, rank: int, died: bool):
+    def __init__(self, message: str, rank: int, died: bool, out_of_memory: bool = False):
         super().__init__(message)
-        self.rank, self.died = rank, died
+        self.rank, self.died, self.recoverable = rank, died, died or out_of_memory
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA / HIP), Python's MemoryError, or a CPU allocator that could not allocate."""
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the rank's own exception
+    text = str(cause).lower()
+    return (type(cause).__name__ in ("OutOfMemoryError", "MemoryError") or "out of memory" in text
+            or "can't allocate memory" in text)
 
 
 def wait_ranks(refs: list, what: str, timeout: float, pids: list | None = None) -> list:
@@ -56,7 +65,7 @@ def wait_ranks(refs: list, what: str, timeout: float, pids: list | None = None) 
                 cause = str(e).strip().splitlines()[0] if died else str(e)
                 raise TrainerRankError(f"{what}: trainer rank {rank}{pid} failed: "
                                        + (f"its process died ({type(e).__name__}: {cause})" if died else cause),
-                                       rank, died) from e
+                                       rank, died, _out_of_memory(e)) from e
     return [results[r] for r in range(len(refs))]
 
 
@@ -77,9 +86,9 @@ class RayTrainGroup:
     def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
         """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a
         bare placement group (then bundles 0..N-1). `recover(error)`: called when
-        a rank fails a call (not init or shutdown); it restarts the group (`restart`)
-        and brings it back to where it was, then the call runs again; it raises
-        to give up."""
+        a rank dies or runs out of memory in a call (not init or shutdown); it
+        restarts the group (`restart`) and brings it back to where it was, then
+        the call runs again; it raises to give up."""
         from slime.ray.placement_group import PlacementGroups
 
         self.args = args
@@ -135,7 +144,7 @@ class RayTrainGroup:
             try:
                 return wait_ranks(refs, f"trainer.{method}", timeout or self.timeout, self.pids)
             except TrainerRankError as e:
-                if self.recover is None or method in ("init", "shutdown"):
+                if self.recover is None or method in ("init", "shutdown") or not e.recoverable:
                     raise
                 self.recover(e)  # raises to give up; else the group is back where it was: the call runs again
 

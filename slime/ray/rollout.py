@@ -29,10 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
+from slime.ray.restarts import RestartBudget
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
-from slime.ray.restarts import RestartBudget
 from slime.rollout.over_sampling import over_sampling_from_args
 from slime.rollout.sampling_request import args_with_router
 from slime.rollout.staleness import StalenessCap

@@ -1,14 +1,15 @@
 """When a part of the run fails: restart the trainer without the engines, and say what a failure lost.
 
-`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or raises (out of memory) makes every rank
+`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or runs out of memory makes every rank
 start again on its bundles (`RayTrainGroup.restart`), from the newest checkpoint's trainer state (or the
-weights it started the run with, before the first one), while the engines and the router stay up, their processes and
-what they hold untouched. The batches trained since that checkpoint are kept in Ray's object store (the driver
-owns them, so a trainer's death cannot take them; Ray spills them to disk under memory pressure) and trained
-again in order, each with the policy version it was first trained under; then the call that failed runs again.
-Nothing is generated again, and the ledger marks each group trained once (the driver marks a batch only after
-its training call returns). A checkpoint drops the kept batches. Each restart spends from the run's budget
-(slime/ray/restarts.py).
+weights it started the run with, before the first one), while the engines and the router stay up, their
+processes and what they hold untouched. The batches trained since that checkpoint are kept in Ray's object
+store (the driver owns them, so a trainer's death cannot take them; Ray spills them to disk under memory
+pressure) and trained again in order, each with the policy version it was first trained under; then the call
+that failed runs again. Nothing is generated again, and the ledger marks each group trained once (the driver
+marks a batch only after its training call returns). A checkpoint drops the kept batches. Each restart spends
+from the run's budget (slime/ray/restarts.py). Any other error a rank raises (a bug, a bad batch) would be
+raised again by a restarted trainer: it stops the run, naming the rank.
 
 `RunRecord` + `explain`: what the driver knows at every moment (the step, the newest checkpoint, the ledger's
 counts after the last step and at that checkpoint, which Ray actor is which), so an error that ends the run

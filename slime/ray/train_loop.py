@@ -26,7 +26,7 @@ Failures: the run is a context manager; an error that ends it shuts every part d
 `RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
 what `--load` restores (slime/ray/run_faults.py). `train_or_stop` writes that line and the cause chain as the
 last lines of <run>/train.log (a traceback before them for an error that does not name its cause) and on
-stderr, and exits 1. With --use-fault-tolerance a trainer that dies or raises is restarted from the newest
+stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory is restarted from the newest
 checkpoint while the engines stay up, and the steps trained since are replayed (`TrainerRecovery`).
 """
 

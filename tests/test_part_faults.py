@@ -75,14 +75,18 @@ def test_a_dead_router_stops_the_run_naming_it_and_train_log_ends_with_why(task,
 def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_train_each_group_once(task, tmp_path):
     d = tmp_path
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
-    steps = 5
+    steps = 8  # checkpoints after steps 1, 3, 5 and 7
     cmd = _cmd(d, "--save-interval", "2", steps=steps, batch=4, n=4)
     log = tmp_path / "log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         router = _kill_router_mid_rollout(d, proc, str(log))
-        # after step 2 (checkpoint 1 holds step 1): kill the trainer; steps 2.. are replayed, nothing regenerated
-        _wait(lambda: 2 in _steps_logged(d), 400, "step 2", proc, str(log))
+        _wait(lambda: "sglang-router restarted" in log.read_text(), 300, "the router's restart", proc, str(log))
+        # then, after an even step k (not checkpointed: checkpoint k-1 holds step k-1), kill the trainer: its next
+        # call finds it dead, and step k is replayed from the object store, not generated again
+        k = max([2] + [s + 1 + (s + 1) % 2 for s in _steps_logged(d)])
+        assert k < steps - 1, f"the router's restart came too late (after step {k - 1}) to leave a step to replay"
+        _wait(lambda: k in _steps_logged(d), 400, f"step {k}", proc, str(log))
         serving = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
         (trainer,) = _job(proc, "FSDPTrainer")
         trainer.send_signal(signal.SIGKILL)
@@ -92,12 +96,12 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert after == serving and len(serving) == 2  # the engine and the router: the same processes
+    assert after == serving and len(serving) == 2  # the engine and the (restarted) router: the same processes
     text = log.read_text()
     assert re.search(rf"restart 1/\d+: the sglang-router at http://127\.0\.0\.1:\d+ \(pid {router}\) exited with code -9",
                      text)
     assert re.search(rf"restart 2/\d+: trainer\.\w+: trainer rank 0 \(pid {trainer.pid}\) failed: its process died", text)
-    assert "trainer restarted (pids [" in text and "replayed steps [2]" in text
+    assert "trainer restarted (pids [" in text and f"replayed steps [{k}]" in text
     rows = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(steps))
     assert rows[-1]["restarts/router"] == 1 and rows[-1]["restarts/trainer"] == 1 and rows[-1]["engine/restarts"] == 0

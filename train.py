@@ -28,35 +28,36 @@ logger = logging.getLogger("train")
 
 def train(args) -> dict:
     # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
-    run = TrainingRun(args)
-    run.evaluate_start()
+    # An error that ends the run shuts everything down and names what failed (slime/ray/train_loop.py).
+    with TrainingRun(args) as run:
+        run.evaluate_start()
 
-    for rollout_id in tqdm(run.steps(), desc="rollout steps"):
-        # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
-        with run.phases.rollout(), run.checkpoint_if_engines_give_up(rollout_id - 1):
-            rollout = run.rollout(rollout_id)
-        step_metrics = dict(rollout.metrics)
+        for rollout_id in tqdm(run.steps(), desc="rollout steps"):
+            # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
+            with run.phases.rollout(), run.checkpoint_if_engines_give_up(rollout_id - 1):
+                rollout = run.rollout(rollout_id)
+            step_metrics = dict(rollout.metrics)
 
-        # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
-        if run.trainable(rollout_id, rollout):
-            # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
-            with run.phases.train():
-                step_metrics.update(run.train(rollout_id, rollout))
-            # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
-            with run.phases.weight_sync():
-                step_metrics.update(run.push_weights(rollout_id, run.new_policy_version()))
+            # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
+            if run.trainable(rollout_id, rollout):
+                # 2. Train on the finished groups (off-policy tokens corrected against their behaviour log-probs).
+                with run.phases.train():
+                    step_metrics.update(run.train(rollout_id, rollout))
+                # 3. New policy version to every engine (one that fails meanwhile is named, or restarted).
+                with run.phases.weight_sync():
+                    step_metrics.update(run.push_weights(rollout_id, run.new_policy_version()))
 
-        # 4. Eval (never enters the buffer, never trains).
-        if run.eval_due(rollout_id):
-            step_metrics.update(run.evaluate(rollout_id))
-        run.log(rollout_id, step_metrics)
+            # 4. Eval (never enters the buffer, never trains).
+            if run.eval_due(rollout_id):
+                step_metrics.update(run.evaluate(rollout_id))
+            run.log(rollout_id, step_metrics)
 
-        # 5. Save (every --save-interval steps, and after the last one), after the step's metrics are logged:
-        #    a checkpoint of step k always has step k's row (a resume drops the rows after its checkpoint).
-        if run.save_due(rollout_id):
-            run.save(rollout_id)
+            # 5. Save (every --save-interval steps, and after the last one), after the step's metrics are logged:
+            #    a checkpoint of step k always has step k's row (a resume drops the rows after its checkpoint).
+            if run.save_due(rollout_id):
+                run.save(rollout_id)
 
-    return run.finish()
+        return run.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,41 +36,42 @@ logger = logging.getLogger("train")
 
 def train(args) -> dict:
     # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
-    run = TrainingRun(args)
-    run.evaluate_start()
-    rollout = AsyncRollout(args, run.rollout_manager, run.start_rollout_id).start()
-    try:
-        for rollout_id in tqdm(run.steps(), desc="rollout steps"):
-            # 1. The next batch (the rollout produced it while the trainer trained on the previous ones).
-            batch = rollout.next_batch(rollout_id)
-            step_metrics = dict(batch.metrics)
+    # An error that ends the run shuts everything down and names what failed (slime/ray/train_loop.py).
+    with TrainingRun(args) as run:
+        run.evaluate_start()
+        rollout = AsyncRollout(args, run.rollout_manager, run.start_rollout_id).start()
+        try:
+            for rollout_id in tqdm(run.steps(), desc="rollout steps"):
+                # 1. The next batch (the rollout produced it while the trainer trained on the previous ones).
+                batch = rollout.next_batch(rollout_id)
+                step_metrics = dict(batch.metrics)
 
-            # 2. Train on it (off-policy tokens corrected against their behaviour log-probs); a batch where
-            #    every group failed is skipped as in train.py, but still takes its version (one per batch).
-            if run.trainable(rollout_id, batch):
-                step_metrics.update(run.train(rollout_id, batch))
+                # 2. Train on it (off-policy tokens corrected against their behaviour log-probs); a batch where
+                #    every group failed is skipped as in train.py, but still takes its version (one per batch).
+                if run.trainable(rollout_id, batch):
+                    step_metrics.update(run.train(rollout_id, batch))
 
-            # 3. New policy version, pushed to the engines while requests are in flight (every
-            #    --update-weights-interval steps): they wait at the gate (abort) or run on (in place) meanwhile.
-            version = run.new_policy_version()
-            eval_due = run.eval_due(rollout_id)
-            if is_due(rollout_id, args.update_weights_interval) or eval_due:
-                with rollout.updating_weights(version):
-                    step_metrics.update(run.push_weights(rollout_id, version))
+                # 3. New policy version, pushed to the engines while requests are in flight (every
+                #    --update-weights-interval steps): they wait at the gate (abort) or run on (in place) meanwhile.
+                version = run.new_policy_version()
+                eval_due = run.eval_due(rollout_id)
+                if is_due(rollout_id, args.update_weights_interval) or eval_due:
+                    with rollout.updating_weights(version):
+                        step_metrics.update(run.push_weights(rollout_id, version))
 
-            # 4. Eval, with the rollout paused (it shares the engines).
-            if eval_due:
-                with rollout.paused("eval"):
-                    step_metrics.update(run.evaluate(rollout_id))
-            run.log(rollout_id, step_metrics)
+                # 4. Eval, with the rollout paused (it shares the engines).
+                if eval_due:
+                    with rollout.paused("eval"):
+                        step_metrics.update(run.evaluate(rollout_id))
+                run.log(rollout_id, step_metrics)
 
-            # 5. Save, with everything in flight parked in the buffer first (after the step's row is logged).
-            if run.save_due(rollout_id):
-                with rollout.quiesced(resume=not run.is_last(rollout_id)):
-                    run.save(rollout_id)
-    finally:
-        rollout.stop()  # parks whatever is still in flight
-    return run.finish()
+                # 5. Save, with everything in flight parked in the buffer first (after the step's row is logged).
+                if run.save_due(rollout_id):
+                    with rollout.quiesced(resume=not run.is_last(rollout_id)):
+                        run.save(rollout_id)
+        finally:
+            rollout.stop()  # parks whatever is still in flight
+        return run.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

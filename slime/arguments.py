@@ -137,8 +137,10 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
 def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fault tolerance (an engine watchdog always runs; restarts need --use-fault-tolerance)")
     g.add_argument("--use-fault-tolerance", action="store_true",
-                   help="restart an engine that dies or freezes during a rollout, re-sync the current weights and "
-                        "resume its parked samples; without it such an engine stops the run with an error naming it")
+                   help="restart an engine that dies or freezes during a rollout (re-sync the current weights, resume "
+                        "its parked samples), the router (same port, engines registered again) and a trainer that "
+                        "dies or runs out of memory (from the last checkpoint, the engines kept, the steps since "
+                        "replayed); without it such a failure stops the run with an error naming the part")
     g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
                    help="seconds between GET /health_generate checks of every engine while a step runs "
                         "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
@@ -147,8 +149,8 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
                    help="seconds before the first HTTP health check of a step (slow first compilations)")
     g.add_argument("--max-engine-restarts", type=int, default=3,
-                   help="engine restarts allowed in a run (--use-fault-tolerance); one more failure checkpoints "
-                        "(with --save) and stops the run")
+                   help="restarts allowed in a run (--use-fault-tolerance), of engines, the router and the trainer "
+                        "together; one more failure checkpoints (with --save, where it can) and stops the run")
     g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
                    help="stop the run when this many steps in a row have no trainable sample (every group failed); "
                         "such steps are skipped (no update, no version bump) and counted")

@@ -89,7 +89,7 @@ def test_bos_added_once_with_a_bos_adding_tokenizer(tmp_path):
 
 def test_messages_without_template_rejected(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1"}, {"prompt": [{"role": "user", "content": "9"}]}])
-    with pytest.raises(DataError, match=r"d\.jsonl: row 1: key 'prompt'.*--apply-chat-template"):
+    with pytest.raises(DataError, match=r"d\.jsonl: line 2: key 'prompt'.*--apply-chat-template"):
         RolloutDataSource(args_for(tmp_path, path), tok)
 
 
@@ -99,7 +99,7 @@ def test_too_long_prompts_dropped_and_counted(tmp_path, tok, caplog):
     with caplog.at_level(logging.INFO, logger="slime.rollout.data_source"):
         src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-prompt-len", "5"), tok)
     assert src.num_dropped_too_long == 2 and len(src) == 3
-    assert "row 1: dropped (over_max_prompt_len): 9 tokens > --rollout-max-prompt-len 5" in caplog.text
+    assert "d.jsonl: line 2: dropped (over_max_prompt_len): 9 tokens > --rollout-max-prompt-len 5" in caplog.text
     assert "dropped 2 of 5 rows (over_max_prompt_len: 2)" in caplog.text
     assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 2, 4]
     with pytest.raises(DataError, match="no usable prompts.*over_max_prompt_len: 2"):
@@ -116,11 +116,48 @@ def test_rows_the_engine_would_refuse_are_dropped_at_load_with_file_row_and_reas
     with caplog.at_level(logging.WARNING, logger="slime.rollout.data_source"):
         src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-response-len", "8"), tok)
     assert dict(src.dropped_rows) == {"empty_prompt": 2, "over_context_length": 1}
-    assert "d.jsonl: row 2: dropped (over_context_length): 9 prompt tokens + 8 response budget > the model's 16" in caplog.text
-    assert "d.jsonl: row 1: dropped (empty_prompt)" in caplog.text
+    assert "d.jsonl: line 3: dropped (over_context_length): 9 prompt tokens + 8 response budget > the model's 16" in caplog.text
+    assert "d.jsonl: line 2: dropped (empty_prompt)" in caplog.text
     # a smaller per-row budget (metadata max_response_len) fits: 12 + 2 <= 16
     assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 4, 5]
     assert src.offset == 6  # the position counts file rows, dropped ones included
+
+
+def test_blank_prompts_are_dropped_even_inside_a_chat_template_and_every_drop_is_ledgered(tmp_path, tok):
+    """A chat template wraps its markup around an empty prompt (tokens, but no question): dropped with a reason,
+    and every row dropped at load reaches the ledger (file, 1-based line, key), so an audit accounts for it."""
+    from slime.rollout.buffer import PartialRolloutBuffer
+
+    data = [{"prompt": "12-3="}, {"prompt": ""}, {"prompt": " \t "}, {"prompt": [{"role": "user", "content": "  "}]},
+            {"prompt": "1" * 12}, {"prompt": "9-1="}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in data[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in data[2:]) + "\n")
+    src = RolloutDataSource(args_for(tmp_path, str(path), "--apply-chat-template", "--rollout-max-prompt-len", "8"), tok)
+    assert [g[0].metadata["row"] for g in src.get_groups(2)] == [0, 5]
+    assert dict(src.dropped_rows) == {"empty_prompt": 3, "over_max_prompt_len": 1}
+    # the blank line 3 counts: row 2 is on line 4
+    assert src.dropped[1] == f"empty_prompt: the prompt is empty or whitespace ({path}: line 2, key 'prompt')"
+    assert src.dropped[2].endswith(f"({path}: line 4, key 'prompt')") and src.dropped[3].startswith("empty_prompt: ")
+    assert src.dropped[4].startswith("over_max_prompt_len: ") and f"{path}: line 6" in src.dropped[4]
+
+    buf = PartialRolloutBuffer()
+    buf.drop_rows(src.dropped)
+    buf.save(str(tmp_path / "buffer.json"))
+    saved = json.loads((tmp_path / "buffer.json").read_text())["ledger"]["rows_dropped"]
+    assert saved == {str(r): why for r, why in src.dropped.items()}
+    again = PartialRolloutBuffer()
+    again.load(str(tmp_path / "buffer.json"))
+    assert again.ledger.rows_dropped() == src.dropped and again.ledger_summary()["rows_dropped"] == 4
+
+
+def test_every_row_error_names_the_file_line_and_key(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1"}) + "\n\n\n" + json.dumps({"question": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl: line 4: missing key 'prompt' \(--input-key\)"):
+        RolloutDataSource(args_for(tmp_path, str(path)), tok)
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "1"}, {"prompt": "2"}, {"q": 1}]))
+    with pytest.raises(DataError, match=r"a\.json: row 3: missing key 'prompt'"):
+        RolloutDataSource(args_for(tmp_path, str(tmp_path / "a.json")), tok)
 
 
 def test_dropping_rows_never_shifts_the_saved_position(tmp_path, tok):
@@ -204,13 +241,13 @@ def test_resume_with_different_data_refused(tmp_path, tok):
 @pytest.mark.parametrize(
     "row_objs, raw, extra, pattern",
     [
-        (rows(1), ["{\"prompt\": \"1\", oops}"], [], r"d\.jsonl: row 1 \(line 2\): invalid JSON"),
-        (rows(1) + [{"prompt": 12}], [], [], r"d\.jsonl: row 1: key 'prompt' must be a string or a list of chat messages, got int"),
-        (rows(1) + [{"prompt": [{"role": "user"}]}], [], ["--apply-chat-template"], r"row 1: key 'prompt': message 0 must be an object with string 'role' and 'content'"),
-        (rows(2) + [{"question": "1"}], [], [], r"d\.jsonl: row 2: missing key 'prompt' \(--input-key\)"),
-        (rows(1) + [{"prompt": "1"}], [], ["--label-key", "label"], r"row 1: missing key 'label' \(--label-key\)"),
-        (rows(1) + [{"prompt": "1", "metadata": [1]}], [], [], r"row 1: key 'metadata': metadata must be an object"),
-        (rows(1), ["[1, 2]"], [], r"row 1 \(line 2\): expected a JSON object, got list"),
+        (rows(1), ["{\"prompt\": \"1\", oops}"], [], r"d\.jsonl: line 2: invalid JSON"),
+        (rows(1) + [{"prompt": 12}], [], [], r"d\.jsonl: line 2: key 'prompt' must be a string or a list of chat messages, got int"),
+        (rows(1) + [{"prompt": [{"role": "user"}]}], [], ["--apply-chat-template"], r"line 2: key 'prompt': message 0 must be an object with string 'role' and 'content'"),
+        (rows(2) + [{"question": "1"}], [], [], r"d\.jsonl: line 3: missing key 'prompt' \(--input-key\)"),
+        (rows(1) + [{"prompt": "1"}], [], ["--label-key", "label"], r"d\.jsonl: line 2: missing key 'label' \(--label-key\)"),
+        (rows(1) + [{"prompt": "1", "metadata": [1]}], [], [], r"d\.jsonl: line 2: key 'metadata': metadata must be an object"),
+        (rows(1), ["[1, 2]"], [], r"d\.jsonl: line 2: expected a JSON object, got list"),
     ],
 )
 def test_bad_rows_named(tmp_path, tok, row_objs, raw, extra, pattern):
@@ -241,7 +278,7 @@ def test_custom_keys_and_parquet(tmp_path, tok):
     g = src.get_groups(2)
     assert [(x[0].prompt, x[0].label, x[0].metadata["src"]) for x in g] == [("12-3=", "9", "a"), ("9-4=", "5", "b")]
     assert g[1][0].tokens == tok("9-4=")["input_ids"]
-    with pytest.raises(DataError, match=r"d\.parquet: row 0: missing key 'prompt' \(--input-key\)"):
+    with pytest.raises(DataError, match=r"d\.parquet: row 1: missing key 'prompt' \(--input-key\)"):
         RolloutDataSource(args_for(tmp_path, path), tok)
 
 
@@ -252,7 +289,7 @@ def test_read_rows_file_errors(tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         read_rows(str(tmp_path / "d.csv"))
     (tmp_path / "arr.json").write_text(json.dumps(rows(2)))
-    assert read_rows(str(tmp_path / "arr.json")) == rows(2)
+    assert read_rows(str(tmp_path / "arr.json")) == [("row 1", rows(2)[0]), ("row 2", rows(2)[1])]
 
 
 def test_eval_groups_use_their_own_ids(tmp_path, tok):

@@ -18,6 +18,7 @@ import requests
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.backends.sglang_utils.watchdog import EngineFaultError, EngineWatchdog, ProcessWatch
+from slime.ray.restarts import RestartBudget
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -149,7 +150,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
     args, group = engines
     manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
     manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
-    manager.engines, manager.engine_restarts, manager.policy_version = group, 0, 6
+    manager.engines, manager.restarts, manager.policy_version = group, RestartBudget(2), 6
     calls = []
 
     def update_weights(engines, version):
@@ -171,7 +172,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
     assert len(failures) == 1 and isinstance(failures[0], requests.ConnectionError), failures
     assert not isinstance(failures[0], requests.Timeout), failures
     assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
-    assert manager.engine_restarts == 1 and group.engine_problem(group.engine_urls[0]) is None
+    assert manager.restarts.counts["engine"] == 1 and group.engine_problem(group.engine_urls[0]) is None
 
 
 def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
@@ -202,3 +203,55 @@ def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
     out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}},
                         timeout=60).json()
     assert len(out["output_ids"]) == 2
+
+
+def test_a_dead_router_is_named_then_restarted_on_its_port_with_the_engines_registered_again(engines):
+    """SIGKILL the router under a request: the failed request asks whether the router died (the watchdog names it:
+    process, port, exit code), every call that needs its worker list names it too, an abort still reaches the
+    engines, and (--use-fault-tolerance) the manager starts it again on the same port with the engines listed."""
+    from slime.backends.sglang_utils import engine_api, http_client
+    from slime.ray.rollout import RolloutManager
+
+    args, group = engines
+    if group.placed:
+        pytest.skip("the router is the driver's child either way")
+    url, old_pid, engine_url = group.router_url, group.router.process.pid, group.engine_urls[0]
+    found = []
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            # not started: only the failed request asks (the periodic check would find the exit too)
+            watchdog = EngineWatchdog(args, group, session, on_fault=found.append)
+            generate = watchdog.explaining(http_client.generate)
+            request = asyncio.ensure_future(generate(session, url, LONG, timeout=120))
+            while not await engine_api.busy(session, engine_url):  # the request reached the engine
+                assert not request.done(), "the request ended before it was seen on the engine"
+                await asyncio.sleep(0.01)
+            os.kill(old_pid, signal.SIGKILL)
+            with pytest.raises(http_client.EngineUnreachableError):
+                await request
+            await group.abort_all_until_idle(timeout=30, session=session)  # the engines, without the router
+            assert await engine_api.busy(session, engine_url) == 0
+
+    asyncio.run(run())
+    assert [f.describe() for f in found] == [f"the sglang-router at {url} (pid {old_pid}) exited with code -9 "
+                                             "(killed by SIGKILL)"]
+    with pytest.raises(EngineFaultError, match=rf"sglang-router at {url} \(pid {old_pid}\) exited with code -9"):
+        group.worker_urls()
+
+    manager = object.__new__(RolloutManager)  # only the restart: no data, buffer or rollout function
+    manager.engines, manager.restarts = group, RestartBudget(1)
+    error = EngineFaultError(found[0].describe(), found)
+    manager.args = args.replace(use_fault_tolerance=False)
+    with pytest.raises(EngineFaultError, match=r"exited with code -9 \(killed by SIGKILL\) \(--use-fault-tolerance would restart it\)"):
+        manager.restart_engines(error)
+    manager.args = args.replace(use_fault_tolerance=True)
+    assert manager.restart_engines(error) == []  # no engine restarted: they keep their weights
+    assert manager.restarts.counts["router"] == 1 and group.router_fault() is None
+    assert group.router_url == url and group.router.process.pid != old_pid
+    assert group.worker_urls() == [engine_url] and group.engine_urls == [engine_url]
+    out = requests.post(url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 3}},
+                        timeout=60).json()
+    assert len(out["output_ids"]) == 3
+    with pytest.raises(EngineFaultError, match=r"giving up after 1 restart\(s\) \(--max-engine-restarts 1"):
+        manager.restart_engines(error)  # the budget is spent

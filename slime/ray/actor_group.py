@@ -2,13 +2,19 @@
 
 Every call reaches every rank (the trainer's methods are collectives), and
 every wait has a timeout; a rank that fails or does not answer is named in
-the error.
+the error (`TrainerRankError`: which rank, in which call, whether its process
+died). With a `recover` hook (`--use-fault-tolerance`: the driver restarts the
+trainer from its last checkpoint and replays what it trained since, see
+slime/ray/train_loop.py) a failed call is recovered and run again, so every
+holder of the group (the driver, the colocated phases) goes on with the same
+object.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from slime.backends.training_utils.weight_sync.feed import feed_plan
 
@@ -18,9 +24,27 @@ INIT_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 3600.0
 
 
-def wait_ranks(refs: list, what: str, timeout: float) -> list:
+class TrainerRankError(RuntimeError):
+    """A trainer rank failed a call: its process or actor died (`died`), or it raised (out of memory, a bad
+    batch, a bug). `recoverable`: a restart can help (it died, or ran out of memory); an error it raised
+    otherwise would be raised again by a restarted trainer."""
+
+    def __init__(self, message: str, rank: int, died: bool, out_of_memory: bool = False):
+        super().__init__(message)
+        self.rank, self.died, self.recoverable = rank, died, died or out_of_memory
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA / HIP), Python's MemoryError, or a CPU allocator that could not allocate."""
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the rank's own exception
+    text = str(cause).lower()
+    return (type(cause).__name__ in ("OutOfMemoryError", "MemoryError") or "out of memory" in text
+            or "can't allocate memory" in text)
+
+
+def wait_ranks(refs: list, what: str, timeout: float, pids: list | None = None) -> list:
     """ray.get every rank's ref with one deadline; raise naming the first
-    rank that failed, or the ranks that did not answer in time."""
+    rank that failed (`TrainerRankError`, with its pid where known), or the ranks that did not answer in time."""
     import ray
 
     pending = {ref: rank for rank, ref in enumerate(refs)}
@@ -36,7 +60,12 @@ def wait_ranks(refs: list, what: str, timeout: float) -> list:
             try:
                 results[rank] = ray.get(ref, timeout=max(1.0, left))
             except Exception as e:
-                raise RuntimeError(f"{what}: trainer rank {rank} failed: {e}") from e
+                died = isinstance(e, ray.exceptions.RayActorError)
+                pid = f" (pid {pids[rank]})" if pids and rank < len(pids) and pids[rank] else ""
+                cause = str(e).strip().splitlines()[0] if died else str(e)
+                raise TrainerRankError(f"{what}: trainer rank {rank}{pid} failed: "
+                                       + (f"its process died ({type(e).__name__}: {cause})" if died else cause),
+                                       rank, died, _out_of_memory(e)) from e
     return [results[r] for r in range(len(refs))]
 
 
@@ -54,13 +83,13 @@ def trainer_class(args):
 
 
 class RayTrainGroup:
-    def __init__(self, args, pg):
+    def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
         """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a
-        bare placement group (then bundles 0..N-1)."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from slime.ray.placement_group import TRAINER_GPU_SHARE, PlacementGroups, ray_has_gpus
+        bare placement group (then bundles 0..N-1). `recover(error)`: called when
+        a rank dies or runs out of memory in a call (not init or shutdown); it
+        restarts the group (`restart`) and brings it back to where it was, then
+        the call runs again; it raises to give up."""
+        from slime.ray.placement_group import PlacementGroups
 
         self.args = args
         if isinstance(pg, PlacementGroups):
@@ -76,29 +105,58 @@ class RayTrainGroup:
                              f"but {len(bundles)} placement-group bundles")
         self.world_size = n
         self.timeout = CALL_TIMEOUT_S
+        self.recover = recover
+        self._pg, self._bundles = pg, bundles
+        self.actors = self._spawn()
+        self._closed = False
+        self.info: dict = {}
+        self.rank_devices: list[int | None] = []
+        self.pids: list[int | None] = []
+
+    def _spawn(self) -> list:
+        """One trainer actor per rank, each on its bundle."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from slime.ray.placement_group import TRAINER_GPU_SHARE, ray_has_gpus
+
+        args = self.args
         use_gpu = ray_has_gpus()
         gpus = (TRAINER_GPU_SHARE if args.colocate else 1.0) if use_gpu else 0
         cls = ray.remote(trainer_class(args))
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         if args.train_backend == "megatron":
             env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # megatron: TP / sequence-parallel comms keep kernel order
-        self.actors = [
+        return [
             cls.options(
                 num_cpus=0.5 if use_gpu else 1,
                 num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                                      placement_group_bundle_index=b),
                 runtime_env={"env_vars": env},
-            ).remote(args, rank, n)
-            for rank, b in enumerate(bundles)
+            ).remote(args, rank, self.world_size)
+            for rank, b in enumerate(self._bundles)
         ]
-        self._closed = False
-        self.info: dict = {}
-        self.rank_devices: list[int | None] = []
 
     def _all(self, method: str, *a, timeout: float | None = None, **kw) -> list:
-        refs = [getattr(actor, method).remote(*a, **kw) for actor in self.actors]
-        return wait_ranks(refs, f"trainer.{method}", timeout or self.timeout)
+        while True:
+            refs = [getattr(actor, method).remote(*a, **kw) for actor in self.actors]
+            try:
+                return wait_ranks(refs, f"trainer.{method}", timeout or self.timeout, self.pids)
+            except TrainerRankError as e:
+                if self.recover is None or method in ("init", "shutdown") or not e.recoverable:
+                    raise
+                self.recover(e)  # raises to give up; else the group is back where it was: the call runs again
+
+    def restart(self) -> None:
+        """Every rank anew on its bundle (the live ones are killed: their collectives broke with the dead one),
+        set up as `init` does, with the weights of --hf-checkpoint; the caller loads and replays what it needs."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = self._spawn()
+        self.init()
 
     # ---------------------------------------------------------- contract ----
     def init(self) -> "RayTrainGroup":
@@ -108,10 +166,13 @@ class RayTrainGroup:
         import ray
 
         addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
+        self.pids = [None] * self.world_size
         out = self._all("init", addr, port, timeout=INIT_TIMEOUT_S)
         self.info = out[0]
         self.rank_devices = [o["device_index"] for o in out]  # node GPU of each rank (None on CPU)
-        logger.info("%d trainer rank(s) ready (%s params)", self.world_size, self.info.get("num_params"))
+        self.pids = [n["pid"] for n in self.nodes()]
+        logger.info("%d trainer rank(s) ready (%s params; pids %s)", self.world_size, self.info.get("num_params"),
+                    self.pids)
         return self
 
     def nodes(self, timeout: float = 60.0) -> list[dict]:
@@ -121,11 +182,11 @@ class RayTrainGroup:
         return wait_ranks([a.__ray_call__.remote(process_placement) for a in self.actors], "trainer.nodes", timeout)
 
     def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
-        """Every rank gets every group (it plans the split itself); metrics are
-        already reduced across ranks, rank 0's copy is returned."""
+        """Every rank gets every group (it plans the split itself; `groups` may be an ObjectRef already); metrics
+        are already reduced across ranks, rank 0's copy is returned."""
         import ray
 
-        ref = ray.put(groups)
+        ref = groups if isinstance(groups, ray.ObjectRef) else ray.put(groups)
         return self._all("train", rollout_id, ref, policy_version)[0]
 
     def update_weights(self, engines, new_version: int, pause_mode: str | None = None) -> dict[str, float]:

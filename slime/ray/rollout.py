@@ -4,13 +4,15 @@ It lives in the driver process (rollout functions are asyncio HTTP clients);
 the buffer is a Ray actor so that its contents have one owner and survive in
 checkpoints. The policy version that the engines serve is tracked here.
 
-Engine faults: a rollout or eval step that loses an engine raises
-`EngineFaultError` (its unfinished samples already parked). Without
-`--use-fault-tolerance` that ends the run with the engine named; with it the
-driver (slime/ray/train_loop.py) has the manager restart the engine
-(`restart_engines`), pushes the current weights to it (`push_weights`, with the
-trainer it passes) and runs the step again, parked samples first. After
-`--max-engine-restarts` restarts the next fault raises
+Engine faults: a rollout or eval step that loses an engine or the router
+raises `EngineFaultError` (its unfinished samples already parked). Without
+`--use-fault-tolerance` that ends the run with the engine (or router) named;
+with it the driver (slime/ray/train_loop.py) has the manager restart it
+(`restart_engines`: the router on its port with every engine registered again,
+an engine on fresh ports), pushes the current weights to restarted engines
+(`push_weights`, with the trainer it passes) and runs the step again, parked
+samples first. Restarts spend from the run's budget (slime/ray/restarts.py,
+shared with trainer restarts); once it is spent the next fault raises
 `EngineRestartsExhausted` (train.py checkpoints, then stops).
 """
 
@@ -27,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
+from slime.ray.restarts import RestartBudget
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
@@ -101,13 +104,14 @@ class RolloutManager:
         # the buffer writes its part of each checkpoint next to the driver's: keep it on the driver's node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
+        self._record_dropped_rows()
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
         # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
         self.over_sampling = over_sampling_from_args(args)
         # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
         self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
-        self.engine_restarts = 0
+        self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router and the trainer
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
@@ -163,7 +167,8 @@ class RolloutManager:
         """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
         metrics, debug dump."""
         out.metrics.update(group_reward_metrics(out.groups, "reward", self.args.reward_key))
-        out.metrics["engine/restarts"] = float(self.engine_restarts)
+        out.metrics["engine/restarts"] = float(self.restarts.counts["engine"])
+        out.metrics.update(self.restarts.metrics())
         if self.data_source is not None:
             out.metrics.update({f"data/dropped_rows/{k}": float(v) for k, v in self.data_source.dropped_rows.items()})
         if self.args.save_debug_rollout_data:
@@ -214,28 +219,34 @@ class RolloutManager:
         if fault.rank is not None:
             self.engines.kill_engine(fault.rank)
 
-    def restart_engines(self, error: EngineFaultError) -> None:
-        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes); raise when
-        --use-fault-tolerance is off or out of restarts (--max-engine-restarts)."""
+    def restart_engines(self, error: EngineFaultError) -> list[int]:
+        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes) and the router if
+        it is among them (first: the engines register with it); returns the ranks of the restarted engines.
+        Raises when --use-fault-tolerance is off or the restart budget is spent (--max-engine-restarts)."""
         if not self.args.use_fault_tolerance:
-            raise EngineFaultError(f"{error} (--use-fault-tolerance would restart it)", error.faults) from error
-        budget = self.args.max_engine_restarts
-        for fault in error.faults:
-            if fault.rank is None:
+            raise EngineFaultError(f"{error} (--use-fault-tolerance would restart "
+                                   f"{'it' if len(error.faults) == 1 else 'them'})", error.faults) from error
+        restarted = []
+        for fault in sorted(error.faults, key=lambda f: not f.router):
+            if fault.rank is None and not fault.router:
                 raise EngineFaultError(f"{error}; {fault.url} was not launched by this run, so it cannot be restarted",
                                        error.faults) from error
             while True:
-                if self.engine_restarts >= budget:
+                if not self.restarts.spend("router" if fault.router else "engine"):
                     raise EngineRestartsExhausted(
-                        f"{error}; giving up after {self.engine_restarts} engine restart(s) (--max-engine-restarts "
-                        f"{budget})", error.faults) from error
-                self.engine_restarts += 1
-                logger.warning("restart %d/%d: %s", self.engine_restarts, budget, fault.describe())
+                        f"{error}; giving up after {self.restarts.used} restart(s) (--max-engine-restarts "
+                        f"{self.restarts.limit}: engines, the router and the trainer together)", error.faults) from error
+                logger.warning("restart %s: %s", self.restarts.progress(), fault.describe())
                 try:
-                    self.engines.restart_engine(fault.rank)
+                    if fault.router:
+                        self.engines.restart_router()
+                    else:
+                        self.engines.restart_engine(fault.rank)
+                        restarted.append(fault.rank)
                     break
                 except ServerLaunchError as e:
-                    logger.error("restarting engine %d failed: %s", fault.rank, e)
+                    logger.error("restarting %s failed: %s", "the router" if fault.router else f"engine {fault.rank}", e)
+        return restarted
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version
@@ -258,6 +269,12 @@ class RolloutManager:
 
     def load_buffer(self, path: str) -> None:
         ray.get(self.buffer.load.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+        self._record_dropped_rows()  # this load's drops (a resumed run may drop rows differently)
+
+    def _record_dropped_rows(self) -> None:
+        """The data rows dropped at load go into the ledger with their reasons, so an audit accounts for them."""
+        if self.data_source is not None:
+            ray.get(self.buffer.drop_rows.remote(self.data_source.dropped), timeout=BUFFER_TIMEOUT_S)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -3,24 +3,31 @@ a training step, the weight push (engine faults named, or restarted with --use-f
 checkpoints, eval, per-step logging and the entry points' error handling. The two loops differ only in
 where a batch comes from and when the weights reach the engines.
 
-    run = TrainingRun(args)              # checks, run dir, logging, Ray, engines + buffer, trainers, resume
-    run.evaluate_start()
-    for rollout_id in run.steps():
-        batch = run.rollout(rollout_id)                    # or train_async.py's rollout running ahead
-        if run.trainable(rollout_id, batch):               # not a step where every group failed
-            with run.phases.train():                       # --colocate: who holds the devices
-                metrics |= run.train(rollout_id, batch)
-            with run.phases.weight_sync():
-                metrics |= run.push_weights(rollout_id, run.new_policy_version())
-        if run.save_due(rollout_id): run.save(rollout_id)
-        if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
-        run.log(rollout_id, metrics)
-    run.finish()
+    with TrainingRun(args) as run:   # checks, run dir, logging, Ray, engines + buffer, trainers, resume
+        run.evaluate_start()
+        for rollout_id in run.steps():
+            batch = run.rollout(rollout_id)                    # or train_async.py's rollout running ahead
+            if run.trainable(rollout_id, batch):               # not a step where every group failed
+                with run.phases.train():                       # --colocate: who holds the devices
+                    metrics |= run.train(rollout_id, batch)
+                with run.phases.weight_sync():
+                    metrics |= run.push_weights(rollout_id, run.new_policy_version())
+            if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
+            run.log(rollout_id, metrics)
+            if run.save_due(rollout_id): run.save(rollout_id)
+        run.finish()
 
 Timing (`perf/` metrics, one set per step): the step's wall time, how long the trainer was busy
 (training and pushing weights), how long the engines were idle (the embedded engine's scheduler
 counter; absent with SGLang) and, on eval steps, how long the eval took, so a run's idle fractions
 are sums of these over its steps.
+
+Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
+`RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
+what `--load` restores (slime/ray/run_faults.py). `train_or_stop` writes that line and the cause chain as the
+last lines of <run>/train.log (a traceback before them for an error that does not name its cause) and on
+stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory is restarted from the newest
+checkpoint while the engines stay up, and the steps trained since are replayed (`TrainerRecovery`).
 """
 
 from __future__ import annotations
@@ -28,25 +35,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from typing import Any, Callable
 
-from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
 from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.colocation import device_phases
-from slime.ray.placement_group import PlacementError, create_placement_groups, write_placement
+from slime.ray.placement_group import create_placement_groups, write_placement
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
+from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
 from slime.rollout.base_types import RolloutOutput
-from slime.rollout.data_source import DataError
 from slime.utils import checkpoint as ckpts
-from slime.utils.empty_steps import EmptySteps, EmptyStepsError, count_trainable
+from slime.utils.empty_steps import EmptySteps, count_trainable
 from slime.utils.gpu_plan import effective_settings
-from slime.utils.hf_dir import ModelDirError, check_hf_checkpoint
+from slime.utils.hf_dir import check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
-from slime.utils.net import ListenHostError
-from slime.utils.paths import PathNotVisibleError
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
 from slime.utils.summary import log_run_summary
 
@@ -74,30 +77,23 @@ def engine_idle_seconds(engines) -> float | None:
     return total
 
 
-# errors that name their cause (flag, file, engine, reward): one line, no traceback
-STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
-         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion)
-
-
-def train_or_stop(entry: str, train: Callable, args) -> int:
-    """Run `train(args)`; an error that names its cause stops it with one line (exit 1), no traceback."""
-    try:
-        train(args)
-    except STOPS as e:
-        logger.debug("stopped", exc_info=True)
-        logger.error("stopped: %s", e)
-        print(f"{entry}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 class TrainingRun:
     def __init__(self, args):
         self.args = args
         self.run_dir = resolve_run_dir(args)
         setup_logging(self.run_dir)
         logger.info("%s", effective_settings(args))  # precision, optimizer sharding, offload
+        self.actor_model, self.rollout_manager = None, None
+        self.record = RunRecord(args.save)  # what a failure lost and what --load restores (run_faults.py)
+        self.recovery: TrainerRecovery | None = None
         ckpt, state = self._check_inputs()
+        try:
+            self._start(ckpt, state)
+        except BaseException as e:
+            self._stop(e)
+
+    def _start(self, ckpt, state) -> None:
+        args = self.args
         init_ray(listen_host=args.listen_host)
         self.metrics = MetricsLogger(args, self.run_dir)
         # Engines + router + data + buffer on one side, trainers on the other.
@@ -106,15 +102,55 @@ class TrainingRun:
         self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only,
                                               engine_slots=pgs.engine_slots(args.num_engines,
                                                                             args.rollout_num_gpus_per_engine))
-        self.actor_model = None if args.debug_rollout_only else RayTrainGroup(args, pgs).init()
+        self.record.actors[self.rollout_manager.buffer._actor_id.hex()] = "the buffer actor"
+        if not args.debug_rollout_only:
+            if args.use_fault_tolerance:  # a trainer that fails starts again; the engines stay up
+                self.recovery = TrainerRecovery(args, self.rollout_manager.restarts, self.rollout_manager.engines)
+            self.actor_model = RayTrainGroup(args, pgs, recover=self.recovery).init()
+            if self.recovery is not None:
+                self.recovery.trainer = self.actor_model
         # who runs where: RUN_DIR/placement.json
         write_placement(self.run_dir, pgs, self.actor_model, self.rollout_manager.engines)
         self.start_rollout_id = self._resume(ckpt, state)
+        self.record.step = self.start_rollout_id
         # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
         self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)
         self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
         self._engine_idle_ok = self.rollout_manager.engines is not None
         self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), None, 0.0
+
+    def _name_trainer_ranks(self) -> None:
+        """The trainer ranks' actors by role (and pid), so a death names the rank (after a restart: the new ones)."""
+        if self.actor_model is not None:
+            for rank, (actor, pid) in enumerate(zip(self.actor_model.actors, self.actor_model.pids)):
+                self.record.actors[actor._actor_id.hex()] = f"trainer rank {rank} (pid {pid})"
+
+    # ---- a failure ends the run -------------------------------------------------------------
+    def __enter__(self) -> "TrainingRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, Exception):
+            self._stop(exc)
+        elif exc is not None:  # Ctrl-C: everything down, then it goes on up
+            self.shutdown_quietly()
+        return False
+
+    def _stop(self, error: BaseException):
+        """Shut every part down, then raise `RunStopped` naming what failed (Ctrl-C: re-raised as it is)."""
+        if not isinstance(error, Exception):
+            self.shutdown_quietly()
+            raise error
+        self._name_trainer_ranks()
+        reason = explain(error, self.record, names_itself=isinstance(error, STOPS))
+        self.shutdown_quietly()
+        raise RunStopped(reason) from error
+
+    def shutdown_quietly(self) -> None:
+        try:
+            self.shutdown()
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one to report
+            logger.warning("shutting down after the failure: %s: %s", type(e).__name__, e)
 
     @property
     def num_rollout(self) -> int:
@@ -173,12 +209,16 @@ class TrainingRun:
             return self.foreign.start_rollout
         if ckpt is None:
             return 0
+        if self.recovery is not None:
+            self.recovery.checkpointed(f"{ckpt}/trainer")
         if self.actor_model is not None:
             self.actor_model.load(f"{ckpt}/trainer")
         manager.load_state_dict(state["rollout"])
         manager.load_buffer(f"{ckpt}/buffer")
         ckpts.set_rng_state(state["rng"])
         start = state["rollout_id"] + 1
+        self.record.checkpoint, self.record.policy_version = state["rollout_id"], manager.policy_version
+        self.record.at_checkpoint = self.record.ledger = manager.ledger_summary()
         logger.info("resumed from %s at rollout %d (policy version %d)", ckpt, start, manager.policy_version)
         if self.actor_model is not None and manager.engines is not None:
             manager.push_weights(self.actor_model, manager.policy_version)
@@ -202,8 +242,8 @@ class TrainingRun:
             try:
                 return step()
             except EngineFaultError as e:
-                manager.restart_engines(e)  # raises without --use-fault-tolerance, or out of restarts
-                if self.actor_model is not None:
+                # raises without --use-fault-tolerance, or out of restarts; a restarted router keeps the weights
+                if manager.restart_engines(e) and self.actor_model is not None:
                     manager.push_weights(self.actor_model, manager.policy_version)
                     logger.info("pushed policy version %d to the restarted engines", manager.policy_version)
 
@@ -221,7 +261,13 @@ class TrainingRun:
     def train(self, rollout_id: int, rollout: RolloutOutput) -> dict[str, float]:
         """Train on the batch (off-policy tokens corrected against their behaviour log-probs); mark it trained."""
         t0 = time.monotonic()
-        out = self.actor_model.train(rollout_id, rollout.groups, self.rollout_manager.policy_version)
+        version = self.rollout_manager.policy_version
+        # --use-fault-tolerance: the batch stays in the object store until the next checkpoint (a restarted
+        # trainer replays it); a trainer that fails meanwhile is restarted inside this call
+        batch = self.recovery.batch(rollout.groups) if self.recovery is not None else rollout.groups
+        out = self.actor_model.train(rollout_id, batch, version)
+        if self.recovery is not None:
+            self.recovery.trained(rollout_id, batch, version)
         self._trainer_busy += time.monotonic() - t0
         if not self.args.load_debug_rollout_data:
             self.rollout_manager.mark_trained(rollout.groups)
@@ -231,6 +277,7 @@ class TrainingRun:
         """The trainer's weights after this step's update: the next policy version (what a restarted engine gets)."""
         manager = self.rollout_manager
         manager.set_policy_version(manager.policy_version + 1)
+        self.record.policy_version = manager.policy_version
         return manager.policy_version
 
     def push_weights(self, rollout_id: int, version: int) -> dict[str, float]:
@@ -269,9 +316,12 @@ class TrainingRun:
         writers = {"buffer": manager.save_buffer}
         if self.actor_model is not None:
             writers["trainer"] = self.actor_model.save
-        ckpts.save_checkpoint(self.args.save, rollout_id, writers,
-                              {"rollout_id": rollout_id, "rollout": manager.state_dict(), "rng": ckpts.rng_state(),
-                               "contract": ckpts.data_contract(self.args)})
+        path = ckpts.save_checkpoint(self.args.save, rollout_id, writers,
+                                     {"rollout_id": rollout_id, "rollout": manager.state_dict(),
+                                      "rng": ckpts.rng_state(), "contract": ckpts.data_contract(self.args)})
+        if self.recovery is not None:
+            self.recovery.checkpointed(f"{path}/trainer")
+        self.record.checkpoint, self.record.at_checkpoint = rollout_id, manager.ledger_summary()
 
     def eval_due(self, rollout_id: int) -> bool:
         return bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
@@ -302,13 +352,15 @@ class TrainingRun:
         step_metrics.update(self.phases.metrics())
         now = time.monotonic()
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
-        step_metrics.update({f"ledger/{k}": v for k, v in self.rollout_manager.ledger_summary().items()})
+        self.record.ledger = self.rollout_manager.ledger_summary()
+        step_metrics.update({f"ledger/{k}": v for k, v in self.record.ledger.items()})
         step_metrics["perf/step_time_s"] = now - self._step_start
         step_metrics["perf/trainer_busy_s"] = self._trainer_busy
         idle = self._engine_idle()
         if idle is not None and self._engine_idle_start is not None:
             step_metrics["perf/engine_idle_s"] = idle - self._engine_idle_start
         self.metrics.log(rollout_id, step_metrics)
+        self.record.step = rollout_id + 1  # a failure from here on is in the next step
         self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), idle, 0.0
 
     def finish(self) -> dict:
@@ -321,7 +373,8 @@ class TrainingRun:
         if self.actor_model is not None:
             self.actor_model.shutdown()  # releases the weight-update group on both sides
             self.actor_model = None
-        self.rollout_manager.shutdown()
+        if self.rollout_manager is not None:
+            self.rollout_manager.shutdown()
 
 
-__all__ = ["STOPS", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]
+__all__ = ["STOPS", "RunStopped", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]

@@ -71,6 +71,9 @@ class PartialRolloutBuffer:
         """Record fresh groups as issued (the rollout calls this before submitting them)."""
         self.ledger.mark([group_id(g) for g in groups], ISSUED)
 
+    def drop_rows(self, reasons: dict[int, str]) -> None:
+        self.ledger.drop_rows(reasons)
+
     def ledger_summary(self) -> dict[str, int]:
         return self.ledger.summary()
 

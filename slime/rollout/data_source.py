@@ -16,13 +16,18 @@ them); a plain string prompt is tokenised with the tokenizer's defaults.
 `Sample.prompt` holds the text that was tokenised.
 
 Rows the engine would refuse are dropped at load, each logged with its file,
-row and reason and counted in `dropped_rows` (reason -> count): `empty_prompt`
-(no text, or no tokens), `over_max_prompt_len` (longer than
+line and reason, counted in `dropped_rows` (reason -> count) and listed in
+`dropped` (row -> `category: detail`, which the buffer's ledger records so the
+audit accounts for every row): `empty_prompt` (an empty or whitespace-only
+prompt, whatever a chat template would wrap around it; or no tokens),
+`over_max_prompt_len` (longer than
 `--rollout-max-prompt-len`), `over_context_length` (prompt + response budget
 over the model's positions, `max_position_embeddings` or
 `--sglang-context-length`). The data order and the saved position count file
 rows, dropped ones included, so dropping a row (or adding
 `--rollout-max-prompt-len` on resume) never shifts what the next step draws.
+Every row error names the file, where the row is (`line N` of a JSON-lines
+file, 1-based; `row N` of a JSON array or parquet file, 1-based) and the key.
 
 Ids: training groups get `group_index` 0, 1, 2, ... and samples `index` 0,
 1, 2, ... (run-wide counters saved in `state_dict`). Eval groups
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.utils.hf_dir import max_positions
+from slime.utils.ledger import reason_category
 from slime.utils.safe_load import CheckpointFileError, read_json_file
 from slime.utils.types import Sample, Status
 
@@ -79,7 +85,7 @@ def _text_lines(path: str):
                                 "a binary or differently encoded file?") from None
 
 
-def _read_jsonl(path: str) -> list[tuple[int, Any]]:
+def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     rows = []
     for lineno, line in _text_lines(path):
         if not line.strip():
@@ -87,23 +93,24 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {e.msg} at column {e.colno}") from e
-        rows.append((lineno, obj))
+            raise DataError(f"{path}: line {lineno}: invalid JSON: {e.msg} at column {e.colno}") from e
+        rows.append((f"line {lineno}", obj))
     return rows
 
 
-def _read_parquet(path: str) -> list[tuple[int, Any]]:
+def _read_parquet(path: str) -> list[tuple[str, Any]]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     with tempfile.TemporaryDirectory(prefix="slime-datasets-") as cache_dir:
         ds = datasets.load_dataset("parquet", data_files=path, split="train", cache_dir=cache_dir, keep_in_memory=True)
-        return [(None, row) for row in ds.to_list()]
+        return [(f"row {i + 1}", row) for i, row in enumerate(ds.to_list())]
 
 
-def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
-    """All rows of a local `.jsonl` / `.json` / `.parquet` file as dicts; errors name the file and row."""
+def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of a local `.jsonl` / `.json` / `.parquet` file, the row a dict and where it is
+    `line N` (JSON lines) or `row N` (a JSON array, parquet), 1-based; errors name the file and the line."""
     if not path:
         raise DataError(f"{flag} is not set")
     if not os.path.isfile(path):
@@ -117,20 +124,17 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
             head = f.read(4096).lstrip()
         if head.startswith(b"["):
             try:
-                items = [(None, obj) for obj in read_json_file(path)]
+                items = [(f"row {i + 1}", obj) for i, obj in enumerate(read_json_file(path))]
             except CheckpointFileError as e:
                 raise DataError(f"{path}: {e.cause}") from None
         else:
             items = _read_jsonl(path)
     else:
         raise DataError(f"{flag} {path}: unsupported file type (expected .jsonl, .json or .parquet)")
-    rows = []
-    for i, (lineno, obj) in enumerate(items):
+    for where, obj in items:
         if not isinstance(obj, dict):
-            where = f"row {i}" + (f" (line {lineno})" if lineno else "")
             raise DataError(f"{path}: {where}: expected a JSON object, got {type(obj).__name__}")
-        rows.append(obj)
-    return rows
+    return items
 
 
 # ------------------------------------------------------------- preparing ----
@@ -186,34 +190,45 @@ def model_max_positions(args) -> int | None:
     return max_positions(config, args.sglang_extra_args) if isinstance(config, dict) else None
 
 
-def _drop_reason(text: str, templated: bool, tokens: list[int], budget: int, max_len: int | None,
-                 context: int | None) -> tuple[str, str] | None:
-    if not tokens or (not templated and not text.strip()):
-        return DROP_EMPTY, "empty prompt" + (" (no tokens)" if not tokens else " (no chat template adds any text)")
+def _is_blank(prompt: Any) -> bool:
+    """An empty or whitespace-only prompt (a string, or chat messages with no text): a chat template would wrap
+    its markup around nothing, and the model would be trained on a prompt that asks nothing."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    return not any(m["content"].strip() for m in prompt)
+
+
+def _drop_reason(prompt: Any, tokens: list[int], budget: int, max_len: int | None,
+                 context: int | None) -> str | None:
+    """Why the engine would refuse this row (`category: detail`, a ledger drop reason), or None."""
+    if _is_blank(prompt):
+        return f"{DROP_EMPTY}: the prompt is empty or whitespace"
+    if not tokens:
+        return f"{DROP_EMPTY}: the prompt has no tokens"
     if max_len is not None and len(tokens) > max_len:
-        return DROP_MAX_PROMPT_LEN, f"{len(tokens)} tokens > --rollout-max-prompt-len {max_len}"
+        return f"{DROP_MAX_PROMPT_LEN}: {len(tokens)} tokens > --rollout-max-prompt-len {max_len}"
     if context is not None and len(tokens) + budget > context:
-        return DROP_CONTEXT, (f"{len(tokens)} prompt tokens + {budget} response budget > the model's "
-                              f"{context} positions")
+        return (f"{DROP_CONTEXT}: {len(tokens)} prompt tokens + {budget} response budget > the model's "
+                f"{context} positions")
     return None
 
 
 def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
-                    response_budget: int | None = None) -> tuple[list[PromptEntry | None], Counter]:
+                    response_budget: int | None = None) -> tuple[list[PromptEntry | None], dict[int, str]]:
     """Read, validate, template and tokenise every row of `path`.
 
-    Returns (one entry per file row, None where the row was dropped; drop counts by reason). Structural errors
-    (missing keys, wrong types) raise `DataError`; rows the engine would refuse are dropped, each logged with
-    file, row and reason.
+    Returns (one entry per file row, None where the row was dropped; the dropped rows: 0-based row -> reason
+    `category: detail (file, line)`). Structural errors (missing keys, wrong types) raise `DataError` naming the
+    file, line and key; rows the engine would refuse are dropped, each logged with file, line and reason.
     """
     input_key, label_key, metadata_key = args.input_key, args.label_key, args.metadata_key
     max_len = args.rollout_max_prompt_len
     context = model_max_positions(args)
     budget_flag = args.rollout_max_response_len if response_budget is None else response_budget
     entries: list[PromptEntry | None] = []
-    dropped: Counter = Counter()
-    for i, row in enumerate(read_rows(path, flag)):
-        where = f"{path}: row {i}"
+    dropped: dict[int, str] = {}
+    for i, (place, row) in enumerate(read_rows(path, flag)):
+        where = f"{path}: {place}"
         if input_key not in row:
             raise DataError(f"{where}: missing key {input_key!r} (--input-key); row has {sorted(row)}")
         if label_key is not None and label_key not in row:
@@ -223,21 +238,30 @@ def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
         metadata = _metadata(row.get(metadata_key), where, metadata_key)
         own = metadata.get("max_response_len")
         budget = budget_flag if not isinstance(own, int) else min(budget_flag, own)
-        drop = _drop_reason(text, templated, tokens, budget, max_len, context)
-        if drop is not None:
-            dropped[drop[0]] += 1
-            if sum(dropped.values()) <= MAX_LOGGED_DROPS:
-                logger.warning("%s: dropped (%s): %s", where, drop[0], drop[1])
+        reason = _drop_reason(row[input_key], tokens, budget, max_len, context)
+        if reason is not None:
+            dropped[i] = f"{reason} ({where}, key {input_key!r})"
+            if len(dropped) <= MAX_LOGGED_DROPS:
+                logger.warning("%s: dropped (%s): %s", where, reason_category(reason), reason.split(": ", 1)[1])
             entries.append(None)
             continue
         metadata["row"] = i
         label = row[label_key] if label_key is not None else None
         entries.append(PromptEntry(row=i, prompt=text, tokens=tokens, label=label, metadata=metadata))
     if dropped:
-        logger.warning("%s: dropped %d of %d rows (%s)%s", path, sum(dropped.values()), len(entries),
-                       ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())),
-                       f"; only the first {MAX_LOGGED_DROPS} are listed" if sum(dropped.values()) > MAX_LOGGED_DROPS else "")
+        logger.warning("%s: dropped %d of %d rows (%s)%s", path, len(dropped), len(entries),
+                       drop_counts_text(dropped),
+                       f"; only the first {MAX_LOGGED_DROPS} are listed" if len(dropped) > MAX_LOGGED_DROPS else "")
     return entries, dropped
+
+
+def drop_counts(dropped: dict[int, str]) -> Counter:
+    """Dropped rows by category (`empty_prompt`, `over_max_prompt_len`, `over_context_length`)."""
+    return Counter(reason_category(r) for r in dropped.values())
+
+
+def drop_counts_text(dropped: dict[int, str]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(drop_counts(dropped).items()))
 
 
 def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, step: int = 1, extra: dict | None = None) -> list[Sample]:
@@ -271,13 +295,13 @@ class RolloutDataSource:
     def __init__(self, args, tokenizer):
         self.args = args
         self.path = args.prompt_data
-        self.rows, self.dropped_rows = prepare_entries(args, tokenizer, self.path)
+        # dropped: 0-based row -> reason, for the ledger (RolloutManager records them in the buffer's)
+        self.rows, self.dropped = prepare_entries(args, tokenizer, self.path)
         self.entries = [e for e in self.rows if e is not None]
         if not self.entries:
             raise DataError(
                 f"--prompt-data {self.path}: no usable prompts"
-                + (f" (all {len(self.rows)} rows dropped: "
-                   + ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped_rows.items())) + ")" if self.rows else "")
+                + (f" (all {len(self.rows)} rows dropped: {drop_counts_text(self.dropped)})" if self.rows else "")
             )
         self.n_samples_per_prompt = args.n_samples_per_prompt
         self.shuffle = args.rollout_shuffle
@@ -290,6 +314,11 @@ class RolloutDataSource:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def dropped_rows(self) -> Counter:
+        """Rows dropped at load, by reason category."""
+        return drop_counts(self.dropped)
 
     @property
     def num_dropped_too_long(self) -> int:
@@ -376,8 +405,7 @@ def load_eval_groups(args, tokenizer, name: str, path: str, n_samples: int) -> l
     rows, dropped = prepare_entries(args, tokenizer, path, flag=f"eval set {name!r}",
                                     response_budget=args.eval_max_response_len)
     if dropped:
-        logger.warning("eval set %r: %d prompts were left out (%s)", name, sum(dropped.values()),
-                       ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())))
+        logger.warning("eval set %r: %d prompts were left out (%s)", name, len(dropped), drop_counts_text(dropped))
     groups = []
     for g, entry in enumerate(e for e in rows if e is not None):
         groups.append(_make_group(entry, -(g + 1), -(g * n_samples + 1), n_samples, step=-1, extra={"eval_name": name}))

@@ -164,6 +164,7 @@ async def run_rollout_step(args, rollout_id: int, ctx: RolloutContext, supply, p
                     generate=generate, reward=lambda samples: reward_group(args, expand_fanout(samples)), filter=group_filter(args, state),
                     session=session)
         io.monitors = EngineMonitors(args, ctx.engines, session, urls, state, requester, bar)
+        io.generate = io.monitors.watchdog.explaining(io.generate)  # a failed request: did the router or an engine die?
         if hooks.on_io is not None:
             hooks.on_io(io)
         await run_step(state, io, supply, placement, halt=hooks.halt)

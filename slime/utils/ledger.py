@@ -8,6 +8,10 @@ Every prompt group (keyed by `Sample.group_index`) moves through
                         │        └──────▶ dropped(reason)
                         └──▶ dropped(reason)        (final)
 
+Data rows dropped when the data is loaded (empty, over the length limits) never
+become groups: the ledger records them apart, row -> reason (`drop_rows`), so an
+audit accounts for every row of the data as well as every group.
+
 These are data-model concepts (next to `Sample`): the rollout marks groups,
 the buffer (`slime/rollout/buffer.py`) holds the ledger and persists it.
 """
@@ -43,6 +47,7 @@ class Ledger:
     def __init__(self) -> None:
         self._state: dict[int, str] = {}
         self._reason: dict[int, str] = {}
+        self._rows_dropped: dict[int, str] = {}  # data rows dropped at load (0-based row -> reason)
 
     def state(self, group_id: int) -> str | None:
         return self._state.get(int(group_id))
@@ -71,6 +76,17 @@ class Ledger:
             if reason is not None:
                 self._reason[g] = reason
 
+    def drop_rows(self, reasons: dict[int, str]) -> None:
+        """The data rows the data source dropped at load this run (0-based row -> `category: detail`); replaces
+        the record (a resumed run may drop differently, e.g. with a new --rollout-max-prompt-len)."""
+        blank = [r for r, why in reasons.items() if not why]
+        if blank:
+            raise LedgerError(f"dropping data rows needs a reason (rows {sorted(blank)[:10]} have none)")
+        self._rows_dropped = {int(r): str(why) for r, why in reasons.items()}
+
+    def rows_dropped(self) -> dict[int, str]:
+        return dict(self._rows_dropped)
+
     def ids_in(self, state: str) -> list[int]:
         return sorted(g for g, s in self._state.items() if s == state)
 
@@ -83,6 +99,7 @@ class Ledger:
                 key = f"dropped/{reason_category(r)}"
                 out[key] = out.get(key, 0) + 1
         out["total"] = len(self._state)
+        out["rows_dropped"] = len(self._rows_dropped)
         return out
 
     def check_balanced(self, parked_ids: Iterable[int], ready_ids: Iterable[int], idle: bool = True) -> dict[str, int]:
@@ -116,7 +133,8 @@ class Ledger:
         return self.summary()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": {str(g): s for g, s in self._state.items()}, "reason": {str(g): r for g, r in self._reason.items()}}
+        return {"state": {str(g): s for g, s in self._state.items()}, "reason": {str(g): r for g, r in self._reason.items()},
+                "rows_dropped": {str(r): why for r, why in self._rows_dropped.items()}}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         state = {int(g): s for g, s in d["state"].items()}
@@ -125,6 +143,7 @@ class Ledger:
             raise LedgerError(f"ledger state_dict has unknown states: {dict(list(bad.items())[:10])}")
         self._state = state
         self._reason = {int(g): r for g, r in d.get("reason", {}).items()}
+        self._rows_dropped = {int(r): why for r, why in d.get("rows_dropped", {}).items()}
 
 
 def group_id(group: list[Sample]) -> int:

@@ -27,6 +27,7 @@ from slime.backends.sglang_utils.engine_handle import HostMonitor, LocalEngine, 
 from slime.backends.sglang_utils.engine_host import EngineSlot
 from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
 from slime.backends.sglang_utils.router import Router
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError
 from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,22 @@ class EngineGroup(WeightUpdateMixin):
         self._monitor.refresh([self.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
         return self._monitor.problems.get(url)
 
+    def router_fault(self) -> EngineFault | None:
+        """The router this group started, if its process exited or is stopped (an external router: never)."""
+        problem = self.router.problem() if self.router is not None else None
+        return None if problem is None else EngineFault(self.router.url, None, problem, router=True)
+
+    def restart_router(self, timeout: float = 60.0) -> None:
+        """Start our router again on its port, with the same flags, and register every engine with it again (the
+        engines keep running, their weights and requests untouched). Raises ServerLaunchError if it does not come
+        up or does not list the engines as healthy."""
+        waited = self.router.restart(timeout)
+        for engine in self.engines:
+            self.router.add_worker(engine.url)
+        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self._check_engines_alive)
+        logger.warning("sglang-router restarted at %s (pid %s) after %.1fs; %d engine(s) registered again",
+                       self.router.url, self.router.process.pid, waited, len(self.engines))
+
     def kill_engine(self, rank: int) -> None:
         """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
         if 0 <= rank < len(self.engines):
@@ -298,9 +315,13 @@ class EngineGroup(WeightUpdateMixin):
         return [e.url for e in self.engines]
 
     def worker_urls(self, timeout: float = 10.0) -> list[str]:
-        """Every worker the router lists (GET /workers): the fan-out list for aborts, pauses, weight updates."""
+        """Every worker the router lists (GET /workers): the fan-out list for aborts, pauses, weight updates.
+        Raises `EngineFaultError` naming the router if the one we started died."""
         if self.router is None:
             raise RuntimeError("EngineGroup is not started")
+        fault = self.router_fault()
+        if fault is not None:  # named as what it is (process, port, exit code), not as a refused connection
+            raise EngineFaultError(fault.describe(), [fault])
         return sorted(w["url"] for w in self.router.list_workers(timeout))
 
     # --- sync fan-out --------------------------------------------------------------
@@ -387,7 +408,9 @@ class EngineGroup(WeightUpdateMixin):
         running or waiting request. Every wait is bounded by `timeout` (--rollout-abort-timeout). Returns
         seconds elapsed."""
         start = time.monotonic()
-        urls = [u for u in await asyncio.to_thread(self.worker_urls) if u not in exclude]
+        # our router dead (a step stopping because of it): its workers are the engines we launched
+        listed = self.engine_urls if self.router_fault() is not None else await asyncio.to_thread(self.worker_urls)
+        urls = [u for u in listed if u not in exclude]
         own = session is None
         session = session or aiohttp.ClientSession()
         try:

@@ -61,6 +61,10 @@ def read_log_tail(path: str, max_lines: int = 40, max_bytes: int = 64_000) -> st
     return "\n".join(lines) if lines else "<log is empty>"
 
 
+# a killed multi-threaded process shows as a zombie while its threads exit; its exit code follows within moments
+ZOMBIE_REAP_WAIT_S = 2.0
+
+
 class ManagedProcess:
     """One child server process, started in its own session (process group)."""
 
@@ -166,8 +170,7 @@ def process_problem(proc: "ManagedProcess") -> str | None:
     """Why `proc` cannot serve (exited, stopped, zombie), or None if it is running. Reads /proc only."""
     rc = proc.returncode()
     if rc is not None:
-        sig = f" (killed by {signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else ""
-        return f"exited with code {rc}{sig}"
+        return _exit_text(rc)
     if proc.pid is None:
         return None
     try:
@@ -177,9 +180,17 @@ def process_problem(proc: "ManagedProcess") -> str | None:
         return None
     if state in ("T", "t"):
         return f"is stopped (pid {proc.pid} in state {state}: SIGSTOP or a debugger), so it cannot serve"
-    if state == "Z":
-        return f"died (pid {proc.pid} is a zombie)"
+    if state == "Z":  # exiting: its leader is a zombie until its last thread is gone, then its exit code is read
+        deadline = time.monotonic() + ZOMBIE_REAP_WAIT_S
+        while (rc := proc.returncode()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return _exit_text(rc) if rc is not None else f"died (pid {proc.pid} is a zombie)"
     return None
+
+
+def _exit_text(rc: int) -> str:
+    sig = f" (killed by {signal.Signals(-rc).name})" if rc < 0 and -rc in signal.valid_signals() else ""
+    return f"exited with code {rc}{sig}"
 
 
 def process_group_members(pgid: int) -> list[int]:

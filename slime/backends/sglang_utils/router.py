@@ -25,7 +25,7 @@ import time
 import requests
 
 from slime.backends.sglang_utils import http_client
-from slime.backends.sglang_utils.process_utils import ManagedProcess, ServerLaunchError, read_log_tail
+from slime.backends.sglang_utils.process_utils import ManagedProcess, ServerLaunchError, process_problem, read_log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,28 @@ class Router:
     def check_alive(self, doing: str) -> None:
         if self.process is not None and not self.process.is_alive():
             raise self._error(f"exited with code {self.process.returncode()} while {doing}")
+
+    def problem(self) -> str | None:
+        """What is wrong with the router process we started (exited, stopped, a zombie), naming its pid; None while
+        it runs, and for an external router (its process is not ours to read)."""
+        if self.process is None:
+            return None
+        problem = process_problem(self.process)
+        return None if problem is None else f"(pid {self.process.pid}) {problem}"
+
+    def restart(self, timeout: float = 60.0) -> float:
+        """Start the router we own again, on the same address with the same flags; returns seconds until it
+        answered. It knows no workers: the caller registers them again."""
+        if self.process is None:
+            raise ServerLaunchError(f"sglang-router at {self.url} was not started by this run, so it cannot be "
+                                    "restarted")
+        self.process.terminate(grace=2)  # whatever is left of the old one (a stopped one is killed)
+        self.process.start()
+        try:
+            return self.process.wait_http_ok(self.url + "/workers", timeout)
+        except BaseException:
+            self.process.terminate(grace=2)
+            raise
 
     # --- workers -----------------------------------------------------------
     def list_workers(self, timeout: float = 10.0) -> list[dict]:

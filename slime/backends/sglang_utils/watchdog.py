@@ -13,7 +13,10 @@ and raises `EngineFaultError` naming the engine, what is wrong with it and what
 the step was doing, so the run fails with a clear error or (with
 `--use-fault-tolerance`) restarts the engine (`EngineGroup.restart_engine`).
 Engines not launched by this group (an external router's other workers) are
-probed over HTTP only.
+probed over HTTP only. The router the group started is watched like an engine
+(its process; `EngineFault.router`): every generation request goes through it,
+so a request that fails asks first whether the router or an engine died
+(`explain_failure`), and the step names that instead of the refused connection.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
+
+import aiohttp
 
 from slime.backends.sglang_utils import http_client
 
@@ -37,12 +42,32 @@ EXPLAIN_WAIT_S = 2.0
 @dataclass(frozen=True)
 class EngineFault:
     url: str
-    rank: int | None  # engine rank in the EngineGroup (None: a worker we did not launch)
+    rank: int | None  # engine rank in the EngineGroup (None: a worker we did not launch, or the router)
     problem: str  # e.g. "exited with code -9", "did not answer GET /health_generate within 30s"
+    router: bool = False  # the fault is the group's sglang-router, not an engine
 
     def describe(self) -> str:
-        who = f"engine {self.rank} ({self.url})" if self.rank is not None else f"worker {self.url}"
+        if self.router:
+            who = f"the sglang-router at {self.url}"
+        else:
+            who = f"engine {self.rank} ({self.url})" if self.rank is not None else f"worker {self.url}"
         return f"{who} {self.problem}"
+
+
+def process_faults(engines, known) -> list[EngineFault]:
+    """New faults (not in `known`, by URL) read from the processes alone, no I/O: the group's router (exited,
+    stopped), then each engine it launched."""
+    found = []
+    router = engines.router_fault()
+    if router is not None and router.url not in known:
+        found.append(router)
+    for url in list(engines.engine_urls):
+        if url in known:
+            continue
+        problem = engines.engine_problem(url)
+        if problem is not None:
+            found.append(EngineFault(url, engines.engine_rank(url), problem))
+    return found
 
 
 class EngineFaultError(RuntimeError):
@@ -101,17 +126,36 @@ class EngineWatchdog:
             self.on_fault(fault)
 
     def check_processes(self) -> list[EngineFault]:
-        """Exited / stopped engine processes (no I/O); reported and returned."""
-        found = []
-        for url in self._urls():
-            if url in self.faults:
-                continue
-            problem = self.engines.engine_problem(url)
-            if problem is not None:
-                fault = EngineFault(url, self.engines.engine_rank(url), problem)
-                self._report(fault)
-                found.append(fault)
+        """Exited / stopped router and engine processes (no I/O); reported and returned."""
+        found = process_faults(self.engines, self.faults)
+        for fault in found:
+            self._report(fault)
         return found
+
+    async def explain_failure(self, wait: float = EXPLAIN_WAIT_S) -> list[EngineFault]:
+        """A request failed: did the router or an engine die? Their processes are read for up to `wait` s (a
+        killed process drops its connections a moment before its exit can be read); what is found is reported."""
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            found = self.check_processes()
+            if found or self.faults or asyncio.get_running_loop().time() >= deadline:
+                return found
+            await asyncio.sleep(0.1)
+
+    def explaining(self, request: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+        """`request` (an async call through the router, e.g. a step's generate), but one that fails asks first
+        whether the router or an engine died (waiting `explain_failure`'s moment where the failure is a lost
+        connection or a 5xx), so the fault is reported before the caller sees the request's own error."""
+        async def call(*args, **kwargs):
+            try:
+                return await request(*args, **kwargs)
+            except Exception as e:
+                lost = isinstance(e, (http_client.EngineUnreachableError, aiohttp.ClientError, ConnectionError)) or (
+                    isinstance(e, http_client.EngineHTTPError) and e.status >= 500)
+                await self.explain_failure(EXPLAIN_WAIT_S if lost else 0.0)
+                raise
+
+        return call
 
     async def _probe(self, url: str) -> EngineFault | None:
         self.checks += 1
@@ -176,7 +220,8 @@ class EngineWatchdog:
 
 
 class ProcessWatch:
-    """For blocking phases (a weight sync): a thread that checks every engine process each second.
+    """For blocking phases (a weight sync): a thread that checks every engine process (and the router's) each
+    second.
 
     A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it
     and calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
@@ -197,18 +242,12 @@ class ProcessWatch:
         self._thread.join(timeout=5)
 
     def check(self) -> list[EngineFault]:
-        found = []
-        for url in list(self.engines.engine_urls):
-            if url in self.faults:
-                continue
-            problem = self.engines.engine_problem(url)
-            if problem is not None:
-                fault = EngineFault(url, self.engines.engine_rank(url), problem)
-                self.faults[url] = fault
-                logger.error("engine watchdog: %s", fault.describe())
-                found.append(fault)
-                if self.on_fault is not None:
-                    self.on_fault(fault)
+        found = process_faults(self.engines, self.faults)
+        for fault in found:
+            self.faults[fault.url] = fault
+            logger.error("engine watchdog: %s", fault.describe())
+            if self.on_fault is not None:
+                self.on_fault(fault)
         return found
 
     def _run(self) -> None:

@@ -1,0 +1,38 @@
+"""The run's restart budget (`--use-fault-tolerance`, `--max-engine-restarts N`).
+
+Every part the driver restarts (an engine, the router, the trainer) spends from one budget of N restarts: a run
+that keeps losing parts, whichever they are, stops once it is spent (checkpointing first where it can), naming
+what failed last. Counts by part feed the `restarts/*` metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+PARTS = ("engine", "router", "trainer")
+
+
+class RestartBudget:
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.counts: Counter = Counter()
+
+    @property
+    def used(self) -> int:
+        return sum(self.counts.values())
+
+    def spend(self, part: str) -> bool:
+        """Count one restart of `part`; False (nothing counted) when the budget is spent."""
+        if part not in PARTS:
+            raise ValueError(f"restart budget: unknown part {part!r}; expected one of {PARTS}")
+        if self.used >= self.limit:
+            return False
+        self.counts[part] += 1
+        return True
+
+    def progress(self) -> str:
+        """`used/limit`, for the log line of each restart."""
+        return f"{self.used}/{self.limit}"
+
+    def metrics(self) -> dict[str, float]:
+        return {f"restarts/{p}": float(self.counts[p]) for p in PARTS}

@@ -1,0 +1,233 @@
+"""When a part of the run fails: restart the trainer without the engines, and say what a failure lost.
+
+`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or runs out of memory makes every rank
+start again on its bundles (`RayTrainGroup.restart`), from the newest checkpoint's trainer state (or the
+weights it started the run with, before the first one), while the engines and the router stay up, their
+processes and what they hold untouched. The batches trained since that checkpoint are kept in Ray's object
+store (the driver owns them, so a trainer's death cannot take them; Ray spills them to disk under memory
+pressure) and trained again in order, each with the policy version it was first trained under; then the call
+that failed runs again. Nothing is generated again, and the ledger marks each group trained once (the driver
+marks a batch only after its training call returns). A checkpoint drops the kept batches. Each restart spends
+from the run's budget (slime/ray/restarts.py). Any other error a rank raises (a bug, a bad batch) would be
+raised again by a restarted trainer: it stops the run, naming the rank.
+
+`RunRecord` + `explain`: what the driver knows at every moment (the step, the newest checkpoint, the ledger's
+counts after the last step and at that checkpoint, which Ray actor is which), so an error that ends the run
+names the part that died (a dead Ray actor by its role: the buffer actor, a trainer rank), what it held, and
+what `--load` restores. `RunStopped` carries that one line, the original error as its cause; `train_or_stop`
+(the entry points' one error path) writes it last in <run>/train.log and on stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
+from slime.backends.sglang_utils.watchdog import EngineFaultError
+from slime.ray.actor_group import TrainerRankError
+from slime.ray.placement_group import PlacementError
+from slime.rollout.data_source import DataError
+from slime.utils import checkpoint as ckpts
+from slime.utils.empty_steps import EmptyStepsError
+from slime.utils.hf_dir import ModelDirError
+from slime.utils.net import ListenHostError
+from slime.utils.paths import PathNotVisibleError
+
+logger = logging.getLogger(__name__)
+
+
+class RunStopped(RuntimeError):
+    """A run ended by an error: the message says why in one line (the part that failed, what it held, what
+    `--load` restores); `__cause__` is the original error."""
+
+
+class TrainerRestartsExhausted(RuntimeError):
+    """The trainer kept failing after the restart budget was spent."""
+
+
+# errors that name their cause (flag, file, engine, trainer rank, reward): one line, no traceback
+STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
+         EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion,
+         TrainerRankError, TrainerRestartsExhausted)
+
+
+def train_or_stop(entry: str, train: Callable, args) -> int:
+    """Run `train(args)`. Whatever error ends it is the last thing written to <run>/train.log (once logging is
+    set up): a traceback for an error that does not name its cause, the cause chain, then `stopped: <reason>`
+    as the last line; the reason's first line goes to stderr last, and the exit code is 1 (130 for Ctrl-C)."""
+    log = logging.getLogger("train")
+    try:
+        train(args)
+    except KeyboardInterrupt:
+        log.error("stopped: interrupted")
+        print(f"{entry}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        root = e.__cause__ if isinstance(e, RunStopped) and e.__cause__ is not None else e
+        if isinstance(root, STOPS):
+            log.debug("stopped", exc_info=root)
+        else:  # not named by its own message: where it came from is worth the traceback
+            log.error("the run failed with an unexpected error", exc_info=root)
+        for line in reversed(cause_lines(e)):  # the innermost first: the reason is the last line
+            log.error("because of %s", line)
+        reason = str(e).strip() if isinstance(e, (RunStopped,) + STOPS) else f"{type(e).__name__}: {str(e).strip()}"
+        log.error("stopped: %s", reason)
+        print(f"{entry}: error: {reason.splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@dataclass
+class RunRecord:
+    save: str | None  # --save
+    step: int | None = None  # the step running (None before the first)
+    checkpoint: int | None = None  # the newest checkpoint's step (saved or loaded)
+    at_checkpoint: dict = field(default_factory=dict)  # the ledger's counts when it was written
+    ledger: dict = field(default_factory=dict)  # the ledger's counts after the last logged step
+    policy_version: int = 0
+    actors: dict[str, str] = field(default_factory=dict)  # Ray actor id (hex) -> its role, e.g. "trainer rank 0"
+
+    def resume_hint(self) -> str:
+        if not self.save:
+            return "nothing to resume from (--save is not set)"
+        if self.checkpoint is None:
+            return f"no checkpoint in {self.save} yet: a new run starts at step 0"
+        return f"`--load {self.save}` resumes at step {self.checkpoint + 1} (checkpoint iter_{self.checkpoint:07d})"
+
+    def held(self, role: str) -> str:
+        """What the actor with `role` held, and what the newest checkpoint has of it."""
+        ckpt = f"iter_{self.checkpoint:07d}" if self.checkpoint is not None else None
+        if role == "the buffer actor":
+            now = (f"{self.ledger.get('parked', 0)} parked and {self.ledger.get('finished', 0)} ready groups after "
+                   f"the last step" if self.ledger else "the groups of the first step")
+            there = (f"; checkpoint {ckpt} holds {self.at_checkpoint.get('parked', 0)} parked and "
+                     f"{self.at_checkpoint.get('finished', 0)} ready groups and the ledger of step {self.checkpoint}"
+                     if ckpt else "")
+            return f"it held the ledger of every group and {now}{there}"
+        if role.startswith("trainer rank"):
+            there = f"; checkpoint {ckpt} holds those of step {self.checkpoint}" if ckpt else ""
+            return f"it held the weights and optimizer state of policy version {self.policy_version}{there}"
+        return ""
+
+
+def _chain(error: BaseException):
+    """`error` and its explicit causes (`raise ... from`); an implicit context is often an unrelated error
+    handled on the way (the traceback of an unexpected error shows it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__
+
+
+def dead_actor(error: BaseException):
+    """The first Ray actor death (RayActorError) in `error`'s cause chain, or None."""
+    import ray
+
+    return next((e for e in _chain(error) if isinstance(e, ray.exceptions.RayActorError)), None)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def explain(error: BaseException, record: RunRecord, names_itself: bool) -> str:
+    """The one line a run that ends with `error` stops with. `names_itself`: the error's own message names its
+    cause (a flag, file, engine, reward); otherwise its type leads."""
+    reason = first_line(error) if names_itself else f"{type(error).__name__}: {first_line(error)}"
+    died = dead_actor(error)
+    if died is not None:
+        role = record.actors.get(died.actor_id or "", "a Ray actor")
+        held = record.held(role)
+        what = f"{role} died ({type(died).__name__})" + (f": {held}" if held else "")
+        reason = what if died is error else f"{reason}; {what}"
+    where = f"stopped in step {record.step}" if record.step is not None else "stopped while starting"
+    return f"{reason}; {where}: {record.resume_hint()}"
+
+
+def cause_lines(error: BaseException) -> list[str]:
+    """Each error in the cause chain below `error`, as `Type: message`; one whose message the error above it
+    already carries (a wrapper that adds to it) is left out."""
+    out, above = [], str(error)
+    for e in list(_chain(error))[1:]:
+        text = str(e).strip()
+        if text and text not in above:
+            out.append(f"{type(e).__name__}: {text}")
+        above = text or above
+    return out
+
+
+class TrainerRecovery:
+    """The `recover` hook of a RayTrainGroup (see the module docstring). `trained` after each training call,
+    `checkpointed` after each checkpoint (or a resume from one)."""
+
+    def __init__(self, args, budget, engines):
+        self.args, self.budget, self.engines = args, budget, engines
+        self.trainer = None  # the RayTrainGroup, set once made
+        self.checkpoint: str | None = None  # the trainer directory of the newest checkpoint
+        self.replay: list[tuple[int, object, int]] = []  # (rollout id, ObjectRef of its groups, policy version)
+        if not args.save:
+            logger.warning("--use-fault-tolerance without --save: a restarted trainer starts from the run's first "
+                           "weights and replays every step, kept in Ray's object store for the whole run")
+
+    def batch(self, groups):
+        """The step's groups in the object store (trained from there; kept until the next checkpoint)."""
+        import ray
+
+        return ray.put(groups)
+
+    def trained(self, rollout_id: int, batch, policy_version: int) -> None:
+        self.replay.append((rollout_id, batch, policy_version))
+
+    def checkpointed(self, trainer_dir: str) -> None:
+        self.checkpoint = trainer_dir
+        self.replay.clear()
+
+    def __call__(self, error) -> None:
+        trainer = self.trainer
+        trainer.recover = None  # a failure during the recovery is this loop's to handle, not a nested one's
+        try:
+            while True:
+                if not self.budget.spend("trainer"):
+                    raise TrainerRestartsExhausted(
+                        f"{error}; giving up after {self.budget.used} restart(s) (--max-engine-restarts "
+                        f"{self.budget.limit}: engines, the router and the trainer together)") from error
+                steps = [rid for rid, _, _ in self.replay]
+                logger.warning("restart %s: %s; the trainer starts again from %s and replays %d step(s) %s trained "
+                               "since (the engines and the router stay up)", self.budget.progress(), error,
+                               self.checkpoint or "the weights it started the run with", len(steps), steps)
+                try:
+                    self._restart()
+                    return
+                except Exception as e:  # noqa: BLE001 - counted and tried again, or raised when the budget is spent
+                    logger.error("restarting the trainer failed: %s", e)
+                    error = e
+        finally:
+            trainer.recover = self
+
+    def _restart(self) -> None:
+        trainer = self.trainer
+        trainer.restart()
+        self._forget_weight_sync()
+        if self.checkpoint is not None:
+            trainer.load(self.checkpoint)
+        for rollout_id, batch, version in self.replay:
+            trainer.train(rollout_id, batch, version)
+        logger.warning("trainer restarted (pids %s) from %s; replayed steps %s", trainer.pids,
+                       self.checkpoint or "the weights it started the run with",
+                       [rid for rid, _, _ in self.replay] or "none")
+
+    def _forget_weight_sync(self) -> None:
+        """The engines drop the weight-update group they shared with the dead trainer (distributed mode), so the
+        new one can form it again under the same name."""
+        if self.engines is None or self.args.update_weight_mode != "distributed":
+            return
+        try:
+            self.engines.wait_all(self.engines.destroy_weights_update_group(timeout=60.0),
+                                  "POST /destroy_weights_update_group", timeout=65.0)
+        except Exception as e:  # noqa: BLE001 - an engine that has no group (yet) is fine
+            logger.warning("engines: dropping the old trainer's weight-update group: %s", e)

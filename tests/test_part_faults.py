@@ -1,0 +1,118 @@
+"""One part of a run killed at a time, on the fault suite's task (tests/test_faults.py): the router and a trainer
+rank. Without --use-fault-tolerance a dead router stops the run (rc 1) naming the router, and the run's log ends
+with the reason; with it, the router is restarted on its port and a trainer SIGKILLed between checkpoints is
+restarted from the last one while the engines (and the router) keep their processes, the steps trained since it
+are replayed from the object store, and the ledger shows every group trained once, none generated twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+
+import psutil
+import pytest
+import requests
+from test_faults import _cmd, _descendants, _env, _steps_logged, _wait, task  # noqa: F401 - `task` is a fixture
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _job(proc, word: str) -> list[psutil.Process]:
+    out = []
+    for p in _descendants(proc.pid):
+        try:
+            if word in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _kill_router_mid_rollout(d, proc, log) -> int:
+    """SIGKILL the router while the engine is generating for a step after the first one; returns its pid."""
+    _wait(lambda: 0 in _steps_logged(d), 400, "step 0", proc, log)
+    engine = json.loads((d / "run" / "placement.json").read_text())["engines"][0]["url"]
+
+    def busy() -> bool:
+        loads = requests.get(engine + "/v1/loads?include=core", timeout=10).json()["loads"]
+        return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) > 0
+
+    _wait(busy, 120, "a rollout step generating", proc, log)
+    (router,) = _job(proc, "sglang::router")
+    router.send_signal(signal.SIGKILL)
+    return router.pid
+
+
+def test_a_dead_router_stops_the_run_naming_it_and_train_log_ends_with_why(task, tmp_path):
+    d = tmp_path
+    (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
+    cmd = [a for a in _cmd(d, "--debug-rollout-only", steps=4, batch=4, n=4) if a != "--use-fault-tolerance"]
+    log = tmp_path / "log"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        pid = _kill_router_mid_rollout(d, proc, str(log))
+        assert proc.wait(timeout=300) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the run's own lines (Ray's log monitor may still print its workers' lines, "(raylet) ...", after them)
+    stderr = [line for line in log.read_text().rstrip().splitlines() if line and not line.startswith(("(", " ", "\t"))]
+    named = rf"the sglang-router at http://127\.0\.0\.1:\d+ \(pid {pid}\) exited with code -9 \(killed by SIGKILL\)"
+    # mid-step: "rollout step N failed: <the router named>"; the router named first either way
+    assert stderr[-1].startswith("train.py: error: ") and re.search(named, stderr[-1]), stderr[-5:]
+    assert "--use-fault-tolerance would restart it" in stderr[-1] and "resumes at step" in stderr[-1]
+    assert "EngineUnreachableError" not in stderr[-1]  # the router is named, not the refused connection
+    train_log = (d / "run" / "train.log").read_text().rstrip().splitlines()
+    assert train_log[-1].split(" ERROR train: stopped: ")[1] == stderr[-1].split("train.py: error: ")[1]
+
+
+def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_train_each_group_once(task, tmp_path):
+    d = tmp_path
+    (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
+    steps = 8  # checkpoints after steps 1, 3, 5 and 7
+    cmd = _cmd(d, "--save-interval", "2", steps=steps, batch=4, n=4)
+    log = tmp_path / "log"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        router = _kill_router_mid_rollout(d, proc, str(log))
+        _wait(lambda: "sglang-router restarted" in log.read_text(), 300, "the router's restart", proc, str(log))
+        # then, after an even step k (not checkpointed: checkpoint k-1 holds step k-1), kill the trainer: its next
+        # call finds it dead, and step k is replayed from the object store, not generated again
+        k = max([2] + [s + 1 + (s + 1) % 2 for s in _steps_logged(d)])
+        assert k < steps - 1, f"the router's restart came too late (after step {k - 1}) to leave a step to replay"
+        _wait(lambda: k in _steps_logged(d), 400, f"step {k}", proc, str(log))
+        serving = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
+        (trainer,) = _job(proc, "FSDPTrainer")
+        trainer.send_signal(signal.SIGKILL)
+        _wait(lambda: "trainer restarted" in log.read_text(), 300, "the trainer's restart", proc, str(log))
+        after = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert after == serving and len(serving) == 2  # the engine and the (restarted) router: the same processes
+    text = log.read_text()
+    assert re.search(rf"restart 1/\d+: the sglang-router at http://127\.0\.0\.1:\d+ \(pid {router}\) exited with code -9",
+                     text)
+    assert re.search(rf"restart 2/\d+: trainer\.\w+: trainer rank 0 \(pid {trainer.pid}\) failed: its process died", text)
+    assert "trainer restarted (pids [" in text and f"replayed steps [{k}]" in text
+    rows = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert rows[-1]["restarts/router"] == 1 and rows[-1]["restarts/trainer"] == 1 and rows[-1]["engine/restarts"] == 0
+
+    # every step generated once (one dump each, the step's rollout never re-run), every group trained once
+    assert [m for m in re.findall(r"saved rollout (\d+) to", text)] == [str(i) for i in range(steps)]
+    final = d / "ckpt" / f"iter_{steps - 1:07d}"
+    ledger = json.loads((final / "buffer" / "buffer.json").read_text())["ledger"]["state"]
+    trained = [g[0]["group_index"] for i in range(steps)
+               for g in json.load(open(d / "rollouts" / f"rollout_{i}.json"))["groups"]]
+    assert len(trained) == len(set(trained)) == sum(1 for s in ledger.values() if s == "trained")
+    assert {str(g) for g in trained} == {g for g, s in ledger.items() if s == "trained"}
+    driver = json.loads((final / "driver_state.json").read_text())
+    assert driver["rollout"]["policy_version"] == steps

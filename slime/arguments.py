@@ -239,7 +239,8 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step (default: rollout batch size x n samples)")
+                   help="samples per optimizer step (default: rollout batch size x n samples); samples a plugin "
+                        "gave one rollout_id count once, as upstream")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--use-dynamic-batch-size", action="store_true",
                    help="micro-batches by token budget (--max-tokens-per-gpu), balanced across data-parallel ranks")
@@ -1007,6 +1008,8 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
     ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser, ns.rollout_backend)
+    # the flag names the command line gave, without values (they may hold keys): what it left at a default
+    ns.given_flags = tuple(sorted({t.split("=", 1)[0] for t in argv if t.startswith("--")}))
     validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)

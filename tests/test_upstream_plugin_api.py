@@ -127,7 +127,7 @@ def finished(index: int, n: int, reward: float, **fields) -> Sample:
 
 
 def test_remove_sample_keeps_a_sample_out_of_the_loss_not_out_of_its_group(base_args):
-    """Upstream (slime/ray/rollout.py `_convert_samples_to_train_data`): a removed sample's loss mask is zeroed
+    """Upstream (THUDM/slime 624b824, `_convert_samples_to_train_data`): a removed sample's loss mask is zeroed
     when it becomes training data; its reward still counts in its group's normalization."""
     from slime.backends.training_utils.data import flatten_groups
     from slime.backends.training_utils.loss import compute_rollout_tensors
@@ -156,8 +156,9 @@ def test_remove_sample_keeps_a_sample_out_of_the_loss_not_out_of_its_group(base_
 
 
 def test_samples_sharing_a_rollout_id_are_one_rollout_in_the_loss(base_args):
-    """Upstream (`rollout_mask_sums`, slime/utils/dp_schedule.py): samples with one `rollout_id` share an optimizer
-    step, and a sample-mean loss divides their tokens by the rollout's loss tokens and the step's rollouts."""
+    """Upstream (THUDM/slime 624b824: `rollout_mask_sums`, `build_dp_schedule`): samples with one `rollout_id`
+    share an optimizer step, and a sample-mean loss divides their tokens by the rollout's loss tokens and the step's
+    rollouts."""
     from slime.backends.training_utils.data import flatten_groups, rollout_tokens, split_steps
     from slime.backends.training_utils.loss import RolloutTensors, loss_inputs
 

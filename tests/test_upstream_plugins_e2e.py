@@ -150,7 +150,7 @@ def quickstart(tmp_path, *argv, **env):
 
 @pytest.mark.timeout(1800)
 def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
-    rows = quickstart(tmp_path, "--custom-generate-function-path", f"{PLUGINS}.generate_multi_turn",
+    rows = quickstart(tmp_path, "--custom-generate-function-path", f"{PLUGINS}.generate_removing_odd",
                       "--custom-rm-path", f"{PLUGINS}.dapo_reward", "--rollout-max-context-len", "256",
                       "--buffer-filter-path", f"{PLUGINS}.longest_first",
                       "--dynamic-sampling-filter-path", f"{PLUGINS}.rewards_differ")
@@ -160,6 +160,7 @@ def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
     assert sum(r["rollout/groups_parked"] for r in steps) > 0  # APRIL parked groups, the 4-argument filter resumed them
     assert any(r["rollout/groups_resumed"] > 0 for r in steps)
     assert all(-1.0 <= r["reward/mean"] <= 1.0 for r in steps)  # math_dapo_utils' +1 / -1
+    assert all(0 < r["rollout/removed_samples"] < r["rollout/samples"] for r in steps)  # trained out of the loss
 
 
 @pytest.mark.timeout(1800)

@@ -1001,6 +1001,16 @@ def validate_trainer_args(a: Args) -> None:
                  f"({tp}) must divide the MLP width ({shape.ffn_hidden_size})")
 
 
+def _given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[str, ...]:
+    """The flags the command line gave, each under all its names (`--router-policy` and `--sglang-router-policy`,
+    `--use-wandb` and `--no-use-wandb`), without values (they may hold keys): the dry run lists what it left out."""
+    named = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    for action in parser._actions:
+        if named.intersection(action.option_strings):
+            named.update(action.option_strings)
+    return tuple(sorted(named))
+
+
 def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:
     """Parse `entry`'s flags (train.py or train_async.py), fill derived defaults, validate, freeze;
     raises `ArgumentError` naming the flag and rule."""
@@ -1008,8 +1018,7 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
     ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser, ns.rollout_backend)
-    # the flag names the command line gave, without values (they may hold keys): what it left at a default
-    ns.given_flags = tuple(sorted({t.split("=", 1)[0] for t in argv if t.startswith("--")}))
+    ns.given_flags = _given_flags(parser, argv)
     validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)

@@ -15,7 +15,6 @@ import inspect
 import os
 import sys
 
-from slime.arguments import build_parser
 from slime.backends.sglang_utils.router import build_router_command
 from slime.backends.sglang_utils.sglang_engine import build_embedded_engine_command, build_sglang_server_command
 from slime.rollout.buffer import buffer_filter
@@ -79,21 +78,19 @@ def plugin_problems(args) -> list[str]:
     return problems
 
 
-def upstream_defaults_left(args, entry: str) -> list[str]:
+def upstream_defaults_left(args) -> list[str]:
     """One short block: the flags of DEFAULTS_DIFFER (slime/upstream_flags.py) this command line does not give
-    under any of their names, each with the value this run gets and upstream's default (the model-shape flags,
-    read from config.json here, on one entry); docs/upstream-flags.md says why each differs."""
-    parser = build_parser(entry)
+    under any of their names (`args.given_flags`), each with the value this run resolved and upstream's default (the
+    model-shape flags, read from config.json here, on one line); docs/upstream-flags.md says why each differs."""
     entries, shape = [], []
     for flag, (upstream, here) in DEFAULTS_DIFFER.items():
-        action = parser._option_string_actions.get(flag)
-        if not set(args.given_flags).isdisjoint(action.option_strings if action else [flag]):
+        if flag in args.given_flags:  # under any of its names
             continue
         if flag in MODEL_SHAPE_FLAGS:
             shape.append(flag)
             continue
-        value = here if action is None else _shown(action.default, vars(args)[action.dest])  # pass-through: here
-        entries.append(f"  {flag} {value} (upstream: {upstream})")
+        dest = flag[2:].replace("-", "_")  # a flag that is not one of ours by this name: what the table says
+        entries.append(f"  {flag} {_shown(vars(args)[dest]) if dest in vars(args) else here} (upstream: {upstream})")
     if shape:
         entries.append(f"  {', '.join(shape)}: from --hf-checkpoint's config.json (upstream: these flags)")
     if not entries:
@@ -102,12 +99,8 @@ def upstream_defaults_left(args, entry: str) -> list[str]:
             "says why):", *entries]
 
 
-def _shown(default, value) -> str:
-    """A default as this run resolved it: `auto (= megatron)` where parsing filled it in."""
-    def word(v) -> str:
-        return "unset" if v is None else ("on" if v else "off") if isinstance(v, bool) else str(v)
-
-    return word(value) if default is None or default == value else f"{word(default)} (= {word(value)})"
+def _shown(value) -> str:
+    return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def missing_paths(args) -> list[str]:
@@ -143,7 +136,7 @@ def dry_run(entry: str, args, out=None) -> int:
         say(f"  not on this machine (checked again when the run starts): {line}")
     shape, source = model_shape(args)
     say(f"  model: {source}")
-    for line in upstream_defaults_left(args, entry):
+    for line in upstream_defaults_left(args):
         say(line)
     say("placement (bundle order; colocated: every GPU holds a trainer rank and a share of an engine):"
         if args.colocate else "placement (bundle order):")

@@ -140,8 +140,10 @@ def test_the_defaults_that_differ_from_upstreams_are_listed_unless_given(qwen3_4
     a = parse_args(local_argv(qwen3_4b) + ["--dry-run"])
     assert dry_run("train.py", a) == 0
     block = defaults_block(capsys.readouterr().out)
-    assert "  --router-policy round_robin (upstream: cache_aware (sglang-router's))" in block
-    assert "  --train-backend auto (= megatron) (upstream: megatron (the only one))" in block  # as this run resolved it
+    assert ("  --router-policy round_robin (its other name here: --sglang-router-policy) (upstream: cache_aware "
+            "(sglang-router's))") in block
+    assert "  --train-backend megatron (upstream: megatron (the only one))" in block  # as this run resolved auto
+    assert "  --rollout-num-gpus 8 (upstream: unset (every trainer GPU with --colocate))" in block
     assert "  --use-wandb on (upstream: off)" in block and "  --log-probs-chunk-size 0 (upstream: -1 (the whole " \
         "micro-batch))" in block
     # upstream's script gives --input-key, --global-batch-size, --num-layers, ...: those are not listed; the
@@ -153,9 +155,9 @@ def test_the_defaults_that_differ_from_upstreams_are_listed_unless_given(qwen3_4
     assert [line.split()[0] for line in block[:-1]] == [f for f in left if f not in shape]
     # a flag given under its other name, or as its --no- form, is given
     given = parse_args(local_argv(qwen3_4b) + ["--sglang-router-policy", "cache_aware", "--no-use-wandb", "--dry-run"])
-    named = [line.split()[0] for line in upstream_defaults_left(given, "train.py")[1:-1]]
+    named = [line.split()[0] for line in upstream_defaults_left(given)[1:-1]]
     assert named == [f for f in left if f not in shape + ["--router-policy", "--use-wandb"]]
-    assert upstream_defaults_left(a.replace(given_flags=tuple(DEFAULTS_DIFFER)), "train.py") == []
+    assert upstream_defaults_left(a.replace(given_flags=tuple(DEFAULTS_DIFFER))) == []
 
 
 # plugins written to upstream's signatures (our code), and broken ones

@@ -6,7 +6,8 @@ checked against SGLang's and sglang-router's own flags) as on the GPU machines. 
 not: the model's config.json (or, where the model is not on this machine, the shape that MODEL_ARGS describe),
 each plugin's dotted path imported and its signature checked against upstream's contract, the SGLang and router
 command lines built as the launcher builds them, the effective trainer settings, the flags left at a default that
-differs from upstream's, the placement and an estimate of memory per GPU with a warning when it exceeds the card. Exit 0 when everything holds, 2 with the problems listed.
+differs from upstream's, the placement and an estimate of memory per GPU with a warning when it exceeds the card.
+Exit 0 when everything holds, 2 with the problems listed.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class TrainItem:
     loss_mask: Tensor  # [R] float
     rollout_log_probs: Tensor  # [R] behaviour log-probs from the engine
     reward: float
-    rollout_id: Any = None  # upstream's `Sample.rollout_id`, set by a plugin
+    rollout_id: int | None = None  # upstream's `Sample.rollout_id`, set by a plugin
 
     @property
     def rollout(self) -> tuple:

@@ -143,8 +143,8 @@ class LossInputs:
     """One micro-batch's rollout tensors on the model's device, flat over its items' response tokens (in
     item order), and each token's share of the step's loss (`weight`): mask / num_tokens (``token_mean``)
     or mask / (its rollout's mask count x rollouts) (``sample_mean``; a rollout is a sample unless a plugin set
-    `rollout_id`), 0 off the mask. Built on the host
-    and copied in once (`data.to_device`), so the loss never waits for the device."""
+    `rollout_id`), 0 off the mask. Built on the host and copied in once (`data.to_device`), so the loss never
+    waits for the device."""
 
     sizes: list[int]
     mask: Tensor

@@ -245,7 +245,8 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step (default: rollout batch size x n samples)")
+                   help="samples per optimizer step (default: rollout batch size x n samples); samples a plugin "
+                        "gave one rollout_id count once, as upstream")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--use-dynamic-batch-size", action="store_true",
                    help="micro-batches by token budget (--max-tokens-per-gpu), balanced across data-parallel ranks")
@@ -1006,6 +1007,16 @@ def validate_trainer_args(a: Args) -> None:
                  f"({tp}) must divide the MLP width ({shape.ffn_hidden_size})")
 
 
+def _given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[str, ...]:
+    """The flags the command line gave, each under all its names (`--router-policy` and `--sglang-router-policy`,
+    `--use-wandb` and `--no-use-wandb`), without values (they may hold keys): the dry run lists what it left out."""
+    named = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    for action in parser._actions:
+        if named.intersection(action.option_strings):
+            named.update(action.option_strings)
+    return tuple(sorted(named))
+
+
 def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:
     """Parse `entry`'s flags (train.py or train_async.py), fill derived defaults, validate, freeze;
     raises `ArgumentError` naming the flag and rule."""
@@ -1013,6 +1024,7 @@ def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Ar
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())
     ns.sglang_extra_args, ns.router_extra_args = _split_pass_through(unknown, parser, ns.rollout_backend)
+    ns.given_flags = _given_flags(parser, argv)
     validate_given_args(ns)
     _fill_defaults(ns)
     validate_args(ns, entry)

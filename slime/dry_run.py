@@ -5,8 +5,9 @@ By the time it runs, `parse_args` has validated every flag (with the --sglang-* 
 checked against SGLang's and sglang-router's own flags) as on the GPU machines. The dry run adds what parsing does
 not: the model's config.json (or, where the model is not on this machine, the shape that MODEL_ARGS describe),
 each plugin's dotted path imported and its signature checked against upstream's contract, the SGLang and router
-command lines built as the launcher builds them, the effective trainer settings, the placement and an estimate of
-memory per GPU with a warning when it exceeds the card. Exit 0 when everything holds, 2 with the problems listed.
+command lines built as the launcher builds them, the effective trainer settings, the flags left at a default that
+differs from upstream's, the placement and an estimate of memory per GPU with a warning when it exceeds the card.
+Exit 0 when everything holds, 2 with the problems listed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from slime.backends.sglang_utils.router import build_router_command
 from slime.backends.sglang_utils.sglang_engine import build_embedded_engine_command, build_sglang_server_command
 from slime.rollout.buffer import buffer_filter
 from slime.rollout.simulator.gpu_presets import GPUS
+from slime.upstream_flags import DEFAULTS_DIFFER, MODEL_SHAPE_FLAGS
 from slime.utils.gpu_plan import effective_settings, memory_report, placement
 from slime.utils.misc import load_function
 from slime.utils.model_shape import ModelShapeError, read_shape, shape_from_flags
@@ -77,6 +79,31 @@ def plugin_problems(args) -> list[str]:
     return problems
 
 
+def upstream_defaults_left(args) -> list[str]:
+    """One short block: the flags of DEFAULTS_DIFFER (slime/upstream_flags.py) this command line does not give
+    under any of their names (`args.given_flags`), each with the value this run resolved and upstream's default (the
+    model-shape flags, read from config.json here, on one line); docs/upstream-flags.md says why each differs."""
+    entries, shape = [], []
+    for flag, (upstream, here) in DEFAULTS_DIFFER.items():
+        if flag in args.given_flags:  # under any of its names
+            continue
+        if flag in MODEL_SHAPE_FLAGS:
+            shape.append(flag)
+            continue
+        dest = flag[2:].replace("-", "_")  # a flag that is not one of ours by this name: what the table says
+        entries.append(f"  {flag} {_shown(vars(args)[dest]) if dest in vars(args) else here} (upstream: {upstream})")
+    if shape:
+        entries.append(f"  {', '.join(shape)}: from --hf-checkpoint's config.json (upstream: these flags)")
+    if not entries:
+        return []
+    return ["defaults that differ from upstream slime's, left to them by this command line (docs/upstream-flags.md "
+            "says why):", *entries]
+
+
+def _shown(value) -> str:
+    return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def missing_paths(args) -> list[str]:
     """The paths of the command line that are not on this machine (they may be on the GPU machines)."""
     wanted = [("--hf-checkpoint", args.hf_checkpoint, os.path.isdir), ("--prompt-data", args.prompt_data, os.path.isfile),
@@ -110,6 +137,8 @@ def dry_run(entry: str, args, out=None) -> int:
         say(f"  not on this machine (checked again when the run starts): {line}")
     shape, source = model_shape(args)
     say(f"  model: {source}")
+    for line in upstream_defaults_left(args):
+        say(line)
     say("placement (bundle order; colocated: every GPU holds a trainer rank and a share of an engine):"
         if args.colocate else "placement (bundle order):")
     for line in placement(args):

@@ -75,7 +75,9 @@ REFUSED: dict[str, str] = {
     "--megatron-config-path": "Megatron flags are passed on the command line",
     "--rollout-all-samples-process-path": _SAMPLES,
     "--rollout-data-postprocess-path": _SAMPLES,
-    "--rollout-sample-filter-path": _SAMPLES,
+    "--rollout-sample-filter-path": "not supported: a plugin (--custom-generate-function-path, --custom-rm-path, "
+                                    "--dynamic-sampling-filter-path) sets sample.remove_sample = True itself (out of "
+                                    "the loss, still in its group, as upstream)",
     "--rollout-sample-hook-path": _SAMPLES,
     # eval
     "--eval-config": "use --eval-prompt-data name path [name path ...] with the --eval-* sampling flags",
@@ -256,10 +258,13 @@ DEFAULTS_DIFFER: dict[str, tuple[str, str]] = {
     "--router-balance-rel-threshold": ("1.2", "sglang-router's own 1.5 (it matters for cache_aware only)"),
 }
 
+# the model-shape flags among them (optional here: read from config.json)
+MODEL_SHAPE_FLAGS = tuple(flag for flag, (_, here) in DEFAULTS_DIFFER.items() if here == _SHAPE)
+
 
 def refusal(flag: str) -> str | None:
     """What to use instead of upstream slime's `flag` (`--name` or `--name=value`), or None if it is not one."""
     return REFUSED.get(flag.split("=", 1)[0])
 
 
-__all__ = ["DEFAULTS_DIFFER", "REFUSED", "refusal"]
+__all__ = ["DEFAULTS_DIFFER", "MODEL_SHAPE_FLAGS", "REFUSED", "refusal"]

@@ -126,6 +126,40 @@ def test_what_does_not_fit_is_named(qwen3_4b, capsys):
     assert "for H200 GPUs" in capsys.readouterr().out
 
 
+def defaults_block(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("defaults that differ from upstream slime's"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
+    return lines[start + 1 : end]
+
+
+def test_the_defaults_that_differ_from_upstreams_are_listed_unless_given(qwen3_4b, capsys):
+    from slime.dry_run import upstream_defaults_left
+    from slime.upstream_flags import DEFAULTS_DIFFER, MODEL_SHAPE_FLAGS
+
+    a = parse_args(local_argv(qwen3_4b) + ["--dry-run"])
+    assert dry_run("train.py", a) == 0
+    block = defaults_block(capsys.readouterr().out)
+    assert ("  --router-policy round_robin (its other name here: --sglang-router-policy) (upstream: cache_aware "
+            "(sglang-router's))") in block
+    assert "  --train-backend megatron (upstream: megatron (the only one))" in block  # as this run resolved auto
+    assert "  --rollout-num-gpus 8 (upstream: unset (every trainer GPU with --colocate))" in block
+    assert "  --use-wandb on (upstream: off)" in block and "  --log-probs-chunk-size 0 (upstream: -1 (the whole " \
+        "micro-batch))" in block
+    # upstream's script gives --input-key, --global-batch-size, --num-layers, ...: those are not listed; the
+    # model-shape flags it leaves out share one line
+    left = [f for f in DEFAULTS_DIFFER if f not in UPSTREAM_RUN_QWEN3_4B]
+    shape = [f for f in left if f in MODEL_SHAPE_FLAGS]
+    assert len(shape) == 4 and block[-1] == f"  {', '.join(shape)}: from --hf-checkpoint's config.json (upstream: " \
+        "these flags)"
+    assert [line.split()[0] for line in block[:-1]] == [f for f in left if f not in shape]
+    # a flag given under its other name, or as its --no- form, is given
+    given = parse_args(local_argv(qwen3_4b) + ["--sglang-router-policy", "cache_aware", "--no-use-wandb", "--dry-run"])
+    named = [line.split()[0] for line in upstream_defaults_left(given)[1:-1]]
+    assert named == [f for f in left if f not in shape + ["--router-policy", "--use-wandb"]]
+    assert upstream_defaults_left(a.replace(given_flags=tuple(DEFAULTS_DIFFER))) == []
+
+
 # plugins written to upstream's signatures (our code), and broken ones
 async def generate(args, sample, sampling_params):
     return sample

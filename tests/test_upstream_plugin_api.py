@@ -118,6 +118,106 @@ def test_attributes_a_plugin_sets_travel_with_the_sample_into_the_buffer(tmp_pat
     assert again.take_parked(1)[0][0].tool_call_count == 2
 
 
+# ---- remove_sample, rollout_id and upstream's other Sample fields ----------------------------------------------
+def finished(index: int, n: int, reward: float, **fields) -> Sample:
+    s = Sample(index=index, group_index=index // 10, tokens=[1, 2], reward=reward, **fields)
+    s.append_response([5] * n, [-0.1] * n, 0)
+    s.status = Status.COMPLETED
+    return s
+
+
+def test_remove_sample_keeps_a_sample_out_of_the_loss_not_out_of_its_group(base_args):
+    """Upstream (THUDM/slime 624b824, `_convert_samples_to_train_data`): a removed sample's loss mask is zeroed
+    when it becomes training data; its reward still counts in its group's normalization."""
+    from slime.backends.training_utils.data import flatten_groups
+    from slime.backends.training_utils.loss import compute_rollout_tensors
+    from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
+
+    def advantages(group):
+        items, _ = flatten_groups([group])
+        old = [torch.zeros(it.response_len) for it in items[0]]
+        return items[0], compute_rollout_tensors(base_args, items, old, None).advantages
+
+    group = [finished(0, 3, 1.0), finished(1, 2, 0.0), finished(2, 4, 0.0)]
+    kept_items, kept = advantages(copy.deepcopy(group))
+    group[1].remove_sample = True
+    items, adv = advantages(group)
+    assert items[1].loss_mask.tolist() == [0.0, 0.0] and group[1].loss_mask == [1, 1]  # the sample keeps its own
+    assert items[1].reward == 0.0 and [it.loss_mask.tolist() for it in (items[0], items[2])] == \
+        [it.loss_mask.tolist() for it in (kept_items[0], kept_items[2])]
+    torch.testing.assert_close(adv[0], kept[0])  # the group's mean and std still count it
+    torch.testing.assert_close(adv[2], kept[2])
+    assert sample_metrics([group])["rollout/removed_samples"] == 1.0
+    assert token_version_metrics([group], 1)["rollout/trained_tokens"] == 7.0  # 3 + 4: none of the removed one's
+    back = Sample.from_dict(json.loads(json.dumps(group[1].to_dict())))  # parked with it, it stays removed
+    assert back.remove_sample and back.trained_loss_mask == [0, 0]
+    back.reset_response()  # a staleness restart drops the response it was a verdict on
+    assert not back.remove_sample
+
+
+def test_samples_sharing_a_rollout_id_are_one_rollout_in_the_loss(base_args):
+    """Upstream (THUDM/slime 624b824: `rollout_mask_sums`, `build_dp_schedule`): samples with one `rollout_id`
+    share an optimizer step, and a sample-mean loss divides their tokens by the rollout's loss tokens and the step's
+    rollouts."""
+    from slime.backends.training_utils.data import flatten_groups, rollout_tokens, split_steps
+    from slime.backends.training_utils.loss import RolloutTensors, loss_inputs
+
+    group = [finished(0, 3, 1.0, rollout_id=7), finished(1, 2, 0.0), finished(2, 1, 0.0, rollout_id=7),
+             finished(3, 2, 1.0)]
+    items = flatten_groups([group])[0][0]
+    steps = split_steps([it.rollout for it in items], 2)
+    assert steps == [[0, 2, 1], [3]]  # rollout 7 (two samples) and sample 1; then sample 3
+    step = [items[p] for p in steps[0]]
+    per_rollout = rollout_tokens(step)
+    assert sorted(per_rollout.values()) == [2.0, 4.0]
+    rt = RolloutTensors([torch.zeros(it.response_len) for it in items], None,
+                        [torch.zeros(it.response_len) for it in items], None, {})
+    inp = loss_inputs(base_args, rt, steps[0], [it.loss_mask for it in step], sum(per_rollout.values()),
+                      len(per_rollout), "cpu", [per_rollout[it.rollout] for it in step])
+    # 2 rollouts: each of rollout 7's 4 tokens weighs 1/4/2, each of sample 1's 2 tokens 1/2/2
+    assert inp.weight.tolist() == [0.125] * 3 + [0.125] + [0.25] * 2
+    assert not base_args.calculate_per_token_loss
+    with pytest.raises(TypeError, match="rollout_id 'a'.*an int"):
+        finished(4, 1, 0.0, rollout_id="a").complete_response(0, "--custom-generate-function-path p.g")
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("multimodal_inputs", {"images": ["x.png"]}, "multimodal inputs are not supported"),
+    ("multimodal_train_inputs", {"pixel_values": torch.zeros(1)}, "multimodal inputs are not supported"),
+    ("apply_chat_template_kwargs", {"enable_thinking": False}, "per-sample chat-template arguments"),
+    ("rollout_top_p_token_ids", [3, 4], "top-p token replay"),
+    ("rollout_routed_experts", torch.zeros(2, 1, 1), "MoE routing replay"),
+    ("teacher_log_probs", [-0.1], "on-policy distillation"),
+    ("train_metadata", {"loss": "sft"}, "custom losses"),
+    ("generate_function_path", "m.g", "a per-sample generate"),
+    ("custom_rm_path", "m.r", "a per-sample reward function"),
+])
+def test_upstream_fields_with_no_meaning_here_are_refused_when_a_plugin_sets_them(name, value, why):
+    s = finished(0, 1, 1.0)
+    assert getattr(s, name) in (None, {})  # a plugin reads upstream's default
+    setattr(s, name, None if name != "apply_chat_template_kwargs" else {})  # retool / search-r1 reset them
+    s.complete_response(0, "plugin")
+    setattr(s, name, value)
+    with pytest.raises(ValueError, match=f"--rollout-function-path p.r: sample 0 sets {name} .*{why}"):
+        s.complete_response(0, "--rollout-function-path p.r")
+
+
+def test_upstream_fields_kept_for_the_plugin(tmp_path):
+    """`session_id` (upstream's routing key, read by the plugin's own requests) and `non_generation_time` (reported
+    as rollout/non_generation_time_*) are kept, also in the buffer's checkpoints."""
+    from slime.rollout.rollout_metrics import sample_metrics
+
+    a, b = finished(0, 1, 1.0), finished(1, 1, 0.0)
+    assert a.session_id is None and a.non_generation_time == 0.0
+    assert "rollout/non_generation_time_mean" not in sample_metrics([[a, b]])
+    a.session_id, a.non_generation_time = "s-0", 3.0
+    a.complete_response(0, "plugin")
+    back = Sample.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert (back.session_id, back.non_generation_time) == ("s-0", 3.0)
+    m = sample_metrics([[back, b]])
+    assert (m["rollout/non_generation_time_mean"], m["rollout/non_generation_time_max"]) == (1.5, 3.0)
+
+
 # ---- fan-out: a custom generate returning a list -------------------------------------------------------------
 def generated(carrier: Sample, tokens: list[int], reward=None) -> Sample:
     s = copy.deepcopy(carrier)
@@ -206,6 +306,41 @@ def test_generate_state_as_upstreams_plugins_use_it(tiny_model_dir, base_args):
 
     (sem1, free1), (sem2, _) = asyncio.run(slots()), asyncio.run(slots())
     assert free1 == 2 and sem1 is not sem2  # 3 slots x 1 engine; each event loop its own semaphore
+    GenerateState.clear_instances()
+
+
+async def waits_for_the_abort(args, sample: Sample, sampling_params: dict) -> Sample:
+    """A multi-turn generate's check between turns (upstream's `if state.aborted:`), here its only work."""
+    state = GenerateState(args)
+    sample.seen = [state.aborted]
+    args.plugin_started.set()
+    while not state.aborted:
+        await asyncio.sleep(0.01)
+    sample.seen.append(state.aborted)
+    sample.status = Status.ABORTED
+    return sample
+
+
+def test_generate_state_aborted_follows_the_step_the_generate_runs_for(tiny_model_dir, base_args):
+    from slime.rollout.sampling_request import SampleRequester
+
+    args = base_args.replace(hf_checkpoint=tiny_model_dir,
+                             custom_generate_function_path=f"{__name__}.waits_for_the_abort")
+    requester = SampleRequester(args, None, "http://127.0.0.1:1", {}, rollout_id=0, policy_version=0)
+
+    async def step():
+        plugin_args(args).plugin_started = started = asyncio.Event()
+        stop, s = asyncio.Event(), prompt_sample()
+        task = asyncio.create_task(requester.generate(s, stop))
+        await started.wait()
+        outside = GenerateState(plugin_args(args)).aborted  # no step here
+        stop.set()  # the step has its batch: it aborts the engines
+        return await task, s, outside
+
+    done, s, outside = asyncio.run(step())
+    assert done is False and s.status is Status.ABORTED and s.seen == [False, True] and outside is False
+    with pytest.raises(AttributeError, match="set by the rollout step"):
+        GenerateState(plugin_args(args)).aborted = True
     GenerateState.clear_instances()
 
 

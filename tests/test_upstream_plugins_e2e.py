@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from slime.backends.training_utils.data import flatten_groups, split_steps
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.data_source import RolloutDataSource
@@ -81,6 +82,40 @@ def test_multi_turn_plugin_trains_model_tokens_not_tool_tokens(env, tmp_path):
     assert plugin_args(args).upstream_tool_calls >= seen  # state the plugin kept on the args it was given
 
 
+def test_a_removed_sample_stays_in_its_group_and_out_of_the_loss(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path),
+                     "--custom-generate-function-path", f"{PLUGINS}.generate_removing_odd")
+    source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
+    for rollout_id in range(2):
+        out = step(env, args, source, buffer, rollout_id)  # the ledger takes every group as trained
+        assert out.metrics["rollout/removed_samples"] == 3  # one of each group's two samples
+        items, failed = flatten_groups(out.groups)
+        assert failed == 0 and [len(g) for g in items] == [2, 2, 2]  # removed samples stay in their group
+        for g, gi in zip(out.groups, items):
+            for s, it in zip(g, gi):
+                assert s.reward is not None and it.reward == s.reward  # rewarded: in the group's normalization
+                assert it.loss_mask.tolist() == ([0] * s.response_length if s.index % 2 else s.loss_mask)
+                assert (s.version_counts() == {}) is bool(s.index % 2)  # nor in rollout/trained_tokens
+    assert buffer.ledger_summary()[TRAINED] == 6
+
+
+def test_generate_state_aborted_is_true_while_the_step_aborts(env, tmp_path):
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "6", "--run-dir", str(tmp_path),
+                     "--custom-generate-function-path", f"{PLUGINS}.generate_turns_until_aborted")
+    source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
+    stopped: dict[int, list[int]] = {}
+    for rollout_id in range(12):  # whether the abort finds a sample between two turns is timing: step until it does
+        out = step(env, args, source, buffer, rollout_id)
+        for g in out.groups:
+            for s in g:
+                if s.index in stopped:  # it went on from the tokens it had when it stopped
+                    assert s.tokens[:len(stopped[s.index])] == stopped[s.index] and s.status.is_finished
+                    return
+        stopped.update({s.index: list(s.tokens) for g in buffer._parked for s in g
+                        if getattr(s, "stopped_between_turns", False)})
+    pytest.fail(f"no sample stopped between turns at an abort and resumed in 12 steps (stopped: {sorted(stopped)})")
+
+
 def test_a_list_returning_generate_trains_every_sample_and_the_ledger_counts_them(env, tmp_path):
     args = make_args(env["root"], "--run-dir", str(tmp_path), "--custom-rm-path", f"{PLUGINS}.dapo_reward",
                      "--custom-generate-function-path", f"{PLUGINS}.generate_fanout")
@@ -95,6 +130,11 @@ def test_a_list_returning_generate_trains_every_sample_and_the_ledger_counts_the
         assert buffer.group_state(g[0].group_index) == FINISHED  # one group, settled once
     assert buffer.ledger_summary()[FINISHED] == 3
     assert plugin_args(args).upstream_rewards == 12  # 12 samples: 6 rewarded by the plugin, 6 by --custom-rm-path
+    # the two samples made of one share its rollout_id: one rollout, one optimizer step, one sample-mean term
+    items = [it for g in flatten_groups(out.groups)[0] for it in g]
+    assert len({it.rollout for it in items}) == 6
+    steps = split_steps([it.rollout for it in items], 2)
+    assert [len(p) for p in steps] == [4, 4, 4] and all(items[p].rollout_id is not None for p in steps[0])
 
 
 # ---- the quick start, as a user runs it with these plugins --------------------------------------------------------
@@ -110,7 +150,7 @@ def quickstart(tmp_path, *argv, **env):
 
 @pytest.mark.timeout(1800)
 def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
-    rows = quickstart(tmp_path, "--custom-generate-function-path", f"{PLUGINS}.generate_multi_turn",
+    rows = quickstart(tmp_path, "--custom-generate-function-path", f"{PLUGINS}.generate_removing_odd",
                       "--custom-rm-path", f"{PLUGINS}.dapo_reward", "--rollout-max-context-len", "256",
                       "--buffer-filter-path", f"{PLUGINS}.longest_first",
                       "--dynamic-sampling-filter-path", f"{PLUGINS}.rewards_differ")
@@ -120,6 +160,7 @@ def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
     assert sum(r["rollout/groups_parked"] for r in steps) > 0  # APRIL parked groups, the 4-argument filter resumed them
     assert any(r["rollout/groups_resumed"] > 0 for r in steps)
     assert all(-1.0 <= r["reward/mean"] <= 1.0 for r in steps)  # math_dapo_utils' +1 / -1
+    assert all(0 < r["rollout/removed_samples"] < r["rollout/samples"] for r in steps)  # trained out of the loss
 
 
 @pytest.mark.timeout(1800)

@@ -146,13 +146,43 @@ async def generate_multi_turn(args, sample: Sample, sampling_params: dict) -> Sa
     return sample
 
 
+async def generate_removing_odd(args, sample: Sample, sampling_params: dict) -> Sample:
+    """`generate_multi_turn`, then upstream's way to keep a sample out of the loss (its coding agent's, and its
+    --rollout-sample-filter-path's): `sample.remove_sample = True`, here on every odd-indexed sample."""
+    sample = await generate_multi_turn(args, sample, sampling_params)
+    sample.remove_sample = sample.index % 2 == 1
+    return sample
+
+
+async def generate_turns_until_aborted(args, sample: Sample, sampling_params: dict) -> Sample:
+    """One token per model turn, `GenerateState.aborted` checked before each, as upstream's multi-turn generates
+    check it: once the step aborts, the sample goes back ABORTED without another request (marked
+    `stopped_between_turns`), to be resumed from its tokens."""
+    from slime.rollout.sglang_rollout import GenerateState
+
+    state = GenerateState(args)
+    sample.status = Sample.Status.PENDING
+    while sample.status is Sample.Status.PENDING:
+        if state.aborted:
+            sample.stopped_between_turns = True
+            sample.status = Sample.Status.ABORTED
+            break
+        if sample.response_length >= sampling_params["max_new_tokens"]:
+            sample.status = Sample.Status.TRUNCATED
+            break
+        await _model_turn(args, state, sample, sampling_params, 1, final=False)  # stop / abort set the status
+    return sample
+
+
 async def generate_fanout(args, sample: Sample, sampling_params: dict) -> list[Sample]:
     """Upstream's multi_agent shape: one rollout made into several training samples (copies of the given one,
-    each generated), the first rewarded by the plugin itself."""
+    each generated, sharing its `rollout_id` so that the loss averages them as one rollout), the first rewarded by
+    the plugin itself."""
     import copy
 
     copies = [copy.deepcopy(sample) for _ in range(2)]
     for c in copies:
+        c.rollout_id = sample.index
         await generate_with_state(args, c, sampling_params)
         if c.status is Sample.Status.ABORTED:  # the step stopped: the whole fan-out is generated again
             return copies

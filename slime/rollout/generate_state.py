@@ -5,9 +5,12 @@ sample and read `.tokenizer` (the `--hf-checkpoint` tokenizer), `.processor` (No
 `.semaphore` (at most `--sglang-server-concurrency` x engines generations at once) and `.sampling_params`
 (the rollout's sampling flags, `max_new_tokens` = `--rollout-max-response-len`). As upstream, it is one object
 per process (`SingletonMeta`), made by the first call; a call with another `--hf-checkpoint` makes a new one.
-Its `.semaphore` is the running event loop's own (the rollout runs each step on its loop). `aborted`,
-`reset()` and `dp_rank_context()` keep upstream's names; the APRIL step itself aborts and drains the engines
-(slime/rollout/step_end.py), so a plugin never has to.
+Its `.semaphore` is the running event loop's own (the rollout runs each step on its loop). `.aborted` is
+upstream's flag: true once the step the calling generate runs for has its batch (or failed, or was halted) and
+aborts the engines, so a multi-turn generate can stop between turns and return the sample ABORTED (parked
+with its tokens under --partial-rollout, resumed in a later step); false outside a step (evaluations). The
+step itself aborts and drains the engines (slime/rollout/step_end.py), so a plugin never has to; `reset()`
+and `dp_rank_context()` keep upstream's names.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import weakref
 from typing import Any
 
 from slime.rollout.sampling_request import sampling_params_from_args
+from slime.rollout.step_scope import step_stopping
 from slime.utils.misc import SingletonMeta
 
 
@@ -56,10 +60,19 @@ class GenerateState(metaclass=_PerCheckpoint):
             sem = self._semaphores[loop] = asyncio.Semaphore(self.concurrency)
         return sem
 
+    @property
+    def aborted(self) -> bool:
+        """Whether the rollout step the calling generate runs for is aborting (slime/rollout/step_scope.py)."""
+        return step_stopping()
+
+    @aborted.setter
+    def aborted(self, value) -> None:
+        raise AttributeError("GenerateState.aborted is set by the rollout step, which aborts the engines itself "
+                             "once it has its batch; a plugin only reads it")
+
     def reset(self) -> None:
         self.remaining_batch_size = 0
         self.pendings: set = set()
-        self.aborted = False
 
     @contextlib.contextmanager
     def dp_rank_context(self):

@@ -47,14 +47,20 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
 
 
 def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
-    """Sizes, failures, lengths and rewards of a batch's samples; for multi-turn samples also their per-turn
-    metrics (`rollout/tool/*`, slime/rollout/multi_turn/metrics.py)."""
+    """Sizes, failures, lengths and rewards of a batch's samples (and those a plugin kept out of the loss,
+    `remove_sample`); for multi-turn samples also their per-turn metrics (`rollout/tool/*`,
+    slime/rollout/multi_turn/metrics.py), and the time plugins spent outside generation (upstream's
+    `Sample.non_generation_time`) when they report it."""
     samples = [s for g in groups for s in g]
     n = len(samples)
     rewards = [r for s in samples if (r := s.scalar_reward(reward_key)) is not None]
-    return tool_metrics(samples, "rollout/") | {
+    outside = [float(s.non_generation_time) for s in samples]
+    timing = {"rollout/non_generation_time_mean": sum(outside) / n,
+              "rollout/non_generation_time_max": max(outside)} if any(outside) else {}
+    return tool_metrics(samples, "rollout/") | timing | {
         "rollout/samples": float(n),
         "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
+        "rollout/removed_samples": float(sum(bool(s.remove_sample) for s in samples)),
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / n if n else 0.0,
         "rollout/response_len_mean": sum(s.response_length for s in samples) / n if n else 0.0,
         "rollout/response_len_max": float(max((s.response_length for s in samples), default=0)),

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
+from slime.rollout.step_scope import in_step
 from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
 from slime.utils.hf_dir import eos_token_ids
 from slime.utils.misc import load_function
@@ -338,8 +339,8 @@ class SampleRequester(RequestLoop):
                 out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
         else:
             self._in_flight(+1)
-            try:
-                out = await self.custom_generate(self.plugin_args, sample, sp, **kwargs)
+            try:  # in_step: upstream's GenerateState.aborted says when this step aborts
+                out = await in_step(stop, self.custom_generate(self.plugin_args, sample, sp, **kwargs))
             finally:
                 self._in_flight(-1)
         served = self.policy_version if version is None else version

@@ -7,17 +7,23 @@ Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`,
 plugins), which keep all of them in step.
 
 Upstream slime's plugin API is here with upstream's meaning: `Sample.Status`,
-`append_response_tokens`, `get_reward_value(args)`, `effective_response_length`;
-attributes a plugin sets on a sample (`sample.tool_call_count = 2`) travel with
-it, into the buffer and its checkpoints too (`to_dict()["extra"]`).
+`append_response_tokens`, `get_reward_value(args)`, `effective_response_length`,
+`remove_sample` and `rollout_id`; attributes a plugin sets on a sample
+(`sample.tool_call_count = 2`) travel with it, into the buffer and its
+checkpoints too (`to_dict()["extra"]`). Upstream's other fields read as
+upstream's defaults; those with no meaning here (multimodal inputs, top-p
+replay, ...: `UNSUPPORTED_FIELDS`) are refused when a plugin returns a sample
+that sets them.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 from slime.utils.engine_reply import token_versions
@@ -62,6 +68,12 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    # upstream slime's switches for plugins, with upstream's meaning where samples become training data
+    # (slime/backends/training_utils/data.py): samples sharing a `rollout_id` (a fan-out's) are one rollout in
+    # the loss (one optimizer step, one sample-mean term); a `remove_sample` stays out of the loss (its loss
+    # mask zeroed) but is rewarded and counts in its group's reward normalization
+    rollout_id: int | None = None
+    remove_sample: bool = False
     # more training samples a list-returning custom generate made of this one (upstream's fan-out), finished;
     # they join its group when the group is rewarded (`expand_fanout`)
     fanout: list[Sample] = field(default_factory=list)
@@ -216,6 +228,11 @@ class Sample:
         return self.reward[args.reward_key]
 
     @property
+    def trained_loss_mask(self) -> list[int]:
+        """The loss mask the trainer uses: all 0 for a sample a plugin removed (`remove_sample`)."""
+        return [0] * self.response_length if self.remove_sample else self.loss_mask
+
+    @property
     def effective_response_length(self) -> int:
         """Response tokens in the loss (loss mask 1): upstream's."""
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
@@ -223,7 +240,9 @@ class Sample:
     def complete_response(self, weight_version: int, where: str) -> None:
         """A response a plugin grew by setting the fields itself (upstream slime's way) gets what it left out:
         `weight_version` (the version the engines served) for tokens without one, loss mask 1 for tokens without
-        one; behaviour log-probs cannot be made up, so missing ones are refused (`where` names the plugin)."""
+        one; behaviour log-probs cannot be made up, so missing ones are refused, and so are upstream's fields that
+        have no meaning here (`check_upstream_fields`; `where` names the plugin)."""
+        self.check_upstream_fields(where)
         n = self.response_length
         if n < 0 or n > len(self.tokens):
             raise SampleInvariantError(f"{where}: sample {self.index} has response_length {n} but {len(self.tokens)} "
@@ -248,6 +267,18 @@ class Sample:
         except SampleInvariantError as e:
             raise SampleInvariantError(f"{where}: {e}") from None
 
+    def check_upstream_fields(self, where: str) -> None:
+        """Refuse upstream slime's Sample fields that have no meaning here (`UNSUPPORTED_FIELDS`) when a plugin set
+        them to anything but upstream's default, and a `rollout_id` that is not an int."""
+        for name, why in UNSUPPORTED_FIELDS.items():
+            value = vars(self).get(name)
+            if value is not None and not (isinstance(value, Mapping) and not value):
+                raise ValueError(f"{where}: sample {self.index} sets {name} (upstream slime's Sample field): {why}; "
+                                 "leave it unset")
+        if self.rollout_id is not None and (isinstance(self.rollout_id, bool) or not isinstance(self.rollout_id, int)):
+            raise TypeError(f"{where}: sample {self.index} has rollout_id {self.rollout_id!r}; upstream's is an int "
+                            "shared by the samples of one rollout (or None)")
+
     def reset_response(self) -> None:
         """Drop the whole response and go back to the bare prompt (staleness restart)."""
         del self.tokens[self.prompt_length :]
@@ -257,6 +288,7 @@ class Sample:
         self.rollout_log_probs.clear()
         self.weight_versions.clear()
         self.reward = None
+        self.remove_sample = False  # a verdict on the response dropped
         self.status = Status.PENDING
 
     def mask_tokens_older_than(self, min_version: int) -> int:
@@ -270,17 +302,18 @@ class Sample:
 
     # ---- version accounting -----------------------------------------------
     def version_counts(self, in_loss_only: bool = True) -> Counter:
-        """{policy version: response tokens it produced}, over the tokens in the loss (mask 1) by default."""
+        """{policy version: response tokens it produced}, over the tokens in the loss (`trained_loss_mask` 1) by
+        default."""
         if not in_loss_only:
             return Counter(self.weight_versions)
-        return Counter(v for v, m in zip(self.weight_versions, self.loss_mask) if m)
+        return Counter(v for v, m in zip(self.weight_versions, self.trained_loss_mask) if m)
 
     def newest_version(self) -> int | None:
         return max(self.weight_versions) if self.weight_versions else None
 
     def loss_tokens_older_than(self, min_version: int) -> int:
-        """How many response tokens in the loss (mask 1) were produced before `min_version`."""
-        return sum(1 for v, m in zip(self.weight_versions, self.loss_mask) if m and v < min_version)
+        """How many response tokens in the loss (`trained_loss_mask` 1) were produced before `min_version`."""
+        return sum(1 for v, m in zip(self.weight_versions, self.trained_loss_mask) if m and v < min_version)
 
     def oldest_version(self) -> int | None:
         return min(self.weight_versions) if self.weight_versions else None
@@ -342,5 +375,28 @@ def _versions_for(versions: list[int], n: int, missing: int) -> list[int]:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Sample))
+_MULTIMODAL = "multimodal inputs are not supported here (text models only)"
+_TOP_P = "top-p token replay is not supported here (the trainer's log-probs are over the whole vocabulary)"
+# upstream slime's Sample fields (at 624b824) with no meaning here: a plugin reads upstream's default (None, or an
+# empty mapping), and a sample that comes back from a plugin with another value is refused, with why
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "multimodal_inputs": _MULTIMODAL, "multimodal_train_inputs": _MULTIMODAL,
+    "multimodal_train_input_id": _MULTIMODAL,
+    "apply_chat_template_kwargs": "per-sample chat-template arguments are not supported (--apply-chat-template "
+                                  "applies the tokenizer's own template)",
+    "rollout_top_p_token_ids": _TOP_P, "rollout_top_p_token_offsets": _TOP_P,
+    "rollout_routed_experts": "MoE routing replay is not supported (dense models)",
+    "teacher_log_probs": "on-policy distillation is not supported",
+    "train_metadata": "it is read by upstream's custom losses, which are not supported (--loss-type policy_loss "
+                      "or sft_loss)",
+    "generate_function_path": "a per-sample generate is not supported: every sample goes through "
+                              "--custom-generate-function-path",
+    "custom_rm_path": "a per-sample reward function is not supported: every sample is rewarded by --custom-rm-path "
+                      "or --rm-type",
+}
+for _name in UNSUPPORTED_FIELDS:  # class-level defaults: what upstream's plugins read (`if sample.multimodal_inputs:`)
+    setattr(Sample, _name, MappingProxyType({}) if _name == "apply_chat_template_kwargs" else None)
+Sample.session_id = None  # upstream's routing key for its own generate's requests; a plugin sets it for its own
+Sample.non_generation_time = 0.0  # seconds a plugin spent outside generation (tools): `rollout/non_generation_time_*`
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 Sample.Status = Status  # upstream slime's spelling (`Sample.Status.COMPLETED`), for plugins written against it

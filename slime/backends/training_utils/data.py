@@ -1,7 +1,9 @@
-"""Samples → tensors for the trainer: exclude FAILED samples, split a rollout
-into optimizer steps, plan every data-parallel rank's micro-batches (fixed
-size, or token-budget bins balanced across ranks) and lay a micro-batch out as
-model inputs (right-padded, or packed back to back without padding).
+"""Samples → tensors for the trainer: exclude FAILED samples (and keep those a
+plugin removed out of the loss), split a rollout into optimizer steps (the
+samples of one plugin `rollout_id` together), plan every data-parallel rank's
+micro-batches (fixed size, or token-budget bins balanced across ranks) and lay
+a micro-batch out as model inputs (right-padded, or packed back to back
+without padding).
 
 Everything here is deterministic and independent of the rank, so every rank
 computes the same plan and only keeps its own part.
@@ -10,7 +12,9 @@ computes the same plan and only keeps its own part.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +34,12 @@ class TrainItem:
     loss_mask: Tensor  # [R] float
     rollout_log_probs: Tensor  # [R] behaviour log-probs from the engine
     reward: float
+    rollout_id: int | None = None  # upstream's `Sample.rollout_id`, set by a plugin
+
+    @property
+    def rollout(self) -> tuple:
+        """Its rollout: items sharing one are one term of a sample-mean loss; without a `rollout_id`, its own."""
+        return ("sample", self.pos) if self.rollout_id is None else ("rollout_id", self.rollout_id)
 
     @property
     def response_len(self) -> int:
@@ -57,7 +67,9 @@ def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
 def flatten_groups(groups: list[list[Sample]], reward_key: str | None = None) -> tuple[list[list[TrainItem]], int]:
     """Drop FAILED samples and turn the rest into TrainItems, keeping the
     group structure (for group-relative advantages). Returns (groups of items,
-    number of failed samples excluded). Groups left empty are dropped."""
+    number of failed samples excluded). Groups left empty are dropped. As upstream: a sample a plugin removed
+    (`remove_sample`) trains with a zero loss mask (its reward still counts in its group), and samples that share a
+    `rollout_id` are one rollout (without one, each sample is its own)."""
     out: list[list[TrainItem]] = []
     failed = 0
     pos = 0
@@ -77,9 +89,10 @@ def flatten_groups(groups: list[list[Sample]], reward_key: str | None = None) ->
                     pos=pos,
                     tokens=torch.tensor(s.tokens, dtype=torch.long),
                     prompt_len=s.prompt_length,
-                    loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32),
+                    loss_mask=torch.tensor(s.trained_loss_mask, dtype=torch.float32),
                     rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
                     reward=scalar_reward(s, reward_key),
+                    rollout_id=s.rollout_id,
                 )
             )
             pos += 1
@@ -88,15 +101,29 @@ def flatten_groups(groups: list[list[Sample]], reward_key: str | None = None) ->
     return out, failed
 
 
-def split_steps(n: int, global_batch_size: int) -> list[range]:
-    """Positions [0, n) cut into optimizer steps of `global_batch_size`
-    samples (the last one smaller when n is not a multiple)."""
+def split_steps(rollouts: list, global_batch_size: int) -> list[list[int]]:
+    """Positions (`rollouts[p]`: position p's rollout) cut into optimizer steps of `global_batch_size` rollouts,
+    in order of first appearance, each rollout's positions in one step, as upstream (the last step smaller when
+    the count is not a multiple). Without a plugin's `rollout_id`, a rollout is a sample."""
     if global_batch_size < 1:
         raise ValueError(f"--global-batch-size must be >= 1, got {global_batch_size}")
-    if n % global_batch_size:
-        logger.warning("%d samples is not a multiple of --global-batch-size=%d: the last optimizer step is smaller",
-                       n, global_batch_size)
-    return [range(i, min(i + global_batch_size, n)) for i in range(0, n, global_batch_size)]
+    members: dict[Any, list[int]] = {}
+    for p, r in enumerate(rollouts):
+        members.setdefault(r, []).append(p)
+    units = list(members.values())
+    if len(units) % global_batch_size:
+        logger.warning("%d rollouts is not a multiple of --global-batch-size=%d: the last optimizer step is smaller",
+                       len(units), global_batch_size)
+    return [[p for unit in units[i : i + global_batch_size] for p in unit]
+            for i in range(0, len(units), global_batch_size)]
+
+
+def rollout_tokens(items: list[TrainItem]) -> Counter:
+    """{rollout: its loss tokens among `items`} (`TrainItem.rollout`): a sample-mean loss's denominators."""
+    out: Counter = Counter()
+    for it in items:
+        out[it.rollout] += float(it.loss_mask.sum())
+    return out
 
 
 def shard(positions: list[int] | range, rank: int, world_size: int) -> list[int]:

@@ -142,8 +142,9 @@ def _masked_token_mean(values: list[Tensor], masks: list[Tensor]) -> float:
 class LossInputs:
     """One micro-batch's rollout tensors on the model's device, flat over its items' response tokens (in
     item order), and each token's share of the step's loss (`weight`): mask / num_tokens (``token_mean``)
-    or mask / (its sample's mask count x num_samples) (``sample_mean``), 0 off the mask. Built on the host
-    and copied in once (`data.to_device`), so the loss never waits for the device."""
+    or mask / (its rollout's mask count x rollouts) (``sample_mean``; a rollout is a sample unless a plugin set
+    `rollout_id`), 0 off the mask. Built on the host and copied in once (`data.to_device`), so the loss never
+    waits for the device."""
 
     sizes: list[int]
     mask: Tensor
@@ -160,15 +161,18 @@ class LossInputs:
 
 
 def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tensor], num_tokens: float,
-                num_samples: float, device: torch.device | str) -> LossInputs:
+                num_samples: float, device: torch.device | str, sample_tokens: list[float] | None = None
+                ) -> LossInputs:
     """`micro_batch_loss`'s inputs for the items at `positions` (their loss masks `masks`), normalised by the
-    step's global token / sample count."""
+    step's global token / sample count. `sample_tokens`: each item's sample-mean denominator, its rollout's loss
+    tokens in the step (upstream's `rollout_id`: a fan-out's samples averaged as one; default: its own)."""
     mask = torch.cat(masks).float()
     if loss_agg_mode(args) == "token_mean":
         weight = mask / max(float(num_tokens), 1.0)
     else:
         denom = max(float(num_samples), 1e-12)
-        weight = torch.cat([m.float() / max(float(m.sum()), 1.0) / denom for m in masks])
+        tokens = [float(m.sum()) for m in masks] if sample_tokens is None else sample_tokens
+        weight = torch.cat([m.float() / max(t, 1.0) / denom for m, t in zip(masks, tokens)])
     pick = lambda ts: None if ts is None else torch.cat([ts[p].float() for p in positions])  # noqa: E731
     host = [mask, weight, pick(rt.old_log_probs), pick(rt.advantages), pick(rt.tis_weights), pick(rt.ref_log_probs)]
     mask, weight, old, adv, tis, ref = to_device(host, device)

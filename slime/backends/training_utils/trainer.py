@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from slime.backends.training_utils.data import (MicroBatch, TrainItem, build_micro_batch, dummy_item, flatten_groups,
-                                                plan_micro_batches, split_steps)
+                                                plan_micro_batches, rollout_tokens, split_steps)
 from slime.backends.training_utils.distributed import open_master_port, use_cuda
 from slime.backends.training_utils.loss import (RolloutTensors, compute_rollout_tensors, loss_inputs,
                                                 micro_batch_loss)
@@ -202,7 +202,7 @@ class Trainer(Offloadable):
                            int(metrics["num_failed_excluded"]))
             return metrics
         metrics["old_logprob_time_s"] = time.perf_counter() - t0
-        steps = split_steps(len(items), int(self.args.global_batch_size))
+        steps = split_steps([it.rollout for it in items], int(self.args.global_batch_size))
         sums: dict[str, float] = defaultdict(float)
         for positions in steps:
             for k, v in self._train_step([items[p] for p in positions], rt).items():
@@ -245,8 +245,8 @@ class Trainer(Offloadable):
         from slime.backends.training_utils.distributed import device
 
         args = self.args
-        num_tokens = float(sum(float(it.loss_mask.sum()) for it in step_items))
-        num_samples = float(len(step_items))
+        per_rollout = rollout_tokens(step_items)  # a sample-mean loss averages each rollout once
+        num_tokens, num_samples = float(sum(per_rollout.values())), float(len(per_rollout))
         dp_size = self._dp()[1]
         self._zero_grads()
         parts: dict[str, torch.Tensor] = {}
@@ -254,7 +254,7 @@ class Trainer(Offloadable):
             mb = self._micro_batch(mb_items)
             if mb_items:
                 inp = loss_inputs(args, rt, [it.pos for it in mb_items], [it.loss_mask for it in mb_items],
-                                  num_tokens, num_samples, device())
+                                  num_tokens, num_samples, device(), [per_rollout[it.rollout] for it in mb_items])
                 lps, ents, _ = self._forward(self._actor, mb, with_entropy=True,
                                              entropy_grad=float(args.entropy_coef) != 0.0)
                 loss, m = micro_batch_loss(args, lps, ents, inp)

@@ -30,6 +30,7 @@ class SimSample:
 
     __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
                  "status", "metadata", "reward", "masked_below")
+    remove_sample, non_generation_time = False, 0.0  # upstream's plugin fields: no plugin runs here
 
     def __init__(self, sid: int, gid: int, prompt_len: int, final_len: int, budget: int):
         self.index, self.group_index, self.prompt_len = sid, gid, prompt_len

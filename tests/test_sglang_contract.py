@@ -226,7 +226,8 @@ def group(sglang, base_args, monkeypatch):
 
     g = EngineGroup(base_args)
     monkeypatch.setattr(g, "worker_urls", lambda timeout=10.0: [sglang.url])
-    g.router = types.SimpleNamespace(url=sglang.url)  # /flush_cache: the router fans it out as is
+    # /flush_cache: the router fans it out as is; a live process (problem() None), as Router.problem answers
+    g.router = types.SimpleNamespace(url=sglang.url, problem=lambda: None)
     yield g
     g._pool.shutdown(wait=False)
 

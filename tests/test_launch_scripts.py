@@ -57,7 +57,8 @@ def run_script(script: str, tmp_path, *argv: str, fields=FIELDS, **env_extra) ->
     data.write_text('{"prompt": "1+1?", "label": "2"}\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update({"PATH": f"{shim}:{os.environ['PATH']}", "MODEL_DIR": str(model), "DATA": str(data),
-                "EVAL": str(data), "SAVE": str(tmp_path / "ckpt"), "PYTHONPATH": REPO, **env_extra})
+                "EVAL": str(data), "SAVE": str(tmp_path / "ckpt"), "PYTHONPATH": REPO, "PYTHON": str(shim / "python3"),
+                **env_extra})
     out = subprocess.run(["bash", os.path.join(REPO, script), *argv], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -36,4 +36,5 @@ class RestartBudget:
 
     def metrics(self) -> dict[str, float]:
         """Restarts so far by part (`engine/restarts`: the engines' count under its first name)."""
-        return {"engine/restarts": float(self.counts["engine"]), **{f"restarts/{p}": float(self.counts[p]) for p in PARTS}}
+        return {"engine/restarts": float(self.counts["engine"]),
+                **{f"restarts/{p}": float(self.counts[p]) for p in PARTS}}

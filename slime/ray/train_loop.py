@@ -347,8 +347,8 @@ class TrainingRun:
         return idle
 
     def log(self, rollout_id: int, step_metrics: dict) -> None:
-        """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/` timings, then
-        one metrics record."""
+        """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
+        timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
         now = time.monotonic()
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)

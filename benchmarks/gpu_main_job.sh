@@ -74,9 +74,11 @@ run_capped() {  # run_capped NAME SECONDS CMD...: its output to $OUT/NAME.log (a
 if ((DRY)); then
   MODEL=quickstart; GRAPHS=static  # the graphs' padded static-buffer step, run eagerly (no CUDA here)
   STEP_ARGS=(--rows 1 4 --context 32 --new-tokens 230 --seconds 0.5 --warmup 0.1 --windows 2); STEP_CAP=120
+  # each mode a few steps (every step is followed by a limit slice: --min-seconds 1 made ~20 short pareto steps
+  # per mode), a 1 s warm-up; the calibration as long as before, within a budget with slack for a loaded box
   ROLLOUT_ARGS=(--model-preset quickstart --cap 64 --scale 2 --concurrencies 16 --c-star 16 --warmup-steps 32
-                --rounds 1 --min-rounds 1 --min-seconds 1 --min-steps 1 --limit-seconds 2 --calibration-seconds 6
-                --report-seconds 5 --time-budget 70)  # (slack for a loaded box: the calibration must fit)
+                --warmup-seconds 1 --rounds 1 --min-rounds 1 --min-seconds 0.1 --min-steps 2 --limit-seconds 1
+                --limit-min-seconds 0.3 --calibration-seconds 6 --report-seconds 5 --time-budget 70)
   ROLLOUT_CAP=260
   CAP=128; TASK_ARGS=(--model quickstart --rows 512 --median 48 --cap $CAP); STEPS=${STEPS:-3}; STREAM_STEPS=$STEPS
   JOB_ARGS=(--rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --micro-batch-size 8)
@@ -85,8 +87,8 @@ else
   MODEL=qwen3-0.5b; GRAPHS=auto
   STEP_ARGS=(--rows 1 8 64 128 --context 512 --seconds 1 --warmup 0.3 --windows 3); STEP_CAP=60
   ROLLOUT_ARGS=(--model-preset qwen3-0.5b --cap 128 --scale 4 --concurrencies 128 --c-star 128 --rounds 3
-                --min-rounds 1 --min-seconds 3 --min-steps 1 --limit-seconds 2 --calibration-new-tokens 32
-                --calibration-seconds 12 --report-seconds 8 --time-budget 80)
+                --min-rounds 1 --min-seconds 3 --min-steps 1 --limit-seconds 2 --limit-min-seconds 0.5
+                --calibration-new-tokens 32 --calibration-seconds 12 --report-seconds 8 --time-budget 80)
   ROLLOUT_CAP=200
   CAP=512; TASK_ARGS=(--model qwen3-0.5b --rows 4096 --median 192 --cap $CAP); STEPS=${STEPS:-8}; STREAM_STEPS=4
   JOB_ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 8)
@@ -148,7 +150,7 @@ if [[ $PART != train ]]; then
   stage "E2. rollout benchmark on both workloads, --simulate"
   run_capped E2_rollout "$ROLLOUT_CAP" $PY benchmarks/rollout_workloads.py --log-dir "$OUT/rollout" \
     --json-out "$OUT/rollout_workloads.json" -- "${ROLLOUT_ARGS[@]}" --model-cache "$MODELS" --no-stale-kv-modes \
-    --probe-passes 1 --probe-seconds 1.5 --limit-min-seconds 0.5 --calibration quick --simulate
+    --probe-passes 1 --probe-seconds 1.5 --calibration quick --simulate
 fi
 
 # ---- part train -------------------------------------------------------------------------------------------------

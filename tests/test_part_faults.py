@@ -105,6 +105,9 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
     rows = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(steps))
     assert rows[-1]["restarts/router"] == 1 and rows[-1]["restarts/trainer"] == 1 and rows[-1]["engine/restarts"] == 0
+    # the restart is counted in the row of the step whose training call restarted the trainer (k + 1: its batch
+    # was made before), not one step later: a restart in the last step's training is in the last row
+    assert [r["restarts/trainer"] for r in rows[k:k + 2]] == [0, 1]
 
     # every step generated once (one dump each, the step's rollout never re-run), every group trained once
     assert [m for m in re.findall(r"saved rollout (\d+) to", text)] == [str(i) for i in range(steps)]

@@ -1,6 +1,7 @@
 """Plugins written to upstream slime's documented contracts (docs/en/get_started/customization.md of THUDM/slime),
 not ours: they import what upstream's plugins import, post to the router named by `args`, grow samples by setting
-their fields and return upstream's output types. tests/test_upstream_compat.py runs them through train.py."""
+their fields and return upstream's output types. tests/test_upstream_compat.py and tests/test_upstream_plugins_e2e.py
+run them through train.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from slime.utils.types import Sample
 
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
-    """`--custom-generate-function-path`: `async def custom_generate(args, sample, sampling_params) -> Sample`.
-    Like upstream's built-in generate: continues a partial sample from its tokens; max_new_tokens is the whole
-    budget, so what the sample already has is taken off."""
+    """`--custom-generate-function-path`'s signature, `async def custom_generate(args, sample, sampling_params) ->
+    Sample` (called by `generate_rollout` below). Like upstream's built-in generate: continues a partial sample
+    from its tokens; max_new_tokens is the whole budget, so what the sample already has is taken off."""
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     assert sample.status in (Sample.Status.PENDING, Sample.Status.ABORTED), sample.status
     sampling_params = dict(sampling_params)

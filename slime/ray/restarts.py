@@ -35,4 +35,6 @@ class RestartBudget:
         return f"{self.used}/{self.limit}"
 
     def metrics(self) -> dict[str, float]:
-        return {f"restarts/{p}": float(self.counts[p]) for p in PARTS}
+        """Restarts so far by part (`engine/restarts`: the engines' count under its first name)."""
+        return {"engine/restarts": float(self.counts["engine"]),
+                **{f"restarts/{p}": float(self.counts[p]) for p in PARTS}}

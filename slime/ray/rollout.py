@@ -164,11 +164,9 @@ class RolloutManager:
         return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.context()))
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
-        """A batch about to be trained (from `generate` or train_async.py's rollout): reward, restart and data
-        metrics, debug dump."""
+        """A batch about to be trained (from `generate` or train_async.py's rollout): reward and data metrics,
+        debug dump. (Restart counts are the step's row's, read as it is written: a restart can come later.)"""
         out.metrics.update(group_reward_metrics(out.groups, "reward", self.args.reward_key))
-        out.metrics["engine/restarts"] = float(self.restarts.counts["engine"])
-        out.metrics.update(self.restarts.metrics())
         if self.data_source is not None:
             out.metrics.update({f"data/dropped_rows/{k}": float(v) for k, v in self.data_source.dropped_rows.items()})
         if self.args.save_debug_rollout_data:

@@ -347,13 +347,15 @@ class TrainingRun:
         return idle
 
     def log(self, rollout_id: int, step_metrics: dict) -> None:
-        """Empty steps so far, ledger counts, the colocated phases' costs and the step's `perf/` timings, then
-        one metrics record."""
+        """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
+        timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
         now = time.monotonic()
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
         self.record.ledger = self.rollout_manager.ledger_summary()
         step_metrics.update({f"ledger/{k}": v for k, v in self.record.ledger.items()})
+        # restarts so far, read now: one during this step's training or weight push (after its batch was made) counts
+        step_metrics.update(self.rollout_manager.restarts.metrics())
         step_metrics["perf/step_time_s"] = now - self._step_start
         step_metrics["perf/trainer_busy_s"] = self._trainer_busy
         idle = self._engine_idle()

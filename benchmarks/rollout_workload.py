@@ -30,6 +30,7 @@ from slime.rollout.sampling_request import SampleRequester, sampling_params_from
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
 from slime.rollout.simulator.lengths import ParetoLengths, paper_lengths
 from slime.rollout.simulator.probes import stats_delta
+from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import TRAINED
 from slime.utils.types import Sample
 
@@ -212,7 +213,8 @@ class ModeRunner:
             e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner),
+                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner,
+                cap=StalenessCap.from_args(self.args)),
                 hooks=StepHooks(session=self.http))
             dt = time.monotonic() - t0
             for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only

@@ -21,6 +21,7 @@ from slime.ray.buffer import PartialRolloutBuffer
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.staleness import StalenessCap
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -82,7 +83,8 @@ def run_steps(env, args, steps, source=None, buffer=None, first_version=0, train
     for step in range(steps):
         version = first_version + step
         set_version(env, version)
-        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], version))
+        ctx = RolloutContext(source, buffer, env["engines"], env["tok"], version, cap=StalenessCap.from_args(args))
+        out = generate_rollout(args, step, ctx)
         outs.append(out)
         if train:
             buffer.mark([g[0].group_index for g in out.groups], TRAINED)
@@ -303,8 +305,8 @@ def test_slow_reward_does_not_block_the_drain(env, monkeypatch):
     SLOW_GATE = gate = SlowRewardGate()
     drain = step.stop_and_drain
 
-    async def drain_then_release_the_slow_rewards(state, io):
-        await drain(state, io)
+    async def drain_then_release_the_slow_rewards(state, io, *rest):
+        await drain(state, io, *rest)
         gate.drained.set()
 
     monkeypatch.setattr(step, "stop_and_drain", drain_then_release_the_slow_rewards)
@@ -417,7 +419,7 @@ def test_a_shared_http_session_is_reused_across_steps_and_left_open(env, tmp_pat
             outs = []
             for step in range(3):
                 set_version(env, step)
-                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step)
+                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step, cap=StalenessCap.from_args(args))
                 outs.append(await generate_rollout_async(args, step, ctx, hooks=StepHooks(session=session)))
                 buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
                 assert not session.closed
@@ -458,19 +460,20 @@ def test_trace_records_the_workload_for_the_simulator(env, tmp_path):
 
 
 def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
-    from slime.rollout.over_sampling import OverSamplingPlanner
+    from slime.rollout.simulator.planner import OverSamplingPlanner
 
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "auto", "--run-dir", str(tmp_path))
     planner = OverSamplingPlanner.from_args(args)
     source = RecordingSource(args, env["tok"])
     buffer = PartialRolloutBuffer(args)
     with pytest.raises(ValueError, match="no over_sampling planner"):
-        generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
+        generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0,
+                                                 cap=StalenessCap.from_args(args)))
     sizes = []
     for step in range(4):
         set_version(env, step)
         out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
-                                                          over_sampling=planner))
+                                                          over_sampling=planner, cap=StalenessCap.from_args(args)))
         buffer.mark([g[0].group_index for g in out.groups], TRAINED)
         planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
         sizes.append(out.metrics["rollout/over_sampling_batch_size"])

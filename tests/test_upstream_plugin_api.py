@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from slime.rollout.buffer import PartialRolloutBuffer
-from slime.rollout.filter_hub import DynamicFilterOutput, call_dynamic_filter
+from slime.rollout.filter_hub import DynamicFilterOutput, call_dynamic_filter, group_filter
 from slime.rollout.rm_hub import grade_answer_verl, reward_group
 from slime.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
 from slime.rollout.rm_hub.math_dapo_utils import compute_score
 from slime.rollout.rm_hub.math_utils import extract_answer
 from slime.rollout.sampling_request import RequestLoop, args_with_router
-from slime.rollout.sglang_rollout import GenerateState, group_filter
+from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.engine_reply import GenerateResponseError
 from slime.utils.misc import SingletonMeta
 from slime.utils.plugin_args import PluginArgs, plugin_args, run_flags
@@ -375,11 +375,11 @@ def test_keep_when_insufficient_keeps_a_rejected_group_only_when_the_step_runs_s
         dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters."
                                      "check_reward_nonzero_std_with_fallback")
     same = rewarded(1.0, 1.0)
-    assert group_filter(args, StepAt(accepted=1, open_groups=2, target=3))(same) is None  # 3 candidates: kept
-    assert group_filter(args, StepAt(accepted=1, open_groups=3, target=3))(same) == "all rewards equal (=1)"
-    assert group_filter(args, StepAt(accepted=0, open_groups=1, target=3))(rewarded(0.0, 1.0)) is None
+    assert group_filter(args)(same, StepAt(accepted=1, open_groups=2, target=3)) is None  # 3 candidates: kept
+    assert group_filter(args)(same, StepAt(accepted=1, open_groups=3, target=3)) == "all rewards equal (=1)"
+    assert group_filter(args)(rewarded(0.0, 1.0), StepAt(accepted=0, open_groups=1, target=3)) is None
     plain = base_args.replace(dynamic_sampling_filter_path="tests.upstream_plugins.rewards_differ")
-    assert group_filter(plain, StepAt(accepted=0, open_groups=1, target=3))(same) == "filtered"  # a bool filter
+    assert group_filter(plain)(same, StepAt(accepted=0, open_groups=1, target=3)) == "filtered"  # a bool filter
     assert DynamicFilterOutput(False, keep_when_insufficient=True).drops(candidates=2, target=None)
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout, generate_rollout_async, run_rollout_step
-from slime.rollout.staleness import StalenessCap
 from slime.rollout.steps_ahead import StepsAhead
 from slime.rollout.stream import StreamConfig, StreamRollout
 from slime.rollout.version_gate import VersionGate
@@ -120,7 +119,7 @@ class AsyncRollout:
         self.gate = VersionGate(version, train_version=version)
         m = self.manager
         if a.rollout_mode == "stream":
-            self.producer = StreamRollout(StreamConfig.from_args(a), self._run_segment, self.gate, m.buffer, m.engines,
+            self.producer = StreamRollout(StreamConfig.from_args(a, m.cap), self._run_segment, self.gate, m.buffer, m.engines,
                                           self.first_rollout_id, m.num_rollout, self.offset, session=self.session)
         elif self.pausable:
             self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
@@ -191,7 +190,7 @@ class AsyncRollout:
     async def _end_in_place(self) -> None:
         self.gate.end_update()
         await self.producer.rebalance()
-        floor = StalenessCap.from_args(self.args).restart_floor(self.gate.train_version)
+        floor = self.manager.cap.restart_floor(self.gate.train_version)
         if floor is not None:
             stale = self.gate.stale_requests(floor)
             await self.gate.abort_requests(stale, self.manager.engines, self.session)

@@ -9,7 +9,7 @@ Its `.semaphore` is the running event loop's own (the rollout runs each step on 
 upstream's flag: true once the step the calling generate runs for has its batch (or failed, or was halted) and
 aborts the engines, so a multi-turn generate can stop between turns and return the sample ABORTED (parked
 with its tokens under --partial-rollout, resumed in a later step); false outside a step (evaluations). The
-step itself aborts and drains the engines (slime/rollout/step_end.py), so a plugin never has to; `reset()`
+step itself aborts and drains the engines (slime/rollout/step.py), so a plugin never has to; `reset()`
 and `dp_rank_context()` keep upstream's names.
 """
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Awaitable
 
 from slime.rollout.base_types import RolloutOutput
+from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.group_outcome import StreamPlacement
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
-from slime.rollout.sampling_request import call_maybe_remote
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import RolloutEngineFaultError, RolloutError
 from slime.rollout.step_supply import PoolSupply
@@ -64,9 +64,9 @@ class StreamConfig:
     rpc_timeout: float = 120.0
 
     @classmethod
-    def from_args(cls, args) -> "StreamConfig":
-        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size),
-                   StalenessCap.from_args(args), args.rollout_rpc_timeout)
+    def from_args(cls, args, cap: StalenessCap) -> "StreamConfig":
+        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size), cap,
+                   args.rollout_rpc_timeout)
 
 
 # run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput

@@ -1,5 +1,5 @@
-"""Embedded rollout engine (CPU, or one CUDA GPU: --device) speaking SGLang's native HTTP API (see the shared
-sglang-protocol.md contract).
+"""Embedded rollout engine (CPU, or one CUDA GPU: --device) speaking SGLang's native HTTP API (the routes and
+fields SGLang's own server has: docs/sglang-compat.md).
 
     python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \

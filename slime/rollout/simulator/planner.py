@@ -117,13 +117,13 @@ class OverSamplingPlanner:
         n = self.steps_seen
         return (n & (n - 1)) == 0 if n <= 16 else n % 16 == 0
 
-    async def after_step(self, state, engines) -> None:
-        """Record the step (`state`: its `StepRecord`); calibrate `engines` once (no cost model given); when due,
+    async def after_step(self, record, engines) -> None:
+        """Record the step (its `StepRecord`); calibrate `engines` once (no cost model given); when due,
         start a plan in the background (the rollout goes on; the next step after it finishes uses it)."""
-        self.observe(step_observations(state))
+        self.observe(step_observations(record))
         if self.cost is None:
             urls = await asyncio.to_thread(engines.worker_urls)
-            ids = sorted({t for st in list(state.groups.values())[:8] for t in st.samples[0].prompt_tokens}) or [1, 2, 3]
+            ids = sorted({t for st in list(record.groups.values())[:8] for t in st.samples[0].prompt_tokens}) or [1, 2, 3]
             logger.info("over-sampling auto: calibrating %s (once)", urls[0])
             self.cost = await calibrate_async(urls[0], ids, passes=1, quick=True,
                                               name="engines of this run (calibrated after step 0)")

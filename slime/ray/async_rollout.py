@@ -57,7 +57,7 @@ class AsyncRollout:
         # the trainer trains batch j at policy version j + offset (one version per step since the run began)
         self.offset = int(manager.policy_version) - self.first_rollout_id
         # the built-in step honours the gate; a custom rollout function's steps are waited for instead
-        # (stream mode always runs the built-in one: slime/arguments.py)
+        # (stream mode always runs the built-in one: slime/arguments/checks.py)
         self.pausable = manager.rollout_fn is generate_rollout
         self.in_place = self.pausable and resolve_in_flight_update(args, manager.engines.backend) == "in_place"
         self.loop = asyncio.new_event_loop()

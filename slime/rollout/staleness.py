@@ -31,9 +31,9 @@ class StalenessCap:
 
     def __post_init__(self):  # the one check of both values
         if self.policy not in POLICIES:
-            raise ValueError(f"--staleness-policy {self.policy!r} is not one of {POLICIES}")
+            raise ValueError(f"--staleness-policy: {self.policy!r} is not one of {POLICIES}")
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+            raise ValueError(f"--max-staleness: must be >= 0, got {self.max_staleness}")
 
     @classmethod
     def from_args(cls, args) -> "StalenessCap":

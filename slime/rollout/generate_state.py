@@ -20,8 +20,7 @@ import contextlib
 import weakref
 from typing import Any
 
-from slime.rollout.sampling_request import sampling_params_from_args
-from slime.rollout.step_scope import step_stopping
+from slime.rollout.sampling_request import sampling_params_from_args, step_stopping
 from slime.utils.misc import SingletonMeta
 
 
@@ -62,7 +61,7 @@ class GenerateState(metaclass=_PerCheckpoint):
 
     @property
     def aborted(self) -> bool:
-        """Whether the rollout step the calling generate runs for is aborting (slime/rollout/step_scope.py)."""
+        """Whether the rollout step the calling generate runs for is aborting (sampling_request.in_step)."""
         return step_stopping()
 
     @aborted.setter

@@ -1,6 +1,7 @@
 """What a finished group becomes: `judge` rewards it and says failed (no trainable sample), rejected (the
 dynamic filter said no) or passed; the step (slime/rollout/step.py) accepts a passed group while it runs, to
-its placement: `TargetPlacement` (train.py's step: toward a target) or `StreamPlacement` (stream mode's queue).
+its placement: `TargetPlacement` (train.py's step: toward a target) or `StreamPlacement` (stream mode's queue,
+slime/rollout/stream.py).
 """
 
 from __future__ import annotations
@@ -68,18 +69,3 @@ class TargetPlacement:
         rec.accepted.append(group)
         if self.on_accept is not None:
             self.on_accept()
-
-
-class StreamPlacement:
-    """Stream mode's segments: no target; each accepted group goes to the stream's queue (`accept(group)`)."""
-
-    target = None
-
-    def __init__(self, accept: Callable[[list], None]):
-        self._accept = accept
-
-    async def take_ready(self, rec: StepRecord, io) -> None:
-        return  # the stream hands ready groups out itself
-
-    def accept(self, rec: StepRecord, group: list) -> None:
-        self._accept(group)

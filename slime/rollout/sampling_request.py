@@ -36,14 +36,14 @@ import asyncio
 import inspect
 import logging
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
-from slime.rollout.step_scope import in_step
 from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
 from slime.utils.hf_dir import eos_token_ids
 from slime.utils.misc import load_function
@@ -53,6 +53,29 @@ from slime.utils.types import Sample, Status
 logger = logging.getLogger(__name__)
 
 MAX_UNEXPECTED_ABORTS = 3
+
+# Which rollout step a plugin's generate call runs for, so that upstream's `GenerateState.aborted`
+# (slime/rollout/generate_state.py) can say whether that step is aborting: `run_custom` runs the user's generate
+# with `in_step(stop, ...)`, `stop` being the step's event (set once it has its batch, failed or was halted, and
+# aborts the engines). A context variable, so the tasks of each step (train_async.py may run one while the next
+# is gated) see their own step, and a generate outside any step (an evaluation) sees none.
+T = TypeVar("T")
+_STEP_STOP: ContextVar[asyncio.Event | None] = ContextVar("slime_step_stop", default=None)
+
+
+async def in_step(stop: asyncio.Event | None, call: Awaitable[T]) -> T:
+    """Await `call` (a plugin's generate) as part of the step whose stop event is `stop` (None: no step)."""
+    token = _STEP_STOP.set(stop)
+    try:
+        return await call
+    finally:
+        _STEP_STOP.reset(token)
+
+
+def step_stopping() -> bool:
+    """Whether the step the running plugin call belongs to is stopping (False outside a step)."""
+    stop = _STEP_STOP.get()
+    return stop is not None and stop.is_set()
 
 
 def args_with_router(args, router_url: str):

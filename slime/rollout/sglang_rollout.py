@@ -51,13 +51,12 @@ class StepHooks:
 
 
 def generate_rollout(args, rollout_id: int, data_source: RolloutContext, evaluation: bool = False) -> RolloutOutput:
-    args = run_flags(args)  # called with the plugins' view of the flags: the step reads the validated ones
     return run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
 
 
 async def generate_rollout_async(args, rollout_id: int, data_source: RolloutContext, evaluation: bool = False,
                                  hooks: StepHooks | None = None) -> RolloutOutput:
-    args = run_flags(args)
+    args = run_flags(args)  # called with the plugins' view of the flags: the step reads the validated ones
     if evaluation:
         from slime.rollout.eval_rollout import generate_eval
 

@@ -118,7 +118,8 @@ def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeyp
     buf = Buffer.remote(args)
     with pytest.raises(RolloutError, match=r"rollout step 0 failed: engine 0 \(http://.*\) exited with code -9 "
                                            r"\(killed by SIGKILL\)") as info:
-        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0, cap=StalenessCap.from_args(args)))
+        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0,
+                                                 cap=StalenessCap.from_args(args)))
     assert "kept" in str(info.value)
     assert [f.rank for f in info.value.faults] == [0]  # an EngineFaultError: restartable by rank
     summary = ray.get(buf.check_balanced.remote(), timeout=T)  # nothing left issued: every group accounted for

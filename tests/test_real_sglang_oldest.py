@@ -45,7 +45,8 @@ def test_the_oldest_sglang_serves_an_april_step_and_a_weight_update(env, make_tr
     assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 404  # no sessions yet
     source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
     for step in range(2):
-        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], 0, cap=StalenessCap.from_args(args)))
+        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], 0,
+                                                          cap=StalenessCap.from_args(args)))
         assert len(out.groups) == 2
         assert all(s.response_length == len(s.rollout_log_probs) > 0 for g in out.groups for s in g)
         assert all(sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in load["loads"]) == 0

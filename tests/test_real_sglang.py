@@ -94,10 +94,10 @@ class Recorder:
         monkeypatch.setattr(http_client, "generate", recording)
 
     def segment_ending(self, index: int, tokens: list[int]) -> tuple[dict, dict]:
-        """Sample `index`'s request whose input + output is exactly `tokens` (the sample's last segment; the
-        samples of a group share a prompt, so their requests are told apart by the rid, `...-s<index>-...`)."""
+        """Sample `index`'s request with output whose input + output is `tokens` (its last segment; a group's samples
+        share a prompt: the rid, `...-s<index>-...`, tells them apart; one aborted while queued added nothing)."""
         hits = [(p, o) for p, o in self.calls
-                if f"-s{index}-" in p["rid"] and p["input_ids"] + o["output_ids"] == tokens]
+                if f"-s{index}-" in p["rid"] and o["output_ids"] and p["input_ids"] + o["output_ids"] == tokens]
         assert len(hits) == 1, f"{len(hits)} requests of sample {index} end at {tokens}"
         return hits[0]
 

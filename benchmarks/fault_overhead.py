@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     from slime.rollout.base_types import RolloutContext
     from slime.rollout.data_source import RolloutDataSource
     from slime.rollout.sglang_rollout import generate_rollout
+    from slime.rollout.staleness import StalenessCap
     from slime.utils import checkpoint as ckpts
     from slime.utils.empty_steps import count_trainable
     from slime.utils.hf_dir import check_hf_checkpoint
@@ -70,7 +71,8 @@ def main(argv=None) -> int:
             for mode in (("watchdog", "off") if step % 2 else ("off", "watchdog")):
                 source, buffer = state[mode]
                 t0 = time.perf_counter()
-                out = generate_rollout(modes[mode], step, RolloutContext(source, buffer, engines, tok, 0))
+                out = generate_rollout(modes[mode], step, RolloutContext(source, buffer, engines, tok, 0,
+                                                                         cap=StalenessCap.from_args(modes[mode])))
                 dt = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 counts.append(count_trainable(out.groups))

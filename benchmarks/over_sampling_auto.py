@@ -27,8 +27,8 @@ from rollout_workload import BudgetSource, ModeRunner, constant_load, workload_l
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
-from slime.rollout.over_sampling import OverSamplingPlanner
 from slime.rollout.simulator.calibrate import Calibrator
+from slime.rollout.simulator.planner import OverSamplingPlanner
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer

@@ -9,7 +9,8 @@
   limit, and the concurrency probe);
 - `bump_version`: a simulated weight update between steps;
 - `ModeRunner`: one rollout mode (sync, APRIL, pool, ...) with its own data
-  source, buffer and policy version, run in slices and measured per step.
+  source, buffer and policy version, run in slices and measured per step;
+- `LimitRunner`: the full-occupancy limit run the same way, in slices of one steady state.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from slime.rollout.sampling_request import SampleRequester, sampling_params_from
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
 from slime.rollout.simulator.lengths import ParetoLengths, paper_lengths
 from slime.rollout.simulator.probes import stats_delta
+from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import TRAINED
 from slime.utils.types import Sample
 
@@ -212,7 +214,8 @@ class ModeRunner:
             e0 = engine_stats(self.engines)
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner),
+                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner,
+                cap=StalenessCap.from_args(self.args)),
                 hooks=StepHooks(session=self.http))
             dt = time.monotonic() - t0
             for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only
@@ -281,3 +284,49 @@ class ModeRunner:
         return {"tok_s": self.tokens / self.wall, "wall_s": self.wall, "steps": self.step, "rounds": self.rounds,
                 "off_policy": self.off / self.total_tok if self.total_tok else 0.0, "mean": mean,
                 "engine": self.engine}
+
+
+# a limit slice counts the engine's tokens from this long after its requests went in (the ramp up is not
+# the steady state) until its stop
+RAMP_S = 0.3
+
+
+class LimitRunner:
+    """The full-occupancy limit: C* requests in flight the whole time, as one steady state measured in
+    slices (its unfinished samples continue, on their KV, in the next slice)."""
+
+    def __init__(self, args, engines, http, concurrency: int, source):
+        self.args, self.engines, self.http, self.concurrency, self.source = args, engines, http, concurrency, source
+        self.carry: list = []
+        self.slices: list[float] = []
+        self.seconds: list[float] = []
+        self.running: list[float] = []
+        self.engine: dict = {}
+
+    async def slice(self, seconds: float) -> float:
+        e0 = engine_stats(self.engines)
+        tps = await constant_load(self.args, self.engines, self.http, self.concurrency, seconds, self.source,
+                                  self.running, self.carry, ramp=RAMP_S)
+        for k, v in stats_delta(engine_stats(self.engines), e0).items():
+            self.engine[k] = self.engine.get(k, 0) + v
+        self.slices.append(tps)
+        self.seconds.append(seconds)
+        return tps
+
+    async def warm_up(self, engine_steps: int, seconds: float | None = None) -> int:
+        """Slices (not measured) until the engine ran `engine_steps` forward steps, or (`seconds`) for that long;
+        returns the engine steps it ran."""
+        t_end = None if seconds is None else time.monotonic() + seconds
+        ran = 0
+        while ran < engine_steps and (t_end is None or time.monotonic() < t_end - 0.2):
+            await self.slice(4.0 if t_end is None else max(0.2, min(4.0, t_end - time.monotonic() - RAMP_S)))
+            ran = self.engine.get("decode_steps", 0) + self.engine.get("prefills", 0)
+        self.reset_measurements()
+        return ran
+
+    def reset_measurements(self) -> None:
+        self.slices, self.seconds, self.running, self.engine = [], [], [], {}
+
+    @property
+    def tok_s(self) -> float:
+        return sum(t * s for t, s in zip(self.slices, self.seconds)) / sum(self.seconds)

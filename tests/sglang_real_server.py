@@ -16,7 +16,8 @@
 
 Stood in: zmq between the tokenizer and scheduler processes (a thread here), the scheduler's request queue (a
 count of requests that an abort clears), the runtime configuration SGLang publishes at launch (tp rank 0, one
-DP rank, no weight cache), and the model: `StandInModel.load_weights` keeps what it is given. Extra routes under
+DP rank, no weight cache), and the model: `StandInModel.load_weights` keeps what it is given (both stand-ins in
+sglang_stand_ins.py). Extra routes under
 `/_contract/` let a test read what was loaded and set how many requests are running.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import os
 import sys
@@ -44,87 +44,12 @@ def _args():
     return p.parse_args()
 
 
-class StandInModel:
-    """The model: `load_weights` (SGLang's model API) keeps a copy of every tensor it is given, by name."""
-
-    def __init__(self):
-        self.loaded: dict = {}
-        self.loads = 0
-
-    def load_weights(self, weights):
-        for name, tensor in weights:
-            self.loaded[name] = tensor.detach().to("cpu").clone()
-        self.loads += 1
-        return set(self.loaded)
-
-    def modules(self):
-        return iter(())
-
-    def named_modules(self, *a, **k):
-        return iter(())
-
-    def named_parameters(self, *a, **k):
-        return iter(())
-
-    def named_buffers(self, *a, **k):
-        return iter(())
-
-    def parameters(self, *a, **k):
-        return iter(())
-
-    def digest(self) -> dict:
-        import torch
-
-        out = {}
-        for name, t in self.loaded.items():
-            raw = t.contiguous().view(torch.uint8) if t.numel() else t
-            out[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                         "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}
-        return out
-
-
-class StandInScheduler:
-    """The scheduler process: its request queue is a count; control requests go to SGLang's own handlers."""
-
-    def __init__(self, abort_rounds: int):
-        self.running = 0
-        self.abort_rounds = abort_rounds
-        self._aborts_left = 0
-        self.paused = False
-        self.weight_version = None
-        self.aborts = 0
-        self.flushes = 0
-
-    def is_fully_idle(self, *args, **kwargs) -> bool:
-        return self.running == 0
-
-    def flush_cache(self, *args, **kwargs) -> bool:
-        if not self.is_fully_idle():
-            return False
-        self.flushes += 1
-        return True
-
-    def record_weight_version_change(self, new_version=None, **kwargs):
-        if new_version is not None:
-            self.weight_version = new_version
-
-    def set_running(self, n: int) -> None:
-        self.running = n
-        self._aborts_left = self.abort_rounds if n else 0
-
-    def abort(self, req) -> None:
-        self.aborts += 1
-        if getattr(req, "abort_all", False) and self.running:
-            self._aborts_left -= 1
-            if self._aborts_left <= 0:
-                self.running = 0
-
-
 def build(site_dirs: list[str], abort_rounds: int):
     for d in reversed(site_dirs):
         sys.path.insert(0, d)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import sglang_stand_ins
+    from sglang_stand_ins import StandInModel, StandInScheduler
 
     sglang_stand_ins.install()
     import torch

@@ -1,4 +1,5 @@
-"""Import SGLang's own Python code on a CPU box without its GPU packages (used by `sglang_real_server.py`).
+"""The stand-ins `sglang_real_server.py` runs SGLang's own code with: its GPU packages (below), the model
+(`StandInModel`) and the scheduler process (`StandInScheduler`).
 
 SGLang's modules import GPU-only packages (triton, flashinfer, sgl_kernel, ...) at import time, though the code
 we drive (HTTP routes, request types, scheduler weight-update code, unpickler, process-group helper) never calls
@@ -9,6 +10,7 @@ modules: any attribute is an inert class (subclassable, callable, usable as a de
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -110,3 +112,79 @@ def install() -> None:
 def stood_in() -> list[str]:
     """The packages SGLang actually imported through the stand-ins."""
     return sorted({n.split(".")[0] for n, m in sys.modules.items() if isinstance(m, InertModule)})
+
+
+class StandInModel:
+    """The model: `load_weights` (SGLang's model API) keeps a copy of every tensor it is given, by name."""
+
+    def __init__(self):
+        self.loaded: dict = {}
+        self.loads = 0
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.loaded[name] = tensor.detach().to("cpu").clone()
+        self.loads += 1
+        return set(self.loaded)
+
+    def modules(self):
+        return iter(())
+
+    def named_modules(self, *a, **k):
+        return iter(())
+
+    def named_parameters(self, *a, **k):
+        return iter(())
+
+    def named_buffers(self, *a, **k):
+        return iter(())
+
+    def parameters(self, *a, **k):
+        return iter(())
+
+    def digest(self) -> dict:
+        import torch
+
+        out = {}
+        for name, t in self.loaded.items():
+            raw = t.contiguous().view(torch.uint8) if t.numel() else t
+            out[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                         "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}
+        return out
+
+
+class StandInScheduler:
+    """The scheduler process: its request queue is a count; control requests go to SGLang's own handlers."""
+
+    def __init__(self, abort_rounds: int):
+        self.running = 0
+        self.abort_rounds = abort_rounds
+        self._aborts_left = 0
+        self.paused = False
+        self.weight_version = None
+        self.aborts = 0
+        self.flushes = 0
+
+    def is_fully_idle(self, *args, **kwargs) -> bool:
+        return self.running == 0
+
+    def flush_cache(self, *args, **kwargs) -> bool:
+        if not self.is_fully_idle():
+            return False
+        self.flushes += 1
+        return True
+
+    def record_weight_version_change(self, new_version=None, **kwargs):
+        if new_version is not None:
+            self.weight_version = new_version
+
+    def set_running(self, n: int) -> None:
+        self.running = n
+        self._aborts_left = self.abort_rounds if n else 0
+
+    def abort(self, req) -> None:
+        self.aborts += 1
+        if getattr(req, "abort_all", False) and self.running:
+            self._aborts_left -= 1
+            if self._aborts_left <= 0:
+                self.running = 0

@@ -12,11 +12,12 @@ import ray
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import Buffer
-from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import RolloutError, generate_rollout
+from slime.rollout.staleness import StalenessCap
 from slime.tasks.subtract_chain import VOCAB, write_dataset
+from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,8 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
     source = RolloutDataSource(args, env["tok"])
     buf = Buffer.remote(args)
     trained: list[int] = []
-    out = generate_rollout(args, 0, RolloutContext(source, buf, env["engines"], env["tok"], 0))
+    cap = StalenessCap.from_args(args)
+    out = generate_rollout(args, 0, RolloutContext(source, buf, env["engines"], env["tok"], 0, cap=cap))
     ray.get(buf.mark.remote(ids(out.groups), TRAINED), timeout=T)
     trained += ids(out.groups)
     parked_before = ray.get(buf.parked_ids.remote(), timeout=T)
@@ -79,7 +81,7 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
         step += 1
         assert step <= 4, "no step after the restart submitted a group"
         parked_now = ray.get(buf2.parked_ids.remote(), timeout=T)
-        out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step))
+        out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step, cap=cap))
         assert len(out.groups) == 3
         m = out.metrics
         if m["rollout/groups_submitted"] > 0 and not submitted:
@@ -116,7 +118,8 @@ def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeyp
     buf = Buffer.remote(args)
     with pytest.raises(RolloutError, match=r"rollout step 0 failed: engine 0 \(http://.*\) exited with code -9 "
                                            r"\(killed by SIGKILL\)") as info:
-        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0))
+        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0,
+                                                 cap=StalenessCap.from_args(args)))
     assert "kept" in str(info.value)
     assert [f.rank for f in info.value.faults] == [0]  # an EngineFaultError: restartable by rank
     summary = ray.get(buf.check_balanced.remote(), timeout=T)  # nothing left issued: every group accounted for

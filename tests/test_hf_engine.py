@@ -13,7 +13,8 @@ import requests
 import torch
 
 from slime.utils.sglang_versions import SGLANG_PINNED
-from hf_engine_reference import greedy_reference
+from hf_engine_reference import (_stream_until, _wait_idle, _wait_load, gen, greedy_reference,
+                                 teacher_forced_logprobs)
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
@@ -39,21 +40,6 @@ def ref_model(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, start_engine):
     return start_engine(model_dir, "--seed", "0", "--max-running-requests", "16")
-
-
-def gen(server, ids, timeout=60, **kw) -> dict:
-    body = {"input_ids": ids, "return_logprob": True, **kw}
-    r = server.post("/generate", body, timeout=timeout)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def teacher_forced_logprobs(model, prompt, output, temperature):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    steps = logits[len(prompt) - 1: len(prompt) + len(output) - 1]
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(steps / t, dim=-1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
 def test_generate_response_shape(server):
@@ -166,18 +152,6 @@ def test_sampling_seed_reproducible(server):
     assert a == b and a != c
 
 
-def _stream_until(server, body, min_tokens, box):
-    """Stream a request; after `min_tokens` tokens set box['ready']; store the final chunk in box['final']."""
-    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=60) as r:
-        for ln in r.iter_lines():
-            if not ln or ln == b"data: [DONE]":
-                continue
-            chunk = json.loads(ln[len(b"data: "):])
-            if len(chunk["output_ids"]) >= min_tokens:
-                box["ready"].set()
-            box["final"] = chunk
-
-
 def test_abort_returns_partial_and_resume_continues(server, ref_model):
     prompt, total = [1, 7, 8, 9], 200
     sp = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
@@ -287,16 +261,6 @@ def test_pause_abort_mode(server):
     server.post("/continue_generation", {})
 
 
-def _wait_idle(server, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        load = server.load()
-        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_client_disconnect_cancels(server):
     """Paused in place, nothing can finish on its own: only the disconnect can remove the requests."""
     sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
@@ -358,15 +322,6 @@ def test_control_endpoints_type_check_booleans(server):
         assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
     finally:
         server.post("/continue_generation", {})
-
-
-def _wait_load(server, key, value, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.load()[key] == value:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_nonexistent_model_path_exits_nonzero(tmp_path):

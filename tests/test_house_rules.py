@@ -1,7 +1,8 @@
-"""The house's structure, checked: defaults live only in slime/arguments.py, floors only look down, no cycles.
+"""The house's structure, checked: defaults live only in slime/arguments/, floors only look down, no cycles,
+the production step stands on no lab.
 
-Floors (DEVELOPERS.md): utils/tasks (1) <- backends (2) <- rollout (3) <- ray (4) <- entry points.
-`slime/arguments.py` is read by entry points only.
+Floors (docs/architecture.md, "House rules"): utils/tasks (1) <- backends (2) <- rollout (3) <- ray (4) <- entry
+points. `slime.arguments` is read by entry points only.
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def test_no_getattr_defaults_for_flags():
     offenders = []
     for path in _py_files("slime", "train.py", "train_async.py", "tools", "benchmarks"):
         rel = os.path.relpath(path, ROOT)
-        if rel in GETATTR_ALLOWED or rel == os.path.join("slime", "arguments.py"):
+        if rel in GETATTR_ALLOWED or rel.startswith(os.path.join("slime", "arguments") + os.sep):
             continue
         for i, line in enumerate(open(path), 1):
             if pattern.search(line):
                 offenders.append(f"{rel}:{i}: {line.strip()}")
-    assert not offenders, "read flags as args.name (defaults live in slime/arguments.py):\n" + "\n".join(offenders)
+    assert not offenders, "read flags as args.name (defaults live in slime/arguments/):\n" + "\n".join(offenders)
 
 
 def test_floors_only_look_down():
@@ -79,7 +80,8 @@ def test_floors_only_look_down():
     for mod, deps in graph.items():
         here = _floor(mod)
         for dep in deps:
-            if dep == "slime.arguments":
+            flags = dep == "slime.arguments" or dep.startswith("slime.arguments.")
+            if flags and not mod.startswith("slime.arguments"):
                 up.append(f"{mod} imports slime.arguments (entry points parse flags; modules take args)")
             there = _floor(dep)
             if here is not None and there is not None and there > here:
@@ -131,6 +133,19 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_the_default_rollout_function_loads_no_simulator():
+    """`--over-sampling-batch-size auto`'s planner (and the simulator it runs) is imported only when auto is asked
+    for: importing the default rollout function, in a fresh interpreter, loads no slime.rollout.simulator module."""
+    import subprocess
+    import sys
+
+    code = "import sys, slime.rollout.sglang_rollout; print([m for m in sys.modules if 'simulator' in m])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"importing slime.rollout.sglang_rollout loaded {out.stdout.strip()}"
+
+
 def test_args_replace_refuses_unknown_flags(base_args):
     import pytest
 
@@ -141,7 +156,7 @@ def test_args_replace_refuses_unknown_flags(base_args):
     assert base_args.replace(rollout_batch_size=3).rollout_batch_size == 3
 
 
-# --- no test bounds a wall-clock duration (DEVELOPERS.md: "a test that waits for an event waits for the event") ---
+# --- no test bounds a wall-clock duration ("a test that waits for an event waits for the event") ---
 CLOCK_CALLS = {"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "time", "time_ns", "process_time"}
 # a measured duration by its name: elapsed, waited, took, duration, dt, or a lowercase *_s / *_ms / *_secs /
 # *_seconds value (UPPER_CASE names are limits a test sets, not measurements)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from slime.arguments import parse_args
-from slime.rollout.over_sampling import OverSamplingPlanner, step_observations
 from slime.rollout.simulator import EngineCostModel, ParetoLengths, SimConfig, simulate
+from slime.rollout.simulator.planner import OverSamplingPlanner, step_observations
 from slime.utils.types import Sample, Status
 
 FLAT = EngineCostModel(decode_base_s=0.01, decode_per_seq_s=1e-5, prefill_per_token_s=1e-6, abort_s=0.01,

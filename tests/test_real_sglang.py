@@ -24,6 +24,7 @@ from slime.ray.buffer import PartialRolloutBuffer
 from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.staleness import StalenessCap
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.sglang_versions import SGLANG_PINNED
@@ -93,10 +94,10 @@ class Recorder:
         monkeypatch.setattr(http_client, "generate", recording)
 
     def segment_ending(self, index: int, tokens: list[int]) -> tuple[dict, dict]:
-        """Sample `index`'s request whose input + output is exactly `tokens` (the sample's last segment; the
-        samples of a group share a prompt, so their requests are told apart by the rid, `...-s<index>-...`)."""
+        """Sample `index`'s request with output whose input + output is `tokens` (its last segment; a group's samples
+        share a prompt: the rid, `...-s<index>-...`, tells them apart; one aborted while queued added nothing)."""
         hits = [(p, o) for p, o in self.calls
-                if f"-s{index}-" in p["rid"] and p["input_ids"] + o["output_ids"] == tokens]
+                if f"-s{index}-" in p["rid"] and o["output_ids"] and p["input_ids"] + o["output_ids"] == tokens]
         assert len(hits) == 1, f"{len(hits)} requests of sample {index} end at {tokens}"
         return hits[0]
 
@@ -110,7 +111,8 @@ def test_april_steps_on_real_engines_park_what_sglang_returned_and_resume_it(env
     resumed = trained_spanning = 0
     for step in range(10):
         set_version(group, step)
-        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], step))
+        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], step,
+                                                          cap=StalenessCap.from_args(args)))
         # the step ended with every engine idle: the abort went through the fan-out until /v1/loads said so
         assert all(sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in load["loads"]) == 0
                    for load in group.load().values())

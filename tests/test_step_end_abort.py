@@ -1,4 +1,4 @@
-"""The end-of-step abort leaves an engine that fails while the abort waits on it (step_end.abort_live_engines).
+"""The end-of-step abort leaves an engine that fails while the abort waits on it (step.abort_live_engines).
 
 An engine stopped just before a step ends (SIGSTOP, a hung GPU) accepts the abort's connection and never answers;
 the watchdog names it a moment later. Before, the abort waited out --rollout-abort-timeout (120 s) on it.
@@ -10,8 +10,8 @@ import asyncio
 from types import SimpleNamespace
 
 from slime.rollout.staleness import StalenessCap
-from slime.rollout.step_end import abort_live_engines
-from slime.rollout.step_state import StepState
+from slime.rollout.step import abort_live_engines
+from slime.rollout.step_record import StepConfig, StepRecord
 
 
 class Engines:
@@ -34,17 +34,19 @@ class Engines:
 
 
 class Step:
-    """A step's state and the engines it aborts (what abort_live_engines reads)."""
+    """A step's record, the engines it aborts and the watchdog's reports (what abort_live_engines reads)."""
 
     def __init__(self, engines, timeout=30.0):
-        self.state = StepState(rollout_id=3, target=1, n=1, partial=True, cap=StalenessCap(), policy_version=0,
-                               train_version=lambda: 0, rpc_timeout=30.0, abort_timeout=timeout, reward_settle_s=30.0)
-        self.io = SimpleNamespace(engines=engines, session=None)
-        self.fault_seen = self.state.fault_seen
+        config = StepConfig(rollout_id=3, n=1, partial=True, cap=StalenessCap(), policy_version=0,
+                            train_version=lambda: 0, rpc_timeout=30.0, abort_timeout=timeout, reward_settle_s=30.0)
+        self.state = StepRecord(config, target=1, in_flight_cap=1, chunk=None)
+        self.watchdog = SimpleNamespace(faults={}, changed=asyncio.Event())
+        self.io = SimpleNamespace(engines=engines, session=None, watchdog=self.watchdog)
+        self.fault_seen = self.watchdog.changed
 
     def fault(self, url):
-        self.state.faults[url] = object()
-        self.state.fault_seen.set()
+        self.watchdog.faults[url] = object()
+        self.watchdog.changed.set()
 
     def _abort_live_engines(self, session):
         return abort_live_engines(self.state, self.io)

@@ -16,6 +16,7 @@ from slime.rollout.base_types import RolloutContext
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.data_source import RolloutDataSource
 from slime.rollout.sglang_rollout import generate_rollout
+from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import FINISHED, TRAINED
 from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Status
@@ -31,7 +32,7 @@ PLUGINS = "tests.upstream_plugins"
 def step(env, args, source, buffer, rollout_id):
     set_version(env, rollout_id)
     out = generate_rollout(plugin_args(args), rollout_id, RolloutContext(source, buffer, env["engines"], env["tok"],
-                                                                         rollout_id))
+                                                                         rollout_id, cap=StalenessCap.from_args(args)))
     buffer.mark([g[0].group_index for g in out.groups], TRAINED)
     return out
 
@@ -121,7 +122,8 @@ def test_a_list_returning_generate_trains_every_sample_and_the_ledger_counts_the
                      "--custom-generate-function-path", f"{PLUGINS}.generate_fanout")
     source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
     set_version(env, 0)
-    out = generate_rollout(plugin_args(args), 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0))
+    out = generate_rollout(plugin_args(args), 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0,
+                                                                cap=StalenessCap.from_args(args)))
     assert len(out.groups) == 3
     for g in out.groups:
         assert len(g) == 4 and len({s.group_index for s in g}) == 1  # 2 samples made of each of the 2

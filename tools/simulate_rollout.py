@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine: {cost.describe()}\nlengths: {lengths.describe()}")
     print_table(rows)
     if a.auto:
-        from slime.rollout.over_sampling import OverSamplingPlanner
+        from slime.rollout.simulator.planner import OverSamplingPlanner
 
         planner = OverSamplingPlanner(mode_config("april", base, a.rollout_batch_size), cost)
         info = planner.choose(lengths, a.pass_rate)

@@ -25,7 +25,6 @@ from typing import Any
 
 from slime.rollout.base_types import RolloutContext, RolloutOutput
 from slime.rollout.sglang_rollout import StepHooks, generate_rollout, generate_rollout_async, run_rollout_step
-from slime.rollout.staleness import StalenessCap
 from slime.rollout.steps_ahead import StepsAhead
 from slime.rollout.stream import StreamConfig, StreamRollout
 from slime.rollout.version_gate import VersionGate
@@ -58,7 +57,7 @@ class AsyncRollout:
         # the trainer trains batch j at policy version j + offset (one version per step since the run began)
         self.offset = int(manager.policy_version) - self.first_rollout_id
         # the built-in step honours the gate; a custom rollout function's steps are waited for instead
-        # (stream mode always runs the built-in one: slime/arguments.py)
+        # (stream mode always runs the built-in one: slime/arguments/checks.py)
         self.pausable = manager.rollout_fn is generate_rollout
         self.in_place = self.pausable and resolve_in_flight_update(args, manager.engines.backend) == "in_place"
         self.loop = asyncio.new_event_loop()
@@ -120,7 +119,7 @@ class AsyncRollout:
         self.gate = VersionGate(version, train_version=version)
         m = self.manager
         if a.rollout_mode == "stream":
-            self.producer = StreamRollout(StreamConfig.from_args(a), self._run_segment, self.gate, m.buffer, m.engines,
+            self.producer = StreamRollout(StreamConfig.from_args(a, m.cap), self._run_segment, self.gate, m.buffer, m.engines,
                                           self.first_rollout_id, m.num_rollout, self.offset, session=self.session)
         elif self.pausable:
             self.producer = StepsAhead(a, self.gate, m.buffer, self.first_rollout_id, m.num_rollout, self.offset,
@@ -191,7 +190,7 @@ class AsyncRollout:
     async def _end_in_place(self) -> None:
         self.gate.end_update()
         await self.producer.rebalance()
-        floor = StalenessCap.from_args(self.args).restart_floor(self.gate.train_version)
+        floor = self.manager.cap.restart_floor(self.gate.train_version)
         if floor is not None:
             stale = self.gate.stale_requests(floor)
             await self.gate.abort_requests(stale, self.manager.engines, self.session)

@@ -31,9 +31,9 @@ from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.ray.restarts import RestartBudget
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
+from slime.rollout.buffer import call_sync
 from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
-from slime.rollout.over_sampling import over_sampling_from_args
 from slime.rollout.sampling_request import args_with_router
 from slime.rollout.staleness import StalenessCap
 from slime.utils.gc_utils import freeze_gc_heap
@@ -43,10 +43,6 @@ from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
-
-BUFFER_TIMEOUT_S = 120.0
-
-
 
 # a broadcast cut by an engine's death can fail before the engine's host has seen the exit: look this long
 # for the fault before treating the error as the trainer's own
@@ -107,8 +103,14 @@ class RolloutManager:
         self._record_dropped_rows()
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
-        # --over-sampling-batch-size: a fixed size, or auto's planner (it learns across steps)
-        self.over_sampling = over_sampling_from_args(args)
+        # --over-sampling-batch-size auto: its planner learns across steps (the simulator it runs is imported
+        # only then); None: the fixed size
+        self.over_sampling = None
+        if args.over_sampling_batch_size == "auto":
+            from slime.rollout.simulator.planner import OverSamplingPlanner
+
+            self.over_sampling = OverSamplingPlanner.from_args(args)
+        self.cap = StalenessCap.from_args(args)  # --max-staleness: every step, the gate and the stream apply this one
         # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
         self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
         self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router and the trainer
@@ -144,7 +146,8 @@ class RolloutManager:
             policy_version=self.policy_version if policy_version is None else policy_version,
             eval_groups=eval_groups,
             over_sampling=None if eval_groups is not None else self.over_sampling,
-            cap=StalenessCap.from_args(self.args),
+            cap=self.cap,
+            n_samples_per_prompt=self.args.n_samples_per_prompt,
             agent=self.agent,
         )
 
@@ -251,28 +254,30 @@ class RolloutManager:
 
     def mark_trained(self, groups: list[list[Sample]]) -> None:
         ids = sorted(group_id(g) for g in groups)
-        ray.get(self.buffer.mark.remote(ids, TRAINED), timeout=BUFFER_TIMEOUT_S)
+        self._buffer("mark", ids, TRAINED)
 
     def ledger_summary(self) -> dict[str, int]:
-        return ray.get(self.buffer.ledger_summary.remote(), timeout=BUFFER_TIMEOUT_S)
+        return self._buffer("ledger_summary")
 
     def buffer_sizes(self) -> dict[str, int]:
         """Groups the buffer holds now: parked (unfinished) and ready (finished, not yet trained)."""
-        parked, ready = ray.get([self.buffer.num_parked.remote(), self.buffer.num_ready.remote()], timeout=BUFFER_TIMEOUT_S)
-        return {"parked": int(parked), "ready": int(ready)}
+        return {"parked": int(self._buffer("num_parked")), "ready": int(self._buffer("num_ready"))}
 
     # ---- checkpoints --------------------------------------------------------
     def save_buffer(self, path: str) -> None:
-        ray.get(self.buffer.save.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+        self._buffer("save", os.path.join(path, "buffer.json"))
 
     def load_buffer(self, path: str) -> None:
-        ray.get(self.buffer.load.remote(os.path.join(path, "buffer.json")), timeout=BUFFER_TIMEOUT_S)
+        self._buffer("load", os.path.join(path, "buffer.json"))
         self._record_dropped_rows()  # this load's drops (a resumed run may drop rows differently)
 
     def _record_dropped_rows(self) -> None:
         """The data rows dropped at load go into the ledger with their reasons, so an audit accounts for them."""
         if self.data_source is not None:
-            ray.get(self.buffer.drop_rows.remote(self.data_source.dropped), timeout=BUFFER_TIMEOUT_S)
+            self._buffer("drop_rows", self.data_source.dropped)
+
+    def _buffer(self, method: str, *args):
+        return call_sync(self.buffer, method, *args, timeout=self.args.rollout_rpc_timeout)
 
     def state_dict(self) -> dict[str, Any]:
         return {

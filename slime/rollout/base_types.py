@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime.rollout.buffer import RPC_TIMEOUT_S, call_sync, take_groups
 from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import DROPPED, FINISHED, group_id, is_group_finished
+from slime.utils.misc import run_sync
 from slime.utils.types import Sample, Status
-
-CALL_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -48,16 +48,6 @@ class RolloutFnEvalOutput:
     metrics: dict[str, Any] | None = None
 
 
-def _call(obj: Any, method: str, *args: Any) -> Any:
-    """`obj.method(*args)`, through Ray (with a timeout) for an actor handle."""
-    fn = getattr(obj, method)
-    if hasattr(fn, "remote"):
-        import ray
-
-        return ray.get(fn.remote(*args), timeout=CALL_TIMEOUT_S)
-    return fn(*args)
-
-
 @dataclass
 class RolloutContext:
     """What a rollout function gets as upstream's `data_source`; owned by the RolloutManager."""
@@ -69,9 +59,10 @@ class RolloutContext:
     policy_version: int = 0  # the version the engines serve (and that trains this step's groups)
     # evaluation=True: the groups to generate (one eval set), instead of data_source/buffer
     eval_groups: list[list[Sample]] | None = None
-    # chunked mode's over-sampling size (slime/rollout/over_sampling.py), living across steps; None: from args
+    # --over-sampling-batch-size auto's planner (slime/rollout/simulator/planner.py), living across steps
     over_sampling: Any = None
-    cap: StalenessCap | None = None  # applied to parked groups handed out by get_samples
+    cap: StalenessCap | None = None  # --max-staleness's cap (the RolloutManager's): parked groups handed out again
+    n_samples_per_prompt: int | None = None  # each group's size, checked as groups are handed out
     # --agent-env: the ToolAgent (slime/rollout/multi_turn/) the multi-turn generate runs with; it lives as long as
     # the manager, so a tool call left running at a park is picked up, never run twice, in a later step
     agent: Any = None
@@ -80,18 +71,13 @@ class RolloutContext:
 
     # ---- upstream slime's data-source interface ----------------------------------------------
     def get_samples(self, num: int) -> list[list[Sample]]:
-        """`num` groups: parked partial groups first (the staleness cap applied), then fresh ones; each is
-        `issued` in the ledger until it is returned for training or handed back with `add_samples`."""
-        out = list(_call(self.buffer, "take_parked", num)) if self.buffer is not None else []
-        if self.cap is not None:
-            self.cap.at_resume(out, self.policy_version)
-        if len(out) < num:
-            fresh = self.data_source.get_groups(num - len(out))
-            if fresh and self.buffer is not None:
-                _call(self.buffer, "issue", fresh)
-            out += fresh
-        self.issued.update(group_id(g) for g in out)
-        return out
+        """`num` groups: parked partial groups first (the staleness cap applied), then fresh ones (the step's own
+        `take_groups`); each is `issued` in the ledger until it is returned for training or handed back with
+        `add_samples`."""
+        parked, fresh, _ = run_sync(take_groups(self.buffer, self.data_source, num, self.n_samples_per_prompt,
+                                                self.cap, self.policy_version, RPC_TIMEOUT_S))
+        self.issued.update(group_id(g) for g in parked + fresh)
+        return parked + fresh
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
         """Hand groups back for a later step: unfinished ones are parked (resumed first), finished ones held
@@ -99,10 +85,10 @@ class RolloutContext:
         unfinished = [g for g in groups if not is_group_finished(g)]
         finished = [g for g in groups if is_group_finished(g)]
         if unfinished and self.buffer is not None:
-            _call(self.buffer, "park", unfinished)
+            call_sync(self.buffer, "park", unfinished)
         if finished and self.buffer is not None:
-            _call(self.buffer, "mark", [group_id(g) for g in finished], FINISHED)
-            _call(self.buffer, "hold_ready", finished)
+            call_sync(self.buffer, "mark", [group_id(g) for g in finished], FINISHED)
+            call_sync(self.buffer, "hold_ready", finished)
         self.issued.difference_update(group_id(g) for g in groups)
 
     def __len__(self) -> int:
@@ -115,10 +101,10 @@ class RolloutContext:
             return {}
         ids = {group_id(g) for g in returned} & self.issued
         if ids:
-            _call(self.buffer, "mark", sorted(ids), FINISHED)
+            call_sync(self.buffer, "mark", sorted(ids), FINISHED)
         lost = sorted(self.issued - ids)
         if lost:
-            _call(self.buffer, "mark", lost, DROPPED, "not_returned_by_rollout_function")
+            call_sync(self.buffer, "mark", lost, DROPPED, "not_returned_by_rollout_function")
         self.issued.clear()
         return {gid: "not_returned_by_rollout_function" for gid in lost}
 

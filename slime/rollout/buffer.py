@@ -13,26 +13,30 @@
 `save(path)`/`load(path)` persist both lists and the ledger atomically (write a
 temporary file, then `os.replace`), so a restart resumes parked groups and
 never trains a group twice. `slime/ray/buffer.py`'s `Buffer` is the same class as a Ray actor (the
-run's one owner of these groups); the simulator holds a plain one.
+run's one owner of these groups); the simulator holds a plain one. `call_maybe_remote` (`call_sync` from
+sync code) calls either; `take_groups` is how groups leave it (parked first, then fresh from the data source).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
 import os
 import tempfile
+from collections import Counter
 from typing import Any, Callable
 
 from slime.utils.ledger import DROPPED, FINISHED, ISSUED, PARKED, Ledger, LedgerError, group_id, is_group_finished
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, run_sync
 from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 SAVE_FORMAT_VERSION = 1
+RPC_TIMEOUT_S = 120.0  # a buffer or data-source call (the step uses --rollout-rpc-timeout)
 
 
 def buffer_filter(path: str) -> Callable[[Any, list, int], Any]:
@@ -198,3 +202,43 @@ class PartialRolloutBuffer:
         self.ledger, self._parked, self._ready = ledger, parked, ready
         logger.info("buffer loaded from %s: %d parked, %d ready groups", path, len(parked), len(ready))
 
+
+# ---- calling the buffer (a Ray actor, or the object itself) ------------------------------------------------
+async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = RPC_TIMEOUT_S) -> Any:
+    """Call `obj.method(*args)`: through Ray (awaited, with `timeout`) for an actor handle, directly otherwise."""
+    fn = getattr(obj, method)
+    remote = getattr(fn, "remote", None)
+    if remote is None:
+        return fn(*args)
+    ref = remote(*args)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"{type(obj).__name__}.{method} did not answer within {timeout}s") from e
+
+
+def call_sync(obj: Any, method: str, *args: Any, timeout: float = RPC_TIMEOUT_S) -> Any:
+    """`call_maybe_remote` from synchronous code."""
+    return run_sync(call_maybe_remote(obj, method, *args, timeout=timeout))
+
+
+async def take_groups(buffer, data_source, num: int, n: int | None, cap, train_version: int,
+                      timeout: float) -> tuple[list[list], list[list], Counter]:
+    """The one way groups leave the buffer and the data source (the step's supply, upstream's `get_samples`):
+    (parked, fresh, staleness counts), up to `num` groups, the buffer's parked ones first (`cap` applied
+    against `train_version`), then fresh ones from `data_source` (None: ask it nothing), `issued` in the
+    ledger; each of `n` samples (None: unchecked)."""
+    parked = []
+    if buffer is not None and num > 0:
+        parked = list(await call_maybe_remote(buffer, "take_parked", num, timeout=timeout))
+    counts = cap.at_resume(parked, train_version) if cap is not None else Counter()
+    fresh = []
+    if data_source is not None and len(parked) < num:
+        fresh = list(await call_maybe_remote(data_source, "get_groups", num - len(parked), timeout=timeout))
+        for g in fresh:
+            if n is not None and len(g) != n:
+                raise ValueError(f"data source returned group {group_id(g)} with {len(g)} samples; "
+                                 f"--n-samples-per-prompt is {n}")
+        if fresh and buffer is not None:
+            await call_maybe_remote(buffer, "issue", fresh, timeout=timeout)
+    return parked, fresh, counts

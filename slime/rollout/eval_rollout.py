@@ -14,8 +14,8 @@ import aiohttp
 
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.base_types import RolloutContext, RolloutOutput
-from slime.rollout.step_state import StepClock
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
+from slime.rollout.step_record import StepClock
 from slime.utils.types import Sample, Status, expand_fanout
 
 logger = logging.getLogger(__name__)

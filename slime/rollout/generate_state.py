@@ -9,7 +9,7 @@ Its `.semaphore` is the running event loop's own (the rollout runs each step on 
 upstream's flag: true once the step the calling generate runs for has its batch (or failed, or was halted) and
 aborts the engines, so a multi-turn generate can stop between turns and return the sample ABORTED (parked
 with its tokens under --partial-rollout, resumed in a later step); false outside a step (evaluations). The
-step itself aborts and drains the engines (slime/rollout/step_end.py), so a plugin never has to; `reset()`
+step itself aborts and drains the engines (slime/rollout/step.py), so a plugin never has to; `reset()`
 and `dp_rank_context()` keep upstream's names.
 """
 
@@ -20,8 +20,7 @@ import contextlib
 import weakref
 from typing import Any
 
-from slime.rollout.sampling_request import sampling_params_from_args
-from slime.rollout.step_scope import step_stopping
+from slime.rollout.sampling_request import sampling_params_from_args, step_stopping
 from slime.utils.misc import SingletonMeta
 
 
@@ -62,7 +61,7 @@ class GenerateState(metaclass=_PerCheckpoint):
 
     @property
     def aborted(self) -> bool:
-        """Whether the rollout step the calling generate runs for is aborting (slime/rollout/step_scope.py)."""
+        """Whether the rollout step the calling generate runs for is aborting (sampling_request.in_step)."""
         return step_stopping()
 
     @aborted.setter

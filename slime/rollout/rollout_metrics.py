@@ -1,4 +1,4 @@
-"""Per-step rollout metrics (`rollout/` keys), the engine-occupancy sampler and the trace file."""
+"""Per-step rollout metrics (`rollout/` keys), the engines' monitors (occupancy, watchdog) and the trace file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from slime.backends.sglang_utils import engine_api
+from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
@@ -119,6 +120,29 @@ class OccupancySampler:
         return out
 
 
+class EngineMonitors:
+    """Watch the real engines while a step runs (a context manager around it): the watchdog (a dead or frozen
+    engine stops the step, named: it is the step's `io.watchdog`) and the occupancy sampler (`/v1/loads`),
+    whose metrics are in `metrics` once it exits; it closes the step's progress bar."""
+
+    def __init__(self, args, engines, session, urls: list[str], bar=None):
+        self.bar = bar
+        self.occupancy = OccupancySampler(session, urls)
+        self.watchdog = EngineWatchdog(args, engines, session)
+        self.metrics: dict[str, float] = {}
+
+    async def __aenter__(self) -> "EngineMonitors":
+        self.occupancy.start()
+        self.watchdog.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        await self.watchdog.stop()
+        self.metrics = await self.occupancy.stop()
+
+
 def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
     """Append `record` as one JSON line to `<run_dir>/rollout_trace.jsonl` (no-op without run_dir)."""
     if not run_dir:
@@ -128,10 +152,9 @@ def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-def step_metrics(args, state, requester, occ: dict[str, float]) -> dict[str, float]:
-    """The `rollout/` metrics of one finished step (its `StepState`, slime/rollout/step_state.py, and its
+def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, float]:
+    """The `rollout/` metrics of one finished step (its `StepRecord`, slime/rollout/step_record.py, and its
     requester's counters) and its trace line."""
-    step = state
     m = step.clock.marks
     elapsed = m.get("drained", step.clock.now())
     new_tokens = requester.new_tokens
@@ -145,18 +168,18 @@ def step_metrics(args, state, requester, occ: dict[str, float]) -> dict[str, flo
         "rollout/requests": float(requester.requests),
         "rollout/in_flight_cap": float(step.in_flight_cap),
         "rollout/in_flight_peak": float(requester.peak_in_flight),
-        "rollout/groups_submitted": float(len(step.submitted)),
+        "rollout/groups_submitted": float(len(step.groups)),
         "rollout/groups_resumed": float(len(step.resumed)),
-        "rollout/groups_fresh": float(len(step.submitted) - len(step.resumed)),
+        "rollout/groups_fresh": float(len(step.groups) - len(step.resumed)),
         "rollout/groups_refilled": float(step.counts["refill_groups"]),
         "rollout/groups_finished": float(step.counts["groups_finished"]),
         "rollout/groups_accepted": float(len(step.accepted)),
-        "rollout/groups_ready_in": float(step.counts["ready_in"]),
+        "rollout/groups_ready_in": float(len(step.ready_in)),
         "rollout/groups_ready_out": float(len(step.overflow)),
         "rollout/groups_parked": float(step.counts["parked"]),
         "rollout/groups_dropped": float(len(step.rejected) + step.counts["discarded"]),
         "rollout/groups_failed": float(len(step.failed)),
-        "rollout/policy_version": float(step.policy_version),
+        "rollout/policy_version": float(step.config.policy_version),
     }
     reasons = Counter(reason_category(r) for r in step.rejected.values())
     if step.counts["discarded"]:
@@ -168,12 +191,12 @@ def step_metrics(args, state, requester, occ: dict[str, float]) -> dict[str, flo
         out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
     if step.chunk is not None:
         out["rollout/over_sampling_batch_size"] = float(step.chunk)
-    out.update(token_version_metrics(step.accepted, step.policy_version))
+    out.update(token_version_metrics(step.accepted, step.config.policy_version))
     out.update(sample_metrics(step.accepted, args.reward_key))
     out.update(occ)
     append_trace(args.run_dir, {
-        "rollout_id": step.rollout_id, "policy_version": step.policy_version, "mode": args.rollout_mode,
-        "partial_rollout": step.partial, "submitted": step.submitted, "resumed": step.resumed,
+        "rollout_id": step.config.rollout_id, "policy_version": step.config.policy_version, "mode": args.rollout_mode,
+        "partial_rollout": step.config.partial, "submitted": list(step.groups), "resumed": step.resumed,
         "abort": step.abort_point, "accepted": [group_id(g) for g in step.accepted],
         "overflow": [group_id(g) for g in step.overflow], "rejected": step.rejected,
         "unfinished": [gid for gid, st in step.groups.items() if st.outcome is None],
@@ -197,8 +220,8 @@ def workload_trace(args, step, requester) -> dict[str, Any]:
         k = -(-len(timeline) // MAX_TIMELINE_POINTS)
         timeline = timeline[::k] + [timeline[-1]]
     return {
-        "target": step.target, "n_samples_per_prompt": step.n, "in_flight_cap": step.in_flight_cap,
-        "num_engines": step.num_engines, "ignore_eos": bool(args.rollout_ignore_eos),
+        "target": step.target, "n_samples_per_prompt": step.config.n, "in_flight_cap": step.in_flight_cap,
+        "num_engines": step.config.num_engines, "ignore_eos": bool(args.rollout_ignore_eos),
         "over_sampling_batch_size": step.chunk,
         "max_response_len": int(args.rollout_max_response_len),
         "finished_lengths": finished,

@@ -17,9 +17,9 @@ returns it (the embedded engine and newer SGLang: one span per weight version
 that sampled part of the segment, so a segment that crossed an in-flight
 weight update is labelled exactly), else from the single `weight_version`.
 
-`send(sample, rid, window)` is one request; `generate` loops over it for the synchronous step. train_async.py
-wraps the requester in a `GatedRequester` (slime/rollout/version_gate.py), whose loop passes the gate before
-each request and checks every token's version against the `VersionWindow` of the request.
+`send(sample, rid, window)` is one request; `generate` loops over it. train_async.py wraps each request in
+a `GatedRequester` (slime/rollout/version_gate.py), which passes the gate before it is sent and checks
+every token's version against the `VersionWindow` of the request.
 
 `--custom-generate-function-path`: upstream slime's `async def generate(args, sample, sampling_params) -> Sample`
 (with an `evaluation` keyword when it declares one) replaces the request loop; `sampling_params["max_new_tokens"]`
@@ -36,14 +36,14 @@ import asyncio
 import inspect
 import logging
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
-from slime.rollout.step_scope import in_step
 from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
 from slime.utils.hf_dir import eos_token_ids
 from slime.utils.misc import load_function
@@ -54,18 +54,28 @@ logger = logging.getLogger(__name__)
 
 MAX_UNEXPECTED_ABORTS = 3
 
+# Which rollout step a plugin's generate call runs for, so that upstream's `GenerateState.aborted`
+# (slime/rollout/generate_state.py) can say whether that step is aborting: `run_custom` runs the user's generate
+# with `in_step(stop, ...)`, `stop` being the step's event (set once it has its batch, failed or was halted, and
+# aborts the engines). A context variable, so the tasks of each step (train_async.py may run one while the next
+# is gated) see their own step, and a generate outside any step (an evaluation) sees none.
+T = TypeVar("T")
+_STEP_STOP: ContextVar[asyncio.Event | None] = ContextVar("slime_step_stop", default=None)
 
-async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
-    """Call `obj.method(*args)`: through Ray (awaited, with `timeout`) for an actor handle, directly otherwise."""
-    fn = getattr(obj, method)
-    remote = getattr(fn, "remote", None)
-    if remote is None:
-        return fn(*args)
-    ref = remote(*args)
+
+async def in_step(stop: asyncio.Event | None, call: Awaitable[T]) -> T:
+    """Await `call` (a plugin's generate) as part of the step whose stop event is `stop` (None: no step)."""
+    token = _STEP_STOP.set(stop)
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
-    except TimeoutError as e:
-        raise TimeoutError(f"{type(obj).__name__}.{method} did not answer within {timeout}s") from e
+        return await call
+    finally:
+        _STEP_STOP.reset(token)
+
+
+def step_stopping() -> bool:
+    """Whether the step the running plugin call belongs to is stopping (False outside a step)."""
+    stop = _STEP_STOP.get()
+    return stop is not None and stop.is_set()
 
 
 def args_with_router(args, router_url: str):
@@ -178,20 +188,34 @@ class RequestLoop:
     def new_rid(self, sample: Sample) -> str:
         return f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
 
-    async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
-        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False)."""
+    async def generate(self, sample: Sample, stop: asyncio.Event | None = None, attempt=None) -> bool:
+        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False).
+        `attempt(sample, stop)`: one request (default `send`, or the user's generate function, run once); it
+        returns (tokens appended, sent back to the gate), or None: the sample stays unfinished (stopped at the
+        gate of a `GatedRequester`, or left so by the user's function)."""
+        attempt = attempt or self.attempt
         unexpected_aborts = 0
         while True:
             if self.at_budget(sample):
                 return True
             if stop is not None and stop.is_set():
                 return False
-            got = await self.send(sample)
+            res = await attempt(sample, stop)
+            if res is None:
+                return False
+            got, sent_back = res
             if sample.status.is_finished:
                 return True
             if stop is not None and stop.is_set():
                 return False
-            unexpected_aborts = self.resume_after_abort(sample, got, unexpected_aborts)
+            if not sent_back:  # (back to the gate: paused for an update, backpressure, an eval, or stale)
+                unexpected_aborts = self.resume_after_abort(sample, got, unexpected_aborts)
+
+    async def attempt(self, sample: Sample, stop: asyncio.Event | None) -> tuple[int, bool] | None:
+        if self.custom_generate is not None:  # the user's function runs once: what it leaves unfinished stays so
+            await self.run_custom(sample, stop=stop)
+            return (0, False) if sample.status.is_finished else None
+        return await self.send(sample), False
 
     def resume_after_abort(self, sample: Sample, got: int, aborts: int) -> int:
         """An abort the step did not ask for (e.g. a weight update elsewhere): resume, a few times in a row."""
@@ -242,11 +266,6 @@ class SampleRequester(RequestLoop):
             sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
         return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
                 "rid": rid or self.new_rid(sample)}
-
-    async def generate(self, sample: Sample, stop: asyncio.Event | None = None) -> bool:
-        if self.custom_generate is not None:
-            return await self.run_custom(sample, stop=stop)
-        return await super().generate(sample, stop)
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
         """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the

@@ -1,26 +1,14 @@
-"""The staleness cap (`--max-staleness`, `--staleness-policy`): one object, used wherever a token may be too old.
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): one object, built once per run (the
+RolloutManager's; the simulator's per simulated run), used wherever a token may be too old.
 
 Every response token carries the policy version that produced it. Measured against the version that will
-train a group (`train_version`), a token older than `train_version - max_staleness` is stale, and the
-policy says what happens to it:
-
-- `restart`: the sample drops its response and is generated again from the prompt (at resume that includes a
-  finished member of the group); a group that has wholly finished cannot be regenerated before training, so
-  the caller drops it;
-- `mask`: the stale tokens stay as context, their loss mask is zeroed (`Sample.mask_tokens_older_than`);
-- `keep`: everything stays; importance-sampling correction (TIS) handles it.
-
-The sites (each counts what it did, keys as below):
-- `at_resume(groups, v)`: parked groups handed out again (the step's supply, once per group);
-- `at_resume_in_flight(sample, v)`: one sample sent again after the engines changed version under a
-  running step (train_async.py's gate);
-- `before_training(groups, v)`: finished groups about to be trained: stream mode's batches (a group may
-  wait after its last resume) and the groups held ready from the step before (they finished at an older
-  version);
-- `restart_floor(v)`: with in-place updates, requests whose samples may now hold a stale token are
-  aborted so the cap is applied when they resume (restart policy only).
-
-The simulator applies the same object to its samples: a sample here is anything with `status`,
+train a group (`train_version`), a token older than `train_version - max_staleness` is stale; the policy says
+what happens to it: `restart` drops the sample's response and generates it again from the prompt (a group
+that has wholly finished cannot be, so the caller drops it); `mask` keeps the stale tokens as context with
+their loss mask zeroed; `keep` keeps everything (TIS corrects it). The sites: `at_resume` (parked groups
+handed out again), `at_resume_in_flight` (a sample sent again after the engines changed version under a
+running step), `before_training` (finished groups about to be trained), `restart_floor` (in-place updates:
+requests to abort so the cap is applied when they resume). A sample here is anything with `status`,
 `response_length`, `metadata`, `oldest_version()`, `reset_response()`, `mask_tokens_older_than(v)` and
 `loss_tokens_older_than(v)` (slime/utils/types.py's `Sample`, the simulator's `SimSample`).
 """
@@ -41,11 +29,11 @@ class StalenessCap:
     max_staleness: int | None = None  # None: no cap
     policy: str = "restart"
 
-    def __post_init__(self):
+    def __post_init__(self):  # the one check of both values
         if self.policy not in POLICIES:
-            raise ValueError(f"--staleness-policy {self.policy!r} is not one of {POLICIES}")
+            raise ValueError(f"--staleness-policy: {self.policy!r} is not one of {POLICIES}")
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+            raise ValueError(f"--max-staleness: must be >= 0, got {self.max_staleness}")
 
     @classmethod
     def from_args(cls, args) -> "StalenessCap":
@@ -56,9 +44,8 @@ class StalenessCap:
         return None if self.max_staleness is None else train_version - self.max_staleness
 
     def is_stale(self, sample, train_version: int) -> bool:
-        """A sample holding a token older than the floor: any token of an unfinished sample (it is context for
-        what comes next), a token still in the loss of a finished one (a finished member of a resumed group
-        trains with the group: restart regenerates it with the others, mask takes its old tokens out)."""
+        """A sample holding a token older than the floor: any token of an unfinished sample (context for what
+        comes next), a token still in the loss of a finished one (it trains with its resumed group)."""
         floor = self.floor(train_version)
         if floor is None:
             return False
@@ -78,8 +65,8 @@ class StalenessCap:
 
     # ---- the sites ---------------------------------------------------------------------------
     def at_resume(self, groups: list[list], train_version: int) -> Counter:
-        """The policy applied in place to the stale members of parked `groups` handed out again.
-        Counts: `restart` / `mask` / `keep` (samples), `masked_tokens`, `restarted_tokens`, `stale_groups`."""
+        """The policy applied in place to the stale members of parked `groups` handed out again; counts `restart`
+        / `mask` / `keep` (samples), `masked_tokens`, `restarted_tokens`, `stale_groups`."""
         counts: Counter = Counter()
         floor = self.floor(train_version)
         if floor is None:
@@ -105,24 +92,21 @@ class StalenessCap:
 
     def before_training(self, groups: list[list], train_version: int) -> tuple[list[list], list[list], Counter]:
         """(kept, stale, counts) for finished groups about to be trained at `train_version`: a loss-masked token
-        older than the floor makes its group stale; `restart` returns it in `stale` (the caller drops it),
-        `mask` zeroes those tokens' loss mask and keeps it, `keep` keeps it. Counts: `stale_groups_at_train`,
-        `masked_tokens_at_train`."""
+        older than the floor makes its group stale (`restart`: returned in `stale`, the caller drops it; `mask`:
+        those tokens leave the loss). Counts `stale_groups_at_train`, `masked_tokens_at_train`."""
         counts: Counter = Counter()
         floor = self.floor(train_version)
         if floor is None:
             return list(groups), [], counts
         kept, stale = [], []
         for group in groups:
-            if not any(s.loss_tokens_older_than(floor) for s in group):
-                kept.append(group)
-                continue
-            counts["stale_groups_at_train"] += 1
-            if self.policy == "restart":
-                stale.append(group)
-                continue
-            if self.policy == "mask":
-                counts["masked_tokens_at_train"] += sum(s.mask_tokens_older_than(floor) for s in group)
+            if any(s.loss_tokens_older_than(floor) for s in group):
+                counts["stale_groups_at_train"] += 1
+                if self.policy == "restart":
+                    stale.append(group)
+                    continue
+                if self.policy == "mask":
+                    counts["masked_tokens_at_train"] += sum(s.mask_tokens_older_than(floor) for s in group)
             kept.append(group)
         return kept, stale, counts
 

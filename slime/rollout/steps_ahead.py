@@ -24,7 +24,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from slime.rollout.base_types import RolloutOutput
-from slime.rollout.sampling_request import call_maybe_remote
+from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.step import RolloutEngineFaultError, RolloutError
 from slime.rollout.version_gate import VersionGate
 

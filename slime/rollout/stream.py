@@ -34,17 +34,15 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable
-
 from dataclasses import dataclass
-from typing import Awaitable
+from typing import Awaitable, Callable
 
 from slime.rollout.base_types import RolloutOutput
-from slime.rollout.group_outcome import StreamPlacement
+from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
-from slime.rollout.sampling_request import call_maybe_remote
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import RolloutEngineFaultError, RolloutError
+from slime.rollout.step_record import StepRecord
 from slime.rollout.step_supply import PoolSupply
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
@@ -53,6 +51,21 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 TAKE_POLL_S = 5.0
+
+
+class StreamPlacement:
+    """Stream mode's segments: no target; each accepted group goes to the stream's queue (`accept(group)`)."""
+
+    target = None
+
+    def __init__(self, accept: Callable[[list], None]):
+        self._accept = accept
+
+    async def take_ready(self, rec: StepRecord, io) -> None:
+        return  # the stream hands ready groups out itself
+
+    def accept(self, rec: StepRecord, group: list) -> None:
+        self._accept(group)
 
 
 @dataclass(frozen=True)
@@ -64,9 +77,9 @@ class StreamConfig:
     rpc_timeout: float = 120.0
 
     @classmethod
-    def from_args(cls, args) -> "StreamConfig":
-        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size),
-                   StalenessCap.from_args(args), args.rollout_rpc_timeout)
+    def from_args(cls, args, cap: StalenessCap) -> "StreamConfig":
+        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size), cap,
+                   args.rollout_rpc_timeout)
 
 
 # run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput

@@ -222,39 +222,32 @@ class GatedRequester:
         self.requester, self.gate, self.cap = requester, gate, cap
 
     async def generate(self, sample, stop: asyncio.Event | None = None) -> bool:
-        r, gate = self.requester, self.gate
-        seen = gate.version
-        aborts = 0
-        while True:
-            if r.at_budget(sample):
-                return True
-            if stop is not None and stop.is_set():
-                return False
+        """The requester's loop, each request through the gate."""
+        seen = self.gate.version  # the version the sample last passed the staleness cap at
+
+        async def through_gate(sample, stop) -> tuple[int, bool] | None:
+            nonlocal seen
+            r, gate = self.requester, self.gate
             if not await gate.wait_open(stop):
-                return False
+                return None
             if gate.version != seen:  # resumed across a weight update: the staleness cap
                 seen = gate.version
                 gate.staleness.update(self.cap.at_resume_in_flight(sample, gate.train_version))
-            stale_abort = False
+            before = sample.response_length
             if r.custom_generate is not None:
-                before = sample.response_length
                 turn = GatedTurn(self, seen, stop)  # the multi-turn generate's model turns pass the gate one by one
                 await r.run_custom(sample, version=gate.version, stop=stop, turn=turn)
-                got = sample.response_length - before
                 stale_abort = turn.sent_back
             else:
                 rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
                 with gate.request(rid, sample):
-                    got = await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version,
-                                                                  lambda: gate.version))
+                    await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version,
+                                                           lambda: gate.version))
                 stale_abort = gate.was_aborted(rid)
-            if sample.status.is_finished:
-                return True
-            if stop is not None and stop.is_set():
-                return False
-            if not gate.is_open or stale_abort:
-                continue  # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
-            aborts = r.resume_after_abort(sample, got, aborts)
+            # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
+            return sample.response_length - before, stale_abort or not gate.is_open
+
+        return await self.requester.generate(sample, stop, through_gate)
 
 
 class GatedTurn:

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from slime.tasks import subtract_tool as task
-from slime.tasks.warm_start import WarmStartConfig, encode_example, pick_next
+from slime.tasks.warm_start import WarmStartConfig, decode, encode_example
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,6 @@ def sample_with_tools(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
                       generator=None) -> ToolSampleResult:
     """Batched multi-turn sampling (equal-length prompts): at each ``]`` the calculator answers in-process and
     its tokens are fed in before the model samples again. `max_new_tokens` counts every response token."""
-    import torch
-    from transformers import DynamicCache
-
-    if len({len(p) for p in prompt_ids}) != 1:
-        raise ValueError("sample_with_tools: all prompts must have the same length (no padding is used)")
     eos = tokenizer.eos_token_id
     close_id = tokenizer.convert_tokens_to_ids(task.CALL_FORMAT.call_close)
     bsz = len(prompt_ids)
@@ -77,35 +72,27 @@ def sample_with_tools(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
     forced: list[list[int]] = [[] for _ in range(bsz)]
     calls = [0] * bsz
     finished = [False] * bsz
-    cache = DynamicCache()
-    x = torch.tensor(prompt_ids, dtype=torch.long)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float()
-            nxt = pick_next(logits, temperature, generator)
-            nxt = nxt.tolist()
-            for i in range(bsz):
-                if finished[i]:
-                    continue
-                if forced[i]:
-                    nxt[i] = forced[i].pop(0)
-                    obs[i].append(True)
-                else:
-                    obs[i].append(False)
-                out[i].append(nxt[i])
-                if obs[i][-1]:
-                    continue
-                if nxt[i] == eos:
-                    finished[i] = True
-                elif nxt[i] == close_id:
-                    text = tokenizer.decode(out[i])
-                    call = task.ENV.parse_call(text)
-                    answer = task.ENV.bad_call_text(call.error) if call.error else task.calculator(call.arguments)
-                    forced[i] = tokenizer.encode(task.CALL_FORMAT.format_result(answer), add_special_tokens=False)
-                    calls[i] += 1
-            if all(finished):
-                break
-            x = torch.tensor(nxt, dtype=torch.long).unsqueeze(-1)
+
+    def step(nxt: list[int]) -> list[int] | None:
+        for i in range(bsz):
+            if finished[i]:
+                continue
+            obs[i].append(bool(forced[i]))
+            if forced[i]:
+                nxt[i] = forced[i].pop(0)
+            out[i].append(nxt[i])
+            if obs[i][-1]:
+                continue
+            if nxt[i] == eos:
+                finished[i] = True
+            elif nxt[i] == close_id:
+                call = task.ENV.parse_call(tokenizer.decode(out[i]))
+                answer = task.ENV.bad_call_text(call.error) if call.error else task.calculator(call.arguments)
+                forced[i] = tokenizer.encode(task.CALL_FORMAT.format_result(answer), add_special_tokens=False)
+                calls[i] += 1
+        return None if all(finished) else nxt
+
+    decode(model, prompt_ids, max_new_tokens, temperature, generator, step)
     texts = [tokenizer.decode([t for t in toks if t != eos]) for toks in out]
     return ToolSampleResult(texts=texts, token_ids=out, observation=obs, finished=finished, calls=calls)
 

@@ -121,31 +121,41 @@ def pick_next(logits, temperature: float, generator=None):
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def sample_batch(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, generator=None) -> SampleResult:
-    """Batched sampling with a KV cache for prompts of equal length (greedy when temperature == 0)."""
+def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, generator, step) -> None:
+    """Batched decoding with a KV cache for prompts of equal length (no padding): `step(sampled)` gets each step's
+    next token per row (greedy at temperature 0) and returns the tokens to feed back (a caller may force some),
+    or None to stop early."""
     import torch
     from transformers import DynamicCache
 
     if len({len(p) for p in prompt_ids}) != 1:
-        raise ValueError("sample_batch: all prompts must have the same length (no padding is used)")
-    eos = tokenizer.eos_token_id
-    bsz = len(prompt_ids)
-    out_tokens = [[] for _ in range(bsz)]
-    finished = torch.zeros(bsz, dtype=torch.bool)
-    cache = DynamicCache()
-    x = torch.tensor(prompt_ids, dtype=torch.long)
+        raise ValueError("all prompts must have the same length (no padding is used)")
+    cache, x = DynamicCache(), torch.tensor(prompt_ids, dtype=torch.long)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float()
-            nxt = pick_next(logits, temperature, generator)
-            for i in torch.nonzero(~finished).flatten().tolist():
-                out_tokens[i].append(int(nxt[i]))
-            finished |= nxt == eos
-            if bool(finished.all()):
-                break
-            x = nxt.unsqueeze(-1)
+            fed = step(pick_next(logits, temperature, generator).tolist())
+            if fed is None:
+                return
+            x = torch.tensor(fed, dtype=torch.long).unsqueeze(-1)
+
+
+def sample_batch(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, generator=None) -> SampleResult:
+    """Batched sampling of equal-length prompts until EOS (`decode`)."""
+    eos = tokenizer.eos_token_id
+    out_tokens: list[list[int]] = [[] for _ in prompt_ids]
+    finished = [False] * len(prompt_ids)
+
+    def step(nxt: list[int]) -> list[int] | None:
+        for i, t in enumerate(nxt):
+            if not finished[i]:
+                out_tokens[i].append(t)
+                finished[i] = t == eos
+        return None if all(finished) else nxt
+
+    decode(model, prompt_ids, max_new_tokens, temperature, generator, step)
     texts = [tokenizer.decode([t for t in toks if t != eos]) for toks in out_tokens]
-    return SampleResult(texts=texts, lengths=[len(t) for t in out_tokens], finished=finished.tolist(), token_ids=out_tokens)
+    return SampleResult(texts=texts, lengths=[len(t) for t in out_tokens], finished=finished, token_ids=out_tokens)
 
 
 def evaluate(model, tokenizer, rows: list[dict], temperature: float = 1.0, batch_size: int = 128, seed: int = 0) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 from typing import Any, Callable
 
@@ -37,3 +39,13 @@ class SingletonMeta(type):
     def clear_instances(cls) -> None:
         if "_singleton_instance" in cls.__dict__:
             type.__delattr__(cls, "_singleton_instance")
+
+
+def run_sync(coro):
+    """Run `coro` to completion from sync code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -6,7 +6,7 @@ The trainer builds its model from `--hf-checkpoint`; a model-shape flag is
 optional, and when given it must say what the checkpoint says (a flag that
 disagrees fails, naming the flag, both values and the file), so a slime
 user's MODEL_ARGS keep working and never silently describe another model.
-Plain json: no torch / transformers import (arguments.py calls it).
+Plain json: no torch / transformers import (slime/arguments/ calls it).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Upstream slime's plugin API is here with upstream's meaning: `Sample.Status`,
 (`sample.tool_call_count = 2`) travel with it, into the buffer and its
 checkpoints too (`to_dict()["extra"]`). Upstream's other fields read as
 upstream's defaults; those with no meaning here (multimodal inputs, top-p
-replay, ...: `UNSUPPORTED_FIELDS`) are refused when a plugin returns a sample
+replay, ...: `UNSUPPORTED_FIELDS`, slime/utils/upstream_fields.py) are refused when a plugin returns a sample
 that sets them.
 """
 
@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from slime.utils.engine_reply import token_versions
+from slime.utils.upstream_fields import UNSUPPORTED_FIELDS
 
 # the version of a token whose producer is not known yet (a plugin appended it without the engine's reply);
 # `complete_response` gives it the version the engines served
@@ -375,25 +376,6 @@ def _versions_for(versions: list[int], n: int, missing: int) -> list[int]:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(Sample))
-_MULTIMODAL = "multimodal inputs are not supported here (text models only)"
-_TOP_P = "top-p token replay is not supported here (the trainer's log-probs are over the whole vocabulary)"
-# upstream slime's Sample fields (at 624b824) with no meaning here: a plugin reads upstream's default (None, or an
-# empty mapping), and a sample that comes back from a plugin with another value is refused, with why
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    "multimodal_inputs": _MULTIMODAL, "multimodal_train_inputs": _MULTIMODAL,
-    "multimodal_train_input_id": _MULTIMODAL,
-    "apply_chat_template_kwargs": "per-sample chat-template arguments are not supported (--apply-chat-template "
-                                  "applies the tokenizer's own template)",
-    "rollout_top_p_token_ids": _TOP_P, "rollout_top_p_token_offsets": _TOP_P,
-    "rollout_routed_experts": "MoE routing replay is not supported (dense models)",
-    "teacher_log_probs": "on-policy distillation is not supported",
-    "train_metadata": "it is read by upstream's custom losses, which are not supported (--loss-type policy_loss "
-                      "or sft_loss)",
-    "generate_function_path": "a per-sample generate is not supported: every sample goes through "
-                              "--custom-generate-function-path",
-    "custom_rm_path": "a per-sample reward function is not supported: every sample is rewarded by --custom-rm-path "
-                      "or --rm-type",
-}
 for _name in UNSUPPORTED_FIELDS:  # class-level defaults: what upstream's plugins read (`if sample.multimodal_inputs:`)
     setattr(Sample, _name, MappingProxyType({}) if _name == "apply_chat_template_kwargs" else None)
 Sample.session_id = None  # upstream's routing key for its own generate's requests; a plugin sets it for its own

@@ -1,5 +1,5 @@
-"""Embedded rollout engine (CPU, or one CUDA GPU: --device) speaking SGLang's native HTTP API (see the shared
-sglang-protocol.md contract).
+"""Embedded rollout engine (CPU, or one CUDA GPU: --device) speaking SGLang's native HTTP API (the routes and
+fields SGLang's own server has: docs/sglang-compat.md).
 
     python -m slime.backends.hf_engine --model-path DIR --host 127.0.0.1 --port P \
         [--num-threads 1] [--max-running-requests N] [--max-total-tokens T | --kv-blocks B --block-size S] \
@@ -7,7 +7,8 @@ sglang-protocol.md contract).
 
 Modules: `__main__` (CLI), `server` (generate and control routes), `info` (read-only routes),
 `http_utils`, `engine` (model + scheduler + weight version), `device` (--device, --dtype, host-to-device copies), `scheduler` (continuous batching thread:
-one packed step of decode tokens and prompt chunks at a time), `batch` (rows over a paged KV cache, the
+one packed step of decode tokens and prompt chunks at a time; `request`: one request's state and what ends
+it), `batch` (rows over a paged KV cache, the
 packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool), `prefix_cache`
 (aborted requests' blocks), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id
 log-probs), `fields` (what is done with every SGLang request field), `protocol` (request validation,

@@ -22,61 +22,19 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
-from slime.backends.hf_engine.logprobs import LogprobRecord, fill_prompt_logprobs, record_output_logprobs
+from slime.backends.hf_engine.logprobs import fill_prompt_logprobs, record_output_logprobs
 from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
-from slime.backends.hf_engine.sampling import SamplingParams, prepare_sampling, sample_tokens, to_host
+from slime.backends.hf_engine.request import Request, abort_reason, eos_ids, finish_reason
+from slime.backends.hf_engine.sampling import prepare_sampling, sample_tokens, to_host
 from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    stream: bool = False
-    notify: Callable[["Request", bool], None] | None = None  # (request, finished)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict | None = None
-    generator: torch.Generator | None = None
-    created: float = field(default_factory=time.monotonic)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    enqueued: float = 0.0
-    logprobs_extra: LogprobRecord | None = None  # prompt / top-k / chosen-id log-probs, when asked for
-    # (first output index, weight version) each time the version that samples this request's tokens changes
-    version_spans: list[tuple[int, str]] = field(default_factory=list)
-    row: int | None = None  # its row in the batch while running
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens start..end-1 of input_ids + output_ids (without building the whole list)."""
-        n = len(self.input_ids)
-        if end <= n:
-            return self.input_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n: end - n]
-        return self.input_ids[start:] + self.output_ids[: end - n]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
-
-
-def abort_reason(message: str = "Aborted", status_code: int | None = None) -> dict:
-    """SGLang's FINISH_ABORT: an abort asked for (/abort_request, a pause) is "Aborted" with no status code."""
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
 
 
 class Scheduler:
@@ -94,7 +52,7 @@ class Scheduler:
         # prefill tokens per step (all rows), and per row per step (-1: a row's whole prompt at once)
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
-        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.batch = PagedBatch(model, block_size=block_size, max_tokens=max_total_tokens, max_rows=max_running,
                                 kernel=attention_kernel, min_bucket_saving=bucket_min_saving,
                                 decode_graphs=cuda_graph, graph_max_rows=cuda_graph_max_bs)
@@ -116,19 +74,6 @@ class Scheduler:
         self._prefill_pairs = 0
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        ids = set()
-        for src in (getattr(model, "generation_config", None), model.config):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, (list, tuple)):
-                ids.update(int(e) for e in eos)
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        return ids
 
     # ---- API for other threads -------------------------------------------------------
     def start(self) -> None:
@@ -415,31 +360,11 @@ class Scheduler:
             r.version_spans.append((len(r.output_ids), self.weight_version))
         r.output_ids.append(token)
         r.logprobs.append(logprob)
-        reason = self._finish_reason(r, token)
+        reason = finish_reason(r, token, self.eos_ids, self.tokenizer)
         if reason is not None:
             self._finish(r, reason)
         elif r.stream and r.notify is not None and len(r.output_ids) % (r.params.stream_interval or 1) == 0:
             r.notify(r, False)  # stream_interval: a chunk every that many tokens (a lagging reader then coalesces whole chunks)
-
-    def _finish_reason(self, r: Request, token: int) -> dict | None:
-        """SGLang's order: the length limit, then stop tokens (EOS and stop_token_ids, both off with
-        ignore_eos, as in SGLang), then stop strings anywhere in the output text (also inside a
-        multi-character token; special tokens' text counts, as in SGLang's tail check), then stop regexes."""
-        p = r.params
-        if len(r.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": len(r.output_ids)}
-        if not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_ids):
-            return {"type": "stop", "matched": token}
-        if p.stop or p.stop_regex:
-            full = self.tokenizer.decode(r.output_ids, skip_special_tokens=False)
-            shown = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if p.skip_special_tokens else full
-            for s in p.stop:
-                if s in full or s in shown:
-                    return {"type": "stop", "matched": s}
-            for rx in p.stop_regex:
-                if rx.search(full):
-                    return {"type": "stop", "matched": rx.pattern}
-        return None
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason

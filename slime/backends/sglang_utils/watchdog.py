@@ -89,7 +89,7 @@ class EngineWatchdog:
         self.faults: dict[str, EngineFault] = {}
         self.checks = 0  # HTTP health probes sent (for the overhead measurement)
         self._task: asyncio.Task | None = None
-        self._changed = asyncio.Event()
+        self.changed = asyncio.Event()  # set at each new fault (a running step waits on it)
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self) -> "EngineWatchdog":
@@ -121,7 +121,7 @@ class EngineWatchdog:
             return
         self.faults[fault.url] = fault
         logger.error("engine watchdog: %s", fault.describe())
-        self._changed.set()
+        self.changed.set()
         if self.on_fault is not None:
             self.on_fault(fault)
 
@@ -203,10 +203,10 @@ class EngineWatchdog:
         """Await `coro`; if an engine fails first, cancel it and raise `EngineFaultError`."""
         work = asyncio.ensure_future(coro)
         while not work.done():
-            self._changed.clear()
+            self.changed.clear()
             if self.faults:
                 break
-            waiter = asyncio.ensure_future(self._changed.wait())
+            waiter = asyncio.ensure_future(self.changed.wait())
             await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         if not work.done():

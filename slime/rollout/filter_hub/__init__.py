@@ -8,8 +8,9 @@ from typing import Any, Callable
 
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.utils.misc import load_function
+from slime.utils.plugin_args import plugin_args
 
-__all__ = ["DynamicFilterOutput", "as_filter_output", "call_dynamic_filter", "load_dynamic_filter"]
+__all__ = ["DynamicFilterOutput", "as_filter_output", "call_dynamic_filter", "group_filter", "load_dynamic_filter"]
 
 
 def _truth(value: Any) -> bool | None:
@@ -47,3 +48,21 @@ def load_dynamic_filter(path: str) -> Callable[[Any, list], DynamicFilterOutput]
 def call_dynamic_filter(path: str, args, samples) -> DynamicFilterOutput:
     """Load the filter at dotted `path` and apply it to one finished group."""
     return load_dynamic_filter(path)(args, samples)
+
+
+def group_filter(args) -> Callable[[list, Any], str | None] | None:
+    """`--dynamic-sampling-filter-path` as the step's filter: (a finished group, the step's record) -> the reason
+    it is dropped, or None. A rejected group that asked to be kept when the step runs short
+    (`keep_when_insufficient`) is kept while the step's candidates (accepted, failed, in play) are no more than
+    its target."""
+    path = args.dynamic_sampling_filter_path
+    if not path:
+        return None
+    fn, view = load_dynamic_filter(path), plugin_args(args)
+
+    def reason(samples: list, step) -> str | None:
+        out = fn(view, samples)
+        candidates = len(step.accepted) + len(step.failed) + len(step.open_groups())
+        return (out.reason or "filtered") if out.drops(candidates, step.target) else None
+
+    return reason

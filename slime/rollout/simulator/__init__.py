@@ -5,7 +5,7 @@
                              partial_rollout=True, num_engines=4), cost, LogNormalLengths(4096, 0.8, 16384))
     res.summary()  # tokens/s, engine idle fraction, off-policy token ratio, staleness histogram, ...
 
-`tools/simulate_rollout.py` is the command line over it; `slime/rollout/over_sampling.py` uses it
+`tools/simulate_rollout.py` is the command line over it; `planner.py` uses it
 to size `--over-sampling-batch-size auto`.
 """
 

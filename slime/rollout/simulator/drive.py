@@ -26,12 +26,12 @@ from collections import Counter
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.group_outcome import TargetPlacement
+from slime.rollout.simulator.cluster import SimCluster, SimRequester, SimSource
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import StepIO, run_step, step_error
-from slime.rollout.step_state import StepState
-from slime.rollout.step_supply import ChunkedSupply, FixedOverSampling, PoolSupply
+from slime.rollout.step_record import StepConfig
+from slime.rollout.step_supply import ChunkedSupply, PoolSupply
 from slime.rollout.stream import StreamConfig, StreamRollout
-from slime.rollout.simulator.cluster import SimCluster, SimRequester, SimSource
 from slime.rollout.version_gate import GatedRequester, VersionGate
 from slime.utils.ledger import TRAINED, group_id
 
@@ -51,7 +51,7 @@ class Judge:
     async def reward(self, samples: list) -> None:
         return None
 
-    def filter(self, samples: list) -> str | None:
+    def filter(self, samples: list, step=None) -> str | None:
         if self.rng.random() < self.pass_rate:
             return None
         self.rejected += 1
@@ -98,20 +98,20 @@ class Recorder:
         self._mark = now
 
 
-def _step_state(cfg, rollout_id: int, version: int, train_version, target: int | None) -> StepState:
-    return StepState(rollout_id=rollout_id, target=target, n=cfg.n_samples_per_prompt, partial=cfg.partial_rollout,
-                     cap=StalenessCap(cfg.max_staleness, cfg.staleness_policy), policy_version=version,
-                     train_version=train_version, rpc_timeout=NO_TIMEOUT_S, abort_timeout=NO_TIMEOUT_S,
-                     reward_settle_s=NO_TIMEOUT_S, num_engines=cfg.num_engines)
+def _step_config(cfg, cap: StalenessCap, rollout_id: int, version: int, train_version) -> StepConfig:
+    return StepConfig(rollout_id=rollout_id, n=cfg.n_samples_per_prompt, partial=cfg.partial_rollout, cap=cap,
+                      policy_version=version, train_version=train_version, rpc_timeout=NO_TIMEOUT_S,
+                      abort_timeout=NO_TIMEOUT_S, reward_settle_s=NO_TIMEOUT_S, num_engines=cfg.num_engines)
 
 
-async def drive_steps(cfg, cluster: SimCluster, source: SimSource, judge: Judge, recorder: Recorder) -> None:
+async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
+                      recorder: Recorder) -> None:
     """train.py's loop over the real step (chunked or pool)."""
     loop = asyncio.get_running_loop()
     cost = cluster.cost
     buffer = PartialRolloutBuffer()
     if cfg.mode == "chunked":
-        supply = ChunkedSupply(FixedOverSampling(cfg.chunk), cfg.concurrency_per_engine,
+        supply = ChunkedSupply(cfg.chunk, cfg.concurrency_per_engine,
                                top_ups=cfg.partial_rollout and cfg.top_ups)
     else:
         supply = PoolSupply(cfg.pool_size)
@@ -122,12 +122,12 @@ async def drive_steps(cfg, cluster: SimCluster, source: SimSource, judge: Judge,
         await asyncio.sleep(cost.step_overhead_s / 2)  # the step's bookkeeping before its first request
         rejected_tokens = judge.rejected_tokens
         rejected = judge.rejected
-        state = _step_state(cfg, step, step, lambda step=step: step, cfg.rollout_batch_size)
         requester = SimRequester(cluster, cfg.max_response_len, step)
         io = StepIO(buffer=buffer, data_source=source, engines=cluster, requester=requester,
                     generate=requester.generate, reward=judge.reward, filter=judge.filter)
-        supply.prepare(state)
-        await run_step(state, io, supply, TargetPlacement(cfg.rollout_batch_size))
+        supply.prepare(cfg.num_engines)
+        state = await run_step(io, _step_config(cfg, cap, step, step, lambda step=step: step), supply,
+                               TargetPlacement(cfg.rollout_batch_size))
         error = step_error(state)
         if error is not None:
             raise error
@@ -138,9 +138,9 @@ async def drive_steps(cfg, cluster: SimCluster, source: SimSource, judge: Judge,
         wasted = (judge.rejected_tokens - rejected_tokens + state.counts["staleness_restarted_tokens"]
                   + sum(s.resp_len for g in stale_ready for s in g)
                   + (0 if cfg.partial_rollout else sum(s.resp_len for g in unfinished for s in g)))
-        counts = Counter({k: v for k, v in state.counts.items() if v})
+        counts = Counter({k: v for k, v in {**state.counts, "ready_in": len(state.ready_in)}.items() if v})
         counts.update({"rejected": judge.rejected - rejected, "stale_ready": len(stale_ready),
-                       "resumed_groups": len(state.resumed), "submitted_groups": len(state.submitted)})
+                       "resumed_groups": len(state.resumed), "submitted_groups": len(state.groups)})
         target_t = state.clock.marks.get("target")
         recorder.record(t_start, loop.time(), between, t0 + target_t if target_t is not None else None,
                         state.accepted, step, wasted, counts,
@@ -150,22 +150,22 @@ async def drive_steps(cfg, cluster: SimCluster, source: SimSource, judge: Judge,
             await asyncio.sleep(between)  # training and the weight update
 
 
-async def drive_stream(cfg, cluster: SimCluster, source: SimSource, judge: Judge, recorder: Recorder) -> None:
+async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
+                       recorder: Recorder) -> None:
     """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, updates applied in place."""
     loop = asyncio.get_running_loop()
     cost = cluster.cost
     buffer = PartialRolloutBuffer()
     gate = VersionGate(0, train_version=0)
-    cap = StalenessCap(cfg.max_staleness, cfg.staleness_policy)
 
     async def run_segment(rollout_id: int, supply, placement, halt: asyncio.Event, on_io) -> RolloutOutput:
-        state = _step_state(cfg, rollout_id, gate.train_version, lambda: gate.train_version, None)
         requester = SimRequester(cluster, cfg.max_response_len, rollout_id)
         io = StepIO(buffer=buffer, data_source=source, engines=cluster, requester=requester,
                     generate=GatedRequester(requester, gate, cap).generate, reward=judge.reward, filter=judge.filter)
         on_io(io)
-        supply.prepare(state)
-        await run_step(state, io, supply, placement, halt=halt)
+        supply.prepare(cfg.num_engines)
+        state = await run_step(io, _step_config(cfg, cap, rollout_id, gate.train_version, lambda: gate.train_version),
+                               supply, placement, halt=halt)
         error = step_error(state)
         if error is not None:
             raise error

@@ -23,6 +23,7 @@ from slime.rollout.simulator.cluster import SimCluster, SimSource
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.drive import Judge, Recorder, drive_steps, drive_stream
 from slime.rollout.simulator.engine import EventLoop, SimEngine
+from slime.rollout.staleness import StalenessCap
 
 MODES = ("chunked", "pool", "stream")  # --rollout-mode's names (stream: train_async.py)
 
@@ -63,8 +64,6 @@ class SimConfig:
             raise ValueError(f"SimConfig.pass_rate must be in (0, 1], got {self.pass_rate}")
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError("SimConfig.over_sampling_batch_size must be >= 1")
-        if self.staleness_policy not in ("restart", "mask", "keep"):
-            raise ValueError(f"SimConfig.staleness_policy: {self.staleness_policy!r}")
 
     @property
     def chunk(self) -> int:
@@ -169,6 +168,7 @@ async def _simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult
     source = SimSource(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
     recorder = Recorder(cluster)
     drive = drive_stream if cfg.mode == "stream" else drive_steps
-    await drive(cfg, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
+    cap = StalenessCap(cfg.max_staleness, cfg.staleness_policy)  # the simulated run's one cap (it checks both values)
+    await drive(cfg, cap, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
     return SimResult(cfg, cost.name, lengths.describe(), steps=recorder.steps, timeline=timeline,
                      engine_stats=sum_counters(e.stats for e in engines), client_timeline=cluster.timeline)

@@ -1,10 +1,8 @@
-"""`--over-sampling-batch-size`: each chunked step's over-sampling size, resolved once at start-up.
+"""`--over-sampling-batch-size auto`: each chunked step's over-sampling size, chosen with the rollout simulator.
 
-`over_sampling_from_args(args)` is a `FixedOverSampling(n)` for a number, or an `OverSamplingPlanner` for
-`auto`; both answer `size()` (this step's size), `metrics()` and `after_step(state, engines)` (learn from the
-finished step, slime/rollout/step_state.py's `StepState`).
-
-`auto`: each step's over-sampling size, chosen with the rollout simulator.
+The RolloutManager (slime/ray/rollout.py) makes this planner for `auto` only; the chunked supply asks it
+`size()` (this step's size), `metrics()` and `after_step(record, engines)` (learn from the finished step's
+`StepRecord`, slime/rollout/step_record.py).
 
 After every step the planner records what the step showed: the final response length of every
 sample that finished, the current length of every sample still unfinished (parked: a
@@ -38,7 +36,6 @@ from slime.rollout.simulator import SimConfig, kaplan_meier, simulate
 from slime.rollout.simulator.calibrate import calibrate_async
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.gpu_presets import cost_model_from_spec
-from slime.rollout.step_supply import FixedOverSampling
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +50,8 @@ SWITCH = 0.03  # a new plan replaces the current size only if predicted this muc
 FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter's doing
 
 
-def over_sampling_from_args(args) -> "FixedOverSampling | OverSamplingPlanner":
-    """`--over-sampling-batch-size` as the object that sizes every chunked step (parse_args leaves an int or auto)."""
-    if isinstance(args.over_sampling_batch_size, int):
-        return FixedOverSampling(args.over_sampling_batch_size)
-    return OverSamplingPlanner.from_args(args)
-
-
 def step_observations(step) -> dict:
-    """What one finished step (its `StepState`) showed: each sample's final length once, when its group leaves
+    """What one finished step (its `StepRecord`) showed: each sample's final length once, when its group leaves
     the rollout (accepted, finished after the target, rejected); the current length of every sample
     still unfinished (censored); the filter's verdicts; prompt lengths."""
     finished, unfinished, prompts = [], [], []
@@ -127,13 +117,13 @@ class OverSamplingPlanner:
         n = self.steps_seen
         return (n & (n - 1)) == 0 if n <= 16 else n % 16 == 0
 
-    async def after_step(self, state, engines) -> None:
-        """Record the step (`state`: its `StepState`); calibrate `engines` once (no cost model given); when due,
+    async def after_step(self, record, engines) -> None:
+        """Record the step (its `StepRecord`); calibrate `engines` once (no cost model given); when due,
         start a plan in the background (the rollout goes on; the next step after it finishes uses it)."""
-        self.observe(step_observations(state))
+        self.observe(step_observations(record))
         if self.cost is None:
             urls = await asyncio.to_thread(engines.worker_urls)
-            ids = sorted({t for st in list(state.groups.values())[:8] for t in st.samples[0].prompt_tokens}) or [1, 2, 3]
+            ids = sorted({t for st in list(record.groups.values())[:8] for t in st.samples[0].prompt_tokens}) or [1, 2, 3]
             logger.info("over-sampling auto: calibrating %s (once)", urls[0])
             self.cost = await calibrate_async(urls[0], ids, passes=1, quick=True,
                                               name="engines of this run (calibrated after step 0)")

@@ -1,0 +1,91 @@
+"""What one APRIL rollout step is asked (`StepConfig`) and what it did (`StepRecord`: run_step,
+slime/rollout/step.py, writes it; the metrics and the trace, the over-sampling planner and the simulator read it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slime.rollout.staleness import StalenessCap
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    rollout_id: int
+    n: int  # samples per group
+    partial: bool  # --partial-rollout: unfinished groups are parked (else dropped)
+    cap: StalenessCap
+    policy_version: int  # the version that trains this step's groups, as it stood at the start
+    train_version: Callable[[], int]  # the same, now (stream mode: it moves as batches are taken)
+    rpc_timeout: float  # buffer / data-source calls
+    abort_timeout: float
+    reward_settle_s: float  # how long the end waits for rewards still running after the drain
+    num_engines: int = 1
+
+
+@dataclass
+class StepGroup:
+    """A group in play in this step."""
+
+    samples: list
+    outcome: str | None = None  # accepted | overflow | rejected | failed (no trainable sample); None: unfinished
+    finished_t: float | None = None  # seconds into the step when its last member finished
+
+
+class StepClock:
+    """Marks of one step, in seconds since its start, on the running event loop's (maybe simulated) clock."""
+
+    def __init__(self) -> None:
+        self._time = asyncio.get_running_loop().time
+        self.t0 = self._time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.now()
+
+    def now(self) -> float:
+        return self._time() - self.t0
+
+    def at(self, t: float) -> float:  # a time on the loop's clock (the requester's timeline) into the step
+        return t - self.t0
+
+
+@dataclass
+class StepRecord:
+    config: StepConfig
+    target: int | None  # groups to accept (None: no target, stream mode's segments)
+    in_flight_cap: int  # requests in flight at most
+    chunk: int | None  # chunked supply: this step's over-sampling size
+    clock: StepClock = field(default_factory=StepClock)
+    groups: dict[int, StepGroup] = field(default_factory=dict)  # every group handed out, by id, in order
+    accepted: list[list] = field(default_factory=list)  # toward the target (returned)
+    overflow: list[list] = field(default_factory=list)  # finished after the target: kept ready for the next step
+    rejected: dict[int, str] = field(default_factory=dict)  # dropped this step: group id -> reason
+    failed: list[int] = field(default_factory=list)  # no trainable sample: dropped, counted toward the target
+    ready_in: list[list] = field(default_factory=list)  # ready groups taken from the buffer at the start
+    resumed: list[int] = field(default_factory=list)  # the parked ones among them
+    exhausted: bool = False  # the data source had no more fresh groups
+    counts: Counter = field(default_factory=Counter)  # refill_groups, groups_finished, staleness_*, parked, ...
+    errors: list[str] = field(default_factory=list)  # the first one stopped the step
+    faults: dict = field(default_factory=dict)  # engine url -> EngineFault (the watchdog's)
+    halted: bool = False  # stopped by the caller (a checkpoint), not by its target
+    abort_point: dict = field(default_factory=dict)  # {t, accepted, finished_groups, in_flight} when it stopped
+    abort_to_idle: float = 0.0  # seconds the first abort-all took to leave the engines idle
+
+    def filled(self) -> bool:
+        """The target is met: accepted groups plus groups that failed outright (nothing to train)."""
+        return self.target is not None and len(self.accepted) + len(self.failed) >= self.target
+
+    def fail(self, msg: str) -> None:
+        """The step cannot go on: it stops (it still drains and keeps what finished, then raises)."""
+        if not self.errors:
+            logger.error("rollout step %d: %s; stopping the step", self.config.rollout_id, msg)
+        self.errors.append(msg)
+
+    def open_groups(self) -> list[StepGroup]:  # no outcome: unfinished, or its reward never settled
+        return [st for st in self.groups.values() if st.outcome is None]

@@ -201,47 +201,57 @@ def test_flush_cache_drops_aborted_kv_and_resume_prefills(server, ref_model):
     assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
 
 
-def test_pause_in_place_abort_all_and_waiting(server):
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+def _running_stream(server, rid, prompt, sp, min_tokens=2):
+    """A streamed request of ours running on the engine with at least `min_tokens` tokens: (thread, box)."""
     box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "run-1", "sampling_params": sp}, 2, box))
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "rid": rid, "sampling_params": sp},
+                                                     min_tokens, box))
     t.start()
     assert box["ready"].wait(30)
+    return t, box
+
+
+def _held_request(server, prompt, sp):
+    """A request sent while the engine is paused: it waits before the scheduler (SGLang's tokenizer manager holds
+    it), so the load report does not count it. Returns (thread, box with its reply)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(gen(server, prompt, sampling_params=sp)))
+    t.start()
+    return t, box
+
+
+def test_pause_in_place_holds_rows_and_new_requests(server):
+    """SGLang's in_place: the running row is held with its KV (nothing decodes), a flush is refused while it is held,
+    a request sent meanwhile is held before the scheduler (no abort reaches it) and runs after the continue."""
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    t, box = _running_stream(server, "run-1", [1, 2, 3], sp)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
-    load1 = server.load()
-    time.sleep(0.3)
-    load2 = server.load()
-    assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
-    refused = server.post("/flush_cache")
-    assert refused.status_code == 400 and "1 requests are running" in refused.text  # a request is still in flight
-    # a request arriving while paused waits; abort_all returns it with no tokens
-    waiting = {}
-    w = threading.Thread(target=lambda: waiting.update(gen(server, [1, 4], rid="wait-1", sampling_params=sp)))
-    w.start()
-    deadline = time.monotonic() + 30
-    while server.load()["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.load()["num_waiting_reqs"] == 1, "the request sent while paused is not waiting"
-    assert server.post("/abort_request", {"abort_all": True}).status_code == 200
-    w.join(60)  # safety nets: while paused nothing finishes, so only the abort can end these two
-    t.join(60)
-    assert not w.is_alive() and not t.is_alive(), "abort_all did not end the paused and the waiting request"
-    assert waiting["meta_info"]["finish_reason"]["type"] == "abort" and waiting["output_ids"] == []
-    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(box["final"]["output_ids"]) >= 2
-    assert server.post("/continue_generation", {}).json()["status"] == "ok"
+    try:
+        load1 = server.load()
+        time.sleep(0.3)
+        load2 = server.load()
+        assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
+        refused = server.post("/flush_cache")
+        assert refused.status_code == 400 and "1 requests are running" in refused.text  # a row is held in place
+        w, waiting = _held_request(server, [1, 4], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        time.sleep(0.3)
+        assert server.load()["num_waiting_reqs"] == 0 and w.is_alive()  # held before the scheduler
+        assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+        t.join(60)  # the held row ends with its tokens; the held request is not reached
+        assert not t.is_alive() and box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(box["final"]["output_ids"]) >= 2 and w.is_alive()
+    finally:
+        assert server.post("/continue_generation", {}).json()["status"] == "ok"
+    w.join(60)
+    assert waiting["meta_info"]["finish_reason"]["type"] == "length" and len(waiting["output_ids"]) == 3
     assert server.post("/flush_cache").status_code == 200
-    out = gen(server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
-    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
 
 
 def test_pause_in_place_then_continue_completes(server):
     prompt, n = [1, 6, 6], 60
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     full = gen(server, prompt, sampling_params=sp)["output_ids"]
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "sampling_params": sp}, 2, box))
-    t.start()
-    assert box["ready"].wait(30)
+    t, box = _running_stream(server, None, prompt, sp)
     server.post("/pause_generation", {"mode": "in_place"})
     time.sleep(0.2)
     assert server.post("/continue_generation", {}).status_code == 200
@@ -249,32 +259,70 @@ def test_pause_in_place_then_continue_completes(server):
     assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
+    """SGLang's retract: running requests go back to the queue with their KV freed; while paused the queue does not
+    stop a flush; after the continue they are prefilled again from their tokens and finish as if never paused."""
+    prompt, n = [1, 8, 6, 7], 80
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    retracted0 = server.stats()["retractions"]
+    t, box = _running_stream(server, "retract-1", prompt, sp, min_tokens=3)
+    assert server.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
+    try:
+        load = server.load()
+        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"]) == (0, 1, 0)
+        assert server.post("/flush_cache").status_code == 200  # paused: the waiting request does not count
+    finally:
+        server.post("/continue_generation", {})
+    t.join(60)
+    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert server.stats()["retractions"] == retracted0 + 1
+
+
 def test_pause_abort_mode(server):
+    """SGLang's abort: every request is aborted, the scheduler keeps running, new requests are held until the continue."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2], "sampling_params": sp}, 2, box))
-    t.start()
-    assert box["ready"].wait(30)
+    t, box = _running_stream(server, None, [1, 2], sp)
     assert server.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
-    t.join(10)
-    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
-    server.post("/continue_generation", {})
+    try:
+        t.join(10)
+        assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+        w, held = _held_request(server, [1, 5], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        time.sleep(0.3)
+        assert w.is_alive() and server.load()["num_waiting_reqs"] == 0
+    finally:
+        server.post("/continue_generation", {})
+    w.join(60)
+    assert held["meta_info"]["completion_tokens"] == 2
 
 
 def test_client_disconnect_cancels(server):
-    """Paused in place, nothing can finish on its own: only the disconnect can remove the requests."""
+    """A running request held in place can only end by the disconnect of its client."""
     sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
+    r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp},
+                      stream=True, timeout=60)
+    assert r.status_code == 200
+    assert _wait_load(server, "num_running_reqs", 1)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     try:
-        r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp}, stream=True, timeout=60)
-        assert r.status_code == 200
-        assert server.load()["num_waiting_reqs"] == 1
         r.close()
         assert _wait_idle(server)
-        # a non-streaming client that gives up (read timeout closes the connection) cancels its waiting request
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": sp}, timeout=(5, 0.5))
-        assert _wait_idle(server)
+        # a non-streaming client that gives up (its read timeout closes the connection) cancels its request
+        failed = {}
+
+        def give_up():
+            try:
+                requests.post(server.url + "/generate", json={"input_ids": [1, 2, 4], "sampling_params": sp}, timeout=(5, 3))
+            except requests.exceptions.ReadTimeout as e:
+                failed["timeout"] = e
+
+        server.post("/continue_generation", {})
+        c = threading.Thread(target=give_up)
+        c.start()
+        assert _wait_load(server, "num_running_reqs", 1)
+        assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+        c.join(30)
+        assert "timeout" in failed and _wait_idle(server)
     finally:
         server.post("/continue_generation", {})
 
@@ -302,16 +350,13 @@ def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
 def test_control_endpoints_type_check_booleans(server):
     """`{"abort_all": "no"}` used to abort everything (a truthy string); now it is a 400 that aborts nothing."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    t, box = _running_stream(server, "keep-me", [1, 2, 3], sp, min_tokens=1)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "keep-me", "sampling_params": sp}, 0, box))
-    t.start()
     try:
-        assert _wait_load(server, "num_waiting_reqs", 1)
         for body, field in [({"abort_all": "no"}, "abort_all"), ({"rid": 5}, "rid")]:
             r = server.post("/abort_request", body)
             assert r.status_code == 400 and field in r.json()["error"]["message"]
-        assert server.load()["num_waiting_reqs"] == 1  # still there
+        assert server.load()["num_running_reqs"] == 1  # still there
         r = server.post("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "no"})
         assert r.status_code == 400 and "flush_cache" in r.json()["error"]["message"]
         r = server.post("/update_weight_version", {"new_version": "9", "abort_all_requests": "false"})

@@ -1,0 +1,210 @@
+"""Weight updates of a paused embedded engine, as SGLang 0.5.23 does them (slime/backends/hf_engine/pause.py), and a
+prefix cache that never serves KV of older weights to a request keyed by a newer version.
+
+Each test checks the tokens and log-probs against the models themselves: `in_place` must go on over the KV the old
+weights computed (reproduced here by decoding with the new model over the old model's cache), `retract` must
+recompute it, and a resumed request keyed by the new version must be prefilled by the new weights."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+import torch
+from transformers import DynamicCache
+
+from slime.backends.hf_engine.pause import FLUSH_FAILED
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, max_position_embeddings=256)
+PROMPT = [1, 5, 6, 7, 8]
+N = 150
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two models with the same architecture and different weights: a (served first) and b (the update)."""
+    torch.set_num_threads(1)
+    tok = build_tokenizer(WORDS)
+    out = {}
+    for seed, name in enumerate("ab"):
+        d = tmp_path_factory.mktemp(f"pause_model_{name}")
+        out[name] = (d, build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval())
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models, start_engine):
+    return start_engine(models["a"][0], "--seed", "0")
+
+
+@pytest.fixture
+def on_a(server, models):
+    """The engine serves model a as version 10, nothing running, nothing paused, nothing cached."""
+    server.post("/continue_generation", {})
+    r = server.post("/update_weights_from_disk", {"model_path": str(models["a"][0]), "weight_version": "10"})
+    assert r.json()["success"], r.text
+    return server
+
+
+def update_to_b(server, models, flush: bool) -> requests.Response:
+    return server.post("/update_weights_from_disk", {"model_path": str(models["b"][0]), "weight_version": "11",
+                                                     "flush_cache": flush})
+
+
+def stream(server, body: dict, box: dict, ready_at: int) -> None:
+    """Stream `body`; box['ready'] is set once `ready_at` tokens came back, box['final'] is the last chunk."""
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        for ln in r.iter_lines():
+            if not ln or ln == b"data: [DONE]":
+                continue
+            chunk = json.loads(ln[len(b"data: "):])
+            if len(chunk["output_ids"]) >= ready_at:
+                box["ready"].set()
+            box["final"] = chunk
+
+
+def running(server, rid: str, n: int = N, ready_at: int = 5, extra_key: str | None = None):
+    """A greedy request streaming on the engine with at least `ready_at` tokens: (thread, box)."""
+    body = {"input_ids": PROMPT, "rid": rid, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    if extra_key is not None:
+        body["extra_key"] = extra_key
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=stream, args=(server, body, box, ready_at))
+    t.start()
+    assert box["ready"].wait(60)
+    return t, box
+
+
+def split(final: dict) -> tuple[list[int], torch.Tensor, int]:
+    """(output ids, their log-probs, k) of a reply whose spans are version 10 for [0, k) and 11 for [k, n)."""
+    meta = final["meta_info"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["10", "11"] and meta["weight_version"] == "11", spans
+    k = spans[0]["end"]
+    assert spans[0]["start"] == 0 and spans[1]["start"] == k and spans[1]["end"] == len(final["output_ids"])
+    lps = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    return final["output_ids"], lps, k
+
+
+@torch.no_grad()
+def decode_over_cache(ma, mb, ids: list[int], boundary: int) -> torch.Tensor:
+    """Log-probs of ids[p + 1] for each position p, with positions < boundary computed by `ma` and the rest by `mb`,
+    all in one KV cache: what a request held in place across an update computes."""
+    cache = DynamicCache()
+    out = []
+    for p, tok in enumerate(ids[:-1]):
+        model = ma if p < boundary else mb
+        logits = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        out.append(torch.log_softmax(logits.float(), -1)[ids[p + 1]])
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
+    """Paused in place, an update with flush_cache=true loads the weights but fails (SGLang's message: rows are held);
+    with flush_cache=false it succeeds. After the continue the held request goes on over the KV model a computed:
+    its tokens from the update on are model b's over a's cache, not b's recomputation."""
+    server = on_a
+    (_, ma), (_, mb) = models["a"], models["b"]
+    t, box = running(server, "held")
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    try:
+        refused = update_to_b(server, models, flush=True)
+        assert refused.status_code == 400 and refused.json() == {"success": False, "message": FLUSH_FAILED,
+                                                                 "num_paused_requests": 1}
+        assert server.weight_version() == "11"  # loaded all the same, as SGLang does
+        ok = update_to_b(server, models, flush=False)
+        assert ok.json()["success"] and ok.json()["num_paused_requests"] == 1
+        assert server.load()["num_running_reqs"] == 1  # held in place, with its KV
+    finally:
+        server.post("/continue_generation", {})
+    t.join(120)
+    ids, lps, k = split(box["final"])
+    assert 5 <= k < N
+    seq = PROMPT + ids
+    mixed = decode_over_cache(ma, mb, seq, len(PROMPT) + k - 1)[len(PROMPT) - 1:]
+    assert torch.allclose(lps, mixed, atol=1e-4)
+    recomputed_b = teacher_forced(mb, seq)[len(PROMPT) - 1:]
+    assert not torch.allclose(lps[k:k + 4], recomputed_b[k:k + 4], atol=1e-3)  # the KV really was a's
+    assert server.post("/flush_cache").status_code == 200
+
+
+def test_retract_update_flushes_and_recomputes(on_a, models):
+    """Paused with retract, the request waits with its KV freed, an update with flush_cache=true succeeds, and after
+    the continue the request is prefilled again from its tokens by model b: exactly b's log-probs from the update."""
+    server = on_a
+    (_, ma), (_, mb) = models["a"], models["b"]
+    t, box = running(server, "retracted")
+    assert server.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
+    try:
+        load = server.load()
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
+        r = update_to_b(server, models, flush=True)
+        assert r.json()["success"] and r.json()["num_paused_requests"] == 1, r.text
+    finally:
+        server.post("/continue_generation", {})
+    t.join(120)
+    ids, lps, k = split(box["final"])
+    seq = PROMPT + ids
+    assert torch.allclose(lps[:k], teacher_forced(ma, seq)[len(PROMPT) - 1:][:k], atol=1e-4)
+    assert torch.allclose(lps[k:], teacher_forced(mb, seq)[len(PROMPT) - 1:][k:], atol=1e-4)
+
+
+def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, models):
+    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false. Its resumption keyed
+    by the new version ("w11") is prefilled by model b (no cache hit, b's log-probs); keyed by the old version it
+    would reuse a's KV: a hit counted as stale, and log-probs that are not b's. The first assertion fails if the
+    cache ever serves KV across versions."""
+    server = on_a
+    (_, mb) = models["b"]
+    t, box = running(server, "to-park", ready_at=8, extra_key="w10")
+    server.post("/abort_request", {"rid": "to-park"})
+    t.join(60)
+    part = box["final"]["output_ids"]
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(part) >= 8
+    assert update_to_b(server, models, flush=False).json()["success"]
+    stale0 = server.stats()["cache_stale_hits"]
+    resume = {"input_ids": PROMPT + part, "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+    fresh = server.post("/generate", {**resume, "extra_key": "w11"}).json()
+    assert fresh["meta_info"]["cached_tokens"] == 0 and server.stats()["cache_stale_hits"] == stale0
+    seq = PROMPT + part + fresh["output_ids"]
+    want = teacher_forced(mb, seq)[len(PROMPT + part) - 1:]
+    got = torch.tensor([lp for lp, _, _ in fresh["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4)
+
+    stale = server.post("/generate", {**resume, "extra_key": "w10"}).json()  # the entry is still there, under w10
+    assert stale["meta_info"]["cached_tokens"] == len(PROMPT + part) - 1
+    assert server.stats()["cache_stale_hits"] == stale0 + 1
+    got_stale = torch.tensor([lp for lp, _, _ in stale["meta_info"]["output_token_logprobs"]])
+    assert not torch.allclose(got_stale[:1], got[:1], atol=1e-3)  # a's KV under b's weights: not b's log-probs
+
+
+def test_update_weight_version_aborts_unless_told_not_to(on_a):
+    """SGLang's /update_weight_version: abort_all_requests (default true) aborts every request; false lets them go on,
+    their tokens split between the two versions."""
+    server = on_a
+    t, box = running(server, "kept", n=120)
+    r = server.post("/update_weight_version", {"new_version": "11", "abort_all_requests": False}).json()
+    assert r == {"success": True, "message": "Weight version updated to 11", "new_version": "11"}
+    t.join(120)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+    split(box["final"])
+    t, box = running(server, "aborted", n=200)
+    assert server.post("/update_weight_version", {"new_version": "12"}).json()["success"]
+    t.join(60)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert box["final"]["meta_info"]["weight_versions"] == [{"version": "11", "start": 0,
+                                                            "end": len(box["final"]["output_ids"])}]

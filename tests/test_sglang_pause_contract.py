@@ -100,18 +100,27 @@ def our_observations(model_dir) -> list[dict]:
     return out
 
 
-def test_pause_update_and_flush_match_sglangs_scheduler(tmp_path):
-    version = versions.SGLANG_PINNED
+def require(version: str) -> None:
     if not sglang_contract_env.is_installed(version):
         msg = f"SGLang {version} not installed for the contract tests: run `python tools/sglang_contract_env.py install`"
         if os.environ.get("SLIME_REQUIRE_SGLANG_CONTRACT") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    require(versions.SGLANG_PINNED)
+    return sglang_observations(versions.SGLANG_PINNED)
+
+
+def test_pause_update_and_flush_match_sglangs_scheduler(tmp_path, theirs):
+    version = versions.SGLANG_PINNED
     torch.set_num_threads(1)
     build_tiny_qwen3(str(tmp_path), build_tokenizer(WORDS), TinyQwen3Spec(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         max_position_embeddings=256), seed=0)
-    theirs, ours = sglang_observations(version), our_observations(tmp_path)
+    ours = our_observations(tmp_path)
     for t, o in zip(theirs, ours):
         assert o == t, f"after {t['op']}: SGLang {version} {t}, ours {o}"
     assert len(theirs) == len(ours) == len(SCENARIO)
@@ -119,3 +128,29 @@ def test_pause_update_and_flush_match_sglangs_scheduler(tmp_path):
     results = [t["result"] for t in theirs]
     assert False in results and True in results
     assert any(isinstance(r, dict) and len(r["weight_versions"]) == 2 for r in results)
+
+
+def test_our_client_reads_sglangs_spans_and_copes_without_them(theirs):
+    """The replies SGLang's own span code built in the scenario, read by our client token by token; SGLang
+    0.5.15.post1 (the oldest we support) builds none: its replies carry only meta_info.weight_version, which our
+    client labels conservatively when an update crossed the request (tests/test_engine_versions.py)."""
+    from slime.rollout.engine_versions import VersionLabels
+    from slime.rollout.sampling_request import token_versions
+    from slime.utils.types import Sample
+
+    finished = [t["result"] for t in theirs if t["op"][0] == "finish"]
+    assert any(len(r["weight_versions"]) == 2 for r in finished)
+    for r in finished:
+        meta = {"weight_version": r["weight_version"], "weight_versions": r["weight_versions"]}
+        got = token_versions(meta, r["tokens"], "sglang")
+        want = [int(sp["version"]) for sp in r["weight_versions"] for _ in range(sp["start"], sp["end"])]
+        assert got == want
+        versions_seen = [int(sp["version"]) for sp in r["weight_versions"]]
+        s = Sample(index=0, group_index=0)
+        assert VersionLabels("sglang").label_tokens(s, got, True, min(versions_seen), max(versions_seen), "r") == want
+        assert not s.metadata
+    require(versions.SGLANG_OLDEST)
+    site = sglang_contract_env.site_dirs(versions.SGLANG_OLDEST)[0]
+    assert not os.path.exists(os.path.join(site, "sglang", "srt", "utils", "weight_versions.py"))
+    with open(os.path.join(site, "sglang", "srt", "managers", "tokenizer_manager.py")) as f:
+        assert "weight_versions" not in f.read()

@@ -11,6 +11,7 @@ from typing import Any
 
 from slime.backends.sglang_utils import engine_api
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
+from slime.rollout.engine_versions import version_check_metrics
 from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
@@ -58,7 +59,7 @@ def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) ->
     outside = [float(s.non_generation_time) for s in samples]
     timing = {"rollout/non_generation_time_mean": sum(outside) / n,
               "rollout/non_generation_time_max": max(outside)} if any(outside) else {}
-    return tool_metrics(samples, "rollout/") | timing | {
+    return tool_metrics(samples, "rollout/") | version_check_metrics(samples) | timing | {
         "rollout/samples": float(n),
         "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
         "rollout/removed_samples": float(sum(bool(s.remove_sample) for s in samples)),

@@ -241,8 +241,7 @@ class GatedRequester:
             else:
                 rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
                 with gate.request(rid, sample):
-                    await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version,
-                                                           lambda: gate.version))
+                    await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version))
                 stale_abort = gate.was_aborted(rid)
             # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
             return sample.response_length - before, stale_abort or not gate.is_open
@@ -269,8 +268,7 @@ class GatedTurn:
             return Segment.not_sent(gate.version)
         rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
         with gate.request(rid, sample):
-            seg = await r.turn(sample, sampling_params, rid, VersionWindow(gate.version, lambda: gate.newest_version,
-                                                                           lambda: gate.version))
+            seg = await r.turn(sample, sampling_params, rid, VersionWindow(gate.version, lambda: gate.newest_version))
         if gate.was_aborted(rid) or (seg.finish == "abort" and not gate.is_open):
             self.sent_back = True
         return seg

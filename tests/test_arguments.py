@@ -182,6 +182,18 @@ def test_train_async_flags_exist_only_for_train_async(base):
         parse_args(base, entry="nope.py")
 
 
+def test_pause_mode_defaults_by_entry_and_is_refused_where_nothing_is_in_flight(base):
+    from slime.arguments import ASYNC_PAUSE_MODE
+
+    assert parse_args(base).pause_mode == "abort"
+    assert parse_args(base, entry="train_async.py").pause_mode == ASYNC_PAUSE_MODE
+    for mode in ("abort", "retract", "in_place"):
+        assert parse_args(base + ["--pause-mode", mode], entry="train_async.py").pause_mode == mode
+    with pytest.raises(ArgumentError, match="^--pause-mode in_place: train.py updates the weights of idle engines"):
+        parse_args(base + ["--pause-mode", "in_place"])
+    assert parse_args(base + ["--pause-mode", "abort"]).pause_mode == "abort"
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [

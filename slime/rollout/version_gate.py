@@ -20,12 +20,12 @@ a resume is still within it when it is trained.
 The gate lives on the event loop of the rollout it guards; other threads reach it through
 `asyncio.run_coroutine_threadsafe`.
 
-In place (`--in-flight-update in_place`, the embedded engine): an engine that labels every token with
-the version that sampled it (`meta_info.weight_versions`) and applies an update between two decode
-steps lets requests run on across it: `begin_update(v)` / `end_update()` bracket the push without
-closing the gate (a reply may then carry versions up to `newest_version`), and `stale_requests` names
-the requests whose sample may now hold a token beyond the staleness cap, to be aborted by rid
-(`abort_requests`) so the cap is applied when they resume.
+Paused updates (`--pause-mode retract|in_place`, slime/ray/async_rollout.py): the engines keep our requests across
+the push and label every token with the version that sampled it (`meta_info.weight_versions`):
+`begin_update(v)` / `end_update()` bracket the push (a reply may then carry versions up to `newest_version`)
+while a hold without drain keeps new requests back, and `stale_requests` names the requests whose sample may
+now hold a token beyond the staleness cap, to be aborted by rid (`abort_requests`) so the cap is applied when
+they resume.
 """
 
 from __future__ import annotations

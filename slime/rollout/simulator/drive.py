@@ -7,14 +7,16 @@ clock (clock.py), so a change to the step is a change to the simulation.
   trained (marked in the ledger), and `train_time_s` plus the weight update pass before the next one.
 - stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` with its
   `VersionGate`, its segments run as real steps; a trainer takes each batch, trains for `train_time_s` and
-  pushes the next version to the engines while their requests run (`--in-flight-update in_place`).
+  pushes the next version to the engines while their requests run, as `--pause-mode` says (slime/ray/
+  async_rollout.py's `updating_weights`): abort drains the gate (every request aborted, resumed after the
+  push), retract / in_place hold new requests back while the engines apply the update with the requests they
+  hold (retracted: prefilled again; in place: on their KV).
 
 What stays the simulator's own, and why: the engines, the client's and the router's costs (the cost model);
 the reward (none: a simulated sample has no text) and the dynamic filter (a coin with the configured pass
 rate); the step's own bookkeeping outside requests (buffer calls, commit: `step_overhead_s`, half before the
-first request, half after the drain); the trainer (a wait of `train_time_s`). In stream mode the trainer's
-push is `in_place`'s (abort mode's abort and resume cost is not modelled), and requests are not aborted by
-rid when a push makes them stale (the simulated engines abort only all at once).
+first request, half after the drain); the trainer (a wait of `train_time_s`). In stream mode requests are not
+aborted by rid when a push makes them stale (the simulated engines abort only all at once).
 """
 
 from __future__ import annotations
@@ -152,9 +154,8 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
 
 async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
                        recorder: Recorder) -> None:
-    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, updates applied in place."""
+    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, pushes in flight (`push_in_flight`)."""
     loop = asyncio.get_running_loop()
-    cost = cluster.cost
     buffer = PartialRolloutBuffer()
     gate = VersionGate(0, train_version=0)
 
@@ -187,11 +188,25 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         if j + 1 == cfg.steps:
             break
         await asyncio.sleep(cfg.train_time_s)  # the trainer trains; the engines go on
-        gate.begin_update(j + 1)  # the push, applied between two decode steps while requests run
-        cluster.command_all(loop.time(), "update", (j + 1, not cfg.reuse_stale_kv, cost.weight_update_s))
-        gate.end_update()
-        await stream.rebalance()
+        await push_in_flight(cfg, cluster, gate, stream, j + 1)
     await stream.quiesce()
 
 
-__all__ = ["Judge", "Recorder", "drive_steps", "drive_stream"]
+async def push_in_flight(cfg, cluster: SimCluster, gate: VersionGate, stream: StreamRollout, version: int) -> None:
+    """train_async.py's push while requests run (`AsyncRollout.updating_weights`), per `cfg.pause_mode`."""
+    loop = asyncio.get_running_loop()
+    update = (version, not cfg.reuse_stale_kv and cfg.pause_mode != "in_place", cluster.cost.weight_update_s)
+    if cfg.pause_mode == "abort":
+        await gate.hold("update", cluster, timeout=NO_TIMEOUT_S)  # every request aborted and back at the gate
+        cluster.command_all(loop.time(), "update", (*update, "in_place"))  # (nothing runs to keep)
+        gate.set_version(version)
+    else:
+        gate.begin_update(version)
+        await gate.hold("update", cluster, drain=False)  # nothing new is sent; the engines keep what runs
+        cluster.command_all(loop.time(), "update", (*update, cfg.pause_mode))
+        gate.end_update()
+    await stream.rebalance()
+    gate.release("update")
+
+
+__all__ = ["Judge", "Recorder", "drive_steps", "drive_stream", "push_in_flight"]

@@ -174,7 +174,10 @@ def _fill_defaults(a: Args) -> None:
     if a.eval_max_context_len is None:
         a.eval_max_context_len = a.rollout_max_context_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
-    if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
+    if a.admission is None:  # a pool size given by hand is kept; otherwise the engines' loads decide
+        a.admission = "auto" if a.rollout_mode in ("pool", "stream") and a.rollout_pool_size is None else "fixed"
+    if (a.rollout_pool_size is None and a.rollout_mode == "stream" and a.admission == "fixed"
+            and a.rollout_batch_size is not None):
         # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
         a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
     if a.update_weight_mode is None:

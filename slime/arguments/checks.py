@@ -18,6 +18,9 @@ def validate_given_args(a: Args) -> None:
     _require(a.over_sampling_batch_size is None or a.rollout_mode == "chunked", "--over-sampling-batch-size",
              f"sizes --rollout-mode chunked's over-sampled chunks; --rollout-mode {a.rollout_mode} keeps "
              "--rollout-pool-size requests in flight instead (drop --over-sampling-batch-size, or set --rollout-pool-size)")
+    _require(a.admission != "auto" or a.rollout_mode in ("pool", "stream"), "--admission auto",
+             "adjusts the requests a pool keeps in flight (--rollout-mode pool or stream); --rollout-mode chunked "
+             "submits --over-sampling-batch-size groups at a time (--over-sampling-batch-size auto sizes them)")
 
 
 def check_placement(a: Args) -> None:

@@ -116,7 +116,13 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                         "trainer takes the next --rollout-batch-size accepted groups as soon as they exist")
     g.add_argument("--rollout-pool-size", type=int, default=None,
                    help="requests in flight in pool and stream modes (default: --sglang-server-concurrency x engines; "
-                        "stream: --rollout-batch-size x --n-samples-per-prompt, at most that)")
+                        "stream with --admission fixed: --rollout-batch-size x --n-samples-per-prompt, at most that); "
+                        "with --admission auto, the most it may keep in flight")
+    g.add_argument("--admission", choices=["auto", "fixed"], default=None,
+                   help="pool and stream modes: fixed keeps --rollout-pool-size requests in flight; auto adjusts them "
+                        "from the engines' load reports (/v1/loads: KV usage, queue, retractions; AIMD-like, "
+                        "slime/rollout/admission.py) up to --rollout-pool-size. Default: auto, or fixed when "
+                        "--rollout-pool-size is given")
     g.add_argument("--max-staleness", type=int, default=None,
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",

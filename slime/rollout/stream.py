@@ -37,6 +37,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
@@ -75,11 +76,12 @@ class StreamConfig:
     pool_size: int  # --rollout-pool-size
     cap: StalenessCap
     rpc_timeout: float = 120.0
+    admission: AdmissionControl | None = None  # --admission (None: fixed pool_size); it learns across segments
 
     @classmethod
     def from_args(cls, args, cap: StalenessCap) -> "StreamConfig":
         return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size), cap,
-                   args.rollout_rpc_timeout)
+                   args.rollout_rpc_timeout, AdmissionControl.from_args(args))
 
 
 # run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput
@@ -180,7 +182,8 @@ class StreamRollout:
             self._segment_task = asyncio.ensure_future(self._run_segment(self._halt))
 
     async def _run_segment(self, halt: asyncio.Event) -> None:
-        supply = PoolSupply(self.config.pool_size, gate=self.gate)  # issue nothing while paused (lag, update, eval)
+        # issue nothing while paused (lag, update, eval)
+        supply = PoolSupply(self.config.pool_size, gate=self.gate, admission=self.config.admission)
         try:
             out = await self.run_segment(self.next_batch, supply, StreamPlacement(self.accept), halt, self._segment_io)
             if not out.metrics.get("rollout/halted"):
@@ -304,6 +307,8 @@ class StreamRollout:
             out[f"rollout/staleness_in_flight_{k}"] = float(st[k])
         out.update(token_version_metrics(groups, version))
         out.update(sample_metrics(groups))
+        if self.config.admission is not None:
+            out.update(self.config.admission.metrics())
         self.max_queue = len(self.queue)
         return out
 

@@ -25,6 +25,7 @@ import asyncio
 import random
 from collections import Counter
 
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.group_outcome import TargetPlacement
@@ -116,7 +117,7 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         supply = ChunkedSupply(cfg.chunk, cfg.concurrency_per_engine,
                                top_ups=cfg.partial_rollout and cfg.top_ups)
     else:
-        supply = PoolSupply(cfg.pool_size)
+        supply = PoolSupply(cfg.pool_size, admission=AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt))
     between = cfg.train_time_s + cost.weight_update_s
     for step in range(cfg.steps):
         cluster.set_version(step, flush=not cfg.reuse_stale_kv)  # the new weights: the engines are idle
@@ -172,7 +173,9 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
             raise error
         return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0} if state.halted else {})
 
-    stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S),
+    admission = AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt)
+    stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S,
+                                        admission),
                            run_segment, gate, buffer, cluster, 0, cfg.steps, 0)
     await stream.resume()
     t_last = loop.time()

@@ -323,6 +323,11 @@ class SimEngine(Admission):
         self.jump = (t, alpha, beta, m, 0)
         self._schedule(t + self._jump_time(alpha, beta, m))
 
+    def token_usage(self) -> float:
+        """The KV cache's used share, as the engines' load reports count it: positions holding KV now."""
+        used = self.tokens_now + sum(r.cached for r in self.prefilling)
+        return min(1.0, used / max(1, self.cost.kv_capacity_tokens))
+
     def busy_s(self) -> float:
         st = self.stats
         return st["prefill_s"] + st["decode_s"] + st["evict_s"] + st["update_s"] + st["http_s"]

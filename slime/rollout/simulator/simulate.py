@@ -35,7 +35,8 @@ class SimConfig:
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = None  # None: rollout_batch_size (synchronous without partial)
     partial_rollout: bool = False
-    pool_size: int = 64  # pool and stream modes: requests in flight
+    pool_size: int = 64  # pool and stream modes: requests in flight (admission auto: at most)
+    admission: str = "fixed"  # pool and stream modes: --admission
     concurrency_per_engine: int = 512  # chunked mode: --sglang-server-concurrency
     num_engines: int = 1
     max_response_len: int = 1024
@@ -91,7 +92,7 @@ class SimConfig:
             osb = args.over_sampling_batch_size
         base = dict(mode=args.rollout_mode, rollout_batch_size=args.rollout_batch_size,
                     n_samples_per_prompt=args.n_samples_per_prompt, over_sampling_batch_size=osb,
-                    partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size,
+                    partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size, admission=args.admission,
                     concurrency_per_engine=args.sglang_server_concurrency, num_engines=args.num_engines,
                     max_response_len=args.rollout_max_response_len, max_staleness=args.max_staleness,
                     staleness_policy=args.staleness_policy, reuse_stale_kv=args.reuse_stale_kv,

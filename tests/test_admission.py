@@ -1,0 +1,89 @@
+"""--admission: the AIMD-like controller of a pool's requests in flight (slime/rollout/admission.py), its slots, and
+the same controller driving the simulated engines' pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slime.rollout.admission import AdmissionControl, Slots
+from slime.rollout.simulator import EngineCostModel, ParetoLengths, SimConfig, simulate
+
+
+def load(running=0, waiting=0, usage=0.1, cap=64, retracted=0) -> dict:
+    return {"num_running_reqs": running, "num_waiting_reqs": waiting, "token_usage": usage,
+            "max_running_requests": cap, "queues": {"retracted": retracted}}
+
+
+def test_fixed_never_moves():
+    c = AdmissionControl("fixed", 40, 4)
+    for ld in ([load(waiting=30)], [load(retracted=3)], [load(running=40)]):
+        assert c.observe(ld, 40) == 40
+    assert c.metrics() == {}
+
+
+def test_auto_starts_at_the_engines_capacity_and_follows_their_loads():
+    c = AdmissionControl("auto", 512, 4)
+    assert c.observe([load(cap=64), load(cap=64)], 0) == 128  # two engines' batch capacity, under the ceiling
+    assert c.observe([load(running=60, waiting=1), load(running=60)], 128) == 132  # saturated, no queue: + a group
+    assert c.observe([load(running=60), load(running=60)], 100) == 132  # not every slot in use: no growth
+    # a queue: the engines run all they can; the limit goes down to what runs plus the slack
+    assert c.observe([load(running=50, waiting=30), load(running=50, waiting=30)], 132) == 110
+    # congestion: KV full or a retraction: multiplicative decrease
+    assert c.observe([load(running=50, usage=0.95), load(running=50)], 110) == 82
+    assert c.observe([load(running=50, retracted=2), load(running=50)], 82) == 61
+    for _ in range(50):  # never below one group
+        c.observe([load(retracted=1)], 0)
+    assert c.limit == 4
+    m = c.metrics()
+    assert m["rollout/admission_limit"] == 4.0 and m["rollout/admission_increases"] == 1.0
+    assert m["rollout/admission_decreases_queue"] == 1.0 and m["rollout/admission_decreases_congestion"] >= 2
+
+
+def test_auto_is_capped_by_the_pool_size_and_refuses_bad_input():
+    assert AdmissionControl("auto", 32, 4).observe([load(cap=128)], 0) == 32
+    with pytest.raises(ValueError, match="--admission"):
+        AdmissionControl("sometimes", 32, 4)
+
+
+def test_slots_admit_up_to_the_limit_and_wake_when_it_grows():
+    async def main():
+        c = AdmissionControl("fixed", 2, 1)
+        slots, stop = Slots(c), asyncio.Event()
+        assert await slots.acquire(stop) and await slots.acquire(stop)
+        third = asyncio.ensure_future(slots.acquire(stop))
+        await asyncio.sleep(0.01)
+        assert not third.done()
+        c.limit = 3  # (auto) the limit grew
+        slots.changed()
+        assert await asyncio.wait_for(third, 1)
+        fourth = asyncio.ensure_future(slots.acquire(stop))
+        await asyncio.sleep(0.01)
+        slots.release()
+        assert await asyncio.wait_for(fourth, 1) and slots.in_flight == 3
+        fifth = asyncio.ensure_future(slots.acquire(stop))
+        stop.set()
+        assert await asyncio.wait_for(fifth, 1) is False
+
+    asyncio.run(main())
+
+
+KV_LIMITED = EngineCostModel(name="kv-limited", decode_base_s=0.01, decode_per_seq_s=0.0005, decode_per_token_s=0.0,
+                             prefill_base_s=0.002, prefill_per_token_s=1e-5, max_running=256,
+                             kv_capacity_tokens=48 * 1024)
+
+
+def test_simulated_pool_finds_what_the_engine_can_run():
+    """A pool whose ceiling is far above what the engine admits (its KV cache holds ~48 reservations of 1 024
+    tokens): auto settles near what runs, with a small queue; fixed at the ceiling keeps hundreds waiting."""
+    lengths = ParetoLengths(1.0, 8, 128)
+    base = SimConfig(mode="pool", rollout_batch_size=16, n_samples_per_prompt=4, partial_rollout=True, pool_size=256,
+                     max_response_len=1024, steps=8, warmup_steps=2, record_timeline=True)
+    auto = simulate(base.replace(admission="auto"), KV_LIMITED, lengths)
+    fixed = simulate(base, KV_LIMITED, lengths)
+    peak_auto = max(n for _, n in auto.client_timeline[len(auto.client_timeline) // 2:])
+    assert 40 <= peak_auto <= 80  # ~48 running plus the queue slack, not 256
+    assert max(n for _, n in fixed.client_timeline) == 256
+    for r in (auto, fixed):
+        assert all(s["accepted"] == base.rollout_batch_size for s in r.steps)

@@ -215,10 +215,20 @@ def test_train_async_rules_name_the_flag(base, extra, flag):
     assert str(e.value).startswith(flag + ":")
 
 
-def test_stream_pool_defaults_to_one_batch_of_requests(base):
-    a = parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"], entry="train_async.py")
-    assert a.rollout_pool_size == 4 * 2  # --rollout-batch-size x --n-samples-per-prompt
-    assert parse_args(base + ["--rollout-mode", "pool"]).rollout_pool_size == 512
+def test_pool_and_stream_admission_defaults(base):
+    """auto (the engines' loads decide, at most concurrency x engines) unless a pool size is given; a fixed stream
+    pool defaults to one batch of requests."""
+    stream = ["--rollout-mode", "stream", "--partial-rollout"]
+    a = parse_args(base + stream, entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("auto", 512)
+    a = parse_args(base + stream + ["--admission", "fixed"], entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("fixed", 4 * 2)  # --rollout-batch-size x --n-samples-per-prompt
+    a = parse_args(base + stream + ["--rollout-pool-size", "6"], entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("fixed", 6)
+    assert (parse_args(base + ["--rollout-mode", "pool"]).admission, parse_args(base).admission) == ("auto", "fixed")
+    assert parse_args(base + ["--rollout-mode", "pool", "--admission", "auto", "--rollout-pool-size", "64"]).admission == "auto"
+    with pytest.raises(ArgumentError, match="^--admission auto: .*--rollout-mode pool or stream"):
+        parse_args(base + ["--admission", "auto"])
 
 
 def test_update_weight_mode_defaults_and_slime_disk_flag(base):

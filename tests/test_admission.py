@@ -87,3 +87,46 @@ def test_simulated_pool_finds_what_the_engine_can_run():
     assert max(n for _, n in fixed.client_timeline) == 256
     for r in (auto, fixed):
         assert all(s["accepted"] == base.rollout_batch_size for s in r.steps)
+
+
+@pytest.mark.slow
+def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
+    """Pool mode against the embedded engine behind the real router, its batch capped at 4 rows: auto starts at the
+    engine's reported capacity and keeps the requests in flight near what runs (the real /v1/loads), far under its
+    ceiling of 32; every step fills its target."""
+    from slime.arguments import parse_args
+    from slime.backends.sglang_utils.engine_group import EngineGroup
+    from slime.ray.buffer import PartialRolloutBuffer
+    from slime.rollout.base_types import RolloutContext
+    from slime.rollout.data_source import RolloutDataSource
+    from slime.rollout.sglang_rollout import generate_rollout
+    from slime.tasks.subtract_chain import VOCAB, write_dataset
+    from slime.utils.ledger import TRAINED
+    from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+    tok = build_tokenizer(VOCAB)
+    build_tiny_qwen3(str(tmp_path / "model"), tok, TinyQwen3Spec(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        max_position_embeddings=256), seed=3)
+    write_dataset(str(tmp_path / "prompts.jsonl"), 200, seed=0)
+    args = parse_args([
+        "--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "prompts.jsonl"),
+        "--label-key", "label", "--rm-type", "subtract_chain", "--num-rollout", "4", "--rollout-backend", "embedded",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "64",
+        "--rollout-ignore-eos", "--sglang-server-concurrency", "32", "--sglang-max-running-requests", "4",
+        "--partial-rollout", "--rollout-mode", "pool", "--rollout-seed", "7", "--run-dir", str(tmp_path / "run")])
+    assert (args.admission, args.rollout_pool_size) == ("auto", 32)
+    control = AdmissionControl.from_args(args)
+    source, buffer = RolloutDataSource(args, tok), PartialRolloutBuffer(args)
+    with EngineGroup(args, log_dir=str(tmp_path / "logs")).start() as engines:
+        outs = []
+        for step in range(4):
+            ctx = RolloutContext(source, buffer, engines, tok, 0, admission=control)  # the engines serve version 0
+            outs.append(generate_rollout(args, step, ctx))
+            buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
+    assert all(o.metrics["rollout/groups_accepted"] == 4 for o in outs)
+    assert control.observations > 0 and control.started
+    assert 2 <= control.limit <= 4 + 2 * 2  # what runs (4) plus a group or two of queue, not 32
+    assert outs[-1].metrics["rollout/admission_limit"] == control.limit
+    assert outs[-1].metrics["rollout/in_flight_peak"] <= 4 + 3 * 2
+    buffer.check_balanced()

@@ -125,31 +125,33 @@ def post_ok(url: str, body: dict) -> None:
 
 
 class ReplyLog:
-    """Every reply's segment, by sample: (tokens before it, its versions), to tell which tokens a request sampled
-    after an update it ran across (--pause-mode in_place: those attend to KV of the older weights)."""
+    """Every reply's segment, by sample: (tokens before it, its versions, the version it was sent at), to tell which
+    tokens a request sampled under weights newer than the ones it was sent at (--pause-mode in_place: those may
+    attend to KV of the older weights: the request's own, or a cached prefix under its version's key)."""
 
     def __init__(self, monkeypatch):
         from slime.rollout.sampling_request import SampleRequester
 
-        self.by_sample: dict[int, list[tuple[int, list[int]]]] = {}
+        self.by_sample: dict[int, list[tuple[int, list[int], int]]] = {}
         original = SampleRequester.request
 
         async def request(requester, payload, window, sample):
             before = sample.response_length
+            sent = window.sent if window is not None else requester.policy_version
             seg = await original(requester, payload, window, sample)
             versions = seg.versions if isinstance(seg.versions, list) else [seg.versions] * len(seg.ids)
-            self.by_sample.setdefault(sample.index, []).append((before, versions))
+            self.by_sample.setdefault(sample.index, []).append((before, versions, sent))
             return seg
 
         monkeypatch.setattr(SampleRequester, "request", request)
 
     def crossed(self, sample) -> set[int]:
-        """Positions of `sample`'s response sampled by a request after it crossed an update (reset by a restart:
-        only the segments of its current response count)."""
+        """Positions of `sample`'s response sampled under weights newer than its request was sent at (a restart resets
+        the response: only the positions of its current one count)."""
         out = set()
-        for before, versions in self.by_sample.get(sample.index, []):
+        for before, versions, sent in self.by_sample.get(sample.index, []):
             for i, v in enumerate(versions):
-                if v != versions[0] and before + i < sample.response_length:
+                if v != sent and before + i < sample.response_length:
                     out.add(before + i)
         return out
 
@@ -203,9 +205,9 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypat
     spanning = [s for s in samples if len(set(s.weight_versions)) > 1]
     assert spanning, "no sample has tokens from two versions"
     assert all(s.response_length == 32 for s in trained)
-    # every token matches its version's model, except (in_place) those a request sampled after crossing an update,
-    # over KV the older weights computed; a request never starts on KV of older weights (the cache is keyed by
-    # version), so a resumed sample's tokens match exactly
+    # every token matches its version's model, except (in_place) those a request sampled under newer weights than it
+    # was sent at, over KV the older weights computed; a request never starts on KV older than the version it is
+    # sent at (the cache is keyed by version), so a resumed sample's tokens match exactly
     checked = wrong = in_place_kv = 0
     for s in samples:
         under = {name: teacher_forced(m, s) for name, m in env["models"].items()}

@@ -7,14 +7,12 @@ recompute it, and a resumed request keyed by the new version must be prefilled b
 
 from __future__ import annotations
 
-import json
-import threading
-
 import pytest
 import requests
 import torch
-from transformers import DynamicCache
 
+import pause_reference
+from pause_reference import decode_over_cache, teacher_forced
 from slime.backends.hf_engine.pause import FLUSH_FAILED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -56,59 +54,12 @@ def update_to_b(server, models, flush: bool) -> requests.Response:
                                                      "flush_cache": flush})
 
 
-def stream(server, body: dict, box: dict, ready_at: int) -> None:
-    """Stream `body`; box['ready'] is set once `ready_at` tokens came back, box['final'] is the last chunk."""
-    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
-        for ln in r.iter_lines():
-            if not ln or ln == b"data: [DONE]":
-                continue
-            chunk = json.loads(ln[len(b"data: "):])
-            if len(chunk["output_ids"]) >= ready_at:
-                box["ready"].set()
-            box["final"] = chunk
-
-
 def running(server, rid: str, n: int = N, ready_at: int = 5, extra_key: str | None = None):
-    """A greedy request streaming on the engine with at least `ready_at` tokens: (thread, box)."""
-    body = {"input_ids": PROMPT, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    if extra_key is not None:
-        body["extra_key"] = extra_key
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=stream, args=(server, body, box, ready_at))
-    t.start()
-    assert box["ready"].wait(60)
-    return t, box
+    return pause_reference.running(server.url, PROMPT, rid, n, ready_at, extra_key)
 
 
-def split(final: dict) -> tuple[list[int], torch.Tensor, int]:
-    """(output ids, their log-probs, k) of a reply whose spans are version 10 for [0, k) and 11 for [k, n)."""
-    meta = final["meta_info"]
-    spans = meta["weight_versions"]
-    assert [s["version"] for s in spans] == ["10", "11"] and meta["weight_version"] == "11", spans
-    k = spans[0]["end"]
-    assert spans[0]["start"] == 0 and spans[1]["start"] == k and spans[1]["end"] == len(final["output_ids"])
-    lps = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
-    return final["output_ids"], lps, k
-
-
-@torch.no_grad()
-def decode_over_cache(ma, mb, ids: list[int], boundary: int) -> torch.Tensor:
-    """Log-probs of ids[p + 1] for each position p, with positions < boundary computed by `ma` and the rest by `mb`,
-    all in one KV cache: what a request held in place across an update computes."""
-    cache = DynamicCache()
-    out = []
-    for p, tok in enumerate(ids[:-1]):
-        model = ma if p < boundary else mb
-        logits = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
-        out.append(torch.log_softmax(logits.float(), -1)[ids[p + 1]])
-    return torch.stack(out)
-
-
-@torch.no_grad()
-def teacher_forced(model, ids: list[int]) -> torch.Tensor:
-    logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+def split(final: dict):
+    return pause_reference.split(final, "10", "11")
 
 
 def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import pytest
 import requests
@@ -340,61 +341,207 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 
 
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
-def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env):
+class ReplyLog:
+    """Every reply's segment, by sample: (tokens before it, its versions, the version it was sent at), to tell which
+    tokens a request sampled under weights newer than the ones it was sent at (--pause-mode in_place: those may
+    attend to KV of the older weights: the request's own, or a cached prefix under its version's key)."""
+
+    def __init__(self, monkeypatch):
+        from slime.rollout.sampling_request import SampleRequester
+
+        self.by_sample: dict[int, list[tuple[int, list[int], int]]] = {}
+        original = SampleRequester.request
+
+        async def request(requester, payload, window, sample):
+            before = sample.response_length
+            sent = window.sent if window is not None else requester.policy_version
+            seg = await original(requester, payload, window, sample)
+            versions = seg.versions if isinstance(seg.versions, list) else [seg.versions] * len(seg.ids)
+            self.by_sample.setdefault(sample.index, []).append((before, versions, sent))
+            return seg
+
+        monkeypatch.setattr(SampleRequester, "request", request)
+
+    def crossed(self, sample) -> set[int]:
+        return {before + i for before, versions, sent in self.by_sample.get(sample.index, [])
+                for i, v in enumerate(versions) if v != sent}
+
+
+@pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
+def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, pause):
     """train_async.py's stream rollout on real engines, weights switching between two models while requests are
-    in flight. SGLang (>= 0.5.22) fails an update that flushes the cache while requests run, so the default
-    (--in-flight-update abort) drains the gate first: the update succeeds, and every token's log-prob equals a
-    teacher-forced one under the weights of the version it carries."""
+    in flight, for each --pause-mode. abort drains the gate first (SGLang >= 0.5.22 fails an update that flushes
+    the cache while requests run); retract and in_place pause the engines, which keep our requests (in_place:
+    the push says flush_cache=false). Every token carries the version SGLang's spans give it
+    (`meta_info.weight_versions`, never disagreeing with our record); its log-prob equals a teacher-forced one
+    under that version's weights, except (in_place) the tokens a request sampled over KV of the older weights."""
     import ray
     from transformers import AutoModelForCausalLM
 
     from logprob_reference import teacher_forced
-    from slime.arguments import ArgumentError
     from slime.ray.async_rollout import AsyncRollout
     from slime.ray.rollout import RolloutManager
     from slime.utils.run import init_ray
 
     root, group = env["root"], env["engines"]
-    build_tiny_qwen3(str(root / "B"), env["tok"], SPEC, seed=4)
+    if not (root / "B").exists():
+        build_tiny_qwen3(str(root / "B"), env["tok"], SPEC, seed=4)
     paths = {"A": env["model_dir"], "B": str(root / "B")}
     models = {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in paths.items()}
     flags = ("--rollout-mode", "stream", "--rollout-max-response-len", "32", "--rollout-ignore-eos",
              "--sglang-server-concurrency", "8", "--rollout-pool-size", "6", "--partial-rollout",
-             "--max-async-lag", "40", "--num-rollout", "50")
-    with pytest.raises(ArgumentError, match="--in-flight-update in_place"):  # SGLang cannot run on across an update
-        rollout_args(root, *flags, "--in-flight-update", "in_place", entry="train_async.py")
-    args = rollout_args(root, *flags, entry="train_async.py")
+             "--max-async-lag", "40", "--num-rollout", "50", "--pause-mode", pause)
+    args = rollout_args(root, *flags, "--run-dir", str(root / f"run_stream_{pause}"), entry="train_async.py")
+    log = ReplyLog(monkeypatch)
     weights = {v: "AB"[v % 2] for v in range(20)}
     group.update_weights_from_disk(paths["A"], 0)
     if not ray.is_initialized():
         init_ray(num_cpus=2)
-    manager = RolloutManager(args, str(root / "run_stream"), start_engines=False)
+    manager = RolloutManager(args, str(root / f"run_stream_{pause}"), start_engines=False)
     manager.attach_engines(group)
     rollout = AsyncRollout(args, manager, 0).start()
-    batches = []
+    batches, across = [], 0
     try:
         for step in range(12):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with rollout.updating_weights(step + 1):  # the gate drains our requests, then the update lands
-                replies = group.update_weights_from_disk(paths[weights[step + 1]], step + 1)
+            with rollout.updating_weights(step + 1):  # abort: the gate drains ours; else the engines hold them
+                replies = group.update_weights_from_disk(paths[weights[step + 1]], step + 1,
+                                                         flush_cache=pause != "in_place")
             assert all(r["success"] for r in replies.values()), replies
             manager.set_policy_version(step + 1)
             spanning = [s for b in batches for g in b.groups for s in g if len(set(s.weight_versions)) > 1]
-            if step >= 2 and rollout.gate.pauses_by_reason["update"] >= 2 and spanning:
+            across = sum(len(log.crossed(s)) > 0 for b in batches for g in b.groups for s in g)
+            held_across = rollout.gate.pauses_by_reason["update"] >= 2 if pause == "abort" else across > 0
+            if step >= 2 and held_across and spanning:
                 break
     finally:
         rollout.stop()
-    assert rollout.gate.pauses_by_reason["update"] >= 2  # updates found requests of ours in flight, and drained them
+    if pause == "abort":  # updates found requests of ours in flight, and drained them
+        assert rollout.gate.pauses_by_reason["update"] >= 2
+    else:  # nothing aborted for an update: SGLang held requests across them, its spans split their tokens
+        assert rollout.gate.pauses_by_reason["update"] == 0 and across > 0
     summary = ray.get(manager.buffer.check_balanced.remote(), timeout=60)
     assert summary["issued"] == 0
     samples = [s for b in batches for g in b.groups for s in g]
     assert any(len(set(s.weight_versions)) > 1 for s in samples), "no sample resumed across an update"
+    assert all(b.metrics["rollout/version_disagreements"] == 0 for b in batches)
     wrong = checked = 0
     for s in samples:
         under = {k: teacher_forced(m, s) for k, m in models.items()}
+        crossed = log.crossed(s) if pause == "in_place" else set()
         for i, v in enumerate(s.weight_versions):
+            if i in crossed:
+                continue
             assert under[weights[v]][i] == pytest.approx(s.rollout_log_probs[i], abs=1e-4), (s.index, i, v)
             wrong += abs(under["B" if weights[v] == "A" else "A"][i] - s.rollout_log_probs[i]) > 1e-2
             checked += 1
     assert wrong > checked // 2  # the two models differ: a mislabelled token would be caught
+
+
+# ---- 3e: pauses, spans and cache keys, SGLang's and the embedded engine's ----------------------------------
+def pause_scenario(url: str, dirs: dict, models: dict) -> dict:
+    """Pauses around disk updates on one engine, each checked against the models: in_place holds a running request
+    with its KV (an update that flushes is refused after loading; without the flush it goes through; the request
+    then samples model B over model A's KV), retract frees it and prefills it again (B from the update on), abort
+    aborts it and holds a new request until the continue. Returns what both engines must answer alike."""
+    from pause_reference import decode_over_cache, running, split, teacher_forced
+
+    def update(name: str, version: str, flush: bool) -> requests.Response:
+        return requests.post(url + "/update_weights_from_disk", json={"model_path": dirs[name], "weight_version": version,
+                                                                   "flush_cache": flush}, timeout=300)
+
+    def post(path: str, body=None) -> requests.Response:
+        return requests.post(url + path, json=body or {}, timeout=300)
+
+    out = {}
+    (ma, mb), n = (models["A"], models["B"]), 40
+    assert update("A", "30", True).json()["success"]
+    t, box = running(url, PROMPT, "pause-in-place", n, 3)
+    post("/pause_generation", {"mode": "in_place"})
+    refused = update("B", "31", True)
+    out["in_place_update_with_flush"] = (refused.status_code, refused.json()["success"], refused.json()["message"])
+    out["in_place_loaded_anyway"] = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
+    out["in_place_update"] = update("B", "31", False).json()["success"]
+    out["in_place_flush"] = post("/flush_cache").status_code
+    post("/continue_generation")
+    t.join(600)
+    ids, lps, k = split(box["final"], "30", "31")
+    seq = PROMPT + ids
+    assert 3 <= k < n and torch.allclose(lps, decode_over_cache(ma, mb, seq, len(PROMPT) + k - 1)[len(PROMPT) - 1:],
+                                         atol=1e-4), (k, lps)
+    out["in_place_spans"] = len(box["final"]["meta_info"]["weight_versions"])
+
+    assert update("A", "32", True).json()["success"]
+    t, box = running(url, PROMPT, "pause-retract", n, 3)
+    post("/pause_generation", {"mode": "retract"})
+    out["retract_update"] = update("B", "33", True).json()["success"]
+    out["retract_flush"] = post("/flush_cache").status_code
+    post("/continue_generation")
+    t.join(600)
+    ids, lps, k = split(box["final"], "32", "33")
+    seq = PROMPT + ids
+    assert torch.allclose(lps[:k], teacher_forced(ma, seq)[len(PROMPT) - 1:][:k], atol=1e-4)
+    assert torch.allclose(lps[k:], teacher_forced(mb, seq)[len(PROMPT) - 1:][k:], atol=1e-4)
+    out["retract_num_retractions"] = box["final"]["meta_info"]["num_retractions"]
+
+    t, box = running(url, PROMPT, "pause-abort", n, 3)
+    post("/pause_generation", {"mode": "abort"})
+    t.join(600)
+    out["abort_finish"] = box["final"]["meta_info"]["finish_reason"]
+    held = {}
+    h = threading.Thread(target=lambda: held.update(generate(url, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})))
+    h.start()
+    h.join(2)
+    out["abort_holds_new_requests"] = h.is_alive()
+    post("/continue_generation")
+    h.join(600)
+    out["held_request_tokens"] = len(held["output_ids"])
+    return out
+
+
+def cache_key_scenario(url: str, dirs: dict, models: dict) -> dict:
+    """An aborted request's KV, kept across an update that keeps the cache, under our client's version keys: a
+    request keyed by the new version is prefilled by the new weights; keyed by the old one it reuses the old KV."""
+    from pause_reference import running, teacher_forced
+
+    requests.post(url + "/update_weights_from_disk", json={"model_path": dirs["A"], "weight_version": "40"}, timeout=300)
+    t, box = running(url, PROMPT, "to-park", 60, 8, extra_key="weights-v40")
+    requests.post(url + "/abort_request", json={"rid": "to-park"}, timeout=30)
+    t.join(600)
+    part = box["final"]["output_ids"]
+    assert requests.post(url + "/update_weights_from_disk", json={"model_path": dirs["B"], "weight_version": "41",
+                                                                 "flush_cache": False}, timeout=300).json()["success"]
+    resume = {"input_ids": PROMPT + part, "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    fresh = generate(url, {**resume, "extra_key": "weights-v41"})
+    seq = PROMPT + part + fresh["output_ids"]
+    got = torch.tensor([lp for lp, _, _ in fresh["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, teacher_forced(models["B"], seq)[len(PROMPT + part) - 1:], atol=1e-4)
+    stale = generate(url, {**resume, "extra_key": "weights-v40"})
+    got_stale = torch.tensor([lp for lp, _, _ in stale["meta_info"]["output_token_logprobs"]])
+    return {"new_key_cached": fresh["meta_info"]["cached_tokens"], "old_key_cached": stale["meta_info"]["cached_tokens"] > 0,
+            "old_key_is_old_kv": not torch.allclose(got_stale[:1], got[:1], atol=1e-3), "aborted_at": len(part) >= 8}
+
+
+def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env, start_engine, tmp_path):
+    """SGLang's own server and the embedded engine, on the same two models, answer the pause scenarios alike and as
+    the models say (slime/backends/hf_engine/pause.py follows SGLang's scheduler code; this runs SGLang itself)."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_qwen3(str(tmp_path / "B"), env["tok"], SPEC, seed=21)
+    dirs = {"A": env["model_dir"], "B": str(tmp_path / "B")}
+    models = {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in dirs.items()}
+    real = env["engines"].engine_urls[0]
+    emb = start_engine(env["model_dir"], "--seed", "0").url
+    theirs, ours = pause_scenario(real, dirs, models), pause_scenario(emb, dirs, models)
+    assert theirs == ours, (theirs, ours)
+    assert theirs["in_place_update_with_flush"][:2] == (400, False) and theirs["in_place_loaded_anyway"] == "31"
+    assert theirs["in_place_update"] and theirs["in_place_flush"] == 400 and theirs["in_place_spans"] == 2
+    assert theirs["retract_update"] and theirs["retract_flush"] == 200 and theirs["retract_num_retractions"] == 1
+    assert theirs["abort_finish"]["type"] == "abort" and theirs["abort_holds_new_requests"]
+    theirs, ours = cache_key_scenario(real, dirs, models), cache_key_scenario(emb, dirs, models)
+    assert theirs == ours == {"new_key_cached": 0, "old_key_cached": True, "old_key_is_old_kv": True,
+                              "aborted_at": True}, (theirs, ours)
+    requests.post(real + "/update_weights_from_disk", json={"model_path": dirs["A"], "weight_version": "0"}, timeout=300)

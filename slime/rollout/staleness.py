@@ -22,6 +22,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
+# Sample.metadata: the response length at the sample's first restart (a censored length: slime/rollout/length_bias.py)
+CUT_KEY = "first_attempt_cut_at"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StalenessCap:
         counts[self.policy] += 1
         if self.policy == "restart":
             counts["restarted_tokens"] += sample.response_length
+            sample.metadata.setdefault(CUT_KEY, sample.response_length)  # its first attempt was at least this long
             sample.reset_response()
             sample.metadata["staleness_restarts"] = sample.metadata.get("staleness_restarts", 0) + 1
         elif self.policy == "mask":

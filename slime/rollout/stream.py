@@ -40,6 +40,7 @@ from typing import Awaitable, Callable
 from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
+from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import RolloutEngineFaultError, RolloutError
@@ -237,6 +238,7 @@ class StreamRollout:
         kept: list[tuple[list[Sample], int]] = []
         counts: Counter = Counter()
         dropped: list[int] = []
+        stale_groups: list[list[Sample]] = []
         while len(kept) < self.batch_size:
             await self._wait_for_groups(t0, timeout)
             if not self.queue:
@@ -248,6 +250,7 @@ class StreamRollout:
             ok_ids = {id(g) for g in ok}
             kept += [(g, a) for g, a in part if id(g) in ok_ids]
             if stale:
+                stale_groups += stale
                 ids = sorted(group_id(g) for g in stale)
                 await call_maybe_remote(self.buffer, "mark", ids, DROPPED, "stale_at_train", timeout=self.rpc_timeout)
                 dropped += ids
@@ -255,7 +258,9 @@ class StreamRollout:
         waited = time.monotonic() - t0
         await self.rebalance()  # a batch left the queue: room for the next one
         groups = [g for g, _ in kept]
-        return RolloutOutput(groups=groups, metrics=self._metrics(kept, version, waited, counts, dropped))
+        metrics = self._metrics(kept, version, waited, counts, dropped)
+        metrics.update(length_bias_metrics([s for g in groups for s in g], dropped=[s for g in stale_groups for s in g]))
+        return RolloutOutput(groups=groups, metrics=metrics)
 
     async def _wait_for_groups(self, t0: float, timeout: float) -> None:
         while not self.queue:

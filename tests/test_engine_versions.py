@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from slime.rollout.engine_versions import VersionLabels, cache_key, version_check_metrics
+from slime.rollout.engine_versions import VersionLabels, cache_key, lag_spans, version_check_metrics
 from slime.rollout.sampling_request import token_versions
 from slime.utils.types import Sample
 
@@ -78,3 +78,14 @@ def test_requests_carry_the_key_of_the_version_they_are_sent_at(base_args):
     assert req.payload(s, version=6)["extra_key"] == "weights-v6"
     stale = SampleRequester(base_args.replace(reuse_stale_kv=True), None, "http://127.0.0.1:1", {}, 0, policy_version=4)
     assert "extra_key" not in stale.payload(s)
+
+
+def test_a_span_lag_gives_each_newer_spans_first_tokens_the_version_before():
+    """SGLang's in-place pause: the token its overlap scheduler had in flight is appended after the update, in the newer
+    span, though the older weights sampled it (tests/test_real_sglang.py measures it)."""
+    assert lag_spans([3, 3, 4, 4, 4, 5, 5], 1) == [3, 3, 3, 4, 4, 4, 5]
+    assert lag_spans([3, 3, 4], 0) == [3, 3, 4] and lag_spans([4, 4], 1) == [4, 4]
+    got, _ = label(reply_meta(5, [("3", 0, 2), ("4", 2, 5)], "4"), 5, sent=3, newest=4)
+    labels = VersionLabels("test")
+    lagged = labels.label_tokens(Sample(index=1, group_index=1), [3, 3, 4, 4, 4], True, 3, 4, "rid", span_lag=1)
+    assert got == [3, 3, 4, 4, 4] and lagged == [3, 3, 3, 4, 4]

@@ -468,8 +468,12 @@ def pause_scenario(url: str, dirs: dict, models: dict) -> dict:
     t.join(600)
     ids, lps, k = split(box["final"], "30", "31")
     seq = PROMPT + ids
-    assert 3 <= k < n and torch.allclose(lps, decode_over_cache(ma, mb, seq, len(PROMPT) + k - 1)[len(PROMPT) - 1:],
-                                         atol=1e-4), (k, lps)
+    # the first token model B sampled: the spans' boundary, or (SGLang: its overlap scheduler appends the token in
+    # flight at the pause after the resume) one later
+    first_b = [b for b in range(k - 1, k + 3)
+               if torch.allclose(lps, decode_over_cache(ma, mb, seq, len(PROMPT) + b - 1)[len(PROMPT) - 1:], atol=1e-4)]
+    assert 3 <= k < n and len(first_b) == 1, (k, first_b, lps)
+    out["in_place_old_tokens_past_the_boundary"] = first_b[0] - k
     out["in_place_spans"] = len(box["final"]["meta_info"]["weight_versions"])
 
     assert update("A", "32", True).json()["success"]
@@ -536,6 +540,9 @@ def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env
     real = env["engines"].engine_urls[0]
     emb = start_engine(env["model_dir"], "--seed", "0").url
     theirs, ours = pause_scenario(real, dirs, models), pause_scenario(emb, dirs, models)
+    # SGLang's overlap scheduler: the token in flight at an in-place pause is the old weights', after the boundary
+    # (our client labels it so: engine_versions.lag_spans); the embedded engine has no step in flight
+    assert (theirs.pop("in_place_old_tokens_past_the_boundary"), ours.pop("in_place_old_tokens_past_the_boundary")) == (1, 0)
     assert theirs == ours, (theirs, ours)
     assert theirs["in_place_update_with_flush"][:2] == (400, False) and theirs["in_place_loaded_anyway"] == "31"
     assert theirs["in_place_update"] and theirs["in_place_flush"] == 400 and theirs["in_place_spans"] == 2

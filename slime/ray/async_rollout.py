@@ -106,6 +106,8 @@ class AsyncRollout:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit))
         version = int(self.manager.policy_version)
         self.gate = VersionGate(version, train_version=version)
+        if self.pause_mode == "in_place" and self.manager.engines.backend == "sglang":
+            self.gate.span_lag = 1  # SGLang appends the token in flight at an in-place pause after the update
         m = self.manager
         if a.rollout_mode == "stream":
             self.producer = StreamRollout(StreamConfig.from_args(a, m.cap), self._run_segment, self.gate, m.buffer, m.engines,

@@ -46,10 +46,11 @@ class VersionLabels:
         self.warnings = 0
 
     def label_tokens(self, sample, engine: list[int] | None, spans_sent: bool, sent: int, newest: int,
-                     rid: str) -> list[int] | int:
+                     rid: str, span_lag: int = 0) -> list[int] | int:
         """The version of each of a reply's tokens for `sample` (an int: all of them). `engine`: the versions the reply
         gives (`sampling_request.token_versions`; None: not ints), `spans_sent`: it had `meta_info.weight_versions`;
-        `sent`..`newest`: our record of the request."""
+        `sent`..`newest`: our record of the request; `span_lag`: the first tokens of each newer span take the version
+        before it (below)."""
         if engine is None:  # the engine's versions are not ints (e.g. its default "default"): ours, if one
             if newest != sent:
                 raise ValueError(f"{self.where}: the engines changed version ({sent} -> {newest}) during request {rid} "
@@ -61,7 +62,7 @@ class VersionLabels:
             sample.metadata["versions_unreported"] = sample.metadata.get("versions_unreported", 0) + len(engine)
             return sent
         if all(sent <= v <= newest for v in engine):
-            return engine
+            return lag_spans(engine, span_lag)
         sample.metadata["version_disagreements"] = sample.metadata.get("version_disagreements", 0) + 1
         self._warn("request %s (sample %s): the engine says its tokens came from versions %s, but it ran while the "
                    "engines served versions %d..%d; labelling them with the older of the two (is something else "
@@ -75,6 +76,22 @@ class VersionLabels:
                            *args)
         else:
             logger.debug(msg, *args)
+
+
+def lag_spans(versions: list[int], lag: int) -> list[int]:
+    """The first `lag` tokens of each newer span labelled with the version before it. SGLang's in_place pause leaves
+    the forward it overlapped with the pause in flight; its token is appended after the resume, so after the update
+    recorded the span boundary, though the older weights sampled it (measured on SGLang 0.5.23's own server:
+    tests/test_real_sglang.py; `Scheduler.pause_generation`'s in_place branch leaves the overlap result queue to the
+    resumed loop, its retract branch processes it first)."""
+    if lag <= 0:
+        return versions
+    out = list(versions)
+    for i in range(1, len(versions)):
+        if versions[i] != versions[i - 1]:
+            for j in range(i, min(i + lag, len(versions))):
+                out[j] = versions[i - 1]
+    return out
 
 
 def version_check_metrics(samples) -> dict[str, float]:

@@ -135,10 +135,12 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int
 @dataclass
 class VersionWindow:
     """Our record of a request: the versions its reply may carry, from `sent` (served when it was sent) to `newest()`
-    (the newest pushed while it ran)."""
+    (the newest pushed while it ran); `span_lag`: tokens at the start of each newer span of its reply that the engine
+    may have sampled with the version before it (engine_versions.py)."""
 
     sent: int
     newest: Callable[[], int]
+    span_lag: int = 0
 
 
 def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_checkpoint: str) -> str:
@@ -316,7 +318,8 @@ class SampleRequester(RequestLoop):
             self._in_flight(-1)
         ids, lps, versions, text, ftype = parse_segment(out, self.url)
         sent, newest = (window.sent, window.newest()) if window is not None else (self.policy_version,) * 2
-        versions = self.versions.label_tokens(sample, versions, "weight_versions" in out["meta_info"], sent, newest, rid)
+        versions = self.versions.label_tokens(sample, versions, "weight_versions" in out["meta_info"], sent, newest, rid,
+                                              window.span_lag if window is not None else 0)
         if len(ids) > max_new:
             raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens={max_new} "
                                         f"(rid {rid})")

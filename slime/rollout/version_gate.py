@@ -54,6 +54,9 @@ class VersionGate:
         self._quiet.set()
         self.in_flight = 0
         self.pending_version: int | None = None  # an in-place update to this version is being pushed
+        # tokens at the start of each newer span the engines may have sampled with the older weights (SGLang's
+        # in_place pause under its overlap scheduler: slime/rollout/engine_versions.py)
+        self.span_lag = 0
         self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
         self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
         self.staleness = Counter()  # what the cap did at in-flight resumes (keys as StalenessCap.at_resume_in_flight's)
@@ -86,6 +89,10 @@ class VersionGate:
             for t in (opened, stopped):
                 t.cancel()
         return not stop.is_set() and self._open.is_set()
+
+    def window(self) -> VersionWindow:
+        """Our record of a request sent now: the versions its reply may carry (`span_lag`: see engine_versions.py)."""
+        return VersionWindow(self.version, lambda: self.newest_version, self.span_lag)
 
     @property
     def newest_version(self) -> int:
@@ -241,7 +248,7 @@ class GatedRequester:
             else:
                 rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
                 with gate.request(rid, sample):
-                    await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version))
+                    await r.send(sample, rid, gate.window())
                 stale_abort = gate.was_aborted(rid)
             # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
             return sample.response_length - before, stale_abort or not gate.is_open
@@ -268,7 +275,7 @@ class GatedTurn:
             return Segment.not_sent(gate.version)
         rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
         with gate.request(rid, sample):
-            seg = await r.turn(sample, sampling_params, rid, VersionWindow(gate.version, lambda: gate.newest_version))
+            seg = await r.turn(sample, sampling_params, rid, gate.window())
         if gate.was_aborted(rid) or (seg.finish == "abort" and not gate.is_open):
             self.sent_back = True
         return seg

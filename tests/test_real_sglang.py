@@ -363,8 +363,15 @@ class ReplyLog:
         monkeypatch.setattr(SampleRequester, "request", request)
 
     def crossed(self, sample) -> set[int]:
-        return {before + i for before, versions, sent in self.by_sample.get(sample.index, [])
-                for i, v in enumerate(versions) if v != sent}
+        """Positions sampled under newer weights than their request was sent at, and the one before each such run:
+        the token SGLang's overlap scheduler may have had in flight at the pause (either weights may have sampled
+        it; our label says the older: engine_versions.lag_spans)."""
+        out = set()
+        for before, versions, sent in self.by_sample.get(sample.index, []):
+            for i, v in enumerate(versions):
+                if v != sent or (i + 1 < len(versions) and versions[i + 1] != sent):
+                    out.add(before + i)
+        return out
 
 
 @pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
@@ -455,7 +462,7 @@ def pause_scenario(url: str, dirs: dict, models: dict) -> dict:
         return requests.post(url + path, json=body or {}, timeout=300)
 
     out = {}
-    (ma, mb), n = (models["A"], models["B"]), 40
+    (ma, mb), n = (models["A"], models["B"]), 200  # long enough to be running when the pause lands (streams lag)
     assert update("A", "30", True).json()["success"]
     t, box = running(url, PROMPT, "pause-in-place", n, 3)
     post("/pause_generation", {"mode": "in_place"})
@@ -540,11 +547,15 @@ def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env
     real = env["engines"].engine_urls[0]
     emb = start_engine(env["model_dir"], "--seed", "0").url
     theirs, ours = pause_scenario(real, dirs, models), pause_scenario(emb, dirs, models)
-    # SGLang's overlap scheduler: the token in flight at an in-place pause is the old weights', after the boundary
-    # (our client labels it so: engine_versions.lag_spans); the embedded engine has no step in flight
-    assert (theirs.pop("in_place_old_tokens_past_the_boundary"), ours.pop("in_place_old_tokens_past_the_boundary")) == (1, 0)
+    # SGLang's overlap scheduler: a token in flight at an in-place pause (usually one) is the old weights', after the
+    # boundary (our client labels it so: engine_versions.lag_spans); the embedded engine has no step in flight
+    assert theirs.pop("in_place_old_tokens_past_the_boundary") in (0, 1)
+    assert ours.pop("in_place_old_tokens_past_the_boundary") == 0
+    # after an update whose flush was refused, SGLang's scheduler labels new tokens with the new version but its
+    # tokenizer side (/model_info) keeps the old one (it records a version only on success); ours has one version
+    assert (theirs.pop("in_place_loaded_anyway"), ours.pop("in_place_loaded_anyway")) == ("30", "31")
     assert theirs == ours, (theirs, ours)
-    assert theirs["in_place_update_with_flush"][:2] == (400, False) and theirs["in_place_loaded_anyway"] == "31"
+    assert theirs["in_place_update_with_flush"][:2] == (400, False)
     assert theirs["in_place_update"] and theirs["in_place_flush"] == 400 and theirs["in_place_spans"] == 2
     assert theirs["retract_update"] and theirs["retract_flush"] == 200 and theirs["retract_num_retractions"] == 1
     assert theirs["abort_finish"]["type"] == "abort" and theirs["abort_holds_new_requests"]

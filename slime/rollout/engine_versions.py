@@ -80,10 +80,11 @@ class VersionLabels:
 
 def lag_spans(versions: list[int], lag: int) -> list[int]:
     """The first `lag` tokens of each newer span labelled with the version before it. SGLang's in_place pause leaves
-    the forward it overlapped with the pause in flight; its token is appended after the resume, so after the update
-    recorded the span boundary, though the older weights sampled it (measured on SGLang 0.5.23's own server:
-    tests/test_real_sglang.py; `Scheduler.pause_generation`'s in_place branch leaves the overlap result queue to the
-    resumed loop, its retract branch processes it first)."""
+    the forward its overlap scheduler launched before the pause in flight (`Scheduler.pause_generation`: the in_place
+    branch leaves the result queue to the resumed loop, the retract branch processes it first); its token is
+    appended after the resume, after the update recorded the span boundary, though the older weights sampled it
+    (measured on SGLang 0.5.23's own server, tests/test_real_sglang.py: usually one token, none when no forward was
+    in flight). The reply cannot say which: the older label is never newer than the truth."""
     if lag <= 0:
         return versions
     out = list(versions)

@@ -6,8 +6,9 @@ router, the run's own RolloutManager and buffer), with the trainer stood in: eac
 load) as `updating_weights` does it for the mode: abort drains and resumes, retract and in_place pause the engines
 (in_place: `flush_cache: false`). The workload is the subtract_chain task's prompts with ignore_eos and each
 sample's budget `--scale` x its true answer length, so the long tail crosses updates. Each mode keeps its own
-manager (buffer, data position, same seed); rounds run every mode in turn for `--steps` steps, so the box's drift
-hits them alike.
+manager (buffer, data position, same seed), engine and rollout, frozen between its rounds (gate held, engine
+paused in place: nothing parked); rounds run every mode in turn for `--steps` steps, so the box's drift hits them
+alike.
 
 Per mode, over the measured rounds: trained samples/s (samples handed to the trainer / wall time of the steps,
 training and updates included), rollout tokens/s, tokens re-prefilled per step (the engine's prefilled tokens
@@ -46,12 +47,15 @@ MODES = ("abort", "retract", "in_place")
 
 
 class Mode:
-    """One pause mode's manager (buffer, data source) and what its measured steps did."""
+    """One pause mode: its own engine (behind its own router), manager (buffer, data source) and rollout, running
+    only while measured: between its rounds the rollout's gate is held and its engine paused in place, so its
+    requests wait with their KV (nothing parked, nothing re-prefilled by the benchmark itself)."""
 
-    def __init__(self, name: str, args, engines, run_dir: str, scale: int):
-        self.name, self.args, self.engines = name, args, engines
+    def __init__(self, name: str, args, run_dir: str, scale: int):
+        self.name, self.args = name, args
+        self.engines = EngineGroup(args, log_dir=os.path.join(run_dir, "logs")).start()
         self.manager = RolloutManager(args, run_dir, start_engines=False)
-        self.manager.attach_engines(engines)
+        self.manager.attach_engines(self.engines)
         self.fresh_prompt_tokens = 0
         source, get_groups = self.manager.data_source, self.manager.data_source.get_groups
 
@@ -64,48 +68,63 @@ class Mode:
             return groups
 
         source.get_groups = budgeted
-        self.step = 0
-        self.version = int(self.manager.policy_version)
+        self.step = self.version = 0
+        self.rollout = AsyncRollout(args, self.manager, 0).start()
+        self._freeze()
         self.totals = {"samples": 0, "wall_s": 0.0, "new_tokens": 0.0, "reprefill": 0, "requests": 0, "steps": 0,
                        "off": 0.0, "trained_tokens": 0.0}
         self.rounds: list[float] = []
 
+    def _freeze(self) -> None:
+        r = self.rollout
+        r._call(r.gate.hold("benchmark", self.engines, r.session, drain=False), 60)
+        self.engines.pause("in_place")
+
+    def _thaw(self) -> None:
+        self.engines.continue_generation()
+        self.rollout.loop.call_soon_threadsafe(self.rollout.gate.release, "benchmark")
+
     def run(self, steps: int, train_s: float, model_dir: str, measure: bool) -> None:
-        rollout = AsyncRollout(self.args, self.manager, self.step).start()
+        self._thaw()
         e0, p0 = engine_stats(self.engines), self.fresh_prompt_tokens
-        samples = wall = new = off = trained = 0.0
+        samples = wall = off = trained = 0.0
         try:
             for _ in range(steps):
                 t0 = time.monotonic()
-                batch = rollout.next_batch(self.step)
+                batch = self.rollout.next_batch(self.step)
                 self.manager.mark_trained(batch.groups)
                 time.sleep(train_s)  # the trainer trains; the engines go on
                 self.version += 1
-                with rollout.updating_weights(self.version):
+                with self.rollout.updating_weights(self.version):
                     self.engines.update_weights_from_disk(model_dir, self.version, flush_cache=self.name != "in_place")
                 self.manager.set_policy_version(self.version)
                 wall += time.monotonic() - t0
                 samples += sum(len(g) for g in batch.groups)
-                new += batch.metrics["rollout/new_tokens"]
                 off += batch.metrics["rollout/off_policy_tokens"]
                 trained += batch.metrics["rollout/trained_tokens"]
                 self.step += 1
         finally:
-            rollout.stop()
+            self._freeze()
         d = stats_delta(engine_stats(self.engines), e0)
+        reprefill = d.get("prefill_tokens", 0) - (self.fresh_prompt_tokens - p0)
         if measure:
             t = self.totals
             t["samples"] += samples
             t["wall_s"] += wall
-            t["new_tokens"] += new
+            t["new_tokens"] += d.get("sampled_tokens", 0)
             t["off"] += off
             t["trained_tokens"] += trained
-            t["reprefill"] += d.get("prefill_tokens", 0) - (self.fresh_prompt_tokens - p0)
+            t["reprefill"] += reprefill
             t["requests"] += d.get("requests_in", 0)
             t["steps"] += steps
             self.rounds.append(samples / wall)
         logger.info("%s: %d steps, %.2f samples/s, re-prefilled %d tokens, %d requests", self.name, steps,
-                    samples / wall, d.get("prefill_tokens", 0) - (self.fresh_prompt_tokens - p0), d.get("requests_in", 0))
+                    samples / wall, reprefill, d.get("requests_in", 0))
+
+    def close(self) -> None:
+        self._thaw()
+        self.rollout.stop()
+        self.engines.shutdown()
 
     def result(self) -> dict:
         t = self.totals
@@ -121,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="steps per mode per round")
     p.add_argument("--warmup-steps", type=int, default=4)
-    p.add_argument("--train-seconds", type=float, default=0.5, help="the stood-in trainer's time per step")
+    p.add_argument("--train-seconds", type=float, default=0.2, help="the stood-in trainer's time per step")
     p.add_argument("--scale", type=int, default=4, help="budget = scale x the true answer length")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
@@ -152,14 +171,15 @@ def main(argv=None) -> int:
                 "--rollout-backend", "embedded", "--rollout-batch-size", str(opts.batch),
                 "--n-samples-per-prompt", str(opts.n), "--rollout-max-response-len", str(opts.scale * 200),
                 "--rollout-ignore-eos", "--rollout-mode", "stream", "--partial-rollout",
-                "--rollout-pool-size", str(opts.pool_size), "--max-async-lag", "2", "--pause-mode", mode,
+                "--rollout-pool-size", str(opts.pool_size), "--max-async-lag", "1", "--pause-mode", mode,
                 "--rollout-seed", str(opts.seed), "--run-dir", os.path.join(work, f"run_{mode}")],
                 entry="train_async.py")
 
         init_ray(num_cpus=2)
-        group = EngineGroup(args("abort"), log_dir=os.path.join(work, "logs")).start()
+        modes = {}
         try:
-            modes = {m: Mode(m, args(m), group, os.path.join(work, f"run_{m}"), opts.scale) for m in opts.modes}
+            for m in opts.modes:
+                modes[m] = Mode(m, args(m), os.path.join(work, f"run_{m}"), opts.scale)
             for m in modes.values():
                 m.run(opts.warmup_steps, opts.train_seconds, model_dir, measure=False)
             loads = []
@@ -170,7 +190,8 @@ def main(argv=None) -> int:
                 print(f"round {r}: " + "  ".join(f"{k} {m.rounds[-1]:.2f}" for k, m in modes.items())
                       + f" trained samples/s; load {loads[-1]}", flush=True)
         finally:
-            group.shutdown()
+            for m in modes.values():
+                m.close()
     res = {k: m.result() for k, m in modes.items()}
     base = res.get("abort")
     for k, v in res.items():

@@ -26,19 +26,37 @@ def test_fixed_never_moves():
 def test_auto_starts_at_the_engines_capacity_and_follows_their_loads():
     c = AdmissionControl("auto", 512, 4)
     assert c.observe([load(cap=64), load(cap=64)], 0) == 128  # two engines' batch capacity, under the ceiling
-    assert c.observe([load(running=60, waiting=1), load(running=60)], 128) == 132  # saturated, no queue: + a group
-    assert c.observe([load(running=60), load(running=60)], 100) == 132  # not every slot in use: no growth
-    # a queue: the engines run all they can; the limit goes down to what runs plus the slack
-    assert c.observe([load(running=50, waiting=30), load(running=50, waiting=30)], 132) == 110
+    c.observe([load(running=60, waiting=1), load(running=60)], 128)  # saturated, no queue: the loads allow more
+    assert (c.limit, c.cap) == (128, 132)
+    c.observe([load(running=60), load(running=60)], 100)  # not every slot in use: no growth
+    assert c.cap == 132
+    # a queue in one report (rows being admitted) is not a signal; in two, the engines run all they can: the limit
+    # goes down to what runs plus the slack
+    assert c.observe([load(running=50, waiting=30), load(running=50, waiting=30)], 128) == 128
+    assert c.observe([load(running=50, waiting=30), load(running=50, waiting=30)], 128) == 110
     # congestion: KV full or a retraction: multiplicative decrease
     assert c.observe([load(running=50, usage=0.95), load(running=50)], 110) == 82
     assert c.observe([load(running=50, retracted=2), load(running=50)], 82) == 61
     for _ in range(50):  # never below one group
         c.observe([load(retracted=1)], 0)
-    assert c.limit == 4
+    assert c.limit == 4 == c.cap
     m = c.metrics()
     assert m["rollout/admission_limit"] == 4.0 and m["rollout/admission_increases"] == 1.0
     assert m["rollout/admission_decreases_queue"] == 1.0 and m["rollout/admission_decreases_congestion"] >= 2
+
+
+def test_within_what_the_loads_allow_each_steps_speed_climbs_the_hill():
+    """A step's own tokens/s (what the loads cannot see: re-prefill of parked samples, a decode step that grows with
+    its rows) moves the limit: down from the start while steps get faster, back and hold where they stop."""
+    c = AdmissionControl("auto", 256, 4)
+    c.observe([load(cap=128)], 0)
+    speed = {128: 80.0, 102: 90.0, 82: 100.0, 66: 104.0, 53: 101.0, 42: 90.0}  # a plateau around 66
+    seen = []
+    for _ in range(12):
+        seen.append(c.limit)
+        c.after_step(speed.get(c.limit, 50.0))
+    assert seen[:4] == [128, 102, 82, 66] and c.limit in (53, 66) and set(seen[5:]) <= {53, 66, 82}
+    assert AdmissionControl("fixed", 64, 4).after_step(10.0) == 64
 
 
 def test_auto_is_capped_by_the_pool_size_and_refuses_bad_input():

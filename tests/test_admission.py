@@ -24,6 +24,7 @@ def test_fixed_never_moves():
 
 
 def test_auto_starts_at_the_engines_capacity_and_follows_their_loads():
+    assert AdmissionControl("auto", 512, 4, batch=64).observe([load(cap=64), load(cap=64)], 0) == 64  # one batch
     c = AdmissionControl("auto", 512, 4)
     assert c.observe([load(cap=64), load(cap=64)], 0) == 128  # two engines' batch capacity, under the ceiling
     c.observe([load(running=60, waiting=1), load(running=60)], 128)  # saturated, no queue: the loads allow more

@@ -117,7 +117,7 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         supply = ChunkedSupply(cfg.chunk, cfg.concurrency_per_engine,
                                top_ups=cfg.partial_rollout and cfg.top_ups)
     else:
-        supply = PoolSupply(cfg.pool_size, admission=AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt))
+        supply = PoolSupply(cfg.pool_size, admission=admission_of(cfg))
     between = cfg.train_time_s + cost.weight_update_s
     for step in range(cfg.steps):
         cluster.set_version(step, flush=not cfg.reuse_stale_kv)  # the new weights: the engines are idle
@@ -173,7 +173,7 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
             raise error
         return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0} if state.halted else {})
 
-    admission = AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt)
+    admission = admission_of(cfg)
     stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S,
                                         admission),
                            run_segment, gate, buffer, cluster, 0, cfg.steps, 0)
@@ -193,6 +193,12 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         await asyncio.sleep(cfg.train_time_s)  # the trainer trains; the engines go on
         await push_in_flight(cfg, cluster, gate, stream, j + 1)
     await stream.quiesce()
+
+
+def admission_of(cfg) -> AdmissionControl:
+    """The pool's --admission, as the run makes it (AdmissionControl.from_args)."""
+    return AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt,
+                            cfg.rollout_batch_size * cfg.n_samples_per_prompt)
 
 
 async def push_in_flight(cfg, cluster: SimCluster, gate: VersionGate, stream: StreamRollout, version: int) -> None:

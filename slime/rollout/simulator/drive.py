@@ -134,6 +134,7 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         error = step_error(state)
         if error is not None:
             raise error
+        await supply.after_step(state, cluster)  # (--admission auto's climb; auto's over-sampling is not simulated)
         await asyncio.sleep(cost.step_overhead_s / 2)  # and after its drain
         t0 = state.clock.t0
         unfinished = [st.samples for st in state.open_groups() if not all(s.status.is_finished for s in st.samples)]

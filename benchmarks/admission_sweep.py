@@ -5,11 +5,13 @@ with q from the subtract_chain task's truncated Pareto, a simulated weight updat
 step, so parked samples are prefilled again when they resume) run by `--rollout-mode pool --partial-rollout`
 with a fixed `--rollout-pool-size` P for each P of `--sizes`, and with `--admission auto` (at most the largest P,
 no other tuning). Every mode has its own data source and buffer (same seed) and is warmed up first; then rounds
-run every mode in turn for `--min-seconds` of rollout each, so the box's drift hits them alike. Per mode: tokens
-per second of rollout (mean over rounds), and for auto its limit at the end; the ratio auto / the best fixed size
-is taken round by round (the best chosen by its mean), printed as mean +- the half-width of a 90% interval.
+run every mode in turn for `--min-seconds` of rollout each, so the box's drift hits them alike (short slices, many
+rounds: a step's tokens/s varies 20-30% from step to step on the shared 2-core box, and its load drifts within a
+minute). Per mode: tokens per second of rollout (all its measured tokens over all its rollout time), and for auto
+its limit at the end and its probes; the ratio auto / the best fixed size is taken round by round (the best chosen
+by its tokens/s), printed as mean +- the half-width of a 90% interval, beside the ratio of the totals.
 
-    python benchmarks/admission_sweep.py [--sizes 16 32 64 128 256] [--rounds 4] [--min-seconds 6]
+    python benchmarks/admission_sweep.py [--sizes 16 32 64 128 256] [--rounds 40] [--min-seconds 2]
 
 The last line is JSON. Results, box and date: benchmarks/README.md ("Adaptive admission").
 """
@@ -72,31 +74,40 @@ async def main_async(opts, workdir: str) -> dict:
             for name, r in runners.items():
                 await r.warm_up(opts.warmup_engine_steps, opts.warmup_seconds)
             print(f"warm-up {time.monotonic() - t0:.0f}s; auto's limit after it: {control.limit}", flush=True)
-            loads = []
+            loads, auto_limits, ran_at = [], {}, [control.limit]
+
+            async def count_limit(_dt):  # the limit auto's step ran at (its after_step has moved it since)
+                auto_limits[ran_at[0]] = auto_limits.get(ran_at[0], 0) + 1
+                ran_at[0] = control.limit
+
             for rnd in range(opts.rounds):
-                for r in runners.values():
-                    await r.run_for(opts.min_seconds, opts.min_steps)
+                for name, r in runners.items():
+                    await r.run_for(opts.min_seconds, opts.min_steps, after_step=count_limit if name == "auto" else None)
                 loads.append(os.getloadavg()[0])
-                print(f"round {rnd}: " + "  ".join(f"{k} {r.rounds[-1]:.0f}" for k, r in runners.items())
-                      + f" tok/s; auto limit {control.limit}; load {loads[-1]:.1f}", flush=True)
+                if rnd % max(1, opts.rounds // 10) == 0 or rnd == opts.rounds - 1:
+                    print(f"round {rnd}: " + "  ".join(f"{k} {r.rounds[-1]:.0f}" for k, r in runners.items())
+                          + f" tok/s; auto limit {control.limit}; load {loads[-1]:.1f}", flush=True)
     finally:
         group.shutdown()
     res = {k: r.result() for k, r in runners.items()}
     fixed = {k: v for k, v in res.items() if k.startswith("fixed_")}
-    best = max(fixed, key=lambda k: sum(fixed[k]["rounds"]) / len(fixed[k]["rounds"]))
+    best = max(fixed, key=lambda k: fixed[k]["tok_s"])
     ratios = [a / b for a, b in zip(res["auto"]["rounds"], res[best]["rounds"])]
     summary = {
         "workload": {"scale": opts.scale, "cap": opts.cap, "n": opts.n, "batch": opts.batch,
                      "max_running": opts.max_running, "model": f"{opts.hidden}x{opts.layers}"},
-        "tok_s": {k: round(sum(v["rounds"]) / len(v["rounds"]), 1) for k, v in res.items()},
-        "best_fixed": best, "auto_over_best": spread(ratios), "auto_limit_end": control.limit,
+        "tok_s": {k: round(v["tok_s"], 1) for k, v in res.items()},
+        "best_fixed": best, "auto_over_best": spread(ratios),
+        "auto_over_best_totals": res["auto"]["tok_s"] / res[best]["tok_s"], "auto_limit_end": control.limit,
+        "auto_limits": auto_limits,
         "auto_changes": control.metrics(), "load": [round(x, 2) for x in loads], "rounds": opts.rounds,
     }
     for k, v in summary["tok_s"].items():
         print(f"{k:>10}: {v:8.1f} tok/s" + ("   <- best fixed" if k == best else ""), flush=True)
     s = summary["auto_over_best"]
-    print(f"auto / best fixed ({best}): {s['mean']:.3f} +- {s['ci90']:.3f} (90% interval, {len(ratios)} rounds); "
-          f"auto's limit at the end {control.limit}", flush=True)
+    print(f"auto / best fixed ({best}): {s['mean']:.3f} +- {s['ci90']:.3f} (90% interval, {len(ratios)} rounds), "
+          f"totals {summary['auto_over_best_totals']:.3f}; auto's limit at the end {control.limit}, steps per limit "
+          f"{dict(sorted(auto_limits.items()))}, probes {control.climb.probes} (won {control.climb.wins})", flush=True)
     return summary
 
 
@@ -104,9 +115,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--min-seconds", type=float, default=6.0, help="rollout time of each mode in each round")
-    p.add_argument("--min-steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--min-seconds", type=float, default=2.0, help="rollout time of each mode in each round")
+    p.add_argument("--min-steps", type=int, default=1)
     p.add_argument("--warmup-engine-steps", type=int, default=1500, help="engine steps each mode warms up for")
     p.add_argument("--warmup-seconds", type=float, default=60.0, help="at most this long per mode")
     p.add_argument("--batch", type=int, default=16, help="--rollout-batch-size (groups per step)")

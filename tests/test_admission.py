@@ -119,13 +119,20 @@ def test_slots_admit_up_to_the_limit_and_wake_when_it_grows():
         c.limit = 3  # (auto) the limit grew
         slots.changed()
         assert await asyncio.wait_for(third, 1)
-        fourth = asyncio.ensure_future(slots.acquire(stop))
+        waiting = [asyncio.ensure_future(slots.acquire(stop)) for _ in range(3)]
         await asyncio.sleep(0.01)
+        slots.release()  # one slot: the first waiter, the others still wait
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waiting] == [True, False, False] and slots.in_flight == 3
+        waiting[1].cancel()  # a cancelled waiter is skipped
         slots.release()
-        assert await asyncio.wait_for(fourth, 1) and slots.in_flight == 3
-        fifth = asyncio.ensure_future(slots.acquire(stop))
+        await asyncio.sleep(0.01)
+        assert waiting[2].done() and await waiting[2] and slots.in_flight == 3
+        last = asyncio.ensure_future(slots.acquire(stop))
+        await asyncio.sleep(0.01)
         stop.set()
-        assert await asyncio.wait_for(fifth, 1) is False
+        assert await asyncio.wait_for(last, 1) is False and await slots.acquire(stop) is False
+        slots.close()
 
     asyncio.run(main())
 

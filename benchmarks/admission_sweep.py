@@ -1,7 +1,7 @@
 """--admission auto against a sweep of fixed pool sizes, side by side on one engine (pool mode, APRIL's rollout).
 
 The rollout benchmark's workload (benchmarks/rollout_workload.py: ignore_eos, per-sample budgets `--scale` x q
-with q from the subtract_chain task's truncated Pareto, a simulated weight update with a cache flush before every
+with q from `--workload` (pareto: the subtract_chain task's truncated Pareto; lognormal), a simulated weight update with a cache flush before every
 step, so parked samples are prefilled again when they resume) run by `--rollout-mode pool --partial-rollout`
 with a fixed `--rollout-pool-size` P for each P of `--sizes`, and with `--admission auto` (at most the largest P,
 no other tuning). Every mode has its own data source and buffer (same seed) and is warmed up first; then rounds
@@ -31,7 +31,7 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout_report import spread  # noqa: E402
-from rollout_workload import ModeRunner  # noqa: E402
+from rollout_workload import WORKLOADS, BudgetSource, ModeRunner, workload_lengths  # noqa: E402
 
 from slime.arguments import parse_args  # noqa: E402
 from slime.backends.sglang_utils.engine_group import EngineGroup  # noqa: E402
@@ -58,17 +58,18 @@ async def main_async(opts, workdir: str) -> dict:
             "--rollout-batch-size", str(opts.batch), "--sglang-server-concurrency", str(ceiling),
             "--sglang-max-running-requests", str(opts.max_running), "--partial-rollout", "--rollout-mode", "pool"]
     vocab = len(tok)
+    lengths = workload_lengths(opts.workload, opts.scale, opts.cap)
     group = EngineGroup(parse_args(base), log_dir=os.path.join(workdir, "logs")).start()
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=ceiling + 64)) as http:
             runners = {}
             for size in opts.sizes:
                 args = parse_args(base + ["--rollout-pool-size", str(size)]).replace(rollout_ignore_eos=True)
-                runners[f"fixed_{size}"] = ModeRunner(f"fixed_{size}", args, group, http, opts.seed, opts.n, opts.cap,
-                                                      vocab, opts.scale)
+                runners[f"fixed_{size}"] = ModeRunner(f"fixed_{size}", args, group, http,
+                                                      BudgetSource(lengths, opts.seed, opts.n, vocab))
             auto_args = parse_args(base + ["--admission", "auto"]).replace(rollout_ignore_eos=True)
             control = AdmissionControl.from_args(auto_args)
-            runners["auto"] = ModeRunner("auto", auto_args, group, http, opts.seed, opts.n, opts.cap, vocab, opts.scale,
+            runners["auto"] = ModeRunner("auto", auto_args, group, http, BudgetSource(lengths, opts.seed, opts.n, vocab),
                                          admission=control)
             t0 = time.monotonic()
             for name, r in runners.items():
@@ -94,7 +95,7 @@ async def main_async(opts, workdir: str) -> dict:
     best = max(fixed, key=lambda k: fixed[k]["tok_s"])
     ratios = [a / b for a, b in zip(res["auto"]["rounds"], res[best]["rounds"])]
     summary = {
-        "workload": {"scale": opts.scale, "cap": opts.cap, "n": opts.n, "batch": opts.batch,
+        "workload": {"name": opts.workload, "scale": opts.scale, "cap": opts.cap, "n": opts.n, "batch": opts.batch,
                      "max_running": opts.max_running, "model": f"{opts.hidden}x{opts.layers}"},
         "tok_s": {k: round(v["tok_s"], 1) for k, v in res.items()},
         "best_fixed": best, "auto_over_best": spread(ratios),
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-seconds", type=float, default=60.0, help="at most this long per mode")
     p.add_argument("--batch", type=int, default=16, help="--rollout-batch-size (groups per step)")
     p.add_argument("--n", type=int, default=4)
+    p.add_argument("--workload", choices=WORKLOADS, default="pareto")
     p.add_argument("--cap", type=int, default=64)
     p.add_argument("--scale", type=int, default=8)
     p.add_argument("--max-running", type=int, default=128, help="the engine's --max-running-requests")

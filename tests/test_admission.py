@@ -1,5 +1,5 @@
-"""--admission: the AIMD-like controller of a pool's requests in flight (slime/rollout/admission.py), its slots, and
-the same controller driving the simulated engines' pool."""
+"""--admission: the AIMD-like controller of a pool's requests in flight (slime/rollout/admission.py), a step's load
+reports, and the same controller driving the simulated engines' pool."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from slime.rollout.admission import AdmissionControl, Slots
+from slime.rollout.admission import AdmissionControl, AimdRule, LoadPoll
 from slime.rollout.simulator import EngineCostModel, ParetoLengths, SimConfig, simulate
 
 
@@ -108,31 +108,53 @@ def test_auto_is_capped_by_the_pool_size_and_refuses_bad_input():
         AdmissionControl("sometimes", 32, 4)
 
 
-def test_slots_admit_up_to_the_limit_and_wake_when_it_grows():
+def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
+    """The step's loop hands the controller each report that came back at its next wake; it never waits on one
+    (a report is its own task), asks again only after interval_s, and a failed report holds the limit."""
     async def main():
-        c = AdmissionControl("fixed", 2, 1)
-        slots, stop = Slots(c), asyncio.Event()
-        assert await slots.acquire(stop) and await slots.acquire(stop)
-        third = asyncio.ensure_future(slots.acquire(stop))
-        await asyncio.sleep(0.01)
-        assert not third.done()
-        c.limit = 3  # (auto) the limit grew
-        slots.changed()
-        assert await asyncio.wait_for(third, 1)
-        waiting = [asyncio.ensure_future(slots.acquire(stop)) for _ in range(3)]
-        await asyncio.sleep(0.01)
-        slots.release()  # one slot: the first waiter, the others still wait
-        await asyncio.sleep(0.01)
-        assert [w.done() for w in waiting] == [True, False, False] and slots.in_flight == 3
-        waiting[1].cancel()  # a cancelled waiter is skipped
-        slots.release()
-        await asyncio.sleep(0.01)
-        assert waiting[2].done() and await waiting[2] and slots.in_flight == 3
-        last = asyncio.ensure_future(slots.acquire(stop))
-        await asyncio.sleep(0.01)
-        stop.set()
-        assert await asyncio.wait_for(last, 1) is False and await slots.acquire(stop) is False
-        slots.close()
+        reply, calls = asyncio.Event(), []
+
+        async def read():
+            calls.append(1)
+            await reply.wait()
+            return [load(cap=32)]
+
+        c = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=0.0))
+        poll = LoadPoll(c, read)
+        assert c.limit == 16 and not c.started  # one batch before the first report
+        poll.at_wake(0)
+        await asyncio.sleep(0)
+        poll.at_wake(0)  # the report is pending: no second one, nothing observed
+        assert len(calls) == 1 and c.observations == 0
+        reply.set()
+        await poll.report
+        poll.at_wake(16)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
+        await asyncio.sleep(0)
+        assert c.started and c.observations == 1 and c.limit == 16 and len(calls) == 2
+        poll.close()
+
+        slow = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=1e9))
+        poll = LoadPoll(slow, read)
+        poll.at_wake(0)
+        await poll.report
+        poll.at_wake(0)
+        poll.at_wake(0)
+        await asyncio.sleep(0)
+        assert slow.observations == 1 and len(calls) == 3  # no new report within interval_s
+
+        async def broken():
+            raise ConnectionError("engine gone")
+
+        poll = LoadPoll(c, broken)
+        poll.at_wake(16)
+        with pytest.raises(ConnectionError):
+            await poll.report
+        poll.at_wake(16)  # skipped: the limit holds
+        assert c.observations == 1 and c.limit == 16 and poll.warned
+        poll.close()
+        fixed = LoadPoll(AdmissionControl("fixed", 8, 4), read)
+        fixed.at_wake(0)
+        assert fixed.report is None  # fixed asks the engines nothing
 
     asyncio.run(main())
 
@@ -168,6 +190,7 @@ def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
     from slime.rollout.base_types import RolloutContext
     from slime.rollout.data_source import RolloutDataSource
     from slime.rollout.sglang_rollout import generate_rollout
+    from slime.rollout.staleness import StalenessCap
     from slime.tasks.subtract_chain import VOCAB, write_dataset
     from slime.utils.ledger import TRAINED
     from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -185,11 +208,11 @@ def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
         "--partial-rollout", "--rollout-mode", "pool", "--rollout-seed", "7", "--run-dir", str(tmp_path / "run")])
     assert (args.admission, args.rollout_pool_size) == ("auto", 32)
     control = AdmissionControl.from_args(args)
-    source, buffer = RolloutDataSource(args, tok), PartialRolloutBuffer(args)
+    source, buffer, cap = RolloutDataSource(args, tok), PartialRolloutBuffer(args), StalenessCap.from_args(args)
     with EngineGroup(args, log_dir=str(tmp_path / "logs")).start() as engines:
         outs = []
         for step in range(4):
-            ctx = RolloutContext(source, buffer, engines, tok, 0, admission=control)  # the engines serve version 0
+            ctx = RolloutContext(source, buffer, engines, tok, 0, admission=control, cap=cap)  # the engines serve version 0
             outs.append(generate_rollout(args, step, ctx))
             buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
     assert all(o.metrics["rollout/groups_accepted"] == 4 for o in outs)

@@ -1,8 +1,8 @@
 """--admission auto against a sweep of fixed pool sizes, side by side on one engine (pool mode, APRIL's rollout).
 
-The rollout benchmark's workload (benchmarks/rollout_workload.py: ignore_eos, per-sample budgets `--scale` x q
-with q from `--workload` (pareto: the subtract_chain task's truncated Pareto; lognormal), a simulated weight update with a cache flush before every
-step, so parked samples are prefilled again when they resume) run by `--rollout-mode pool --partial-rollout`
+The rollout benchmark's workload (benchmarks/rollout_workload.py: ignore_eos, per-sample budgets of `--workload`,
+pareto: `--scale` x q, q from the subtract_chain task's truncated Pareto; a simulated weight update with a cache
+flush before every step, so parked samples are prefilled again when they resume) run by `--rollout-mode pool --partial-rollout`
 with a fixed `--rollout-pool-size` P for each P of `--sizes`, and with `--admission auto` (at most the largest P,
 no other tuning). Every mode has its own data source and buffer (same seed) and is warmed up first; then rounds
 run every mode in turn for `--min-seconds` of rollout each, so the box's drift hits them alike (short slices, many

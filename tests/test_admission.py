@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,6 +109,11 @@ def test_auto_is_capped_by_the_pool_size_and_refuses_bad_input():
         AdmissionControl("sometimes", 32, 4)
 
 
+def step_io(read):
+    """A step's StepIO as LoadPoll sees it: its engines' `loads(session)`."""
+    return SimpleNamespace(engines=SimpleNamespace(loads=lambda session: read()), session=None)
+
+
 def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
     """The step's loop hands the controller each report that came back at its next wake; it never waits on one
     (a report is its own task), asks again only after interval_s, and a failed report holds the limit."""
@@ -120,21 +126,22 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
             return [load(cap=32)]
 
         c = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=0.0))
-        poll = LoadPoll(c, read)
+        io = step_io(read)
         assert c.limit == 16 and not c.started  # one batch before the first report
-        poll.at_wake(0)
+        assert c.at_wake(io, 0) == 16
         await asyncio.sleep(0)
-        poll.at_wake(0)  # the report is pending: no second one, nothing observed
+        c.at_wake(io, 0)  # the report is pending: no second one, nothing observed
         assert len(calls) == 1 and c.observations == 0
         reply.set()
-        await poll.report
-        poll.at_wake(16)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
+        await c.poll.report
+        c.at_wake(io, 16)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
         await asyncio.sleep(0)
         assert c.started and c.observations == 1 and c.limit == 16 and len(calls) == 2
-        poll.close()
+        c.step_ended(SimpleNamespace(target=None))  # a stream's segment: the poll ends, the limit stays
+        assert c.poll is None and c.limit == 16
 
         slow = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=1e9))
-        poll = LoadPoll(slow, read)
+        poll = LoadPoll(slow, io)
         poll.at_wake(0)
         await poll.report
         poll.at_wake(0)
@@ -145,16 +152,15 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
         async def broken():
             raise ConnectionError("engine gone")
 
-        poll = LoadPoll(c, broken)
+        poll = LoadPoll(c, step_io(broken))
         poll.at_wake(16)
         with pytest.raises(ConnectionError):
             await poll.report
         poll.at_wake(16)  # skipped: the limit holds
         assert c.observations == 1 and c.limit == 16 and poll.warned
         poll.close()
-        fixed = LoadPoll(AdmissionControl("fixed", 8, 4), read)
-        fixed.at_wake(0)
-        assert fixed.report is None  # fixed asks the engines nothing
+        fixed = AdmissionControl("fixed", 8, 4)
+        assert fixed.at_wake(io, 0) == 8 and fixed.poll is None  # fixed asks the engines nothing
 
     asyncio.run(main())
 

@@ -23,6 +23,7 @@ from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 from logprob_reference import teacher_forced
+from pause_reference import ReplyLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -122,38 +123,6 @@ def frozen_mid_request(env, rollout, timeout: float = 30.0):
 def post_ok(url: str, body: dict) -> None:
     r = requests.post(url, json=body, timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text  # SGLang's pause/continue reply
-
-
-class ReplyLog:
-    """Every reply's segment, by sample: (tokens before it, its versions, the version it was sent at), to tell which
-    tokens a request sampled under weights newer than the ones it was sent at (--pause-mode in_place: those may
-    attend to KV of the older weights: the request's own, or a cached prefix under its version's key)."""
-
-    def __init__(self, monkeypatch):
-        from slime.rollout.sampling_request import SampleRequester
-
-        self.by_sample: dict[int, list[tuple[int, list[int], int]]] = {}
-        original = SampleRequester.request
-
-        async def request(requester, payload, window, sample):
-            before = sample.response_length
-            sent = window.sent if window is not None else requester.policy_version
-            seg = await original(requester, payload, window, sample)
-            versions = seg.versions if isinstance(seg.versions, list) else [seg.versions] * len(seg.ids)
-            self.by_sample.setdefault(sample.index, []).append((before, versions, sent))
-            return seg
-
-        monkeypatch.setattr(SampleRequester, "request", request)
-
-    def crossed(self, sample) -> set[int]:
-        """Positions of `sample`'s response sampled under weights newer than its request was sent at (a restart resets
-        the response: only the positions of its current one count)."""
-        out = set()
-        for before, versions, sent in self.by_sample.get(sample.index, []):
-            for i, v in enumerate(versions):
-                if v != sent and before + i < sample.response_length:
-                    out.add(before + i)
-        return out
 
 
 def stale_cache_hits(env) -> int:

@@ -13,7 +13,7 @@ import requests
 import torch
 
 from slime.utils.sglang_versions import SGLANG_PINNED
-from hf_engine_reference import (_stream_until, _wait_idle, _wait_load, gen, greedy_reference,
+from hf_engine_reference import (_running_stream, _stream_until, _wait_idle, _wait_load, gen, greedy_reference,
                                  teacher_forced_logprobs)
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -199,101 +199,6 @@ def test_flush_cache_drops_aborted_kv_and_resume_prefills(server, ref_model):
     lps = [lp for lp, _, _ in rest["meta_info"]["output_token_logprobs"]]
     ref = teacher_forced_logprobs(ref_model, prompt, full, 0.0)[len(part):]
     assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
-
-
-def _running_stream(server, rid, prompt, sp, min_tokens=2):
-    """A streamed request of ours running on the engine with at least `min_tokens` tokens: (thread, box)."""
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "rid": rid, "sampling_params": sp},
-                                                     min_tokens, box))
-    t.start()
-    assert box["ready"].wait(30)
-    return t, box
-
-
-def _held_request(server, prompt, sp):
-    """A request sent while the engine is paused: it waits before the scheduler (SGLang's tokenizer manager holds
-    it), so the load report does not count it. Returns (thread, box with its reply)."""
-    box = {}
-    t = threading.Thread(target=lambda: box.update(gen(server, prompt, sampling_params=sp)))
-    t.start()
-    return t, box
-
-
-def test_pause_in_place_holds_rows_and_new_requests(server):
-    """SGLang's in_place: the running row is held with its KV (nothing decodes), a flush is refused while it is held,
-    a request sent meanwhile is held before the scheduler (no abort reaches it) and runs after the continue."""
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    t, box = _running_stream(server, "run-1", [1, 2, 3], sp)
-    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
-    try:
-        load1 = server.load()
-        time.sleep(0.3)
-        load2 = server.load()
-        assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
-        refused = server.post("/flush_cache")
-        assert refused.status_code == 400 and "1 requests are running" in refused.text  # a row is held in place
-        w, waiting = _held_request(server, [1, 4], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
-        time.sleep(0.3)
-        assert server.load()["num_waiting_reqs"] == 0 and w.is_alive()  # held before the scheduler
-        assert server.post("/abort_request", {"abort_all": True}).status_code == 200
-        t.join(60)  # the held row ends with its tokens; the held request is not reached
-        assert not t.is_alive() and box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert len(box["final"]["output_ids"]) >= 2 and w.is_alive()
-    finally:
-        assert server.post("/continue_generation", {}).json()["status"] == "ok"
-    w.join(60)
-    assert waiting["meta_info"]["finish_reason"]["type"] == "length" and len(waiting["output_ids"]) == 3
-    assert server.post("/flush_cache").status_code == 200
-
-
-def test_pause_in_place_then_continue_completes(server):
-    prompt, n = [1, 6, 6], 60
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    full = gen(server, prompt, sampling_params=sp)["output_ids"]
-    t, box = _running_stream(server, None, prompt, sp)
-    server.post("/pause_generation", {"mode": "in_place"})
-    time.sleep(0.2)
-    assert server.post("/continue_generation", {}).status_code == 200
-    t.join(30)
-    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
-
-
-def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
-    """SGLang's retract: running requests go back to the queue with their KV freed; while paused the queue does not
-    stop a flush; after the continue they are prefilled again from their tokens and finish as if never paused."""
-    prompt, n = [1, 8, 6, 7], 80
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    full = gen(server, prompt, sampling_params=sp)["output_ids"]
-    retracted0 = server.stats()["retractions"]
-    t, box = _running_stream(server, "retract-1", prompt, sp, min_tokens=3)
-    assert server.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
-    try:
-        load = server.load()
-        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"]) == (0, 1, 0)
-        assert server.post("/flush_cache").status_code == 200  # paused: the waiting request does not count
-    finally:
-        server.post("/continue_generation", {})
-    t.join(60)
-    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
-    assert server.stats()["retractions"] == retracted0 + 1
-
-
-def test_pause_abort_mode(server):
-    """SGLang's abort: every request is aborted, the scheduler keeps running, new requests are held until the continue."""
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    t, box = _running_stream(server, None, [1, 2], sp)
-    assert server.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
-    try:
-        t.join(10)
-        assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
-        w, held = _held_request(server, [1, 5], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
-        time.sleep(0.3)
-        assert w.is_alive() and server.load()["num_waiting_reqs"] == 0
-    finally:
-        server.post("/continue_generation", {})
-    w.join(60)
-    assert held["meta_info"]["completion_tokens"] == 2
 
 
 def test_client_disconnect_cancels(server):

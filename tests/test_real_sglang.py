@@ -9,14 +9,13 @@ weights they compare against on every engine, so they need no order.
 from __future__ import annotations
 
 import copy
-import json
-import threading
 
 import pytest
 import requests
 import torch
 
-from real_sglang import cmdline, engine_args, sglang_python
+from pause_reference import ReplyLog, cache_key_scenario, pause_scenario
+from real_sglang import abort_mid_way, cmdline, compare, engine_args, shape, sglang_python
 from test_fsdp_helpers import make_groups
 
 from slime.backends.sglang_utils import http_client
@@ -239,54 +238,6 @@ def test_weight_updates_in_sglang_sessions_serve_the_new_weights(env, make_train
 
 
 # ---- 3g: the embedded engine judged by the real one ----------------------------------------------------------
-def shape(value):
-    """A reply's schema: dict keys (recursively), list element shapes, JSON types; numbers are one type."""
-    if isinstance(value, dict):
-        return {k: shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [shape(v) for v in value[:1]]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return type(value).__name__
-    return "number"
-
-
-# SGLang answers these (0.5.23's tokenizer manager and server); the embedded engine the same, or differently for
-# a reason docs/sglang-compat.md gives. Values that differ by nature (ids, timings) are compared by shape only.
-def compare(real: dict, emb: dict, what: str, same_tokens: bool = True) -> None:
-    real, emb = copy.deepcopy(real), copy.deepcopy(emb)
-    for meta in (real["meta_info"], emb["meta_info"]):
-        # cache hits differ by design (docs/sglang-compat.md: the embedded prefix cache keeps aborted requests
-        # only): `cached_tokens_details` is null with no hit, {"device", "host"} counts with one, on both
-        details = meta.pop("cached_tokens_details")
-        assert (details is None) == (meta["cached_tokens"] == 0), (what, meta)
-        assert details is None or details == {"device": meta["cached_tokens"], "host": 0}, (what, details)
-    assert shape(emb) == shape(real), f"{what}: reply schemas differ\nSGLang:   {shape(real)}\nembedded: {shape(emb)}"
-    if same_tokens:
-        assert emb["output_ids"] == real["output_ids"], what
-        assert emb["text"] == real["text"], what
-        assert emb["meta_info"]["finish_reason"] == real["meta_info"]["finish_reason"], what
-        for a, b in zip(real["meta_info"].get("output_token_logprobs", []), emb["meta_info"].get("output_token_logprobs", [])):
-            assert a[1:] == b[1:] and abs(a[0] - b[0]) < 1e-4, (what, a, b)
-
-
-def abort_mid_way(url: str, rid: str) -> dict:
-    """A long request aborted by rid once the engine runs it (its load says so): the partial reply."""
-    import threading
-
-    box = {}
-    body = {"input_ids": PROMPT, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}}
-    thread = threading.Thread(target=lambda: box.update(out=generate(url, body)))
-    thread.start()
-    while "out" not in box:
-        load = requests.get(url + "/v1/loads?include=core", timeout=30).json()["loads"][0]
-        if load["num_running_reqs"]:
-            requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
-            break
-    thread.join(120)
-    return box["out"]
-
-
 def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
     real = env["engines"].engine_urls[0]
     emb = start_engine(env["model_dir"], "--weight-version", "0").url
@@ -317,7 +268,7 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
     assert x["output_ids"] == a["output_ids"][4:]
     compare(x, y, "resume from tokens")
     # abort mid-way: the partial reply (how far each got is timing: shapes and the finish reason compared)
-    x, y = abort_mid_way(real, "abort-real"), abort_mid_way(emb, "abort-embedded")
+    x, y = abort_mid_way(real, "abort-real", PROMPT), abort_mid_way(emb, "abort-embedded", PROMPT)
     assert x["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     assert 0 < len(x["output_ids"]) < 200
     assert y["meta_info"]["finish_reason"] == x["meta_info"]["finish_reason"]
@@ -341,39 +292,6 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 
 
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
-class ReplyLog:
-    """Every reply's segment, by sample: (tokens before it, its versions, the version it was sent at), to tell which
-    tokens a request sampled under weights newer than the ones it was sent at (--pause-mode in_place: those may
-    attend to KV of the older weights: the request's own, or a cached prefix under its version's key)."""
-
-    def __init__(self, monkeypatch):
-        from slime.rollout.sampling_request import SampleRequester
-
-        self.by_sample: dict[int, list[tuple[int, list[int], int]]] = {}
-        original = SampleRequester.request
-
-        async def request(requester, payload, window, sample):
-            before = sample.response_length
-            sent = window.sent if window is not None else requester.policy_version
-            seg = await original(requester, payload, window, sample)
-            versions = seg.versions if isinstance(seg.versions, list) else [seg.versions] * len(seg.ids)
-            self.by_sample.setdefault(sample.index, []).append((before, versions, sent))
-            return seg
-
-        monkeypatch.setattr(SampleRequester, "request", request)
-
-    def crossed(self, sample) -> set[int]:
-        """Positions sampled under newer weights than their request was sent at, and the one before each such run:
-        the token SGLang's overlap scheduler may have had in flight at the pause (either weights may have sampled
-        it; our label says the older: engine_versions.lag_spans)."""
-        out = set()
-        for before, versions, sent in self.by_sample.get(sample.index, []):
-            for i, v in enumerate(versions):
-                if v != sent or (i + 1 < len(versions) and versions[i + 1] != sent):
-                    out.add(before + i)
-        return out
-
-
 @pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
 def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, pause):
     """train_async.py's stream rollout on real engines, weights switching between two models while requests are
@@ -418,7 +336,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
             assert all(r["success"] for r in replies.values()), replies
             manager.set_policy_version(step + 1)
             spanning = [s for b in batches for g in b.groups for s in g if len(set(s.weight_versions)) > 1]
-            across = sum(len(log.crossed(s)) > 0 for b in batches for g in b.groups for s in g)
+            across = sum(len(log.crossed(s, overlap=True)) > 0 for b in batches for g in b.groups for s in g)
             held_across = rollout.gate.pauses_by_reason["update"] >= 2 if pause == "abort" else across > 0
             if step >= 2 and held_across and spanning:
                 break
@@ -436,7 +354,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
     wrong = checked = 0
     for s in samples:
         under = {k: teacher_forced(m, s) for k, m in models.items()}
-        crossed = log.crossed(s) if pause == "in_place" else set()
+        crossed = log.crossed(s, overlap=True) if pause == "in_place" else set()
         for i, v in enumerate(s.weight_versions):
             if i in crossed:
                 continue
@@ -447,95 +365,6 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
 
 
 # ---- 3e: pauses, spans and cache keys, SGLang's and the embedded engine's ----------------------------------
-def pause_scenario(url: str, dirs: dict, models: dict) -> dict:
-    """Pauses around disk updates on one engine, each checked against the models: in_place holds a running request
-    with its KV (an update that flushes is refused after loading; without the flush it goes through; the request
-    then samples model B over model A's KV), retract frees it and prefills it again (B from the update on), abort
-    aborts it and holds a new request until the continue. Returns what both engines must answer alike."""
-    from pause_reference import decode_over_cache, running, split, teacher_forced
-
-    def update(name: str, version: str, flush: bool) -> requests.Response:
-        return requests.post(url + "/update_weights_from_disk", json={"model_path": dirs[name], "weight_version": version,
-                                                                   "flush_cache": flush}, timeout=300)
-
-    def post(path: str, body=None) -> requests.Response:
-        return requests.post(url + path, json=body or {}, timeout=300)
-
-    out = {}
-    (ma, mb), n = (models["A"], models["B"]), 200  # long enough to be running when the pause lands (streams lag)
-    assert update("A", "30", True).json()["success"]
-    t, box = running(url, PROMPT, "pause-in-place", n, 3)
-    post("/pause_generation", {"mode": "in_place"})
-    refused = update("B", "31", True)
-    out["in_place_update_with_flush"] = (refused.status_code, refused.json()["success"], refused.json()["message"])
-    out["in_place_loaded_anyway"] = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
-    out["in_place_update"] = update("B", "31", False).json()["success"]
-    out["in_place_flush"] = post("/flush_cache").status_code
-    post("/continue_generation")
-    t.join(600)
-    ids, lps, k = split(box["final"], "30", "31")
-    seq = PROMPT + ids
-    # the first token model B sampled: the spans' boundary, or (SGLang: its overlap scheduler appends the token in
-    # flight at the pause after the resume) one later
-    first_b = [b for b in range(k - 1, k + 3)
-               if torch.allclose(lps, decode_over_cache(ma, mb, seq, len(PROMPT) + b - 1)[len(PROMPT) - 1:], atol=1e-4)]
-    assert 3 <= k < n and len(first_b) == 1, (k, first_b, lps)
-    out["in_place_old_tokens_past_the_boundary"] = first_b[0] - k
-    out["in_place_spans"] = len(box["final"]["meta_info"]["weight_versions"])
-
-    assert update("A", "32", True).json()["success"]
-    t, box = running(url, PROMPT, "pause-retract", n, 3)
-    post("/pause_generation", {"mode": "retract"})
-    out["retract_update"] = update("B", "33", True).json()["success"]
-    out["retract_flush"] = post("/flush_cache").status_code
-    post("/continue_generation")
-    t.join(600)
-    ids, lps, k = split(box["final"], "32", "33")
-    seq = PROMPT + ids
-    assert torch.allclose(lps[:k], teacher_forced(ma, seq)[len(PROMPT) - 1:][:k], atol=1e-4)
-    assert torch.allclose(lps[k:], teacher_forced(mb, seq)[len(PROMPT) - 1:][k:], atol=1e-4)
-    out["retract_num_retractions"] = box["final"]["meta_info"]["num_retractions"]
-
-    t, box = running(url, PROMPT, "pause-abort", n, 3)
-    post("/pause_generation", {"mode": "abort"})
-    t.join(600)
-    out["abort_finish"] = box["final"]["meta_info"]["finish_reason"]
-    held = {}
-    h = threading.Thread(target=lambda: held.update(generate(url, {"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})))
-    h.start()
-    h.join(2)
-    out["abort_holds_new_requests"] = h.is_alive()
-    post("/continue_generation")
-    h.join(600)
-    out["held_request_tokens"] = len(held["output_ids"])
-    return out
-
-
-def cache_key_scenario(url: str, dirs: dict, models: dict) -> dict:
-    """An aborted request's KV, kept across an update that keeps the cache, under our client's version keys: a
-    request keyed by the new version is prefilled by the new weights; keyed by the old one it reuses the old KV."""
-    from pause_reference import running, teacher_forced
-
-    requests.post(url + "/update_weights_from_disk", json={"model_path": dirs["A"], "weight_version": "40"}, timeout=300)
-    t, box = running(url, PROMPT, "to-park", 60, 8, extra_key="weights-v40")
-    requests.post(url + "/abort_request", json={"rid": "to-park"}, timeout=30)
-    t.join(600)
-    part = box["final"]["output_ids"]
-    assert requests.post(url + "/update_weights_from_disk", json={"model_path": dirs["B"], "weight_version": "41",
-                                                                 "flush_cache": False}, timeout=300).json()["success"]
-    resume = {"input_ids": PROMPT + part, "return_logprob": True,
-              "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-    fresh = generate(url, {**resume, "extra_key": "weights-v41"})
-    seq = PROMPT + part + fresh["output_ids"]
-    got = torch.tensor([lp for lp, _, _ in fresh["meta_info"]["output_token_logprobs"]])
-    assert torch.allclose(got, teacher_forced(models["B"], seq)[len(PROMPT + part) - 1:], atol=1e-4)
-    stale = generate(url, {**resume, "extra_key": "weights-v40"})
-    got_stale = torch.tensor([lp for lp, _, _ in stale["meta_info"]["output_token_logprobs"]])
-    return {"new_key_cached": fresh["meta_info"]["cached_tokens"], "old_key_cached": stale["meta_info"]["cached_tokens"] > 0,
-            "old_key_is_old_kv": not torch.allclose(got_stale[:1], got[:1], atol=1e-3), "aborted_at": len(part) >= 8}
-
-
 def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env, start_engine, tmp_path):
     """SGLang's own server and the embedded engine, on the same two models, answer the pause scenarios alike and as
     the models say (slime/backends/hf_engine/pause.py follows SGLang's scheduler code; this runs SGLang itself)."""
@@ -546,7 +375,7 @@ def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env
     models = {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in dirs.items()}
     real = env["engines"].engine_urls[0]
     emb = start_engine(env["model_dir"], "--seed", "0").url
-    theirs, ours = pause_scenario(real, dirs, models), pause_scenario(emb, dirs, models)
+    theirs, ours = pause_scenario(real, dirs, models, PROMPT), pause_scenario(emb, dirs, models, PROMPT)
     # SGLang's overlap scheduler: a token in flight at an in-place pause (usually one) is the old weights', after the
     # boundary (our client labels it so: engine_versions.lag_spans); the embedded engine has no step in flight
     assert theirs.pop("in_place_old_tokens_past_the_boundary") in (0, 1)
@@ -559,7 +388,7 @@ def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env
     assert theirs["in_place_update"] and theirs["in_place_flush"] == 400 and theirs["in_place_spans"] == 2
     assert theirs["retract_update"] and theirs["retract_flush"] == 200 and theirs["retract_num_retractions"] == 1
     assert theirs["abort_finish"]["type"] == "abort" and theirs["abort_holds_new_requests"]
-    theirs, ours = cache_key_scenario(real, dirs, models), cache_key_scenario(emb, dirs, models)
+    theirs, ours = cache_key_scenario(real, dirs, models, PROMPT), cache_key_scenario(emb, dirs, models, PROMPT)
     assert theirs == ours == {"new_key_cached": 0, "old_key_cached": True, "old_key_is_old_kv": True,
                               "aborted_at": True}, (theirs, ours)
     requests.post(real + "/update_weights_from_disk", json={"model_path": dirs["A"], "weight_version": "0"}, timeout=300)

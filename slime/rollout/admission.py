@@ -20,8 +20,8 @@
   against its engines' load reports (slime/rollout/simulator/cluster.py: `SimCluster.loads`).
 
 `AdmissionControl` holds the limit and decides; `LoadPoll` (one per step, on its event loop) asks the engines for
-a load report every `interval_s` and hands each one to the controller at the step's next wake (the pool tops up
-to the limit there: slime/rollout/step_supply.py). Measured against a sweep of fixed pool sizes:
+a load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
+up to the limit (slime/rollout/step_supply.py's PoolSupply). Measured against a sweep of fixed pool sizes:
 benchmarks/admission_sweep.py (benchmarks/README.md, "Adaptive admission").
 """
 
@@ -32,7 +32,6 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,8 @@ class StepClimb:
 
     def _start_probe(self, low: int, high: int) -> None:
         for _ in range(2):
-            up = self.direction > 0
-            target = max(low, min(high, round(self.home * self.rule.climb) if up else round(self.home / self.rule.climb)))
+            step = self.rule.climb if self.direction > 0 else 1 / self.rule.climb
+            target = max(low, min(high, round(self.home * step)))
             if target != self.home:
                 self.probe, self.probe_scores = target, []
                 self.probes += 1
@@ -154,6 +153,7 @@ class AdmissionControl:
         self.cap = self.ceiling  # what the loads allow now
         self.queued = 0  # consecutive load reports with a queue beyond the slack
         self.climb: StepClimb | None = None  # auto, once started
+        self.poll: LoadPoll | None = None  # the running step's load reports (auto)
         # before the first load report: one batch (auto's start), or the ceiling
         self.limit = min(self.ceiling, batch) if self.auto and batch else self.ceiling
 
@@ -205,9 +205,33 @@ class AdmissionControl:
                          before, self.limit, running, waiting, usage, retracted, in_flight)
         return self.limit
 
+    def at_wake(self, io, in_flight: int) -> int:
+        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`, `io` its StepIO) with `in_flight` requests
+        of ours: auto polls that step's engines for load reports (`LoadPoll`). Returns the limit."""
+        if not self.auto:
+            return self.limit
+        if self.poll is None or self.poll.io is not io:  # a new step (a step that failed never ended its poll)
+            if self.poll is not None:
+                self.poll.close()
+            self.poll = LoadPoll(self, io)
+        self.poll.at_wake(in_flight)
+        return self.limit
+
+    def step_ended(self, record) -> int:
+        """A pool step ended (`record`: its StepRecord), and its load reports with it. One that ran to its target
+        judges the limit it ran at by its tokens/s, to its end, drain included (`after_step`); a stream's segment (no
+        target) keeps the limit."""
+        poll, self.poll = self.poll, None
+        if poll is None:  # (fixed, or no top-up ran)
+            return self.limit
+        poll.close()
+        if record.target is None:
+            return self.limit
+        return self.after_step(poll.io.requester.new_tokens / max(1e-6, record.clock.now()))
+
     def after_step(self, tokens_per_s: float) -> int:
-        """A step (pool mode, to its target and its end) ran at `self.limit` and made `tokens_per_s`: the climb
-        (`StepClimb`) chooses the next step's limit within the loads' cap."""
+        """A step ran at `self.limit` and made `tokens_per_s`: the climb (`StepClimb`) chooses the next step's limit
+        within the loads' cap."""
         if not self.auto or self.climb is None or tokens_per_s <= 0 or self.cap < self.climb.limit:
             return self.limit  # (while the loads' cap binds, the step says nothing about the climb's limit)
         before = self.limit
@@ -229,13 +253,14 @@ class AdmissionControl:
 
 
 class LoadPoll:
-    """A step's load reports for `control` (auto only): `at_wake(in_flight)`, called at each wake of the step's loop,
+    """A step's load reports for `control` (auto only; `io`: the step's StepIO, whose engines are asked): `at_wake(
+    in_flight)`, called at each wake of the step's loop,
     hands a report that came back to the controller (with the requests of ours in flight now) and asks for the next
     one once `interval_s` passed since the last (a report is an HTTP call in its own task: the loop never waits on
     it). A failed report is skipped: the limit holds until reports come back."""
 
-    def __init__(self, control: AdmissionControl, read_loads: Callable[[], Awaitable[list[dict]]]):
-        self.control, self.read_loads = control, read_loads
+    def __init__(self, control: AdmissionControl, io):
+        self.control, self.io = control, io
         self.report: asyncio.Task | None = None
         self.asked = -math.inf
         self.warned = False
@@ -254,7 +279,7 @@ class LoadPoll:
         now = asyncio.get_running_loop().time()
         if self.report is None and now - self.asked >= self.control.rule.interval_s:
             self.asked = now
-            self.report = asyncio.ensure_future(self.read_loads())
+            self.report = asyncio.ensure_future(self.io.engines.loads(self.io.session))
 
     def close(self) -> None:
         if self.report is not None and not self.report.done():

@@ -26,7 +26,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from slime.rollout.staleness import CUT_KEY
+# Sample.metadata: the response length at the sample's first restart by the staleness cap (a censored length)
+CUT_KEY = "first_attempt_cut_at"
+
 
 def _quantile(sorted_xs: list[int], q: float) -> float:
     return float(sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))])

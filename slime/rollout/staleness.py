@@ -19,11 +19,11 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from slime.rollout.length_bias import CUT_KEY
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
-# Sample.metadata: the response length at the sample's first restart (a censored length: slime/rollout/length_bias.py)
-CUT_KEY = "first_attempt_cut_at"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ Each time the step's loop wakes, its supply's `top_up` says which groups to add:
 
 from __future__ import annotations
 
-from slime.rollout.admission import AdmissionControl, LoadPoll
 from slime.rollout.buffer import take_groups
 from slime.rollout.step import RolloutError
 from slime.rollout.step_record import StepGroup, StepRecord
@@ -94,43 +93,24 @@ class ChunkedSupply(Supply):
 
 
 class PoolSupply(Supply):
-    """`pool_size` requests in flight (CoPRIS), or fewer as `admission` decides (`--admission auto`: from the
-    engines' load reports and the steps' own speed, slime/rollout/admission.py); `gate`: no new group while it is
-    closed (stream mode)."""
+    """`pool_size` requests in flight (CoPRIS), or fewer as `admission` says; `gate`: none added while it is closed."""
 
-    def __init__(self, pool_size: int, gate=None, admission: AdmissionControl | None = None):
-        self.in_flight_cap = pool_size
-        self.gate = gate
-        self.admission = admission if admission is not None else AdmissionControl("fixed", pool_size, 1)
-        self.poll: LoadPoll | None = None  # this step's load reports (auto), from its first top-up
-        self.requester = None  # the step's: its tokens judge auto's climb
-
-    def prepare(self, num_engines: int) -> None:
-        self.close_poll()  # a new step: its own load reports
-
-    def close_poll(self) -> None:
-        if self.poll is not None:
-            self.poll.close()
-        self.poll = None
+    def __init__(self, pool_size: int, gate=None, admission=None):  # admission: slime/rollout/admission.py's
+        self.in_flight_cap, self.gate, self.admission = pool_size, gate, admission
 
     def gate_closed(self):
         return self.gate.wait_open if self.gate is not None and not self.gate.is_open else None
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int) -> list[list]:
-        if self.poll is None:
-            self.poll, self.requester = LoadPoll(self.admission, lambda: io.engines.loads(io.session)), io.requester
-        self.poll.at_wake(requests)
+        limit = self.admission.at_wake(io, requests) if self.admission is not None else self.in_flight_cap
         out: list[list] = []
-        while (free := self.admission.limit - requests - _unfinished(out)) > 0 and not rec.exhausted \
-                and self.gate_closed() is None:
+        while (free := limit - requests - _unfinished(out)) > 0 and not rec.exhausted and self.gate_closed() is None:
             out += await next_groups(rec, io, -(-free // rec.config.n))
         return out
 
     def metrics(self) -> dict[str, float]:
-        return self.admission.metrics()
+        return self.admission.metrics() if self.admission is not None else {}
 
     async def after_step(self, record: StepRecord, engines) -> None:
-        self.close_poll()
-        if record.target is not None and self.requester is not None:  # (None: a stream's segment keeps its limit)
-            # the whole step's tokens/s, drain included: auto's climb (StepClimb)
-            self.admission.after_step(self.requester.new_tokens / max(1e-6, record.clock.now()))
+        if self.admission is not None:
+            self.admission.step_ended(record)  # auto: the step's tokens/s judges its climb

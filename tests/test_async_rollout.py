@@ -202,6 +202,25 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypat
         assert b.metrics["rollout/version_disagreements"] == 0
 
 
+def test_the_cache_check_above_fails_without_version_keys(env):
+    """The control of `stale_cache_hits` above: the same pool run with in-place updates, with --reuse-stale-kv (no
+    `extra_key`): a parked sample resumed after an update starts on KV the older weights computed, and the engines
+    count it. So the count staying put above means the version keys kept every request off older KV."""
+    args = make_args(env["root"], "--rollout-mode", "pool", "--max-async-lag", "40", "--pause-mode", "in_place",
+                     "--reuse-stale-kv")
+    stale_hits0 = stale_cache_hits(env)
+    manager, rollout = start(env, args)
+    try:
+        for step in range(4):
+            manager.mark_trained(rollout.next_batch(step).groups)
+            with rollout.updating_weights(step + 1):
+                load_weights(env, "AB"[(step + 1) % 2], step + 1, flush=False)
+            manager.set_policy_version(step + 1)
+    finally:
+        rollout.stop()
+    assert stale_cache_hits(env) > stale_hits0
+
+
 def ray_get(ref):
     import ray
 

@@ -109,9 +109,10 @@ def test_auto_is_capped_by_the_pool_size_and_refuses_bad_input():
         AdmissionControl("sometimes", 32, 4)
 
 
-def step_io(read):
-    """A step's StepIO as LoadPoll sees it: its engines' `loads(session)`."""
-    return SimpleNamespace(engines=SimpleNamespace(loads=lambda session: read()), session=None)
+def step_io(read, in_flight: int = 16):
+    """A step's StepIO as LoadPoll sees it: its engines' `loads(session)`, its requester's requests in flight."""
+    return SimpleNamespace(engines=SimpleNamespace(loads=lambda session: read()), session=None,
+                           requester=SimpleNamespace(in_flight=in_flight))
 
 
 def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
@@ -128,13 +129,13 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
         c = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=0.0))
         io = step_io(read)
         assert c.limit == 16 and not c.started  # one batch before the first report
-        assert c.at_wake(io, 0) == 16
+        assert c.at_wake(io) == 16
         await asyncio.sleep(0)
-        c.at_wake(io, 0)  # the report is pending: no second one, nothing observed
+        c.at_wake(io)  # the report is pending: no second one, nothing observed
         assert len(calls) == 1 and c.observations == 0
         reply.set()
         await c.poll.report
-        c.at_wake(io, 16)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
+        c.at_wake(io)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
         await asyncio.sleep(0)
         assert c.started and c.observations == 1 and c.limit == 16 and len(calls) == 2
         c.step_ended(SimpleNamespace(target=None))  # a stream's segment: the poll ends, the limit stays
@@ -142,10 +143,10 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
 
         slow = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=1e9))
         poll = LoadPoll(slow, io)
-        poll.at_wake(0)
+        poll.at_wake()
         await poll.report
-        poll.at_wake(0)
-        poll.at_wake(0)
+        poll.at_wake()
+        poll.at_wake()
         await asyncio.sleep(0)
         assert slow.observations == 1 and len(calls) == 3  # no new report within interval_s
 
@@ -153,14 +154,14 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
             raise ConnectionError("engine gone")
 
         poll = LoadPoll(c, step_io(broken))
-        poll.at_wake(16)
+        poll.at_wake()
         with pytest.raises(ConnectionError):
             await poll.report
-        poll.at_wake(16)  # skipped: the limit holds
+        poll.at_wake()  # skipped: the limit holds
         assert c.observations == 1 and c.limit == 16 and poll.warned
         poll.close()
         fixed = AdmissionControl("fixed", 8, 4)
-        assert fixed.at_wake(io, 0) == 8 and fixed.poll is None  # fixed asks the engines nothing
+        assert fixed.at_wake(io) == 8 and fixed.poll is None  # fixed asks the engines nothing
 
     asyncio.run(main())
 

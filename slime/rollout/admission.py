@@ -205,16 +205,16 @@ class AdmissionControl:
                          before, self.limit, running, waiting, usage, retracted, in_flight)
         return self.limit
 
-    def at_wake(self, io, in_flight: int) -> int:
-        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`, `io` its StepIO) with `in_flight` requests
-        of ours: auto polls that step's engines for load reports (`LoadPoll`). Returns the limit."""
+    def at_wake(self, io) -> int:
+        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`, `io` its StepIO): auto polls that step's
+        engines for load reports (`LoadPoll`). Returns the limit."""
         if not self.auto:
             return self.limit
         if self.poll is None or self.poll.io is not io:  # a new step (a step that failed never ended its poll)
             if self.poll is not None:
                 self.poll.close()
             self.poll = LoadPoll(self, io)
-        self.poll.at_wake(in_flight)
+        self.poll.at_wake()
         return self.limit
 
     def step_ended(self, record) -> int:
@@ -253,11 +253,11 @@ class AdmissionControl:
 
 
 class LoadPoll:
-    """A step's load reports for `control` (auto only; `io`: the step's StepIO, whose engines are asked): `at_wake(
-    in_flight)`, called at each wake of the step's loop,
-    hands a report that came back to the controller (with the requests of ours in flight now) and asks for the next
-    one once `interval_s` passed since the last (a report is an HTTP call in its own task: the loop never waits on
-    it). A failed report is skipped: the limit holds until reports come back."""
+    """A step's load reports for `control` (auto only; `io`: the step's StepIO, whose engines are asked). `at_wake()`,
+    called at each wake of the step's loop, hands a report that came back to the controller, with the requests of
+    ours in flight when it came back (between wakes the pool is full; at a wake a request just ended), and asks for
+    the next one once `interval_s` passed since the last (a report is an HTTP call in its own task: the loop never
+    waits on it). A failed report is skipped: the limit holds until reports come back."""
 
     def __init__(self, control: AdmissionControl, io):
         self.control, self.io = control, io
@@ -265,13 +265,15 @@ class LoadPoll:
         self.asked = -math.inf
         self.warned = False
 
-    def at_wake(self, in_flight: int) -> None:
-        if not self.control.auto:
-            return
+    async def _read(self) -> tuple[list[dict], int]:
+        loads = await self.io.engines.loads(self.io.session)
+        return loads, self.io.requester.in_flight
+
+    def at_wake(self) -> None:
         if self.report is not None and self.report.done():
             report, self.report = self.report, None
             if report.exception() is None:
-                self.control.observe(report.result(), in_flight)
+                self.control.observe(*report.result())
             elif not self.warned:
                 self.warned = True
                 logger.warning("admission auto: engine load report failed (%s: %s); holding %d in flight",
@@ -279,7 +281,7 @@ class LoadPoll:
         now = asyncio.get_running_loop().time()
         if self.report is None and now - self.asked >= self.control.rule.interval_s:
             self.asked = now
-            self.report = asyncio.ensure_future(self.io.engines.loads(self.io.session))
+            self.report = asyncio.ensure_future(self._read())
 
     def close(self) -> None:
         if self.report is not None and not self.report.done():

@@ -102,7 +102,7 @@ class PoolSupply(Supply):
         return self.gate.wait_open if self.gate is not None and not self.gate.is_open else None
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int) -> list[list]:
-        limit = self.admission.at_wake(io, requests) if self.admission is not None else self.in_flight_cap
+        limit = self.admission.at_wake(io) if self.admission is not None else self.in_flight_cap
         out: list[list] = []
         while (free := limit - requests - _unfinished(out)) > 0 and not rec.exhausted and self.gate_closed() is None:
             out += await next_groups(rec, io, -(-free // rec.config.n))

@@ -31,6 +31,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slime.utils.run import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()  # before anything imports Ray: its node then listens on loopback
 from rollout_report import spread  # noqa: E402
 from rollout_workload import engine_stats  # noqa: E402
 

@@ -13,7 +13,7 @@ by its tokens/s), printed as mean +- the half-width of a 90% interval, beside th
 
     python benchmarks/admission_sweep.py [--sizes 16 32 64 128 256] [--rounds 40] [--min-seconds 2]
 
-The last line is JSON. Results, box and date: benchmarks/README.md ("Adaptive admission").
+The last line is JSON. Results, box and date: benchmarks/README.md (its `--admission auto` row).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the off-policy token ratio. The last line is JSON.
 
     python benchmarks/pause_modes.py [--rounds 3] [--steps 6] [--train-seconds 0.5] [--scale 4]
 
-Results, box and date: benchmarks/README.md ("Pause modes").
+Results, box and date: benchmarks/README.md (its `--pause-mode` row).
 """
 
 from __future__ import annotations

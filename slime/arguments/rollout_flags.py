@@ -144,7 +144,8 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
 
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-ASYNC_PAUSE_MODE = "in_place"  # train_async.py's default --pause-mode (benchmarks/README.md, "Pause modes")
+# train_async.py's default --pause-mode, chosen by measurement (benchmarks/README.md, its `--pause-mode` row)
+ASYNC_PAUSE_MODE = "in_place"
 
 
 def _int_or_auto(value: str) -> int | str:

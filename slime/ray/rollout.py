@@ -30,11 +30,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.ray.restarts import RestartBudget
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.buffer import call_sync
 from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
-from slime.rollout.admission import AdmissionControl
 from slime.rollout.sampling_request import args_with_router
 from slime.rollout.staleness import StalenessCap
 from slime.utils.gc_utils import freeze_gc_heap

@@ -22,7 +22,7 @@
 `AdmissionControl` holds the limit and decides; `LoadPoll` (one per step, on its event loop) asks the engines for
 a load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
 up to the limit (slime/rollout/step_supply.py's PoolSupply). Measured against a sweep of fixed pool sizes:
-benchmarks/admission_sweep.py (benchmarks/README.md, "Adaptive admission").
+benchmarks/admission_sweep.py (benchmarks/README.md, its `--admission auto` row).
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypat
                 pushed = load_weights(env, weights[step + 1], step + 1, flush=pause != "in_place")
             if pause == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0
-            else:  # the frozen requests were held by the engines across it
-                assert pushed["in_flight_across"] > 0
+            # else the frozen requests were held by the engines across it (counted over the updates below: in pool
+            # mode a step that met its target while frozen aborts what it had running before the update comes)
             across += pushed["in_flight_across"]
             manager.set_policy_version(step + 1)
         batches.append(rollout.next_batch(3))

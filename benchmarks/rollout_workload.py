@@ -183,11 +183,12 @@ STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s",
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, http, source: BudgetSource, planner=None):
+    def __init__(self, name, args, engines, http, source: BudgetSource, planner=None, admission=None):
         # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
         args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
         self.planner = planner  # --over-sampling-batch-size auto
+        self.admission = admission  # --admission auto: the pool's controller, learning across steps
         self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
         self.warm_step_s: float | None = None  # the warm-up's mean step seconds
         self.flush = not args.reuse_stale_kv
@@ -215,7 +216,7 @@ class ModeRunner:
             t0 = time.monotonic()
             out = await generate_rollout_async(self.args, self.step, RolloutContext(
                 self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner,
-                cap=StalenessCap.from_args(self.args)),
+                cap=StalenessCap.from_args(self.args), admission=self.admission),
                 hooks=StepHooks(session=self.http))
             dt = time.monotonic() - t0
             for k, v in stats_delta(engine_stats(self.engines), e0).items():  # this step's engine time only

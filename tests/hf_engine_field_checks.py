@@ -142,6 +142,25 @@ def check_routed_dp_rank(server, ref, name="routed_dp_rank"):
     refused(server, {"input_ids": PROMPT, name: 1}, name)
 
 
+def check_extra_key(server, ref):
+    """The prefix cache's namespace: an aborted request's KV is reused only by a request with the same extra_key."""
+    body = {"input_ids": PROMPT, "rid": "keyed", "stream": True, "extra_key": "k1",
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    final = None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        for ln in r.iter_lines():
+            if ln and ln != b"data: [DONE]":
+                final = json.loads(ln[len(b"data: "):])
+                if len(final["output_ids"]) == 3:
+                    requests.post(server.url + "/abort_request", json={"rid": "keyed"}, timeout=10)
+    seq = PROMPT + final["output_ids"]
+    resume = {"sampling_params": {"max_new_tokens": 1}}
+    assert gen(server, seq, extra_key="k2", **resume)["meta_info"]["cached_tokens"] == 0  # another namespace
+    assert gen(server, seq, **resume)["meta_info"]["cached_tokens"] == 0  # none is a namespace too
+    assert gen(server, seq, extra_key="k1", **resume)["meta_info"]["cached_tokens"] == len(seq) - 1
+    refused(server, {"input_ids": PROMPT, "extra_key": 3}, "extra_key")
+
+
 # ---- honoured sampling params ---------------------------------------------------------------------------
 def check_max_new_tokens(server, ref):
     assert greedy(server, 5)["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -283,7 +302,7 @@ HONOURED_CHECKS = {
     "return_logprob": check_return_logprob, "logprob_start_len": check_logprob_start_len,
     "top_logprobs_num": check_top_logprobs_num, "token_ids_logprob": check_token_ids_logprob,
     "return_text_in_logprobs": check_return_text_in_logprobs, "stream": check_stream,
-    "routed_dp_rank": check_routed_dp_rank,
+    "routed_dp_rank": check_routed_dp_rank, "extra_key": check_extra_key,
     "data_parallel_rank": lambda s, r: check_routed_dp_rank(s, r, "data_parallel_rank"),
     "sampling_params.max_new_tokens": check_max_new_tokens, "sampling_params.stop": check_stop,
     "sampling_params.stop_token_ids": check_stop_token_ids, "sampling_params.stop_regex": check_stop_regex,

@@ -4,6 +4,7 @@ their requests to a running embedded engine."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import requests
@@ -62,3 +63,13 @@ def _wait_load(server, key, value, timeout=10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _running_stream(server, rid, prompt, sp, min_tokens=2):
+    """A streamed request of ours running on the engine with at least `min_tokens` tokens: (thread, box)."""
+    box = {"ready": threading.Event()}
+    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "rid": rid, "sampling_params": sp},
+                                                     min_tokens, box))
+    t.start()
+    assert box["ready"].wait(30)
+    return t, box

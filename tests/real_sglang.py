@@ -12,13 +12,18 @@ A server start costs 75-100 s on a loaded 2-core box: share a group across a mod
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import sys
+import threading
 import time
 
 import pytest
+import requests
+
+import pause_reference
 
 from slime.utils.sglang_versions import SGLANG_PINNED
 
@@ -78,3 +83,50 @@ def start_engines(args, log_dir: str):
 def cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+# ---- the embedded engine judged by the real one (test_real_sglang.py) ---------------------------------------
+def shape(value):
+    """A reply's schema: dict keys (recursively), list element shapes, JSON types; numbers are one type."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(v) for v in value[:1]]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return type(value).__name__
+    return "number"
+
+
+# SGLang answers these (0.5.23's tokenizer manager and server); the embedded engine the same, or differently for
+# a reason docs/sglang-compat.md gives. Values that differ by nature (ids, timings) are compared by shape only.
+def compare(real: dict, emb: dict, what: str, same_tokens: bool = True) -> None:
+    real, emb = copy.deepcopy(real), copy.deepcopy(emb)
+    for meta in (real["meta_info"], emb["meta_info"]):
+        # cache hits differ by design (docs/sglang-compat.md: the embedded prefix cache keeps aborted requests
+        # only): `cached_tokens_details` is null with no hit, {"device", "host"} counts with one, on both
+        details = meta.pop("cached_tokens_details")
+        assert (details is None) == (meta["cached_tokens"] == 0), (what, meta)
+        assert details is None or details == {"device": meta["cached_tokens"], "host": 0}, (what, details)
+    assert shape(emb) == shape(real), f"{what}: reply schemas differ\nSGLang:   {shape(real)}\nembedded: {shape(emb)}"
+    if same_tokens:
+        assert emb["output_ids"] == real["output_ids"], what
+        assert emb["text"] == real["text"], what
+        assert emb["meta_info"]["finish_reason"] == real["meta_info"]["finish_reason"], what
+        for a, b in zip(real["meta_info"].get("output_token_logprobs", []), emb["meta_info"].get("output_token_logprobs", [])):
+            assert a[1:] == b[1:] and abs(a[0] - b[0]) < 1e-4, (what, a, b)
+
+
+def abort_mid_way(url: str, rid: str, prompt: list[int]) -> dict:
+    """A long request aborted by rid once the engine runs it (its load says so): the partial reply."""
+    box = {}
+    body = {"input_ids": prompt, "rid": rid, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: box.update(out=pause_reference.generate(url, body)))
+    thread.start()
+    while "out" not in box:
+        load = requests.get(url + "/v1/loads?include=core", timeout=30).json()["loads"][0]
+        if load["num_running_reqs"]:
+            requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
+            break
+    thread.join(120)
+    return box["out"]

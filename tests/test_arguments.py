@@ -182,6 +182,18 @@ def test_train_async_flags_exist_only_for_train_async(base):
         parse_args(base, entry="nope.py")
 
 
+def test_pause_mode_defaults_by_entry_and_is_refused_where_nothing_is_in_flight(base):
+    from slime.arguments import ASYNC_PAUSE_MODE
+
+    assert parse_args(base).pause_mode == "abort"
+    assert parse_args(base, entry="train_async.py").pause_mode == ASYNC_PAUSE_MODE
+    for mode in ("abort", "retract", "in_place"):
+        assert parse_args(base + ["--pause-mode", mode], entry="train_async.py").pause_mode == mode
+    with pytest.raises(ArgumentError, match="^--pause-mode in_place: train.py updates the weights of idle engines"):
+        parse_args(base + ["--pause-mode", "in_place"])
+    assert parse_args(base + ["--pause-mode", "abort"]).pause_mode == "abort"
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [
@@ -203,10 +215,20 @@ def test_train_async_rules_name_the_flag(base, extra, flag):
     assert str(e.value).startswith(flag + ":")
 
 
-def test_stream_pool_defaults_to_one_batch_of_requests(base):
-    a = parse_args(base + ["--rollout-mode", "stream", "--partial-rollout"], entry="train_async.py")
-    assert a.rollout_pool_size == 4 * 2  # --rollout-batch-size x --n-samples-per-prompt
-    assert parse_args(base + ["--rollout-mode", "pool"]).rollout_pool_size == 512
+def test_pool_and_stream_admission_defaults(base):
+    """auto (the engines' loads decide, at most concurrency x engines) unless a pool size is given; a fixed stream
+    pool defaults to one batch of requests."""
+    stream = ["--rollout-mode", "stream", "--partial-rollout"]
+    a = parse_args(base + stream, entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("auto", 512)
+    a = parse_args(base + stream + ["--admission", "fixed"], entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("fixed", 4 * 2)  # --rollout-batch-size x --n-samples-per-prompt
+    a = parse_args(base + stream + ["--rollout-pool-size", "6"], entry="train_async.py")
+    assert (a.admission, a.rollout_pool_size) == ("fixed", 6)
+    assert (parse_args(base + ["--rollout-mode", "pool"]).admission, parse_args(base).admission) == ("auto", "fixed")
+    assert parse_args(base + ["--rollout-mode", "pool", "--admission", "auto", "--rollout-pool-size", "64"]).admission == "auto"
+    with pytest.raises(ArgumentError, match="^--admission auto: .*--rollout-mode pool or stream"):
+        parse_args(base + ["--admission", "auto"])
 
 
 def test_update_weight_mode_defaults_and_slime_disk_flag(base):

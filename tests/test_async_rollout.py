@@ -23,6 +23,7 @@ from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 from logprob_reference import teacher_forced
+from pause_reference import ReplyLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SPEC = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -56,10 +57,11 @@ def make_args(root, *extra):
         "--partial-rollout", "--rollout-seed", "7", "--run-dir", str(root / "run"), *extra], entry="train_async.py")
 
 
-def load_weights(env, name: str, version: int) -> dict:
-    """The engines load model `name` as `version` (what the trainer's push does, from disk); returns how many
-    requests were in flight across the update (the engine's num_paused_requests)."""
-    replies = env["engines"].update_weights_from_disk(str(env["root"] / name), version)
+def load_weights(env, name: str, version: int, flush: bool = True) -> dict:
+    """The engines load model `name` as `version` (what the trainer's push does, from disk; `flush`: its
+    flush_cache, false under --pause-mode in_place); returns how many requests were in flight across the update
+    (the engine's num_paused_requests)."""
+    replies = env["engines"].update_weights_from_disk(str(env["root"] / name), version, flush_cache=flush)
     return {"in_flight_across": sum(int(r.get("num_paused_requests", 0)) for r in replies.values())}
 
 
@@ -80,9 +82,11 @@ def start(env, args):
 
 
 @contextlib.contextmanager
-def frozen_mid_request(env, timeout: float = 30.0):
-    """Inside, every engine is paused in place (SGLang's `/pause_generation` mode in_place) with at least one
-    request of ours running on it; generation continues on leaving.
+def frozen_mid_request(env, rollout, timeout: float = 30.0):
+    """Inside, the rollout sends nothing new (its gate held) and every engine is paused in place (SGLang's
+    `/pause_generation` mode in_place) with at least one request of ours running on it and every request of ours
+    in an engine's scheduler (none in transit, none held before a paused scheduler: an abort reaches them all);
+    generation continues on leaving.
 
     The tiny model finishes a request in a few tens of milliseconds, less than an update takes to reach
     the engine, so an update timed by the clock often found nothing running (or requests with no token
@@ -90,23 +94,30 @@ def frozen_mid_request(env, timeout: float = 30.0):
     two of its steps, and every running row has been through a step since it was admitted, so it holds
     at least one token of the current version."""
     urls = env["engines"].worker_urls()
+    gate = rollout.gate
     deadline = time.monotonic() + timeout
+
+    def release():
+        rollout.loop.call_soon_threadsafe(gate.release, "freeze")
+        for u in urls:  # between two steps, or the next step's requests not admitted yet
+            post_ok(u + "/continue_generation", {})
+
     try:
         while True:
+            rollout._call(gate.hold("freeze", env["engines"], drain=False), 30)
             for u in urls:
                 post_ok(u + "/pause_generation", {"mode": "in_place"})
-            if any(requests.get(u + "/v1/loads?include=core", timeout=30).json()["loads"][0]["num_running_reqs"] > 0
-                   for u in urls):
+            loads = [requests.get(u + "/v1/loads?include=core", timeout=30).json()["loads"][0] for u in urls]
+            if (any(ld["num_running_reqs"] for ld in loads)
+                    and sum(ld["num_running_reqs"] + ld["num_waiting_reqs"] for ld in loads) == gate.in_flight):
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(f"no request running on the engines in {timeout:.0f}s")
-            for u in urls:  # between two steps, or the next step's requests not admitted yet
-                post_ok(u + "/continue_generation", {})
+            release()
             time.sleep(0.01)
         yield
     finally:
-        for u in urls:
-            post_ok(u + "/continue_generation", {})
+        release()
 
 
 def post_ok(url: str, body: dict) -> None:
@@ -114,13 +125,21 @@ def post_ok(url: str, body: dict) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text  # SGLang's pause/continue reply
 
 
-@pytest.mark.parametrize("mode, update", [("stream", "abort"), ("stream", "in_place"), ("chunked", "abort"),
-                                          ("pool", "in_place")])
-def test_versions_are_exact_across_in_flight_updates(env, mode, update):
+def stale_cache_hits(env) -> int:
+    """Prefix-cache hits on KV older weights computed, over every engine (their scheduler counters)."""
+    return sum(requests.get(u + "/server_info", timeout=30).json()["internal_states"][0]["scheduler_stats"]
+               ["cache_stale_hits"] for u in env["engines"].worker_urls())
+
+
+@pytest.mark.parametrize("mode, pause", [("stream", "abort"), ("stream", "in_place"), ("stream", "retract"),
+                                         ("chunked", "abort"), ("pool", "in_place")])
+def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypatch):
     # a lag the test never reaches: the rollout always has work in flight when an update comes (never held back)
     over_sampling = ("--over-sampling-batch-size", "3") if mode == "chunked" else ()
     args = make_args(env["root"], "--rollout-mode", mode, *over_sampling, "--max-async-lag", "40",
-                     "--in-flight-update", update)
+                     "--pause-mode", pause)
+    log = ReplyLog(monkeypatch)
+    stale_hits0 = stale_cache_hits(env)
     manager, rollout = start(env, args)
     weights = {0: "A", 1: "B", 2: "A", 3: "B"}
     batches, across = [], 0
@@ -128,21 +147,21 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with frozen_mid_request(env), rollout.updating_weights(step + 1):  # cuts through requests holding tokens
-                pushed = load_weights(env, weights[step + 1], step + 1)
-            if update == "abort":  # every request of ours was back before the update: none ran across it
+            with frozen_mid_request(env, rollout), rollout.updating_weights(step + 1):  # cuts through requests holding tokens
+                pushed = load_weights(env, weights[step + 1], step + 1, flush=pause != "in_place")
+            if pause == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0
-            else:  # the frozen requests ran on across it
-                assert pushed["in_flight_across"] > 0
+            # else the frozen requests were held by the engines across it (counted over the updates below: in pool
+            # mode a step that met its target while frozen aborts what it had running before the update comes)
             across += pushed["in_flight_across"]
             manager.set_policy_version(step + 1)
         batches.append(rollout.next_batch(3))
         manager.mark_trained(batches[-1].groups)
     finally:
         rollout.stop()
-    if update == "abort":
+    if pause == "abort":
         assert rollout.gate.pauses_by_reason["update"] == 3  # each update found requests of ours to abort
-    else:  # nothing was aborted for an update: requests ran on across them
+    else:  # nothing was aborted for an update: requests were held across them
         assert rollout.gate.pauses_by_reason["update"] == 0 and across > 0
     # everything not trained is in the buffer (parked or ready): the ledger balances with nothing issued
     summary = ray_get(manager.buffer.check_balanced.remote())
@@ -155,21 +174,51 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, update):
     spanning = [s for s in samples if len(set(s.weight_versions)) > 1]
     assert spanning, "no sample has tokens from two versions"
     assert all(s.response_length == 32 for s in trained)
-    checked = wrong = 0
+    # every token matches its version's model, except (in_place) those a request sampled under newer weights than it
+    # was sent at, over KV the older weights computed; a request never starts on KV older than the version it is
+    # sent at (the cache is keyed by version), so a resumed sample's tokens match exactly
+    checked = wrong = in_place_kv = 0
     for s in samples:
         under = {name: teacher_forced(m, s) for name, m in env["models"].items()}
+        crossed = log.crossed(s) if pause == "in_place" else set()
         for i, v in enumerate(s.weight_versions):
+            if i in crossed:
+                in_place_kv += abs(under[weights[v]][i] - s.rollout_log_probs[i]) > 1e-2
+                continue
             assert under[weights[v]][i] == pytest.approx(s.rollout_log_probs[i], abs=2e-4), (s.index, i, v)
             other = "B" if weights[v] == "A" else "A"
             wrong += abs(under[other][i] - s.rollout_log_probs[i]) > 1e-2
             checked += 1
     assert wrong > checked // 2  # the two versions' weights really differ: a mislabelled token would be caught
+    if pause == "in_place":  # held with their KV: after the update they sampled over the older weights' KV
+        assert in_place_kv > 0
+    assert stale_cache_hits(env) == stale_hits0  # no request started on KV of older weights
     # versions only grow along a sample, and the per-batch off-policy ratio is exact for its train version
     for step, b in enumerate(batches):
         assert all(s.weight_versions == sorted(s.weight_versions) for g in b.groups for s in g)
         toks = [v for g in b.groups for s in g for v, m in zip(s.weight_versions, s.loss_mask) if m]
         assert b.metrics["rollout/off_policy_token_ratio"] == pytest.approx(sum(v < step for v in toks) / len(toks))
         assert b.metrics["rollout/policy_version"] == step
+        assert b.metrics["rollout/version_disagreements"] == 0
+
+
+def test_the_cache_check_above_fails_without_version_keys(env):
+    """The control of `stale_cache_hits` above: the same pool run with in-place updates, with --reuse-stale-kv (no
+    `extra_key`): a parked sample resumed after an update starts on KV the older weights computed, and the engines
+    count it. So the count staying put above means the version keys kept every request off older KV."""
+    args = make_args(env["root"], "--rollout-mode", "pool", "--max-async-lag", "40", "--pause-mode", "in_place",
+                     "--reuse-stale-kv")
+    stale_hits0 = stale_cache_hits(env)
+    manager, rollout = start(env, args)
+    try:
+        for step in range(4):
+            manager.mark_trained(rollout.next_batch(step).groups)
+            with rollout.updating_weights(step + 1):
+                load_weights(env, "AB"[(step + 1) % 2], step + 1, flush=False)
+            manager.set_policy_version(step + 1)
+    finally:
+        rollout.stop()
+    assert stale_cache_hits(env) > stale_hits0
 
 
 def ray_get(ref):
@@ -178,10 +227,10 @@ def ray_get(ref):
     return ray.get(ref, timeout=60)
 
 
-@pytest.mark.parametrize("policy, update", [("restart", "in_place"), ("mask", "in_place"), ("restart", "abort")])
-def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, update):
+@pytest.mark.parametrize("policy, pause", [("restart", "in_place"), ("mask", "retract"), ("restart", "abort")])
+def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, pause):
     args = make_args(env["root"], "--rollout-mode", "stream", "--rollout-max-response-len", "64",
-                     "--max-staleness", "1", "--staleness-policy", policy, "--in-flight-update", update)
+                     "--max-staleness", "1", "--staleness-policy", policy, "--pause-mode", pause)
     manager, rollout = start(env, args)
     batches = []
     try:

@@ -13,7 +13,7 @@ import requests
 import torch
 
 from slime.utils.sglang_versions import SGLANG_PINNED
-from hf_engine_reference import (_stream_until, _wait_idle, _wait_load, gen, greedy_reference,
+from hf_engine_reference import (_running_stream, _stream_until, _wait_idle, _wait_load, gen, greedy_reference,
                                  teacher_forced_logprobs)
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
@@ -201,80 +201,33 @@ def test_flush_cache_drops_aborted_kv_and_resume_prefills(server, ref_model):
     assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
 
 
-def test_pause_in_place_abort_all_and_waiting(server):
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "run-1", "sampling_params": sp}, 2, box))
-    t.start()
-    assert box["ready"].wait(30)
-    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
-    load1 = server.load()
-    time.sleep(0.3)
-    load2 = server.load()
-    assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
-    refused = server.post("/flush_cache")
-    assert refused.status_code == 400 and "1 requests are running" in refused.text  # a request is still in flight
-    # a request arriving while paused waits; abort_all returns it with no tokens
-    waiting = {}
-    w = threading.Thread(target=lambda: waiting.update(gen(server, [1, 4], rid="wait-1", sampling_params=sp)))
-    w.start()
-    deadline = time.monotonic() + 30
-    while server.load()["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.load()["num_waiting_reqs"] == 1, "the request sent while paused is not waiting"
-    assert server.post("/abort_request", {"abort_all": True}).status_code == 200
-    w.join(60)  # safety nets: while paused nothing finishes, so only the abort can end these two
-    t.join(60)
-    assert not w.is_alive() and not t.is_alive(), "abort_all did not end the paused and the waiting request"
-    assert waiting["meta_info"]["finish_reason"]["type"] == "abort" and waiting["output_ids"] == []
-    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(box["final"]["output_ids"]) >= 2
-    assert server.post("/continue_generation", {}).json()["status"] == "ok"
-    assert server.post("/flush_cache").status_code == 200
-    out = gen(server, [1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
-    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
-
-
-def test_pause_in_place_then_continue_completes(server):
-    prompt, n = [1, 6, 6], 60
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    full = gen(server, prompt, sampling_params=sp)["output_ids"]
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": prompt, "sampling_params": sp}, 2, box))
-    t.start()
-    assert box["ready"].wait(30)
-    server.post("/pause_generation", {"mode": "in_place"})
-    time.sleep(0.2)
-    assert server.post("/continue_generation", {}).status_code == 200
-    t.join(30)
-    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
-
-
-def test_pause_abort_mode(server):
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2], "sampling_params": sp}, 2, box))
-    t.start()
-    assert box["ready"].wait(30)
-    assert server.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
-    t.join(10)
-    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
-    server.post("/continue_generation", {})
-
-
 def test_client_disconnect_cancels(server):
-    """Paused in place, nothing can finish on its own: only the disconnect can remove the requests."""
+    """A running request held in place can only end by the disconnect of its client."""
     sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
+    r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp},
+                      stream=True, timeout=60)
+    assert r.status_code == 200
+    assert _wait_load(server, "num_running_reqs", 1)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
     try:
-        r = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params": sp}, stream=True, timeout=60)
-        assert r.status_code == 200
-        assert server.load()["num_waiting_reqs"] == 1
         r.close()
         assert _wait_idle(server)
-        # a non-streaming client that gives up (read timeout closes the connection) cancels its waiting request
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": sp}, timeout=(5, 0.5))
-        assert _wait_idle(server)
+        # a non-streaming client that gives up (its read timeout closes the connection) cancels its request
+        failed = {}
+
+        def give_up():
+            try:
+                requests.post(server.url + "/generate", json={"input_ids": [1, 2, 4], "sampling_params": sp}, timeout=(5, 3))
+            except requests.exceptions.ReadTimeout as e:
+                failed["timeout"] = e
+
+        server.post("/continue_generation", {})
+        c = threading.Thread(target=give_up)
+        c.start()
+        assert _wait_load(server, "num_running_reqs", 1)
+        assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+        c.join(30)
+        assert "timeout" in failed and _wait_idle(server)
     finally:
         server.post("/continue_generation", {})
 
@@ -302,16 +255,13 @@ def test_bad_input_is_400_and_engine_keeps_serving(server, body, field):
 def test_control_endpoints_type_check_booleans(server):
     """`{"abort_all": "no"}` used to abort everything (a truthy string); now it is a 400 that aborts nothing."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    t, box = _running_stream(server, "keep-me", [1, 2, 3], sp, min_tokens=1)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
-    box = {"ready": threading.Event()}
-    t = threading.Thread(target=_stream_until, args=(server, {"input_ids": [1, 2, 3], "rid": "keep-me", "sampling_params": sp}, 0, box))
-    t.start()
     try:
-        assert _wait_load(server, "num_waiting_reqs", 1)
         for body, field in [({"abort_all": "no"}, "abort_all"), ({"rid": 5}, "rid")]:
             r = server.post("/abort_request", body)
             assert r.status_code == 400 and field in r.json()["error"]["message"]
-        assert server.load()["num_waiting_reqs"] == 1  # still there
+        assert server.load()["num_running_reqs"] == 1  # still there
         r = server.post("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "no"})
         assert r.status_code == 400 and "flush_cache" in r.json()["error"]["message"]
         r = server.post("/update_weight_version", {"new_version": "9", "abort_all_requests": "false"})

@@ -9,13 +9,13 @@ weights they compare against on every engine, so they need no order.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import requests
 import torch
 
-from real_sglang import cmdline, engine_args, sglang_python
+from pause_reference import ReplyLog, cache_key_scenario, pause_scenario
+from real_sglang import abort_mid_way, cmdline, compare, engine_args, shape, sglang_python
 from test_fsdp_helpers import make_groups
 
 from slime.backends.sglang_utils import http_client
@@ -238,54 +238,6 @@ def test_weight_updates_in_sglang_sessions_serve_the_new_weights(env, make_train
 
 
 # ---- 3g: the embedded engine judged by the real one ----------------------------------------------------------
-def shape(value):
-    """A reply's schema: dict keys (recursively), list element shapes, JSON types; numbers are one type."""
-    if isinstance(value, dict):
-        return {k: shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [shape(v) for v in value[:1]]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return type(value).__name__
-    return "number"
-
-
-# SGLang answers these (0.5.23's tokenizer manager and server); the embedded engine the same, or differently for
-# a reason docs/sglang-compat.md gives. Values that differ by nature (ids, timings) are compared by shape only.
-def compare(real: dict, emb: dict, what: str, same_tokens: bool = True) -> None:
-    real, emb = copy.deepcopy(real), copy.deepcopy(emb)
-    for meta in (real["meta_info"], emb["meta_info"]):
-        # cache hits differ by design (docs/sglang-compat.md: the embedded prefix cache keeps aborted requests
-        # only): `cached_tokens_details` is null with no hit, {"device", "host"} counts with one, on both
-        details = meta.pop("cached_tokens_details")
-        assert (details is None) == (meta["cached_tokens"] == 0), (what, meta)
-        assert details is None or details == {"device": meta["cached_tokens"], "host": 0}, (what, details)
-    assert shape(emb) == shape(real), f"{what}: reply schemas differ\nSGLang:   {shape(real)}\nembedded: {shape(emb)}"
-    if same_tokens:
-        assert emb["output_ids"] == real["output_ids"], what
-        assert emb["text"] == real["text"], what
-        assert emb["meta_info"]["finish_reason"] == real["meta_info"]["finish_reason"], what
-        for a, b in zip(real["meta_info"].get("output_token_logprobs", []), emb["meta_info"].get("output_token_logprobs", [])):
-            assert a[1:] == b[1:] and abs(a[0] - b[0]) < 1e-4, (what, a, b)
-
-
-def abort_mid_way(url: str, rid: str) -> dict:
-    """A long request aborted by rid once the engine runs it (its load says so): the partial reply."""
-    import threading
-
-    box = {}
-    body = {"input_ids": PROMPT, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}}
-    thread = threading.Thread(target=lambda: box.update(out=generate(url, body)))
-    thread.start()
-    while "out" not in box:
-        load = requests.get(url + "/v1/loads?include=core", timeout=30).json()["loads"][0]
-        if load["num_running_reqs"]:
-            requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
-            break
-    thread.join(120)
-    return box["out"]
-
-
 def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
     real = env["engines"].engine_urls[0]
     emb = start_engine(env["model_dir"], "--weight-version", "0").url
@@ -316,7 +268,7 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
     assert x["output_ids"] == a["output_ids"][4:]
     compare(x, y, "resume from tokens")
     # abort mid-way: the partial reply (how far each got is timing: shapes and the finish reason compared)
-    x, y = abort_mid_way(real, "abort-real"), abort_mid_way(emb, "abort-embedded")
+    x, y = abort_mid_way(real, "abort-real", PROMPT), abort_mid_way(emb, "abort-embedded", PROMPT)
     assert x["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     assert 0 < len(x["output_ids"]) < 200
     assert y["meta_info"]["finish_reason"] == x["meta_info"]["finish_reason"]
@@ -340,61 +292,103 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 
 
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
-def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env):
+@pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
+def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, pause):
     """train_async.py's stream rollout on real engines, weights switching between two models while requests are
-    in flight. SGLang (>= 0.5.22) fails an update that flushes the cache while requests run, so the default
-    (--in-flight-update abort) drains the gate first: the update succeeds, and every token's log-prob equals a
-    teacher-forced one under the weights of the version it carries."""
+    in flight, for each --pause-mode. abort drains the gate first (SGLang >= 0.5.22 fails an update that flushes
+    the cache while requests run); retract and in_place pause the engines, which keep our requests (in_place:
+    the push says flush_cache=false). Every token carries the version SGLang's spans give it
+    (`meta_info.weight_versions`, never disagreeing with our record); its log-prob equals a teacher-forced one
+    under that version's weights, except (in_place) the tokens a request sampled over KV of the older weights."""
     import ray
     from transformers import AutoModelForCausalLM
 
     from logprob_reference import teacher_forced
-    from slime.arguments import ArgumentError
     from slime.ray.async_rollout import AsyncRollout
     from slime.ray.rollout import RolloutManager
     from slime.utils.run import init_ray
 
     root, group = env["root"], env["engines"]
-    build_tiny_qwen3(str(root / "B"), env["tok"], SPEC, seed=4)
+    if not (root / "B").exists():
+        build_tiny_qwen3(str(root / "B"), env["tok"], SPEC, seed=4)
     paths = {"A": env["model_dir"], "B": str(root / "B")}
     models = {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in paths.items()}
     flags = ("--rollout-mode", "stream", "--rollout-max-response-len", "32", "--rollout-ignore-eos",
              "--sglang-server-concurrency", "8", "--rollout-pool-size", "6", "--partial-rollout",
-             "--max-async-lag", "40", "--num-rollout", "50")
-    with pytest.raises(ArgumentError, match="--in-flight-update in_place"):  # SGLang cannot run on across an update
-        rollout_args(root, *flags, "--in-flight-update", "in_place", entry="train_async.py")
-    args = rollout_args(root, *flags, entry="train_async.py")
+             "--max-async-lag", "40", "--num-rollout", "50", "--pause-mode", pause)
+    args = rollout_args(root, *flags, "--run-dir", str(root / f"run_stream_{pause}"), entry="train_async.py")
+    log = ReplyLog(monkeypatch)
     weights = {v: "AB"[v % 2] for v in range(20)}
     group.update_weights_from_disk(paths["A"], 0)
     if not ray.is_initialized():
         init_ray(num_cpus=2)
-    manager = RolloutManager(args, str(root / "run_stream"), start_engines=False)
+    manager = RolloutManager(args, str(root / f"run_stream_{pause}"), start_engines=False)
     manager.attach_engines(group)
     rollout = AsyncRollout(args, manager, 0).start()
-    batches = []
+    batches, across = [], 0
     try:
         for step in range(12):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with rollout.updating_weights(step + 1):  # the gate drains our requests, then the update lands
-                replies = group.update_weights_from_disk(paths[weights[step + 1]], step + 1)
+            with rollout.updating_weights(step + 1):  # abort: the gate drains ours; else the engines hold them
+                replies = group.update_weights_from_disk(paths[weights[step + 1]], step + 1,
+                                                         flush_cache=pause != "in_place")
             assert all(r["success"] for r in replies.values()), replies
             manager.set_policy_version(step + 1)
             spanning = [s for b in batches for g in b.groups for s in g if len(set(s.weight_versions)) > 1]
-            if step >= 2 and rollout.gate.pauses_by_reason["update"] >= 2 and spanning:
+            across = sum(len(log.crossed(s, overlap=True)) > 0 for b in batches for g in b.groups for s in g)
+            held_across = rollout.gate.pauses_by_reason["update"] >= 2 if pause == "abort" else across > 0
+            if step >= 2 and held_across and spanning:
                 break
     finally:
         rollout.stop()
-    assert rollout.gate.pauses_by_reason["update"] >= 2  # updates found requests of ours in flight, and drained them
+    if pause == "abort":  # updates found requests of ours in flight, and drained them
+        assert rollout.gate.pauses_by_reason["update"] >= 2
+    else:  # nothing aborted for an update: SGLang held requests across them, its spans split their tokens
+        assert rollout.gate.pauses_by_reason["update"] == 0 and across > 0
     summary = ray.get(manager.buffer.check_balanced.remote(), timeout=60)
     assert summary["issued"] == 0
     samples = [s for b in batches for g in b.groups for s in g]
     assert any(len(set(s.weight_versions)) > 1 for s in samples), "no sample resumed across an update"
+    assert all(b.metrics["rollout/version_disagreements"] == 0 for b in batches)
     wrong = checked = 0
     for s in samples:
         under = {k: teacher_forced(m, s) for k, m in models.items()}
+        crossed = log.crossed(s, overlap=True) if pause == "in_place" else set()
         for i, v in enumerate(s.weight_versions):
+            if i in crossed:
+                continue
             assert under[weights[v]][i] == pytest.approx(s.rollout_log_probs[i], abs=1e-4), (s.index, i, v)
             wrong += abs(under["B" if weights[v] == "A" else "A"][i] - s.rollout_log_probs[i]) > 1e-2
             checked += 1
     assert wrong > checked // 2  # the two models differ: a mislabelled token would be caught
+
+
+# ---- 3e: pauses, spans and cache keys, SGLang's and the embedded engine's ----------------------------------
+def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env, start_engine, tmp_path):
+    """SGLang's own server and the embedded engine, on the same two models, answer the pause scenarios alike and as
+    the models say (slime/backends/hf_engine/pause.py follows SGLang's scheduler code; this runs SGLang itself)."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_qwen3(str(tmp_path / "B"), env["tok"], SPEC, seed=21)
+    dirs = {"A": env["model_dir"], "B": str(tmp_path / "B")}
+    models = {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in dirs.items()}
+    real = env["engines"].engine_urls[0]
+    emb = start_engine(env["model_dir"], "--seed", "0").url
+    theirs, ours = pause_scenario(real, dirs, models, PROMPT), pause_scenario(emb, dirs, models, PROMPT)
+    # SGLang's overlap scheduler: a token in flight at an in-place pause (usually one) is the old weights', after the
+    # boundary (our client labels it so: engine_versions.lag_spans); the embedded engine has no step in flight
+    assert theirs.pop("in_place_old_tokens_past_the_boundary") in (0, 1)
+    assert ours.pop("in_place_old_tokens_past_the_boundary") == 0
+    # after an update whose flush was refused, SGLang's scheduler labels new tokens with the new version but its
+    # tokenizer side (/model_info) keeps the old one (it records a version only on success); ours has one version
+    assert (theirs.pop("in_place_loaded_anyway"), ours.pop("in_place_loaded_anyway")) == ("30", "31")
+    assert theirs == ours, (theirs, ours)
+    assert theirs["in_place_update_with_flush"][:2] == (400, False)
+    assert theirs["in_place_update"] and theirs["in_place_flush"] == 400 and theirs["in_place_spans"] == 2
+    assert theirs["retract_update"] and theirs["retract_flush"] == 200 and theirs["retract_num_retractions"] == 1
+    assert theirs["abort_finish"]["type"] == "abort" and theirs["abort_holds_new_requests"]
+    theirs, ours = cache_key_scenario(real, dirs, models, PROMPT), cache_key_scenario(emb, dirs, models, PROMPT)
+    assert theirs == ours == {"new_key_cached": 0, "old_key_cached": True, "old_key_is_old_kv": True,
+                              "aborted_at": True}, (theirs, ours)
+    requests.post(real + "/update_weights_from_disk", json={"model_path": dirs["A"], "weight_version": "0"}, timeout=300)

@@ -152,6 +152,25 @@ def test_fully_async_mode_lags_and_respects_the_async_lag():
     assert slow["engine_idle_fraction"] > fast["engine_idle_fraction"]  # the rollout waits for a slow trainer
 
 
+def test_stream_pause_modes_re_prefill_what_they_say():
+    """A push while requests run (train_async.py's --pause-mode): abort and retract prefill the running requests
+    again (abort also resumes them from the client), in_place keeps their KV; no mode loses a token's version, and
+    with version-keyed requests no aborted request's KV is reused after an update unless --reuse-stale-kv."""
+    lengths = ParetoLengths(1.0, 8, 128)
+    cfg = _long_tail(mode="stream", pool_size=32, train_time_s=0.05, max_async_lag=1, steps=12)
+    runs = {m: simulate(cfg.replace(pause_mode=m), FLAT, lengths) for m in ("abort", "retract", "in_place")}
+    prefill = {m: r.measured_engine_stats()["prefill_tokens"] for m, r in runs.items()}
+    assert prefill["in_place"] < prefill["retract"] and prefill["in_place"] < prefill["abort"]
+    assert runs["retract"].engine_stats["retractions"] > 0 == runs["in_place"].engine_stats["retractions"]
+    assert runs["abort"].summary()["requests_per_step"] > runs["in_place"].summary()["requests_per_step"]
+    for r in runs.values():
+        assert all(s["accepted"] == cfg.rollout_batch_size for s in r.steps)
+        assert r.summary()["off_policy_token_ratio"] > 0.0
+    assert runs["abort"].engine_stats["cache_hits"] == 0  # every resume came after an update: another version
+    stale = simulate(cfg.replace(pause_mode="abort", reuse_stale_kv=True), FLAT, lengths)
+    assert stale.engine_stats["cache_hits"] > 0
+
+
 def test_optimistic_admission_retracts_when_the_cache_is_full():
     cost = FLAT.replace(kv_admission="optimistic", kv_capacity_tokens=800, optimistic_reserve_frac=0.0)
     res = simulate(_long_tail(steps=3, over_sampling_batch_size=16, partial_rollout=True), cost, ParetoLengths(1.0, 8, 128))

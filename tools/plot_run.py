@@ -4,7 +4,8 @@
 - throughput.png: rollout tokens/s over steps (and the over-sampling size, when it varies: auto);
 - off_policy.png: off-policy token ratio over steps, and each step's staleness histogram (share of
   trained tokens per lag in policy versions);
-- lengths.png: the response-length distribution (every finished sample's final length);
+- lengths.png: the response-length distribution (every finished sample's final length) and, per step, the
+  trained lengths beside a synchronous run's on the same prompts (length bias: docs/metrics.md);
 - occupancy.png: requests in flight over one rollout step, this run beside its sync / APRIL
   sibling when it exists (runs/quickstart-april <-> runs/quickstart-sync, or --compare DIR);
 - tools.png (multi-turn runs, --agent-env): the tool-call rate (model turns that ended with a call) and tool
@@ -166,7 +167,12 @@ def plot_off_policy(rows, out) -> str | None:
 
 def plot_lengths(trace, rows, out) -> str | None:
     lengths = [x for r in trace for g in r.get("finished_lengths", []) for x in g]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    bias = _series(rows, "length/trained_mean")[0]
+    if bias:
+        fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4))
+        plot_length_bias(rows, right)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     if lengths:
         ax.hist(lengths, bins=min(60, max(10, len(set(lengths)))), color="tab:green", alpha=0.8)
         ax.set_xlabel("response length (tokens)")
@@ -185,6 +191,28 @@ def plot_lengths(trace, rows, out) -> str | None:
         ax.set_title("response length (the trace has no per-sample lengths)")
     ax.grid(alpha=0.3)
     return _save(fig, os.path.join(out, "lengths.png"))
+
+
+def plot_length_bias(rows, ax) -> None:
+    """Per step, the trained response lengths beside a synchronous run's on the same prompts (mean, p90), and the
+    share of that run's longest decile reaching training (slime/rollout/length_bias.py)."""
+    for key, style, label in (("trained_mean", "-", "trained, mean"), ("sync_mean", "--", "synchronous, mean"),
+                              ("trained_p90", "-", "trained, p90"), ("sync_p90", "--", "synchronous, p90")):
+        xs, ys = _series(rows, f"length/{key}")
+        if xs:
+            ax.plot(xs, ys, style, lw=1.5, color="tab:blue" if "mean" in key else "tab:purple", label=label)
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel("response length (tokens)")
+    ax.grid(alpha=0.3)
+    xs, ys = _series(rows, "length/longest_decile_share")
+    if xs:
+        ax2 = ax.twinx()
+        ax2.plot(xs, ys, ":", color="tab:red", lw=1.5, label="longest decile reaching training")
+        ax2.set_ylim(0, max(1.2, max(ys)))
+        ax2.set_ylabel("share (1: as a synchronous run)")
+        ax2.legend(loc="upper right", fontsize=8)
+    ax.set_title("length bias: what trained vs a synchronous run on the same prompts", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def _typical_step(trace: list[dict]) -> dict | None:

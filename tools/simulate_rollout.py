@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-staleness", type=int, default=None)
     r.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart")
     r.add_argument("--reuse-stale-kv", action="store_true")
+    r.add_argument("--pause-mode", choices=["abort", "retract", "in_place"], default="in_place",
+                   help="stream mode: how a push reaches the requests in flight (train_async.py's flag)")
+    r.add_argument("--admission", choices=["auto", "fixed"], default="fixed",
+                   help="pool and stream modes: fixed --rollout-pool-size, or auto (adjusted from the engines' loads, "
+                        "at most the pool size)")
     r.add_argument("--train-time", type=float, default=0.0, help="seconds of training per step")
     r.add_argument("--max-async-lag", type=int, default=1, help="stream mode: train_async.py's flag")
     r.add_argument("--ignore-eos", action="store_true", help="every sample runs to its drawn length as its budget")
@@ -237,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                      num_engines=a.num_engines, concurrency_per_engine=a.sglang_server_concurrency,
                      pool_size=a.rollout_pool_size or a.sglang_server_concurrency * a.num_engines,
                      max_response_len=a.rollout_max_response_len, pass_rate=a.pass_rate, max_staleness=a.max_staleness,
-                     staleness_policy=a.staleness_policy, reuse_stale_kv=a.reuse_stale_kv, train_time_s=a.train_time,
+                     staleness_policy=a.staleness_policy, reuse_stale_kv=a.reuse_stale_kv, pause_mode=a.pause_mode,
+                     admission=a.admission,
+                     train_time_s=a.train_time,
                      max_async_lag=a.max_async_lag, budgets_are_lengths=a.ignore_eos, steps=a.steps,
                      warmup_steps=a.warmup, seed=a.seed)
     stream_pool = a.rollout_pool_size or min(a.rollout_batch_size * a.n_samples_per_prompt,

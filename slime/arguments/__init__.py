@@ -23,8 +23,8 @@ from slime.arguments.checks import (check_cluster, check_data, check_eval, check
                                     check_rollout, check_training, validate_agent_args, validate_async_args,
                                     validate_given_args, validate_loss_args, validate_weight_update_interval)
 from slime.arguments.pass_through import _split_pass_through
-from slime.arguments.rollout_flags import (_add_agent_args, _add_async_args, _add_cluster_args, _add_data_args,
-                                           _add_eval_args, _add_fault_tolerance_args, _add_partial_rollout_args,
+from slime.arguments.rollout_flags import (ASYNC_PAUSE_MODE, _add_agent_args, _add_async_args, _add_cluster_args,
+                                           _add_data_args, _add_eval_args, _add_fault_tolerance_args, _add_partial_rollout_args,
                                            _add_reward_args, _add_rollout_args, _add_sglang_args)
 from slime.arguments.train_flags import (_add_algorithm_args, _add_debug_args, _add_dry_run_args, _add_logging_args,
                                          _add_megatron_args, _add_training_args, _add_upstream_args)
@@ -72,6 +72,8 @@ def build_parser(entry: str = "train.py") -> argparse.ArgumentParser:
         adders.insert(4, _add_async_args)
     for add in adders:
         add(p)
+    if entry == "train_async.py":
+        p.set_defaults(pause_mode=ASYNC_PAUSE_MODE)
     return p
 
 
@@ -172,7 +174,10 @@ def _fill_defaults(a: Args) -> None:
     if a.eval_max_context_len is None:
         a.eval_max_context_len = a.rollout_max_context_len
     a.num_engines = max(1, a.rollout_num_gpus // max(1, a.rollout_num_gpus_per_engine))
-    if a.rollout_pool_size is None and a.rollout_mode == "stream" and a.rollout_batch_size is not None:
+    if a.admission is None:  # a pool size given by hand is kept; otherwise the engines' loads decide
+        a.admission = "auto" if a.rollout_mode in ("pool", "stream") and a.rollout_pool_size is None else "fixed"
+    if (a.rollout_pool_size is None and a.rollout_mode == "stream" and a.admission == "fixed"
+            and a.rollout_batch_size is not None):
         # one batch's requests: the stream refills as groups finish, so more only adds stale, parked work
         a.rollout_pool_size = min(a.rollout_batch_size * a.n_samples_per_prompt, a.sglang_server_concurrency * a.num_engines)
     if a.update_weight_mode is None:

@@ -18,6 +18,9 @@ def validate_given_args(a: Args) -> None:
     _require(a.over_sampling_batch_size is None or a.rollout_mode == "chunked", "--over-sampling-batch-size",
              f"sizes --rollout-mode chunked's over-sampled chunks; --rollout-mode {a.rollout_mode} keeps "
              "--rollout-pool-size requests in flight instead (drop --over-sampling-batch-size, or set --rollout-pool-size)")
+    _require(a.admission != "auto" or a.rollout_mode in ("pool", "stream"), "--admission auto",
+             "adjusts the requests a pool keeps in flight (--rollout-mode pool or stream); --rollout-mode chunked "
+             "submits --over-sampling-batch-size groups at a time (--over-sampling-batch-size auto sizes them)")
 
 
 def check_placement(a: Args) -> None:
@@ -76,6 +79,9 @@ def check_rollout(a: Args, entry: str) -> None:
     _require(a.rollout_pool_size > 0, "--rollout-pool-size", "must be > 0")
     _require(a.rollout_mode != "stream" or entry == "train_async.py", "--rollout-mode stream",
              "keeps requests in flight while the trainer trains, which needs train_async.py")
+    _require(a.pause_mode == "abort" or entry == "train_async.py", f"--pause-mode {a.pause_mode}",
+             "train.py updates the weights of idle engines (each step ends by aborting and parking what is in flight), "
+             "so there is nothing to pause; requests run across updates in train_async.py")
     _require(a.rollout_mode != "stream" or a.partial_rollout, "--rollout-mode stream",
              "needs --partial-rollout (requests in flight at a checkpoint or an update are parked and resumed)")
     try:  # the cap checks its own values (--max-staleness, --staleness-policy)
@@ -219,8 +225,6 @@ def validate_async_args(a: Args) -> None:
     _require(a.max_async_lag >= a.update_weights_interval, "--max-async-lag",
              f"({a.max_async_lag}) must be >= --update-weights-interval ({a.update_weights_interval}): between two "
              "updates the engines fall that many versions behind, and a batch can only be collected within the lag")
-    _require(not (a.in_flight_update == "in_place" and a.rollout_backend == "sglang"), "--in-flight-update in_place",
-             "SGLang holds a weight update until the requests in flight finish (its model-update lock); use abort")
     _require(not a.colocate, "--colocate", "train_async.py overlaps rollout and training, so engines and trainers "
              "need their own devices; use train.py for colocated runs")
     _require(not a.use_fault_tolerance, "--use-fault-tolerance", "train_async.py does not restart engines under a "

@@ -116,7 +116,13 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                         "trainer takes the next --rollout-batch-size accepted groups as soon as they exist")
     g.add_argument("--rollout-pool-size", type=int, default=None,
                    help="requests in flight in pool and stream modes (default: --sglang-server-concurrency x engines; "
-                        "stream: --rollout-batch-size x --n-samples-per-prompt, at most that)")
+                        "stream with --admission fixed: --rollout-batch-size x --n-samples-per-prompt, at most that); "
+                        "with --admission auto, the most it may keep in flight")
+    g.add_argument("--admission", choices=["auto", "fixed"], default=None,
+                   help="pool and stream modes: fixed keeps --rollout-pool-size requests in flight; auto adjusts them "
+                        "from the engines' load reports (/v1/loads: KV usage, queue, retractions; AIMD-like, "
+                        "slime/rollout/admission.py) up to --rollout-pool-size. Default: auto, or fixed when "
+                        "--rollout-pool-size is given")
     g.add_argument("--max-staleness", type=int, default=None,
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
@@ -125,6 +131,21 @@ def _add_partial_rollout_args(p: argparse.ArgumentParser) -> None:
                    help="weight updates keep the engines' cache (flush_cache=false), so a parked sample resumes on "
                         "the KV its earlier tokens had (computed by older weights) instead of being re-prefilled; "
                         "its tokens keep their versions and go through the same off-policy correction")
+    g.add_argument("--pause-mode", choices=PAUSE_MODES, default="abort",
+                   help="train_async.py: how a weight update reaches the requests in flight (SGLang's /pause_generation "
+                        "modes). abort: they are aborted, wait, and resume from their tokens under the new version "
+                        "(re-prefilled); retract: the engines keep them, free their KV and prefill them again after the "
+                        "update; in_place: the engines keep them with their KV and go on (nothing re-prefilled; tokens "
+                        "sampled after the update attend to KV of older weights, are labelled with the version that "
+                        "sampled them and corrected by TIS; the update keeps the cache, flush_cache=false). Every token "
+                        f"keeps its version and --max-staleness holds in each mode. Default: {ASYNC_PAUSE_MODE} with "
+                        "train_async.py (benchmarks/README.md: chosen by measurement), abort with train.py (its updates "
+                        "find the engines idle: nothing in flight to pause)")
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+# train_async.py's default --pause-mode, chosen by measurement (benchmarks/README.md, its `--pause-mode` row)
+ASYNC_PAUSE_MODE = "in_place"
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -198,12 +219,6 @@ def _add_async_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-async-lag", type=int, default=1,
                    help="how many policy versions the rollout may run ahead of the trainer: a batch trained at "
                         "version P is collected while the engines serve versions >= P - lag (backpressure beyond)")
-    g.add_argument("--in-flight-update", choices=["auto", "abort", "in_place"], default="auto",
-                   help="how a weight update reaches requests in flight. abort: every request is aborted, waits, and "
-                        "resumes from its tokens under the new version (SGLang's documented pause path; any engine). "
-                        "in_place: requests run on and the engine labels each token with the version that sampled it "
-                        "(meta_info.weight_versions; the embedded engine). auto: in_place on the embedded engine, "
-                        "abort on SGLang")
 
 
 def _add_sglang_args(p: argparse.ArgumentParser) -> None:

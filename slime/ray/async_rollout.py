@@ -35,18 +35,6 @@ CALL_SLACK_S = 60.0
 SESSION_EXTRA_CONNECTIONS = 32
 
 
-def resolve_in_flight_update(args, backend: str) -> str:
-    """`--in-flight-update` for engines of `backend`: auto is in_place on the embedded engine (it labels every
-    token with its version and applies an update between two steps), abort on SGLang."""
-    mode = args.in_flight_update
-    if mode == "in_place" and backend != "embedded":
-        raise ValueError(f"--in-flight-update in_place needs engines that label each token with its version across "
-                         f"an update (the embedded engine); these are {backend!r} engines: use abort")
-    if mode == "auto":
-        return "in_place" if backend == "embedded" else "abort"
-    return mode
-
-
 class AsyncRollout:
     def __init__(self, args, manager, first_rollout_id: int):
         if manager.engines is None:
@@ -59,7 +47,8 @@ class AsyncRollout:
         # the built-in step honours the gate; a custom rollout function's steps are waited for instead
         # (stream mode always runs the built-in one: slime/arguments/checks.py)
         self.pausable = manager.rollout_fn is generate_rollout
-        self.in_place = self.pausable and resolve_in_flight_update(args, manager.engines.backend) == "in_place"
+        # a custom rollout function's step is waited for before an update: nothing of ours is then in flight
+        self.pause_mode = args.pause_mode if self.pausable else "abort"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="async-rollout", daemon=True)
         self.gate: VersionGate | None = None
@@ -106,7 +95,7 @@ class AsyncRollout:
         logger.info("async rollout (%s) started at batch %d, policy version %d, max lag %d, updates %s",
                     "stream" if self.args.rollout_mode == "stream" else f"one-step-off, {self.args.rollout_mode}",
                     self.first_rollout_id, self.manager.policy_version, self.args.max_async_lag,
-                    "in place" if self.in_place else "by abort and resume")
+                    f"with --pause-mode {self.pause_mode}")
         return self
 
     async def _start(self) -> None:
@@ -117,6 +106,8 @@ class AsyncRollout:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit))
         version = int(self.manager.policy_version)
         self.gate = VersionGate(version, train_version=version)
+        if self.pause_mode == "in_place" and self.manager.engines.backend == "sglang":
+            self.gate.span_lag = 1  # SGLang appends the token in flight at an in-place pause after the update
         m = self.manager
         if a.rollout_mode == "stream":
             self.producer = StreamRollout(StreamConfig.from_args(a, m.cap), self._run_segment, self.gate, m.buffer, m.engines,
@@ -156,25 +147,26 @@ class AsyncRollout:
 
     def _gate_metrics(self) -> dict[str, float]:
         g = self.gate.stats()
-        return {"async/in_place_updates": float(self.in_place), "async/gate_pauses": g["pauses"],
+        return {"async/gate_pauses": g["pauses"],
                 "async/gate_held_s": g["held_s"], "async/gate_drain_s": g["drain_s"],
                 "async/engine_version": float(self.gate.version), "async/update_pause_s": self.update_pause_s}
 
     @contextlib.contextmanager
     def updating_weights(self, new_version: int):
-        """The driver pushes new weights inside, as `new_version`, while the rollout runs.
+        """The driver pushes new weights inside, as `new_version`, while the rollout runs (`--pause-mode`).
 
         abort: every request of ours is aborted and waits at the gate (a custom rollout function's step is
-        waited for instead), then they resume from their tokens. in_place: they run on and the engine labels
-        their tokens; afterwards the ones that may now exceed --max-staleness (restart policy) are aborted by
-        rid so they restart when they resume."""
+        waited for instead), then they resume from their tokens. retract / in_place: no new request passes the
+        gate, the engines are paused in that mode (SGLang's /pause_generation: they keep our requests) and go on
+        after the push, each token labelled with the version that sampled it; before they go on, the requests
+        that may now exceed --max-staleness (restart policy) are aborted by rid, so they restart when they resume."""
         t0 = time.monotonic()
-        if self.in_place:
-            self._call(self._begin_in_place(int(new_version)), self._drain_timeout)
+        if self.pause_mode != "abort":
+            self._call(self._pause_engines(int(new_version)), self._drain_timeout)
             try:
                 yield
             finally:
-                self._call(self._end_in_place(), self._drain_timeout)
+                self._call(self._continue_engines(), self._drain_timeout)
                 self.update_pause_s = time.monotonic() - t0
             return
         self._call(self._before_update(), self._drain_timeout + self.args.rollout_request_timeout)
@@ -184,16 +176,20 @@ class AsyncRollout:
             self._call(self._after_update(int(new_version)), self._drain_timeout)
             self.update_pause_s = time.monotonic() - t0
 
-    async def _begin_in_place(self, version: int) -> None:
-        self.gate.begin_update(version)
+    async def _pause_engines(self, version: int) -> None:
+        self.gate.begin_update(version)  # replies may carry `version` from now on
+        await self.gate.hold("update", self.manager.engines, self.session, drain=False)  # nothing new is sent
+        await asyncio.to_thread(self.manager.engines.pause, self.pause_mode)
 
-    async def _end_in_place(self) -> None:
+    async def _continue_engines(self) -> None:
         self.gate.end_update()
-        await self.producer.rebalance()
+        await self.producer.rebalance()  # may add a "lag" hold while the gate is still closed
         floor = self.manager.cap.restart_floor(self.gate.train_version)
         if floor is not None:
             stale = self.gate.stale_requests(floor)
             await self.gate.abort_requests(stale, self.manager.engines, self.session)
+        await asyncio.to_thread(self.manager.engines.continue_generation)
+        self.gate.release("update")
 
     async def _before_update(self) -> None:
         await self._pause("update")

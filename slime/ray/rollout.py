@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.ray.restarts import RestartBudget
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.buffer import call_sync
 from slime.rollout.multi_turn import ToolAgent
@@ -111,6 +112,8 @@ class RolloutManager:
 
             self.over_sampling = OverSamplingPlanner.from_args(args)
         self.cap = StalenessCap.from_args(args)  # --max-staleness: every step, the gate and the stream apply this one
+        # --admission: pool mode's requests in flight (auto learns them from the engines' loads across steps)
+        self.admission = AdmissionControl.from_args(args)
         # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
         self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
         self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router and the trainer
@@ -146,6 +149,7 @@ class RolloutManager:
             policy_version=self.policy_version if policy_version is None else policy_version,
             eval_groups=eval_groups,
             over_sampling=None if eval_groups is not None else self.over_sampling,
+            admission=None if eval_groups is not None else self.admission,
             cap=self.cap,
             n_samples_per_prompt=self.args.n_samples_per_prompt,
             agent=self.agent,

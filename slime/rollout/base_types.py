@@ -61,6 +61,8 @@ class RolloutContext:
     eval_groups: list[list[Sample]] | None = None
     # --over-sampling-batch-size auto's planner (slime/rollout/simulator/planner.py), living across steps
     over_sampling: Any = None
+    # pool mode's --admission (slime/rollout/admission.py), living across steps; None: fixed --rollout-pool-size
+    admission: Any = None
     cap: StalenessCap | None = None  # --max-staleness's cap (the RolloutManager's): parked groups handed out again
     n_samples_per_prompt: int | None = None  # each group's size, checked as groups are handed out
     # --agent-env: the ToolAgent (slime/rollout/multi_turn/) the multi-turn generate runs with; it lives as long as

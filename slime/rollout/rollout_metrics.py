@@ -11,6 +11,8 @@ from typing import Any
 
 from slime.backends.sglang_utils import engine_api
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
+from slime.rollout.engine_versions import version_check_metrics
+from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
@@ -58,7 +60,7 @@ def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) ->
     outside = [float(s.non_generation_time) for s in samples]
     timing = {"rollout/non_generation_time_mean": sum(outside) / n,
               "rollout/non_generation_time_max": max(outside)} if any(outside) else {}
-    return tool_metrics(samples, "rollout/") | timing | {
+    return tool_metrics(samples, "rollout/") | version_check_metrics(samples) | timing | {
         "rollout/samples": float(n),
         "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
         "rollout/removed_samples": float(sum(bool(s.remove_sample) for s in samples)),
@@ -193,6 +195,10 @@ def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, floa
         out["rollout/over_sampling_batch_size"] = float(step.chunk)
     out.update(token_version_metrics(step.accepted, step.config.policy_version))
     out.update(sample_metrics(step.accepted, args.reward_key))
+    out.update(length_bias_metrics(
+        [s for g in step.accepted for s in g],
+        generated=[s for st in step.groups.values() if st.outcome is not None for s in st.samples],
+        dropped=[s for g in step.ready_in if step.rejected.get(group_id(g)) == "stale_ready" for s in g]))
     out.update(occ)
     append_trace(args.run_dir, {
         "rollout_id": step.config.rollout_id, "policy_version": step.config.policy_version, "mode": args.rollout_mode,

@@ -42,6 +42,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from slime.backends.sglang_utils import http_client
+from slime.rollout.engine_versions import VersionLabels, cache_key
 from slime.rollout.multi_turn import AgentScope, ToolAgent, agent_scope
 from slime.rollout.multi_turn.model_turn import ModelTurn, Segment, TurnRefused
 from slime.utils.engine_reply import GenerateResponseError, token_versions  # noqa: F401 (re-exported)
@@ -133,12 +134,13 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int
 
 @dataclass
 class VersionWindow:
-    """The versions a reply may carry: from `sent` (served when the request was sent) to `newest()` (the newest
-    pushed while it ran); `now()`: the version served when the reply came back."""
+    """Our record of a request: the versions its reply may carry, from `sent` (served when it was sent) to `newest()`
+    (the newest pushed while it ran); `span_lag`: tokens at the start of each newer span of its reply that the engine
+    may have sampled with the version before it (engine_versions.py)."""
 
     sent: int
     newest: Callable[[], int]
-    now: Callable[[], int]
+    span_lag: int = 0
 
 
 def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_checkpoint: str) -> str:
@@ -256,23 +258,29 @@ class SampleRequester(RequestLoop):
         self._custom_takes_evaluation = (self.custom_generate is not None
                                          and "evaluation" in inspect.signature(self.custom_generate).parameters)
         self.refused = 0
-        self._bad_versions = 0
+        self.versions = VersionLabels(f"{url}/generate")
 
-    def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None) -> dict[str, Any]:
+    def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None,
+                version: int | None = None) -> dict[str, Any]:
         """The /generate body: the sample's token ids, `sampling_params` (default: the rollout's, with the budget
-        left as max_new_tokens), log-probs on, a request id."""
+        left as max_new_tokens), log-probs on, a request id, and the prefix-cache key of `version` (the version the
+        engines serve; default: the step's), so no KV of older weights is reused (engine_versions.cache_key), unless
+        --reuse-stale-kv asks for it."""
         sp = sampling_params
         if sp is None:
             sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
-        return {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
+        body = {"input_ids": list(sample.tokens), "sampling_params": sp, "return_logprob": True,
                 "rid": rid or self.new_rid(sample)}
+        if not self.args.reuse_stale_kv:
+            body["extra_key"] = cache_key(self.policy_version if version is None else version)
+        return body
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
         """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
         finish reason (a refusal fails the sample). Returns the tokens appended. `window`: the versions the reply
         may carry (None: the engines serve one version for the whole step)."""
         try:
-            seg = await self.request(self.payload(sample, rid), window)
+            seg = await self.request(self.payload(sample, rid, version=window and window.sent), window, sample)
         except http_client.EngineHTTPError as e:
             if not e.is_refusal:
                 raise
@@ -292,15 +300,15 @@ class SampleRequester(RequestLoop):
         """One model turn of a multi-turn sample (a `ModelTurn`, slime/rollout/multi_turn/model_turn.py): the same
         request as `send`, with the turn's sampling params, nothing appended; a refusal raises `TurnRefused`."""
         try:
-            return await self.request(self.payload(sample, rid, sampling_params), window)
+            return await self.request(self.payload(sample, rid, sampling_params, window and window.sent), window, sample)
         except http_client.EngineHTTPError as e:
             if not e.is_refusal:
                 raise
             self.refused += 1
             raise TurnRefused(e.message) from e
 
-    async def request(self, payload: dict[str, Any], window: VersionWindow | None) -> Segment:
-        """One `POST /generate`; the reply checked (SGLang's contract, versions, length) and counted."""
+    async def request(self, payload: dict[str, Any], window: VersionWindow | None, sample: Sample) -> Segment:
+        """One `POST /generate` for `sample`; the reply checked (SGLang's contract, versions, length) and counted."""
         rid, max_new = payload["rid"], payload["sampling_params"]["max_new_tokens"]
         self.requests += 1
         self._in_flight(+1)
@@ -309,31 +317,15 @@ class SampleRequester(RequestLoop):
         finally:
             self._in_flight(-1)
         ids, lps, versions, text, ftype = parse_segment(out, self.url)
-        versions = self._checked_versions(versions, window, rid, out["meta_info"].get("weight_version"))
+        sent, newest = (window.sent, window.newest()) if window is not None else (self.policy_version,) * 2
+        versions = self.versions.label_tokens(sample, versions, "weight_versions" in out["meta_info"], sent, newest, rid,
+                                              window.span_lag if window is not None else 0)
         if len(ids) > max_new:
             raise GenerateResponseError(f"{self.url}/generate returned {len(ids)} tokens for max_new_tokens={max_new} "
                                         f"(rid {rid})")
         self.new_tokens += len(ids)
         return Segment(ids, lps, versions, text, finished_by_token(ftype, ids, payload["sampling_params"],
                                                                    self.args.hf_checkpoint))
-
-    def _checked_versions(self, versions: list[int] | None, window: VersionWindow | None, rid: str, raw) -> list[int] | int:
-        if versions is None:  # the engine's versions are not ints: tag with the version served
-            if window is not None and window.now() != window.sent:
-                raise GenerateResponseError(
-                    f"{self.url}/generate: the engines changed version ({window.sent} -> {window.now()}) during "
-                    f"request {rid} and its reply does not say which version sampled which token")
-            fallback = window.now() if window is not None else self.policy_version
-            self._bad_versions += 1
-            if self._bad_versions == 1:
-                logger.warning("engine weight_version %r is not an int; tagging tokens with policy version %d", raw, fallback)
-            return fallback
-        if window is not None and any(v < window.sent or v > window.newest() for v in versions):
-            raise GenerateResponseError(
-                f"{self.url}/generate: reply tagged versions {sorted(set(versions))} but the engines served "
-                f"versions {window.sent}..{window.newest()} while request {rid} ran; "
-                "is something else updating the engines' weights?")
-        return versions
 
     def _refused(self, sample: Sample, error: http_client.EngineHTTPError) -> None:
         sample.status = Status.FAILED

@@ -66,8 +66,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source: RolloutCont
 
 def default_supply(args, ctx: RolloutContext) -> ChunkedSupply | PoolSupply:
     """`--rollout-mode`'s supply: chunked over-sampling (with top-ups under --partial-rollout) or a pool."""
-    if args.rollout_mode == "pool":
-        return PoolSupply(args.rollout_pool_size)
+    if args.rollout_mode == "pool":  # --admission: the run's controller (ctx.admission) learns across steps
+        return PoolSupply(args.rollout_pool_size, admission=ctx.admission)
     if args.rollout_mode != "chunked":
         raise ValueError(f"--rollout-mode {args.rollout_mode!r}: a single step is chunked or pool (stream runs in "
                          "train_async.py)")

@@ -19,6 +19,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from slime.rollout.length_bias import CUT_KEY
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
@@ -58,6 +60,7 @@ class StalenessCap:
         counts[self.policy] += 1
         if self.policy == "restart":
             counts["restarted_tokens"] += sample.response_length
+            sample.metadata.setdefault(CUT_KEY, sample.response_length)  # its first attempt was at least this long
             sample.reset_response()
             sample.metadata["staleness_restarts"] = sample.metadata.get("staleness_restarts", 0) + 1
         elif self.policy == "mask":

@@ -93,18 +93,24 @@ class ChunkedSupply(Supply):
 
 
 class PoolSupply(Supply):
-    """`pool_size` requests always in flight (CoPRIS); `gate`: no new group while it is closed (stream mode)."""
+    """`pool_size` requests in flight (CoPRIS), or fewer as `admission` says; `gate`: none added while it is closed."""
 
-    def __init__(self, pool_size: int, gate=None):
-        self.in_flight_cap = pool_size
-        self.gate = gate
+    def __init__(self, pool_size: int, gate=None, admission=None):  # admission: slime/rollout/admission.py's
+        self.in_flight_cap, self.gate, self.admission = pool_size, gate, admission
 
     def gate_closed(self):
         return self.gate.wait_open if self.gate is not None and not self.gate.is_open else None
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int) -> list[list]:
+        limit = self.admission.at_wake(io) if self.admission is not None else self.in_flight_cap
         out: list[list] = []
-        while (free := self.in_flight_cap - requests - _unfinished(out)) > 0 and not rec.exhausted \
-                and self.gate_closed() is None:
+        while (free := limit - requests - _unfinished(out)) > 0 and not rec.exhausted and self.gate_closed() is None:
             out += await next_groups(rec, io, -(-free // rec.config.n))
         return out
+
+    def metrics(self) -> dict[str, float]:
+        return self.admission.metrics() if self.admission is not None else {}
+
+    async def after_step(self, record: StepRecord, engines) -> None:
+        if self.admission is not None:
+            self.admission.step_ended(record)  # auto: the step's tokens/s judges its climb

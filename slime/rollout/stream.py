@@ -37,8 +37,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
+from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import RolloutEngineFaultError, RolloutError
@@ -75,11 +77,12 @@ class StreamConfig:
     pool_size: int  # --rollout-pool-size
     cap: StalenessCap
     rpc_timeout: float = 120.0
+    admission: AdmissionControl | None = None  # --admission (None: fixed pool_size); it learns across segments
 
     @classmethod
     def from_args(cls, args, cap: StalenessCap) -> "StreamConfig":
         return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size), cap,
-                   args.rollout_rpc_timeout)
+                   args.rollout_rpc_timeout, AdmissionControl.from_args(args))
 
 
 # run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput
@@ -180,7 +183,8 @@ class StreamRollout:
             self._segment_task = asyncio.ensure_future(self._run_segment(self._halt))
 
     async def _run_segment(self, halt: asyncio.Event) -> None:
-        supply = PoolSupply(self.config.pool_size, gate=self.gate)  # issue nothing while paused (lag, update, eval)
+        # issue nothing while paused (lag, update, eval)
+        supply = PoolSupply(self.config.pool_size, gate=self.gate, admission=self.config.admission)
         try:
             out = await self.run_segment(self.next_batch, supply, StreamPlacement(self.accept), halt, self._segment_io)
             if not out.metrics.get("rollout/halted"):
@@ -234,6 +238,7 @@ class StreamRollout:
         kept: list[tuple[list[Sample], int]] = []
         counts: Counter = Counter()
         dropped: list[int] = []
+        stale_groups: list[list[Sample]] = []
         while len(kept) < self.batch_size:
             await self._wait_for_groups(t0, timeout)
             if not self.queue:
@@ -245,6 +250,7 @@ class StreamRollout:
             ok_ids = {id(g) for g in ok}
             kept += [(g, a) for g, a in part if id(g) in ok_ids]
             if stale:
+                stale_groups += stale
                 ids = sorted(group_id(g) for g in stale)
                 await call_maybe_remote(self.buffer, "mark", ids, DROPPED, "stale_at_train", timeout=self.rpc_timeout)
                 dropped += ids
@@ -252,7 +258,9 @@ class StreamRollout:
         waited = time.monotonic() - t0
         await self.rebalance()  # a batch left the queue: room for the next one
         groups = [g for g, _ in kept]
-        return RolloutOutput(groups=groups, metrics=self._metrics(kept, version, waited, counts, dropped))
+        metrics = self._metrics(kept, version, waited, counts, dropped)
+        metrics.update(length_bias_metrics([s for g in groups for s in g], dropped=[s for g in stale_groups for s in g]))
+        return RolloutOutput(groups=groups, metrics=metrics)
 
     async def _wait_for_groups(self, t0: float, timeout: float) -> None:
         while not self.queue:
@@ -304,6 +312,8 @@ class StreamRollout:
             out[f"rollout/staleness_in_flight_{k}"] = float(st[k])
         out.update(token_version_metrics(groups, version))
         out.update(sample_metrics(groups))
+        if self.config.admission is not None:
+            out.update(self.config.admission.metrics())
         self.max_queue = len(self.queue)
         return out
 

@@ -20,12 +20,12 @@ a resume is still within it when it is trained.
 The gate lives on the event loop of the rollout it guards; other threads reach it through
 `asyncio.run_coroutine_threadsafe`.
 
-In place (`--in-flight-update in_place`, the embedded engine): an engine that labels every token with
-the version that sampled it (`meta_info.weight_versions`) and applies an update between two decode
-steps lets requests run on across it: `begin_update(v)` / `end_update()` bracket the push without
-closing the gate (a reply may then carry versions up to `newest_version`), and `stale_requests` names
-the requests whose sample may now hold a token beyond the staleness cap, to be aborted by rid
-(`abort_requests`) so the cap is applied when they resume.
+Paused updates (`--pause-mode retract|in_place`, slime/ray/async_rollout.py): the engines keep our requests across
+the push and label every token with the version that sampled it (`meta_info.weight_versions`):
+`begin_update(v)` / `end_update()` bracket the push (a reply may then carry versions up to `newest_version`)
+while a hold without drain keeps new requests back, and `stale_requests` names the requests whose sample may
+now hold a token beyond the staleness cap, to be aborted by rid (`abort_requests`) so the cap is applied when
+they resume.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class VersionGate:
         self._quiet.set()
         self.in_flight = 0
         self.pending_version: int | None = None  # an in-place update to this version is being pushed
+        # tokens at the start of each newer span the engines may have sampled with the older weights (SGLang's
+        # in_place pause under its overlap scheduler: slime/rollout/engine_versions.py)
+        self.span_lag = 0
         self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
         self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
         self.staleness = Counter()  # what the cap did at in-flight resumes (keys as StalenessCap.at_resume_in_flight's)
@@ -86,6 +89,10 @@ class VersionGate:
             for t in (opened, stopped):
                 t.cancel()
         return not stop.is_set() and self._open.is_set()
+
+    def window(self) -> VersionWindow:
+        """Our record of a request sent now: the versions its reply may carry (`span_lag`: see engine_versions.py)."""
+        return VersionWindow(self.version, lambda: self.newest_version, self.span_lag)
 
     @property
     def newest_version(self) -> int:
@@ -241,8 +248,7 @@ class GatedRequester:
             else:
                 rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
                 with gate.request(rid, sample):
-                    await r.send(sample, rid, VersionWindow(gate.version, lambda: gate.newest_version,
-                                                           lambda: gate.version))
+                    await r.send(sample, rid, gate.window())
                 stale_abort = gate.was_aborted(rid)
             # paused (update, backpressure, eval, checkpoint) or stopped as stale: back to the gate
             return sample.response_length - before, stale_abort or not gate.is_open
@@ -269,8 +275,7 @@ class GatedTurn:
             return Segment.not_sent(gate.version)
         rid = r.new_rid(sample)  # counted in flight from here, with no await since the gate let it pass
         with gate.request(rid, sample):
-            seg = await r.turn(sample, sampling_params, rid, VersionWindow(gate.version, lambda: gate.newest_version,
-                                                                           lambda: gate.version))
+            seg = await r.turn(sample, sampling_params, rid, gate.window())
         if gate.was_aborted(rid) or (seg.finish == "abort" and not gate.is_open):
             self.sent_back = True
         return seg

@@ -83,7 +83,27 @@ def summarize(rows: list[dict]) -> dict:
         "rollout_tokens_per_s": _mean([r.get("rollout/tokens_per_s") for r in steps]),
         "off_policy_token_ratio": _mean([r.get("rollout/off_policy_token_ratio") for r in steps]),
         "max_lag": max_lag(steps),
+        **length_bias_summary(steps),
     }
+
+
+LENGTH_KEYS = ("trained_mean", "sync_mean", "trained_p90", "sync_p90", "longest_decile_share")
+
+
+def length_bias_summary(steps: list[dict]) -> dict:
+    """The run's length bias: each `length/` metric's mean over the steps that have it (slime/rollout/length_bias.py)."""
+    return {f"length_{k}": _mean([r.get(f"length/{k}") for r in steps]) for k in LENGTH_KEYS}
+
+
+def length_line(summary: dict) -> str:
+    """One line: did long samples reach training as often as a synchronous run would train them?"""
+    share = summary.get("length_longest_decile_share")
+    if share is None:
+        return "length bias: n/a"
+    f = lambda k: "n/a" if summary.get(k) is None else f"{summary[k]:.1f}"  # noqa: E731
+    return (f"length bias: trained response length mean {f('length_trained_mean')} / p90 {f('length_trained_p90')} vs "
+            f"a synchronous run on the same prompts {f('length_sync_mean')} / {f('length_sync_p90')}; its longest "
+            f"decile reaches training {share:.2f}x as often (1 = as often as synchronously)")
 
 
 def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
@@ -104,6 +124,7 @@ def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
         f"reward (first -> last quarter of steps): {fmt(summary.get('reward_first_quarter'))} -> {fmt(summary.get('reward_last_quarter'))}",
         f"rollout tokens/s: {fmt(summary.get('rollout_tokens_per_s'), '.1f')}",
         staleness_line(summary, args),
+        length_line(summary),
     ]
     if "tool_call_rate_first_quarter" in summary:
         lines += [

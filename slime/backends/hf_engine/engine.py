@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime.backends.hf_engine import tensor_payload, weights
+from slime.backends.hf_engine import pause, tensor_payload, weights
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING, BUCKET_MIN_SAVING_GPU
 from slime.backends.hf_engine.device import resolve_device, resolve_dtype
 from slime.backends.hf_engine.fused_norms import fuse_rms_norms
@@ -43,6 +43,13 @@ class EngineConfig:
     # decode-only steps from CUDA graphs (decode_graphs.py): auto (capture on cuda, off on cpu), capture, static, off
     cuda_graph: str = "auto"
     cuda_graph_max_bs: int = 128  # SGLang's --cuda-graph-max-bs: larger decode steps run eagerly
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    message: str
+    in_flight: int  # requests in flight across the update (SGLang's reply field num_paused_requests)
+    flushed: bool  # False: a flush was asked and refused (requests held in place): the update failed after loading
 
 
 class EngineUnavailable(RuntimeError):
@@ -156,48 +163,49 @@ class Engine:
                 rid=r.rid, input_ids=r.input_ids, params=r.params, output_ids=list(r.output_ids),
                 logprobs=list(r.logprobs), finish_reason=copy.copy(r.finish_reason), cached_tokens=r.cached_tokens,
                 version_spans=list(r.version_spans), logprobs_extra=None if extra is None else extra.snapshot(),
-                created=r.created,
+                created=r.created, retractions=r.retractions,
             )
             on_event(snap, finished)
 
         extra = LogprobRecord(inp.logprobs) if inp.return_logprob and inp.logprobs.any else None
         return Request(rid=inp.rid, input_ids=inp.input_ids, params=inp.params, stream=stream, notify=notify, generator=gen,
-                       logprobs_extra=extra)
+                       logprobs_extra=extra, extra_key=inp.extra_key)
 
     # ---- weights ---------------------------------------------------------------------
-    def _apply(self, named: dict, version: str | None, flush_cache: bool) -> tuple[str, int]:
-        """On the scheduler thread, between two steps: retract the running requests (their KV is from the old
-        weights; they are recomputed and go on), copy, set the version. Requests in flight are not held back
-        (SGLang waits for them under its model-update lock): their tokens before this point keep the old
-        version and the tokens after it get the new one (`meta_info.weight_versions`), so no token is
-        mislabelled. Returns (message, requests in flight across the update)."""
+    def _apply(self, named: dict, version: str | None, flush_cache: bool) -> UpdateResult:
+        """On the scheduler thread, between two steps: copy, set the version, flush if asked (`pause.update`: paused,
+        the requests stay as the pause left them and the flush is SGLang's; not paused, running requests are
+        recomputed on the new weights). The tokens each request sampled before this point keep the old version and
+        the tokens after it get the new one (`meta_info.weight_versions`), so no token is mislabelled."""
         sched = self.scheduler
         if self.memory.weights_released:
             raise ValueError("the weights are released (/release_memory_occupation); POST /resume_memory_occupation "
                              "with tags [\"weights\"] before updating them")
-        n_running = sched.retract()
-        in_flight = sched.num_waiting  # the retracted requests are back at the head of the queue
-        if flush_cache:  # KV computed by the old weights; flush_cache=false keeps it for resumed requests
-            sched.prefix_cache.clear()
-        weights.copy_into_model(self.model, named)
-        self.memory.note_loaded(named)
-        sched.set_weight_version(version if version is not None else _next_version(sched.weight_version))
-        return (f"loaded {len(named)} tensors; weight_version={sched.weight_version}; {n_running} running requests "
-                f"recomputed on the new weights, {in_flight} requests in flight"), in_flight
 
-    async def update_from_tensors(self, named: dict, version: str | None, flush_cache: bool, abort_all: bool) -> tuple[str, int]:
+        def load() -> None:
+            weights.copy_into_model(self.model, named)
+            self.memory.note_loaded(named)
+
+        held = sched.paused
+        version = version if version is not None else _next_version(sched.weight_version)
+        n_running, in_flight, flushed = pause.update(sched, load, version, flush_cache)
+        how = "held as the pause left them" if held else "recomputed on the new weights"
+        return UpdateResult(f"loaded {len(named)} tensors; weight_version={sched.weight_version}; {n_running} running "
+                            f"requests {how}, {in_flight} requests in flight", in_flight, flushed)
+
+    async def update_from_tensors(self, named: dict, version: str | None, flush_cache: bool, abort_all: bool) -> UpdateResult:
         if abort_all:
             await self.call(self.scheduler.abort, None, "aborted for a weight update")
         return await self.call(self._apply, named, version, flush_cache)
 
-    async def update_from_disk(self, model_path: str, version: str | None, flush_cache: bool, abort_all: bool) -> tuple[str, int]:
+    async def update_from_disk(self, model_path: str, version: str | None, flush_cache: bool, abort_all: bool) -> UpdateResult:
         async with self._update_lock:
             named = await asyncio.to_thread(weights.read_state_dict, model_path, self.model.dtype)
             out = await self.update_from_tensors(named, version, flush_cache, abort_all)
             self.model_path = model_path
             return out
 
-    async def update_from_tensor(self, serialized, load_format, version, flush_cache, abort_all) -> tuple[str, int]:
+    async def update_from_tensor(self, serialized, load_format, version, flush_cache, abort_all) -> UpdateResult:
         """SGLang's /update_weights_from_tensor: the tensors are mapped from the sender's memory (shared memory
         or CUDA IPC), copied into the model between two steps, and released before the reply."""
         async with self._update_lock:
@@ -210,7 +218,7 @@ class Engine:
             finally:
                 del named, pairs  # unmap the sender's memory
 
-    async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> tuple[str, int]:
+    async def update_from_distributed(self, group_name: str, names, dtypes, shapes, version, flush_cache, abort_all) -> UpdateResult:
         async with self._update_lock:
             named = await asyncio.to_thread(self.groups.receive, group_name, names, dtypes, shapes)
             return await self.update_from_tensors(named, version, flush_cache, abort_all)

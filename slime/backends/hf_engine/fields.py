@@ -45,6 +45,7 @@ GENERATE_FIELDS: dict[str, object] = {
     "return_logprob": HONOURED, "logprob_start_len": HONOURED, "top_logprobs_num": HONOURED,
     "token_ids_logprob": HONOURED, "return_text_in_logprobs": HONOURED, "stream": HONOURED,
     "routed_dp_rank": HONOURED, "data_parallel_rank": HONOURED,  # the one DP rank, 0
+    "extra_key": HONOURED,  # the prefix cache's namespace (prefix_cache.py)
     "log_metrics": NoEffect("the engine keeps no per-request metrics", (bool,)),
     "no_logs": NoEffect("the engine never logs request contents", (bool,)),
     "session_id": NoEffect("a routing identity; it does not change the prompt"),
@@ -81,7 +82,6 @@ GENERATE_FIELDS: dict[str, object] = {
     "background": Refused("background responses belong to the OpenAI responses API"),
     "require_reasoning": Refused("no reasoning parser"), "max_thinking_tokens": Refused("no reasoning parser"),
     "priority": Refused("priority scheduling is not supported (SGLang: --enable-priority-scheduling)"),
-    "extra_key": Refused("prefix-cache namespaces are not supported", (None, "")),
     "cache_salt": Refused("prefix-cache namespaces are not supported", (None, "")),
     "return_bytes": Refused("image generation only"),
     "return_entropy": Refused("entropies are not returned"),

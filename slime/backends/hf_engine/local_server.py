@@ -61,6 +61,10 @@ class EngineServer:
     def weight_version(self) -> str:
         return self.get("/model_info").json()["weight_version"]
 
+    def stats(self) -> dict:
+        """The scheduler's cumulative counters (`/server_info` internal_states: slime/backends/hf_engine/stats.py)."""
+        return self.get("/server_info").json()["internal_states"][0]["scheduler_stats"]
+
     @contextlib.contextmanager
     def weight_update_session(self):
         """SGLang's `/begin_weight_update` ... `/end_weight_update` around tensor / broadcast updates."""

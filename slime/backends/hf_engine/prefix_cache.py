@@ -10,11 +10,17 @@ fewer for one aborted while its prompt was still being prefilled). A hit hands
 the blocks to the resuming row as they are: nothing is copied, and the row
 goes on from position `cached`.
 
-As in SGLang, the cache holds KV computed with the weights of the moment: a
-weight update flushes it unless the update says `flush_cache: false` (reusing
-KV computed by older weights is then the caller's choice; the tokens keep the
-version that sampled them), and `POST /flush_cache` empties it. Its blocks come
-from the same pool as the running rows': when the pool runs short, the least
+As in SGLang's radix cache, entries are namespaced by the request's `extra_key`
+(a request only ever reuses KV stored by a request with the same key), and each
+holds KV computed with the weights of its time: a weight update flushes it
+unless the update says `flush_cache: false`, and `POST /flush_cache` empties
+it. Under `flush_cache: false` (a paused-in-place update, `--reuse-stale-kv`)
+older entries stay; our client keys its requests by the weight version they are
+sent at (slime/rollout/engine_versions.py), so an entry is only reused by a
+request of its own version, unless `--reuse-stale-kv` asks for stale KV. Each
+entry records the version that computed its oldest position, so the scheduler
+counts every reuse across versions (`cache_stale_hits`). Its blocks come from
+the same pool as the running rows': when the pool runs short, the least
 recently stored entries are evicted first.
 """
 
@@ -29,6 +35,7 @@ from typing import Callable
 class CachedKV:
     blocks: list[int]  # pool blocks, in position order
     cached: int  # positions with KV (the first `cached` tokens of the key)
+    version: str | None = None  # the weight version that computed its oldest position
 
 
 class PrefixCache:
@@ -39,7 +46,7 @@ class PrefixCache:
         self.max_tokens = max(0, int(max_tokens))
         self.block_size = block_size
         self.release = release
-        self._entries: OrderedDict[tuple[int, ...], CachedKV] = OrderedDict()
+        self._entries: OrderedDict[tuple, CachedKV] = OrderedDict()  # (extra_key, token ids) -> KV
         self.tokens = 0  # positions held, in whole blocks
 
     @property
@@ -52,16 +59,16 @@ class PrefixCache:
     def _size(self, kv: CachedKV) -> int:
         return len(kv.blocks) * self.block_size
 
-    def put(self, tokens: list[int], kv: CachedKV) -> bool:
-        """Take ownership of `kv`, the KV of `tokens[:kv.cached]`; its blocks are released at once if it
-        cannot be kept (disabled, nothing cached, larger than the whole cache). True if kept."""
+    def put(self, extra_key: str | None, tokens: list[int], kv: CachedKV) -> bool:
+        """Take ownership of `kv`, the KV of `tokens[:kv.cached]` in namespace `extra_key`; its blocks are released
+        at once if it cannot be kept (disabled, nothing cached, larger than the whole cache). True if kept."""
         size = self._size(kv)
         if not self.enabled or kv.cached <= 0 or size > self.max_tokens or kv.cached >= len(tokens):
             self.release(kv.blocks)
             return False
         if kv.cached > len(kv.blocks) * self.block_size:
             raise ValueError(f"prefix cache: {kv.cached} cached positions in {len(kv.blocks)} blocks of {self.block_size}")
-        key = tuple(tokens)
+        key = (extra_key, tuple(tokens))
         old = self._entries.pop(key, None)
         if old is not None:
             self._drop(old)
@@ -71,11 +78,12 @@ class PrefixCache:
             self._drop(self._entries.popitem(last=False)[1])
         return True
 
-    def take(self, tokens: list[int]) -> CachedKV | None:
-        """The entry for exactly `tokens`, removed from the cache (its blocks now belong to the caller)."""
+    def take(self, extra_key: str | None, tokens: list[int]) -> CachedKV | None:
+        """The entry for exactly `tokens` in namespace `extra_key`, removed from the cache (its blocks now belong to
+        the caller)."""
         if not self._entries:
             return None
-        kv = self._entries.pop(tuple(tokens), None)
+        kv = self._entries.pop((extra_key, tuple(tokens)), None)
         if kv is not None:
             self.tokens -= self._size(kv)
         return kv

@@ -32,6 +32,7 @@ class GenerateInput:
     stream: bool
     token_text: bool = False
     logprobs: LogprobSpec = field(default_factory=LogprobSpec)
+    extra_key: str | None = None  # SGLang's prefix-cache namespace ("" is none)
 
 
 def parse_sampling_params(sp, prompt_len: int, max_positions: int, vocab_size: int) -> SamplingParams:
@@ -187,7 +188,8 @@ def parse_generate(body, tokenizer, vocab_size: int, max_positions: int) -> tupl
         raise BadRequest("stream: streaming a batch request is not supported")
     token_text = read_bool(body, "return_text_in_logprobs", False)
     columns = {name: _per_item(body, name, n, is_batch, nested=name == "token_ids_logprob")
-               for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")}
+               for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                            "extra_key")}
     out = []
     for i, (p, rid) in enumerate(zip(prompts, rids)):
         item = {name: col[i] for name, col in columns.items()}
@@ -197,7 +199,10 @@ def parse_generate(body, tokenizer, vocab_size: int, max_positions: int) -> tupl
         return_logprob = read_bool(item, "return_logprob", False)
         spec = _logprob_spec(item, suffix, len(p), return_logprob, vocab_size)
         params = parse_sampling_params(item["sampling_params"], len(p), max_positions, vocab_size)
-        out.append(GenerateInput(rid, p, params, return_logprob, stream, token_text, spec))
+        key = item["extra_key"]
+        if key is not None and not isinstance(key, str):
+            raise BadRequest(f"extra_key{suffix}: expected a string, got {key!r}")
+        out.append(GenerateInput(rid, p, params, return_logprob, stream, token_text, spec, key or None))
     return out, is_batch
 
 
@@ -240,23 +245,23 @@ def build_response(req, tokenizer, return_logprob: bool, weight_version: str, fi
     """SGLang's /generate response (cumulative) for a scheduler Request snapshot."""
     output_ids = list(req.output_ids)
     reason = req.finish_reason if finished else None
-    spans = version_spans(req, weight_version)
     # SGLang 0.5.23's keys (tokenizer_manager.py), as its own server answers on CPU (tests/test_real_sglang.py
-    # compares them): no retractions or reasoning parser here, every cached token on the device, one DP rank (null)
+    # compares them): no reasoning parser here, every cached token on the device, one DP rank (null)
     meta = {
         "id": req.rid,
         "finish_reason": reason,
         "prompt_tokens": len(req.input_ids),
-        "weight_version": spans[-1]["version"],
-        "num_retractions": 0,
+        "weight_version": weight_version,
+        "num_retractions": req.retractions,
         "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": req.cached_tokens,
-        "weight_versions": spans,
         "cached_tokens_details": {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None,
         "dp_rank": None,
     }
-    if finished:  # SGLang adds these once the request finished
+    if finished:  # SGLang adds these once the request finished (or aborted): the per-token version spans too
+        meta["weight_versions"] = spans = version_spans(req, weight_version)
+        meta["weight_version"] = spans[-1]["version"]
         meta["e2e_latency"] = time.monotonic() - req.created
         meta["response_sent_to_client_ts"] = time.time()
     if return_logprob:

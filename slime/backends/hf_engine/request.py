@@ -31,6 +31,9 @@ class Request:
     # (first output index, weight version) each time the version that samples this request's tokens changes
     version_spans: list[tuple[int, str]] = field(default_factory=list)
     row: int | None = None  # its row in the batch while running
+    extra_key: str | None = None  # SGLang's prefix-cache namespace (our client: the weight version it was sent at)
+    kv_version: str | None = None  # while it has a row: the weight version that computed its oldest KV position
+    retractions: int = 0  # times its KV was dropped and it was sent back to the queue (SGLang's num_retractions)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of input_ids + output_ids (without building the whole list)."""

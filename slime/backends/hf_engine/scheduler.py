@@ -153,9 +153,12 @@ class Scheduler:
         """Drop the KV of every running request and put it back first in the queue (re-prefilled later)."""
         n = len(self.running)
         for r in reversed(self.running):
+            self.stats.retracted_tokens += self.batch.cached(r.row)
             self.batch.drop(r.row)
-            r.row = None
+            r.row = r.kv_version = None
+            r.retractions += 1
             self.waiting.appendleft(r)
+        self.stats.retractions += n
         self.running = []
         return n
 
@@ -246,14 +249,19 @@ class Scheduler:
                 self._finish(r, {"type": "length", "length": 0})
                 continue
             budget -= need
-            kv = self.prefix_cache.take(r.input_ids) if not r.output_ids else None
+            kv = self.prefix_cache.take(r.extra_key, r.input_ids) if not r.output_ids else None
             if kv is not None:
                 r.row = self.batch.add_row(kv.blocks, kv.cached)
                 r.cached_tokens = kv.cached
+                r.kv_version = kv.version
                 self.stats.cache_hits += 1
                 self.stats.cache_hit_tokens += kv.cached
+                if kv.version != self.weight_version:
+                    self.stats.cache_stale_hits += 1
+                    self.stats.cache_stale_hit_tokens += kv.cached
             else:
                 r.row = self.batch.add_row()
+                r.kv_version = self.weight_version
             self.running.append(r)
 
     def _plan(self) -> tuple[list, list[Request], int, int]:
@@ -350,10 +358,10 @@ class Scheduler:
             return
         if cache and self.prefix_cache.enabled and self.batch.cached(r.row) > 0:
             blocks, cached = self.batch.detach(r.row)
-            self.prefix_cache.put(r.input_ids + r.output_ids, CachedKV(blocks, cached))
+            self.prefix_cache.put(r.extra_key, r.input_ids + r.output_ids, CachedKV(blocks, cached, r.kv_version))
         else:
             self.batch.drop(r.row)
-        r.row = None
+        r.row = r.kv_version = None
 
     def _append(self, r: Request, token: int, logprob: float) -> None:
         if not r.version_spans or r.version_spans[-1][1] != self.weight_version:

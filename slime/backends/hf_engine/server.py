@@ -14,12 +14,14 @@ import time
 import orjson
 from aiohttp import web
 
+from slime.backends.hf_engine import pause
 from slime.backends.hf_engine.engine import Engine, EngineUnavailable
 from slime.backends.hf_engine.fields import BadRequest
 from slime.backends.hf_engine.http_utils import (
     ENGINE_KEY, bad_request_middleware, body_field, error_response, json_body, json_response, result_response,
 )
 from slime.backends.hf_engine.memory import MemoryStateError, parse_tags
+from slime.backends.hf_engine.pause import HoldNewRequests
 from slime.backends.hf_engine.info import add_info_routes
 from slime.backends.hf_engine.weight_routes import add_weight_routes
 from slime.backends.hf_engine.protocol import GenerateInput, build_response, parse_generate
@@ -30,11 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 
+HOLD_KEY = web.AppKey("hold_new_requests", HoldNewRequests)
+
+
 class _Run:
     """One /generate request in flight: bridges scheduler events into the event loop."""
 
-    def __init__(self, engine: Engine, inp, stream: bool):
-        self.engine, self.inp = engine, inp
+    def __init__(self, engine: Engine, inp, stream: bool, hold: HoldNewRequests):
+        self.engine, self.inp, self.hold = engine, inp, hold
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.done = False
@@ -44,6 +49,7 @@ class _Run:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (snap, finished))
 
     async def start(self) -> None:
+        await self.hold.wait()  # paused: held before the scheduler sees it, as SGLang's tokenizer manager holds it
         try:
             await self.engine.call(self.engine.admit, self.req, timeout=60)
         except ValueError as e:
@@ -66,8 +72,8 @@ class _Run:
             self.engine.scheduler.submit(self.engine.scheduler.abort, self.req.rid, "client disconnected")
 
 
-async def _run_to_end(engine: Engine, inp) -> dict:
-    run = _Run(engine, inp, stream=False)
+async def _run_to_end(engine: Engine, inp, hold: HoldNewRequests) -> dict:
+    run = _Run(engine, inp, False, hold)
     try:
         await run.start()
         while True:
@@ -89,12 +95,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, engine: Engine) -> web.StreamResponse:
     body = await json_body(request)
     inputs, is_batch = parse_generate(body, engine.tokenizer, engine.vocab_size, engine.max_positions)
+    hold = request.app[HOLD_KEY]
     if is_batch:
-        return json_response(list(await asyncio.gather(*(_run_to_end(engine, i) for i in inputs))))
+        return json_response(list(await asyncio.gather(*(_run_to_end(engine, i, hold) for i in inputs))))
     inp = inputs[0]
     if not inp.stream:
-        return json_response(await _run_to_end(engine, inp))
-    run = _Run(engine, inp, stream=True)
+        return json_response(await _run_to_end(engine, inp, hold))
+    run = _Run(engine, inp, True, hold)
     await run.start()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     interval = inp.params.stream_interval or 1
@@ -158,30 +165,24 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 
 async def pause_generation(request: web.Request) -> web.Response:
+    """SGLang's /pause_generation {mode}: new requests are held from now on; abort aborts every request, retract and
+    in_place stop the scheduler (slime/backends/hf_engine/pause.py)."""
     engine = request.app[ENGINE_KEY]
     body = await json_body(request, required=False)
     mode = body_field(body, "mode", str, "abort")
-    sched = engine.scheduler
-
-    def pause():
-        sched.set_paused(True)
-        if mode == "abort":
-            return sched.abort(None)
-        if mode == "retract":
-            return sched.retract()
-        return 0
-
-    if mode not in ("abort", "retract", "in_place"):
+    if mode not in pause.MODES:
         raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}")
-    n = await engine.call(pause)
-    logger.info("paused (%s); %d requests affected", mode, n)
+    request.app[HOLD_KEY].close()  # before the scheduler's part: nothing new reaches it after this point
+    n = await engine.call(pause.pause, engine.scheduler, mode)
+    logger.info("paused (%s); %d requests %s", mode, n, "aborted" if mode == "abort" else "held")
     return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     await json_body(request, required=False)
-    await engine.call(engine.scheduler.set_paused, False)
+    await engine.call(pause.resume, engine.scheduler)
+    request.app[HOLD_KEY].open()
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -202,11 +203,8 @@ async def flush_cache(request: web.Request) -> web.Response:
     if not timeout >= 0:
         raise BadRequest(f"timeout: must be >= 0, got {raw!r}")
 
-    def flush_if_idle() -> int:
-        busy = sched.num_running + sched.num_waiting
-        if not busy:
-            sched.prefix_cache.clear()
-        return busy
+    def flush_if_idle() -> int:  # SGLang: while paused, the requests waiting do not stop a flush (pause.py)
+        return 0 if pause.flush_if_idle(sched) else sched.num_running + sched.num_waiting
 
     deadline = time.monotonic() + timeout
     while True:
@@ -230,12 +228,13 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.scheduler._thread.is_alive():
         return web.Response(status=503)
-    if engine.scheduler.paused or engine.memory.generation_blocker() is not None:
+    hold = request.app[HOLD_KEY]
+    if engine.scheduler.paused or hold.holding or engine.memory.generation_blocker() is not None:
         return web.Response(status=200)  # alive, deliberately not generating (paused, or memory released)
     bos = engine.tokenizer.bos_token_id or 0
     inp = GenerateInput(f"HEALTH_CHECK_{time.time_ns()}", [bos], SamplingParams(max_new_tokens=1, temperature=0.0), False, False)
     try:
-        await asyncio.wait_for(_run_to_end(engine, inp), 20)
+        await asyncio.wait_for(_run_to_end(engine, inp, hold), 20)
     except asyncio.TimeoutError:
         return web.Response(status=503)
     return web.Response(status=200)
@@ -244,6 +243,7 @@ async def health_generate(request: web.Request) -> web.Response:
 def build_app(engine: Engine, host: str, port: int) -> web.Application:
     app = web.Application(middlewares=[bad_request_middleware], client_max_size=1 << 30)
     app[ENGINE_KEY] = engine
+    app[HOLD_KEY] = HoldNewRequests()
     app["host"], app["port"], app["started"] = host, port, time.time()
     post = [
         ("/generate", generate), ("/abort_request", abort_request),

@@ -49,6 +49,12 @@ class SchedulerStats:
     sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
     cache_hits: int = 0  # requests that resumed an aborted request's KV
     cache_hit_tokens: int = 0  # positions they did not prefill
+    # hits on KV that older weights computed (a request with the entry's extra_key, or none, after an update with
+    # flush_cache=false): never with version-keyed requests (slime/rollout/engine_versions.py)
+    cache_stale_hits: int = 0
+    cache_stale_hit_tokens: int = 0
+    retractions: int = 0  # running requests sent back to the queue with their KV dropped (a pause or an update)
+    retracted_tokens: int = 0  # the KV positions they dropped (prefilled again when they run again)
     # sums for a least-squares fit of step time ~ a + b x decoding rows + c x prefill tokens (thousands),
     # over any window of steps (differences of these sums): what a step, a row and a prefilled token cost
     fit_n: int = 0

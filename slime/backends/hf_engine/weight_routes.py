@@ -11,9 +11,10 @@ import logging
 
 from aiohttp import web
 
-from slime.backends.hf_engine.engine import Engine
+from slime.backends.hf_engine.engine import Engine, UpdateResult
 from slime.backends.hf_engine.fields import BadRequest
 from slime.backends.hf_engine.http_utils import ENGINE_KEY, body_field, json_body, result_response
+from slime.backends.hf_engine.pause import FLUSH_FAILED
 from slime.backends.hf_engine.tensor_payload import PayloadError
 from slime.backends.hf_engine.weights import WeightUpdateSession
 
@@ -38,12 +39,21 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format: only Hugging Face directories ('auto') are loaded, got {load_format!r}")
     version, flush, abort_all = _update_flags(body)
     try:
-        msg, in_flight = await engine.update_from_disk(path, version, flush, abort_all)
+        res = await engine.update_from_disk(path, version, flush, abort_all)
     except Exception as e:  # noqa: BLE001 - reported to the caller
         logger.exception("update_weights_from_disk failed")
         return result_response(False, f"update_weights_from_disk: {e}", num_paused_requests=0)
     # SGLang's reply field: requests held across the update (ours went on, each token stamped with its version)
-    return result_response(True, msg, num_paused_requests=in_flight)
+    return _update_reply(res, num_paused_requests=res.in_flight)
+
+
+def _update_reply(res: UpdateResult, **extra) -> web.Response:
+    """An update's reply; one whose flush was refused (requests held in place by a pause) failed after loading, with
+    SGLang's message (slime/backends/hf_engine/pause.py)."""
+    if not res.flushed:
+        logger.warning("weights loaded, cache not flushed: %s", res.message)
+        return result_response(False, FLUSH_FAILED, **extra)
+    return result_response(True, res.message, **extra)
 
 
 def _selector(body: dict) -> str:
@@ -85,14 +95,14 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     try:
-        msg, in_flight = await engine.update_from_tensor(serialized, load_format, version, flush, abort_all)
+        res = await engine.update_from_tensor(serialized, load_format, version, flush, abort_all)
     except PayloadError as e:
         raise BadRequest(str(e)) from None
     except Exception as e:  # noqa: BLE001 - reported to the caller
         logger.exception("update_weights_from_tensor failed")
         return result_response(False, f"update_weights_from_tensor: {e}")
-    _empty_device_cache(engine, body, flush)
-    return result_response(True, msg, num_paused_requests=in_flight)
+    _empty_device_cache(engine, body, flush and res.flushed)
+    return _update_reply(res, num_paused_requests=res.in_flight)
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
@@ -145,12 +155,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     try:
-        msg, _ = await engine.update_from_distributed(group, names, dtypes, shapes, version, flush, abort_all)
+        res = await engine.update_from_distributed(group, names, dtypes, shapes, version, flush, abort_all)
     except Exception as e:  # noqa: BLE001
         logger.exception("update_weights_from_distributed failed")
         return result_response(False, f"update_weights_from_distributed: {e}")
-    _empty_device_cache(engine, body, flush)
-    return result_response(True, msg)
+    _empty_device_cache(engine, body, flush and res.flushed)
+    return _update_reply(res)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:

@@ -58,10 +58,11 @@ def busy_requests(reply: Any, where: str = "load") -> int:
     return sum(running_and_waiting(reply, where))
 
 
-async def load(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0) -> Any:
-    """One server's load reply: /v1/loads?include=core, or /get_load on a server without it (404)."""
+async def load(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0, include: str = "core") -> Any:
+    """One server's load reply: /v1/loads?include=<include> (e.g. "core,queues"), or /get_load on a server without
+    it (404)."""
     try:
-        return await http_client.get(session, url, LOADS_PATH, timeout=timeout)
+        return await http_client.get(session, url, f"/v1/loads?include={include}", timeout=timeout)
     except http_client.EngineHTTPError as e:
         if e.status != 404:
             raise
@@ -123,5 +124,13 @@ def check_engine_versions(urls: list[str], timeout: float = 10.0) -> dict[str, s
     return found
 
 
-async def gather_loads(session: aiohttp.ClientSession, urls: list[str], timeout: float | None = 10.0) -> list[Any]:
-    return list(await asyncio.gather(*(load(session, u, timeout) for u in urls)))
+async def gather_loads(session: aiohttp.ClientSession, urls: list[str], timeout: float | None = 10.0,
+                       include: str = "core") -> list[Any]:
+    return list(await asyncio.gather(*(load(session, u, timeout, include) for u in urls)))
+
+
+async def rank_loads(session: aiohttp.ClientSession, urls: list[str], timeout: float | None = 10.0) -> list[dict]:
+    """Every server's per-DP-rank load dicts with their queues (retractions), flattened: what --admission auto
+    reads (slime/rollout/admission.py)."""
+    replies = await gather_loads(session, urls, timeout, include="core,queues")
+    return [rank for u, reply in zip(urls, replies) for rank in _rank_loads(reply, u)]

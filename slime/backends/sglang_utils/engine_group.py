@@ -33,6 +33,8 @@ from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
 
 logger = logging.getLogger(__name__)
 
+LOADS_URLS_TTL_S = 10.0  # how long `loads` trusts its worker list before asking the router again
+
 
 class EngineGroupError(RuntimeError):
     """A fan-out call failed on one or more workers; the message names each."""
@@ -62,6 +64,7 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
+        self._load_urls: tuple[float, list[str]] | None = None  # (when, worker URLs) for `loads`
 
     # --- lifecycle -------------------------------------------------------------
     def start(self) -> "EngineGroup":
@@ -296,6 +299,14 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         urls = self.worker_urls()
         futs = {u: self._pool.submit(engine_api.load_sync, u, timeout) for u in urls}
         return self.wait_all(futs, f"GET {engine_api.LOADS_PATH}", timeout=timeout + 5)
+
+    async def loads(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> list[dict]:
+        """Every worker's per-DP-rank load dicts, queues included (--admission auto); the worker list is asked of the
+        router at most every `LOADS_URLS_TTL_S`."""
+        now = time.monotonic()
+        if self._load_urls is None or now - self._load_urls[0] > LOADS_URLS_TTL_S:
+            self._load_urls = (now, await asyncio.to_thread(self.worker_urls))
+        return await engine_api.rank_loads(session, self._load_urls[1], timeout)
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """POST /pause_generation {"mode"} to every worker (abort | retract | in_place)."""

@@ -10,7 +10,7 @@ from typing import Callable
 
 class SimRequest:
     __slots__ = ("seq", "sample", "n_input", "target", "max_new", "arrive_t", "k_join", "finish_k", "gen0",
-                 "produced", "splits", "reserve", "on_done", "cached", "ctx0")
+                 "produced", "splits", "reserve", "on_done", "cached", "ctx0", "key")
 
     def __init__(self, seq, sample, arrive_t: float, on_done: Callable):
         self.seq, self.sample, self.arrive_t, self.on_done = seq, sample, arrive_t, on_done
@@ -22,6 +22,7 @@ class SimRequest:
         self.splits: list[tuple[int, int]] = []  # (tokens produced so far, version) at each weight update
         self.reserve = 0
         self.cached = 0  # "mixed" prefill: input tokens already in the KV cache
+        self.key = None  # its prefix-cache namespace: the version it reached the engine at (version-keyed)
         self.ctx0 = 0  # its position at the step it joined the decoding rows (k_join)
 
 
@@ -35,20 +36,33 @@ class Admission:
         if self.cost.kv_admission != "optimistic":
             return t
         while len(self.running) > 1 and self.tokens_now + len(self.running) > cap:
-            req = max(self.running.values(), key=lambda r: (r.k_join, r.seq))
-            n = self._produced(req)
-            del self.running[req.seq]
-            self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
-            req.produced = n
-            req.n_input = req.sample.n_tokens + n
-            req.splits = [(u, v) for u, v in req.splits]
-            self.waiting.appendleft(req)
-            self.stats["retractions"] += 1
+            self._retract(max(self.running.values(), key=lambda r: (r.k_join, r.seq)))
+        self._prune_heaps()
+        return t
+
+    def _retract(self, req: SimRequest) -> None:
+        """A running row back to the head of the queue: its tokens kept, its KV dropped (prefilled again)."""
+        n = self._produced(req)
+        del self.running[req.seq]
+        self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
+        req.produced = n
+        req.n_input = req.sample.n_tokens + n
+        self.waiting.appendleft(req)
+        self.stats["retractions"] += 1
+
+    def _retract_all(self) -> None:
+        """`/pause_generation` retract: every running row retracted, every partly prefilled row's KV dropped."""
+        for req in sorted(self.running.values(), key=lambda r: r.seq, reverse=True):
+            self._retract(req)
+        for req in self.prefilling:
+            req.cached = 0
+        self._prune_heaps()
+
+    def _prune_heaps(self) -> None:
         self.finish_heap = [(fk, s) for fk, s in self.finish_heap if s in self.running]
         heapq.heapify(self.finish_heap)
         self.width_heap = [(w, s) for w, s in self.width_heap if s in self.running]
         heapq.heapify(self.width_heap)
-        return t
 
     def _reserve(self, req: SimRequest) -> int:
         left = req.max_new - req.produced
@@ -93,7 +107,7 @@ class Admission:
             budget -= need
             req.reserve = need
             cached = self.cache.pop(req.sample.sid, None) if req.produced == 0 else None
-            if cached is not None and cached[0] == req.n_input - 1:
+            if cached is not None and cached[0] == req.n_input - 1 and cached[1] == req.key:
                 hits.append(req)
                 self.stats["cache_hits"] += 1
                 self.stats["cache_hit_tokens"] += cached[0]
@@ -139,7 +153,7 @@ class Admission:
             req.reserve = need
             rows += 1
             cached = self.cache.pop(req.sample.sid, None) if req.produced == 0 else None
-            if cached is not None and cached[0] == req.n_input - 1:
+            if cached is not None and cached[0] == req.n_input - 1 and cached[1] == req.key:
                 self.stats["cache_hits"] += 1
                 self.stats["cache_hit_tokens"] += cached[0]
                 req.gen0 = 0

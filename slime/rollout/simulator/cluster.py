@@ -124,6 +124,7 @@ class SimCluster:
         self.reprefill_tokens = 0
         self.timeline: list[tuple[float, int]] | None = None  # (t, requests in flight), the client's view
         self.client_free_at = 0.0  # the client sends one request after another
+        self._retractions_seen: dict[int, int] = {}  # per engine, for the load reports' retraction counts
 
     # ---- as the step sees an EngineGroup -----------------------------------------------------
     def worker_urls(self) -> list[str]:
@@ -136,6 +137,19 @@ class SimCluster:
         took = self.cost.abort_s + self.cost.request_latency_s
         await asyncio.sleep(took)
         return took
+
+    async def loads(self, session=None) -> list[dict]:
+        """Every engine's load report as SGLang's /v1/loads shapes it (running, waiting, KV token usage, the engine's
+        batch capacity, retractions since the last report), read after one request's latency (--admission auto)."""
+        await asyncio.sleep(self.cost.request_latency_s)
+        out = []
+        for e in self.engines:
+            retracted = e.stats["retractions"] - self._retractions_seen.get(e.eid, 0)
+            self._retractions_seen[e.eid] = e.stats["retractions"]
+            out.append({"num_running_reqs": len(e.running) + len(e.prefilling), "num_waiting_reqs": len(e.waiting),
+                        "token_usage": e.token_usage(), "max_running_requests": self.cost.max_running,
+                        "queues": {"retracted": retracted}})
+        return out
 
     # ---- the client -------------------------------------------------------------------------
     def request(self, sample: SimSample) -> asyncio.Future:

@@ -7,14 +7,16 @@ clock (clock.py), so a change to the step is a change to the simulation.
   trained (marked in the ledger), and `train_time_s` plus the weight update pass before the next one.
 - stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` with its
   `VersionGate`, its segments run as real steps; a trainer takes each batch, trains for `train_time_s` and
-  pushes the next version to the engines while their requests run (`--in-flight-update in_place`).
+  pushes the next version to the engines while their requests run, as `--pause-mode` says (slime/ray/
+  async_rollout.py's `updating_weights`): abort drains the gate (every request aborted, resumed after the
+  push), retract / in_place hold new requests back while the engines apply the update with the requests they
+  hold (retracted: prefilled again; in place: on their KV).
 
 What stays the simulator's own, and why: the engines, the client's and the router's costs (the cost model);
 the reward (none: a simulated sample has no text) and the dynamic filter (a coin with the configured pass
 rate); the step's own bookkeeping outside requests (buffer calls, commit: `step_overhead_s`, half before the
-first request, half after the drain); the trainer (a wait of `train_time_s`). In stream mode the trainer's
-push is `in_place`'s (abort mode's abort and resume cost is not modelled), and requests are not aborted by
-rid when a push makes them stale (the simulated engines abort only all at once).
+first request, half after the drain); the trainer (a wait of `train_time_s`). In stream mode requests are not
+aborted by rid when a push makes them stale (the simulated engines abort only all at once).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import random
 from collections import Counter
 
+from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.group_outcome import TargetPlacement
@@ -114,7 +117,7 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         supply = ChunkedSupply(cfg.chunk, cfg.concurrency_per_engine,
                                top_ups=cfg.partial_rollout and cfg.top_ups)
     else:
-        supply = PoolSupply(cfg.pool_size)
+        supply = PoolSupply(cfg.pool_size, admission=admission_of(cfg))
     between = cfg.train_time_s + cost.weight_update_s
     for step in range(cfg.steps):
         cluster.set_version(step, flush=not cfg.reuse_stale_kv)  # the new weights: the engines are idle
@@ -131,6 +134,7 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         error = step_error(state)
         if error is not None:
             raise error
+        await supply.after_step(state, cluster)  # (--admission auto's climb; auto's over-sampling is not simulated)
         await asyncio.sleep(cost.step_overhead_s / 2)  # and after its drain
         t0 = state.clock.t0
         unfinished = [st.samples for st in state.open_groups() if not all(s.status.is_finished for s in st.samples)]
@@ -152,9 +156,8 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
 
 async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
                        recorder: Recorder) -> None:
-    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, updates applied in place."""
+    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, pushes in flight (`push_in_flight`)."""
     loop = asyncio.get_running_loop()
-    cost = cluster.cost
     buffer = PartialRolloutBuffer()
     gate = VersionGate(0, train_version=0)
 
@@ -171,7 +174,9 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
             raise error
         return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0} if state.halted else {})
 
-    stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S),
+    admission = admission_of(cfg)
+    stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S,
+                                        admission),
                            run_segment, gate, buffer, cluster, 0, cfg.steps, 0)
     await stream.resume()
     t_last = loop.time()
@@ -187,11 +192,31 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         if j + 1 == cfg.steps:
             break
         await asyncio.sleep(cfg.train_time_s)  # the trainer trains; the engines go on
-        gate.begin_update(j + 1)  # the push, applied between two decode steps while requests run
-        cluster.command_all(loop.time(), "update", (j + 1, not cfg.reuse_stale_kv, cost.weight_update_s))
-        gate.end_update()
-        await stream.rebalance()
+        await push_in_flight(cfg, cluster, gate, stream, j + 1)
     await stream.quiesce()
 
 
-__all__ = ["Judge", "Recorder", "drive_steps", "drive_stream"]
+def admission_of(cfg) -> AdmissionControl:
+    """The pool's --admission, as the run makes it (AdmissionControl.from_args)."""
+    return AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt,
+                            cfg.rollout_batch_size * cfg.n_samples_per_prompt)
+
+
+async def push_in_flight(cfg, cluster: SimCluster, gate: VersionGate, stream: StreamRollout, version: int) -> None:
+    """train_async.py's push while requests run (`AsyncRollout.updating_weights`), per `cfg.pause_mode`."""
+    loop = asyncio.get_running_loop()
+    update = (version, not cfg.reuse_stale_kv and cfg.pause_mode != "in_place", cluster.cost.weight_update_s)
+    if cfg.pause_mode == "abort":
+        await gate.hold("update", cluster, timeout=NO_TIMEOUT_S)  # every request aborted and back at the gate
+        cluster.command_all(loop.time(), "update", (*update, "in_place"))  # (nothing runs to keep)
+        gate.set_version(version)
+    else:
+        gate.begin_update(version)
+        await gate.hold("update", cluster, drain=False)  # nothing new is sent; the engines keep what runs
+        cluster.command_all(loop.time(), "update", (*update, cfg.pause_mode))
+        gate.end_update()
+    await stream.rebalance()
+    gate.release("update")
+
+
+__all__ = ["Judge", "Recorder", "drive_steps", "drive_stream", "push_in_flight"]

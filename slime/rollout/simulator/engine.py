@@ -17,7 +17,12 @@ step boundary after any time can be solved for. A rollout of millions of tokens 
 of events, not millions.
 
 Tokens carry the engine's weight version when they are generated; a weight update applied while
-a request runs splits its tokens between the two versions.
+a request runs splits its tokens between the two versions. An update comes with the pause mode the
+engines were paused in (`--pause-mode`, SGLang's): `in_place` keeps the running rows and their KV,
+`retract` sends them back to the queue with their KV dropped (prefilled again); under `abort` the
+driver has aborted everything first. With `version_keyed` (our client's `extra_key`, unless
+`--reuse-stale-kv`) a cached aborted request's KV is reused only by a request taken at the version
+it was taken at, as the real engines' namespaced caches do.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ class EventLoop:
 
 class SimEngine(Admission):
     def __init__(self, eid: int, cost: EngineCostModel, loop: EventLoop, prefix_cache: bool = True,
-                 timeline: list | None = None):
+                 timeline: list | None = None, version_keyed: bool = True):
         self.eid, self.cost, self.loop = eid, cost, loop
         self.prefix_cache_on = prefix_cache
+        self.version_keyed = version_keyed
         self.t = 0.0
         self.k = 0
         self.running: dict[int, SimRequest] = {}
@@ -75,7 +81,7 @@ class SimEngine(Admission):
         self._http = 0.0  # HTTP work owed (parsing requests, writing replies): the scheduler waits for it
         self._http_free = 0.0  # when the HTTP side is done with what it has
         self.version = 0
-        self.cache: dict[int, tuple[int, int]] = {}  # sample id -> (cached tokens, version)
+        self.cache: dict[int, tuple[int, int | None]] = {}  # sample id -> (cached tokens, its key)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "evict_s": 0.0, "decode_steps": 0, "decode_rows": 0,
                       "prefill_tokens": 0, "prefills": 0, "prefill_decode_steps": 0, "cache_hits": 0, "cache_hit_tokens": 0, "retractions": 0,
                       "update_s": 0.0, "http_s": 0.0}
@@ -201,13 +207,16 @@ class SimEngine(Admission):
         items, self.inbox = self.inbox, []
         for kind, payload in items:
             if kind == "request":
+                payload.key = self.version if self.version_keyed else None
                 self.waiting.append(payload)
             elif kind == "abort":
                 t = self._abort_all(t)
-            elif kind == "update":  # weights reach the engine between two steps; running requests go on
-                version, flush, cost_s = payload
+            elif kind == "update":  # weights reach the engine between two steps, paused in `mode`
+                version, flush, cost_s, mode = payload
                 for req in self.running.values():
                     req.splits.append((self._produced(req), self.version))
+                if mode == "retract":
+                    self._retract_all()
                 self.version = version
                 if flush:
                     self.cache.clear()
@@ -229,7 +238,7 @@ class SimEngine(Admission):
         for req in list(self.running.values()):
             n = self._produced(req)
             if self.prefix_cache_on:  # SGLang's radix cache keeps an aborted request's KV
-                self.cache[req.sample.sid] = (req.sample.n_tokens + n - 1, self.version)
+                self.cache[req.sample.sid] = (req.sample.n_tokens + n - 1, req.key)
             self._emit(t, req, n, False)
         self.running.clear()
         self.finish_heap.clear()
@@ -313,6 +322,11 @@ class SimEngine(Admission):
         alpha, beta = c.decode_jump(b, self.tokens_now, *self._decode_read(b))  # a step's cost and its growth
         self.jump = (t, alpha, beta, m, 0)
         self._schedule(t + self._jump_time(alpha, beta, m))
+
+    def token_usage(self) -> float:
+        """The KV cache's used share, as the engines' load reports count it: positions holding KV now."""
+        used = self.tokens_now + sum(r.cached for r in self.prefilling)
+        return min(1.0, used / max(1, self.cost.kv_capacity_tokens))
 
     def busy_s(self) -> float:
         st = self.stats

@@ -23,8 +23,9 @@ import json
 import math
 import os
 import random
-from collections import Counter
 from typing import Protocol, Sequence
+
+from slime.rollout import length_bias
 
 
 class LengthModel(Protocol):
@@ -172,25 +173,8 @@ def kaplan_meier(finished: Sequence[int], unfinished: Sequence[int], cap: int,
     """Length distribution from finished lengths and right-censored ones (still running at their
     current length). The mass left beyond the last finished length goes to the cap: a sample that
     has not finished by then runs to its budget as far as the estimate can tell."""
-    if not finished and not unfinished:
-        raise ValueError("kaplan_meier: no observations")
-    events = Counter(int(x) for x in finished)
-    censored = Counter(int(x) for x in unfinished)
-    at_risk = len(finished) + len(unfinished)
-    surv = 1.0
-    values, weights = [], []
-    for t in sorted(set(events) | set(censored)):
-        d = events.get(t, 0)
-        if d and at_risk > 0:
-            p = surv * d / at_risk
-            values.append(min(t, cap))
-            weights.append(p)
-            surv -= p
-        at_risk -= d + censored.get(t, 0)
-    if surv > 1e-12:
-        values.append(cap)
-        weights.append(surv)
-    return EmpiricalLengths([values], cap, prompt_lens, weights=weights,
+    pairs = length_bias.kaplan_meier(finished, unfinished, cap)
+    return EmpiricalLengths([[x for x, _ in pairs]], cap, prompt_lens, weights=[w for _, w in pairs],
                             source=f"{len(finished)} finished + {len(unfinished)} censored samples")
 
 

@@ -35,7 +35,8 @@ class SimConfig:
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = None  # None: rollout_batch_size (synchronous without partial)
     partial_rollout: bool = False
-    pool_size: int = 64  # pool and stream modes: requests in flight
+    pool_size: int = 64  # pool and stream modes: requests in flight (admission auto: at most)
+    admission: str = "fixed"  # pool and stream modes: --admission
     concurrency_per_engine: int = 512  # chunked mode: --sglang-server-concurrency
     num_engines: int = 1
     max_response_len: int = 1024
@@ -43,6 +44,7 @@ class SimConfig:
     max_staleness: int | None = None
     staleness_policy: str = "restart"
     reuse_stale_kv: bool = False
+    pause_mode: str = "in_place"  # stream: how a push reaches the requests in flight (--pause-mode)
     prefix_cache: bool = True
     steps: int = 10
     warmup_steps: int = 2
@@ -64,6 +66,8 @@ class SimConfig:
             raise ValueError(f"SimConfig.pass_rate must be in (0, 1], got {self.pass_rate}")
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError("SimConfig.over_sampling_batch_size must be >= 1")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"SimConfig.pause_mode: {self.pause_mode!r}")
 
     @property
     def chunk(self) -> int:
@@ -88,11 +92,11 @@ class SimConfig:
             osb = args.over_sampling_batch_size
         base = dict(mode=args.rollout_mode, rollout_batch_size=args.rollout_batch_size,
                     n_samples_per_prompt=args.n_samples_per_prompt, over_sampling_batch_size=osb,
-                    partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size,
+                    partial_rollout=args.partial_rollout, pool_size=args.rollout_pool_size, admission=args.admission,
                     concurrency_per_engine=args.sglang_server_concurrency, num_engines=args.num_engines,
                     max_response_len=args.rollout_max_response_len, max_staleness=args.max_staleness,
                     staleness_policy=args.staleness_policy, reuse_stale_kv=args.reuse_stale_kv,
-                    budgets_are_lengths=args.rollout_ignore_eos)
+                    pause_mode=args.pause_mode, budgets_are_lengths=args.rollout_ignore_eos)
         base.update(kw)
         return cls(**base)
 
@@ -160,8 +164,8 @@ def simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
 async def _simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult:
     events = EventLoop(asyncio.get_running_loop())
     timeline = [] if cfg.record_timeline else None
-    engines = [SimEngine(i, cost, events, prefix_cache=cfg.prefix_cache, timeline=timeline)
-               for i in range(cfg.num_engines)]
+    engines = [SimEngine(i, cost, events, prefix_cache=cfg.prefix_cache, timeline=timeline,
+                         version_keyed=not cfg.reuse_stale_kv) for i in range(cfg.num_engines)]
     cluster = SimCluster(events, engines)
     if cfg.record_timeline:
         cluster.timeline = []

@@ -13,13 +13,14 @@ One update, as SGLang (>= 0.5.21) requires it: rank 0 opens a weight-update
 session on every engine (`/begin_weight_update`; a server without sessions
 answers 404 and needs none), the buckets follow, rank 0 closes the sessions
 (`/end_weight_update`). Every bucket but the last says `flush_cache: false`;
-the last one carries the flush (unless --reuse-stale-kv), so the engine flushes
-the cache the old weights produced once, right after the last load. Upstream
-slime instead pauses the engines, calls /flush_cache, sends every bucket with
-`flush_cache: false` and continues: our callers hand over idle engines (the
-step end aborts until idle; train_async's abort mode drains at its gate), and
-the embedded engine's in-place updates (requests running on across the update)
-need the flush in the same call as the load.
+the last one carries the flush (unless --reuse-stale-kv, or --pause-mode
+in_place: then the engines hold requests with their KV and a flush would be
+refused), so the engine flushes the cache the old weights produced once, right
+after the last load. Upstream slime instead pauses the engines, calls
+/flush_cache, sends every bucket with `flush_cache: false` and continues: our
+callers hand over idle engines (the step end aborts until idle;
+train_async.py's abort mode drains at its gate) or paused ones (its retract
+mode: a flush while paused ignores the retracted requests, as SGLang's does).
 
 Backends plug in by overriding `named_weights` (FSDP: the full state dict,
 fsdp_utils/update_weight.py; Megatron: TP-gathered, HF-named tensors, one at a
@@ -84,8 +85,9 @@ class WeightUpdater:
         self._tensor: TensorSender | None = None
         self.buffer_bytes = args.update_weight_buffer_size
         self.timeout = HTTP_TIMEOUT_S
-        # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume)
-        self.flush_cache = not args.reuse_stale_kv
+        # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume);
+        # --pause-mode in_place: they hold requests with their KV across it, so a flush would be refused
+        self.flush_cache = not args.reuse_stale_kv and args.pause_mode != "in_place"
 
     # ------------------------------------------------------------ public ----
     def update(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:

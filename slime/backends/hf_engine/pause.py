@@ -1,0 +1,106 @@
+"""`/pause_generation`, `/continue_generation` and what a weight update or a flush does to a paused engine, as
+SGLang 0.5.23 does them.
+
+SGLang splits a pause between its tokenizer manager (`TokenizerManager.pause_generation` /
+`continue_generation`) and its scheduler (`Scheduler.pause_generation`, `continue_generation`, `flush_cache`,
+`is_fully_idle`; `SchedulerWeightUpdaterManager.flush_cache_after_weight_update`):
+
+- every mode holds new `/generate` requests before they reach the scheduler, until `/continue_generation`:
+  they are not in the load report, and no abort reaches them (`HoldNewRequests`, on the event loop);
+- `abort`: every request in the scheduler is aborted; the scheduler itself is not paused;
+- `retract`: the scheduler stops stepping; its running requests go back to the waiting queue with their KV
+  freed (not cached) and their tokens kept, and are prefilled again after `/continue_generation`;
+- `in_place`: the scheduler stops stepping; running requests keep their rows and their KV, and go on from
+  there after `/continue_generation`: tokens sampled after an update then attend to KV the older weights
+  computed (each token is still labelled with the weights that sampled it, `meta_info.weight_versions`).
+
+While the scheduler is paused a flush ignores its waiting queue (`is_fully_idle(ignore_waiting=paused)`): it
+succeeds under `retract` and fails under `in_place` while rows are held. An update whose flush fails still
+loads the weights and records the version, and answers `success: false` with SGLang's message (`FLUSH_FAILED`);
+so under `in_place` updates say `flush_cache: false`, and the prefix cache is kept apart per weight version by
+the requests' `extra_key` (slime/backends/hf_engine/prefix_cache.py), never served across versions.
+
+The functions taking a scheduler run on its thread, between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+MODES = ("abort", "retract", "in_place")
+
+# scheduler_components/weight_updater.py (SGLang 0.5.23): an update's flush refused while requests run or wait
+FLUSH_FAILED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache.")
+
+
+def pause(sched, mode: str) -> int:
+    """The scheduler's part of `/pause_generation {mode}`; returns the requests it aborted or retracted."""
+    if mode == "abort":  # SGLang's tokenizer manager aborts everything; its scheduler keeps running
+        return sched.abort(None)  # SGLang's FINISH_ABORT, as for /abort_request
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    sched.set_paused(True)
+    return sched.retract() if mode == "retract" else 0
+
+
+def resume(sched) -> None:
+    """The scheduler's part of `/continue_generation`: it steps again (retracted requests are prefilled again)."""
+    sched.set_paused(False)
+
+
+def is_idle(sched) -> bool:
+    """SGLang's `is_fully_idle(ignore_waiting=<paused>)`: what a flush needs."""
+    return not sched.running and (sched.paused or not sched.waiting)
+
+
+def flush_if_idle(sched) -> bool:
+    """SGLang's `Scheduler.flush_cache`: empty the prefix cache when idle (as above); True if flushed."""
+    if not is_idle(sched):
+        return False
+    sched.prefix_cache.clear()
+    return True
+
+
+def update(sched, load: Callable[[], None], version: str, flush_cache: bool) -> tuple[int, int, bool]:
+    """A weight update between two steps: `load()` the weights, record `version`, flush if asked. Returns (running
+    requests, requests in flight, flushed).
+
+    Paused: the requests stay as the pause left them, the flush is SGLang's (`flush_if_idle`; refused under in_place
+    while rows are held). Not paused (SGLang would wait for every request in flight under its model-update lock:
+    a deliberate difference): the running requests are retracted, recomputed on the new weights, and the cache
+    is flushed."""
+    held = sched.paused
+    n_running = sched.num_running if held else sched.retract()
+    in_flight = sched.num_running + sched.num_waiting
+    load()
+    sched.set_weight_version(version)
+    if not flush_cache:  # KV the old weights computed stays, apart by extra_key (prefix_cache.py)
+        return n_running, in_flight, True
+    if held:
+        return n_running, in_flight, flush_if_idle(sched)
+    sched.prefix_cache.clear()
+    return n_running, in_flight, True
+
+
+class HoldNewRequests:
+    """The tokenizer manager's `is_pause` condition: from `/pause_generation` (any mode) to `/continue_generation`,
+    a new `/generate` request waits here before the scheduler sees it."""
+
+    def __init__(self):
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def holding(self) -> bool:
+        return not self._open.is_set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait(self) -> None:
+        await self._open.wait()

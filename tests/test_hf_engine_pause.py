@@ -1,0 +1,252 @@
+"""The embedded engine's pause modes and weight updates of a paused engine, as SGLang 0.5.23 does them
+(slime/backends/hf_engine/pause.py), and a prefix cache that never serves KV of older weights to a request keyed by
+a newer version.
+
+Each test checks the tokens and log-probs against the models themselves: `in_place` must go on over the KV the old
+weights computed (reproduced here by decoding with the new model over the old model's cache), `retract` must
+recompute it, and a resumed request keyed by the new version must be prefilled by the new weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+import pause_reference
+from hf_engine_reference import _running_stream, gen
+from pause_reference import decode_over_cache, teacher_forced
+from slime.backends.hf_engine.pause import FLUSH_FAILED
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, max_position_embeddings=256)
+PROMPT = [1, 5, 6, 7, 8]
+N = 150
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two models with the same architecture and different weights: a (served first) and b (the update)."""
+    torch.set_num_threads(1)
+    tok = build_tokenizer(WORDS)
+    out = {}
+    for seed, name in enumerate("ab"):
+        d = tmp_path_factory.mktemp(f"pause_model_{name}")
+        out[name] = (d, build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval())
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models, start_engine):
+    return start_engine(models["a"][0], "--seed", "0")
+
+
+@pytest.fixture
+def on_a(server, models):
+    """The engine serves model a as version 10, nothing running, nothing paused, nothing cached."""
+    server.post("/continue_generation", {})
+    r = server.post("/update_weights_from_disk", {"model_path": str(models["a"][0]), "weight_version": "10"})
+    assert r.json()["success"], r.text
+    return server
+
+
+def update_to_b(server, models, flush: bool) -> requests.Response:
+    return server.post("/update_weights_from_disk", {"model_path": str(models["b"][0]), "weight_version": "11",
+                                                     "flush_cache": flush})
+
+
+def running(server, rid: str, n: int = N, ready_at: int = 5, extra_key: str | None = None):
+    return pause_reference.running(server.url, PROMPT, rid, n, ready_at, extra_key)
+
+
+def split(final: dict):
+    return pause_reference.split(final, "10", "11")
+
+
+def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
+    """Paused in place, an update with flush_cache=true loads the weights but fails (SGLang's message: rows are held);
+    with flush_cache=false it succeeds. After the continue the held request goes on over the KV model a computed:
+    its tokens from the update on are model b's over a's cache, not b's recomputation."""
+    server = on_a
+    (_, ma), (_, mb) = models["a"], models["b"]
+    t, box = running(server, "held")
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    try:
+        refused = update_to_b(server, models, flush=True)
+        assert refused.status_code == 400 and refused.json() == {"success": False, "message": FLUSH_FAILED,
+                                                                 "num_paused_requests": 1}
+        assert server.weight_version() == "11"  # loaded all the same, as SGLang does
+        ok = update_to_b(server, models, flush=False)
+        assert ok.json()["success"] and ok.json()["num_paused_requests"] == 1
+        assert server.load()["num_running_reqs"] == 1  # held in place, with its KV
+    finally:
+        server.post("/continue_generation", {})
+    t.join(120)
+    ids, lps, k = split(box["final"])
+    assert 5 <= k < N
+    seq = PROMPT + ids
+    mixed = decode_over_cache(ma, mb, seq, len(PROMPT) + k - 1)[len(PROMPT) - 1:]
+    assert torch.allclose(lps, mixed, atol=1e-4)
+    recomputed_b = teacher_forced(mb, seq)[len(PROMPT) - 1:]
+    assert not torch.allclose(lps[k:k + 4], recomputed_b[k:k + 4], atol=1e-3)  # the KV really was a's
+    assert server.post("/flush_cache").status_code == 200
+
+
+def test_retract_update_flushes_and_recomputes(on_a, models):
+    """Paused with retract, the request waits with its KV freed, an update with flush_cache=true succeeds, and after
+    the continue the request is prefilled again from its tokens by model b: exactly b's log-probs from the update."""
+    server = on_a
+    (_, ma), (_, mb) = models["a"], models["b"]
+    t, box = running(server, "retracted")
+    assert server.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
+    try:
+        load = server.load()
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
+        r = update_to_b(server, models, flush=True)
+        assert r.json()["success"] and r.json()["num_paused_requests"] == 1, r.text
+    finally:
+        server.post("/continue_generation", {})
+    t.join(120)
+    ids, lps, k = split(box["final"])
+    seq = PROMPT + ids
+    assert torch.allclose(lps[:k], teacher_forced(ma, seq)[len(PROMPT) - 1:][:k], atol=1e-4)
+    assert torch.allclose(lps[k:], teacher_forced(mb, seq)[len(PROMPT) - 1:][k:], atol=1e-4)
+
+
+def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, models):
+    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false. Its resumption keyed
+    by the new version ("w11") is prefilled by model b (no cache hit, b's log-probs); keyed by the old version it
+    would reuse a's KV: a hit counted as stale, and log-probs that are not b's. The first assertion fails if the
+    cache ever serves KV across versions."""
+    server = on_a
+    (_, mb) = models["b"]
+    t, box = running(server, "to-park", ready_at=8, extra_key="w10")
+    server.post("/abort_request", {"rid": "to-park"})
+    t.join(60)
+    part = box["final"]["output_ids"]
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort" and len(part) >= 8
+    assert update_to_b(server, models, flush=False).json()["success"]
+    stale0 = server.stats()["cache_stale_hits"]
+    resume = {"input_ids": PROMPT + part, "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+    fresh = server.post("/generate", {**resume, "extra_key": "w11"}).json()
+    assert fresh["meta_info"]["cached_tokens"] == 0 and server.stats()["cache_stale_hits"] == stale0
+    seq = PROMPT + part + fresh["output_ids"]
+    want = teacher_forced(mb, seq)[len(PROMPT + part) - 1:]
+    got = torch.tensor([lp for lp, _, _ in fresh["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4)
+
+    stale = server.post("/generate", {**resume, "extra_key": "w10"}).json()  # the entry is still there, under w10
+    assert stale["meta_info"]["cached_tokens"] == len(PROMPT + part) - 1
+    assert server.stats()["cache_stale_hits"] == stale0 + 1
+    got_stale = torch.tensor([lp for lp, _, _ in stale["meta_info"]["output_token_logprobs"]])
+    assert not torch.allclose(got_stale[:1], got[:1], atol=1e-3)  # a's KV under b's weights: not b's log-probs
+
+
+def test_update_weight_version_aborts_unless_told_not_to(on_a):
+    """SGLang's /update_weight_version: abort_all_requests (default true) aborts every request; false lets them go on,
+    their tokens split between the two versions."""
+    server = on_a
+    t, box = running(server, "kept", n=120)
+    r = server.post("/update_weight_version", {"new_version": "11", "abort_all_requests": False}).json()
+    assert r == {"success": True, "message": "Weight version updated to 11", "new_version": "11"}
+    t.join(120)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+    split(box["final"])
+    t, box = running(server, "aborted", n=200)
+    assert server.post("/update_weight_version", {"new_version": "12"}).json()["success"]
+    t.join(60)
+    assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert box["final"]["meta_info"]["weight_versions"] == [{"version": "11", "start": 0,
+                                                            "end": len(box["final"]["output_ids"])}]
+
+
+# ---- the pause modes themselves (SGLang's /pause_generation), one model -------------------------------------
+def _held_request(server, prompt, sp):
+    """A request sent while the engine is paused: it waits before the scheduler (SGLang's tokenizer manager holds
+    it), so the load report does not count it. Returns (thread, box with its reply)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(gen(server, prompt, sampling_params=sp)))
+    t.start()
+    return t, box
+
+
+def test_pause_in_place_holds_rows_and_new_requests(server):
+    """SGLang's in_place: the running row is held with its KV (nothing decodes), a flush is refused while it is held,
+    a request sent meanwhile is held before the scheduler (no abort reaches it) and runs after the continue."""
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    t, box = _running_stream(server, "run-1", [1, 2, 3], sp)
+    assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    try:
+        load1 = server.load()
+        time.sleep(0.3)
+        load2 = server.load()
+        assert load1["num_running_reqs"] == 1 and load1["num_used_tokens"] == load2["num_used_tokens"]  # nothing decodes
+        refused = server.post("/flush_cache")
+        assert refused.status_code == 400 and "1 requests are running" in refused.text  # a row is held in place
+        w, waiting = _held_request(server, [1, 4], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        time.sleep(0.3)
+        assert server.load()["num_waiting_reqs"] == 0 and w.is_alive()  # held before the scheduler
+        assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+        t.join(60)  # the held row ends with its tokens; the held request is not reached
+        assert not t.is_alive() and box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(box["final"]["output_ids"]) >= 2 and w.is_alive()
+    finally:
+        assert server.post("/continue_generation", {}).json()["status"] == "ok"
+    w.join(60)
+    assert waiting["meta_info"]["finish_reason"]["type"] == "length" and len(waiting["output_ids"]) == 3
+    assert server.post("/flush_cache").status_code == 200
+
+
+def test_pause_in_place_then_continue_completes(server):
+    prompt, n = [1, 6, 6], 60
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    t, box = _running_stream(server, None, prompt, sp)
+    server.post("/pause_generation", {"mode": "in_place"})
+    time.sleep(0.2)
+    assert server.post("/continue_generation", {}).status_code == 200
+    t.join(30)
+    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
+    """SGLang's retract: running requests go back to the queue with their KV freed; while paused the queue does not
+    stop a flush; after the continue they are prefilled again from their tokens and finish as if never paused."""
+    prompt, n = [1, 8, 6, 7], 80
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    full = gen(server, prompt, sampling_params=sp)["output_ids"]
+    retracted0 = server.stats()["retractions"]
+    t, box = _running_stream(server, "retract-1", prompt, sp, min_tokens=3)
+    assert server.post("/pause_generation", {"mode": "retract"}).json()["status"] == "ok"
+    try:
+        load = server.load()
+        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"]) == (0, 1, 0)
+        assert server.post("/flush_cache").status_code == 200  # paused: the waiting request does not count
+    finally:
+        server.post("/continue_generation", {})
+    t.join(60)
+    assert box["final"]["output_ids"] == full and box["final"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert server.stats()["retractions"] == retracted0 + 1
+
+
+def test_pause_abort_mode(server):
+    """SGLang's abort: every request is aborted, the scheduler keeps running, new requests are held until the continue."""
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    t, box = _running_stream(server, None, [1, 2], sp)
+    assert server.post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
+    try:
+        t.join(10)
+        assert box["final"]["meta_info"]["finish_reason"]["type"] == "abort"
+        w, held = _held_request(server, [1, 5], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        time.sleep(0.3)
+        assert w.is_alive() and server.load()["num_waiting_reqs"] == 0
+    finally:
+        server.post("/continue_generation", {})
+    w.join(60)
+    assert held["meta_info"]["completion_tokens"] == 2

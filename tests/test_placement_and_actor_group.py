@@ -24,6 +24,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_session():
+    if ray.is_initialized():  # a session another module of this worker left has other CPUs than these tests need
+        ray.shutdown()
     init_ray(num_cpus=4)
     yield
     ray.shutdown()

@@ -293,7 +293,7 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
 @pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
-def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, pause):
+def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, request, pause):
     """train_async.py's stream rollout on real engines, weights switching between two models while requests are
     in flight, for each --pause-mode. abort drains the gate first (SGLang >= 0.5.22 fails an update that flushes
     the cache while requests run); retract and in_place pause the engines, which keep our requests (in_place:
@@ -320,8 +320,9 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
     log = ReplyLog(monkeypatch)
     weights = {v: "AB"[v % 2] for v in range(20)}
     group.update_weights_from_disk(paths["A"], 0)
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # ours: not left to the next module in this worker (it may need more CPUs)
         init_ray(num_cpus=2)
+        request.addfinalizer(ray.shutdown)
     manager = RolloutManager(args, str(root / f"run_stream_{pause}"), start_engines=False)
     manager.attach_engines(group)
     rollout = AsyncRollout(args, manager, 0).start()

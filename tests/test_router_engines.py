@@ -111,7 +111,8 @@ def test_pause_and_continue_reach_every_worker(group):
     def paused():
         return [http_client.get_json(u + "/get_server_info", 10)["internal_states"][0]["paused"] for u in group.engine_urls]
 
-    group.pause("abort")
+    # as SGLang 0.5.23: abort pauses only the HTTP side and aborts; retract / in_place also pause the scheduler
+    group.pause("retract")
     try:
         assert paused() == [True, True]
     finally:

@@ -232,6 +232,10 @@ def test_pick_free_ports_distinct_and_excluding():
     assert len(set(first)) == 4
     second = pick_free_ports(4, exclude=set(first))
     assert not set(first) & set(second)
+    # SGLang 0.5.15.post1 refuses a server port above 55535 (it reserves port + 10000): ports under a bound,
+    # below the OS's ephemeral range here, come from the scan
+    low = pick_free_ports(3, exclude=set(first), max_port=30000)
+    assert len(set(low)) == 3 and all(p <= 30000 for p in low) and not set(low) & set(first)
 
 
 def test_dead_server_error_names_it_and_shows_log_tail(tmp_path):

@@ -44,3 +44,15 @@ def test_summary_json_records_the_cap(base_args, tmp_path):
     out = log_run_summary(str(tmp_path), str(metrics), base_args.replace(max_staleness=2, save=None))
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == out and saved["max_lag"] == 2 and saved["max_staleness"] == 2
+
+
+def test_summary_counts_restarts_to_the_end(base_args, tmp_path, caplog):
+    """A restart found after the last metrics row (in the last checkpoint's save) is in no row: the summary has it."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows([{0: 1}], 0.0)))
+    with caplog.at_level("INFO"):
+        out = log_run_summary(str(tmp_path), str(metrics), base_args.replace(save=None),
+                              restarts={"engine": 0, "router": 1, "trainer": 1})
+    assert json.loads((tmp_path / "summary.json").read_text())["restarts"] == {"engine": 0, "router": 1, "trainer": 1}
+    assert out["restarts"]["trainer"] == 1 and "restarts: engine 0, router 1, trainer 1" in caplog.text
+    assert log_run_summary(str(tmp_path), str(metrics), base_args.replace(save=None))["restarts"] == {}

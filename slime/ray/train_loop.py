@@ -42,6 +42,7 @@ from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.colocation import device_phases
 from slime.ray.placement_group import create_placement_groups, write_placement
+from slime.ray.restarts import PARTS
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
 from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
 from slime.rollout.base_types import RolloutOutput
@@ -366,7 +367,9 @@ class TrainingRun:
         self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), idle, 0.0
 
     def finish(self) -> dict:
-        summary = log_run_summary(self.run_dir, self.metrics.path, self.args)
+        manager = self.rollout_manager  # restarts counted to the end: one after the last row is in no row
+        summary = log_run_summary(self.run_dir, self.metrics.path, self.args,
+                                  restarts={p: manager.restarts.counts[p] for p in PARTS} if manager else None)
         self.metrics.close()
         self.shutdown()
         return summary

@@ -106,8 +106,11 @@ def length_line(summary: dict) -> str:
             f"decile reaches training {share:.2f}x as often (1 = as often as synchronously)")
 
 
-def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
+def log_run_summary(run_dir: str, metrics_path: str, args, restarts: dict[str, int] | None = None) -> dict:
+    """summary.json and its log lines. `restarts`: the run's restarts by part, counted to the end (one found
+    after the last metrics row, e.g. in the last checkpoint's save, is in no row)."""
     summary = summarize(read_metrics(metrics_path)) if os.path.isfile(metrics_path) else {}
+    summary["restarts"] = dict(restarts or {})
     summary["metrics"] = metrics_path
     summary["checkpoint"] = os.path.abspath(args.save) if args.save else None
     summary["max_staleness"] = args.max_staleness
@@ -134,6 +137,8 @@ def log_run_summary(run_dir: str, metrics_path: str, args) -> dict:
             f"tool-call rate, rollout (first -> last quarter of steps): {fmt(summary['tool_call_rate_first_quarter'])} "
             f"-> {fmt(summary['tool_call_rate_last_quarter'])}; tool failures: {summary['tool_failures']:.0f}",
         ]
+    if any(summary["restarts"].values()):
+        lines.append("restarts: " + ", ".join(f"{part} {n}" for part, n in summary["restarts"].items()))
     lines += [
         f"metrics: {metrics_path}",
         f"checkpoint: {summary['checkpoint'] or 'none (--save not set)'}",

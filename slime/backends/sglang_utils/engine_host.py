@@ -22,7 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports, process_problem
+from slime.backends.sglang_utils.process_utils import (SGLANG_MAX_PORT, ServerLaunchError, pick_free_ports,
+                                                       process_problem)
 from slime.backends.sglang_utils.sglang_engine import EngineProcess, make_engine_process, resolve_rollout_backend
 from slime.utils.net import WILDCARDS, resolve_listen_host
 from slime.utils.paths import SHARED_STORAGE_HINT, PathNotVisibleError, path_problems
@@ -95,7 +96,8 @@ class EngineHost:
     def _launch(self) -> dict:  # on the launcher thread
         host = resolve_listen_host(self.args.listen_host)
         with self._lock:
-            ports = pick_free_ports(2, exclude=self._used_ports, host="0.0.0.0" if host in WILDCARDS else host)
+            ports = pick_free_ports(2, exclude=self._used_ports, host="0.0.0.0" if host in WILDCARDS else host,
+                                    max_port=SGLANG_MAX_PORT)
             self._used_ports.update(ports)
             self.engine = make_engine_process(self.args, self.backend, self.rank, ports[0], self.log_dir,
                                               nccl_port=ports[1], host=host, gpu_ids=self.gpu_ids or None).start()

@@ -24,23 +24,40 @@ class ServerLaunchError(RuntimeError):
     """A child server died or did not become healthy in time; the message names it and shows its log tail."""
 
 
-def pick_free_ports(n: int, exclude: set[int] | None = None, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free TCP ports on `host`, none of them in `exclude`.
+# SGLang 0.5.15.post1 reserves port + 10000 for its gRPC server and refuses a server port above this
+# (ServerArgs._handle_deprecated_args: "SGLANG_GRPC_PORT (...) must be between 1 and 65535").
+SGLANG_MAX_PORT = 65535 - 10000
+
+
+def pick_free_ports(n: int, exclude: set[int] | None = None, host: str = "127.0.0.1",
+                    max_port: int = 65535) -> list[int]:
+    """`n` distinct free TCP ports on `host`, none of them in `exclude` or above `max_port`.
 
     All sockets stay bound until every port is chosen, so the n ports are
     distinct; the caller adds them to `exclude` for later calls so one
-    process never hands out the same port twice.
+    process never hands out the same port twice. The OS picks them; if its
+    ephemeral range keeps answering above `max_port`, ports below it are tried in turn.
     """
     exclude = set(exclude or ())
     socks: list[socket.socket] = []
     ports: list[int] = []
+    candidates = iter(range(20000, max_port + 1))
     try:
         while len(ports) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             socks.append(s)
+            if len(socks) <= 64:
+                s.bind((host, 0))
+            else:  # the ephemeral range is above max_port: scan below it
+                candidate = next(candidates, None)
+                if candidate is None:
+                    raise RuntimeError(f"no {n} free TCP ports at or below {max_port} on {host}")
+                try:
+                    s.bind((host, candidate))
+                except OSError:
+                    continue
             port = s.getsockname()[1]
-            if port not in exclude and port not in ports:
+            if port not in exclude and port not in ports and port <= max_port:
                 ports.append(port)
     finally:
         for s in socks:

@@ -31,24 +31,20 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout_report import spread  # noqa: E402
-from rollout_workload import WORKLOADS, BudgetSource, ModeRunner, workload_lengths  # noqa: E402
+from rollout_workload import WORKLOADS, BudgetSource, ModeRunner, build_bench_model, workload_lengths  # noqa: E402
 
 from slime.arguments import parse_args  # noqa: E402
 from slime.backends.sglang_utils.engine_group import EngineGroup  # noqa: E402
 from slime.rollout.admission import AdmissionControl  # noqa: E402
 from slime.tasks.subtract_chain import VOCAB, write_dataset  # noqa: E402
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer  # noqa: E402
+from slime.utils.tiny_model import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("admission_sweep")
 
 
 async def main_async(opts, workdir: str) -> dict:
     tok = build_tokenizer(VOCAB)
-    spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
-                         num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
-                         max_position_embeddings=opts.scale * opts.cap + 64)
-    model_dir = os.path.join(workdir, "model")
-    build_tiny_qwen3(model_dir, tok, spec, seed=0)
+    model_dir, _ = build_bench_model(opts, workdir, tok)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
     ceiling = max(opts.sizes)
     base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(workdir, "prompts.jsonl"),

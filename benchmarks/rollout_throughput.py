@@ -72,14 +72,14 @@ import requests
 from rollout_host import Clock, box_speed, pin_processes
 from rollout_report import report, spread
 from rollout_simcheck import make_calibrator, predict
-from rollout_workload import (WORKLOADS, BudgetSource, LimitRunner, ModeRunner, constant_load, workload_lengths,
-                              workload_summary)
+from rollout_workload import (WORKLOADS, BudgetSource, LimitRunner, ModeRunner, build_bench_model, constant_load,
+                              workload_lengths, workload_summary)
 
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.gc_utils import freeze_gc_heap
-from slime.utils.tiny_model import TinyQwen3Spec, build_preset, build_tiny_qwen3, build_tokenizer, model_preset
+from slime.utils.tiny_model import build_preset, build_tokenizer, model_preset
 
 logger = logging.getLogger("rollout_throughput")
 
@@ -93,11 +93,7 @@ async def main_async(opts, workdir):
                              f"preset's context ({spec.max_position_embeddings})")
         model_dir = build_preset(opts.model_preset, opts.model_cache or workdir, tok)
     else:
-        spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
-                             num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
-                             max_position_embeddings=opts.scale * opts.cap + 64)
-        model_dir = os.path.join(workdir, "model")
-        build_tiny_qwen3(model_dir, tok, spec, seed=0)
+        model_dir, spec = build_bench_model(opts, workdir, tok)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
     base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
             "--rm-type", "subtract_chain", "--num-rollout", "1",

@@ -33,9 +33,21 @@ from slime.rollout.simulator.lengths import ParetoLengths, paper_lengths
 from slime.rollout.simulator.probes import stats_delta
 from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import TRAINED
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
 from slime.utils.types import Sample
 
 logger = logging.getLogger("rollout_throughput")
+
+
+def build_bench_model(opts, workdir: str, tok) -> tuple[str, TinyQwen3Spec]:
+    """The benchmarks' tiny random Qwen3 (--hidden, --layers, --heads), long enough for --scale x --cap tokens:
+    its directory and spec."""
+    spec = TinyQwen3Spec(hidden_size=opts.hidden, num_hidden_layers=opts.layers, num_attention_heads=opts.heads,
+                         num_key_value_heads=max(1, opts.heads // 2), intermediate_size=2 * opts.hidden,
+                         max_position_embeddings=opts.scale * opts.cap + 64)
+    model_dir = os.path.join(workdir, "model")
+    build_tiny_qwen3(model_dir, tok, spec, seed=0)
+    return model_dir, spec
 
 
 WORKLOADS = ("pareto", "lognormal")

@@ -70,5 +70,32 @@ async def faulty_subtract_chain(args, sample):
     return compute_reward(sample.response, sample.label)
 
 
+async def gated_subtract_chain(args, sample):
+    """The quick-start reward (subtract_chain), held where a test says: while `<--run-dir>/gate/hold` holds a number V,
+    a sample whose newest token has policy version V or later waits (after touching `held-<its version>` beside
+    it), so the test acts on the run at a step of its choosing and then lets it go on by raising V or removing the
+    file. Run with a --reward-timeout longer than the hold."""
+    import asyncio
+    import os
+
+    from slime.tasks.subtract_chain import compute_reward
+
+    gate = os.path.join(args.run_dir, "gate")
+    version = max(sample.weight_versions, default=-1)
+
+    def held() -> bool:
+        try:
+            with open(os.path.join(gate, "hold")) as f:
+                return int(f.read()) <= version
+        except FileNotFoundError:
+            return False
+
+    if held():
+        open(os.path.join(gate, f"held-{version}"), "w").close()
+        while held():
+            await asyncio.sleep(0.05)
+    return compute_reward(sample.response, sample.label)
+
+
 async def always_failing_reward(args, sample):
     raise ZeroDivisionError("division by zero")

@@ -2,7 +2,9 @@
 rank. Without --use-fault-tolerance a dead router stops the run (rc 1) naming the router, and the run's log ends
 with the reason; with it, the router is restarted on its port and a trainer SIGKILLed between checkpoints is
 restarted from the last one while the engines (and the router) keep their processes, the steps trained since it
-are replayed from the object store, and the ledger shows every group trained once, none generated twice.
+are replayed from the object store, and the ledger shows every group trained once, none generated twice. Each kill
+lands at a step the test chose: the run's reward (tests.plugins_for_tests.gated_subtract_chain) waits there until
+the test has killed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import subprocess
 
 import psutil
 import pytest
-import requests
 from test_faults import _cmd, _descendants, _env, _steps_logged, _wait, task  # noqa: F401 - `task` is a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,16 +35,32 @@ def _job(proc, word: str) -> list[psutil.Process]:
     return out
 
 
-def _kill_router_mid_rollout(d, proc, log) -> int:
-    """SIGKILL the router while the engine is generating for a step after the first one; returns its pid."""
-    _wait(lambda: 0 in _steps_logged(d), 400, "step 0", proc, log)
-    engine = json.loads((d / "run" / "placement.json").read_text())["engines"][0]["url"]
+GATED = ("--custom-rm-path", "tests.plugins_for_tests.gated_subtract_chain", "--reward-timeout", "600")
 
-    def busy() -> bool:
-        loads = requests.get(engine + "/v1/loads?include=core", timeout=10).json()["loads"]
-        return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) > 0
 
-    _wait(busy, 120, "a rollout step generating", proc, log)
+def _hold_from(d, version: int | None) -> None:
+    """Rewards of samples of policy `version` or later wait (tests.plugins_for_tests.gated_subtract_chain); None: none
+    wait. Raising the version lets the held ones go on and holds the later ones, in one step (an atomic rename)."""
+    gate = d / "run" / "gate"
+    gate.mkdir(parents=True, exist_ok=True)
+    if version is None:
+        (gate / "hold").unlink()
+        return
+    (gate / "hold.tmp").write_text(str(version))
+    (gate / "hold.tmp").replace(gate / "hold")
+
+
+def _held(d, version: int, proc, log, what: str) -> int:
+    """Waits until the run holds a sample of policy `version` or later (its step's rollout in progress, the steps
+    before it trained and logged); returns the held sample's version."""
+    def versions() -> list[int]:
+        return [v for p in (d / "run" / "gate").glob("held-*") if (v := int(p.name[5:])) >= version]
+
+    _wait(lambda: versions(), 400, what, proc, log)
+    return min(versions())
+
+
+def _kill_router(proc) -> int:
     (router,) = _job(proc, "sglang::router")
     router.send_signal(signal.SIGKILL)
     return router.pid
@@ -52,11 +69,16 @@ def _kill_router_mid_rollout(d, proc, log) -> int:
 def test_a_dead_router_stops_the_run_naming_it_and_train_log_ends_with_why(task, tmp_path):
     d = tmp_path
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
-    cmd = [a for a in _cmd(d, "--debug-rollout-only", steps=4, batch=4, n=4) if a != "--use-fault-tolerance"]
+    cmd = [a for a in _cmd(d, "--debug-rollout-only", *GATED, steps=40, batch=4, n=4) if a != "--use-fault-tolerance"]
     log = tmp_path / "log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
-        pid = _kill_router_mid_rollout(d, proc, str(log))
+        # the router dies while a step after the first one is generating (rollout only: the policy stays at 0)
+        _wait(lambda: 0 in _steps_logged(d), 400, "step 0", proc, str(log))
+        _hold_from(d, 0)
+        _held(d, 0, proc, str(log), "a later step's rollout")
+        pid = _kill_router(proc)
+        _hold_from(d, None)
         assert proc.wait(timeout=300) == 1
     finally:
         if proc.poll() is None:
@@ -76,20 +98,29 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
     d = tmp_path
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
     steps = 10  # checkpoints after steps 1, 3, 5, 7 and 9
-    cmd = _cmd(d, "--save-interval", "2", steps=steps, batch=4, n=4)
+    cmd = _cmd(d, "--save-interval", "2", *GATED, steps=steps, batch=4, n=4)
+    _hold_from(d, 1)  # the first rollout that generates after a step trained waits for the test
     log = tmp_path / "log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
-        router = _kill_router_mid_rollout(d, proc, str(log))
+        version = _held(d, 1, proc, str(log), "a rollout after step 0")
+        router = _kill_router(proc)
+        _hold_from(d, version + 1)  # let it go on; hold the next rollout that generates
         _wait(lambda: "sglang-router restarted" in log.read_text(), 300, "the router's restart", proc, str(log))
-        # then, after an even step k (not checkpointed: checkpoint k-1 holds step k-1), kill the trainer: its next
-        # call finds it dead, and step k is replayed from the object store, not generated again
-        k = max([2] + [s + 1 + (s + 1) % 2 for s in _steps_logged(d)])
-        assert k < steps - 1, f"the router's restart came too late (after step {k - 1}) to leave a step to replay"
-        _wait(lambda: k in _steps_logged(d), 400, f"step {k}", proc, str(log))
-        serving = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
+        # then, in the rollout of a step k + 1 whose step k is trained but not checkpointed, kill the trainer: its
+        # next call (step k + 1's training, typically) finds it dead, and step k is replayed from the object store,
+        # not generated again
+        while True:
+            version = _held(d, version + 1, proc, str(log), "a later rollout")
+            k = len(_steps_logged(d)) - 1
+            if not (d / "ckpt" / f"iter_{k:07d}").exists():
+                break
+            _hold_from(d, version + 1)
+        assert _steps_logged(d) == list(range(k + 1)) and k < steps - 1
         (trainer,) = _job(proc, "FSDPTrainer")
+        serving = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
         trainer.send_signal(signal.SIGKILL)
+        _hold_from(d, None)
         _wait(lambda: "trainer restarted" in log.read_text(), 300, "the trainer's restart", proc, str(log))
         after = {p.pid: p.create_time() for p in _job(proc, "hf_engine") + _job(proc, "sglang::router")}
         assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
@@ -102,13 +133,12 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
                      text)
     died = re.search(rf"restart 2/\d+: trainer\.(\w+): trainer rank 0 \(pid {trainer.pid}\) failed: its process died", text)
     assert died, text[-3000:]
-    # the run goes on while the test kills: the death is found at step k + 1's training (typically) or later; the
-    # trainer restarts from the newest checkpoint before it and replays every step trained since, from the object
-    # store (the rollout dumps below show none generated again)
+    # the trainer restarts from the newest checkpoint and replays every step trained since, from the object store
+    # (the rollout dumps below show none generated again)
     restarted = re.search(r"trainer restarted \(pids \[[^\]]*\]\) from \S*iter_(\d+)/trainer; replayed steps \[([\d, ]*)\]",
                           text)
     ckpt, replayed = int(restarted[1]), [int(x) for x in restarted[2].split(",") if x.strip()]
-    assert ckpt >= k - 1 and replayed == list(range(ckpt + 1, ckpt + 1 + len(replayed)))
+    assert ckpt == k - 1 and replayed == [k], (k, ckpt, replayed)  # checkpoints after odd steps: k is even
     rows = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(steps))
     assert rows[-1]["restarts/router"] == 1 and rows[-1]["engine/restarts"] == 0

@@ -92,7 +92,7 @@ else
   ROLLOUT_CAP=200
   CAP=512; TASK_ARGS=(--model qwen3-0.5b --rows 4096 --median 192 --cap $CAP); STEPS=${STEPS:-8}; STREAM_STEPS=4
   JOB_ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 8)
-  OVER_SAMPLING=16; JOB_CAP=170; STREAM_CAP=120
+  OVER_SAMPLING=16; JOB_CAP=210; STREAM_CAP=120  # H100 2026-11-27: T1 start-up 70 s, 8 steps 95 s, shut-down past 170
 fi
 
 # ---- wheels and imports -------------------------------------------------------------------------------------------

@@ -254,3 +254,45 @@ def test_the_timed_assert_scan_tells_bounds_from_legit_uses():
     ]
     assert [src for src in flagged if not timed_asserts(src)] == []
     assert [src for src in legit if timed_asserts(src)] == []
+
+
+COLLECTIVES = {"broadcast", "all_reduce", "all_gather", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
+
+
+def _host_tensors_in_collectives(source: str, path: str) -> list[str]:
+    """`dist.<collective>(t, ...)` where `t` was made in the same function by `torch.tensor/zeros/...(...)` without
+    `device=`: a CPU tensor, which NCCL (the trainers' default group on GPUs) refuses ("No backend type associated
+    with device type cpu"). Gloo takes it, so only a GPU run would find it."""
+    bad = []
+    for fn in ast.walk(ast.parse(source, path)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        made: dict[str, ast.Call] = {}
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                    and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "torch"
+                    and node.value.func.attr in ("tensor", "zeros", "ones", "empty", "full")):
+                made[node.targets[0].id] = node.value
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist" and node.args
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in made
+                    and not any(k.arg == "device" for k in made[node.args[0].id].keywords)):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {fn.name}: dist.{node.func.attr}"
+                           f"({node.args[0].id}) on a tensor made without device=")
+    return bad
+
+
+def test_collectives_get_device_tensors():
+    # found on an H100 (2026-11-27): the weight updater's rank agreement broadcast a CPU tensor, and the colocated
+    # main job stopped at its first weight push
+    bad = [b for path in _py_files("slime") for b in _host_tensors_in_collectives(open(path).read(), path)]
+    assert not bad, bad
+
+
+def test_the_collective_scan_finds_a_host_tensor():
+    src = ("def f():\n    t = torch.tensor([1], dtype=torch.int64)\n    dist.broadcast(t, src=0)\n"
+           "def g():\n    t = torch.tensor([1], device=device())\n    dist.all_reduce(t)\n")
+    assert [b.split(" ", 1)[1] for b in _host_tensors_in_collectives(src, os.path.join(ROOT, "x.py"))] == [
+        "f: dist.broadcast(t) on a tensor made without device="]

@@ -51,7 +51,7 @@ from torch import nn
 
 from slime.backends.training_utils.weight_sync.engine_calls import post as _post, post_all as _post_all, wait_all as _wait_all
 from slime.backends.sglang_utils.weight_session import WeightUpdateSessions
-from slime.backends.training_utils.distributed import use_cuda
+from slime.backends.training_utils.distributed import device, use_cuda
 from slime.backends.training_utils.weight_sync.feed import EngineFeed, feed_plan
 from slime.backends.training_utils.weight_sync.payload import buckets
 from slime.backends.training_utils.weight_sync.tensor import TensorSender, buckets_with_last
@@ -187,14 +187,14 @@ class WeightUpdater:
     # ----------------------------------------------------------- helpers ----
     def _agree(self, value: int) -> int:
         """Rank 0's value, on every rank."""
-        t = torch.tensor([int(value)], dtype=torch.int64)
+        t = torch.tensor([int(value)], dtype=torch.int64, device=device())  # NCCL on a GPU has no CPU backend
         dist.broadcast(t, src=0)
         return int(t.item())
 
     def _first_failed(self, failed: bool) -> int | None:
         """The lowest rank that failed, on every rank (None if none did)."""
         ws = dist.get_world_size()
-        t = torch.tensor([self.rank if failed else ws], dtype=torch.int64)
+        t = torch.tensor([self.rank if failed else ws], dtype=torch.int64, device=device())  # NCCL on a GPU has no CPU backend
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return None if int(t.item()) == ws else int(t.item())
 

@@ -185,3 +185,48 @@ class OverlongSource(RecordingSource):
 
 async def always_failing_rm(args, sample):
     raise ZeroDivisionError("division by zero")
+
+
+class StalledRewardGate:
+    """Every reward waits (`stalled_rm`) until every row handed out is waiting in it (a step that stopped
+    submitting: `released_by` "all_waiting"), or until six budgets of rows wait (one that never stops:
+    "runaway"). `StalledSource` records, at each hand-out before the release, how many rows were waiting."""
+
+    def __init__(self, budget: int):
+        self.lock = threading.Lock()
+        self.budget = budget  # rows: what the supply keeps in flight at most
+        self.waiting = self.handed_out = 0
+        self.waiting_at_hand_out: list[int] = []
+        self.released = threading.Event()
+        self.released_by: str | None = None
+
+
+STALL = StalledRewardGate(0)
+STALL_SAFETY_S = 30.0  # a safety net only (below --reward-timeout): either release comes long before
+
+
+async def stalled_rm(args, sample):
+    gate = STALL
+    with gate.lock:
+        gate.waiting += 1
+        if not gate.released.is_set() and gate.waiting >= 6 * gate.budget:
+            gate.released_by = "runaway"
+        elif not gate.released.is_set() and gate.waiting == gate.handed_out:
+            gate.released_by = "all_waiting"
+        if gate.released_by:
+            gate.released.set()
+    deadline = time.monotonic() + STALL_SAFETY_S
+    while not gate.released.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return 0.5
+
+
+class StalledSource(RecordingSource):
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        gate = STALL
+        with gate.lock:
+            if not gate.released.is_set():
+                gate.waiting_at_hand_out.append(gate.waiting)
+            gate.handed_out += sum(len(g) for g in groups)
+        return groups

@@ -97,8 +97,10 @@ def test_a_dead_router_stops_the_run_naming_it_and_train_log_ends_with_why(task,
 def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_train_each_group_once(task, tmp_path):
     d = tmp_path
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
-    steps = 10  # checkpoints after steps 1, 3, 5, 7 and 9
-    cmd = _cmd(d, "--save-interval", "2", *GATED, steps=steps, batch=4, n=4)
+    steps = 16  # checkpoints after the odd steps
+    # groups generated while a reward is held wait for it, then are trained as the next steps' overflow, which
+    # generate nothing and cannot be held: the over-sampling only the batch keeps that to a step or two
+    cmd = _cmd(d, "--save-interval", "2", *GATED, "--over-sampling-batch-size", "4", steps=steps, batch=4, n=4)
     _hold_from(d, 1)  # the first rollout that generates after a step trained waits for the test
     log = tmp_path / "log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)

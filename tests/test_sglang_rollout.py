@@ -22,7 +22,8 @@ from slime.utils.types import Status
 import rollout_env
 from logprob_reference import teacher_forced
 from rollout_env import (OverlongSource, RecordingSource, ShortAndLongSource, SlowFirstSource, SlowRewardGate,
-                         check_group_invariants, env, make_args, run_steps, set_version)  # noqa: F401 (env: a fixture)
+                         StalledRewardGate, StalledSource, check_group_invariants, env, make_args, run_steps,
+                         set_version)  # noqa: F401 (env: a fixture)
 
 pytestmark = pytest.mark.slow
 def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
@@ -98,6 +99,25 @@ def test_april_tops_up_as_soon_as_requests_finish(env):
         assert m["rollout/in_flight_peak"] <= 6
         assert len(out.groups) == 3
     assert buffer.check_balanced()["total"] == len(source.prompts)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "pool"])
+def test_a_stalled_reward_stops_the_step_submitting(env, mode):
+    """While the rewards of a chunk's worth of rows (the pool's size) have not come back, the step adds no group:
+    the reward, not the engines, is behind, and groups generated meanwhile would only wait for it too, then be
+    trained late as overflow. Every reward here waits until all rows handed out wait in it."""
+    flags = {"chunked": ["--over-sampling-batch-size", "3"], "pool": ["--rollout-mode", "pool", "--rollout-pool-size", "6"]}
+    args = make_args(env["root"], "--partial-rollout", "--rm-type", "math", "--custom-rm-path", "rollout_env.stalled_rm",
+                     *flags[mode])
+    budget = 3 * args.n_samples_per_prompt  # a chunk of 3 groups; the pool's 6 (both within 6 in flight)
+    rollout_env.STALL = gate = StalledRewardGate(budget)
+    source, buffer, outs = run_steps(env, args, 1, source=StalledSource(args, env["tok"]), train=False)
+    assert gate.released_by == "all_waiting", (gate.released_by, gate.waiting_at_hand_out)
+    assert gate.waiting_at_hand_out and max(gate.waiting_at_hand_out) < budget, gate.waiting_at_hand_out
+    # at most: what waited at the last hand-out (< budget), what was in flight or handed out then (a budget, rounded
+    # up to whole groups), and the finished members of groups with a member in flight (< budget with 2 a group)
+    assert budget <= gate.handed_out <= 3 * budget
+    assert len(outs[0].groups) == 3 and buffer.check_balanced()["total"] == len(source.prompts)
 
 
 def test_without_partial_rollout_unfinished_work_is_dropped_and_counted(env):

@@ -60,6 +60,7 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
     slots = asyncio.Semaphore(rec.in_flight_cap)
     requests: set[asyncio.Task] = set()  # one per member being generated (or waiting for a slot)
     playing: dict[asyncio.Task, StepGroup] = {}  # one per group in play, in the order they were submitted
+    rewarding: dict[int, int] = {}  # group id -> rows, for groups generated whose reward (and judgement) still runs
 
     def going() -> bool:  # the stop rule
         return not (rec.filled() or rec.errors or rec.halted)
@@ -88,7 +89,11 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
                 return None
         rec.counts["groups_finished"] += 1
         st.finished_t = rec.clock.now()
-        await judge(io, rec, st)
+        rewarding[group_id(st.samples)] = len(st.samples)
+        try:
+            await judge(io, rec, st)
+        finally:
+            rewarding.pop(group_id(st.samples), None)
         return st
 
     def submit(group: list) -> None:
@@ -123,7 +128,7 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
     try:
         await placement.take_ready(rec, io)
         while going():
-            for group in await supply.top_up(rec, io, len(playing), len(requests)):
+            for group in await supply.top_up(rec, io, len(playing), len(requests), sum(rewarding.values())):
                 submit(group)
             if not playing and rec.exhausted:
                 logger.warning("rollout step %d: data exhausted with %d/%s groups accepted", config.rollout_id,

@@ -9,6 +9,9 @@ Each time the step's loop wakes, its supply's `top_up` says which groups to add:
   flight than a chunk's worth, so the engines stay full instead of draining a chunk;
 - `PoolSupply` (`--rollout-mode pool`, CoPRIS; stream mode's segments): a pool of requests in flight for the
   whole step, refilled as they finish; `gate` (stream mode) holds new groups back while it is closed.
+Neither adds groups while the rows of generated groups still awaiting their reward reach a chunk's worth
+(the pool's limit): a reward that stalls would otherwise let a step generate without bound, every group it
+finishes waiting, then becoming overflow that later steps train on, stale.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def _unfinished(groups: list[list]) -> int:
 
 class Supply:
     """What the step asks a supply: `prepare(num_engines)` (sets `in_flight_cap`, `chunk`), `top_up` at each wake
-    (the groups to add), `gate_closed()` (what to wait on while none may be), `metrics()`, `after_step()`."""
+    (the groups to add; `playing`: groups in play, `requests`: members being generated, `awaiting`: rows of
+    generated groups whose reward still runs), `gate_closed()` (what to wait on while none may be), `metrics()`,
+    `after_step()`."""
 
     chunk: int | None = None
     in_flight_cap = 0
@@ -78,14 +83,16 @@ class ChunkedSupply(Supply):
         if self.planner is not None:
             await self.planner.after_step(record, engines)
 
-    async def top_up(self, rec: StepRecord, io, playing: int, requests: int) -> list[list]:
+    async def top_up(self, rec: StepRecord, io, playing: int, requests: int, awaiting: int) -> list[list]:
         out: list[list] = []
         while not rec.exhausted and playing + len(out) + len(rec.accepted) + len(rec.failed) < rec.target:
             out += await next_groups(rec, io, self.chunk)
         # APRIL keeps the engines full: as soon as fewer requests are in flight or queued than a chunk's worth (at
-        # most the concurrency), top up with parked, then fresh groups, instead of letting the chunk drain
-        free = min(self.in_flight_cap, self.chunk * rec.config.n) - requests - _unfinished(out)
-        if self.top_ups and free > 0 and not rec.exhausted:
+        # most the concurrency), top up with parked, then fresh groups, instead of letting the chunk drain; but not
+        # while a chunk's worth of rows already waits for its reward (the reward, not the engines, is behind)
+        budget = min(self.in_flight_cap, self.chunk * rec.config.n)
+        free = budget - requests - _unfinished(out)
+        if self.top_ups and free > 0 and awaiting < budget and not rec.exhausted:
             refill = await next_groups(rec, io, -(-free // rec.config.n))
             rec.counts["refill_groups"] += len(refill)
             out += refill
@@ -101,9 +108,11 @@ class PoolSupply(Supply):
     def gate_closed(self):
         return self.gate.wait_open if self.gate is not None and not self.gate.is_open else None
 
-    async def top_up(self, rec: StepRecord, io, playing: int, requests: int) -> list[list]:
+    async def top_up(self, rec: StepRecord, io, playing: int, requests: int, awaiting: int) -> list[list]:
         limit = self.admission.at_wake(io) if self.admission is not None else self.in_flight_cap
         out: list[list] = []
+        if awaiting >= limit:  # the reward is behind, not the engines
+            return out
         while (free := limit - requests - _unfinished(out)) > 0 and not rec.exhausted and self.gate_closed() is None:
             out += await next_groups(rec, io, -(-free // rec.config.n))
         return out

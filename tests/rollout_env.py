@@ -109,6 +109,19 @@ class ShortAndLongSource(RecordingSource):
         return groups
 
 
+class LongFirstSource(RecordingSource):
+    """Of every four groups the first two may write the whole budget, the others 2 tokens: with EOS ignored, the short
+    groups meet a step's target while the long ones, submitted first, are still generating (parked with tokens)."""
+
+    def get_groups(self, num_groups):
+        groups = super().get_groups(num_groups)
+        for g in groups:
+            if g[0].group_index % 4 >= 2:
+                for s in g:
+                    s.metadata["max_response_len"] = 2
+        return groups
+
+
 def only_even_groups(args, samples):
     from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 

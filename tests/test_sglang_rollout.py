@@ -21,9 +21,9 @@ from slime.utils.types import Status
 
 import rollout_env
 from logprob_reference import teacher_forced
-from rollout_env import (OverlongSource, RecordingSource, ShortAndLongSource, SlowFirstSource, SlowRewardGate,
-                         StalledRewardGate, StalledSource, check_group_invariants, env, make_args, run_steps,
-                         set_version)  # noqa: F401 (env: a fixture)
+from rollout_env import (LongFirstSource, OverlongSource, RecordingSource, ShortAndLongSource, SlowFirstSource,
+                         SlowRewardGate, StalledRewardGate, StalledSource, check_group_invariants, env, make_args,
+                         run_steps, set_version)  # noqa: F401 (env: a fixture)
 
 pytestmark = pytest.mark.slow
 def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
@@ -199,9 +199,9 @@ def test_slow_reward_does_not_block_the_drain(env, monkeypatch):
 @pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
 def test_staleness_policies(env, policy):
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
-                     "--staleness-policy", policy)
-    source, buffer, outs = run_steps(env, args, 1)
-    for _ in range(3):  # whether a request was aborted with tokens is timing: step on (same version) until one was
+                     "--staleness-policy", policy, "--rollout-max-response-len", "96").replace(rollout_ignore_eos=True)
+    source, buffer, outs = run_steps(env, args, 1, source=LongFirstSource(args, env["tok"]))
+    for _ in range(3):  # (the long groups make a partial one all but certain) step on until one was parked
         if any(not s.status.is_finished and s.response_length for g in buffer._parked for s in g):
             break
         run_steps(env, args, 1, source=source, buffer=buffer)

@@ -99,13 +99,12 @@ def check_group_invariants(groups, n, prompts, version, max_len):
 
 
 class ShortAndLongSource(RecordingSource):
-    """Every group's first member may write 2 tokens, the second 24 (budgets in the sample's metadata)."""
+    """Every group's first member may write 2 tokens, the others the whole budget (in the sample's metadata)."""
 
     def get_groups(self, num_groups):
         groups = super().get_groups(num_groups)
         for g in groups:
-            for i, s in enumerate(g):
-                s.metadata["max_response_len"] = 2 if i == 0 else 24
+            g[0].metadata["max_response_len"] = 2
         return groups
 
 

@@ -255,3 +255,37 @@ def test_a_dead_router_is_named_then_restarted_on_its_port_with_the_engines_regi
     assert len(out["output_ids"]) == 3
     with pytest.raises(EngineFaultError, match=r"giving up after 1 restart\(s\) \(--max-engine-restarts 1"):
         manager.restart_engines(error)  # the budget is spent
+
+
+def test_a_router_dead_before_the_weight_push_is_restarted_and_the_push_repeated(engines):
+    """The router dies between two steps: the push's first call (the worker list) fails at once, before or after the
+    push's process watch has recorded the exit; either way the fault is found, the router restarted on its port and
+    the same version pushed again."""
+    from slime.ray.rollout import RolloutManager, _faults_within
+
+    args, group = engines
+    if group.placed:
+        pytest.skip("the router is the driver's child either way")
+    old_pid = group.router.process.pid
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while group.router_fault() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # the watch's own thread recorded the exit first: the push's error handler must still see it
+    watch = ProcessWatch(group)
+    assert [f.url for f in watch.check()] == [group.router_url]
+    assert [f.url for f in _faults_within(watch, 0.5)] == [group.router_url]
+
+    manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
+    manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
+    manager.engines, manager.restarts, manager.policy_version = group, RestartBudget(2), 6
+    calls = []
+
+    def update_weights(engines, version):
+        calls.append(version)
+        return {"weight_sync_time_s": 0.0, "workers": engines.worker_urls()}
+
+    trainer = type("Trainer", (), {"update_weights": staticmethod(update_weights)})()
+    assert manager.push_weights(trainer, 7)["workers"] == group.engine_urls
+    assert calls == [7, 7] and manager.restarts.counts["router"] == 1
+    assert group.router_fault() is None and group.router.process.pid != old_pid

@@ -97,10 +97,11 @@ def test_a_dead_router_stops_the_run_naming_it_and_train_log_ends_with_why(task,
 def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_train_each_group_once(task, tmp_path):
     d = tmp_path
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
-    steps = 16  # checkpoints after the odd steps
+    steps = 16  # checkpoints after steps 2, 5, 8, 11, 14 and the last
     # groups generated while a reward is held wait for it, then are trained as the next steps' overflow, which
-    # generate nothing and cannot be held: the over-sampling only the batch keeps that to a step or two
-    cmd = _cmd(d, "--save-interval", "2", *GATED, "--over-sampling-batch-size", "4", steps=steps, batch=4, n=4)
+    # generate nothing and cannot be held: the over-sampling only the batch keeps that to a step or two (then held
+    # steps may come every other step: an interval of 3 cannot keep in step with them)
+    cmd = _cmd(d, "--save-interval", "3", *GATED, "--over-sampling-batch-size", "4", steps=steps, batch=4, n=4)
     _hold_from(d, 1)  # the first rollout that generates after a step trained waits for the test
     log = tmp_path / "log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -109,13 +110,13 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
         router = _kill_router(proc)
         _hold_from(d, version + 1)  # let it go on; hold the next rollout that generates
         _wait(lambda: "sglang-router restarted" in log.read_text(), 300, "the router's restart", proc, str(log))
-        # then, in the rollout of a step k + 1 whose step k is trained but not checkpointed, kill the trainer: its
-        # next call (step k + 1's training, typically) finds it dead, and step k is replayed from the object store,
-        # not generated again
+        # then, in the rollout of a step k + 1 whose step k is trained but not checkpointed (one before it is), kill
+        # the trainer: its next call (step k + 1's training, typically) finds it dead, and the steps since the
+        # checkpoint are replayed from the object store, not generated again
         while True:
             version = _held(d, version + 1, proc, str(log), "a later rollout")
             k = len(_steps_logged(d)) - 1
-            if not (d / "ckpt" / f"iter_{k:07d}").exists():
+            if k > 2 and not (d / "ckpt" / f"iter_{k:07d}").exists():
                 break
             _hold_from(d, version + 1)
         assert _steps_logged(d) == list(range(k + 1)) and k < steps - 1
@@ -140,7 +141,7 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
     restarted = re.search(r"trainer restarted \(pids \[[^\]]*\]\) from \S*iter_(\d+)/trainer; replayed steps \[([\d, ]*)\]",
                           text)
     ckpt, replayed = int(restarted[1]), [int(x) for x in restarted[2].split(",") if x.strip()]
-    assert ckpt == k - 1 and replayed == [k], (k, ckpt, replayed)  # checkpoints after odd steps: k is even
+    assert ckpt == 3 * ((k + 1) // 3) - 1 and replayed == list(range(ckpt + 1, k + 1)), (k, ckpt, replayed)
     rows = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(steps))
     assert rows[-1]["restarts/router"] == 1 and rows[-1]["engine/restarts"] == 0

@@ -87,10 +87,11 @@ def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
 
 
 def test_april_tops_up_as_soon_as_requests_finish(env):
-    """A chunk of 3 groups (= the target) with 6 requests allowed in flight: the short members finish
-    long before any group does, and their slots are refilled with new groups at once instead of the
-    engine running 3 requests until the chunk's groups finish."""
-    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "3").replace(rollout_ignore_eos=True)
+    """A chunk of 3 groups (= the target) with 6 requests allowed in flight: the short members (2 tokens) finish
+    long before any group does (96 tokens, EOS ignored), and their slots are refilled with new groups at once
+    instead of the engine running 3 requests until the chunk's groups finish."""
+    args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "3",
+                     "--rollout-max-response-len", "96").replace(rollout_ignore_eos=True)
     source, buffer, outs = run_steps(env, args, 2, source=ShortAndLongSource(make_args(env["root"]), env["tok"]))
     assert outs[0].metrics["rollout/groups_refilled"] >= 1  # the first step starts from fresh groups only
     for out in outs:  # (a step whose target the groups finished late in the one before meet submits nothing)

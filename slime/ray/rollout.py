@@ -51,11 +51,13 @@ FAULT_CONFIRM_S = 5.0
 
 
 def _faults_within(watch: ProcessWatch, seconds: float) -> list[EngineFault]:
+    """Every fault the watch knows, looking up to `seconds` for one: its own thread may record it first (then
+    `check()` finds nothing new), e.g. a router that died before the sync and failed its first call at once."""
     deadline = time.monotonic() + seconds
     while True:
-        faults = watch.check()
-        if faults or time.monotonic() >= deadline:
-            return faults
+        watch.check()
+        if watch.faults or time.monotonic() >= deadline:
+            return list(watch.faults.values())
         time.sleep(0.1)
 
 

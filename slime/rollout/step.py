@@ -76,25 +76,27 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
             raise RolloutError(f"group {group_id(st.samples)} sample {sample.index}: {type(e).__name__}: {e}") from e
         finally:
             requests.discard(asyncio.current_task())
+            if all(s.status.is_finished for s in st.samples):  # its group's last member: the reward is next,
+                rewarding[group_id(st.samples)] = len(st.samples)  # counted before the supply looks again
             signals.slot_freed()  # the supply may top up
 
     async def play(st: StepGroup, members: list[asyncio.Task]) -> StepGroup | None:
         """Generate -> reward -> judge: the judged group, or None if a member was stopped unfinished."""
-        if members:
-            await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
-            for t in members:  # a failed request stops the step (its siblings are drained with the others)
-                if t.done() and not t.cancelled() and t.exception():
-                    raise t.exception()
-            if not all(not t.cancelled() and t.result() for t in members):
-                return None
-        rec.counts["groups_finished"] += 1
-        st.finished_t = rec.clock.now()
-        rewarding[group_id(st.samples)] = len(st.samples)
         try:
+            if members:
+                await asyncio.wait(members, return_when=asyncio.FIRST_EXCEPTION)
+                for t in members:  # a failed request stops the step (its siblings are drained with the others)
+                    if t.done() and not t.cancelled() and t.exception():
+                        raise t.exception()
+                if not all(not t.cancelled() and t.result() for t in members):
+                    return None
+            rec.counts["groups_finished"] += 1
+            st.finished_t = rec.clock.now()
+            rewarding[group_id(st.samples)] = len(st.samples)
             await judge(io, rec, st)
+            return st
         finally:
             rewarding.pop(group_id(st.samples), None)
-        return st
 
     def submit(group: list) -> None:
         st = rec.groups[group_id(group)]

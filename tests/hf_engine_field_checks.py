@@ -144,15 +144,19 @@ def check_routed_dp_rank(server, ref, name="routed_dp_rank"):
 
 def check_extra_key(server, ref):
     """The prefix cache's namespace: an aborted request's KV is reused only by a request with the same extra_key."""
-    body = {"input_ids": PROMPT, "rid": "keyed", "stream": True, "extra_key": "k1",
-            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
-    final = None
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
-        for ln in r.iter_lines():
-            if ln and ln != b"data: [DONE]":
-                final = json.loads(ln[len(b"data: "):])
-                if len(final["output_ids"]) == 3:
-                    requests.post(server.url + "/abort_request", json={"rid": "keyed"}, timeout=10)
+    for attempt in range(3):  # (a loaded box may stream in larger chunks, or let the request end before the abort)
+        body = {"input_ids": PROMPT, "rid": f"keyed-{attempt}", "stream": True, "extra_key": "k1",
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+        final, aborted = None, False
+        with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+            for ln in r.iter_lines():
+                if ln and ln != b"data: [DONE]":
+                    final = json.loads(ln[len(b"data: "):])
+                    if len(final["output_ids"]) >= 3 and not aborted:
+                        requests.post(server.url + "/abort_request", json={"rid": body["rid"]}, timeout=10)
+                        aborted = True
+        if final["meta_info"]["finish_reason"]["type"] == "abort":
+            break
     seq = PROMPT + final["output_ids"]
     resume = {"sampling_params": {"max_new_tokens": 1}}
     assert gen(server, seq, extra_key="k2", **resume)["meta_info"]["cached_tokens"] == 0  # another namespace

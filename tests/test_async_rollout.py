@@ -211,7 +211,11 @@ def test_the_cache_check_above_fails_without_version_keys(env):
     stale_hits0 = stale_cache_hits(env)
     manager, rollout = start(env, args)
     try:
-        for step in range(4):
+        # at least 4 updates, more until one resumed sample met older KV: whether a parked one is resumed after an
+        # update within a few steps is timing (a loaded box made 4 too few once)
+        for step in range(16):
+            if step >= 4 and stale_cache_hits(env) > stale_hits0:
+                break
             manager.mark_trained(rollout.next_batch(step).groups)
             with rollout.updating_weights(step + 1):
                 load_weights(env, "AB"[(step + 1) % 2], step + 1, flush=False)

@@ -125,25 +125,35 @@ def pause_scenario(url: str, dirs: dict, models: dict, prompt: list[int]) -> dic
     def post(path: str, body=None) -> requests.Response:
         return requests.post(url + path, json=body or {}, timeout=300)
 
-    def outran(box) -> bool:  # the request ended before the pause landed (a loaded box): the part is run again
-        return len(box["final"]["meta_info"]["weight_versions"]) == 1
+    def paused(rid: str, mode: str, old: str, during) -> dict:
+        """`rid` runs on model A (version `old`), is paused (`mode`) for `during()` and continued: its final reply.
+        Run again when the request ended before the pause landed (a loaded box): its reply then has one span."""
+        for _ in range(3):
+            assert update("A", old, True).json()["success"]
+            t, box = running(url, prompt, rid, n, 3)
+            post("/pause_generation", {"mode": mode})
+            during()
+            post("/continue_generation")
+            t.join(600)
+            if len(box["final"]["meta_info"]["weight_versions"]) > 1:
+                break
+        return box["final"]
 
-    out = {}
-    (ma, mb), n = (models["A"], models["B"]), 200  # long enough to be running when the pause lands (streams lag)
-    for _ in range(3):
-        assert update("A", "30", True).json()["success"]
-        t, box = running(url, prompt, "pause-in-place", n, 3)
-        post("/pause_generation", {"mode": "in_place"})
+    def in_place_updates() -> None:
         refused = update("B", "31", True)
         out["in_place_update_with_flush"] = (refused.status_code, refused.json()["success"], refused.json()["message"])
         out["in_place_loaded_anyway"] = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
         out["in_place_update"] = update("B", "31", False).json()["success"]
         out["in_place_flush"] = post("/flush_cache").status_code
-        post("/continue_generation")
-        t.join(600)
-        if not outran(box):
-            break
-    ids, lps, k = split(box["final"], "30", "31")
+
+    def retract_updates() -> None:
+        out["retract_update"] = update("B", "33", True).json()["success"]
+        out["retract_flush"] = post("/flush_cache").status_code
+
+    out = {}
+    (ma, mb), n = (models["A"], models["B"]), 200  # long enough to be running when the pause lands (streams lag)
+    final = paused("pause-in-place", "in_place", "30", in_place_updates)
+    ids, lps, k = split(final, "30", "31")
     seq = prompt + ids
     # the first token model B sampled: the spans' boundary, or (SGLang: its overlap scheduler appends the token in
     # flight at the pause after the resume) one later
@@ -151,23 +161,14 @@ def pause_scenario(url: str, dirs: dict, models: dict, prompt: list[int]) -> dic
                if torch.allclose(lps, decode_over_cache(ma, mb, seq, len(prompt) + b - 1)[len(prompt) - 1:], atol=1e-4)]
     assert 3 <= k < n and len(first_b) == 1, (k, first_b, lps)
     out["in_place_old_tokens_past_the_boundary"] = first_b[0] - k
-    out["in_place_spans"] = len(box["final"]["meta_info"]["weight_versions"])
+    out["in_place_spans"] = len(final["meta_info"]["weight_versions"])
 
-    for _ in range(3):
-        assert update("A", "32", True).json()["success"]
-        t, box = running(url, prompt, "pause-retract", n, 3)
-        post("/pause_generation", {"mode": "retract"})
-        out["retract_update"] = update("B", "33", True).json()["success"]
-        out["retract_flush"] = post("/flush_cache").status_code
-        post("/continue_generation")
-        t.join(600)
-        if not outran(box):
-            break
-    ids, lps, k = split(box["final"], "32", "33")
+    final = paused("pause-retract", "retract", "32", retract_updates)
+    ids, lps, k = split(final, "32", "33")
     seq = prompt + ids
     assert torch.allclose(lps[:k], teacher_forced(ma, seq)[len(prompt) - 1:][:k], atol=1e-4)
     assert torch.allclose(lps[k:], teacher_forced(mb, seq)[len(prompt) - 1:][k:], atol=1e-4)
-    out["retract_num_retractions"] = box["final"]["meta_info"]["num_retractions"]
+    out["retract_num_retractions"] = final["meta_info"]["num_retractions"]
 
     for _ in range(3):
         t, box = running(url, prompt, "pause-abort", n, 3)

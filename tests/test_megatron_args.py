@@ -58,7 +58,7 @@ def base(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(QWEN3))
 def test_qwen3_model_scripts_parse_against_their_config(base, name, monkeypatch):
-    monkeypatch.setattr("slime.arguments.megatron_importable", lambda: True)
+    monkeypatch.setattr("slime.arguments.megatron.megatron_importable", lambda: True)
     argv = model_args(os.path.join(REPO, "scripts", "models", f"{name}.sh"))
     a = parse_args(base(qwen3_config(*QWEN3[name]), "--train-backend", "megatron", *argv))
     layers, hidden, ffn, heads, kv, tied = QWEN3[name]
@@ -74,7 +74,7 @@ def test_qwen3_model_scripts_parse_against_their_config(base, name, monkeypatch)
 def test_tiny_model_script_matches_the_quick_start_model(base, monkeypatch):
     from slime.utils.tiny_model import TinyQwen3Spec
 
-    monkeypatch.setattr("slime.arguments.megatron_importable", lambda: True)
+    monkeypatch.setattr("slime.arguments.megatron.megatron_importable", lambda: True)
     spec = TinyQwen3Spec()  # what tools/prepare_tiny_task.py builds by default
     cfg = qwen3_config(spec.num_hidden_layers, spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
                        spec.num_key_value_heads, spec.tie_word_embeddings, vocab=16,
@@ -84,7 +84,7 @@ def test_tiny_model_script_matches_the_quick_start_model(base, monkeypatch):
 
 
 def test_slime_perf_optimizer_and_misc_args_parse(base, monkeypatch):
-    monkeypatch.setattr("slime.arguments.megatron_importable", lambda: True)
+    monkeypatch.setattr("slime.arguments.megatron.megatron_importable", lambda: True)
     perf = ("--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 "
             "--context-parallel-size 1 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 "
             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
@@ -119,7 +119,7 @@ def test_slime_perf_optimizer_and_misc_args_parse(base, monkeypatch):
     (["--lr-decay-style", "cosine", "--num-rollout", "3"], None, None),  # fills --lr-decay-iters: accepted
 ])
 def test_unsupported_or_inconsistent_flags_fail_with_a_reason(base, extra, flag, why, monkeypatch):
-    monkeypatch.setattr("slime.arguments.megatron_importable", lambda: True)
+    monkeypatch.setattr("slime.arguments.megatron.megatron_importable", lambda: True)
     argv = base(qwen3_config(*QWEN3["qwen3-4B"]), "--train-backend", "megatron", *extra)
     if flag is None:
         assert parse_args(argv).lr_decay_iters == 3
@@ -149,7 +149,7 @@ def test_auto_backend_is_fsdp_without_cuda(base):
 
 
 def test_megatron_needs_a_supported_architecture(base, monkeypatch):
-    monkeypatch.setattr("slime.arguments.megatron_importable", lambda: True)
+    monkeypatch.setattr("slime.arguments.megatron.megatron_importable", lambda: True)
     cfg = {**qwen3_config(*QWEN3["qwen3-0.6B"]), "model_type": "gpt_neox"}
     with pytest.raises(ArgumentError, match="--hf-checkpoint: .*model_type 'gpt_neox' is not supported"):
         parse_args(base(cfg, "--train-backend", "megatron"))

@@ -1,9 +1,10 @@
-"""What every part of slime/arguments/ shares: the parsed flags (`Args`), the error a broken rule raises, the
-built-in plugins' paths, and `_require` (a rule that names its flag)."""
+"""What every flag group of slime/arguments/ shares: the parsed flags (`Args`), the error a broken rule raises,
+`_require` (a rule that names its flag) and the helpers of path and device defaults."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -53,19 +54,6 @@ class Args(argparse.Namespace):
         return Args(**values)._freeze()
 
 
-# the built-in APRIL rollout (--rollout-function-path's default); stream mode always runs it
-BUILTIN_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
-
-
-# the built-in multi-turn generate that --agent-env runs
-BUILTIN_MULTI_TURN_GENERATE = "slime.rollout.multi_turn.generate"
-
-
-# multi-turn flags that mean nothing without --agent-env, and their defaults with it
-_AGENT_DEFAULTS = {"max_turns": 16, "tool_timeout": 30.0, "tool_workers": 4, "tool_max_output_chars": 4096,
-                   "tool_memory_mb": 2048}
-
-
 def _require(cond: bool, flag: str, rule: str) -> None:
     if not cond:
         raise ArgumentError(f"{flag}: {rule}")
@@ -75,3 +63,29 @@ def _here(a: Args, exists: bool) -> bool:
     """A path check; a dry run passes it (the path may live only on the GPU machines: the dry run lists what is
     not on this one)."""
     return exists or a.dry_run is not None
+
+
+def flag_name(dest: str) -> str:
+    """`rollout_batch_size` -> `--rollout-batch-size`: how an error names a flag."""
+    return "--" + dest.replace("_", "-")
+
+
+def make_absolute(a: Args, *names: str) -> None:
+    """Path flags are made absolute at parse time, so every process of the run (Ray workers on any node, whatever
+    their working directory) reads the same path."""
+    for name in names:
+        if getattr(a, name) is not None:
+            setattr(a, name, absolute(getattr(a, name)))
+
+
+def absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def on_gpus(a: Args) -> bool:
+    """Whether the trainer runs on GPUs: CUDA (or ROCm) here, or a dry run of a GPU command line."""
+    if a.dry_run is not None:
+        return True
+    import torch
+
+    return torch.cuda.is_available()

@@ -45,7 +45,7 @@ class AsyncRollout:
         # the trainer trains batch j at policy version j + offset (one version per step since the run began)
         self.offset = int(manager.policy_version) - self.first_rollout_id
         # the built-in step honours the gate; a custom rollout function's steps are waited for instead
-        # (stream mode always runs the built-in one: slime/arguments/checks.py)
+        # (stream mode always runs the built-in one: slime/arguments/partial_rollout.py)
         self.pausable = manager.rollout_fn is generate_rollout
         # a custom rollout function's step is waited for before an update: nothing of ours is then in flight
         self.pause_mode = args.pause_mode if self.pausable else "abort"

@@ -10,9 +10,9 @@
 #   E1 the embedded engine's decode step at 1 / 8 / 64 / 128 rows, the 0.5B preset in bf16, eager then with CUDA
 #      graphs (engine_step.py --cuda-graph-mode off, then auto): the graphs' step at 1 row <= at 128 rows, and the
 #      greedy tokens of one prompt and of 5 together unchanged;
-#   E2 the rollout benchmark on both workloads (rollout_workloads.py: the heavy-tail Pareto and the APRIL paper's
-#      log-normal), sync / APRIL / pool against the full-occupancy limit, with the simulator calibrated in the same
-#      run (its host terms included) and its error per mode;
+#   E2 the rollout benchmark on both workloads (rollout_throughput.py --workload pareto lognormal: the heavy-tail
+#      Pareto and the APRIL paper's log-normal), sync / APRIL / pool against the full-occupancy limit, with the
+#      simulator calibrated in the same run (its host terms included) and its error per mode;
 # part train (Ray's wheel joined from both runs' parts and installed first: benchmarks/wheel_parts.py):
 #   T1 the main job: train.py --colocate --offload --train-backend megatron --bf16 --partial-rollout, the embedded
 #      engine on CUDA, the 0.5B preset, 8 steps on log-normal budgets (main_job_task.py); per step the time split,
@@ -148,8 +148,8 @@ if [[ $PART != train ]]; then
       --cuda-graph-mode "$mode" --model-cache "$MODELS" --json-out "$OUT/step_$mode.json"
   done
   stage "E2. rollout benchmark on both workloads, --simulate"
-  run_capped E2_rollout "$ROLLOUT_CAP" $PY benchmarks/rollout_workloads.py --log-dir "$OUT/rollout" \
-    --json-out "$OUT/rollout_workloads.json" -- "${ROLLOUT_ARGS[@]}" --model-cache "$MODELS" --no-stale-kv-modes \
+  run_capped E2_rollout "$ROLLOUT_CAP" $PY benchmarks/rollout_throughput.py --workload pareto lognormal --log-dir "$OUT/rollout" \
+    --json-out "$OUT/rollout_workloads.json" "${ROLLOUT_ARGS[@]}" --model-cache "$MODELS" --no-stale-kv-modes \
     --probe-passes 1 --probe-seconds 1.5 --calibration quick --simulate
 fi
 

@@ -1,4 +1,5 @@
-"""The rollout benchmark's report: the per-mode table, the engine breakdown and the JSON summary."""
+"""The rollout benchmark's report: the per-mode table, the engine breakdown, the JSON summary and the table of
+several workloads side by side."""
 
 from __future__ import annotations
 
@@ -167,3 +168,29 @@ def reprefill_share(res: dict, limit_tok_s: float) -> dict:
                   "share": round(sec / r["wall_s"], 4), "without_tok_s": round(r["tok_s"] * r["wall_s"] / left, 1),
                   "without_over_limit": round(r["tok_s"] * r["wall_s"] / left / limit_tok_s, 3)}
     return out
+
+
+MODES = ("sync", "april", "pool")
+
+
+def workloads_row(name: str, r: dict) -> dict:
+    """One workload's line of the side-by-side table, from its run's summary JSON."""
+    wl, sim = r.get("workload") or {}, r.get("simulated") or {}
+    return {"workload": name, "lengths": wl.get("lengths"), "median": wl.get("median"), "max": wl.get("max"),
+            "max_over_median": wl.get("max_over_median"), "device": r["engine"]["device"],
+            "device_name": r["engine"]["device_name"], "dtype": r["engine"]["dtype"], "c_star": r["c_star"],
+            "rounds": r["rounds"], "limit_tok_s": r["limit_tok_s"],
+            **{f"{m}_over_limit": r[f"{m}_over_limit"] for m in MODES},
+            "april_over_sync": r["april_over_sync"], "pool_over_sync": r["pool_over_sync"],
+            **{f"sim_error_{m}": sim[m]["error"] for m in MODES if m in sim}}
+
+
+def print_workloads_table(rows: list[dict], boxes: list[dict]) -> None:
+    print("\nworkload    budgets (median / max, max/median)   x limit: sync  APRIL   pool | APRIL/sync | simulator "
+          "error sync / APRIL / pool | device, C*, rounds")
+    for r, b in zip(rows, boxes):
+        sim = " / ".join(f"{100 * r[f'sim_error_{m}']:+.0f}%" if f"sim_error_{m}" in r else "-" for m in MODES)
+        print(f"{r['workload']:10s}  {r['median']:>5g} / {r['max']:>5g} ({r['max_over_median']:>5.1f}x)"
+              f"             {r['sync_over_limit']:5.3f} {r['april_over_limit']:6.3f} {r['pool_over_limit']:6.3f} |"
+              f" {r['april_over_sync']:9.2f}x | {sim:>26s} | {r['device_name']} ({r['dtype']}), C* {r['c_star']}, "
+              f"{r['rounds']} round(s); {b['host_cpus']} CPUs, load {b['load_1min']}")

@@ -1,57 +1,32 @@
 """Rollout throughput: synchronous vs APRIL vs pool mode vs the engine's limit, with its spread.
 
-1. Measures the embedded engine's decode throughput at several concurrencies
-   (C requests always in flight) and picks C*, the smallest C within 5% of the
-   best (prints the curve and ms per decode step).
-2. Workload (`--workload`): ignore_eos; `pareto` (default, long-tailed): each sample's budget `--scale`
-   x q tokens with q from the truncated Pareto of the subtract_chain task (alpha 1, cap --cap), so max >=
-   20x median (printed; 43x by default); `lognormal`: the APRIL paper's setting as `tools/simulate_rollout.py
-   paper` assumes it, scaled to the same cap (median 0.37x the cap, max / median ~2.7x). Every parked sample
-   is re-prefilled when it resumes (the simulated weight update flushed its
-   KV), which on this CPU costs a good fraction of decoding it (on a GPU
-   ~1/100): see the engine cost fit printed per mode.
-3. Modes, each with its own data source (same seed), buffer and policy version:
-   sync (B = C*/n groups, no partial rollout), APRIL (partial, over-sampling 2B,
-   at most C* in flight), pool (C* in flight), april_kv and pool_kv (the same
-   with --reuse-stale-kv: a parked sample resumes on the KV it had instead of
-   being re-prefilled; they run on an engine of their own, which nothing
-   flushes). Before every step a simulated weight update bumps the engine's
-   weight_version and, as a real update does by default, flushes its cache
-   (not for the _kv modes).
-4. The limit: C* requests in flight the whole time on a second engine (same
-   command, same pinning), one steady state measured in slices: its unfinished
-   samples continue on their KV from one slice to the next (no weight update
-   touches that engine), and a slice counts the engine's generated tokens
-   between 0.3 s after its start and its stop. It is an upper bound: no
-   re-prefill, no ramp, no drain.
-5. Warm-up: each partial mode and the limit first run unmeasured until their
-   engine has taken --warmup-steps steps (default: the longest budget, 3,072),
-   so that both are measured in the long tail's steady state: until the
-   buffer and the limit's carry hold their share of long contexts, steps are
-   cheaper and, for the modes, re-prefills shorter.
-6. Noise control: the engines run pinned to one CPU (--engine-cpus) and this
-   driver and the routers to the others (--driver-cpus), the same for every
-   mode and the limit. Every mode step is followed by a limit slice as long as
-   the step (1-4 s), so each round's ratio compares measurements taken seconds
-   apart; rounds (every mode in turn) go on until APRIL/limit's 90% interval
-   is within --target-spread (0.05) after --min-rounds (4), at most --rounds
-   (8). The box's own noise is printed: how much one limit slice differs from
-   the previous one, and the load average.
-7. Prints per mode: tok/s, the ratio to the limit (mean over rounds +- the
-   half-width of its 90% interval, and the std), the ratio to sync, per-round
-   ratios, the off-policy token ratio, engine running rows against the
-   limit's, a per-step breakdown (time to target, drain and abort->idle, time
-   outside both, gap between steps, requests, resumed samples, their tokens
-   so far) and the engine's time and cost fit (ms per step, us per decoding
-   row, us per prefilled token); the last line is one JSON with the spreads.
-8. With --simulate, calibrates the modes' engine in passes interleaved with the rounds and prints the
-   rollout simulator's prediction of every mode beside its measurement (rollout_simcheck.py).
-9. On a GPU nothing changes but the engines' device (the embedded engine's --device auto picks cuda): no Ray is
-   needed, only sglang-router. `--model-preset qwen3-0.5b` makes the step cost realistic there (a random Qwen3
-   with Qwen3-0.6B's width, 16 layers, 151,936-token vocabulary; benchmarks/gpu_check.sh runs it).
+1. Probes the embedded engine's decode throughput at several concurrencies (C requests always in flight) and picks
+   C*, the smallest C within 5% of the best.
+2. Workload (`--workload`, rollout_workload.py): ignore_eos; `pareto` (default): each sample's budget `--scale` x q
+   tokens, q from the subtract_chain task's truncated Pareto (max / median 21-43x); `lognormal`: the APRIL paper's
+   setting as `tools/simulate_rollout.py paper` assumes it, scaled to the same cap (max / median ~2.7x). Given
+   several, each runs in a process of its own and their ratios are printed side by side (`--json-out`: all rows).
+3. Modes, each with its own data source (same seed), buffer and policy version: sync (B = C*/n groups), APRIL
+   (partial, over-sampling 2B, at most C* in flight), pool (C* in flight), and april_kv / pool_kv (the same with
+   --reuse-stale-kv, on an engine of their own that nothing flushes). Before every step a simulated weight update
+   bumps the engine's weight_version and flushes its cache (not for the _kv modes), so every parked sample is
+   re-prefilled when it resumes: on this CPU a good fraction of decoding it, on a GPU ~1/100.
+4. The limit: C* requests in flight the whole time on a second engine (same command and pinning), measured in
+   slices of one steady state: an upper bound (no re-prefill, no ramp, no drain).
+5. Warm-up: each partial mode and the limit run unmeasured for --warmup-steps engine steps, so that all are
+   measured in the long tail's steady state.
+6. Noise control: engines pinned to --engine-cpus, this driver and the routers to --driver-cpus; every mode step
+   is followed by a limit slice as long as the step, so each ratio compares measurements seconds apart; rounds go
+   on until APRIL/limit's 90% interval is within --target-spread after --min-rounds, at most --rounds.
+7. Prints per mode: tok/s, the ratio to the limit (mean +- 90% half-width, std) and to sync, per-round ratios,
+   the off-policy token ratio, a per-step breakdown and the engine's cost fit; the last line is one JSON.
+8. With --simulate, calibrates the modes' engine between rounds and prints the rollout simulator's prediction of
+   every mode beside its measurement (rollout_simcheck.py).
+9. On a GPU only the engines' device changes (no Ray needed, only sglang-router); `--model-preset qwen3-0.5b`
+   makes the step cost realistic there (benchmarks/gpu_check.sh runs it).
 
     python benchmarks/rollout_throughput.py [--rounds 8] [--min-seconds 6] [--cap 128] [--scale 24] [--simulate]
-        [--model-preset qwen3-0.5b] [--time-budget SECONDS]
+        [--workload pareto lognormal] [--model-preset qwen3-0.5b] [--time-budget SECONDS]
 """
 
 from __future__ import annotations
@@ -62,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import requests
 from rollout_host import Clock, box_speed, pin_processes
-from rollout_report import report, spread
+from rollout_report import print_workloads_table, report, spread, workloads_row
 from rollout_simcheck import make_calibrator, predict
 from rollout_workload import (WORKLOADS, BudgetSource, LimitRunner, ModeRunner, build_bench_model, constant_load,
                               workload_lengths, workload_summary)
@@ -331,8 +307,9 @@ def main(argv=None):
                    help="CPUs for the engines, e.g. '1' (default: the last CPU; on a GPU up to 3 CPUs per engine)")
     p.add_argument("--driver-cpus", default=None, help="CPUs for this driver and the routers (default: the others)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt group")
-    p.add_argument("--workload", choices=WORKLOADS, default="pareto",
-                   help="budgets: pareto (long tail, max/median 21-43x) or lognormal (the APRIL paper's shape, ~2.7x)")
+    p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["pareto"],
+                   help="budgets: pareto (long tail, max/median 21-43x) or lognormal (the APRIL paper's shape, ~2.7x); "
+                        "several: one run each, their ratios side by side")
     p.add_argument("--cap", type=int, default=128, help="the longest budget is --scale x --cap tokens (pareto: the cap "
                                                          "on chain steps q, budget scale x q)")
     p.add_argument("--scale", type=int, default=24,
@@ -372,13 +349,49 @@ def main(argv=None):
     p.add_argument("--report-seconds", type=float, default=10.0,
                    help="with --time-budget: kept for the simulation and the report at the end")
     p.add_argument("--json-out", default=None, help="also write the summary JSON here")
+    p.add_argument("--log-dir", default=None,
+                   help="with several workloads: each run's output here (default: a temporary directory)")
     p.add_argument("--seed", type=int, default=0)
+    argv = sys.argv[1:] if argv is None else list(argv)
     opts = p.parse_args(argv)
+    if len(opts.workload) > 1:
+        return compare_workloads(opts, argv)
+    opts.workload = opts.workload[0]
     logging.basicConfig(level=logging.INFO if os.environ.get("VERBOSE") else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="rollout_bench_") as workdir:
         asyncio.run(main_async(opts, workdir))
+
+
+
+def compare_workloads(opts, argv: list[str]) -> int:
+    """One run per workload, one after the other (each measures its modes interleaved with its limit, so every
+    ratio is taken within one run), then their ratios side by side; a figure quoted from here names its workload."""
+    log_dir = opts.log_dir or tempfile.mkdtemp(prefix="rollout_workloads_")
+    os.makedirs(log_dir, exist_ok=True)
+    rows, boxes, failed = [], [], []
+    for name in opts.workload:
+        out_json, log = (os.path.join(log_dir, f"rollout_{name}.{ext}") for ext in ("json", "log"))
+        t0 = time.monotonic()
+        print(f"=== {name} (log: {log})", flush=True)
+        with open(log, "w") as f:  # argparse keeps an option's last value: these override the command line's
+            rc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--workload", name,
+                                 "--json-out", out_json], stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0 or not os.path.isfile(out_json):
+            print(f"{name}: exited {rc} after {time.monotonic() - t0:.0f}s; see {log}", flush=True)
+            failed.append(name)
+            continue
+        boxes.append({"host_cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)})
+        with open(out_json) as f:
+            rows.append(workloads_row(name, json.load(f)))
+        print(f"{name}: done in {time.monotonic() - t0:.0f}s", flush=True)
+    if rows:
+        print_workloads_table(rows, boxes)
+    if opts.json_out:
+        with open(opts.json_out, "w") as f:
+            json.dump({"rows": rows, "boxes": boxes, "failed": failed, "args": argv}, f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

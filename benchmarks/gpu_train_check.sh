@@ -7,9 +7,9 @@
 #                                               # on) and the trainer tests on CUDA, see "--final" below
 #   bash benchmarks/gpu_train_check.sh --final --cpu   # its dry run here
 #
-# Needs next to the checkout: .whl/ with megatron-core 0.16.1 and orjson (cp312 wheels; /work/shared/gpu.md says
-# how to download them). Ray, SGLang, datasets and wandb are not there: stub packages that raise ImportError stand
-# first on PYTHONPATH so that nothing reaches for them unnoticed (here as on the box).
+# Needs next to the checkout: .whl/ with megatron-core 0.16.1 and orjson (cp312 wheels; benchmarks/README.md, "On
+# a GPU", says how to download them). Ray, SGLang, datasets and wandb are not there: stub packages that raise
+# ImportError stand first on PYTHONPATH so that nothing reaches for them unnoticed (here as on the box).
 #
 # Steps, each under its own time cap inside a total budget (BUDGET_S, default 290 s), results under $OUT:
 #   A. GPU tests: test_megatron_gpu.py, the CUDA offload test (trainer's own allocation, ~60M model), the CUDA

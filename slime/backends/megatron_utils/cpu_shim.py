@@ -6,8 +6,9 @@ device, `torch.cuda.synchronize`, the CUDA RNG (dropout / init forks),
 causal mask, `Tensor.cuda()`, `param.type() == "torch.cuda.FloatTensor"`
 checks, and the CUDA RNG state that recompute saves and restores. This
 module answers them with the CPU from the outside (no edits to megatron's
-files), once per process. What megatron does without it:
-/work/shared/megatron-cpu.md.
+files), once per process. Without it megatron-core fails at its first CUDA
+call on a CPU torch (the CUDA RNG seed, `torch.cuda.current_device()` in the
+forward, the optimizer's `device="cuda"` buffers).
 
 Applied only when CUDA is absent (`parallel.prepare_platform`); the GPU path
 never imports it. `device="cuda"` factories are redirected only inside the

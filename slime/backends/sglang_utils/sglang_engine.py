@@ -32,7 +32,7 @@ _RESERVED_SGLANG_FLAGS = {
 }
 
 
-# SGLang's server on a CPU box (measured: /work/shared/sglang-cpu.md, docs/sglang-compat.md): its torch-native
+# SGLang's server on a CPU box (docs/sglang-compat.md): its torch-native
 # attention and sampling, no CUDA graphs or grammar backend, fp32 like the CPU trainers, a small KV pool. Each is
 # set unless the user passes the same `--sglang-<flag>`.
 CPU_LAUNCH_FLAGS = {

@@ -16,8 +16,7 @@ decode-only probe run (sums over its steps):
 
 On a CPU issuing is computing, so issue ~ device and the max changes nothing (the tail still leaves the device
 terms). On a GPU a step without CUDA graphs is launch-bound at small batches (the issue is the floor that a
-linear device fit dips under: the first H200 run measured ~44 ms at 1 row against 15 ms at 64 rows); with them
-the device's time is. An engine that does not count these (SGLang) gets no host terms.
+linear device fit dips under: a step at 1 row can take longer than at 64); with them the device's time is. An engine that does not count these (SGLang) gets no host terms.
 """
 
 from __future__ import annotations

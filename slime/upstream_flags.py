@@ -199,8 +199,7 @@ REFUSED: dict[str, str] = {
 }
 
 
-_SHAPE = ("optional here: the model is built from --hf-checkpoint's config.json, and a flag that is given must agree "
-          "with it; upstream builds the model from these flags (Megatron-LM's defaults otherwise)")
+_SHAPE = "optional: the model is built from --hf-checkpoint's config.json; a flag given must agree with it"
 _WANDB = ("on, offline (metrics never leave the machine unless --wandb-mode online or --wandb-key / WANDB_API_KEY); "
           "--no-use-wandb: metrics.jsonl only")
 

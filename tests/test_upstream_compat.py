@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -256,5 +257,10 @@ def test_the_docs_list_every_upstream_flag():
     doc = open(os.path.join(REPO, "docs", "upstream-flags.md")).read()
     missing = [f for f in UPSTREAM_FLAGS if f"`{f}`" not in doc]
     assert not missing, f"docs/upstream-flags.md does not list {missing}"
+    listed = {}  # the refused table: each row's flags share its reason
+    refused_section = doc.split("## Refused, with what to use instead\n", 1)[1]
+    for cell, why in re.findall(r"^\| ((?:`--[a-z0-9-]+`(?:, )?)+) \| (.*) \|$", refused_section, re.M):
+        for flag in re.findall(r"`(--[a-z0-9-]+)`", cell):
+            listed[flag] = why
     for flag, instead in REFUSED.items():
-        assert f"| `{flag}` | {instead} |" in doc, flag
+        assert listed.get(flag) == instead, flag

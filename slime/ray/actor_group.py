@@ -1,14 +1,8 @@
 """RayTrainGroup: N trainer actors driven SPMD.
 
-Every call reaches every rank (the trainer's methods are collectives), and
-every wait has a timeout; a rank that fails or does not answer is named in
-the error (`TrainerRankError`: which rank, in which call, whether its process
-died). With a `recover` hook (`--use-fault-tolerance`: the driver restarts the
-trainer from its last checkpoint and replays what it trained since, see
-slime/ray/train_loop.py) a failed call is recovered and run again, so every
-holder of the group (the driver, the colocated phases) goes on with the same
-object.
-"""
+Every call reaches every rank and every wait has a timeout; a rank that fails or does not answer is named
+(`TrainerRankError`: rank, call, whether its process died). With a `recover` hook (`--use-fault-tolerance`) a
+failed call is recovered and run again, so every holder of the group goes on with the same object."""
 
 from __future__ import annotations
 

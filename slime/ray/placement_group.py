@@ -1,21 +1,11 @@
 """Placement groups shaped by the hardware, and where their bundles landed.
 
-One placement group holds ``actor_num_nodes × actor_num_gpus_per_node``
-trainer bundles, plus ``rollout_num_gpus`` rollout bundles when the run is
-not colocated. Bundles ask for a GPU only where Ray sees GPUs: a GPU bundle
-on a CPU-only machine would wait forever without an error. Colocated runs
-give the rollout the trainer's bundles: one bundle per GPU, shared by a
-trainer rank (TRAINER_GPU_SHARE) and an engine TP rank (the engine's host
-actor takes ENGINE_GPU_SHARE of its first bundle); an engine with
-``--rollout-num-gpus-per-engine`` k spans k consecutive bundles (on CPU
-they simply share the cores).
-
-Once the group is ready, every bundle is located (node, IP, and on GPUs the
-GPU Ray gave it, from a tiny task in the bundle), the bundle lists are sorted
-by node and GPU (trainer ranks and engines of one node are neighbours), and
-the files each node needs are checked from that node. `engine_slots()` hands
-each engine its bundles for `EngineGroup`.
-"""
+One placement group holds the trainer bundles (`actor_num_nodes x actor_num_gpus_per_node`), plus
+`rollout_num_gpus` rollout bundles when not colocated. Bundles ask for a GPU only where Ray sees GPUs (a GPU
+bundle on a CPU-only machine would wait forever). Colocated runs share each bundle between a trainer rank and an
+engine TP rank (TRAINER_GPU_SHARE, ENGINE_GPU_SHARE). Once ready, every bundle is located (node, IP, GPU), the
+lists are sorted by node and GPU, and the files each node needs are checked from that node; `engine_slots()`
+hands each engine its bundles."""
 
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """When a part of the run fails: restart the trainer without the engines, and say what a failure lost.
 
-`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or runs out of memory makes every rank
-start again on its bundles (`RayTrainGroup.restart`), from the newest checkpoint's trainer state (or the
-weights it started the run with, before the first one), while the engines and the router stay up, their
-processes and what they hold untouched. The batches trained since that checkpoint are kept in Ray's object
-store (the driver owns them, so a trainer's death cannot take them; Ray spills them to disk under memory
-pressure) and trained again in order, each with the policy version it was first trained under; then the call
-that failed runs again. Nothing is generated again, and the ledger marks each group trained once (the driver
-marks a batch only after its training call returns). A checkpoint drops the kept batches. Each restart spends
-from the run's budget (slime/ray/restarts.py). Any other error a rank raises (a bug, a bad batch) would be
-raised again by a restarted trainer: it stops the run, naming the rank.
+`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or runs out of memory makes every rank start
+again from the newest checkpoint's trainer state while the engines and router stay up; the batches trained since
+(kept in Ray's object store, owned by the driver) are trained again in order, each under its first policy
+version, so nothing is generated again and the ledger marks each group trained once. Other errors a rank raises
+stop the run, naming the rank.
 
 `RunRecord` + `explain`: what the driver knows at every moment (the step, the newest checkpoint, the ledger's
-counts after the last step and at that checkpoint, which Ray actor is which), so an error that ends the run
-names the part that died (a dead Ray actor by its role: the buffer actor, a trainer rank), what it held, and
-what `--load` restores. `RunStopped` carries that one line, the original error as its cause; `train_or_stop`
-(the entry points' one error path) writes it last in <run>/train.log and on stderr.
-"""
+counts, which Ray actor is which), so an error that ends the run names the part that died, what it held and what
+`--load` restores. `RunStopped` carries that line; `train_or_stop` writes it last in <run>/train.log."""
 
 from __future__ import annotations
 

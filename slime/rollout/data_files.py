@@ -1,15 +1,8 @@
-"""A dataset file's rows (`read_rows`), for the data source (slime/rollout/data_source.py) and the eval sets.
+"""A dataset file's rows (`read_rows`), for the data source and the eval sets.
 
-- `.jsonl` is read line by line with `json` (one object per non-blank line).
-  HF `datasets` is not used for it: its JSON loader rejects blank lines and
-  columns whose type changes between rows (an int label in one row, a string
-  in the next), fills missing keys with None, and its errors name no row.
-- `.json` holds a list of objects (or is JSON lines).
-- `.parquet` is read with HF `datasets` offline (cache in a temporary dir).
-
-Every row error (`DataError`) names the file, where the row is (`line N` of a JSON-lines file, 1-based; `row N`
-of a JSON array or parquet file, 1-based) and what is wrong.
-"""
+`.jsonl` is read line by line with `json` (HF `datasets` rejects blank lines and columns whose type changes
+between rows, and names no row); `.json` holds a list of objects (or JSON lines); `.parquet` is read with HF
+`datasets` offline. Every row error (`DataError`) names the file, the 1-based line or row, and what is wrong."""
 
 from __future__ import annotations
 

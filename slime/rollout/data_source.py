@@ -1,34 +1,14 @@
-"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets.
+"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets (files: data_files.py).
 
-Reading a file (`.jsonl`, `.json`, `.parquet`): slime/rollout/data_files.py.
+A prompt is a string or a list of chat messages; with `--apply-chat-template` it goes through the tokenizer's
+template (a string becomes one user message) and is tokenised without special tokens. `Sample.prompt` holds the
+text that was tokenised.
 
-A prompt is a string or a list of chat messages `{"role", "content"}`. With
-`--apply-chat-template` it goes through `tokenizer.apply_chat_template(...,
-tokenize=False, add_generation_prompt=True)` (a string becomes one user
-message) and the text is tokenised without special tokens (the template has
-them); a plain string prompt is tokenised with the tokenizer's defaults.
-`Sample.prompt` holds the text that was tokenised.
-
-Rows the engine would refuse are dropped at load, each logged with its file,
-line and reason, counted in `dropped_rows` (reason -> count) and listed in
-`dropped` (row -> `category: detail`, which the buffer's ledger records so the
-audit accounts for every row): `empty_prompt` (an empty or whitespace-only
-prompt, whatever a chat template would wrap around it; or no tokens),
-`over_max_prompt_len` (longer than
-`--rollout-max-prompt-len`), `over_context_length` (prompt + response budget
-over the model's positions, `max_position_embeddings` or
-`--sglang-context-length`). The data order and the saved position count file
-rows, dropped ones included, so dropping a row (or adding
-`--rollout-max-prompt-len` on resume) never shifts what the next step draws.
-Every row error names the file, where the row is (`line N` of a JSON-lines
-file, 1-based; `row N` of a JSON array or parquet file, 1-based) and the key.
-
-Ids: training groups get `group_index` 0, 1, 2, ... and samples `index` 0,
-1, 2, ... (run-wide counters saved in `state_dict`). Eval groups
-(`load_eval_groups`) get negative ids (group -1, -2, ...; sample -1, -2, ...)
-so they can never collide with training ids; they are unique within one eval
-set and carry `metadata["eval_name"]`.
-"""
+Rows the engine would refuse are dropped at load with file, line and reason (`empty_prompt`,
+`over_max_prompt_len`, `over_context_length`), counted in `dropped_rows` and listed in `dropped` for the ledger.
+The data order and the saved position count file rows, dropped ones included, so dropping a row never shifts
+what the next step draws. Training groups and samples get run-wide ids 0, 1, 2, ... (saved in `state_dict`);
+eval groups get negative ids and carry `metadata["eval_name"]`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Upstream slime's `GenerateState` (`from slime.rollout.sglang_rollout import GenerateState`), for plugins.
 
-Upstream's custom generate functions (search-r1, retool, tau-bench, ...) call `GenerateState(args)` on every
-sample and read `.tokenizer` (the `--hf-checkpoint` tokenizer), `.processor` (None: text models),
-`.semaphore` (at most `--sglang-server-concurrency` x engines generations at once) and `.sampling_params`
-(the rollout's sampling flags, `max_new_tokens` = `--rollout-max-response-len`). As upstream, it is one object
-per process (`SingletonMeta`), made by the first call; a call with another `--hf-checkpoint` makes a new one.
-Its `.semaphore` is the running event loop's own (the rollout runs each step on its loop). `.aborted` is
-upstream's flag: true once the step the calling generate runs for has its batch (or failed, or was halted) and
-aborts the engines, so a multi-turn generate can stop between turns and return the sample ABORTED (parked
-with its tokens under --partial-rollout, resumed in a later step); false outside a step (evaluations). The
-step itself aborts and drains the engines (slime/rollout/step.py), so a plugin never has to; `reset()`
-and `dp_rank_context()` keep upstream's names.
-"""
+One object per process (`SingletonMeta`; another `--hf-checkpoint` makes a new one) with upstream's fields:
+`.tokenizer`, `.processor` (None), `.semaphore` (`--sglang-server-concurrency` x engines, the running loop's
+own) and `.sampling_params`. `.aborted` is true once the step the calling generate runs for aborts the engines,
+so a multi-turn generate can return the sample ABORTED between turns (resumed later); false outside a step. The
+step itself aborts and drains the engines; `reset()` and `dp_rank_context()` keep upstream's names."""
 
 from __future__ import annotations
 

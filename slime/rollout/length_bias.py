@@ -1,25 +1,11 @@
 """Length bias: does what reaches training have the lengths a synchronous run would have trained?
 
-APRIL (and stream mode) hand the trainer whatever finishes first, and the staleness cap's `restart` policy throws
-away and regenerates exactly the long samples that were parked longest: long responses can reach training less
-often than a synchronous run on the same prompts would train them. Per step, three distributions of response
-length (tokens), each as mean, p50 and p90 (`length/{trained,generated,sync}_{mean,p50,p90}`):
-
-- trained: the samples of the groups handed to the trainer;
-- generated: every sample whose response the engines finished in the step, whatever became of its group
-  (trained, held for the next step, rejected by the filter); step-based modes only (train.py, one-step-off);
-- sync: what a synchronous run would have trained on the same prompts (the trained groups' and those the cap
-  dropped as stale), estimated from the samples' first attempts: a sample never restarted observed its full
-  length; a sample the cap restarted was cut at the length it had then (`metadata["first_attempt_cut_at"]`,
-  written by slime/rollout/staleness.py), a right-censored observation: its first response would have been at
-  least that long. The Kaplan-Meier estimate over them (`kaplan_meier`, also the simulator's: the mass left
-  beyond the last finished length goes to the cap) is the synchronous distribution without running one.
-
-`length/longest_decile_share`: of the longest decile of that synchronous distribution (lengths >= its p90), the
-share that reaches training: P_trained(length >= p90_sync) / P_sync(length >= p90_sync); 1 when long samples train
-as often as a synchronous run would train them, below 1 when the rollout loses them. docs/metrics.md says how to
-read them; the quick start's summary and plots show them.
-"""
+APRIL and stream mode hand the trainer whatever finishes first, and `--staleness-policy restart` regenerates the
+long samples parked longest. Per step, response lengths (mean, p50, p90) of what was trained, of what the engines
+finished (step-based modes only), and of what a synchronous run would have trained on the same prompts: the
+Kaplan-Meier estimate over the samples' first attempts, a sample the cap restarted being right-censored at the
+length it had then (`metadata["first_attempt_cut_at"]`). `length/longest_decile_share`: the share of that
+synchronous run's longest decile that reaches training. docs/metrics.md says how to read them."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The embedded `subtract_chain` task: data generation, reward and a noisy teacher.
 
-A prompt names a number n (two digits, zero padded) and a step s (one digit):
-``"47-5="``. The answer is the chain n-s, n-2s, ... down to n mod s, each
-number as two digits, separated by ``,``: ``"42,37,32,27,22,17,12,07,02"``,
-after which the model emits EOS. Every token follows a local rule, so a tiny
-model learns it; the number of steps q = n // s has a long tail that the
-generator controls (``cap``, ``alpha``), which is what makes partial rollout
-matter.
-
-Length distribution (defaults alpha=1, cap=64): q = min(cap, ceil(X)) with
-X ~ Pareto(x_m=1, alpha); the response is 3q tokens (two digits plus a
-separator or EOS per number): mean ~17, median 6-9, p90 ~30, p99 = 3 * cap.
-"""
+A prompt `"47-5="` asks for the chain n-s, n-2s, ... down to n mod s, two digits each:
+`"42,37,32,27,22,17,12,07,02"`, then EOS. Every token follows a local rule, so a tiny model learns it; the
+number of steps q = min(cap, ceil(X)), X ~ Pareto(1, alpha), has the long tail that makes partial rollout
+matter (response 3q tokens: mean ~17, p99 = 3 * cap at the defaults alpha=1, cap=64)."""
 
 from __future__ import annotations
 

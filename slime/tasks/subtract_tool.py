@@ -1,20 +1,13 @@
 """The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call.
 
-The prompt is subtract_chain's (``"47-5="``) and so is the answer (``42,37,32,...``). Each number of the
-chain may be written directly, or asked of the calculator: the model writes ``[37-5]`` (the call; the
-engine stops at ``]``), the calculator's answer ``32`` is appended as observation tokens (loss mask 0), and
-the model goes on (``,`` then the next number or call, or EOS after the last). A full trajectory reads
+Each number of the chain may be written directly or asked of the calculator (`[37-5]`: the engine stops at `]`
+and `32` is appended as observation tokens):
 
     [47-5]42,37,[37-5]32,27<eos>        -> chain 42,37,32,27 (calls removed)
 
-The reward is subtract_chain's exact match on the chain with the calls removed; a call the calculator
-cannot read, or one that would go below zero, answers ``??``, which makes the chain wrong.
-
-Why the tool helps: the warm start imitates a teacher that calls the calculator on `p_call` of the steps
-and otherwise writes a number that is wrong with probability `p_err` (off by 1 or 2, continuing from its
-own value), so the warm-started model is right on a step it computes itself only ~1 - p_err of the time
-but always when it calls. RL on the exact-match reward then raises the call rate, and accuracy with it.
-"""
+The reward is subtract_chain's exact match on the chain; a call the calculator cannot read answers `??`. The
+warm start imitates a teacher that calls the calculator on `p_call` of the steps and is otherwise wrong with
+probability `p_err`, so RL on the exact-match reward raises the call rate, and accuracy with it."""
 
 from __future__ import annotations
 

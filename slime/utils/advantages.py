@@ -1,26 +1,11 @@
-"""Advantage estimators (GRPO, GSPO, REINFORCE++, REINFORCE++-baseline) and
-masked batch whitening.
+"""Advantage estimators (GRPO, GSPO, REINFORCE++, REINFORCE++-baseline) and masked batch whitening.
 
-All functions are pure: tensors in, new tensors out. A batch is described as
-a list of per-sample 1-D tensors (one entry per response token), so samples
-of different lengths need no padding. Rewards are ordered group-contiguously:
-samples ``[g * group_size, (g + 1) * group_size)`` belong to prompt group
-``g`` (the order the rollout hands groups to the trainer).
-
-Conventions (documented because trainer and tests rely on them):
-- Returned per-token advantages are zero at masked-out positions.
-- GRPO's std is the unbiased group std (as ``torch.std``); a group of one
-  sample, or a group whose rewards are all equal, gets advantage exactly 0
-  for any reward value and group size (a float32 mean of equal values can
-  differ from them in the last bit, e.g. ``[0.3] * 8``, and dividing that
-  residue by ``std + 1e-6`` would turn it into a spurious advantage; upstream
-  slime has that residue, we zero such groups explicitly). Every other group
-  is computed as upstream does.
-- REINFORCE++ folds ``-kl_coef * kl_t`` into every (masked-in) token's reward,
-  adds the scalar reward at the last masked-in token and takes the discounted
-  return backwards over positions; then whitens over all masked tokens of the
-  batch.
-"""
+Pure functions over a batch given as per-sample 1-D tensors (no padding), rewards ordered group-contiguously.
+Per-token advantages are zero at masked-out positions. GRPO's std is the unbiased group std; a group of one
+sample, or whose rewards are all equal, gets advantage exactly 0 (a float32 mean of equal values can differ from
+them in the last bit, which `/ (std + 1e-6)` would blow up; upstream has that residue). REINFORCE++ folds
+`-kl_coef * kl_t` into each token's reward, adds the reward at the last token, takes the discounted return and
+whitens over the batch's masked tokens."""
 
 from __future__ import annotations
 

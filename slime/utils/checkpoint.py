@@ -1,24 +1,14 @@
 """Checkpoint directories, written atomically.
 
-Layout under `--save DIR`:
-    DIR/iter_0000012/            one complete checkpoint (trainer/, buffer/, driver_state.json)
-    DIR/latest_checkpointed_iteration.txt   the newest complete one
-A checkpoint is assembled in `DIR/iter_0000012.tmp-<pid>` and renamed into
-place only when every part is written; the pointer file is replaced after
-that. A crash mid-save therefore leaves the previous checkpoint usable; the
-tmp dirs a killed run leaves behind are removed at the next start
-(`prepare_save_dir`, which also checks that `--save` is writable and has room
-for a checkpoint). A failed save (disk full, read-only) removes its tmp dir
-and raises `CheckpointSaveError` naming the path, the part and the cause.
+Layout under `--save DIR`: `DIR/iter_0000012/` (trainer/, buffer/, driver_state.json) and
+`DIR/latest_checkpointed_iteration.txt`, the newest complete one. A checkpoint is assembled in a tmp dir and
+renamed into place when every part is written, the pointer replaced after that, so a crash mid-save leaves the
+previous checkpoint usable; a failed save raises `CheckpointSaveError` naming the path, the part and the cause.
 
-On `--load`, `resolve_checkpoint` checks the chosen checkpoint's files before
-anything loads them (JSON parses, safetensors headers match the file sizes,
-torch files are intact archives whose pickles name no code); a corrupt or
-planted one is named, with the previous intact checkpoint offered
-(`--ckpt-step N`). `check_data_contract` refuses a
-resume whose flags would change what the saved data position and parked
-groups mean.
-"""
+On `--load`, `resolve_checkpoint` checks the files before anything loads them (JSON parses, safetensors headers
+match the sizes, torch pickles name no code); a corrupt or planted one is named, the previous intact one offered
+(`--ckpt-step N`). `check_data_contract` refuses a resume whose flags would change what the saved data position
+and parked groups mean."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """The ledger: exactly one state per prompt group, every transition validated.
 
-Every prompt group (keyed by `Sample.group_index`) moves through
-
     (new) ──issue──▶ issued ──▶ parked ──issue──▶ issued ...
                         │          └──▶ dropped(reason)
                         ├──▶ finished ──▶ trained   (final)
                         │        └──────▶ dropped(reason)
                         └──▶ dropped(reason)        (final)
 
-Data rows dropped when the data is loaded (empty, over the length limits) never
-become groups: the ledger records them apart, row -> reason (`drop_rows`), so an
-audit accounts for every row of the data as well as every group.
-
-These are data-model concepts (next to `Sample`): the rollout marks groups,
-the buffer (`slime/rollout/buffer.py`) holds the ledger and persists it.
-"""
+Data rows dropped at load never become groups: they are recorded apart, row -> reason (`drop_rows`), so an audit
+accounts for every row as well as every group. The buffer (`slime/rollout/buffer.py`) holds and persists it."""
 
 from __future__ import annotations
 

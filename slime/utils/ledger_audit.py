@@ -1,17 +1,8 @@
 """The ledger audit of a saved run: nothing lost, nothing held twice, nothing left in flight.
 
-A checkpoint (`--save`) holds the buffer (parked and ready groups, and the ledger) and the data source's
-position (how many prompt groups it has issued). The audit checks, on the files alone:
-
-- every group the data source issued (ids 0 .. group_counter - 1) has exactly one ledger state, and the
-  ledger knows no other id;
-- none is still `issued` (between steps, a group is parked, finished, trained or dropped with a reason);
-- the groups the buffer holds are exactly the ledger's parked and finished ones, none held twice
-  (`Ledger.check_balanced`).
-
-`python tools/audit_ledger.py SAVE_DIR` runs it on the newest checkpoint (tests/test_faults.py audits a
-resumed run the same way, with its rollouts too).
-"""
+On a checkpoint's files alone: every group the data source issued has exactly one ledger state and the ledger
+knows no other id; none is still `issued`; the groups the buffer holds are exactly the ledger's parked and
+finished ones (`Ledger.check_balanced`). `python tools/audit_ledger.py SAVE_DIR` runs it."""
 
 from __future__ import annotations
 

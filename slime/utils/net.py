@@ -1,20 +1,10 @@
 """Listening sockets for the run's rendezvous stores and process groups, on loopback unless told otherwise.
 
-torch's `TCPStore(host, port, is_master=True)` binds its server to every
-interface whatever `host` says, and gloo binds where the machine's hostname
-resolves. Both are unauthenticated. So the store's listening socket is
-created here, bound to `--listen-host` (127.0.0.1 by default), and handed to
-the store (`TCPStore(master_listen_fd=...)`); gloo devices are bound to the
-same host.
-
-`--listen-host` is resolved in each process, on its own node
-(`resolve_listen_host`): `auto` (the default) is loopback while the Ray
-cluster is one machine (every alive node has the same IP: a local node, or
-`ray.cluster_utils.Cluster`), and this node's IP as Ray knows it once the
-cluster spans machines; an interface name (`eth0`) is that interface's
-address on every node; an address is used as given. Peers connect to
-`advertised_address(...)` of the result.
-"""
+torch's `TCPStore(is_master=True)` binds every interface whatever `host` says, and gloo binds where the hostname
+resolves; neither authenticates. So the store's socket is created here, bound to `--listen-host`, and handed to
+the store (`master_listen_fd`); gloo devices are bound to the same host. `resolve_listen_host` resolves the flag
+on each node: `auto` is loopback while the Ray cluster is one machine, else this node's IP as Ray knows it; an
+interface name is that interface's address; an address is used as given."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Make the local Ray node's processes die with the driver, even a SIGKILLed one.
 
-When the driver that started a local Ray node is killed, its raylet and GCS go
-within seconds, but Ray's dashboard and runtime-env agents notice, then wait
-~60 s on a report to the (dead) GCS before exiting. `start_reaper()` (called
-by `init_ray` right after `ray.init`) snapshots the Ray processes under the
-driver and starts this module as a tiny watcher process tied to the driver
-(PR_SET_PDEATHSIG): when the driver dies it SIGKILLs exactly those processes
-(each checked by pid and start time, so a reused pid is never touched).
-
-    python slime/utils/ray_reaper.py DRIVER_PID PID:START_TIME ...
-
-(run by file path: it imports nothing from slime, so it works whichever copy of
-the package the driver was started from.)
-"""
+A killed driver's raylet and GCS go within seconds, but Ray's dashboard and runtime-env agents wait ~60 s on the
+dead GCS. `start_reaper()` (called by `init_ray`) snapshots the Ray processes under the driver and starts this
+module as a watcher tied to the driver (PR_SET_PDEATHSIG) that SIGKILLs exactly those processes (by pid and start
+time) when the driver dies. Run by file path (`python slime/utils/ray_reaper.py DRIVER_PID PID:START_TIME ...`):
+it imports nothing from slime."""
 
 from __future__ import annotations
 

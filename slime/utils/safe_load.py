@@ -1,16 +1,9 @@
 """Reading checkpoint files without running code, with errors that name the file.
 
-`torch.load(weights_only=False)` unpickles arbitrary objects, so a planted
-`optimizer.pt` runs code on `--load`. Every torch file we read goes through
-`safe_torch_load`: `weights_only=True` (tensors, containers, numbers, strings)
-plus an explicit allow-list of extra globals; anything else is refused with
-the globals it asked for. torch.distributed.checkpoint (Megatron's
-dist-checkpoints) reads its `.metadata` with plain `pickle.load`:
-`check_dist_checkpoint` reads it first with an unpickler that accepts only
-the checkpoint's own metadata classes. Corrupt or truncated files (torch, safetensors,
-JSON) raise `CheckpointFileError` naming the file and the cause. The Megatron
-trainer's own files (dist_checkpointing's common state) use the same helper.
-"""
+`torch.load(weights_only=False)` would let a planted `optimizer.pt` run code on `--load`, so every torch file
+goes through `safe_torch_load` (`weights_only=True` plus an explicit allow-list). torch.distributed.checkpoint
+reads its `.metadata` with plain `pickle.load`: `check_dist_checkpoint` reads it first with an unpickler that
+accepts only its own metadata classes. Corrupt or truncated files raise `CheckpointFileError` naming the file."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""The SGLang versions we build against: the one place they are written (utils: the trainer, the client and the
-embedded engine all read it).
+"""The SGLang versions we build against, written once (standard library only: setup.py reads it before anything
+is installed).
 
-Read by the code (the engine version check at start-up, the embedded engine's reported version), setup.py's
-`sglang` extra, the Dockerfiles' build check, and the contract tests' install (`tools/sglang_contract_env.py`),
-which run SGLang's own code at every version in `CONTRACT_VERSIONS`. No imports beyond the standard library:
-setup.py reads this file before anything is installed.
-
-Supported: SGLANG_OLDEST (upstream slime's pin) up to SGLANG_PINNED (our Docker image's), both ends tested.
-Between them the HTTP API moved: `/begin_weight_update` ... `/end_weight_update` sessions exist since 0.5.21
-(older servers answer 404: no session is needed there), `/get_load` and `/get_weight_version` are gone since
-0.5.21 (`/v1/loads` exists in the whole range). A version outside the range is refused at start-up.
-"""
+Read by the engine version check at start-up, the embedded engine's reported version, setup.py's `sglang`
+extra, the Dockerfiles and the contract tests (`CONTRACT_VERSIONS`). Supported: SGLANG_OLDEST (upstream slime's
+pin) to SGLANG_PINNED (our image's), both tested; between them the API moved (weight-update sessions since
+0.5.21: older servers answer 404). A version outside the range is refused at start-up."""
 
 from __future__ import annotations
 

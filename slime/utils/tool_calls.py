@@ -1,24 +1,10 @@
 """Tool calls in a model's text, and the environment that answers them (a plain description, no process).
 
-The format (docs/multi-turn.md has examples): a model turn that ends with a tool call ends with
-
-    <call_open> BODY <call_close>
-
-and nothing after it. The built-in multi-turn generate stops the engine at `call_close`, reads the call,
-runs the tool (slime/utils/tool_runner.py: another process, time-limited, no network) and appends
-
-    <result_open> OUTPUT <result_close>
-
-as observation tokens (loss mask 0), then lets the model continue. A turn that ends any other way (EOS, a
-stop string) is the model's answer. BODY is either
-
-  * `plain`: the argument string of the environment's only tool (`[37-5]` in the tiny agentic task), or
-  * `json`: `{"name": "<tool>", "arguments": {...}}` (Qwen / Hermes style `<tool_call>` blocks).
-
-A call the model wrote badly (no opening marker, unknown tool, JSON that does not parse) is the model's
-mistake, not the tool's: the environment shows it `bad_call_output` as the observation and the trajectory
-goes on. A tool that raises, hangs, dies or returns something other than text fails the sample.
-"""
+A model turn that calls a tool ends with `<call_open> BODY <call_close>`; the tool's answer is appended as
+`<result_open> OUTPUT <result_close>` (observation tokens, loss mask 0). BODY is `plain` (the argument string of
+the environment's only tool) or `json` (`{"name": "<tool>", "arguments": {...}}`, Qwen / Hermes style). A call
+the model wrote badly gets `bad_call_output` and the trajectory goes on; a tool that fails fails the sample
+(docs/multi-turn.md)."""
 
 from __future__ import annotations
 

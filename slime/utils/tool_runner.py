@@ -2,20 +2,12 @@
 
     runner = ToolRunner(workers=2, timeout_s=10, max_output_chars=1024)
     future = runner.submit(call_id, spec, arguments)   # concurrent.futures.Future[ToolResult]
-    result = await asyncio.wrap_future(future)         # from any event loop, or future.result() from a thread
 
-Each worker (`python -m slime.utils.tool_worker`, slime/utils/tool_worker.py) is its own process in its own
-session, with no network, a scratch directory and a memory cap, so a tool that crashes, leaks or loops takes
-down only its worker. A call that outlives its time limit has its worker killed (the whole process group) and
-gets `timed out`; the next call starts a fresh worker. Results are kept by call id until `forget(call_id)`:
-`submit` with an id already known returns the same future, so a caller that was interrupted while its call
-ran (an APRIL abort) picks the result up later instead of running the tool again. A result never taken is
-dropped after `keep_results` newer calls.
-
-Every failure is a `ToolResult` with `ok=False` and an `error` that says what happened: `raised <type>:
-<message>`, `timed out after <s>s`, `returned <type>, not str`, `worker exited with code <n>`, `reply over
-<n> bytes`. The runner itself never raises for a tool's misbehaviour.
-"""
+Each worker (slime/utils/tool_worker.py) is its own isolated process, so a tool that crashes, leaks or loops
+takes down only its worker; one past its time limit is killed and the next call gets a fresh one. Results are
+kept by call id until `forget(call_id)`: submitting a known id returns the same future, so a caller interrupted
+by an APRIL abort picks the result up later instead of running the tool again. Every failure is a `ToolResult`
+with `ok=False` and an `error` that says what happened; the runner never raises for a tool's misbehaviour."""
 
 from __future__ import annotations
 

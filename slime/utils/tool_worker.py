@@ -2,17 +2,11 @@
 
     python -m slime.utils.tool_worker --max-output-chars N --memory-mb M
 
-Protocol: one JSON line per call on stdin, `{"function": "pkg.mod.fn", "arguments": ...}`; one JSON line per
-reply on the original stdout, `{"ok": true, "output": str, "truncated": bool, "seconds": float}` or
-`{"ok": false, "error": str, "seconds": float}`. Whatever a tool prints (Python or C) goes to stderr, never
-into the replies.
-
-Isolation, set up before any tool is imported: it dies with the process that started it, its own session (the
-runner kills the whole group), a scratch
-working directory, an environment without the trainer's variables (keys, proxies), an address-space limit, and
-no network: a new user + network namespace where the kernel allows one (only a loopback that is down), and
-always an audit hook that refuses socket connect / bind / send and name lookups.
-"""
+One JSON line per call on stdin (`{"function", "arguments"}`), one JSON reply line on the original stdout; what
+a tool prints goes to stderr. Before any tool is imported: it dies with its parent, runs in its own session and a
+scratch directory, without the trainer's environment variables, under an address-space limit, and without
+network (a new network namespace where the kernel allows one, and always an audit hook refusing sockets and
+name lookups)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """The one `Sample` that flows from a dataset row to the loss.
 
-Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`,
-`weight_versions`) always have exactly `response_length` entries, and
-`tokens` is the prompt followed by the response tokens. A response grows by
-`append_response` (ours) or `append_response_tokens` (upstream slime's, for
-plugins), which keep all of them in step.
-
-Upstream slime's plugin API is here with upstream's meaning: `Sample.Status`,
-`append_response_tokens`, `get_reward_value(args)`, `effective_response_length`,
-`remove_sample` and `rollout_id`; attributes a plugin sets on a sample
-(`sample.tool_call_count = 2`) travel with it, into the buffer and its
-checkpoints too (`to_dict()["extra"]`). Upstream's other fields read as
-upstream's defaults; those with no meaning here (multimodal inputs, top-p
-replay, ...: `UNSUPPORTED_FIELDS`, slime/utils/upstream_fields.py) are refused when a plugin returns a sample
-that sets them.
-"""
+Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`, `weight_versions`) always have
+exactly `response_length` entries, and `tokens` is the prompt followed by the response; a response grows by
+`append_response` (ours) or `append_response_tokens` (upstream's, for plugins), which keep them in step.
+Upstream's plugin API keeps upstream's meaning (docs/plugins.md); attributes a plugin sets travel with the
+sample (`to_dict()["extra"]`); fields with no meaning here (`UNSUPPORTED_FIELDS`) are refused when set."""
 
 from __future__ import annotations
 

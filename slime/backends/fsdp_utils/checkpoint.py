@@ -1,22 +1,9 @@
 """Trainer checkpoints and HF export.
 
-Layout of a checkpoint directory (written into the target dir the caller
-gives; the caller makes it atomic by writing into a tmp dir and renaming):
-
-    model.safetensors     full (unsharded) model state, HF parameter names
-    optimizer.pt          full optimizer state keyed by parameter name
-    rng_rank{r}.json      python / numpy / torch (/ cuda) RNG state of each trainer rank
-    trainer_meta.json     world size, format version
-
-Full state dicts keyed by parameter name do not depend on the sharding, so
-a checkpoint saved at one data-parallel world size loads at another (the RNG
-state of ranks that did not exist is left as seeded).
-
-Loading runs no code from the files: optimizer.pt is read with
-`weights_only=True` (`slime.utils.safe_load`), the RNG state is JSON
-(checkpoints written before it was, `rng_rank{r}.pt`, load with numpy's
-array types allow-listed), and a corrupt file is named in the error.
-"""
+A checkpoint directory (the caller makes it atomic): `model.safetensors` (full model state, HF names),
+`optimizer.pt` (keyed by parameter name), `rng_rank{r}.json`, `trainer_meta.json`. Full state dicts do not
+depend on the sharding, so a checkpoint loads at another data-parallel size. Loading runs no code from the files
+(`slime.utils.safe_load`; older `rng_rank{r}.pt` files load with numpy's types allow-listed)."""
 
 from __future__ import annotations
 

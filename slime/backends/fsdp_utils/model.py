@@ -1,22 +1,10 @@
-"""Process-group setup, model loading and FSDP2 sharding, and the teacher-forced
-forward of a micro-batch (padded or packed) shared by the old-policy,
-reference and training passes.
+"""Process-group setup, model loading and FSDP2 sharding, and the teacher-forced forward of a micro-batch (padded
+or packed) shared by the old-policy, reference and training passes.
 
-- Precision: the weights, gradients and AdamW state stay float32 (master
-  weights); with --bf16, FSDP2's mixed-precision policy gathers the parameters
-  as bf16 for forward and backward and reduces gradients in float32.
-- Attention: `--attn-implementation sdpa` loads the model with `slime_sdpa`, an
-  attention function registered with transformers: padded micro-batches run
-  torch SDPA (causal; right padding needs no mask), packed ones
-  `training_utils.varlen.packed_causal_attention` (varlen kernels on GPU, one
-  SDPA call per sample elsewhere). flash_attention_2 handles packed input
-  itself (cu_seq_lens); eager gets transformers' block-diagonal mask from the
-  restarting position ids.
-- Head: the output projection returns its input (the final hidden states)
-  during our forward, and `training_utils.logprob_head` computes the log-probs
-  and entropies chunk by chunk: the full [tokens, vocabulary] logits never
-  exist.
-"""
+Weights, gradients and AdamW state stay float32; with --bf16 FSDP2's mixed-precision policy gathers bf16
+parameters and reduces gradients in float32. `--attn-implementation sdpa` registers `slime_sdpa` with
+transformers (torch SDPA for padded micro-batches, `training_utils.varlen` for packed ones). The output
+projection returns the final hidden states and `training_utils.logprob_head` computes log-probs chunk by chunk."""
 
 from __future__ import annotations
 

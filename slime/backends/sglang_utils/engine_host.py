@@ -1,17 +1,10 @@
 """EngineHost: owns one rollout engine's server process on the node where it runs.
 
-In a run, each engine's host is a small Ray actor placed on the engine's
-placement-group bundle (`EngineSlot`), so the server starts on that bundle's
-node and sees that bundle's GPUs; tools and tests may also use a host in
-their own process. The host picks the ports on its node, launches the server
-(`sglang_engine.make_engine_process`), keeps its log there, answers what is
-wrong with the process (from /proc, no I/O), and kills or restarts it.
-`EngineGroup` drives the hosts and keeps the router on the driver.
-
-The server is launched from the host's own long-lived thread: its
-PR_SET_PDEATHSIG is tied to the launching thread, so the server dies with the
-host (a killed actor, a killed driver) and never with a short-lived caller.
-"""
+In a run each engine's host is a small Ray actor on the engine's placement-group bundle (`EngineSlot`), so the
+server starts on that node and sees that bundle's GPUs; tools and tests may use a host in their own process.
+The host picks the ports, launches the server, keeps its log, says what is wrong with the process (from /proc)
+and kills or restarts it. The server is launched from the host's own long-lived thread, to which its
+PR_SET_PDEATHSIG is tied, so it dies with the host and never with a short-lived caller."""
 
 from __future__ import annotations
 

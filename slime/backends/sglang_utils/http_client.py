@@ -1,16 +1,9 @@
-"""Small HTTP helpers for talking to SGLang-protocol engines and sglang-router.
+"""Small HTTP helpers for SGLang-protocol engines and sglang-router.
 
-Async helpers take an `aiohttp.ClientSession` the caller owns (one per event
-loop); sync helpers use `requests`. Every call has a timeout. A non-2xx reply
-raises `EngineHTTPError`, which carries the status, the body and the URL so the
-caller's error names the worker that failed; no reply (a timeout, a refused or
-reset connection) raises `EngineUnreachableError`, naming the URL and how long
-it waited. URLs in messages have their credentials redacted.
-
-A 2xx reply is returned parsed when it is JSON, as a string when the server says it
-is not (SGLang answers `/flush_cache`, `/freeze_gc` and the like in plain text),
-and None when empty.
-"""
+Async helpers take the caller's `aiohttp.ClientSession`; sync ones use `requests`; every call has a timeout. A
+non-2xx reply raises `EngineHTTPError` (status, body, URL); no reply raises `EngineUnreachableError` (URL, how
+long it waited); credentials in URLs are redacted. A 2xx reply comes back parsed when JSON, as text when the
+server says it is not (`/flush_cache`), None when empty."""
 
 from __future__ import annotations
 

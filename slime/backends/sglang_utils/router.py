@@ -1,18 +1,8 @@
-"""sglang-router (0.3.2): start it on loopback (or attach to an existing one),
-register workers, and read the worker list back.
+"""sglang-router (0.3.2): start it on loopback (or attach to an existing one), register workers, read them back.
 
-Facts this relies on (pinned by tests/test_router*.py): `POST /workers
-{"url"}` answers 202 and registers asynchronously; `GET /workers` lists
-`{"url", "is_healthy", ...}` once the worker passed the router's probes; a
-worker that cannot be reached is simply never listed.
-
-The router is launched with its circuit breaker off: 0.3.2 opens a worker's
-circuit after 10 consecutive failed requests (client errors included) and then
-answers every request, valid ones too, 503 `no_available_workers` for 60 s
-while `GET /workers` still says healthy; one batch of bad requests would stall
-a training run. Our workers' health is checked by their health probes and by
-EngineGroup, not by counting 400s.
-"""
+Pinned by tests/test_router*.py: `POST /workers {"url"}` answers 202 and registers asynchronously; `GET /workers`
+lists a worker once it passed the router's probes. The circuit breaker is off: 0.3.2 would answer every request
+503 for 60 s after 10 failed ones (client errors included); worker health is EngineGroup's to check."""
 
 from __future__ import annotations
 

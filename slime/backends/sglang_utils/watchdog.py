@@ -1,23 +1,11 @@
 """Engine watchdog: no rollout waits on a dead or frozen engine.
 
-While a rollout (or eval) step runs, `EngineWatchdog` checks every engine the
-group launched:
-- every `PROCESS_CHECK_S` its process (free, local): exited, or stopped
-  (SIGSTOP / a debugger) or a zombie;
-- every `--rollout-health-check-interval` s (after `--rollout-health-check-first-wait`)
-  `GET /health_generate`, which SGLang (and our embedded engine) answer only
-  when their scheduler makes progress, within `--rollout-health-check-timeout` s.
-A failing engine is reported once through `on_fault(EngineFault)`; the
-rollout then stops its step the way it stops at the target (abort, drain, park)
-and raises `EngineFaultError` naming the engine, what is wrong with it and what
-the step was doing, so the run fails with a clear error or (with
-`--use-fault-tolerance`) restarts the engine (`EngineGroup.restart_engine`).
-Engines not launched by this group (an external router's other workers) are
-probed over HTTP only. The router the group started is watched like an engine
-(its process; `EngineFault.router`): every generation request goes through it,
-so a request that fails asks first whether the router or an engine died
-(`explain_failure`), and the step names that instead of the refused connection.
-"""
+While a step runs, `EngineWatchdog` checks every engine the group launched: its process every
+`PROCESS_CHECK_S` (exited, stopped or a zombie), and `GET /health_generate` every
+`--rollout-health-check-interval` s, which SGLang (and the embedded engine) answer only while their scheduler
+makes progress. A failing engine is reported once through `on_fault(EngineFault)`; the step stops as at its
+target (abort, drain, park) and raises `EngineFaultError` naming it. The router the group started is watched
+the same way, and a failed request first asks whether the router or an engine died (`explain_failure`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Multi-turn tool-use rollouts that survive abort and resume (APRIL for agents).
+"""Multi-turn tool-use rollouts that survive abort and resume (APRIL for agents; docs/multi-turn.md).
 
-`generate` is the built-in `--custom-generate-function-path slime.rollout.multi_turn.generate`, with upstream
-slime's signature `async def generate(args, sample, sampling_params) -> Sample`. It runs the sample's
-trajectory with the `ToolAgent` of the rollout in progress (agent.py), which the rollout provides with
-`agent_scope(...)` for the duration of a step: the agent (environment, tokenizer, tool runner, budgets) lives
-as long as the rollout manager, so a tool call left pending by an abort is picked up, not re-run, next step.
-
-Modules: trajectory.py (the record on the Sample), agent.py (the turn loop), model_turn.py (one /generate
-request per turn), metrics.py (per-turn metrics of a step's samples).
-"""
+`generate` is the built-in `--custom-generate-function-path` (upstream's signature). It runs the sample's
+trajectory with the `ToolAgent` the rollout provides through `agent_scope(...)`; the agent lives across steps,
+so a tool call left pending by an abort is picked up, not re-run. Modules: trajectory.py (the record on the
+Sample), agent.py (the turn loop), model_turn.py (one request per turn), metrics.py."""
 
 from __future__ import annotations
 

@@ -7,19 +7,9 @@
             ends with a call   -> send it to the tool runner (pending), then its observation (loss mask 0)
             ends otherwise     -> the answer: COMPLETED (or TRUNCATED at a length limit)
 
-Budgets: the whole response (model and observation tokens) within `sampling_params["max_new_tokens"]` (the
-sample's whole response budget, as upstream slime passes it to any custom generate: a resumed sample has used
-`response_length` of it), each model turn within
-`max_tokens_per_turn`, at most `max_turns` model turns. An observation that does not fit is cut and the
-sample TRUNCATED. A tool that raises, hangs past its limit, dies or returns garbage FAILS the sample
-(`metadata["failure"] = "tool: <name>: <what happened>"`, which the ledger shows as the group's drop reason
-when no member is left to train); a call the model wrote badly gets the environment's error text instead.
-
-Resumption: everything needed is on the sample (its tokens and slime/rollout/multi_turn/trajectory.py's
-record). A call pending at an abort keeps running in the tool runner; the resumed trajectory takes its result
-by call id. If the runner no longer knows the call (the run was killed and restarted with --load), it is run
-again only when its ToolSpec says `safe_to_rerun`; otherwise the sample fails, the tool never runs twice.
-"""
+Budgets and what a failing tool does: docs/multi-turn.md. Everything a resumed trajectory needs is on the sample
+(its tokens and trajectory.py's record); a call lost with a killed run is run again only when its ToolSpec says
+`safe_to_rerun`, otherwise the sample fails."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """One model turn: what the agent asks of the rollout's engines, and what comes back.
 
-A `ModelTurn` is `async (sample, sampling_params) -> Segment`: one `POST /generate` with the sample's token ids
-so far (a resumed turn continues from its last token, never re-tokenised text) and the turn's sampling params;
-it appends nothing (the agent does). The rollout provides it: `SampleRequester.turn`, the same request path
-as a single-turn sample's (request id, version checks, counters), or through train_async.py's version gate
-`GatedRequester`'s turn (slime/rollout/sampling_request.py, slime/rollout/version_gate.py). A request the
-engine refuses (HTTP 4xx) raises `TurnRefused`; the agent fails the sample `engine_refused: <message>`. A turn
-the rollout stopped before sending it (the step ended, or the gate sent the sample back to have the staleness
-cap applied) comes back as an empty `abort` segment: the agent parks the sample as it is.
-"""
+A `ModelTurn` is `async (sample, sampling_params) -> Segment`: one `POST /generate` from the sample's token ids
+so far, through the rollout's own request path (`SampleRequester.turn`, or the version gate's). It appends
+nothing (the agent does). An engine's 4xx raises `TurnRefused` (the agent fails the sample); a turn the rollout
+stopped before sending comes back as an empty `abort` segment (the agent parks the sample as it is)."""
 
 from __future__ import annotations
 

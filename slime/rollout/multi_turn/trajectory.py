@@ -6,16 +6,10 @@
      "calls": [{"id": "9f..", "name": "calculator", "arguments": "37-5", "state": "done",
                 "seconds": 0.004, "error": None, "truncated": False, "reran": False}]}
 
-`turns` cover the response tokens in order (start/end index `sample.response_tokens`): model turns (loss mask
-1, the engine's log-probs and versions) and tool turns (the observation: loss mask 0, no behaviour
-log-prob). A model turn whose `end_reason` is None is still open (its request was aborted); it continues on
-resume. A call's `state`: `pending` (sent to the tool runner, no observation yet: after an abort the call is
-picked up again, never sent twice), `done`, `bad_call` (the model wrote it badly: the environment's error text
-is the observation), `failed` (the tool raised, hung, died or returned garbage: the sample FAILED).
-
-It travels with the sample (the buffer parks it, checkpoints save it), so a resumed sample, also after
-kill -9 and `--load`, knows where it stopped.
-"""
+`turns` cover the response tokens in order: model turns (loss mask 1) and tool turns (observations, loss mask
+0); a model turn without `end_reason` is still open. A call is `pending` (sent, no observation yet: picked up
+again after an abort, never sent twice), `done`, `bad_call` or `failed`. The record travels with the sample
+(buffer, checkpoints), so a resumed sample knows where it stopped."""
 
 from __future__ import annotations
 

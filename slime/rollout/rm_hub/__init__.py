@@ -1,23 +1,11 @@
 """Rewards: `async_rm` (one sample), `batched_async_rm` (a group), `reward_group` (never raises).
 
-Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's
-`metadata["rm_type"]` if set, else `--rm-type`:
-  deepscaler       boxed answer after `</think>`, 1/0
-  dapo             DAPO's `Answer:` line, +1/-1
-  math             math-verify symbolic equivalence, 1/0
-  remote_rm        POST to `--rm-url`
-  subtract_chain   the embedded task's checker (`slime.tasks.subtract_chain.compute_reward`)
-  boxed_<type>     first extract the last `\\boxed{...}` of the response, then score that answer
-                   with <type> (the answer alone: no `</think>` / `Answer:` format required)
-Every reward is bounded by `--reward-timeout` seconds (<= 0 means no limit); deepscaler and dapo
-are bounded by construction and computed inline (no task or timer per call).
-A `--custom-rm-path` plugin runs off the rollout's event loop (a sync one in a
-daemon thread, an async one on its own event loop in a daemon thread), so one
-that blocks (even inside `async def`) cannot freeze generation and its timeout
-always fires; a plugin that raises `CancelledError` fails its sample like any
-other error. A reward may be a number, or with `--reward-key K` a dict whose
-field K is the number (the whole dict is kept as `sample.reward`).
-"""
+Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's `metadata["rm_type"]`, else
+`--rm-type`: deepscaler (boxed answer after `</think>`, 1/0), dapo (`Answer:` line, +1/-1), math (math-verify,
+1/0), remote_rm (POST to `--rm-url`), subtract_chain (the embedded task), boxed_<type> (the last `\\boxed{...}`
+scored by <type>). Every reward is bounded by `--reward-timeout`; a custom plugin runs off the rollout's event
+loop (in a daemon thread), so one that blocks cannot freeze generation. A reward may be a number, or with
+`--reward-key K` a dict whose field K is the number."""
 
 from __future__ import annotations
 

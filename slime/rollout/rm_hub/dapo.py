@@ -1,23 +1,11 @@
 """DAPO's math reward (as in DAPO / verl `math_dapo`): +1 for a right `Answer:` line, -1 otherwise.
 
-Conventions kept from DAPO: only the last 300 characters of the response are looked at (after
-the EOS texts it ends with, `<|im_end|>`, `<|endoftext|>`...: the rollout decodes with
-`skip_special_tokens: false`); the prediction is the text after the last `Answer:` (case
-insensitive) up to the end of that line; prediction and gold go through the Minerva-style
-`normalize_final_answer` and must then be equal as strings (no symbolic or numeric equivalence:
-DAPO's labels are integers); a missing `Answer:` line scores -1.
-
-Deliberate differences from upstream slime (`math_dapo_utils`), all on unambiguous decorations:
-- an integer-valued number is its integer on BOTH sides (upstream casts only the label, and
-  raises on a non-numeric one): label `42.0` or `42` and `Answer: 42.0` or `Answer: 42` all match;
-  a non-numeric label is compared as a normalised string;
-- commas are dropped only as thousands separators (`1,234`) and after a number (`42,`); upstream drops any, so
-  `34, 35` is 3435;
-- also dropped: markdown bold (`**Answer:** 42`, `**Answer**: 42`), a trailing sentence period
-  (`Answer: 42.`), braces or parentheses around a number (`{42}`, `\\left(42\\right)`), a leading `+`,
-  `\\%`, thin spaces `1\\,234`, `\\displaystyle`, `\\(...\\)`, `\\mathbf{}`; `$$42$$` is `42`; `\\dfrac`/`\\tfrac`
-  read as `\\frac`; a Unicode minus is `-`; `days`, `years`, `seconds`, `weeks`, `months` join DAPO's unit words.
-"""
+As DAPO: only the last 300 characters are read; the prediction is the text after the last `Answer:` up to the
+end of its line; both sides go through Minerva-style `normalize_final_answer` and must be equal strings. Unlike
+upstream's `math_dapo_utils`, all on unambiguous decorations: an integer-valued number is its integer on both
+sides (`42.0` = `42`); commas are dropped only as thousands separators or after a number (upstream reads
+`34, 35` as 3435); markdown bold, a trailing period, braces around a number, `\\%`, thin spaces and a few
+more LaTeX wrappers are dropped."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
-"""Values of answers read by `math_expr`, and the equivalence verdict the rule rewards use.
+"""Values of answers read by `math_expr`, and the equivalence verdict the rule rewards use (`same_value`).
 
-Values are exact `Fraction`s while the arithmetic stays rational (integers, decimals, fractions,
-integer powers, roots of perfect powers), otherwise `complex` floats (pi, irrational roots, trig,
-logs; principal branches). An answer with letters is a function of them: both sides are evaluated
-at `N_POINTS` fixed rational points (exact for polynomials and rational functions) and must agree
-at each point that both can be evaluated at (at least two).
-
-Bounded by construction: exact powers stay exact only up to `MAX_EXACT_BITS` bits, factorials up to
-`MAX_FACTORIAL`, float magnitudes up to `MAX_MAGNITUDE`; anything larger is not evaluated
-(undecided), never computed.
-
-Deciding (`same_value`):
-- exact vs exact: equal fractions;
-- exact vs inexact (e.g. `6.283185307` vs `2\\pi`): never equal when the exact side is written
-  with a decimal (a decimal approximation of an irrational value is a different number); else
-  equal within `REL_TOL` (e.g. `2` vs `\\sqrt{2}\\cdot\\sqrt{2}`);
-- inexact vs inexact (`1.5\\pi` vs `\\frac{3\\pi}{2}`): equal within `REL_TOL`.
-"""
+Values are exact `Fraction`s while the arithmetic stays rational, otherwise `complex` floats (principal
+branches); an answer with letters is evaluated at `N_POINTS` fixed rational points. Bounded by construction
+(`MAX_EXACT_BITS`, `MAX_FACTORIAL`, `MAX_MAGNITUDE`): anything larger is undecided, never computed. Exact
+values must be equal; an exact side written with a decimal never equals an inexact one (`6.283185307` is not
+`2\\pi`); otherwise values agree within `REL_TOL`."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """`--rm-type math`: 1.0 if the response's final answer equals a gold answer, else 0.0.
 
-Where the final answer is: only the text after the first `</think>` when there is one (the
-reasoning is not the answer; without `</think>` the whole response), EOS texts dropped; in it the
-last boxed answer, else the last explicit statement (`Answer: ...`, `the answer is ...`), else
-whatever HF math-verify extracts.
-
-Cheap before slow: for a boxed or stated answer `math_grader` decides first, on the event loop
-(normalised strings, then values; bounded): right when they match, wrong when both are plain
-arithmetic with different values (`math_grader.definitely_different`: numbers, letters, pi,
-+ - * / ^, roots; a decimal approximation of an irrational label included) or different words.
-Only undecided answers go to math-verify (parse + symbolic verify), which runs in a daemon
-thread under `--reward-timeout`: math-verify's own
-timeouts use `signal.alarm`, which works only in the main thread, so we switch them off
-(`parsing_timeout=None`, `timeout_seconds=None`) and bound the call ourselves (`run_in_daemon_thread`).
-
-Conventions:
-- a decimal approximation is right only when the label itself is written with a decimal: math-verify
-  accepts `6.283185307` for `2\\pi` and `0.333333` for `\\frac{1}{3}`; we do not (an exact decimal
-  such as `0.25` for `\\frac{1}{4}` stays right). There is no tolerance flag.
-- a label math-verify cannot parse (e.g. `\\$25` on its own) is scored by the normalised-string match
-  (`math_grader.answers_match`), never raised on; a missing (empty) label raises.
-"""
+The final answer is in the text after the first `</think>` (the whole response without one): the last boxed
+answer, else the last explicit statement (`Answer: ...`, `the answer is ...`), else what HF math-verify extracts.
+`math_grader` decides first, cheaply: right when the answers match, wrong when both are plain arithmetic with
+different values. Only undecided answers go to math-verify, in a daemon thread under `--reward-timeout` (its own
+timeouts use `signal.alarm`, main-thread only, so they are off). A decimal approximation is right only when the
+label itself is written with a decimal (math-verify accepts `6.283185307` for `2\\pi`; we do not); a label
+math-verify cannot parse is scored by the normalised-string match; an empty label raises."""
 
 from __future__ import annotations
 

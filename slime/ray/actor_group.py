@@ -78,11 +78,10 @@ def trainer_class(args):
 
 class RayTrainGroup:
     def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
-        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a
-        bare placement group (then bundles 0..N-1). `recover(error)`: called when
-        a rank dies or runs out of memory in a call (not init or shutdown); it
-        restarts the group (`restart`) and brings it back to where it was, then
-        the call runs again; it raises to give up."""
+        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare placement group (then bundles
+        0..N-1). `recover(error)`: called when a rank dies or runs out of memory in a call (not init or shutdown);
+        it restarts the group (`restart`) and brings it back to where it was, then the call runs again; it raises to
+        give up."""
         from slime.ray.placement_group import PlacementGroups
 
         self.args = args
@@ -154,9 +153,8 @@ class RayTrainGroup:
 
     # ---------------------------------------------------------- contract ----
     def init(self) -> "RayTrainGroup":
-        """Start the process group and load the model on every rank; returns
-        self (so `group = RayTrainGroup(args, pgs).init()`); `.info` holds
-        rank 0's report (num_params)."""
+        """Start the process group and load the model on every rank; returns self (so `group = RayTrainGroup(args,
+        pgs).init()`); `.info` holds rank 0's report (num_params)."""
         import ray
 
         addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
@@ -184,11 +182,10 @@ class RayTrainGroup:
         return self._all("train", rollout_id, ref, policy_version)[0]
 
     def update_weights(self, engines, new_version: int, pause_mode: str | None = None) -> dict[str, float]:
-        """Push weights to every engine worker as `new_version` (engines: an
-        EngineGroup or a list of worker URLs). With `pause_mode` ("abort",
-        "retract", "in_place") the engines are paused around the update
-        (SGLang's documented pause → update → continue); the default assumes
-        the caller already drained them (APRIL aborts before training)."""
+        """Push weights to every engine worker as `new_version` (engines: an EngineGroup or a list of worker URLs).
+        With `pause_mode` ("abort", "retract", "in_place") the engines are paused around the update (SGLang's
+        documented pause → update → continue); the default assumes the caller already drained them (APRIL aborts
+        before training)."""
         is_group = not isinstance(engines, (list, tuple))
         feeds = None
         if self.args.update_weight_mode == "tensor":  # by reference: each engine from the ranks on its devices

@@ -189,11 +189,10 @@ def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, 
 class RolloutDataSource:
     """Fresh prompt groups for training, epoch after epoch, with exact resume.
 
-    Order: the file's rows in order, or, with `--rollout-shuffle`, epoch `e`
-    uses the permutation of the rows from `random.Random(--rollout-seed + e)`;
-    dropped rows keep their place in it and are skipped when drawn. When an
-    epoch runs out mid-request the next epoch starts automatically (`epoch`
-    tells which; `--num-epoch` is enforced by the caller).
+    Order: the file's rows in order, or, with `--rollout-shuffle`, epoch `e` uses the permutation of the rows from
+    `random.Random(--rollout-seed + e)`; dropped rows keep their place in it and are skipped when drawn. When an
+    epoch runs out mid-request the next epoch starts automatically (`epoch` tells which; `--num-epoch` is enforced
+    by the caller).
     """
 
     def __init__(self, args, tokenizer):
@@ -300,9 +299,8 @@ class RolloutDataSource:
 def load_eval_groups(args, tokenizer, name: str, path: str, n_samples: int) -> list[list[Sample]]:
     """Every prompt of an eval set as a group of `n_samples` samples, in file order.
 
-    Uses the same keys, template and length limit as training; ids are
-    negative (group -1, -2, ...; sample -1, -2, ...), never touching the
-    training counters. `metadata["eval_name"] = name`.
+    Uses the same keys, template and length limit as training; ids are negative (group -1, -2, ...; sample -1, -2,
+    ...), never touching the training counters. `metadata["eval_name"] = name`.
     """
     if n_samples < 1:
         raise DataError(f"eval set {name!r}: n_samples must be >= 1, got {n_samples}")

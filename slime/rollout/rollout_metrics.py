@@ -23,9 +23,8 @@ logger = logging.getLogger(__name__)
 def token_version_metrics(groups: list[list[Sample]], current_version: int) -> dict[str, float]:
     """Exact off-policy token ratio, staleness histogram and versions per sample over `groups`.
 
-    Counted per token over loss-masked response tokens: a token is off-policy
-    when the version that produced it is older than `current_version`; its lag
-    is `current_version - version`.
+    Counted per token over loss-masked response tokens: a token is off-policy when the version that produced it is
+    older than `current_version`; its lag is `current_version - version`.
     """
     lags: Counter = Counter()
     distinct: list[int] = []

@@ -190,12 +190,11 @@ def _lr_at(cfg: WarmStartConfig, step: int, frac_done: float) -> float:
 def train_warm_start(model, tokenizer, cfg: WarmStartConfig, eval_rows: list[dict] | None = None, eval_every_steps: int = 0, eval_limit: int = 256, batches=None) -> dict:
     """Supervised training on the noisy teacher until `max_steps` or `max_seconds`; returns a history dict.
 
-    The learning rate follows a cosine schedule over whichever budget runs out
-    first (progress = max(steps fraction, seconds fraction)). With
-    `eval_every_steps` > 0 it also records accuracy at T=1 on `eval_rows[:eval_limit]`
-    along the way (evaluation time is excluded from the training clock; process
-    CPU time is recorded too, as contention inflates wall time). `batches`: an endless iterator of
-    `collate` batches from another teacher (default: subtract_chain's noisy teacher).
+    The learning rate follows a cosine schedule over whichever budget runs out first (progress = max(steps fraction,
+    seconds fraction)). With `eval_every_steps` > 0 it also records accuracy at T=1 on `eval_rows[:eval_limit]`
+    along the way (evaluation time is excluded from the training clock; process CPU time is recorded too, as
+    contention inflates wall time). `batches`: an endless iterator of `collate` batches from another teacher
+    (default: subtract_chain's noisy teacher).
     """
     import torch
 

@@ -26,8 +26,7 @@ WHITEN_EPS = 1e-8
 def group_relative_rewards(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
     """Reward minus its group's mean, optionally divided by (group std + eps).
 
-    Groups of one sample, and groups with identical rewards, get exactly 0
-    (with or without the std division).
+    Groups of one sample, and groups with identical rewards, get exactly 0 (with or without the std division).
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1:
@@ -56,14 +55,12 @@ def normalize_advantages(
     shift_mean: bool = True,
     all_reduce: bool = False,
 ) -> list[Tensor]:
-    """Masked whitening over every masked-in token of the batch
-    (``--normalize-advantages``): ``(a - mean) / sqrt(var + 1e-8)`` with the
-    unbiased variance. Masked-out positions come back as 0. With fewer than
-    two tokens only the mean is removed; with none, all zeros are returned.
+    """Masked whitening over every masked-in token of the batch (``--normalize-advantages``): ``(a - mean) / sqrt(var +
+    1e-8)`` with the unbiased variance. Masked-out positions come back as 0. With fewer than two tokens only the
+    mean is removed; with none, all zeros are returned.
 
-    ``all_reduce=True`` sums the statistics over the default
-    ``torch.distributed`` group so every data-parallel rank whitens with the
-    global batch statistics.
+    ``all_reduce=True`` sums the statistics over the default ``torch.distributed`` group so every data-parallel rank
+    whitens with the global batch statistics.
     """
     _check_lengths(advantages, masks, "advantages")
     if not advantages:
@@ -117,14 +114,13 @@ def compute_advantages(
     gamma: float = 1.0,
     all_reduce: bool = False,
 ) -> list[Tensor]:
-    """Per-token advantages, one 1-D float tensor per sample (length = its
-    response length), zero where the mask is 0.
+    """Per-token advantages, one 1-D float tensor per sample (length = its response length), zero where the mask is 0.
 
     - ``grpo`` / ``gspo``: group-relative reward broadcast over the response.
-    - ``reinforce_plus_plus``: discounted token return with the KL penalty
-      ``-kl_coef * kl_t`` per token, whitened over the batch.
-    - ``reinforce_plus_plus_baseline``: (reward - group mean) per token, minus
-      ``kl_coef * kl_t`` when ``kl`` is given, whitened over the batch.
+    - ``reinforce_plus_plus``: discounted token return with the KL penalty ``-kl_coef * kl_t`` per token, whitened
+      over the batch.
+    - ``reinforce_plus_plus_baseline``: (reward - group mean) per token, minus ``kl_coef * kl_t`` when ``kl`` is
+      given, whitened over the batch.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"--advantage-estimator={estimator!r} is not one of {list(ESTIMATORS)}")

@@ -193,8 +193,7 @@ def save_checkpoint(save_dir: str, rollout_id: int, writers: dict[str, Callable[
 
 def model_dir_of(path: str) -> str | None:
     """The dist-checkpoint directory of a Megatron model inside `path`: a torch_dist dir itself, a trainer dir, a
-    train.py iter dir, or a tracker file's checkpoint (`iter_N/` or upstream's `release/`). None when there is
-    none."""
+    train.py iter dir, or a tracker file's checkpoint (`iter_N/` or upstream's `release/`). None when there is none."""
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     for sub in ("torch_dist", os.path.join("trainer", "torch_dist")):

@@ -100,9 +100,8 @@ def ray_spans_machines() -> bool:
 def resolve_listen_host(listen_host: str) -> str:
     """The address this process's servers bind, from `--listen-host` (see the module docstring).
 
-    auto -> 127.0.0.1 on one machine, else this node's Ray IP; localhost -> 127.0.0.1; an interface
-    name -> its address on this node (ListenHostError if this node has no such interface); an address or
-    a wildcard -> itself.
+    auto -> 127.0.0.1 on one machine, else this node's Ray IP; localhost -> 127.0.0.1; an interface name -> its
+    address on this node (ListenHostError if this node has no such interface); an address or a wildcard -> itself.
     """
     if listen_host == AUTO:
         node_ip = ray_node_ip() if ray_spans_machines() else None

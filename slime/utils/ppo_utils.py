@@ -1,12 +1,10 @@
-"""RL math as pure functions over tensors: log-probs and entropy from logits,
-KL estimators, PPO / GSPO policy losses, masked aggregation, SFT loss and
-truncated importance sampling (TIS) for off-policy tokens.
+"""RL math as pure functions over tensors: log-probs and entropy from logits, KL estimators, PPO / GSPO policy losses,
+masked aggregation, SFT loss and truncated importance sampling (TIS) for off-policy tokens.
 
-Shapes: element-wise functions accept any shape. Functions that reduce over a
-sequence (``compute_gspo_ratio``, ``aggregate_loss`` with ``sample_mean``)
-treat the LAST dimension as tokens, and also accept a list of 1-D per-sample
-tensors (packed batches of unequal lengths). Advantage estimators live in
-``slime.utils.advantages`` and are re-exported here.
+Shapes: element-wise functions accept any shape. Functions that reduce over a sequence (``compute_gspo_ratio``,
+``aggregate_loss`` with ``sample_mean``) treat the LAST dimension as tokens, and also accept a list of 1-D
+per-sample tensors (packed batches of unequal lengths). Advantage estimators live in ``slime.utils.advantages`` and
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -47,10 +45,9 @@ def _effective_temperature(temperature: float) -> float:
 def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature) gathered at ``tokens``.
 
-    ``logits``: [..., V]; ``tokens``: [...] (the token each position
-    predicts). Computed in float32 as gather − logsumexp, which equals the
-    engine-side log-prob of the sampled token under the same temperature
-    (temperature 0 = greedy: log-probs of the unscaled distribution).
+    ``logits``: [..., V]; ``tokens``: [...] (the token each position predicts). Computed in float32 as gather −
+    logsumexp, which equals the engine-side log-prob of the sampled token under the same temperature (temperature 0
+    = greedy: log-probs of the unscaled distribution).
     """
     temperature = _effective_temperature(temperature)
     if logits.shape[:-1] != tokens.shape:
@@ -89,13 +86,12 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "
 
 # --------------------------------------------------------- policy losses ----
 def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
-    """``log_ratio`` with its VALUE clamped to ±MAX_LOG_RATIO and the gradient of the identity
-    (straight-through).
+    """``log_ratio`` with its VALUE clamped to ±MAX_LOG_RATIO and the gradient of the identity (straight-through).
 
-    Convention: a token whose log-ratio is beyond ±20 (ratio e^20) keeps its gradient, computed at
-    the clamped ratio, instead of silently getting none (a plain clamp's derivative is 0 there).
-    Whether it then contributes is the PPO / dual clip's decision, as for any other token. GSPO's
-    sequence ratio and the TIS weights clamp detached values only, so this is their behaviour too.
+    Convention: a token whose log-ratio is beyond ±20 (ratio e^20) keeps its gradient, computed at the clamped
+    ratio, instead of silently getting none (a plain clamp's derivative is 0 there). Whether it then contributes is
+    the PPO / dual clip's decision, as for any other token. GSPO's sequence ratio and the TIS weights clamp detached
+    values only, so this is their behaviour too.
     """
     clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if not log_ratio.requires_grad:
@@ -130,14 +126,12 @@ def clipped_surrogate(
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate for a given ratio: per-token loss and clip flag.
 
-    loss = max(−A·r, −A·clip(r, 1−eps, 1+eps_high)); with dual clip, tokens
-    with A < 0 are further capped at −A·eps_clip_c (zero gradient there).
+    loss = max(−A·r, −A·clip(r, 1−eps, 1+eps_high)); with dual clip, tokens with A < 0 are further capped at
+    −A·eps_clip_c (zero gradient there).
 
-    The clip flag (``pg_clipfrac``) is 1.0 where the PPO clip bound is the
-    active term, as in upstream slime; dual-clipped tokens are NOT counted
-    (a disjoint set: A < 0 and r > eps_clip_c, where the PPO clip is never
-    the active term; see ``dual_clip_flags`` and the ``pg_dual_clipfrac``
-    metric).
+    The clip flag (``pg_clipfrac``) is 1.0 where the PPO clip bound is the active term, as in upstream slime;
+    dual-clipped tokens are NOT counted (a disjoint set: A < 0 and r > eps_clip_c, where the PPO clip is never the
+    active term; see ``dual_clip_flags`` and the ``pg_dual_clipfrac`` metric).
     """
     high = _check_clip(eps_clip, eps_clip_high, eps_clip_c)
     advantages = advantages.to(ratio.dtype)
@@ -159,19 +153,16 @@ def dual_clip_flags(ratio: Tensor, advantages: Tensor, eps_clip_c: float) -> Ten
 def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mask: TensorOrList) -> TensorOrList:
     """GSPO per-token ratio (same shape as ``log_probs``).
 
-    Value: s = exp(mean_t (logp − old_logp)) over the sequence's masked
-    tokens, the geometric mean of the token ratios, broadcast to every token.
-    Gradient: ratio_t = exp(logp_t − sg(logp_t) + sg(log s)), so d ratio_t /
-    d logp_t = s (each token gets its own gradient, scaled by the sequence
-    ratio). A sequence with an empty mask gets ratio 1.
+    Value: s = exp(mean_t (logp − old_logp)) over the sequence's masked tokens, the geometric mean of the token
+    ratios, broadcast to every token. Gradient: ratio_t = exp(logp_t − sg(logp_t) + sg(log s)), so d ratio_t / d
+    logp_t = s (each token gets its own gradient, scaled by the sequence ratio). A sequence with an empty mask gets
+    ratio 1.
 
-    Convention (GSPO with TIS): multiplying the per-token loss by per-token
-    TIS weights w_t then weights each token's gradient by its OWN w_t
-    (d loss / d logp_t ∝ A·s·w_t). Upstream slime differentiates through the
-    sequence mean, which spreads the weighted sum evenly (∝ A·s·mean(w)).
-    We keep ours on purpose: with partial rollouts the tokens of one
-    response come from different policy versions, and TIS exists to correct
-    each token for the policy that sampled it.
+    Convention (GSPO with TIS): multiplying the per-token loss by per-token TIS weights w_t then weights each
+    token's gradient by its OWN w_t (d loss / d logp_t ∝ A·s·w_t). Upstream slime differentiates through the
+    sequence mean, which spreads the weighted sum evenly (∝ A·s·mean(w)). We keep ours on purpose: with partial
+    rollouts the tokens of one response come from different policy versions, and TIS exists to correct each token
+    for the policy that sampled it.
     """
     if isinstance(log_probs, Tensor):
         return _gspo_ratio(log_probs, old_log_probs, mask)
@@ -201,8 +192,7 @@ def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ values·mask / Σ mask; 0 (not NaN) where the mask is empty, and still
-    part of the autograd graph."""
+    """Σ values·mask / Σ mask; 0 (not NaN) where the mask is empty, and still part of the autograd graph."""
     mask = mask.to(device=values.device)
     denom = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
     return masked_sum(values, mask, dim) / denom.clamp(min=1.0)
@@ -218,17 +208,14 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a per-token loss to a scalar (``--loss-agg-mode`` style).
 
-    - ``token_mean`` (``--calculate-per-token-loss``): Σ over all masked
-      tokens of the batch / Σ mask. Convention: a fully masked sample adds
-      nothing to the denominator, so this is the true mean over real tokens;
-      upstream slime counts one phantom token per empty sample
-      (``clamp_min(mask.sum(), 1)``), which shrinks the loss slightly.
-    - ``sample_mean``: mean over samples of each sample's masked token mean
-      (samples with an empty mask count as 0 in the mean, as upstream).
+    - ``token_mean`` (``--calculate-per-token-loss``): Σ over all masked tokens of the batch / Σ mask. Convention: a
+      fully masked sample adds nothing to the denominator, so this is the true mean over real tokens; upstream slime
+      counts one phantom token per empty sample (``clamp_min(mask.sum(), 1)``), which shrinks the loss slightly.
+    - ``sample_mean``: mean over samples of each sample's masked token mean (samples with an empty mask count as 0
+      in the mean, as upstream).
 
-    ``num_tokens`` / ``num_samples`` override the denominator (e.g. the global
-    count across micro-batches or data-parallel ranks, so that summing the
-    micro-batch losses gives the global mean). An empty batch gives 0.
+    ``num_tokens`` / ``num_samples`` override the denominator (e.g. the global count across micro-batches or
+    data-parallel ranks, so that summing the micro-batch losses gives the global mean). An empty batch gives 0.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"--loss-agg-mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
@@ -286,16 +273,13 @@ def compute_tis_weights(
     clip_high: float = 2.0,
     clip_low: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Truncated importance weights between the training-time behaviour
-    policy (``old_log_probs``, recomputed by the trainer) and the policy that
-    actually sampled each token (``rollout_log_probs``, from the engine, which
-    for a resumed partial rollout may differ token by token).
+    """Truncated importance weights between the training-time behaviour policy (``old_log_probs``, recomputed by the
+    trainer) and the policy that actually sampled each token (``rollout_log_probs``, from the engine, which for a
+    resumed partial rollout may differ token by token).
 
-    weights = clamp(exp(old − rollout), clip_low, clip_high), detached; multiply
-    them into the per-token pg losses. Metrics (masked tokens only):
-    ``tis_clipfrac`` (share of raw weights outside the bounds), ``tis_ess``
-    (see ``compute_ess``, of the clamped weights), ``tis_weight_mean``,
-    ``tis_raw_weight_mean``.
+    weights = clamp(exp(old − rollout), clip_low, clip_high), detached; multiply them into the per-token pg losses.
+    Metrics (masked tokens only): ``tis_clipfrac`` (share of raw weights outside the bounds), ``tis_ess`` (see
+    ``compute_ess``, of the clamped weights), ``tis_weight_mean``, ``tis_raw_weight_mean``.
     """
     if clip_low < 0 or clip_high <= 0 or clip_low > clip_high:
         raise ValueError(

@@ -1,8 +1,7 @@
 """Build tiny Qwen3-architecture models and word-level tokenizers in code.
 
-No model hub is reachable on our CPU machines, so the embedded default
-(tests, benchmarks, the quick start) builds its model here and saves it as a
-plain Hugging Face directory that every component loads by path.
+No model hub is reachable on our CPU machines, so the embedded default (tests, benchmarks, the quick start) builds
+its model here and saves it as a plain Hugging Face directory that every component loads by path.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
     python -m slime.utils.tool_worker --max-output-chars N --memory-mb M
 
-One JSON line per call on stdin (`{"function", "arguments"}`), one JSON reply line on the original stdout; what
-a tool prints goes to stderr. Before any tool is imported: it dies with its parent, runs in its own session and a
-scratch directory, without the trainer's environment variables, under an address-space limit, and without
-network (a new network namespace where the kernel allows one, and always an audit hook refusing sockets and
-name lookups)."""
+One JSON line per call on stdin (`{"function", "arguments"}`), one JSON reply line on the original stdout; what a
+tool prints goes to stderr. Before any tool is imported: it dies with its parent, runs in its own session and a
+scratch directory, without the trainer's environment variables, under an address-space limit, and without network (a
+new network namespace where the kernel allows one, and always an audit hook refusing sockets and name lookups)."""
 
 from __future__ import annotations
 

@@ -360,8 +360,7 @@ def expand_fanout(group: list[Sample]) -> list[Sample]:
 
 def _versions_for(versions: list[int], n: int, missing: int) -> list[int]:
     """One version per response token: a plugin that dropped tokens by setting `response_length` (upstream keeps
-    versions per request, so its plugins never trim them) keeps those of the first `n`; missing ones are
-    `missing`."""
+    versions per request, so its plugins never trim them) keeps those of the first `n`; missing ones are `missing`."""
     return list(versions[:n]) + [missing] * (n - len(versions))
 
 

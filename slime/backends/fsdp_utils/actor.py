@@ -1,8 +1,6 @@
-"""The FSDP2 trainer: one instance per data-parallel rank; the step loop,
-metrics, offload and shutdown are the shared skeleton's
-(`training_utils.trainer.Trainer`). Here: a transformers causal LM sharded
-with FSDP2 (bf16 compute over fp32 master weights with --bf16), AdamW, the
-forward through the chunked log-prob head, and gradient clipping.
+"""The FSDP2 trainer: one instance per data-parallel rank; the step loop, metrics, offload and shutdown are the shared
+skeleton's (`training_utils.trainer.Trainer`). Here: a transformers causal LM sharded with FSDP2 (bf16 compute over
+fp32 master weights with --bf16), AdamW, the forward through the chunked log-prob head, and gradient clipping.
 """
 
 from __future__ import annotations

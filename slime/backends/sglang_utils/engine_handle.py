@@ -93,8 +93,7 @@ class LocalEngine(_EngineState):
 
 
 def host_result(ref, timeout: float, what: str):
-    """ray.get that raises the host's own exception, or ServerLaunchError naming `what` on a timeout / a dead
-    actor."""
+    """ray.get that raises the host's own exception, or ServerLaunchError naming `what` on a timeout / a dead actor."""
     import ray
 
     try:

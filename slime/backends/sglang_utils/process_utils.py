@@ -1,6 +1,5 @@
-"""Child server processes: launch in their own process group, log to a file,
-wait for an HTTP health route, and terminate (SIGTERM, then SIGKILL) without
-leaving orphans. Shared by the engine and router launchers."""
+"""Child server processes: launch in their own process group, log to a file, wait for an HTTP health route, and
+terminate (SIGTERM, then SIGKILL) without leaving orphans. Shared by the engine and router launchers."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def pick_free_ports(n: int, exclude: set[int] | None = None, host: str = "127.0.
                     max_port: int = 65535) -> list[int]:
     """`n` distinct free TCP ports on `host`, none of them in `exclude` or above `max_port`.
 
-    All sockets stay bound until every port is chosen, so the n ports are
-    distinct; the caller adds them to `exclude` for later calls so one
-    process never hands out the same port twice. The OS picks them; if its
+    All sockets stay bound until every port is chosen, so the n ports are distinct; the caller adds them to
+    `exclude` for later calls so one process never hands out the same port twice. The OS picks them; if its
     ephemeral range keeps answering above `max_port`, ports below it are tried in turn.
     """
     exclude = set(exclude or ())

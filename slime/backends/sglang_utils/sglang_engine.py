@@ -117,14 +117,13 @@ def _extra_flag_names(extra: dict | None) -> set[str]:
 
 def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: int, base_gpu_id: int,
                                 host: str = DEFAULT_HOST, cpu: bool = False) -> list[str]:
-    """`<--sglang-python> -m sglang.launch_server ...` for engine `engine_rank`; `cpu`: no CUDA here (the CPU
-    flags are added, `--colocate` is refused).
+    """`<--sglang-python> -m sglang.launch_server ...` for engine `engine_rank`; `cpu`: no CUDA here (the CPU flags are
+    added, `--colocate` is refused).
 
-    Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our
-    flags, a per-engine --random-seed (args.seed + rank), --weight-version 0 and,
-    with --colocate, --enable-memory-saver unless the user passed them, then appends every `--sglang-<flag>` from
-    `args.sglang_extra_args` ({flag-name: str | True}). A user `--sglang-host`
-    replaces the loopback default.
+    Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our flags, a per-engine --random-seed
+    (args.seed + rank), --weight-version 0 and, with --colocate, --enable-memory-saver unless the user passed them,
+    then appends every `--sglang-<flag>` from `args.sglang_extra_args` ({flag-name: str | True}). A user
+    `--sglang-host` replaces the loopback default.
     """
     if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required to launch SGLang engines (it becomes --model-path)")

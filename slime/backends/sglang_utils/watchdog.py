@@ -208,11 +208,10 @@ class EngineWatchdog:
 
 
 class ProcessWatch:
-    """For blocking phases (a weight sync): a thread that checks every engine process (and the router's) each
-    second.
+    """For blocking phases (a weight sync): a thread that checks every engine process (and the router's) each second.
 
-    A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it
-    and calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
+    A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it and
+    calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
     """
 
     def __init__(self, engines, on_fault: Callable[[EngineFault], None] | None = None, interval: float = PROCESS_CHECK_S):

@@ -183,11 +183,10 @@ def _mark_failed(sample: Sample, error: BaseException) -> None:
 async def reward_group(args, samples: list[Sample]) -> None:
     """Set `reward` on every sample of a group; never raises for a reward error.
 
-    A sample whose reward raises or times out gets `status = FAILED`,
-    `reward = None` and `metadata["failure"] = "reward: <type>: <message>"`;
-    the others keep their rewards (with `--group-rm`, one failed call fails
-    the whole group). Samples already FAILED (e.g. by generation) are skipped, and so (as upstream) are samples
-    whose custom generate set their reward already (checked like any reward), except with `--group-rm`.
+    A sample whose reward raises or times out gets `status = FAILED`, `reward = None` and `metadata["failure"] =
+    "reward: <type>: <message>"`; the others keep their rewards (with `--group-rm`, one failed call fails the whole
+    group). Samples already FAILED (e.g. by generation) are skipped, and so (as upstream) are samples whose custom
+    generate set their reward already (checked like any reward), except with `--group-rm`.
     """
     todo = [s for s in samples if s.status != Status.FAILED]
     custom = args.custom_rm_path

@@ -1,10 +1,9 @@
 """Run a blocking check off the event loop, with a time limit the caller can enforce.
 
-Rule checks (sympy inside math-verify) are CPU-bound and may hang on
-pathological inputs. They run in a daemon thread so the rollout's event loop
-keeps serving HTTP, and so an abandoned (timed-out) check never blocks
-interpreter exit. A thread cannot be killed: a check that hangs forever keeps
-its thread, but the caller is released at the deadline.
+Rule checks (sympy inside math-verify) are CPU-bound and may hang on pathological inputs. They run in a daemon
+thread so the rollout's event loop keeps serving HTTP, and so an abandoned (timed-out) check never blocks
+interpreter exit. A thread cannot be killed: a check that hangs forever keeps its thread, but the caller is released
+at the deadline.
 """
 
 from __future__ import annotations

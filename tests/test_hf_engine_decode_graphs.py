@@ -107,10 +107,11 @@ def test_static_decode_steps_match_a_plain_forward_through_joins_leaves_and_pool
     assert batch.graphs.drop() >= 1 and batch.graphs.drop() == 0
 
 
-def _scheduler(model_dir, mode: str) -> Scheduler:
+def _scheduler(model_dir, mode: str, composition: str = "mixed") -> Scheduler:
     model, tok = load(model_dir)
     return Scheduler(model, tok, max_running=16, max_total_tokens=4096, max_prefill_tokens=4096, seed=0,
-                     chunked_prefill_size=32, block_size=8, cuda_graph=mode, cuda_graph_max_bs=16)
+                     chunked_prefill_size=32, block_size=8, cuda_graph=mode, cuda_graph_max_bs=16,
+                     step_composition=composition)
 
 
 def _greedy_run(s: Scheduler, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -140,6 +141,28 @@ def test_scheduler_greedy_tokens_are_the_same_with_the_static_graph_path(model_d
     # the counters see the padded shape: one bucket per graph step, padded rows x blocks gathered
     assert s.stats.decode_buckets == s.stats.decode_steps
     assert s.stats.decode_padded >= s.stats.decode_ctx_tokens
+
+
+def test_separate_forwards_replay_every_decode_step_with_the_same_greedy_tokens(model_dir, ref):
+    """SGLang's default composition (the GPU's): a step's decode rows and its prefill chunks run as two forwards,
+    so every decode forward is decode-only and goes the graph's way, also while prompts (chunked: 66 > 32 tokens)
+    are prefilled; mixed steps (the CPU's default) send those decode rows through the eager packed forward."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [[1] + torch.randint(3, 30, (n,), generator=g).tolist() for n in (3, 40, 7, 19, 2, 66, 11)]
+    mixed = _scheduler(model_dir, "static", "mixed")
+    tokens_mixed = _greedy_run(mixed, prompts, 20)
+    assert mixed.stats.prefill_decode_steps > 0  # the workload does overlap prefill with decoding rows
+    assert mixed.batch.graphs.steps < mixed.stats.decode_steps + mixed.stats.prefill_decode_steps
+    separate = _scheduler(model_dir, "static", "separate")
+    tokens_separate = _greedy_run(separate, prompts, 20)
+    assert tokens_separate == tokens_mixed
+    assert tokens_separate[5] == greedy_reference(ref, prompts[5], 35)
+    st = separate.stats
+    assert st.prefills > 0 and st.prefill_decode_steps == st.prefill_decode_rows == 0  # no forward mixes them
+    # every forward that decoded replayed the graph path; the decode rows of the steps that also prefilled are in it
+    assert separate.batch.graphs.steps == st.decode_steps > mixed.stats.decode_steps
+    with pytest.raises(ValueError, match="step_composition"):
+        _scheduler(model_dir, "off", "interleaved")
 
 
 @torch.no_grad()

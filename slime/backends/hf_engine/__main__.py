@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): decode-only steps replay CUDA graphs on cuda, none on cpu; capture: the same, "
                         "required; static: the graphs' padded static-buffer step run eagerly (what the CPU can check); "
                         "off: as --disable-cuda-graph.")
+    p.add_argument("--step-composition", choices=["auto", "mixed", "separate"], default="auto",
+                   help="auto (default): separate on cuda, mixed on cpu; mixed: a step's decode rows and prefill chunks "
+                        "in one forward; separate: in two (SGLang's default), so every decode forward replays its "
+                        "CUDA graph.")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="SGLang's flag: the same as --step-composition mixed.")
     p.add_argument("--log-level", default="INFO", help="Logging level.")
     return p
 
@@ -78,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.disable_cuda_graph and args.cuda_graph_mode not in ("auto", "off"):
         logger.error("--disable-cuda-graph contradicts --cuda-graph-mode %s", args.cuda_graph_mode)
+        return 2
+    if args.enable_mixed_chunk and args.step_composition == "separate":
+        logger.error("--enable-mixed-chunk contradicts --step-composition separate")
         return 2
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         logger.error("--chunked-prefill-size must be -1 (no chunking) or >= 1, got %s", args.chunked_prefill_size)
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size, prefix_cache=not args.disable_radix_cache, memory_saver=args.enable_memory_saver,
         weights_cpu_backup=args.enable_weights_cpu_backup, bucket_min_saving=args.bucket_min_saving,
         cuda_graph="off" if args.disable_cuda_graph else args.cuda_graph_mode, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        step_composition="mixed" if args.enable_mixed_chunk else args.step_composition,
     )
     try:
         engine = Engine(cfg)

@@ -43,6 +43,8 @@ class EngineConfig:
     # decode-only steps from CUDA graphs (decode_graphs.py): auto (capture on cuda, off on cpu), capture, static, off
     cuda_graph: str = "auto"
     cuda_graph_max_bs: int = 128  # SGLang's --cuda-graph-max-bs: larger decode steps run eagerly
+    # decode rows and prefill chunks in one forward ("mixed") or two ("separate"; auto: separate on cuda, see scheduler)
+    step_composition: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,13 @@ class Engine:
             bucket_min_saving=cfg.bucket_min_saving if cfg.bucket_min_saving is not None else
             BUCKET_MIN_SAVING if self.device.type == "cpu" else BUCKET_MIN_SAVING_GPU,
             cuda_graph=cfg.cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+            step_composition=cfg.step_composition if cfg.step_composition != "auto" else
+            "separate" if self.device.type == "cuda" else "mixed",
         )
         logger.info("decode steps: CUDA graphs %s", {
             "capture": f"captured per padded shape (up to {cfg.cuda_graph_max_bs} rows)",
-            "static": "off; steps padded to the graphs' shapes", "off": "off"}[self.scheduler.batch.graphs.mode])
+            "static": "off; steps padded to the graphs' shapes", "off": "off"}[self.scheduler.batch.graphs.mode]
+                    + f"; decode rows and prefill chunks in {self.scheduler.step_composition} forwards")
         self.memory = EngineMemory(self.model, self.scheduler, cfg.memory_saver, cfg.weights_cpu_backup)
         self.groups = weights.WeightUpdateGroups()
         self._update_lock = asyncio.Lock()

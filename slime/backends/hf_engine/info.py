@@ -78,6 +78,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "disable_cuda_graph": not engine.scheduler.batch.graphs.enabled,
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
         "cuda_graph_mode": engine.scheduler.batch.graphs.describe(),
+        "enable_mixed_chunk": engine.scheduler.step_composition == "mixed",  # SGLang's: one forward per step
         "enable_weights_cpu_backup": cfg.weights_cpu_backup,
         "disaggregation_mode": "null",
         "version": SERVER_VERSION,  # SGLang reports sglang.__version__: we report the version whose API we serve

@@ -7,11 +7,13 @@ Future) and `add(request)`. Requests report back through their `notify`
 callback (called on the scheduler thread).
 
 A waiting request joins the batch as a row at the next step boundary (no KV
-is copied: see batch.PagedBatch). Each step is one packed forward over every
-decoding row's last token plus prompt chunks of the rows still being
-prefilled (chunked prefill, at most `--max-prefill-tokens` per step and
-`--chunked-prefill-size` per row), so a new or resumed request never stalls
-the rows already decoding for longer than one chunk.
+is copied: see batch.PagedBatch). Each step feeds every decoding row's last
+token plus prompt chunks of the rows still being prefilled (chunked prefill,
+at most `--max-prefill-tokens` per step and `--chunked-prefill-size` per
+row), so a new or resumed request never stalls the rows already decoding for
+longer than one chunk. `step_composition` "mixed" (SGLang's --enable-mixed-chunk,
+the CPU's default) packs both into one forward; "separate" (SGLang's default, a
+GPU's) runs them as two, so every decode forward replays its CUDA graph.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+STEP_COMPOSITIONS = ("mixed", "separate")
+
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_running: int, max_total_tokens: int, max_prefill_tokens: int,
                  seed: int | None, chunked_prefill_size: int = -1, block_size: int = 32,
                  prefix_cache_tokens: int | None = None, attention_kernel: str = "sdpa", weight_version: str = "0",
-                 bucket_min_saving: int = BUCKET_MIN_SAVING, cuda_graph: str = "off", cuda_graph_max_bs: int = 128):
+                 bucket_min_saving: int = BUCKET_MIN_SAVING, cuda_graph: str = "off", cuda_graph_max_bs: int = 128,
+                 step_composition: str = "mixed"):
+        if step_composition not in STEP_COMPOSITIONS:
+            raise ValueError(f"step_composition must be one of {STEP_COMPOSITIONS}, got {step_composition!r}")
+        self.step_composition = step_composition
         self.model = model
         # the version of the weights in `model`: changed only on this thread, between steps, so every sampled
         # token is stamped with the version that produced it
@@ -70,8 +78,6 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.num_steps = 0
-        self._decode_ctx = 0
-        self._prefill_pairs = 0
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
@@ -264,9 +270,11 @@ class Scheduler:
                 r.kv_version = self.weight_version
             self.running.append(r)
 
-    def _plan(self) -> tuple[list, list[Request], int, int]:
+    def _plan(self) -> tuple[list, list[Request], int, int, int, int]:
         """This step's segments: every decoding row's last token, then prompt chunks of the rows being
-        prefilled, fewest tokens left first (they start decoding soonest), within the prefill budgets."""
+        prefilled, fewest tokens left first (they start decoding soonest), within the prefill budgets; the
+        samplers (decoding rows first), rows decoded, prefill tokens, keys the decoding rows attend and the
+        chunks' (query, key) pairs."""
         segments, samplers, prefilling = [], [], []
         for r in self.running:
             left = r.num_tokens - self.batch.cached(r.row)
@@ -276,10 +284,9 @@ class Scheduler:
             else:
                 prefilling.append((left, r))
         decoded = len(segments)
-        self._decode_ctx = sum(self.batch.cached(row) for row, _, _ in segments)  # keys they attend, but their own
+        decode_ctx = sum(self.batch.cached(row) for row, _, _ in segments)  # keys they attend, but their own
         budget = self.max_prefill_tokens
-        prefill_tokens = 0
-        self._prefill_pairs = 0
+        prefill_tokens = pairs = 0
         for left, r in sorted(prefilling, key=lambda x: x[0]):
             take = min(left, self.chunk, budget - prefill_tokens)
             if take <= 0:
@@ -287,15 +294,24 @@ class Scheduler:
             start = self.batch.cached(r.row)
             segments.append((r.row, r.tokens(start, start + take), take == left))
             prefill_tokens += take
-            self._prefill_pairs += take * start + take * (take + 1) // 2
+            pairs += take * start + take * (take + 1) // 2
             if take == left:
                 samplers.append(r)
-        return segments, samplers, decoded, prefill_tokens
+        return segments, samplers, decoded, prefill_tokens, decode_ctx, pairs
 
     def _step(self) -> None:
-        segments, samplers, decoded, prefill_tokens = self._plan()
+        segments, samplers, decoded, prefill_tokens, decode_ctx, pairs = self._plan()
         if not segments:
             return
+        if self.step_composition == "separate" and decoded and prefill_tokens:
+            self._forward(segments[:decoded], samplers[:decoded], decoded, 0, decode_ctx, 0)
+            self._forward(segments[decoded:], samplers[decoded:], 0, prefill_tokens, 0, pairs)
+        else:
+            self._forward(segments, samplers, decoded, prefill_tokens, decode_ctx, pairs)
+
+    def _forward(self, segments: list, samplers: list[Request], decoded: int, prefill_tokens: int, decode_ctx: int,
+                 pairs: int) -> None:
+        """One forward over `segments` (`decoded` decoding rows, then prefill chunks): sampled, counted."""
         t0, c0 = time.perf_counter(), time.thread_time()
         # the samplers' parameters and uniforms go to the device with the step's metadata, before the forward;
         # the step then waits for the device once, when its tokens come back
@@ -332,11 +348,11 @@ class Scheduler:
             st.prefill_tail_s += t1 - t_back
             st.prefills += 1
             st.prefill_decode_rows += decoded
-            st.prefill_decode_ctx_tokens += self._decode_ctx
+            st.prefill_decode_ctx_tokens += decode_ctx
             decode_buckets = [bk for bk in self.batch.last_plan.buckets if bk.q == 1]
             st.prefill_decode_padded += sum(bk.b * bk.m for bk in decode_buckets) * self.batch.block_size
             st.prefill_decode_buckets += len(decode_buckets)
-            st.prefill_key_pairs += self._prefill_pairs
+            st.prefill_key_pairs += pairs
             st.prefill_decode_steps += decoded > 0
             st.prefill_rows += len(segments) - decoded
             st.prefill_tokens += prefill_tokens
@@ -348,7 +364,7 @@ class Scheduler:
             st.decode_tail_s += t1 - t_back
             st.decode_steps += 1
             st.decode_rows += decoded
-            st.decode_ctx_tokens += self._decode_ctx
+            st.decode_ctx_tokens += decode_ctx
             st.decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets) * self.batch.block_size
             st.decode_buckets += len(self.batch.last_plan.buckets)
 

@@ -113,3 +113,23 @@ def test_graph_decode_steps_are_priced_at_their_padded_shape():
     eager = decode_shape(positions, 32, c.bucket_min_saving)
     assert c.decode_read(positions, graph=False) == (eager[0], eager[1] - 1)
     assert c.replace(graph_max_rows=2).decode_read(positions)[0] == eager[0]  # beyond the graphs' rows: eager
+
+
+def test_separate_forwards_price_a_decode_step_plus_a_prefill_only_step():
+    """The embedded engine on a GPU (SGLang's default composition): a step with decode rows and prefill chunks is
+    two forwards, the decode rows' at its CUDA graph's shape with the host's part of its own, then a prefill-only
+    forward; mixed, one forward whose host part is paid once. The calibration takes the composition from the
+    engine's enable_mixed_chunk."""
+    mixed = GPU_LIKE.replace(prefill_mode="mixed", prefill_base_s=1e-3, prefill_per_token_s=1e-6,
+                             paged_block_size=32, graph_max_rows=128)
+    separate = mixed.replace(separate_prefill=True)
+    positions = [40, 100, 700]
+    read = separate.decode_read(positions)
+    both = separate.mixed_step_s(3, 840, *read, 64, 64 * 65 / 2, 1)
+    assert both == pytest.approx(separate.decode_step_s(3, 840, *read) + separate.mixed_step_s(0, 0, 0, 0, 64,
+                                                                                                 64 * 65 / 2, 1))
+    assert both > mixed.mixed_step_s(3, 840, *read, 64, 64 * 65 / 2, 1)  # launch-bound: two host floors, not one
+    # nothing to prefill, or no row decoding: one forward either way
+    assert separate.mixed_step_s(3, 840, *read, 0, 0, 0) == mixed.mixed_step_s(3, 840, *read, 0, 0, 0)
+    assert separate.mixed_step_s(0, 0, 0, 0, 64, 10, 1) == mixed.mixed_step_s(0, 0, 0, 0, 64, 10, 1)
+    assert EngineCostModel.from_dict(separate.to_dict()).separate_prefill

@@ -327,6 +327,8 @@ class Calibrator:
             # decode-only steps padded to CUDA graphs' shapes (on a GPU by default; "static" pads the same way)
             graph_max_rows=int(info.get("cuda_graph_max_bs") or 0)
             if embedded and mixed and info.get("cuda_graph_mode") in ("capture", "static") else 0,
+            # the engine's step composition (SGLang's enable_mixed_chunk; engines from before it always mixed)
+            separate_prefill=embedded and mixed and info.get("enable_mixed_chunk") is False,
             pad_slack_tokens=1024 if embedded and not mixed else 0, prefill_ragged=not embedded,
             name=self.name or f"calibrated {info.get('backend', 'sglang')}",
             source=f"calibrated on {self.url} ({'scheduler stats' if self.stats_ok else 'wall clock'}, "

@@ -23,7 +23,9 @@ One `EngineCostModel` describes one engine (one tensor-parallel group):
   of the rows still being prefilled (at most `chunked_prefill_size` of one row per step, fewest left
   first); a step with P prefill tokens in C chunks whose chunks attend K (query, key) pairs costs the
   decode step above plus `prefill_base_s + prefill_per_chunk_s * C + prefill_per_token_s * P
-  + prefill_per_token2_s * K`;
+  + prefill_per_token2_s * K`; with `separate_prefill` (the embedded engine on a GPU, SGLang's default
+  composition) the decode rows and the chunks run as two forwards: a decode step (its CUDA graph's shape) plus
+  a prefill-only step (`decode_base_s` + the prefill terms);
   "batched" (SGLang's default scheduling): a separate prefill forward over rows of lengths l_i costs
   `prefill_base_s + prefill_per_token_s * sum(l_i) + prefill_per_token2_s * sum(l_i ** 2)`
   (linear layers per token, attention per token pair), padded or ragged (`prefill_ragged`), with
@@ -111,6 +113,7 @@ class EngineCostModel:
     paged_block_size: int = 0  # > 0: decode rows read whole KV blocks of this size, bucketed as the embedded engine does
     bucket_min_saving: int = BUCKET_MIN_SAVING  # the embedded engine's bucket rule (key positions a new bucket must save)
     graph_max_rows: int = 0  # > 0: decode-only steps of up to this many rows replay CUDA graphs, padded (decode_graphs.py)
+    separate_prefill: bool = False  # "mixed": a step's decode rows and prefill chunks in two forwards (see above)
     name: str = "custom"
     source: str = ""  # where the numbers come from (calibration command, datasheets)
     extra: dict = field(default_factory=dict, compare=False)  # calibration details (probes, residuals)
@@ -178,7 +181,11 @@ class EngineCostModel:
     def mixed_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int, prefill_tokens: int,
                      key_pairs: float, chunks: int = 1) -> float:
         """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens in `chunks` chunks
-        (`key_pairs` attended)."""
+        (`key_pairs` attended); with `separate_prefill`, `padded` / `extra_buckets` are the decode forward's own
+        (its graph's shape: see `decode_read`)."""
+        if self.separate_prefill and batch and prefill_tokens:
+            return (self.decode_step_s(batch, tokens, padded, extra_buckets)
+                    + self.mixed_step_s(0, 0, 0, 0, prefill_tokens, key_pairs, chunks))
         cost = self.decode_device_s(batch, tokens, padded, extra_buckets) if batch else self.decode_base_s
         if prefill_tokens:
             cost += (self.prefill_base_s + self.prefill_per_chunk_s * chunks + self.prefill_per_token_s * prefill_tokens

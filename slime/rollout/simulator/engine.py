@@ -277,7 +277,9 @@ class SimEngine(Admission):
             tokens += take
             pairs += take * req.cached + take * (take + 1) / 2
         self._chunks = chunks
-        alpha = c.mixed_step_s(b, self.tokens_now, *self._decode_read(b, graph=False), tokens, pairs, len(chunks))
+        # (separate forwards: the decode rows' forward is decode-only, so it may replay its CUDA graph)
+        read = self._decode_read(b, graph=c.separate_prefill)
+        alpha = c.mixed_step_s(b, self.tokens_now, *read, tokens, pairs, len(chunks))
         self.jump = (t, alpha, 0.0, 1, 0)
         self._schedule(t + alpha)
 
@@ -288,7 +290,7 @@ class SimEngine(Admission):
 
     def _decode_read(self, b: int, graph: bool = True) -> tuple[int, int]:
         """(key positions gathered, buckets beyond the first) of the running rows' next decode step (`graph`: a
-        decode-only step, which may replay a CUDA graph; a step with prefill tokens never does)."""
+        decode-only forward, which may replay a CUDA graph; a mixed forward with prefill tokens never does)."""
         if not b:
             return 0, 0
         if self.cost.paged_block_size > 0:  # the paged engine's buckets, from every row's position

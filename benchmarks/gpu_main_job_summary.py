@@ -14,8 +14,6 @@ import json
 import os
 import sys
 
-from rollout_report import workloads_row
-
 SIM_LIMIT = 0.15
 MFU_GOAL = 0.35
 MODES = ("sync", "april", "pool")
@@ -62,6 +60,8 @@ def variant(v: dict) -> str:
 def part1(logs: str, dry: bool, ok: dict) -> None:
     wl = load(logs, "rollout_workloads.json") or {}
     if wl and "rows" not in wl:  # one workload (the dry run's): its own summary, not the side-by-side table
+        from rollout_report import workloads_row
+
         wl = {"rows": [workloads_row(wl["workload"]["name"], wl)]}
     rows = wl.get("rows") or []
     for r in rows:

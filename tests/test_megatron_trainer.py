@@ -104,6 +104,46 @@ def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
         assert m["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
 
 
+def test_the_pad_tokens_embedding_row_learns_as_in_transformers(make_trainer, tiny_model_dir):
+    """transformers builds the embedding as nn.Embedding(padding_idx=pad_token_id): a pad token inside the text
+    (SmolLM2's pad is <|im_end|>, which ends every chat turn) passes no gradient to its row. Megatron's embedding
+    has no such index; the backend makes it behave the same (model.py), so both backends train that row alike."""
+    from slime.backends.fsdp_utils.hf_weights import full_state_dict
+    from slime.utils.model_shape import read_shape
+
+    pad = read_shape(tiny_model_dir).pad_token_id
+    assert pad is not None
+    groups = make_groups(seed=17)
+    for s in [s for g in groups for s in g]:
+        s.tokens[1] = s.tokens[-1] = pad  # in the prompt and as the response's last token
+    over = dict(lr=1e3, adam_eps=1e3, clip_grad=0.0)  # Adam's first step ~ the gradient itself
+    updates = {}
+    for backend in ("fsdp", "megatron"):
+        t = make_trainer(backend, **over)
+        weights = (lambda: {k: v.clone() for k, v in full_state_dict(t.model).items()}) if backend == "fsdp" \
+            else (lambda: hf_weights_of(t))
+        w0 = weights()
+        t.train(0, copy.deepcopy(groups), 0)
+        updates[backend] = {k: w0[k] - v for k, v in weights().items()}
+        t.shutdown()
+    fsdp, meg = updates["fsdp"]["model.embed_tokens.weight"], updates["megatron"]["model.embed_tokens.weight"]
+    assert float(fsdp[pad].abs().max()) == 0.0  # the head is untied here: nothing else trains the pad row
+    assert float(fsdp[3:].abs().max()) > 1e-4
+    assert float((meg - fsdp).abs().max()) < 1e-5 * max(1.0, float(fsdp.abs().max()))
+    assert max_diff(updates["megatron"], updates["fsdp"]) < 1e-5
+
+
+def test_pad_token_id_is_read_as_nn_embedding_reads_padding_idx():
+    from slime.utils.model_shape import ModelShapeError, shape_from_config
+
+    cfg = dict(model_type="llama", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=16)
+    assert shape_from_config(cfg).pad_token_id is None
+    assert shape_from_config({**cfg, "pad_token_id": 2}).pad_token_id == 2
+    assert shape_from_config({**cfg, "pad_token_id": -1}).pad_token_id == 15  # counted from the end
+    with pytest.raises(ModelShapeError, match="pad_token_id 16 is outside the vocabulary"):
+        shape_from_config({**cfg, "pad_token_id": 16})
+
 def test_failed_samples_never_enter_training(make_trainer):
     groups = make_groups(seed=7)
     failed = copy.deepcopy(groups)

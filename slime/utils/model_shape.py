@@ -34,6 +34,9 @@ class ModelShape:
     add_qkv_bias: bool
     initializer_range: float
     attention_dropout: float
+    # transformers builds the embedding as nn.Embedding(..., padding_idx=pad_token_id): that row gets no gradient
+    # from the tokens that look it up (a tied head still trains it)
+    pad_token_id: int | None = None
 
 
 class ModelShapeError(ValueError):
@@ -49,6 +52,15 @@ def _rope_theta(cfg: dict) -> float:
         raise ModelShapeError(f"rope scaling ({kind if kind != 'default' else scaling}) is not supported by the "
                               "Megatron backend yet")
     return float(theta)
+
+
+def _padding_idx(cfg: dict, where: str) -> int | None:
+    pad, vocab = cfg.get("pad_token_id"), int(cfg.get("vocab_size", 0))
+    if pad is None:
+        return None
+    if not -vocab <= int(pad) < vocab:  # nn.Embedding refuses it too
+        raise ModelShapeError(f"{where}: pad_token_id {pad} is outside the vocabulary ({vocab})")
+    return int(pad) % vocab  # nn.Embedding counts a negative padding_idx from the end
 
 
 def shape_from_config(cfg: dict, where: str = "config.json") -> ModelShape:
@@ -88,6 +100,7 @@ def shape_from_config(cfg: dict, where: str = "config.json") -> ModelShape:
             add_qkv_bias=qkv_bias,
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+            pad_token_id=_padding_idx(cfg, where),
         )
     except KeyError as e:
         raise ModelShapeError(f"{where}: missing field {e.args[0]!r}") from e

@@ -59,6 +59,8 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
         rotary_percent=1.0,
         rotary_base=shape.rotary_base,
     )
+    if shape.pad_token_id is not None:
+        core.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(shape.pad_token_id))
     core.to(device())
     model: nn.Module = core
     if args.bf16:
@@ -79,6 +81,22 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
         model.train()
     return Built(model=model, core=core, config=cfg, shape=shape, padded_vocab=vocab, impl=impl)
+
+
+def _padding_idx_hook(pad: int):
+    """transformers' embedding is nn.Embedding(padding_idx=pad_token_id) (LlamaModel / Qwen2Model / Qwen3Model):
+    the looked-up pad rows pass no gradient back to the table. Megatron's VocabParallelEmbedding has no such
+    index, so without this the pad token's row (SmolLM2's <|im_end|>, which every chat turn ends with) trains
+    differently from the FSDP backend and from transformers. The forward is unchanged."""
+
+    def hook(module, inputs, output):
+        ids = inputs[0]
+        pad_here = ids == pad  # [b, s] (no host check for "any": that would sync with the device every forward)
+        if module.reduce_scatter_embeddings:  # output [s / tp, b, h]: this rank's slice of the sequence
+            pad_here = pad_here.t().chunk(module.tp_group.size())[module.tp_group.rank()]
+        return torch.where(pad_here[..., None], output.detach(), output)
+
+    return hook
 
 
 def named_local_params(core: nn.Module) -> dict[str, nn.Parameter]:

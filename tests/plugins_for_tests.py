@@ -6,6 +6,12 @@ async def parity_reward(args, sample) -> float:
     return float(sample.response_length % 2)
 
 
+async def token_id_reward(args, sample) -> float:
+    """A reward that almost any two different responses get differently (a hash of their token ids in [0, 1)), so
+    a real model's groups have advantages whatever it answers (even cut at the same length)."""
+    return (sum((i + 1) * t for i, t in enumerate(sample.tokens[sample.prompt_length:])) % 1009) / 1009
+
+
 TOOL_TOKEN_TEXT = ","
 
 

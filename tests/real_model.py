@@ -88,8 +88,8 @@ def trainer_args(model_dir: str, work, backend: str, *argv: str, **over):
     with open(prompts, "w") as f:
         f.write('{"prompt": "1+2=", "label": "3"}\n')
     n = str(len(QA))
-    args = parse_args(["--hf-checkpoint", model_dir, "--prompt-data", prompts, "--rm-type", "math", "--num-rollout", "1",
-                       "--rollout-batch-size", "1", "--n-samples-per-prompt", n, "--global-batch-size", n,
+    args = parse_args(["--hf-checkpoint", model_dir, "--prompt-data", prompts, "--rm-type", "math",
+                       "--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", n, "--global-batch-size", n,
                        "--micro-batch-size", n, "--lr", "1e-5", "--seed", "1", "--calculate-per-token-loss",
                        "--compile-ops", "off", "--no-bf16", "--train-backend", backend, *argv])
     return args.replace(**over) if over else args

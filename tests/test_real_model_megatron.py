@@ -48,6 +48,64 @@ def _policy(t):
     return t.actor if hasattr(t, "actor") else t.model
 
 
+# ---- train.py on Megatron, the real-model command ------------------------------------------------------------
+# (first in the module: this process is still small while the run holds Ray, the trainer and the engine)
+def _command(model_dir: str, data: str, work, backend: str) -> list[str]:
+    """The real-model run (APRIL on the embedded engine), reduced to 2 short steps of one group of 4. The reward is
+    a hash of the response tokens, so the group has advantages to learn from whatever the model answers."""
+    argv = ["--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--custom-rm-path", "tests.plugins_for_tests.token_id_reward",
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
+            "--global-batch-size", "4", "--num-rollout", "2", "--partial-rollout", "--over-sampling-batch-size", "2",
+            "--lr", "1e-5", "--run-dir", str(work / "run"),
+            "--save-debug-rollout-data", str(work / "rollouts" / "rollout_{rollout_id}.json"),
+            "--train-backend", backend]
+    return argv + model_args() if backend == "megatron" else argv
+
+
+def test_train_py_runs_the_real_model_on_megatron_as_on_fsdp(smollm2_dir, tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import convert_smollm2
+    finally:
+        sys.path.pop(0)
+    data = convert_smollm2.write_reasoning_gym(str(tmp_path / "data.jsonl"), num=16, seed=0)
+    argv = _command(smollm2_dir, data, tmp_path, "megatron")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=800,
+                         env={**os.environ, "PYTHONPATH": REPO, "SLIME_SKIP_INSTALL": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["train/num_tokens"] > 0 and rows[1]["rollout/off_policy_tokens"] > 0  # APRIL resumed step 0's rest
+    print(f"train.py on Megatron, 2 steps: {time.monotonic() - t0:.0f} s")
+
+    # the FSDP trainer, same flags, on the batch Megatron's step 0 trained
+    from slime.arguments import parse_args
+    from slime.backends.fsdp_utils.actor import FSDPTrainer
+    from slime.utils.types import Sample
+
+    step0 = json.loads((tmp_path / "rollouts" / "rollout_0.json").read_text())
+    groups = [[Sample.from_dict(s) for s in g] for g in step0["groups"]]
+    assert len({s.reward for g in groups for s in g}) > 1  # something to learn from
+    fsdp = FSDPTrainer(parse_args(_command(smollm2_dir, data, tmp_path / "fsdp", "fsdp")))
+    fsdp.init()
+    try:
+        m = fsdp.train(0, groups, 0)
+    finally:
+        fsdp.shutdown()
+    meg = {k.removeprefix("train/"): v for k, v in rows[0].items() if k.startswith("train/")}
+    print("step 0, Megatron run vs FSDP: " + ", ".join(f"{k} {meg[k]:.7g} / {m[k]:.7g}" for k in
+          ("loss", "entropy", "grad_norm", "logprob_abs_diff_max", "logprob_abs_diff_mean")))
+    for key in ("loss", "pg_loss", "entropy"):
+        assert meg[key] == pytest.approx(m[key], abs=1e-5), key
+    assert meg["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4) and m["grad_norm"] > 0
+    # both trainers' recomputation against the engine's log-probs of the same tokens (the real weights)
+    assert meg["logprob_abs_diff_max"] == pytest.approx(m["logprob_abs_diff_max"], abs=1e-5)
+    assert meg["logprob_abs_diff_max"] <= LOGPROB_BOUND
+
+
+# ---- the model against transformers', and one step on each trainer ------------------------------------------
 def test_megatron_is_transformers_llama_and_trains_as_fsdp(smollm2_dir, tmp_path):
     """The HF round trip; the model spec against transformers' LlamaForCausalLM (the installed, pinned-range
     version): structure and log-probs; then one RL step on each trainer from the same batch."""
@@ -114,59 +172,3 @@ def test_megatron_is_transformers_llama_and_trains_as_fsdp(smollm2_dir, tmp_path
     # After the step (Adam, lr 1e-5) both policies still agree to 1.9e-5 (measured) while the step moved the
     # log-probs by ~0.3 on average: they learned the same thing.
     assert after.max() <= LOGPROB_BOUND and moved.mean() > 1000 * LOGPROB_BOUND
-
-
-# ---- train.py on Megatron, the real-model command ------------------------------------------------------------
-def _command(model_dir: str, data: str, work, backend: str) -> list[str]:
-    """The real-model run (APRIL on the embedded engine), reduced to 2 short steps of one group of 4. The reward is
-    a hash of the response tokens, so the group has advantages to learn from whatever the model answers."""
-    argv = ["--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
-            "--apply-chat-template", "--custom-rm-path", "tests.plugins_for_tests.token_id_reward",
-            "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
-            "--global-batch-size", "4", "--num-rollout", "2", "--partial-rollout", "--over-sampling-batch-size", "2",
-            "--lr", "1e-5", "--run-dir", str(work / "run"),
-            "--save-debug-rollout-data", str(work / "rollouts" / "rollout_{rollout_id}.json"),
-            "--train-backend", backend]
-    return argv + model_args() if backend == "megatron" else argv
-
-
-def test_train_py_runs_the_real_model_on_megatron_as_on_fsdp(smollm2_dir, tmp_path):
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import convert_smollm2
-    finally:
-        sys.path.pop(0)
-    data = convert_smollm2.write_reasoning_gym(str(tmp_path / "data.jsonl"), num=16, seed=0)
-    argv = _command(smollm2_dir, data, tmp_path, "megatron")
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=800,
-                         env={**os.environ, "PYTHONPATH": REPO, "SLIME_SKIP_INSTALL": "1"})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
-    assert rows[0]["train/num_tokens"] > 0 and rows[1]["rollout/off_policy_tokens"] > 0  # APRIL resumed step 0's rest
-    print(f"train.py on Megatron, 2 steps: {time.monotonic() - t0:.0f} s")
-
-    # the FSDP trainer, same flags, on the batch Megatron's step 0 trained
-    from slime.arguments import parse_args
-    from slime.backends.fsdp_utils.actor import FSDPTrainer
-    from slime.utils.types import Sample
-
-    step0 = json.loads((tmp_path / "rollouts" / "rollout_0.json").read_text())
-    groups = [[Sample.from_dict(s) for s in g] for g in step0["groups"]]
-    assert len({s.reward for g in groups for s in g}) > 1  # something to learn from
-    fsdp = FSDPTrainer(parse_args(_command(smollm2_dir, data, tmp_path / "fsdp", "fsdp")))
-    fsdp.init()
-    try:
-        m = fsdp.train(0, groups, 0)
-    finally:
-        fsdp.shutdown()
-    meg = {k.removeprefix("train/"): v for k, v in rows[0].items() if k.startswith("train/")}
-    print("step 0, Megatron run vs FSDP: " + ", ".join(f"{k} {meg[k]:.7g} / {m[k]:.7g}" for k in
-          ("loss", "entropy", "grad_norm", "logprob_abs_diff_max", "logprob_abs_diff_mean")))
-    for key in ("loss", "pg_loss", "entropy"):
-        assert meg[key] == pytest.approx(m[key], abs=1e-5), key
-    assert meg["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4) and m["grad_norm"] > 0
-    # both trainers' recomputation against the engine's log-probs of the same tokens (the real weights)
-    assert meg["logprob_abs_diff_max"] == pytest.approx(m["logprob_abs_diff_max"], abs=1e-5)
-    assert meg["logprob_abs_diff_max"] <= LOGPROB_BOUND

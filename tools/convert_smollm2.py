@@ -88,15 +88,15 @@ def convert(out_dir: str, force: bool = False) -> str:
 
 
 def reasoning_gym_rows(task: str, num: int, seed: int, config: dict | None = None,
-                       exclude: frozenset[str] = frozenset()) -> list[dict]:
+                       exclude: frozenset[str] = frozenset(), distinct: bool = False) -> list[dict]:
     """`num` rows {"prompt": [chat messages], "label": answer, "metadata": {...}} from a reasoning-gym generator
-    (offline), `config` its parameters (e.g. chain_sum's min_terms, max_digits); questions in `exclude` are skipped
-    (a held-out set never repeats a training question)."""
+    (offline), `config` its parameters (e.g. chain_sum's min_terms, max_digits). Questions in `exclude` are skipped
+    (a training set never holds a held-out question); `distinct`: each question once (the generator repeats the
+    small ones: chain_sum has 200 one-digit questions)."""
     import reasoning_gym
 
-    rows, seen = [], set(exclude)
     size = num
-    while len(rows) < num:
+    while True:
         ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(config or {}))
         rows, seen = [], set(exclude)
         for i, item in enumerate(ds):
@@ -104,20 +104,23 @@ def reasoning_gym_rows(task: str, num: int, seed: int, config: dict | None = Non
                 raise ValueError(f"reasoning-gym {task} item {i} lacks 'question'/'answer' (keys: {sorted(item)})")
             if item["question"] in seen:
                 continue
-            seen.add(item["question"])
+            if distinct:
+                seen.add(item["question"])
             rows.append({
                 "prompt": [{"role": "user", "content": f"{item['question']}\n{ANSWER_INSTRUCTION}"}],
                 "label": str(item["answer"]),
                 "metadata": {"source": f"reasoning_gym/{task}", "index": i},
             })
             if len(rows) == num:
-                break
-        if len(rows) < num:
-            if size >= 16 * num:
-                raise ValueError(f"reasoning-gym {task} {config or {}}: only {len(rows)} distinct questions "
-                                 f"(outside the {len(exclude)} excluded) in {size} draws; {num} asked")
-            size *= 2
-    return rows
+                return rows
+        if size >= 16 * num:
+            raise ValueError(f"reasoning-gym {task} {config or {}}: only {len(rows)} usable questions in {size} draws "
+                             f"({len(exclude)} excluded{', each once' if distinct else ''}); {num} asked")
+        size *= 2
+
+
+def question_of(row: dict) -> str:
+    return row["prompt"][0]["content"].rsplit("\n", 1)[0]
 
 
 def _write_rows(path: str, rows: list[dict]) -> str:
@@ -135,13 +138,14 @@ def write_reasoning_gym(path: str, task: str = "basic_arithmetic", num: int = 64
 
 def write_train_and_eval(train_path: str, eval_path: str, task: str, config: dict | None, train_num: int,
                          eval_num: int, train_seed: int, eval_seed: int) -> tuple[str, str]:
-    """A training set and a held-out eval set from the same generator with different seeds; the eval set holds
-    no question of the training set."""
-    if train_seed == eval_seed:
-        raise ValueError(f"--seed and --eval-seed are both {train_seed}: the eval set would repeat the training set")
-    train = reasoning_gym_rows(task, train_num, train_seed, config)
-    held_out = reasoning_gym_rows(task, eval_num, eval_seed, config,
-                                  exclude=frozenset(r["prompt"][0]["content"].rsplit("\n", 1)[0] for r in train))
+    """A held-out eval set (distinct questions, drawn first) and a training set from the same generator that holds
+    none of them. reasoning-gym draws item i of seed s from `Random(s + i)`, so seeds closer than the sets' sizes
+    share items: the two seeds must be at least that far apart."""
+    if abs(train_seed - eval_seed) < 16 * max(train_num, eval_num):
+        raise ValueError(f"--seed {train_seed} and --eval-seed {eval_seed} are closer than 16 x the sets' sizes: "
+                         "reasoning-gym's item i of seed s is item i + 1 of seed s - 1, so the sets would share items")
+    held_out = reasoning_gym_rows(task, eval_num, eval_seed, config, distinct=True)
+    train = reasoning_gym_rows(task, train_num, train_seed, config, exclude=frozenset(map(question_of, held_out)))
     return _write_rows(train_path, train), _write_rows(eval_path, held_out)
 
 
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--num", type=int, default=64, help="number of data rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-num", type=int, default=64, help="number of held-out eval rows")
-    p.add_argument("--eval-seed", type=int, default=1)
+    p.add_argument("--eval-seed", type=int, default=1_000_000)
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     a = p.parse_args(argv)
     if a.eval_data and not a.data:

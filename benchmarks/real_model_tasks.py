@@ -4,8 +4,9 @@
 
 Per candidate (a reasoning-gym generator and its parameters), `--n` prompts as the real-model quick start writes them
 (tools/convert_smollm2.py: the question plus the boxed-answer instruction, SmolLM2's chat template), answered greedily
-by transformers' `generate` (up to --max-new tokens) and scored by `--rm-type math`: accuracy, the mean response
-length, and with --samples the accuracy of samples at temperature 1 and the share of prompts whose samples disagree
+by transformers' `generate` (up to --max-new tokens) and scored by the quick start's reward (the final number must
+equal the answer: slime/tasks/final_number.py) and, beside it, by `--rm-type math` (math-verify, which also counts an
+echoed question as its value): accuracy, the mean response length, and with --samples the accuracy of samples at temperature 1 and the share of prompts whose samples disagree
 (the groups GRPO learns from). One JSON line per candidate. docs/real-model.md holds the table and the choice.
 """
 
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
 
     import convert_smollm2
     from slime.rollout.rm_hub.math_verify_reward import math_verify_reward
+    from slime.tasks.final_number import compute_reward
 
     torch.set_num_threads(a.threads)
     convert_smollm2.convert(a.model)
@@ -68,7 +70,10 @@ def main(argv=None) -> int:
         return ([tok.decode(o, skip_special_tokens=True) for o in out],
                 [int((o != tok.pad_token_id).sum()) for o in out])
 
-    async def score(responses: list[str], labels: list[str]) -> list[float]:
+    def score(responses: list[str], labels: list[str]) -> list[float]:
+        return [compute_reward(r, lab) for r, lab in zip(responses, labels)]
+
+    async def score_math(responses: list[str], labels: list[str]) -> list[float]:
         return [await math_verify_reward(r, lab, 10.0) for r, lab in zip(responses, labels)]
 
     for name in a.names:
@@ -77,8 +82,9 @@ def main(argv=None) -> int:
         rows = convert_smollm2.reasoning_gym_rows(task, a.n, a.seed, config, distinct=True)
         labels = [r["label"] for r in rows]
         responses, lengths = generate(rows, 0)
-        right = asyncio.run(score(responses, labels))
+        right = score(responses, labels)
         res = {"candidate": name, "task": task, "config": config, "prompts": a.n, "greedy_accuracy": sum(right) / a.n,
+               "greedy_accuracy_math_verify": sum(asyncio.run(score_math(responses, labels))) / a.n,
                "greedy_response_tokens_mean": sum(lengths) / a.n, "example": [rows[0]["prompt"][0]["content"].split("\n")[0],
                                                                                responses[0][:120], labels[0]]}
         if a.samples:
@@ -86,7 +92,7 @@ def main(argv=None) -> int:
             for i in range(0, a.n, 8):
                 chunk = rows[i:i + 8]
                 out, _ = generate(chunk, a.samples)
-                got = asyncio.run(score(out, [r["label"] for r in chunk for _ in range(a.samples)]))
+                got = score(out, [r["label"] for r in chunk for _ in range(a.samples)])
                 per_prompt += [sum(got[j * a.samples:(j + 1) * a.samples]) for j in range(len(chunk))]
             res["sampled_accuracy"] = sum(per_prompt) / (a.n * a.samples)
             res["prompts_with_mixed_samples"] = sum(0 < k < a.samples for k in per_prompt) / a.n

@@ -56,12 +56,14 @@ fi
 # --sglang-max-prefill-tokens 2048: a CPU-sized prefill step (~0.6 TFLOP, seconds; 8192, the GPU-sized default, takes
 # ~45 s here and stalls every decoding row meanwhile). Set for the embedded engine only: SGLang's server on CPU takes
 # it too, with the same meaning.
+# The reward: the response's final number must equal the answer (slime/tasks/final_number.py). Not --rm-type math:
+# math-verify reads an echoed question ("8 - 2 =") as its value, and the model learns to echo within five steps.
 rm -rf "$RUN"
 $PY train.py \
   --hf-checkpoint "$WORK/model" \
   --prompt-data "$WORK/train.jsonl" --input-key prompt --label-key label --apply-chat-template \
   --rollout-shuffle --rollout-seed 1 --seed 1 \
-  --rm-type math --sglang-max-prefill-tokens 2048 \
+  --custom-rm-path slime.tasks.final_number.reward --sglang-max-prefill-tokens 2048 \
   --num-rollout "$STEPS" --rollout-batch-size 4 --n-samples-per-prompt 8 \
   --rollout-max-response-len 64 --rollout-temperature 1.0 \
   "${ROLLOUT_MODE[@]}" \
@@ -69,6 +71,7 @@ $PY train.py \
   --lr 1e-5 --global-batch-size 32 --micro-batch-size 16 \
   --eval-prompt-data held_out "$WORK/eval.jsonl" --eval-interval "$EVAL_INTERVAL" \
   --eval-temperature 0 --eval-max-response-len 64 \
+  --save "$RUN/ckpt" --save-interval "$STEPS" \
   --run-dir "$RUN" \
   "$@"
 

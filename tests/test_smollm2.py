@@ -49,7 +49,7 @@ def test_conversion_is_plain_fp32_and_cached(smollm2_model):
     assert "5" in text, text  # the dequantised weights still answer a trivial question
 
 
-def test_train_and_held_out_sets_and_math_reward(tmp_path):
+def test_train_and_held_out_sets_and_the_final_number_reward(tmp_path):
     from slime.arguments import parse_args
     from slime.rollout.rm_hub import async_rm
     from slime.utils.types import Sample
@@ -62,23 +62,27 @@ def test_train_and_held_out_sets_and_math_reward(tmp_path):
     questions = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
     assert len(questions(eval_rows)) == 50  # distinct held-out questions (the training set may repeat one)
     assert not questions(train_rows) & questions(eval_rows)  # held out: no training question
-    assert all("\\boxed" in q and " = " not in q.split("\n")[0][:-2] for q in questions(eval_rows))
     terms = [r["prompt"][0]["content"].split(": ")[1].split(" =")[0].split() for r in eval_rows]
     assert all(len(t) == 3 and all(len(x.lstrip("-")) <= 2 for x in t[::2]) for t in terms), terms[:3]  # 2 terms, <= 2 digits
+    assert all("\\boxed{ANSWER}" in r["prompt"][0]["content"] for r in eval_rows)
     with pytest.raises(ValueError, match="--eval-seed"):  # reasoning-gym's item i of seed 1 is item i + 1 of seed 0
         convert_smollm2.write_train_and_eval(str(tmp_path / "a"), str(tmp_path / "b"), "chain_sum", CHAIN_SUM, 4, 4, 0, 1)
 
-    args = parse_args(
-        ["--hf-checkpoint", str(tmp_path), "--prompt-data", train, "--input-key", "prompt", "--label-key", "label",
-         "--apply-chat-template", "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-         "--rollout-max-response-len", "64", "--global-batch-size", "8", "--num-rollout", "2"]
-    )  # fmt: skip
+    # the quick start's reward, as train.py calls it: the final number (the last box, else the last number) must be
+    # the answer; an echoed question is wrong, though `--rm-type math` (math-verify) reads it as its value
+    flags = ["--hf-checkpoint", str(tmp_path), "--prompt-data", train, "--input-key", "prompt", "--label-key", "label",
+             "--apply-chat-template", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-rollout", "2"]
+    args = parse_args([*flags, "--custom-rm-path", "slime.tasks.final_number.reward"])
+    math_args = parse_args([*flags, "--rm-type", "math"])
     for row in eval_rows[:8]:
-        label = row["label"]
-        good = Sample(prompt=row["prompt"], label=label, response=f"The answer is \\boxed{{{label}}}")
-        bad = Sample(prompt=row["prompt"], label=label, response=f"The answer is \\boxed{{{int(label) + 7}}}")
-        assert asyncio.run(async_rm(args, good)) == 1.0
-        assert asyncio.run(async_rm(args, bad)) == 0.0
+        label, question = row["label"], row["prompt"][0]["content"].split(": ")[1].split("\n")[0]  # "4 - 1 ="
+        score = lambda response, a=args: asyncio.run(async_rm(a, Sample(prompt=row["prompt"], label=label, response=response)))  # noqa: E731
+        assert score(f"The answer is \\boxed{{{label}}}.") == 1.0
+        assert score(f"{question} {label}") == 1.0  # no box: the last number written
+        assert score(f"\\boxed{{{int(label) + 7}}} though {label} came to mind") == 0.0  # the box wins
+        assert score(f"{label} is what I would say, but it is {int(label) + 1}") == 0.0
+        if question.split()[0] != "0" and question.split()[2] != label:  # an echo whose last operand is not the answer
+            assert score(question) == 0.0 and score(question, math_args) == 1.0
 
 
 @pytest.mark.slow
@@ -94,7 +98,7 @@ def test_real_model_quick_start_two_april_steps(smollm2_model, tmp_path):
     os.symlink(smollm2_model, os.path.join(env["WORK"], "model"))  # converted once per session (tests/conftest.py)
     small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
              "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "24",
-             "--eval-max-response-len", "24", "--no-use-wandb", "--save", str(tmp_path / "ckpt")]
+             "--eval-max-response-len", "24", "--no-use-wandb"]
     proc = subprocess.run(["bash", "scripts/quickstart.sh", "--real-model", *small], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=840)
     out = proc.stdout + proc.stderr
@@ -110,6 +114,6 @@ def test_real_model_quick_start_two_april_steps(smollm2_model, tmp_path):
     assert gain["prompts"] == 8 and gain["gain_interval"][0] <= gain["gain"] <= gain["gain_interval"][1]
     assert "eval gain: " in out and "(95% interval " in out
     assert (run / "plots" / "reward.png").is_file()
-    audit = subprocess.run([sys.executable, "tools/audit_ledger.py", str(tmp_path / "ckpt")], cwd=REPO, env=env,
+    audit = subprocess.run([sys.executable, "tools/audit_ledger.py", str(run / "ckpt")], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr

@@ -127,10 +127,8 @@ def test_health_passes_on_progress_while_its_own_request_waits(model_dir, start_
     for t in queue:
         t.start()
     assert _wait_load(srv, "num_waiting_reqs", 39, timeout=30)
-    t0 = time.monotonic()
-    assert srv.get("/health_generate", timeout=30).status_code == 200
-    assert time.monotonic() - t0 < 3  # answered on progress, not after its own turn
-    assert srv.load()["num_waiting_reqs"] >= 30  # the queue was still there: its own request had not run
+    assert srv.get("/health_generate", timeout=30).status_code == 200  # its own turn is > 3 s away: 503 before
+    assert srv.load()["num_waiting_reqs"] >= 30  # the queue was still there: answered on progress, not on its turn
     assert srv.post("/abort_request", {"abort_all": True}).status_code == 200
     assert _wait_idle(srv, timeout=30)
 

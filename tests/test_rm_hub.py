@@ -233,3 +233,16 @@ def test_subtract_chain_real_task(rm):
         assert rm("subtract_chain", wrong, label) == 0.0
 
 
+
+
+def test_math_verify_says_nothing_untrue_about_its_timeouts(caplog):
+    """math-verify warns that its timeouts are off and the caller must bound it; every call here is bounded
+    (--reward-timeout), so the run's log does not carry that warning. Its other warnings still get through."""
+    import logging
+
+    from slime.rollout.rm_hub.math_verify_reward import math_verify_correct
+
+    with caplog.at_level(logging.WARNING):
+        assert math_verify_correct("so it is $x^2+1$", ["x^2+1"])
+        logging.getLogger("math_verify.parser").warning("some other problem")
+    assert "Timeout is disabled" not in caplog.text and "some other problem" in caplog.text

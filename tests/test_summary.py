@@ -56,3 +56,51 @@ def test_summary_counts_restarts_to_the_end(base_args, tmp_path, caplog):
     assert json.loads((tmp_path / "summary.json").read_text())["restarts"] == {"engine": 0, "router": 1, "trainer": 1}
     assert out["restarts"]["trainer"] == 1 and "restarts: engine 0, router 1, trainer 1" in caplog.text
     assert log_run_summary(str(tmp_path), str(metrics), base_args.replace(save=None))["restarts"] == {}
+
+
+def _eval_row(step: int, scores: list, prompts: str = "p1") -> dict:
+    return {"step": step, "set": "held_out", "prompts": prompts, "scores": scores}
+
+
+def test_paired_gain_and_its_interval():
+    from slime.utils.eval_scores import accuracy_interval, gain_line, paired_gain
+
+    # 10 of 40 prompts turn right, none turn wrong: gain 0.25, sd of the differences sqrt(0.25 * 0.75 * 40 / 39)
+    before, after = [0.0] * 30 + [1.0] * 10, [0.0] * 20 + [1.0] * 20
+    g = paired_gain(_eval_row(-1, before), _eval_row(9, after))
+    half = 1.959963984540054 * (0.25 * 0.75 * 40 / 39) ** 0.5 / 40 ** 0.5
+    assert g["prompts"] == 40 and abs(g["gain"] - 0.25) < 1e-12
+    assert abs(g["gain_interval"][0] - (0.25 - half)) < 1e-12 and abs(g["gain_interval"][1] - (0.25 + half)) < 1e-12
+    assert g["before"][0] == 0.25 and g["after"][0] == 0.5
+    # the same accuracies with every prompt changing (10 right -> wrong, 20 wrong -> right): a wider interval
+    shuffled = paired_gain(_eval_row(-1, [1.0] * 10 + [0.0] * 30), _eval_row(9, [0.0] * 10 + [1.0] * 20 + [0.0] * 10))
+    assert abs(shuffled["gain"] - 0.25) < 1e-12 and shuffled["gain_interval"][0] < g["gain_interval"][0]
+    assert gain_line(g).startswith("eval gain: +0.250 (95% interval +0.1")
+    assert accuracy_interval([0.0] * 5) == (0.0, 0.0, 0.0) and accuracy_interval([1.0, 1.0, None]) == (1.0, 1.0, 1.0)
+    # prompts without a score (every sample failed) on either side are left out of the pairs
+    assert paired_gain(_eval_row(-1, [0.0, None, 1.0]), _eval_row(1, [1.0, 1.0, None]))["prompts"] == 1
+
+
+def test_no_paired_gain_over_different_prompts():
+    import pytest
+
+    from slime.utils.eval_scores import paired_gain
+
+    with pytest.raises(ValueError, match="different prompts"):
+        paired_gain(_eval_row(-1, [0.0, 1.0]), _eval_row(3, [1.0, 1.0], prompts="p2"))
+
+
+def test_the_summary_prints_the_gain_from_the_first_eval_to_the_last(base_args, tmp_path, caplog):
+    from slime.utils.eval_scores import EVAL_SCORES
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows([{0: 1}], 0.0)))
+    (tmp_path / EVAL_SCORES).write_text("".join(json.dumps(r) + "\n" for r in (
+        _eval_row(4, [0.0, 1.0, 1.0, 1.0]), _eval_row(-1, [0.0, 0.0, 1.0, 0.0]), _eval_row(1, [0.0, 1.0, 0.0, 0.0]))))
+    with caplog.at_level("INFO"):
+        out = log_run_summary(str(tmp_path), str(metrics), base_args.replace(save=None))
+    (g,) = out["eval_gains"]
+    assert (g["from_step"], g["to_step"], g["prompts"], g["gain"]) == (-1, 4, 4, 0.5)
+    assert "eval gain: +0.500 (95% interval" in caplog.text
+    assert "eval accuracy [held_out] step -1 -> 4, 4 prompts: 0.250" in caplog.text
+    assert json.loads((tmp_path / "summary.json").read_text()) == out

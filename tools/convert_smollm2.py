@@ -87,27 +87,43 @@ def convert(out_dir: str, force: bool = False) -> str:
     return out_dir
 
 
-def reasoning_gym_rows(task: str, num: int, seed: int) -> list[dict]:
-    """Rows {"prompt": [chat messages], "label": answer, "metadata": {...}} from a reasoning-gym generator (offline)."""
+def reasoning_gym_rows(task: str, num: int, seed: int, config: dict | None = None,
+                       exclude: frozenset[str] = frozenset(), distinct: bool = False) -> list[dict]:
+    """`num` rows {"prompt": [chat messages], "label": answer, "metadata": {...}} from a reasoning-gym generator
+    (offline), `config` its parameters (e.g. chain_sum's min_terms, max_digits). Questions in `exclude` are skipped
+    (a training set never holds a held-out question); `distinct`: each question once (the generator repeats the
+    small ones: chain_sum has 200 one-digit questions)."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(task, size=num, seed=seed)
-    rows = []
-    for i, item in enumerate(ds):
-        if "question" not in item or "answer" not in item:
-            raise ValueError(f"reasoning-gym {task} item {i} lacks 'question'/'answer' (keys: {sorted(item)})")
-        rows.append(
-            {
+    size = num
+    while True:
+        ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(config or {}))
+        rows, seen = [], set(exclude)
+        for i, item in enumerate(ds):
+            if "question" not in item or "answer" not in item:
+                raise ValueError(f"reasoning-gym {task} item {i} lacks 'question'/'answer' (keys: {sorted(item)})")
+            if item["question"] in seen:
+                continue
+            if distinct:
+                seen.add(item["question"])
+            rows.append({
                 "prompt": [{"role": "user", "content": f"{item['question']}\n{ANSWER_INSTRUCTION}"}],
                 "label": str(item["answer"]),
                 "metadata": {"source": f"reasoning_gym/{task}", "index": i},
-            }
-        )
-    return rows
+            })
+            if len(rows) == num:
+                return rows
+        if size >= 16 * num:
+            raise ValueError(f"reasoning-gym {task} {config or {}}: only {len(rows)} usable questions in {size} draws "
+                             f"({len(exclude)} excluded{', each once' if distinct else ''}); {num} asked")
+        size *= 2
 
 
-def write_reasoning_gym(path: str, task: str = "basic_arithmetic", num: int = 64, seed: int = 0) -> str:
-    rows = reasoning_gym_rows(task, num, seed)
+def question_of(row: dict) -> str:
+    return row["prompt"][0]["content"].rsplit("\n", 1)[0]
+
+
+def _write_rows(path: str, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for row in rows:
@@ -115,20 +131,48 @@ def write_reasoning_gym(path: str, task: str = "basic_arithmetic", num: int = 64
     return path
 
 
+def write_reasoning_gym(path: str, task: str = "basic_arithmetic", num: int = 64, seed: int = 0,
+                        config: dict | None = None) -> str:
+    return _write_rows(path, reasoning_gym_rows(task, num, seed, config))
+
+
+def write_train_and_eval(train_path: str, eval_path: str, task: str, config: dict | None, train_num: int,
+                         eval_num: int, train_seed: int, eval_seed: int) -> tuple[str, str]:
+    """A held-out eval set (distinct questions, drawn first) and a training set from the same generator that holds
+    none of them. reasoning-gym draws item i of seed s from `Random(s + i)`, so seeds closer than the sets' sizes
+    share items: the two seeds must be at least that far apart."""
+    if abs(train_seed - eval_seed) < 16 * max(train_num, eval_num):
+        raise ValueError(f"--seed {train_seed} and --eval-seed {eval_seed} are closer than 16 x the sets' sizes: "
+                         "reasoning-gym's item i of seed s is item i + 1 of seed s - 1, so the sets would share items")
+    held_out = reasoning_gym_rows(task, eval_num, eval_seed, config, distinct=True)
+    train = reasoning_gym_rows(task, train_num, train_seed, config, exclude=frozenset(map(question_of, held_out)))
+    return _write_rows(train_path, train), _write_rows(eval_path, held_out)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output HF directory for the fp32 model")
     p.add_argument("--data", default=None, help="also write reasoning-gym rows to this jsonl file")
+    p.add_argument("--eval-data", default=None, help="and a held-out eval set here (needs --data; --eval-seed)")
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym dataset name (e.g. basic_arithmetic, gsm_symbolic)")
+    p.add_argument("--task-config", type=json.loads, default=None,
+                   help='the generator\'s parameters as JSON, e.g. \'{"min_terms": 2, "max_terms": 2, "max_digits": 2}\'')
     p.add_argument("--num", type=int, default=64, help="number of data rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-num", type=int, default=64, help="number of held-out eval rows")
+    p.add_argument("--eval-seed", type=int, default=1_000_000)
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     a = p.parse_args(argv)
+    if a.eval_data and not a.data:
+        p.error("--eval-data needs --data (the held-out set excludes the training set's questions)")
     convert(a.out, force=a.force)
-    if a.data:
-        write_reasoning_gym(a.data, a.task, a.num, a.seed)
-    print(json.dumps({"model": os.path.abspath(a.out), "data": a.data and os.path.abspath(a.data)}))  # CLI summary
+    if a.eval_data:
+        write_train_and_eval(a.data, a.eval_data, a.task, a.task_config, a.num, a.eval_num, a.seed, a.eval_seed)
+    elif a.data:
+        write_reasoning_gym(a.data, a.task, a.num, a.seed, a.task_config)
+    print(json.dumps({"model": os.path.abspath(a.out), "data": a.data and os.path.abspath(a.data),  # CLI summary
+                      "eval_data": a.eval_data and os.path.abspath(a.eval_data)}))
     return 0
 
 

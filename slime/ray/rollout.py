@@ -37,6 +37,7 @@ from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
 from slime.rollout.sampling_request import args_with_router
 from slime.rollout.staleness import StalenessCap
+from slime.utils.eval_scores import write_eval_scores
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.ledger import TRAINED, group_id
 from slime.utils.misc import load_function
@@ -193,6 +194,7 @@ class RolloutManager:
             out = run()
             if isinstance(out, RolloutOutput):
                 metrics.update(group_reward_metrics(out.groups, f"eval/{name}", self.args.reward_key))
+                write_eval_scores(self.run_dir, rollout_id, name, out.groups, self.args.reward_key)  # paired gains
                 metrics.update(tool_metrics([s for g in out.groups for s in g], f"eval/{name}/"))  # multi-turn only
             else:  # upstream's RolloutFnEvalOutput (or its dict), keyed by the function's own set names
                 metrics.update(eval_output_metrics(out, where, self.args.reward_key))

@@ -120,8 +120,9 @@ def truncate_jsonl(path: str, key: str, last: int) -> int:
 
 
 def truncate_run_logs(run_dir: str, last_step: int) -> None:
-    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl and rollout_trace.jsonl."""
-    for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id")):
+    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl, rollout_trace.jsonl and
+    eval_scores.jsonl."""
+    for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id"), ("eval_scores.jsonl", "step")):
         n = truncate_jsonl(os.path.join(run_dir, name), key, last_step)
         if n:
             logger.info("resume from step %d: removed %d later row(s) of %s (they are re-run)", last_step, n, name)

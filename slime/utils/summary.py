@@ -6,6 +6,7 @@ import json
 import logging
 import os
 
+from slime.utils.eval_scores import accuracy_line, first_to_last, gain_line
 from slime.utils.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ def log_run_summary(run_dir: str, metrics_path: str, args, restarts: dict[str, i
     summary["metrics"] = metrics_path
     summary["checkpoint"] = os.path.abspath(args.save) if args.save else None
     summary["max_staleness"] = args.max_staleness
+    gains = first_to_last(run_dir)  # per eval set: first eval -> last, the same prompts (eval_scores.jsonl)
+    summary["eval_gains"] = gains
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
 
@@ -124,6 +127,8 @@ def log_run_summary(run_dir: str, metrics_path: str, args, restarts: dict[str, i
         "==== run summary ====",
         f"steps: {summary.get('steps', 0)}",
         f"eval accuracy: {fmt(summary.get('eval_accuracy_first'))} -> {fmt(summary.get('eval_accuracy_last'))}",
+        *(line for g in gains for line in (accuracy_line(g), gain_line(g, "eval gain" if len(gains) == 1
+                                                                         else f"eval gain [{g['set']}]"))),
         f"reward (first -> last quarter of steps): {fmt(summary.get('reward_first_quarter'))} -> {fmt(summary.get('reward_last_quarter'))}",
         f"rollout tokens/s: {fmt(summary.get('rollout_tokens_per_s'), '.1f')}",
         staleness_line(summary, args),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -224,7 +225,15 @@ async def freeze_gc(request: web.Request) -> web.Response:
     return web.Response(status=200, text="Garbage collection frozen.\n")
 
 
+def _steps(engine: Engine) -> int:
+    st = engine.scheduler.stats
+    return st.decode_steps + st.prefills
+
+
 async def health_generate(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's rule (python/sglang/srt/entrypoints/http_server.py, `health_generate`): a one-token request
+    is sent, and the engine is healthy as soon as it makes progress (a step ends, this request's or any other's)
+    within SGLANG_HEALTH_CHECK_TIMEOUT seconds (default 20), so a busy engine passes without waiting its turn."""
     engine = request.app[ENGINE_KEY]
     if not engine.scheduler._thread.is_alive():
         return web.Response(status=503)
@@ -233,11 +242,19 @@ async def health_generate(request: web.Request) -> web.Response:
         return web.Response(status=200)  # alive, deliberately not generating (paused, or memory released)
     bos = engine.tokenizer.bos_token_id or 0
     inp = GenerateInput(f"HEALTH_CHECK_{time.time_ns()}", [bos], SamplingParams(max_new_tokens=1, temperature=0.0), False, False)
+    steps = _steps(engine)
+    own = asyncio.ensure_future(_run_to_end(engine, inp, hold))
+    deadline = time.monotonic() + float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
     try:
-        await asyncio.wait_for(_run_to_end(engine, inp, hold), 20)
-    except asyncio.TimeoutError:
+        while time.monotonic() < deadline:
+            await asyncio.wait([own], timeout=0.1)
+            if own.done():
+                return web.Response(status=200 if own.exception() is None else 503)
+            if _steps(engine) > steps:
+                return web.Response(status=200)
         return web.Response(status=503)
-    return web.Response(status=200)
+    finally:
+        own.cancel()
 
 
 def build_app(engine: Engine, host: str, port: int) -> web.Application:

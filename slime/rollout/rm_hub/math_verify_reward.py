@@ -10,6 +10,7 @@ math-verify cannot parse is scored by the normalised-string match; an empty labe
 
 from __future__ import annotations
 
+import logging
 import re
 
 from slime.rollout.rm_hub.math_grader import answers_match, definitely_different, is_word, normalize_answer, normalized_match
@@ -23,6 +24,18 @@ from slime.rollout.rm_hub.math_utils import (
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
 
 _APPROXIMATE_DECIMAL = re.compile(r"\d*\.\d*[1-9]")  # 0.33, 6.2831 (not 2.0)
+
+
+class _BoundedHere(logging.Filter):
+    """math-verify warns on each first call that its timeouts are off and the caller must bound it: we do (every
+    call runs under `--reward-timeout`), so the warning is not true of a run here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _logger in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger).addFilter(_BoundedHere())
 
 
 def golds_of(label) -> list[str]:

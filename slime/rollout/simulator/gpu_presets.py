@@ -69,6 +69,9 @@ MODELS = {
     "qwen3-4b": ModelSpec("Qwen3-4B", 4.02e9, 36, 32, 8, 128,
                           "Qwen/Qwen3-4B config.json (hidden 2560, 36 layers, 32 q / 8 kv heads x 128, intermediate 9728, "
                           "vocab 151936, tied embeddings)"),
+    "smollm2-135m": ModelSpec("SmolLM2-135M", 134.5e6, 30, 9, 3, 64,
+                              "HuggingFaceTB/SmolLM2-135M-Instruct config.json (hidden 576, 30 layers, 9 q / 3 kv heads "
+                              "x 64, intermediate 1536, vocab 49152, tied embeddings)"),
 }
 
 

@@ -155,16 +155,17 @@ fi
 if [[ $PART == 2 ]]; then
   # the real-model quick start's train.py command (scripts/quickstart.sh --real-model: reasoning-gym chain_sum, 4
   # groups x 8 samples, <= 64 new tokens, greedy held-out eval), in bf16 and without its CPU-sized prefill step
-  real_flags() {  # real_flags MODEL DATA-DIR RM-TYPE EVAL-INTERVAL DTYPE-FLAGS...
+  real_flags() {  # real_flags MODEL DATA-DIR "REWARD-FLAGS" EVAL-INTERVAL DTYPE-FLAGS...
     local model=$1 data=$2 rm=$3 every=$4; shift 4
     echo --hf-checkpoint "$model" --prompt-data "$data/train.jsonl" --input-key prompt --label-key label \
-      --apply-chat-template --rollout-shuffle --rollout-seed 1 --seed 1 --rm-type "$rm" --rollout-batch-size 4 \
+      --apply-chat-template --rollout-shuffle --rollout-seed 1 --seed 1 $rm --rollout-batch-size 4 \
       --n-samples-per-prompt 8 --rollout-max-response-len 64 --rollout-temperature 1.0 --advantage-estimator grpo \
       --calculate-per-token-loss --use-tis --lr 1e-5 --global-batch-size 32 --micro-batch-size 16 \
       --eval-prompt-data held_out "$data/eval.jsonl" --eval-interval "$every" --eval-temperature 0 \
       --eval-max-response-len 64 --train-backend fsdp --rollout-backend embedded --no-use-wandb "$@"
   }
-  read -r -a RGPU <<< "$(real_flags "$MODELS/smollm2" "$WORK/real_data" math $((GPU_REAL_STEPS / 2)) --bf16 \
+  read -r -a RGPU <<< "$(real_flags "$MODELS/smollm2" "$WORK/real_data" "--custom-rm-path slime.tasks.final_number.reward" \
+                         $((GPU_REAL_STEPS / 2)) --bf16 \
                          --sglang-dtype bfloat16)"
   APRIL=(--partial-rollout --over-sampling-batch-size 8 --max-staleness 4 --staleness-policy restart)
   COLOCATED=(--colocate --offload --update-weight-mode tensor)
@@ -192,7 +193,7 @@ EOF
     $PY benchmarks/main_job_task.py --out "$WORK/task" --model-cache "$MODELS" --model quickstart --rows 256 \
       --median 24 --cap 48 2>&1 | grep -v "Writing model shards" | tail -n 1 > "$LOGS/task.json"
     head -n 16 "$WORK/task/train.jsonl" > "$WORK/task/eval.jsonl"
-    read -r -a RCOMMON <<< "$(real_flags "$MODELS/quickstart" "$WORK/task" subtract_chain 2 --no-bf16)"
+    read -r -a RCOMMON <<< "$(real_flags "$MODELS/quickstart" "$WORK/task" "--rm-type subtract_chain" 2 --no-bf16)"
     MODES_R=(april)  # sync is APRIL's command without APRIL's flags: checked above
   else
     stage "C. SmolLM2-135M-Instruct from the GGUF"

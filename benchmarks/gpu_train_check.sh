@@ -13,21 +13,22 @@
 #
 # Steps, each under its own time cap inside a total budget (BUDGET_S, default 290 s), results under $OUT:
 #   A. GPU tests: test_megatron_gpu.py, the CUDA offload test (trainer's own allocation, ~60M model), the CUDA
-#      varlen-kernel test, test_one_rl_step_equals_fsdp, the gspo tests of test_fsdp_trainer.py   -> tests_gpu.xml
+#      varlen-kernel test, test_one_rl_step_equals_fsdp, the gspo tests of test_trainer.py        -> tests_gpu.xml
 #   B. the ~0.5B Qwen3 (hidden 1024, 16 layers, vocab 151,936, tied), Megatron bf16 TP=1, 8 samples of
 #      256 + ~16k tokens, micro-batch 1: peak GPU memory (target <= 40 GB)                         -> bench_16k.json
 #   C. the RL-shaped batch (64 samples, 256-token prompts, 768-2,048-token responses: ~100k tokens), bf16,
 #      --use-dynamic-batch-size --max-tokens-per-gpu 16384: Megatron packed, FSDP packed, Megatron padded: time
 #      per train(), tokens/s, MFU (target >= 25%), FSDP / Megatron (target <= 1.3x)               -> bench_rl.json
 #      and Megatron packed with --compile-ops (does torch.compile of RMSNorm / SwiGLU pay?)       -> bench_rl_compile.json
-#   D. the rest of the trainer tests on CUDA (test_train_at_length, test_megatron_trainer, test_fsdp_trainer,
+#   D. the rest of the trainer tests on CUDA (test_train_at_length, test_megatron_trainer, test_trainer,
 #      test_logprob_head; not the slow ones)                                                        -> tests_rest.xml
 #   E. the same batch at --micro-batch-size 2 (the issue's measurement: 5.40 s), packed and padded -> bench_rl_mbs2.json
 # --final (BUDGET_S 95; the wheels' install is skipped when $SITE already has them, e.g. SITE=/tmp/gpu_check_work/site
 # after benchmarks/gpu_check.sh):
-#   T. in the background, 5 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py in two
-#      halves | test_train_at_length.py | test_offload.py (the CUDA offload test) + test_logprob_head.py (the fused
-#      head on CUDA) | test_fsdp_trainer.py + test_train_device.py (not the slow ones) -> tests_final_{1..5}.xml
+#   T. in the background, 5 pytest processes on the GPU, each cut at T_CAP (45 s): test_megatron_trainer.py |
+#      test_trainer.py's Megatron half | test_train_at_length.py | test_offload.py (the CUDA offload test) +
+#      test_logprob_head.py (the fused head on CUDA) | test_trainer.py's FSDP half + test_train_device.py (not the
+#      slow ones) -> tests_final_{1..5}.xml
 #   R. meanwhile the RL batch as in C, one process: Megatron packed, then FSDP packed (FINAL_PADDED=1: Megatron
 #      padded too, on the same trainer), with the defaults (--compile-ops auto: on here); the fused head's log-probs
 #      against the eager head's on 8 samples; the timed train() calls wait for T (its kernels would share the GPU)
@@ -112,12 +113,11 @@ if ((FINAL)); then
     echo "T_tests_final_$n: rc=$? at $(( SECONDS - START )) s (cap $T_CAP s)" >> "$OUT/status.txt"
   }
   (
-    MT="rl_step or old_log_probs or micro_and_dynamic or failed_samples or sft_and_kl"  # ~half of its tests
-    tests_final 1 tests/test_megatron_trainer.py -m "not slow" -k "$MT" &
-    tests_final 2 tests/test_megatron_trainer.py -m "not slow" -k "not ($MT)" &
+    tests_final 1 tests/test_megatron_trainer.py -m "not slow" &
+    tests_final 2 tests/test_trainer.py -m "not slow" -k megatron &
     tests_final 3 tests/test_train_at_length.py -m "not slow" &
     tests_final 4 tests/test_offload.py tests/test_logprob_head.py &  # (the fused head's test too: slow on CPU only)
-    tests_final 5 tests/test_fsdp_trainer.py tests/test_train_device.py -m "not slow" &
+    tests_final 5 tests/test_trainer.py tests/test_train_device.py -m "not slow" -k "not megatron" &
     wait
     touch "$OUT/.tests_done"
   ) &
@@ -133,9 +133,9 @@ step A_tests_gpu "${CAPS[0]}" "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
   "tests/test_offload.py::test_cuda_offload_frees_most_of_the_trainers_memory" \
   "tests/test_logprob_head.py::test_cuda_varlen_kernel_matches_per_sample_attention" \
   "tests/test_megatron_trainer.py::test_one_rl_step_equals_fsdp" \
-  "tests/test_fsdp_trainer.py::test_gspo_dual_clip_applies_through_the_trainer_loss" \
-  "tests/test_fsdp_trainer.py::test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight" \
-  "tests/test_fsdp_trainer.py::test_gspo_with_dual_clip_trains_and_reports_the_dual_clipfrac"
+  "tests/test_trainer.py::test_gspo_dual_clip_applies_through_the_trainer_loss" \
+  "tests/test_trainer.py::test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight" \
+  "tests/test_trainer.py::test_gspo_with_dual_clip_trains_with_gradient_accumulation"
 step B_bench_16k "${CAPS[1]}" $PY "${BENCH[@]}" --backends megatron --layouts packed "${L16[@]}" --steps 1 \
   --json "$OUT/bench_16k.json"
 step C_bench_rl "${CAPS[2]}" $PY "${BENCH[@]}" --backends megatron fsdp --layouts packed padded "${LRL[@]}" \
@@ -143,7 +143,7 @@ step C_bench_rl "${CAPS[2]}" $PY "${BENCH[@]}" --backends megatron fsdp --layout
 step C_bench_rl_compile "${CAPS[3]}" $PY "${BENCH[@]}" --backends megatron --layouts packed "${LRL[@]}" --steps 2 \
   --json "$OUT/bench_rl_compile.json" --compile-ops
 step D_tests_rest "${CAPS[4]}" "${PYTEST[@]}" --junitxml="$OUT/tests_rest.xml" -m "not slow" \
-  tests/test_train_at_length.py tests/test_logprob_head.py tests/test_megatron_trainer.py tests/test_fsdp_trainer.py
+  tests/test_train_at_length.py tests/test_logprob_head.py tests/test_megatron_trainer.py tests/test_trainer.py
 step E_bench_rl_mbs2 "${CAPS[5]}" $PY "${BENCH[@]}" --configs megatron:packed megatron:padded "${LRL2[@]}" --steps 1 \
   --json "$OUT/bench_rl_mbs2.json"
 fi

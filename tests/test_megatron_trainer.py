@@ -1,7 +1,6 @@
-"""The Megatron trainer at world size 1, in-process (gloo, CPU shim): the
-same RL step as FSDP (loss, updated weights), log-probs vs transformers and
-on-policy TIS, micro / dynamic batches, FAILED samples, KL / SFT losses,
-checkpoint round trip, HF export, bf16, recompute."""
+"""The Megatron trainer's own features at world size 1, in-process (gloo, CPU shim): the same RL step as FSDP
+(loss, updated weights), the distributed optimizer's checkpoints, tied embeddings, bf16, recompute, the Qwen2 and
+Llama families, TP shards, the pad token's embedding row. What both backends do alike: tests/test_trainer.py."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from megatron_helpers import full_weights, megatron_args
 from test_fsdp_helpers import make_args, make_groups, make_model_dir, model_log_probs, reference_log_probs
 
 from slime.backends.training_utils.data import flatten_groups
-from slime.utils.types import Status
 
 pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
@@ -61,49 +59,6 @@ def test_one_rl_step_equals_fsdp(tiny_model_dir, make_trainer, estimator):
     assert max_diff(w_meg, w0) > 1e-3  # the step moved the weights
 
 
-def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, tiny_model_dir):
-    temperature = 0.7
-    t = make_trainer("megatron", rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
-    groups = make_groups(seed=3)
-    items = [it for g in flatten_groups(groups)[0] for it in g]
-    got = t._log_probs(t.actor, items)
-    for s, lp in zip([s for g in groups for s in g], got):
-        want = reference_log_probs(tiny_model_dir, s, temperature)
-        assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
-        s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
-    m = t.train(0, groups, policy_version=0)
-    assert m["logprob_abs_diff_max"] < 1e-5
-    assert m["tis_ess"] == pytest.approx(1.0, abs=1e-9)
-    assert m["ppo_kl"] == pytest.approx(0.0, abs=1e-7) and m["pg_clipfrac"] == 0.0
-
-
-def _grad_like_update(make_trainer, groups, *argv, **over) -> tuple[dict, dict]:
-    # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
-    t = make_trainer("megatron", *argv, lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
-    w0 = full_weights(t)
-    m = t.train(0, copy.deepcopy(groups), 0)
-    w1 = full_weights(t)
-    t.shutdown()
-    return {k: w0[k] - w1[k] for k in w0}, m
-
-
-@pytest.mark.parametrize("agg", ["token_mean", "sample_mean"])
-def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
-    groups = make_groups(seed=6)
-    over = dict(calculate_per_token_loss=agg == "token_mean")
-    g_full, m_full = _grad_like_update(make_trainer, groups, micro_batch_size=8, **over)
-    g_micro, m_micro = _grad_like_update(make_trainer, groups, micro_batch_size=3, **over)
-    g_dyn, m_dyn = _grad_like_update(make_trainer, groups, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20",
-                                     **over)
-    scale = max(float(v.abs().max()) for v in g_full.values())
-    assert scale > 1e-4
-    assert max_diff(g_full, g_micro) < 1e-5 * max(1.0, scale)
-    assert max_diff(g_full, g_dyn) < 1e-5 * max(1.0, scale)
-    for m in (m_micro, m_dyn):
-        assert m["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
-        assert m["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
-
-
 def test_the_pad_tokens_embedding_row_learns_as_in_transformers(make_trainer, tiny_model_dir):
     """transformers builds the embedding as nn.Embedding(padding_idx=pad_token_id): a pad token inside the text
     (SmolLM2's pad is <|im_end|>, which ends every chat turn) passes no gradient to its row. Megatron's embedding
@@ -144,55 +99,6 @@ def test_pad_token_id_is_read_as_nn_embedding_reads_padding_idx():
     with pytest.raises(ModelShapeError, match="pad_token_id 16 is outside the vocabulary"):
         shape_from_config({**cfg, "pad_token_id": 16})
 
-def test_failed_samples_never_enter_training(make_trainer):
-    groups = make_groups(seed=7)
-    failed = copy.deepcopy(groups)
-    victim = failed[0][1]
-    victim.status = Status.FAILED
-    victim.reward = None
-    without = copy.deepcopy(groups)
-    del without[0][1]
-    g_failed, m_failed = _grad_like_update(make_trainer, failed, global_batch_size=7)
-    g_without, m_without = _grad_like_update(make_trainer, without, global_batch_size=7)
-    assert m_failed["num_failed_excluded"] == 1 and m_failed["num_samples"] == 7
-    assert max_diff(g_failed, g_without) < 1e-7
-
-
-def test_sft_and_kl_losses(make_trainer, tiny_model_dir):
-    t = make_trainer("megatron", loss_type="sft_loss")
-    groups = make_groups(seed=9)
-    num, den = 0.0, 0.0
-    for s in [s for g in groups for s in g]:
-        lp = reference_log_probs(tiny_model_dir, s)
-        num += float(lp.sum())
-        den += s.response_length
-    assert t.train(0, groups, 0)["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
-    t.shutdown()
-
-    k = make_trainer("megatron", use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
-    assert k.ref is not None
-    m0 = k.train(0, make_groups(seed=10), 0)
-    assert m0["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
-    m1 = k.train(1, make_groups(seed=10), 1)
-    assert m1["ref_kl"] != 0.0 and m1["kl_loss"] != 0.0
-
-
-def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
-    groups = make_groups(seed=11)
-    a = make_trainer("megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
-    a.train(0, copy.deepcopy(groups), 0)
-    a.save(str(tmp_path / "ckpt"))
-    m_a = a.train(1, copy.deepcopy(groups), 1)
-    w_a = full_weights(a)
-    a.shutdown()
-
-    b = make_trainer("megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", lr=1e-2)
-    b.load(str(tmp_path / "ckpt"))
-    m_b = b.train(1, copy.deepcopy(groups), 1)
-    assert max_diff(w_a, full_weights(b)) == 0.0
-    assert m_a["loss"] == m_b["loss"] and m_a["grad_norm"] == m_b["grad_norm"]
-    assert m_a["lr"] == m_b["lr"] and 0 < m_a["lr"] < 1e-2  # the schedule resumed mid-decay
-
 
 def test_fresh_distributed_optimizer_saves_and_resumes(make_trainer, tmp_path):
     """Trap (a): a never-stepped distributed optimizer has no Adam state to save; resuming it is a fresh Adam."""
@@ -215,21 +121,6 @@ def test_resume_refuses_another_optimizer_kind(make_trainer, tmp_path):
     b = make_trainer("megatron")  # the distributed optimizer: Megatron's default, as upstream
     with pytest.raises(ValueError, match="saved with --no-use-distributed-optimizer; resume with "):
         b.load(str(tmp_path / "ckpt"))
-
-
-def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t = make_trainer("megatron", lr=1e-2)
-    groups = make_groups(seed=12)
-    t.train(0, groups, 0)
-    out = tmp_path / "hf"
-    t.export_hf(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    assert tok.decode(tok.encode("1+2=", add_special_tokens=False)) == "1+2="
-    items = [it for g in flatten_groups(groups)[0] for it in g]
-    assert torch.allclose(model_log_probs(model, groups[0][0]), t._log_probs(t.actor, items)[0], atol=1e-5)
 
 
 def test_tied_embeddings_and_unfused_attention(tmp_path_factory):

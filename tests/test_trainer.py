@@ -1,6 +1,7 @@
-"""FSDP2 trainer at world size 1, in-process (gloo): log-probs, TIS on-policy
-identities, learning direction, micro-batching equivalence, FAILED samples,
-checkpoint round trip, HF export."""
+"""The trainer of either backend (FSDP2; Megatron-core on gloo with the CPU shim) at world size 1, in-process:
+log-probs vs transformers and on-policy TIS, micro / dynamic batches, FAILED samples, SFT / KL losses, checkpoint
+round trip, HF export; the learning direction, TIS off policy and GSPO's loss on FSDP. Megatron's own features
+(FSDP equality, distributed optimizer, recompute, model families): tests/test_megatron_trainer.py."""
 
 from __future__ import annotations
 
@@ -9,16 +10,22 @@ import copy
 import pytest
 import torch
 
+from megatron_helpers import full_weights
 from test_fsdp_helpers import make_args, make_groups, model_log_probs, reference_log_probs
 
-from slime.backends.fsdp_utils.hf_weights import full_state_dict
 from slime.backends.training_utils.data import flatten_groups
 from slime.utils.types import Status
 
+pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
+BACKENDS = ["fsdp", "megatron"]
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:
+    if trainer.args.train_backend == "megatron":
+        return full_weights(trainer)
+    from slime.backends.fsdp_utils.hf_weights import full_state_dict
+
     return {k: v.clone() for k, v in full_state_dict(trainer.model).items()}
 
 
@@ -27,29 +34,29 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, tiny_model_dir):
+def log_probs(trainer, groups) -> list[torch.Tensor]:
+    return trainer._log_probs(trainer._actor, [it for g in flatten_groups(groups)[0] for it in g])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_old_log_probs_match_transformers_and_on_policy_tis_is_identity(make_trainer, tiny_model_dir, backend):
+    from slime.backends.training_utils.loss import compute_rollout_tensors
+
     temperature = 0.7
-    t = make_trainer("fsdp", rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
+    t = make_trainer(backend, rollout_temperature=temperature, use_tis=True, micro_batch_size=3)
     groups = make_groups(seed=3)
-    items = [it for g in flatten_groups(groups)[0] for it in g]
-    got = t._log_probs(t.model, items)
-    samples = [s for g in groups for s in g]
-    for s, lp in zip(samples, got):
+    for s, lp in zip([s for g in groups for s in g], log_probs(t, groups)):
         want = reference_log_probs(tiny_model_dir, s, temperature)
         assert torch.allclose(lp, want, atol=1e-5), (s.index, (lp - want).abs().max())
         s.rollout_log_probs = want.tolist()  # the engine sampled with exactly these weights
-    rt_items = [it for g in flatten_groups(groups)[0] for it in g]
-    from slime.backends.training_utils.loss import compute_rollout_tensors
-
-    rt = compute_rollout_tensors(t.args, flatten_groups(groups)[0], t._log_probs(t.model, rt_items), None)
+    rt = compute_rollout_tensors(t.args, flatten_groups(groups)[0], log_probs(t, groups), None)
     assert all(torch.allclose(w, torch.ones_like(w), atol=1e-5) for w in rt.tis_weights)
-    metrics = t.train(0, groups, policy_version=0)
-    assert metrics["logprob_abs_diff_max"] < 1e-5
-    assert metrics["tis_ess"] == pytest.approx(1.0, abs=1e-9)
-    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["tis_clipfrac"] == 0.0
-    assert metrics["ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # first step: ratio is exactly 1
-    assert metrics["pg_clipfrac"] == 0.0
+    m = t.train(0, groups, policy_version=0)
+    assert m["logprob_abs_diff_max"] < 1e-5
+    assert m["tis_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["tis_clipfrac"] == 0.0
+    assert m["ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # first step: ratio is exactly 1
+    assert m["pg_clipfrac"] == 0.0
 
 
 def test_off_policy_tokens_lower_ess(make_trainer):
@@ -70,15 +77,14 @@ def test_positive_advantage_raises_log_prob(make_trainer, tiny_model_dir):
     good.reward, bad.reward = 1.0, 0.0
     before = [reference_log_probs(tiny_model_dir, s).sum() for s in (good, bad)]
     t.train(0, groups, 0)
-    items = [it for g in flatten_groups(groups)[0] for it in g]
-    after = [lp.sum() for lp in t._log_probs(t.model, items)]
+    after = [lp.sum() for lp in log_probs(t, groups)]
     assert after[0] > before[0] + 1e-3
     assert after[1] < before[1] - 1e-3
 
 
-def _grad_like_update(make_trainer, groups, **over) -> tuple[dict, dict]:
+def _grad_like_update(make_trainer, backend, groups, *argv, **over) -> tuple[dict, dict]:
     # Adam's first step is lr * g / (|g| + eps); with eps = lr >> |g| it is ~g itself.
-    t = make_trainer("fsdp", lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
+    t = make_trainer(backend, *argv, lr=1e3, adam_eps=1e3, clip_grad=0.0, **over)
     w0 = weights(t)
     m = t.train(0, copy.deepcopy(groups), 0)
     w1 = weights(t)
@@ -86,13 +92,15 @@ def _grad_like_update(make_trainer, groups, **over) -> tuple[dict, dict]:
     return {k: w0[k] - w1[k] for k in w0}, m
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", ["token_mean", "sample_mean"])
-def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
+def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg, backend):
     groups = make_groups(seed=6)
     over = dict(calculate_per_token_loss=agg == "token_mean")
-    g_full, m_full = _grad_like_update(make_trainer, groups, micro_batch_size=8, **over)
-    g_micro, m_micro = _grad_like_update(make_trainer, groups, micro_batch_size=3, **over)
-    g_dyn, m_dyn = _grad_like_update(make_trainer, groups, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **over)
+    g_full, m_full = _grad_like_update(make_trainer, backend, groups, micro_batch_size=8, **over)
+    g_micro, m_micro = _grad_like_update(make_trainer, backend, groups, micro_batch_size=3, **over)
+    g_dyn, m_dyn = _grad_like_update(make_trainer, backend, groups, "--use-dynamic-batch-size",
+                                     "--max-tokens-per-gpu", "20", **over)
     scale = max(float(v.abs().max()) for v in g_full.values())
     assert scale > 1e-4  # a real gradient
     assert max_diff(g_full, g_micro) < 1e-5 * max(1.0, scale)
@@ -102,7 +110,8 @@ def test_micro_and_dynamic_batches_give_the_same_gradient(make_trainer, agg):
         assert m["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
 
 
-def test_failed_samples_never_enter_training(make_trainer):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_samples_never_enter_training(make_trainer, backend):
     groups = make_groups(seed=7)
     failed = copy.deepcopy(groups)
     victim = failed[0][1]
@@ -111,22 +120,16 @@ def test_failed_samples_never_enter_training(make_trainer):
     victim.metadata["failure"] = "reward timeout"
     without = copy.deepcopy(groups)
     del without[0][1]
-    g_failed, m_failed = _grad_like_update(make_trainer, failed, global_batch_size=7)
-    g_without, m_without = _grad_like_update(make_trainer, without, global_batch_size=7)
+    g_failed, m_failed = _grad_like_update(make_trainer, backend, failed, global_batch_size=7)
+    g_without, m_without = _grad_like_update(make_trainer, backend, without, global_batch_size=7)
     assert m_failed["num_failed_excluded"] == 1 and m_failed["num_samples"] == 7
     assert max_diff(g_failed, g_without) < 1e-7
     assert m_failed["loss"] == pytest.approx(m_without["loss"], abs=1e-7)
 
 
-def test_gradient_accumulation_steps_per_rollout(make_trainer):
-    t = make_trainer("fsdp", global_batch_size=4)
-    m = t.train(0, make_groups(seed=8), 0)
-    assert m["num_optimizer_steps"] == 2
-    assert m["num_samples"] == 8
-
-
-def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, tiny_model_dir):
-    t = make_trainer("fsdp", loss_type="sft_loss")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, tiny_model_dir, backend):
+    t = make_trainer(backend, loss_type="sft_loss")
     groups = make_groups(seed=9)
     samples = [s for g in groups for s in g]
     samples[0].loss_mask[0] = 0  # masked tokens do not count
@@ -136,13 +139,13 @@ def test_sft_loss_is_masked_negative_log_likelihood(make_trainer, tiny_model_dir
         mk = torch.tensor(s.loss_mask, dtype=torch.float32)
         num += float((lp * mk).sum())
         den += float(mk.sum())
-    m = t.train(0, groups, 0)
-    assert m["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
+    assert t.train(0, groups, 0)["sft_loss"] == pytest.approx(-num / den, abs=1e-5)
 
 
-def test_kl_loss_uses_frozen_reference(make_trainer):
-    t = make_trainer("fsdp", use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
-    assert t.ref_model is not None
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_loss_uses_frozen_reference(make_trainer, backend):
+    t = make_trainer(backend, use_kl_loss=True, kl_loss_coef=0.1, lr=1e-2)
+    assert t._ref is not None
     groups = make_groups(seed=10)
     m0 = t.train(0, copy.deepcopy(groups), 0)
     assert m0["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
@@ -150,21 +153,28 @@ def test_kl_loss_uses_frozen_reference(make_trainer):
     assert m1["ref_kl"] != 0.0 and m1["kl_loss"] != 0.0
 
 
-def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_load_round_trip_is_exact(make_trainer, tmp_path, backend):
+    """The weights, the next step's numbers and the optimizer state (FSDP) or the learning-rate schedule
+    (Megatron: the only backend with one) resume exactly."""
     groups = make_groups(seed=11)
-    a = make_trainer("fsdp", lr=1e-2)
+    argv = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4"] if backend == "megatron" else []
+    a = make_trainer(backend, *argv, lr=1e-2)
     a.train(0, copy.deepcopy(groups), 0)
     a.save(str(tmp_path / "ckpt"))
     m_a = a.train(1, copy.deepcopy(groups), 1)
     w_a = weights(a)
-    opt_a = copy.deepcopy(a.optimizer.state_dict())
+    opt_a = copy.deepcopy(a.optimizer.state_dict()) if backend == "fsdp" else None
     a.shutdown()
 
-    b = make_trainer("fsdp", lr=1e-2)
+    b = make_trainer(backend, *argv, lr=1e-2)
     b.load(str(tmp_path / "ckpt"))
     m_b = b.train(1, copy.deepcopy(groups), 1)
     assert max_diff(w_a, weights(b)) == 0.0
     assert m_a["loss"] == m_b["loss"] and m_a["grad_norm"] == m_b["grad_norm"]
+    if backend == "megatron":
+        assert m_a["lr"] == m_b["lr"] and 0 < m_a["lr"] < 1e-2  # the schedule resumed mid-decay
+        return
     opt_b = b.optimizer.state_dict()
     for k, st in opt_a["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -174,10 +184,11 @@ def test_save_load_round_trip_is_exact(make_trainer, tmp_path):
             assert torch.equal(x, y), (k, name)
 
 
-def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path, backend):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t = make_trainer("fsdp", lr=1e-2)
+    t = make_trainer(backend, lr=1e-2)
     groups = make_groups(seed=12)
     t.train(0, groups, 0)
     out = tmp_path / "hf"
@@ -185,9 +196,7 @@ def test_export_hf_loads_with_from_pretrained(make_trainer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.decode(tok.encode("1+2=", add_special_tokens=False)) == "1+2="
-    s = groups[0][0]
-    items = [it for g in flatten_groups(groups)[0] for it in g]
-    assert torch.allclose(model_log_probs(model, s), t._log_probs(t.model, items)[0], atol=1e-5)
+    assert torch.allclose(model_log_probs(model, groups[0][0]), log_probs(t, groups)[0], atol=1e-5)
 
 
 # ------------------------------------------------- the trainer's policy loss ----
@@ -244,8 +253,10 @@ def test_gspo_tis_weights_each_tokens_gradient_by_its_own_weight(tmp_path):
     torch.testing.assert_close(lps[0].grad, torch.tensor([-0.5, -2.0, -1.0]) / 3)
 
 
-def test_gspo_with_dual_clip_trains_and_reports_the_dual_clipfrac(make_trainer):
+def test_gspo_with_dual_clip_trains_with_gradient_accumulation(make_trainer):
+    """Two optimizer steps per rollout (8 samples, --global-batch-size 4) under GSPO with the dual clip."""
     t = make_trainer("fsdp", advantage_estimator="gspo", eps_clip_c=3.0, global_batch_size=4)
     m = t.train(0, make_groups(seed=13), 0)
     assert m["pg_dual_clipfrac"] == 0.0  # the first step is on-policy (ratio 1)
-    assert m["num_optimizer_steps"] == 2 and torch.isfinite(torch.tensor(m["loss"]))
+    assert m["num_optimizer_steps"] == 2 and m["num_samples"] == 8
+    assert torch.isfinite(torch.tensor(m["loss"]))

@@ -241,3 +241,17 @@ def test_update_weight_mode_defaults_and_slime_disk_flag(base):
     # colocated engines span bundles: 4 devices, TP-2 engines -> 2 engines
     tp = parse_args(base + ["--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2"])
     assert (tp.rollout_num_gpus, tp.num_engines) == (4, 2)
+
+
+def test_agent_flags_are_filled_with_agent_env_and_refused_without(base, base_args):
+    a = parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--max-tokens-per-turn", "64"])
+    assert a.custom_generate_function_path == "slime.rollout.multi_turn.generate"
+    assert (a.max_turns, a.tool_timeout, a.tool_workers, a.max_tokens_per_turn) == (16, 30.0, 4, 64)
+    assert base_args.agent_env is None and base_args.max_turns is None and base_args.tool_timeout is None
+    with pytest.raises(ArgumentError, match="--max-turns: needs --agent-env"):
+        parse_args(base + ["--max-turns", "4"])
+    with pytest.raises(ArgumentError, match="--agent-env: runs the built-in multi-turn generate"):
+        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV",
+                           "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate"])
+    with pytest.raises(ArgumentError, match="--tool-timeout: must be > 0"):
+        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--tool-timeout", "0"])

@@ -378,3 +378,20 @@ def test_upstream_signature_generate_runs_in_the_agent_scope(tok, script, runner
     assert asyncio.run(main()).response_tokens == target
     with pytest.raises(RuntimeError, match="no agent_scope is active"):
         asyncio.run(generate(None, fresh_sample(tok), {"max_new_tokens": 256}))
+
+
+def test_the_agent_of_the_flags(tok, base_args):
+    agent = ToolAgent.from_args(base_args.replace(agent_env="slime.tasks.subtract_tool.ENV", max_turns=3,
+                                                  max_tokens_per_turn=None, tool_workers=1, tool_timeout=5.0,
+                                                  tool_max_output_chars=16, tool_memory_mb=0), tok)
+    try:
+        assert agent.env is task.ENV and agent.max_turns == 3 and agent.runner.timeout_s == 5.0
+        assert agent.close_token_id == tok.convert_tokens_to_ids("]")
+        assert agent.turn_params({"stop_token_ids": [5]}, 7) == {"stop_token_ids": [5, agent.close_token_id],
+                                                                 "max_new_tokens": 7, "no_stop_trim": True}
+    finally:
+        agent.close()
+    with pytest.raises(TypeError, match="--agent-env slime.tasks.subtract_tool.calculator: is a function"):
+        ToolAgent.from_args(base_args.replace(agent_env="slime.tasks.subtract_tool.calculator"), tok)
+    with pytest.raises(ImportError, match="tool 'ghost' names tests.no_such_module.run, but there is no module"):
+        ToolAgent.from_args(base_args.replace(agent_env="tests.tool_plugins.MISSING_TOOL_ENV"), tok)

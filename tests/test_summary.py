@@ -2,6 +2,9 @@
 what the off-policy token ratio and the staleness cap mean."""
 
 import json
+import logging
+
+import pytest
 
 from slime.utils.summary import log_run_summary, max_lag, staleness_line, summarize
 
@@ -104,3 +107,18 @@ def test_the_summary_prints_the_gain_from_the_first_eval_to_the_last(base_args, 
     assert "eval gain: +0.500 (95% interval" in caplog.text
     assert "eval accuracy [held_out] step -1 -> 4, 4 prompts: 0.250" in caplog.text
     assert json.loads((tmp_path / "summary.json").read_text()) == out
+
+
+def test_the_run_summary_reports_tool_use(tmp_path, base_args, caplog):
+    rows = [{"step": -1, "eval/accuracy": 0.4, "eval/tiny/tool/call_rate": 0.5, "eval/tiny/tool/calls_per_sample_mean": 1.3}]
+    rows += [{"step": i, "reward/mean": 0.5, "rollout/tool/call_rate": 0.5 + 0.05 * i, "rollout/tool/failures": float(i == 2)}
+             for i in range(8)]
+    rows += [{"step": 7, "eval/accuracy": 0.6, "eval/tiny/tool/call_rate": 0.8, "eval/tiny/tool/calls_per_sample_mean": 3.5}]
+    s = summarize(rows)
+    assert (s["eval_tool_call_rate_first"], s["eval_tool_call_rate_last"]) == (0.5, 0.8)
+    assert s["tool_call_rate_first_quarter"] == pytest.approx(0.525) and s["tool_failures"] == 1.0
+    assert "tool_call_rate_first_quarter" not in summarize([r for r in rows if "rollout/tool/call_rate" not in r])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="slime.utils.summary"):
+        log_run_summary(str(tmp_path), str(tmp_path / "metrics.jsonl"), base_args)
+    assert "tool-call rate, eval (model turns ending in a call): 0.500 -> 0.800" in caplog.text

@@ -1,7 +1,8 @@
 """The trainer of either backend (FSDP2; Megatron-core on gloo with the CPU shim) at world size 1, in-process:
 log-probs vs transformers and on-policy TIS, micro / dynamic batches, FAILED samples, SFT / KL losses, checkpoint
-round trip, HF export; the learning direction, TIS off policy and GSPO's loss on FSDP. Megatron's own features
-(FSDP equality, distributed optimizer, recompute, model families): tests/test_megatron_trainer.py."""
+round trip, HF export; on FSDP the learning direction, TIS off policy, GSPO's loss and multi-turn samples' loss.
+Megatron's own features (FSDP equality, distributed optimizer, recompute, model families):
+tests/test_megatron_trainer.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 
 from megatron_helpers import full_weights
 from test_fsdp_helpers import make_args, make_groups, model_log_probs, reference_log_probs
+from test_multi_turn import COUNTING, ScriptedModel, fresh_sample, run, runner, script, tok  # noqa: F401
 
 from slime.backends.training_utils.data import flatten_groups
+from slime.rollout.multi_turn import ToolAgent
 from slime.utils.types import Status
 
 pytestmark = pytest.mark.timeout(600)
@@ -260,3 +263,46 @@ def test_gspo_with_dual_clip_trains_with_gradient_accumulation(make_trainer):
     assert m["pg_dual_clipfrac"] == 0.0  # the first step is on-policy (ratio 1)
     assert m["num_optimizer_steps"] == 2 and m["num_samples"] == 8
     assert torch.isfinite(torch.tensor(m["loss"]))
+
+
+def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args, tmp_path):
+    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the log-probs and
+    entropies of observation tokens get exactly zero gradient, every model token's log-prob does not."""
+    import torch
+
+    from slime.backends.fsdp_utils.model import forward_micro_batch, load_hf_model
+    from slime.backends.training_utils.data import build_micro_batch, flatten_groups
+    from slime.backends.training_utils.loss import compute_rollout_tensors, loss_inputs, micro_batch_loss
+    from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
+
+    torch.manual_seed(0)
+    build_tiny_qwen3(str(tmp_path / "m"), tok, TinyQwen3Spec(hidden_size=32, num_hidden_layers=1,
+                                                             num_attention_heads=2, num_key_value_heads=1,
+                                                             intermediate_size=64), seed=0)
+    model = load_hf_model(str(tmp_path / "m"))  # as the trainer loads it: the head feeds the chunked log-prob head
+    target, obs = script
+    agent = ToolAgent(COUNTING, tok, runner, max_turns=64)
+    group = [run(agent, fresh_sample(tok, i), ScriptedModel(tok, 6, target, obs), budget=b)
+             for i, b in enumerate((256, 20))]  # complete and cut: different rewards, nonzero advantages
+    for s, r in zip(group, (1.0, 0.0)):
+        s.reward, s.group_index = r, 0
+    args = base_args.replace(use_tis=True, entropy_coef=0.01, advantage_estimator="grpo")
+    item_groups, _ = flatten_groups([group])
+    items = [it for g in item_groups for it in g]
+    mb = build_micro_batch(items, tok.pad_token_id, packed=False)
+    with torch.no_grad():
+        old = list(forward_micro_batch(model, mb, 1.0, 64)[0].split(mb.response_sizes))
+    rt = compute_rollout_tensors(args, item_groups, old, None)
+    lps, ents, _ = forward_micro_batch(model, mb, 1.0, 64, with_entropy=True, entropy_grad=True)
+    lps.retain_grad()
+    ents.retain_grad()
+    masks = [it.loss_mask for it in items]
+    inp = loss_inputs(args, rt, list(range(len(items))), masks, float(sum(m.sum() for m in masks)),
+                      float(len(items)), "cpu")
+    loss, _ = micro_batch_loss(args, lps, ents, inp)
+    loss.backward()
+    mask = torch.cat(masks)
+    assert (mask == 0).any() and (mask == 1).any()
+    assert torch.all(lps.grad[mask == 0] == 0) and torch.all(ents.grad[mask == 0] == 0)
+    assert torch.all(lps.grad[mask == 1] != 0)
+    assert sum(s.response_length for s in group) == mask.numel()

@@ -4,8 +4,7 @@ train_async.py's version gate, slime/rollout/version_gate.py).
 The requester and the gate are the real ones; only the engine's reply comes from a deterministic scripted
 policy (tests/test_multi_turn.py's ScriptedModel) in SGLang's /generate reply shape, so that the tests are
 fast and exact. The same wiring against the embedded engine and sglang-router, driven by train.py and
-train_async.py, is tests/test_multi_turn_e2e.py (slow). Also here: the multi-turn flags, the trainer's loss on
-multi-turn samples (observation tokens carry no gradient) and the run summary's tool lines.
+train_async.py, is tests/test_multi_turn_e2e.py (slow).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from slime.rollout.staleness import StalenessCap
 from slime.rollout.version_gate import GatedRequester, VersionGate
 from slime.tasks import subtract_tool as task
 from slime.utils.types import Sample, Status
-from tests.test_multi_turn import COUNTING, ScriptedModel, fresh_sample, run, runner, script, tok  # noqa: F401
+from tests.test_multi_turn import COUNTING, ScriptedModel, fresh_sample, runner, script, tok  # noqa: F401
 
 URL = "http://127.0.0.1:1"
 
@@ -249,103 +248,3 @@ def test_the_staleness_cap_reads_model_tokens_only(args, tok, script, runner, mo
     assert all(m == 0 for m, o in zip(s.loss_mask, obs) if o)
     assert [m for m, v in zip(s.loss_mask, s.weight_versions) if v == 2] == [1 - o for o, v in
                                                                                zip(obs, s.weight_versions) if v == 2]
-
-
-# ---- the flags --------------------------------------------------------------------------------------------------
-def test_agent_flags_are_filled_with_agent_env_and_refused_without(base_args):
-    from slime.arguments import ArgumentError, parse_args
-
-    base = ["--hf-checkpoint", base_args.hf_checkpoint, "--prompt-data", base_args.prompt_data, "--rm-type", "math",
-            "--rollout-batch-size", "1", "--num-rollout", "1", "--run-dir", base_args.run_dir]
-    a = parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--max-tokens-per-turn", "64"])
-    assert a.custom_generate_function_path == "slime.rollout.multi_turn.generate"
-    assert (a.max_turns, a.tool_timeout, a.tool_workers, a.max_tokens_per_turn) == (16, 30.0, 4, 64)
-    assert base_args.agent_env is None and base_args.max_turns is None and base_args.tool_timeout is None
-    with pytest.raises(ArgumentError, match="--max-turns: needs --agent-env"):
-        parse_args(base + ["--max-turns", "4"])
-    with pytest.raises(ArgumentError, match="--agent-env: runs the built-in multi-turn generate"):
-        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV",
-                           "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate"])
-    with pytest.raises(ArgumentError, match="--tool-timeout: must be > 0"):
-        parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--tool-timeout", "0"])
-
-
-# ---- training ---------------------------------------------------------------------------------------------------
-def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args, tmp_path):
-    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the log-probs and
-    entropies of observation tokens get exactly zero gradient, every model token's log-prob does not."""
-    import torch
-
-    from slime.backends.fsdp_utils.model import forward_micro_batch, load_hf_model
-    from slime.backends.training_utils.data import build_micro_batch, flatten_groups
-    from slime.backends.training_utils.loss import compute_rollout_tensors, loss_inputs, micro_batch_loss
-    from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
-
-    torch.manual_seed(0)
-    build_tiny_qwen3(str(tmp_path / "m"), tok, TinyQwen3Spec(hidden_size=32, num_hidden_layers=1,
-                                                             num_attention_heads=2, num_key_value_heads=1,
-                                                             intermediate_size=64), seed=0)
-    model = load_hf_model(str(tmp_path / "m"))  # as the trainer loads it: the head feeds the chunked log-prob head
-    target, obs = script
-    agent = ToolAgent(COUNTING, tok, runner, max_turns=64)
-    group = [run(agent, fresh_sample(tok, i), ScriptedModel(tok, 6, target, obs), budget=b)
-             for i, b in enumerate((256, 20))]  # complete and cut: different rewards, nonzero advantages
-    for s, r in zip(group, (1.0, 0.0)):
-        s.reward, s.group_index = r, 0
-    args = base_args.replace(use_tis=True, entropy_coef=0.01, advantage_estimator="grpo")
-    item_groups, _ = flatten_groups([group])
-    items = [it for g in item_groups for it in g]
-    mb = build_micro_batch(items, tok.pad_token_id, packed=False)
-    with torch.no_grad():
-        old = list(forward_micro_batch(model, mb, 1.0, 64)[0].split(mb.response_sizes))
-    rt = compute_rollout_tensors(args, item_groups, old, None)
-    lps, ents, _ = forward_micro_batch(model, mb, 1.0, 64, with_entropy=True, entropy_grad=True)
-    lps.retain_grad()
-    ents.retain_grad()
-    masks = [it.loss_mask for it in items]
-    inp = loss_inputs(args, rt, list(range(len(items))), masks, float(sum(m.sum() for m in masks)),
-                      float(len(items)), "cpu")
-    loss, _ = micro_batch_loss(args, lps, ents, inp)
-    loss.backward()
-    mask = torch.cat(masks)
-    assert (mask == 0).any() and (mask == 1).any()
-    assert torch.all(lps.grad[mask == 0] == 0) and torch.all(ents.grad[mask == 0] == 0)
-    assert torch.all(lps.grad[mask == 1] != 0)
-    assert sum(s.response_length for s in group) == mask.numel()
-
-
-def test_the_agent_of_the_flags(tok, base_args):
-    agent = ToolAgent.from_args(base_args.replace(agent_env="slime.tasks.subtract_tool.ENV", max_turns=3,
-                                                  max_tokens_per_turn=None, tool_workers=1, tool_timeout=5.0,
-                                                  tool_max_output_chars=16, tool_memory_mb=0), tok)
-    try:
-        assert agent.env is task.ENV and agent.max_turns == 3 and agent.runner.timeout_s == 5.0
-        assert agent.close_token_id == tok.convert_tokens_to_ids("]")
-        assert agent.turn_params({"stop_token_ids": [5]}, 7) == {"stop_token_ids": [5, agent.close_token_id],
-                                                                 "max_new_tokens": 7, "no_stop_trim": True}
-    finally:
-        agent.close()
-    with pytest.raises(TypeError, match="--agent-env slime.tasks.subtract_tool.calculator: is a function"):
-        ToolAgent.from_args(base_args.replace(agent_env="slime.tasks.subtract_tool.calculator"), tok)
-    with pytest.raises(ImportError, match="tool 'ghost' names tests.no_such_module.run, but there is no module"):
-        ToolAgent.from_args(base_args.replace(agent_env="tests.tool_plugins.MISSING_TOOL_ENV"), tok)
-
-
-def test_the_run_summary_reports_tool_use(tmp_path, base_args, caplog):
-    import json
-    import logging
-
-    from slime.utils.summary import log_run_summary, summarize
-
-    rows = [{"step": -1, "eval/accuracy": 0.4, "eval/tiny/tool/call_rate": 0.5, "eval/tiny/tool/calls_per_sample_mean": 1.3}]
-    rows += [{"step": i, "reward/mean": 0.5, "rollout/tool/call_rate": 0.5 + 0.05 * i, "rollout/tool/failures": float(i == 2)}
-             for i in range(8)]
-    rows += [{"step": 7, "eval/accuracy": 0.6, "eval/tiny/tool/call_rate": 0.8, "eval/tiny/tool/calls_per_sample_mean": 3.5}]
-    s = summarize(rows)
-    assert (s["eval_tool_call_rate_first"], s["eval_tool_call_rate_last"]) == (0.5, 0.8)
-    assert s["tool_call_rate_first_quarter"] == pytest.approx(0.525) and s["tool_failures"] == 1.0
-    assert "tool_call_rate_first_quarter" not in summarize([r for r in rows if "rollout/tool/call_rate" not in r])
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with caplog.at_level(logging.INFO, logger="slime.utils.summary"):
-        log_run_summary(str(tmp_path), str(tmp_path / "metrics.jsonl"), base_args)
-    assert "tool-call rate, eval (model turns ending in a call): 0.500 -> 0.800" in caplog.text

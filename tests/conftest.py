@@ -13,20 +13,35 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def base_args(tmp_path_factory):
-    """Parsed default flags (`slime.arguments.parse_args` on the minimal valid command line).
-
-    Tests change what they need with `base_args.replace(flag=value)`: only real flags can be set
-    (a misspelt name raises), and every other value is the parser's own default.
-    """
+def parse_with(tmp_path_factory):
+    """`parse_with(**flags)`: `slime.arguments.parse_args` on the minimal valid command line plus `flags`, checked
+    as a user's would be (`reward_timeout=0.5` is `--reward-timeout 0.5`, True the bare flag, None leaves it out)."""
     from slime.arguments import parse_args
 
     d = tmp_path_factory.mktemp("base_args")
     (d / "hf").mkdir()
     (d / "prompts.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
-    return parse_args(["--hf-checkpoint", str(d / "hf"), "--prompt-data", str(d / "prompts.jsonl"),
-                       "--rm-type", "math", "--rollout-batch-size", "1", "--num-rollout", "1",
-                       "--run-dir", str(d / "run")])
+    base = dict(hf_checkpoint=d / "hf", prompt_data=d / "prompts.jsonl", rm_type="math", rollout_batch_size=1,
+                num_rollout=1, run_dir=d / "run")
+
+    def parse(**flags):
+        argv = []
+        for key, value in {**base, **flags}.items():
+            if value is True:
+                argv.append("--" + key.replace("_", "-"))
+            elif value is not None and value is not False:
+                argv += ["--" + key.replace("_", "-"), str(value)]
+        return parse_args(argv)
+
+    return parse
+
+
+@pytest.fixture(scope="session")
+def base_args(parse_with):
+    """Parsed default flags (the minimal valid command line). Tests change what they need with
+    `base_args.replace(flag=value)`: only real flags can be set (a misspelt name raises), and every other value is
+    the parser's own default."""
+    return parse_with()
 
 
 @pytest.fixture(scope="session")

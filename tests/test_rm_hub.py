@@ -15,15 +15,17 @@ from slime.rollout.rm_hub import async_rm, reward_group
 from slime.rollout.rm_hub.dapo import dapo_score, normalize_final_answer
 from slime.rollout.rm_hub.math_grader import answers_match
 from slime.rollout.rm_hub.math_utils import extract_boxed_answer, last_boxed_only_string, strip_eos_text
-from slime.utils.types import Status
+from slime.utils.types import Sample, Status
 
-from rm_args import make_args, run_dir, sample  # noqa: F401 (make_args, run_dir: fixtures)
+
+def sample(response, label=None, index=0, **kw):
+    return Sample(index=index, group_index=0, prompt="Q", response=response, label=label, status=Status.COMPLETED, **kw)
 
 
 @pytest.fixture
-def rm(make_args):
+def rm(parse_with):
     def score(rm_type, response, label):
-        return asyncio.run(async_rm(make_args(rm_type=rm_type), sample(response, label)))
+        return asyncio.run(async_rm(parse_with(rm_type=rm_type), sample(response, label)))
 
     return score
 
@@ -184,9 +186,9 @@ def test_dapo_details_and_normalisation():
     assert dapo_score("nothing", "3")["pred"] == "[INVALID]"
 
 
-def test_metadata_rm_type_overrides_flag(make_args):
+def test_metadata_rm_type_overrides_flag(parse_with):
     s = sample("Answer: 3", "3", metadata={"rm_type": "dapo"})
-    assert asyncio.run(async_rm(make_args(rm_type="deepscaler"), s)) == 1.0
+    assert asyncio.run(async_rm(parse_with(rm_type="deepscaler"), s)) == 1.0
 
 
 def test_unknown_or_missing_rm_type_named(rm, base_args):
@@ -198,9 +200,9 @@ def test_unknown_or_missing_rm_type_named(rm, base_args):
         asyncio.run(async_rm(base_args.replace(rm_type=None), sample("x", "y")))
 
 
-def test_math_missing_label_fails_the_sample(make_args):
+def test_math_missing_label_fails_the_sample(parse_with):
     s = sample(r"\boxed{1}", "")
-    asyncio.run(reward_group(make_args(rm_type="math"), [s]))
+    asyncio.run(reward_group(parse_with(rm_type="math"), [s]))
     assert s.status == Status.FAILED and s.reward is None
     assert s.metadata["failure"].startswith("reward: ValueError:") and "--label-key" in s.metadata["failure"]
 

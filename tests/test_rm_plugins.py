@@ -16,7 +16,7 @@ from slime.rollout.rm_hub import async_rm, batched_async_rm, reward_group
 from slime.rollout.rm_hub.threads import run_in_daemon_thread
 from slime.utils.types import Status
 
-from rm_args import make_args, run_dir, sample  # noqa: F401 (make_args, run_dir: fixtures)
+from test_rm_hub import sample
 
 
 # ---------------------------------------------------------------- custom rms ----
@@ -95,13 +95,13 @@ def held(plugins):
         module.RELEASE.set()
 
 
-def test_custom_rm_wins_over_rm_type(plugins, make_args):
-    args = make_args(rm_type="dapo", custom_rm_path=f"{plugins}.length_rm")
+def test_custom_rm_wins_over_rm_type(plugins, parse_with):
+    args = parse_with(rm_type="dapo", custom_rm_path=f"{plugins}.length_rm")
     assert asyncio.run(async_rm(args, sample("abcd", "x"))) == 4.0
 
 
-def test_reward_group_isolates_raising_and_slow_rewards(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.flaky_rm", reward_timeout=0.5)
+def test_reward_group_isolates_raising_and_slow_rewards(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.flaky_rm", reward_timeout=0.5)
     samples = [sample(r, "7", index=i) for i, r in enumerate(["7", "boom", "slow", "8", "text"])]
     with held(plugins) as plugin:
         asyncio.run(reward_group(args, samples))
@@ -115,8 +115,8 @@ def test_reward_group_isolates_raising_and_slow_rewards(plugins, make_args):
     assert "failure" not in samples[0].metadata
 
 
-def test_sync_blocking_custom_rm_is_bounded(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.blocking_rm", reward_timeout=0.3)
+def test_sync_blocking_custom_rm_is_bounded(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.blocking_rm", reward_timeout=0.3)
     samples = [sample("fast", index=0), sample("slow", index=1)]
     with held(plugins) as plugin:
         asyncio.run(reward_group(args, samples))
@@ -125,31 +125,31 @@ def test_sync_blocking_custom_rm_is_bounded(plugins, make_args):
     assert samples[1].metadata["failure"].startswith("reward: TimeoutError:")  # --reward-timeout released it
 
 
-def test_batched_async_rm_raises_where_reward_group_does_not(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.flaky_rm")
+def test_batched_async_rm_raises_where_reward_group_does_not(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.flaky_rm")
     with pytest.raises(RuntimeError, match="checker exploded"):
         asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("boom", "7")]))
     assert asyncio.run(batched_async_rm(args, [sample("7", "7"), sample("6", "7")])) == [1.0, 0.0]
 
 
-def test_group_rm(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.group_rm", group_rm=True)
+def test_group_rm(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.group_rm", group_rm=True)
     samples = [sample("aa"), sample("aaaa"), sample("a")]
     asyncio.run(reward_group(args, samples))
     assert [s.reward for s in samples] == [0.0, 1.0, 0.0]
     assert asyncio.run(batched_async_rm(args, samples)) == [0.0, 1.0, 0.0]
 
 
-def test_group_rm_wrong_length_fails_whole_group(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.short_group_rm", group_rm=True)
+def test_group_rm_wrong_length_fails_whole_group(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.short_group_rm", group_rm=True)
     samples = [sample("a"), sample("b")]
     asyncio.run(reward_group(args, samples))
     assert all(s.status == Status.FAILED and s.reward is None for s in samples)
     assert "must return 2 rewards, got 1 values" in samples[0].metadata["failure"]
 
 
-def test_already_failed_samples_are_skipped(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.length_rm")
+def test_already_failed_samples_are_skipped(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.length_rm")
     s_failed = sample("abc")
     s_failed.status = Status.FAILED
     s_failed.metadata["failure"] = "generation: engine died"
@@ -217,9 +217,9 @@ def rm_server():
     loop.close()
 
 
-def test_remote_rm(rm_server, make_args):
+def test_remote_rm(rm_server, parse_with):
     url, received, _ = rm_server
-    args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=1.0)
+    args = parse_with(rm_type="remote_rm", rm_url=url, reward_timeout=1.0)
     s = sample("42", "42")
     s.prompt = "What is 6*7?"
     assert asyncio.run(async_rm(args, s)) == 1.0
@@ -228,16 +228,16 @@ def test_remote_rm(rm_server, make_args):
     assert asyncio.run(async_rm(args, sample("bare", "42"))) == 0.25
 
 
-def test_boxed_remote_rm_sends_the_boxed_answer(rm_server, make_args):
+def test_boxed_remote_rm_sends_the_boxed_answer(rm_server, parse_with):
     url, received, _ = rm_server
-    args = make_args(rm_type="boxed_remote_rm", rm_url=url)
+    args = parse_with(rm_type="boxed_remote_rm", rm_url=url)
     assert asyncio.run(async_rm(args, sample(r"so it is \boxed{42}.", "42"))) == 1.0
     assert received[-1]["response"] == "42"
 
 
-def test_remote_rm_errors_become_failures(rm_server, make_args):
+def test_remote_rm_errors_become_failures(rm_server, parse_with):
     url, received, release = rm_server
-    args = make_args(rm_type="remote_rm", rm_url=url, reward_timeout=0.5)
+    args = parse_with(rm_type="remote_rm", rm_url=url, reward_timeout=0.5)
     samples = [sample(r, "ok", index=i) for i, r in enumerate(["ok", "crash", "slow", "garbage"])]
     asyncio.run(reward_group(args, samples))
     # the group finished while the server still held the slow request (it answers only once released)
@@ -255,8 +255,8 @@ def test_remote_rm_needs_url(base_args):
         asyncio.run(async_rm(base_args.replace(rm_type="remote_rm"), sample("x", "y")))
 
 
-def test_reward_blocking_inside_async_def_cannot_freeze_the_loop(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.async_blocking_rm", reward_timeout=0.3)
+def test_reward_blocking_inside_async_def_cannot_freeze_the_loop(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.async_blocking_rm", reward_timeout=0.3)
     samples = [sample("fast", index=0), sample("slow", index=1)]
 
     async def run(plugin):
@@ -280,24 +280,24 @@ def test_reward_blocking_inside_async_def_cannot_freeze_the_loop(plugins, make_a
     assert samples[1].status == Status.FAILED and "TimeoutError" in samples[1].metadata["failure"]
 
 
-def test_reward_raising_cancelled_error_fails_its_sample_and_settles(plugins, make_args):
-    args = make_args(custom_rm_path=f"{plugins}.cancelling_rm")
+def test_reward_raising_cancelled_error_fails_its_sample_and_settles(plugins, parse_with):
+    args = parse_with(custom_rm_path=f"{plugins}.cancelling_rm")
     samples = [sample("ok", index=0), sample("cancel", index=1)]
     asyncio.run(asyncio.wait_for(reward_group(args, samples), 10))
     assert samples[0].reward == 1.0
     assert samples[1].status == Status.FAILED and "CancelledError" in samples[1].metadata["failure"]
 
 
-def test_dict_rewards_follow_reward_key(plugins, make_args):
+def test_dict_rewards_follow_reward_key(plugins, parse_with):
     s = sample("abc")
-    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="score"), [s]))
+    asyncio.run(reward_group(parse_with(custom_rm_path=f"{plugins}.dict_rm", reward_key="score"), [s]))
     assert s.reward == {"score": 3.0, "acc": True, "pred": "abc"} and s.scalar_reward("score") == 3.0
     s = sample("abc")
-    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm"), [s]))
+    asyncio.run(reward_group(parse_with(custom_rm_path=f"{plugins}.dict_rm"), [s]))
     assert s.status == Status.FAILED and "pass --reward-key" in s.metadata["failure"]
     s = sample("abc")
-    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="reward"), [s]))
+    asyncio.run(reward_group(parse_with(custom_rm_path=f"{plugins}.dict_rm", reward_key="reward"), [s]))
     assert s.status == Status.FAILED and "no field 'reward' (--reward-key)" in s.metadata["failure"]
     s = sample("abc")
-    asyncio.run(reward_group(make_args(custom_rm_path=f"{plugins}.dict_rm", reward_key="pred"), [s]))
+    asyncio.run(reward_group(parse_with(custom_rm_path=f"{plugins}.dict_rm", reward_key="pred"), [s]))
     assert s.status == Status.FAILED and "field 'pred'" in s.metadata["failure"]

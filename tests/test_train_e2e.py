@@ -1,4 +1,5 @@
-"""train.py end to end on the embedded engine: a run, a kill -9 mid-run, and a resume from the checkpoint."""
+"""train.py and train_async.py end to end on the embedded engine: a run, a kill -9 mid-run, and a resume from the
+checkpoint; HF export of its result; the debug modes (rollout only, then train only from the saved rollouts)."""
 
 import json
 import os
@@ -137,10 +138,6 @@ def _kill_then_resume(d, out, *extra, mode="sync"):
         assert any(r.get("rollout/off_policy_token_ratio", 0) > 0 for r in rows if r["step"] >= 0)
 
 
-def test_kill_dash_nine_then_resume_loses_nothing_and_trains_nothing_twice(workdir):
-    _kill_then_resume(workdir, workdir)
-
-
 @pytest.mark.parametrize("mode", ["one_step_off", "stream"])
 def test_kill_dash_nine_then_resume_in_train_async(workdir, mode):
     """train_async.py: a checkpoint parks everything in flight first, so the same ledger audit holds."""
@@ -148,6 +145,7 @@ def test_kill_dash_nine_then_resume_in_train_async(workdir, mode):
 
 
 def test_kill_dash_nine_then_resume_with_the_megatron_backend_at_tp2(workdir):
+    """train.py (FSDP's kill -9 and resume under faults: tests/test_faults.py)."""
     out = workdir / "megatron"
     _kill_then_resume(workdir, out, "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
                       "--tensor-model-parallel-size", "2", "--use-distributed-optimizer")
@@ -161,14 +159,14 @@ def test_kill_dash_nine_then_resume_with_the_megatron_backend_at_tp2(workdir):
 
 
 def test_export_hf_gives_a_loadable_model_with_the_trained_weights(workdir):
-    # Runs after the resume test (same module): the last checkpoint exists.
+    # Runs after the stream-mode resume (same module): its last (FSDP) checkpoint exists.
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d = workdir
+    d = workdir / "stream"
     if _latest(d) < 0:
-        pytest.skip("needs the checkpoint of the previous test")
+        pytest.skip("needs the checkpoint of the stream-mode resume")
     out = subprocess.run([sys.executable, os.path.join(REPO, "tools/export_hf.py"), "--load", str(d / "ckpt"),
                           "--out", str(d / "hf")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -176,7 +174,7 @@ def test_export_hf_gives_a_loadable_model_with_the_trained_weights(workdir):
     tok = AutoTokenizer.from_pretrained(str(d / "hf"))
     assert tok.decode(tok.encode("47-5=", add_special_tokens=False)) == "47-5="
     trained = load_file(str(d / "ckpt" / f"iter_{STEPS - 1:07d}" / "trainer" / "model.safetensors"))
-    initial = load_file(str(d / "model" / "model.safetensors"))
+    initial = load_file(str(workdir / "model" / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(model.state_dict()[name], trained[name])
     assert not torch.equal(trained[name], initial[name])  # training moved the weights

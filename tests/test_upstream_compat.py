@@ -6,8 +6,9 @@
   (slime/arguments/) or refused with what to use instead (slime/upstream_flags.py), never "unrecognized".
 - The APRIL repository's own run script (scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh with
   scripts/models/qwen3-4B.sh) parses as it is.
-- A rollout function written to upstream's documented contract (tests/upstream_plugins.py) trains through
-  train.py (custom generate functions in the built-in APRIL step: tests/test_upstream_plugins_e2e.py's quick start).
+- A rollout function written to upstream's documented contract (tests/upstream_plugins.py), with a custom generate
+  and reward, trains through train.py (custom generate functions in the built-in APRIL step:
+  tests/test_upstream_plugins_e2e.py).
 """
 
 from __future__ import annotations
@@ -217,36 +218,36 @@ def workdir(tmp_path_factory):
     return d
 
 
-def run_train(d, name: str, *extra) -> list[dict]:
-    out = d / name
-    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", str(d / "model"),
-           "--prompt-data", str(d / "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-           "--custom-rm-path", "tests.plugins_for_tests.parity_reward", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24", "--num-rollout", "2", "--lr", "1e-4",
-           "--run-dir", str(out / "run"), "--save-debug-rollout-data", str(out / "rollouts" / "r{rollout_id}.json"),
-           *extra]
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_upstream_rollout_function_and_plugins_train_through_train_py(workdir):
+    """A rollout function in upstream's shape (train and eval) calling a custom generate (GenerateState,
+    append_response_tokens) and a custom reward, the state they keep on args carried across the run."""
+    out = workdir / "rollout_fn"
+    plugins = "tests.upstream_plugins"
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", str(workdir / "model"),
+           "--prompt-data", str(workdir / "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
+           "--rollout-function-path", f"{plugins}.generate_rollout_with_plugins",
+           "--custom-generate-function-path", f"{plugins}.generate_with_state", "--custom-rm-path", f"{plugins}.dapo_reward",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24",
+           "--num-rollout", "2", "--lr", "1e-4", "--eval-prompt-data", "aime", str(workdir / "eval.jsonl"),
+           "--eval-interval", "2", "--skip-eval-before-train", "--run-dir", str(out / "run"),
+           "--save-debug-rollout-data", str(out / "rollouts" / "r{rollout_id}.json")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the effective precision, optimizer sharding and offload, in one line at start-up
     assert "trainer fsdp: fp32 weights, compute and Adam state; optimizer state sharded over 1 rank(s) (FSDP2); " \
            "trainer on its own devices (not colocated)" in open(out / "run" / "train.log").read()
-    return [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_upstream_plugins_train_through_train_py(workdir):
-    # a rollout function with upstream's signature and outputs (train and eval)
-    rows = run_train(workdir, "rollout_fn", "--rollout-function-path", "tests.upstream_plugins.generate_rollout",
-                     "--eval-prompt-data", "aime", str(workdir / "eval.jsonl"), "--eval-interval", "2")
-    steps = [r for r in rows if r["step"] >= 0]
+    steps = [r for r in map(json.loads, open(out / "run" / "metrics.jsonl")) if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
-        assert r["upstream/groups"] == 2 and r["train/grad_norm"] >= 0 and "reward/mean" in r
+        assert r["upstream/samples"] == r["train/num_samples"] == 4 and r["train/grad_norm"] >= 0
         assert r["ledger/issued"] == 0 and r["ledger/trained"] == 2 * (r["step"] + 1)  # every group settled
+    # the counts the plugins kept on args grow across steps: one args object for the whole run
+    assert [r["upstream/generate_calls"] for r in steps] == [4, 8] and steps[0]["upstream/rewards"] == 4
     assert "eval/upstream_eval/mean" in steps[-1]
-    dumped = json.load(open(workdir / "rollout_fn" / "rollouts" / "r1.json"))["groups"]
+    dumped = json.load(open(out / "rollouts" / "r1.json"))["groups"]
     for g in dumped:  # what the function left out was filled in: one version per token, all in the loss
         for s in g:
             assert len(s["weight_versions"]) == len(s["loss_mask"]) == len(s["rollout_log_probs"]) == s["response_length"]

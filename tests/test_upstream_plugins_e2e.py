@@ -1,7 +1,7 @@
 """Plugins written to upstream slime's contract (tests/upstream_plugins.py: GenerateState, append_response_tokens,
 math_dapo_utils, a 4-argument buffer filter, a bool dynamic filter, state kept on args, a list-returning generate)
 through the APRIL step on the embedded engine behind the real sglang-router, and through `bash
-scripts/quickstart.sh` as a user runs it, with and without --partial-rollout."""
+scripts/quickstart.sh` as a user runs it. A rollout function in upstream's shape: tests/test_upstream_compat.py."""
 
 from __future__ import annotations
 
@@ -163,17 +163,3 @@ def test_quickstart_with_upstream_plugins_april(tmp_path, quickstart_task):
     assert any(r["rollout/groups_resumed"] > 0 for r in steps)
     assert all(-1.0 <= r["reward/mean"] <= 1.0 for r in steps)  # math_dapo_utils' +1 / -1
     assert all(0 < r["rollout/removed_samples"] < r["rollout/samples"] for r in steps)  # trained out of the loss
-
-
-@pytest.mark.timeout(1800)
-def test_quickstart_with_an_upstream_rollout_function_synchronous(tmp_path, quickstart_task):
-    rows = quickstart(tmp_path, "--no-partial", "--rollout-function-path", f"{PLUGINS}.generate_rollout_with_plugins",
-                      "--custom-generate-function-path", f"{PLUGINS}.generate_with_state",
-                      "--custom-rm-path", f"{PLUGINS}.dapo_reward",
-                      "--dynamic-sampling-filter-path", f"{PLUGINS}.rewards_differ")
-    steps = [r for r in rows if r["step"] >= 0]
-    assert [r["step"] for r in steps] == [0, 1, 2]
-    # the counts the plugins kept on args grow across steps: one args object for the whole run
-    calls = [r["upstream/generate_calls"] for r in steps]
-    assert calls == [64 * (i + 1) for i in range(3)] and steps[-1]["upstream/rewards"] == 3 * 64
-    assert all(r["upstream/samples"] == r["train/num_samples"] > 0 for r in steps if "train/num_samples" in r)

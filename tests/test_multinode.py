@@ -1,9 +1,10 @@
 """The quick start on a 3-node Ray cluster (`ray.cluster_utils.Cluster`, 1 CPU per node, started from a
 directory other than the repo and without the repo on its PYTHONPATH), joined through RAY_ADDRESS: it runs to
 the end with the trainer and the engine on different nodes (Ray's actor table says so), every actor imports
-this checkout (the job's runtime_env), relative path flags work (made absolute at parse time), it learns, and
-afterwards the run's processes are gone while the cluster's nodes stay. It is also the quick start's FSDP run with
-its weights over the broadcast group (the default without --colocate): checkpoint, summary and pictures."""
+this checkout (the job's runtime_env), relative path flags work (made absolute at parse time), and afterwards the
+run's processes are gone while the cluster's nodes stay. It is also the quick start's synchronous FSDP run
+(`--no-partial`) with its weights over the broadcast group (the default without --colocate): checkpoint, summary
+and pictures. That the quick start learns: tests/test_quickstart.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 40
+STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -69,10 +70,10 @@ def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_differe
 
     run = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "SLIME_SKIP_INSTALL": "1", "STEPS": str(STEPS),
-           "EVAL_INTERVAL": str(STEPS), "RUN": str(run), "SIMULATE": "0", "PYTHONUNBUFFERED": "1"}
+           "EVAL_INTERVAL": "1000", "RUN": str(run), "SIMULATE": "0", "PYTHONUNBUFFERED": "1"}
     # relative paths from the repo (the quick start's WORK=runs/tiny): the cluster's workers run elsewhere
-    out = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=1400)
+    out = subprocess.run(["bash", "scripts/quickstart.sh", "--no-partial", "--skip-eval-before-train"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=1400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert f"joined the Ray cluster at {cluster.address} (3 node(s))" in out.stderr
 
@@ -106,10 +107,7 @@ def test_quickstart_on_a_three_node_cluster_places_trainer_and_engine_on_differe
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    # 512 eval problems at T=1 (sd of one accuracy ~0.022); 40 GRPO steps gain ~0.1 (as the quick-start test)
-    assert summary["eval_accuracy_last"] > summary["eval_accuracy_first"] + 0.02, summary
-    assert 0.0 < summary["off_policy_token_ratio"] < 1.0  # partial rollout resumed parked samples across nodes
-    assert summary["max_staleness"] == 4 and summary["max_lag"] <= 4  # the quick start's cap holds
+    assert summary["off_policy_token_ratio"] == 0.0  # synchronous: every token from the policy it trains
     assert "==== run summary ====" in out.stderr
     assert os.path.isdir(run / "ckpt" / f"iter_{STEPS - 1:07d}")
     for name in ("reward", "throughput", "off_policy", "lengths", "occupancy"):

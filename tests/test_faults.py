@@ -29,7 +29,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "runs", "tiny")
-STEPS = 9
+STEPS = 6
 BATCH, N = 8, 8
 BAD_ROWS = (10, 30)  # over-long prompts inserted there: prompt + response budget > the model's positions
 
@@ -163,14 +163,14 @@ def faulty_run(task):
         assert len(first) == 1, (first, [(p.pid, _cmdline(p)[:120]) for p in _descendants(proc.pid)],
                                  log.read_text()[-3000:])
         os.kill(first[0], signal.SIGKILL)
-        # 2. freeze the restarted engine after step 4 (SIGSTOP): noticed, killed, restarted
-        _wait(lambda: 4 in _steps_logged(d) and _engine_pids(proc.pid) not in ([], first), 400, "step 4", proc, log)
+        # 2. freeze the restarted engine after step 2 (SIGSTOP): noticed, killed, restarted
+        _wait(lambda: 2 in _steps_logged(d) and _engine_pids(proc.pid) not in ([], first), 400, "step 2", proc, log)
         second = _engine_pids(proc.pid)
         os.kill(second[0], signal.SIGSTOP)
         out["frozen_pid"] = second[0]
         _wait(lambda: _engine_pids(proc.pid) not in ([], second), 120, "the frozen engine's replacement", proc, log)
-        # 3. kill -9 the driver once step 6 is checkpointed: everything it started goes with it
-        _wait(lambda: _latest(d) >= 6, 400, "checkpoint 6", proc, log)
+        # 3. kill -9 the driver once step 3 is checkpointed: everything it started goes with it
+        _wait(lambda: _latest(d) >= 3, 400, "checkpoint 3", proc, log)
         job = _descendants(proc.pid)
         out["job"] = [(p.pid, _cmdline(p)) for p in job]
         proc.send_signal(signal.SIGKILL)

@@ -17,7 +17,8 @@ BOS, EOS = 1, 2
 
 
 def post(server, body) -> requests.Response:
-    return requests.post(server.url + "/generate", data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=60)
+    data = body if isinstance(body, str) else json.dumps(body)  # a str: sent as it is (not JSON, say)
+    return requests.post(server.url + "/generate", data=data, headers={"Content-Type": "application/json"}, timeout=60)
 
 
 def gen(server, ids=PROMPT, **body) -> dict:
@@ -131,10 +132,21 @@ def check_return_text_in_logprobs(server, ref):
 
 
 def check_stream(server, ref):
-    body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    """Server-sent events, each chunk the reply so far (cumulative, as SGLang's), [DONE] last."""
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         lines = [ln.decode() for ln in r.iter_lines() if ln]
-    assert lines[-1] == "data: [DONE]" and len(json.loads(lines[-2][6:])["output_ids"]) == 4
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 5
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 5
 
 
 def check_routed_dp_rank(server, ref, name="routed_dp_rank"):
@@ -203,6 +215,10 @@ def check_stop_token_ids(server, ref):
                                            "no_stop_trim": trim, "skip_special_tokens": False})
         assert out["output_ids"] == free[: k + 1] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": free[k]}
         assert out["text"] == (texts[k] if trim else texts[k - 1])  # the stop token's text is trimmed, as SGLang does
+    # as in SGLang, ignore_eos also turns stop_token_ids off
+    out = gen(server, sampling_params={"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [free[k]],
+                                       "ignore_eos": True})
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def check_stop_regex(server, ref):

@@ -123,6 +123,16 @@ def test_no_effect_field_is_type_checked_and_changes_nothing(server, name):
     ({"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": [99999]}, "token_ids_logprob"),
     ({"input_ids": PROMPT, "top_logprobs_num": 2}, "top_logprobs_num"),
+    ("{not json", "body"),
+    ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"input_ids": "12"}, "input_ids"),
+    ({"input_ids": [1, 100000]}, "input_ids"),
+    ({"input_ids": [1, -1]}, "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "max_new_tokens"),  # past the positions
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}}, "repetition_penalty"),
 ])
 def test_bad_field_is_400_naming_it(server, body, name):
     refused(server, body, name)

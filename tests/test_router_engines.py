@@ -185,7 +185,9 @@ def test_distributed_weight_update_over_gloo(group, models):
         group.wait_all(futs, "init_weights_update_group", timeout=60, check_success=True)
         names = list(state)
         sessions = group.begin_weight_update()
-        futs = group.update_weights_from_distributed(names, [str(state[n].dtype) for n in names],
+        # both spellings SGLang takes for a dtype: "torch.float32" and "float32"
+        dtypes = [str(state[n].dtype).replace("torch.", "", i % 2) for i, n in enumerate(names)]
+        futs = group.update_weights_from_distributed(names, dtypes,
                                                      [list(state[n].shape) for n in names], weight_version=5)
         for n in names:
             pg.broadcast(state[n].contiguous(), 0).wait()

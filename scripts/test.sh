@@ -30,7 +30,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 # Two pytest workers (pytest-xdist), each taking whole test files (module fixtures are built once): the end-to-end
 # tests spend much of their time waiting on the processes they start. Measured 2026-11-26 on the 2-core box:
 # -m "not slow" 166 s -> 119 s, -m slow 670 s -> 418 s. PYTEST_WORKERS=0 runs everything in this process.
-${PYTHON:-python3} -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# Files are handed out in tests/conftest.py's order (slow first), not xdist's (most tests first).
+${PYTHON:-python3} -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [[ -n $install_pid ]]; then
   # a run that needed no real SGLang does not wait for its install (the next run redoes what was cut)

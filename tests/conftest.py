@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "runs", "tiny")
+
 
 @pytest.fixture(scope="session")
 def parse_with(tmp_path_factory):
@@ -46,31 +49,15 @@ def base_args(parse_with):
 
 @pytest.fixture(scope="session")
 def quickstart_task():
-    """runs/tiny: the quick start's task and warm-started model, built as scripts/quickstart.sh builds it
-    (cached: the tool returns at once when it is there), so the end-to-end tests run on a fresh clone too.
-    Tests that run scripts/quickstart.sh ask for it first, so that only this fixture builds it."""
-    import fcntl
+    """runs/tiny: the quick start's task and warm-started model, built as scripts/quickstart.sh builds it (cached:
+    the tool returns at once when it is there; concurrent callers wait on its lock), so the end-to-end tests run on
+    a fresh clone too. Tests that run scripts/quickstart.sh ask for it first, so that only this fixture builds it."""
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    work = os.path.join(repo, "runs", "tiny")
-    os.makedirs(os.path.dirname(work), exist_ok=True)
-    # scripts/test.sh runs two pytest workers: one builds the task, the other waits for it (then finds it cached)
-    with open(work + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run([sys.executable, os.path.join(repo, "tools", "prepare_tiny_task.py"), "--out", work],
-                       cwd=repo, check=True, timeout=1800)
-    return work
-
-
-def pytest_collection_modifyitems(config, items):
-    """`real_model` tests are skipped only when asked (SLIME_SKIP_REAL_MODEL=1); without their packages they fail."""
-    if os.environ.get("SLIME_SKIP_REAL_MODEL") == "1":
-        skip = pytest.mark.skip(reason="SLIME_SKIP_REAL_MODEL=1: real-model tests skipped")
-        for item in items:
-            if "real_model" in item.keywords:
-                item.add_marker(skip)
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_tiny_task.py"), "--out", TINY], cwd=REPO,
+                   check=True, timeout=1800)
+    return TINY
 
 
 @pytest.fixture(scope="session")
@@ -189,3 +176,46 @@ def pytest_runtest_logreport(report):
         from real_sglang import record_cost
 
         record_cost(f"{report.when} {report.nodeid}", report.duration, outcome=report.outcome)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`real_model` tests are skipped only when asked (SLIME_SKIP_REAL_MODEL=1); without their packages they fail.
+
+    Whole files go to the two workers (scripts/test.sh: --dist loadfile --no-loadscope-reorder) in this order: the
+    slow files first, so that the run does not end on one long file while the other worker idles; among them, those
+    that wait for a build (the warm-started quick-start task, SGLang's venv, the converted real model) last, so that
+    their builds are done by then; the fast files after, those with the most tests first (xdist's own order)."""
+    if os.environ.get("SLIME_SKIP_REAL_MODEL") == "1":
+        skip = pytest.mark.skip(reason="SLIME_SKIP_REAL_MODEL=1: real-model tests skipped")
+        for item in items:
+            if "real_model" in item.keywords:
+                item.add_marker(skip)
+    slow, waits, count = set(), set(), {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        count[module] = count.get(module, 0) + 1
+        if item.get_closest_marker("slow") is not None:
+            slow.add(module)
+        if "quickstart_task" in item.fixturenames or any(item.get_closest_marker(m) for m in ("real_sglang", "real_model")):
+            waits.add(module)
+
+    def rank(item) -> tuple[int, int]:
+        module = item.nodeid.split("::")[0]
+        return (1, 0) if module in waits else (0, 0) if module in slow else (2, -count[module])
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+def pytest_collection_finish(session):
+    """The quick start's warm start (~2-4 min of one core) starts building in the background as soon as a selected
+    test needs it; the first worker that gets such a test then waits only for what is left. One process starts it
+    (the only one, or the first xdist worker); the tool's lock makes any other caller wait for it."""
+    import subprocess
+    import sys
+
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or session.config.option.collectonly:
+        return
+    if any("quickstart_task" in item.fixturenames for item in session.items):
+        os.makedirs(os.path.dirname(TINY), exist_ok=True)
+        subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "prepare_tiny_task.py"), "--out", TINY],
+                         cwd=REPO, stdout=open(TINY + ".log", "w"), stderr=subprocess.STDOUT, start_new_session=True)

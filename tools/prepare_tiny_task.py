@@ -20,6 +20,7 @@ matching key and skips the work.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -178,7 +179,11 @@ def main(argv=None) -> int:
     for name in ("train_size", "eval_size"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    summary = prepare(a)
+    out = os.path.abspath(a.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent callers (the test suite's workers) build it once
+        summary = prepare(a)
     print(json.dumps({k: v for k, v in summary.items() if k != "key"}, indent=1))  # CLI summary
     return 0
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_helpers import full_grads, megatron_args
-from test_fsdp_helpers import WORDS, make_args, make_groups, make_model_dir
+from test_fsdp_helpers import WORDS, make_groups
 
 from slime.backends.training_utils.data import TrainItem, flatten_groups, plan_micro_batches
 
@@ -25,35 +25,15 @@ pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-def make(backend: str, model_dir: str, *argv, **over):
-    if backend == "fsdp":
-        from slime.backends.fsdp_utils.actor import FSDPTrainer
-
-        t = FSDPTrainer(make_args(model_dir, "--train-backend", "fsdp", *argv, **over))
-    else:
-        from slime.backends.megatron_utils.actor import MegatronTrainer
-
-        t = MegatronTrainer(megatron_args(model_dir, *argv, **over))
-    t.init()
-    return t
-
-
 @pytest.fixture
-def trainer():
-    made = []
+def trainer(make_trainer):
+    """`trainer(backend, model_dir, *argv, **over)`: conftest's make_trainer on `model_dir`."""
+    return lambda backend, model_dir, *argv, **over: make_trainer(backend, *argv, model_dir=model_dir, **over)
 
-    def _make(backend, model_dir, *argv, **over):
-        made.append(make(backend, model_dir, *argv, **over))
-        return made[-1]
 
-    yield _make
-    for t in made:
-        t.shutdown()
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def grads_of(t) -> dict[str, torch.Tensor]:
@@ -207,11 +187,11 @@ def test_fsdp_bf16_computes_in_bf16_over_fp32_master_weights(trainer, model_dir)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_shutdown_lets_go_of_the_model_and_optimizer(model_dir, backend):
+def test_shutdown_lets_go_of_the_model_and_optimizer(trainer, model_dir, backend):
     gc.collect()
     cuda = torch.cuda.is_available()
     baseline = torch.cuda.memory_allocated() if cuda else 0
-    t = make(backend, model_dir)
+    t = trainer(backend, model_dir)
     t.train(0, make_groups(seed=46), 0)
     held = torch.cuda.memory_allocated() - baseline if cuda else 0
     params = list(t.model.parameters()) if backend == "fsdp" else list(t.actor.core.parameters())
@@ -227,16 +207,12 @@ def test_shutdown_lets_go_of_the_model_and_optimizer(model_dir, backend):
 
 @pytest.mark.slow  # inductor compiles C++ kernels on a CPU: tens of seconds on a fresh machine
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_compiled_ops_give_the_same_gradients(model_dir, backend):
+def test_compiled_ops_give_the_same_gradients(trainer, model_dir, backend):
     groups = make_groups(seed=47)
-    plain = make(backend, model_dir)
+    plain = trainer(backend, model_dir)
     lps0, loss0, g0 = step(plain, groups)
     plain.shutdown()
-    compiled = make(backend, model_dir, "--compile-ops")
-    try:
-        lps1, loss1, g1 = step(compiled, groups)
-    finally:
-        compiled.shutdown()
+    lps1, loss1, g1 = step(trainer(backend, model_dir, "--compile-ops"), groups)
     assert max(float((a - b).abs().max()) for a, b in zip(lps0, lps1)) <= 1e-5
     assert abs(loss0 - loss1) <= 1e-6 and max_diff(g0, g1) <= 1e-5
 
@@ -258,17 +234,13 @@ def test_layer_spec_choice_and_transformer_engine_names(model_dir):
         "decoder.layers.0.self_attention.q_layernorm.weight"
 
 
-def test_compile_ops_is_on_where_the_trainer_runs_on_a_gpu(model_dir):
+def test_compile_ops_is_on_where_the_trainer_runs_on_a_gpu(parse_with):
     """--compile-ops auto (the default) fuses on a GPU and not on CPU; the bare flag means on; off is off."""
-    from slime.arguments import parse_args
     from slime.backends.training_utils.distributed import compile_ops
 
-    make_args(model_dir)  # writes the prompt file
-    base = ["--hf-checkpoint", model_dir, "--prompt-data", os.path.join(model_dir, "prompts.jsonl"),
-            "--rollout-batch-size", "1", "--rm-type", "math", "--num-rollout", "1"]
-    assert parse_args(base).compile_ops == "auto"
-    assert compile_ops(parse_args(base)) == torch.cuda.is_available()
-    assert compile_ops(parse_args([*base, "--compile-ops"])) and compile_ops(parse_args([*base, "--compile-ops", "on"]))
-    assert not compile_ops(parse_args([*base, "--compile-ops", "off"]))
+    assert parse_with().compile_ops == "auto"
+    assert compile_ops(parse_with()) == torch.cuda.is_available()
+    assert compile_ops(parse_with(compile_ops=True)) and compile_ops(parse_with(compile_ops="on"))
+    assert not compile_ops(parse_with(compile_ops="off"))
     with pytest.raises(SystemExit):
-        parse_args([*base, "--compile-ops", "sometimes"])
+        parse_with(compile_ops="sometimes")

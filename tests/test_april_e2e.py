@@ -94,6 +94,8 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
         assert not set(ids(out.groups)) & set(trained)
         ray.get(buf2.mark.remote(ids(out.groups), TRAINED), timeout=T)
         trained += ids(out.groups)
+    with pytest.raises(ray.exceptions.RayTaskError, match="invalid ledger transition"):  # refused through Ray too
+        ray.get(buf2.mark.remote(trained[:1], TRAINED), timeout=T)
     summary = ray.get(buf2.check_balanced.remote(), timeout=T)
     assert summary[TRAINED] == len(trained) == len(set(trained)) == 3 * (step + 1)
     assert summary["total"] == source2.group_counter

@@ -258,31 +258,3 @@ def test_load_drops_groups_issued_at_save_time(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(data))
     with pytest.raises(LedgerError, match="unbalanced"):
         PartialRolloutBuffer().load(str(tmp_path / "b.json"))
-
-
-# ---- the Ray actor ---------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_buffer_ray_actor(tmp_path):
-    ray = pytest.importorskip("ray")
-    from slime.ray.buffer import Buffer
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        actor = Buffer.remote(None)
-        groups = [make_group(1, tokens=2, version=3), make_group(2, tokens=1)]
-        ray.get(actor.issue.remote(groups), timeout=60)
-        ray.get(actor.park.remote(groups), timeout=60)
-        assert ray.get(actor.num_parked.remote(), timeout=60) == 2
-        ray.get(actor.save.remote(str(tmp_path / "b.json")), timeout=60)
-        got = ray.get(actor.take_parked.remote(1), timeout=60)
-        assert got[0][0].weight_versions == [3, 3] and got[0][0].tokens == groups[0][0].tokens
-        with pytest.raises(ray.exceptions.RayTaskError, match="invalid ledger transition"):
-            ray.get(actor.mark.remote([1], TRAINED), timeout=60)
-        assert ray.get(actor.ledger_summary.remote(), timeout=60)[ISSUED] == 1
-    finally:
-        if started:
-            ray.shutdown()

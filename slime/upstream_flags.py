@@ -88,8 +88,9 @@ REFUSED: dict[str, str] = {
     "--eval-min-new-tokens": "not supported: eval responses are bounded by --eval-max-response-len only",
     "--eval-reward-key": "use --reward-key (training and eval share it)",
     # algorithm and training
-    "--use-rollout-logprobs": "the trainer recomputes the old policy's log-probs every step; off-policy tokens are "
-                              "corrected against the rollout's log-probs with --use-tis",
+    "--use-rollout-logprobs": "the trainer computes the old policy's log-probs every step (with one optimizer step per "
+                              "rollout, at the update's own forward); off-policy tokens are corrected against the "
+                              "rollout's log-probs with --use-tis",
     "--use-opsm": "use --max-staleness with --staleness-policy (per-token versions) and --use-tis",
     "--opsm-delta": "use --max-staleness with --staleness-policy (per-token versions) and --use-tis",
     "--use-unbiased-kl": "use --kl-loss-type k1 | k2 | k3 | low_var_kl",
@@ -99,7 +100,8 @@ REFUSED: dict[str, str] = {
     "--lambd": _CRITIC,
     "--value-clip": _CRITIC,
     "--num-critic-only-steps": _CRITIC,
-    "--keep-old-actor": "not needed: the trainer recomputes the old policy's log-probs at the start of each step",
+    "--keep-old-actor": "not needed: the trainer computes the old policy's log-probs at the start of each step (with "
+                        "one optimizer step per rollout, at the update's own forward)",
     "--ref-update-interval": "not supported: the reference model stays at --ref-load",
     "--ref-ckpt-step": "give --ref-load the checkpoint directory itself",
     "--reset-optimizer-states": "not supported: the optimizer keeps its state across steps",

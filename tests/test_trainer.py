@@ -306,3 +306,61 @@ def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args,
     assert torch.all(lps.grad[mask == 0] == 0) and torch.all(ents.grad[mask == 0] == 0)
     assert torch.all(lps.grad[mask == 1] != 0)
     assert sum(s.response_length for s in group) == mask.numel()
+
+
+def _grads(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tis", [False, True])
+def test_one_step_rollout_takes_old_log_probs_from_its_own_forward(make_trainer, tis):
+    """One optimizer step per rollout: no old-log-prob forward, and the same gradient and metrics as with one, also
+    with off-policy tokens corrected by TIS against their own behaviour log-probs (a resumed APRIL sample's)."""
+    t = make_trainer("fsdp", "--use-tis" if tis else "--no-use-wandb", micro_batch_size=3)
+    groups = make_groups(seed=11)
+    for s in groups[0][1:3]:  # resumed samples: their first tokens sampled by an older policy
+        s.rollout_log_probs = [-0.3 * (i % 4) - 0.5 for i in range(s.response_length)]
+    out = {}
+    for old_forward in (True, False):
+        calls = []
+        real = t._log_probs
+        t._log_probs = lambda model, items: calls.append(1) or real(model, items)
+        try:
+            items, rt, _ = t._prepare(copy.deepcopy(groups), old_forward=None if not old_forward else True)
+        finally:
+            del t._log_probs
+        assert len(calls) == (1 if old_forward else 0)
+        assert (rt.old_log_probs is None) == (not old_forward)
+        seen = ([], []) if rt.old_log_probs is None else None
+        parts = t._accumulate_grads(items, rt, seen)
+        metrics = {k: float(v) for k, v in parts.items()}
+        if seen is not None:
+            from slime.backends.training_utils.loss import behaviour_metrics
+
+            metrics.update(behaviour_metrics(t.args, items, t._gather_log_probs(*seen, len(items)), None)[0])
+        else:
+            metrics.update(rt.metrics)
+        out[old_forward] = (_grads(t), metrics)
+    (g_with, m_with), (g_without, m_without) = out[True], out[False]
+    assert max_diff(g_with, g_without) < 1e-6 * max(1.0, max(float(v.abs().max()) for v in g_with.values()))
+    for k in ("loss", "pg_loss", "ppo_kl", "tis_ess", "tis_weight_mean", "tis_clipfrac", "logprob_abs_diff_max"):
+        assert m_without[k] == pytest.approx(m_with[k], abs=1e-6), k
+    assert m_with["logprob_abs_diff_max"] > 0.1  # the resumed tokens' behaviour log-probs differ
+    if tis:
+        assert m_with["tis_ess"] < 0.99
+
+
+def test_old_log_probs_get_their_own_forward_only_when_needed(make_trainer):
+    """More than one optimizer step per rollout (later steps see updated weights), or --kl-coef (advantages fold
+    in a KL from them): a forward of their own; one step: none."""
+    for over, forwards in ((dict(global_batch_size=8), 0), (dict(global_batch_size=4), 1),
+                           (dict(global_batch_size=8, kl_coef=0.1), 1)):
+        t = make_trainer("fsdp", **over)
+        calls = []
+        real = t._log_probs
+        t._log_probs = lambda model, items: calls.append(model is t._actor) or real(model, items)
+        m = t.train(0, make_groups(seed=12), 0)
+        assert sum(calls) == forwards, over
+        assert {"logprob_abs_diff_max", "tis_ess"} <= m.keys()
+        t.shutdown()

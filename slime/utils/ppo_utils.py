@@ -266,6 +266,19 @@ def compute_ess(weights: Tensor, mask: Tensor) -> float:
     return float(wm.sum()) ** 2 / (n * sq)
 
 
+def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, clip_high: float = 2.0,
+                         clip_low: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(clamp(exp(old − rollout), clip_low, clip_high), the raw exp(old − rollout)), detached, per token: what
+    `compute_tis_weights` multiplies into the loss, without its metrics (nothing read back from the device)."""
+    if clip_low < 0 or clip_high <= 0 or clip_low > clip_high:
+        raise ValueError(
+            f"need 0 <= --tis-clip-low ({clip_low}) <= --tis-clip ({clip_high}) and --tis-clip > 0"
+        )
+    log_w = (old_log_probs.detach().float() - rollout_log_probs.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    raw = torch.exp(log_w)
+    return raw.clamp(clip_low, clip_high), raw
+
+
 def compute_tis_weights(
     old_log_probs: Tensor,
     rollout_log_probs: Tensor,
@@ -281,13 +294,7 @@ def compute_tis_weights(
     Metrics (masked tokens only): ``tis_clipfrac`` (share of raw weights outside the bounds), ``tis_ess`` (see
     ``compute_ess``, of the clamped weights), ``tis_weight_mean``, ``tis_raw_weight_mean``.
     """
-    if clip_low < 0 or clip_high <= 0 or clip_low > clip_high:
-        raise ValueError(
-            f"need 0 <= --tis-clip-low ({clip_low}) <= --tis-clip ({clip_high}) and --tis-clip > 0"
-        )
-    log_w = (old_log_probs.detach().float() - rollout_log_probs.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    raw = torch.exp(log_w)
-    weights = raw.clamp(clip_low, clip_high)
+    weights, raw = truncated_is_weights(old_log_probs, rollout_log_probs, clip_high, clip_low)
     mk = mask.to(device=raw.device)
     out_of_range = ((raw < clip_low) | (raw > clip_high)).float()
     metrics = {

@@ -1,6 +1,15 @@
 """The loss of one micro-batch and the rollout-level preparation (advantages,
 TIS weights, behaviour-vs-old mismatch) that feeds it.
 
+Old-policy log-probs: when a rollout trains in one optimizer step and its
+advantages do not depend on them (no --kl-coef), they equal the current
+policy's at the update's own forward, so no forward of their own is run
+(`old_log_probs_needed`; verl's "on-policy" case): the loss takes the
+micro-batch's log-probs, detached, as the old ones (ratio 1, the same
+gradient), the TIS weights against each token's behaviour log-prob (a resumed
+APRIL token carries the one its engine sampled it with) are computed per
+micro-batch, and the mismatch metrics after the step from the same values.
+
 Normalisation: every micro-batch loss is divided by the *global* denominator
 of its optimizer step (tokens for ``token_mean``, samples for
 ``sample_mean``), counted over all ranks, so that summing micro-batches and
@@ -32,6 +41,7 @@ from slime.utils.ppo_utils import (
     loss_agg_mode,
     normalize_advantages,
     policy_ratio,
+    truncated_is_weights,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,35 +51,43 @@ def needs_ref(args) -> bool:
     return bool(args.use_kl_loss) or float(args.kl_coef) > 0
 
 
+def old_log_probs_needed(args, num_steps: int) -> bool:
+    """Whether the old policy's log-probs need a forward of their own before the update: the rollout trains in
+    more than one optimizer step (later steps see updated weights), or its advantages fold in a KL penalty
+    (--kl-coef) computed from them. Otherwise they are the update's own forward, detached."""
+    return num_steps > 1 or float(args.kl_coef) > 0
+
+
 @dataclass
 class RolloutTensors:
     """Per-position (flattened rollout) tensors computed before the update."""
 
-    old_log_probs: list[Tensor]
+    old_log_probs: list[Tensor] | None  # None: the update's own forward gives them (old_log_probs_needed)
     ref_log_probs: list[Tensor] | None
     advantages: list[Tensor]
-    tis_weights: list[Tensor] | None
+    tis_weights: list[Tensor] | None  # --use-tis with old log-probs at hand (else computed per micro-batch)
     metrics: dict[str, float]
 
 
 def compute_rollout_tensors(
     args,
     groups: list[list[TrainItem]],
-    old_log_probs: list[Tensor],
+    old_log_probs: list[Tensor] | None,
     ref_log_probs: list[Tensor] | None,
 ) -> RolloutTensors:
     """Advantages, TIS weights and mismatch metrics for the whole rollout
-    (identical on every rank: inputs are gathered)."""
+    (identical on every rank: inputs are gathered). Without `old_log_probs` (taken from the update's forward:
+    `old_log_probs_needed`) the TIS weights and the metrics that need them come later (`behaviour_metrics`)."""
     items = [it for g in groups for it in g]
     masks = [it.loss_mask for it in items]
     metrics: dict[str, float] = {}
     estimator = args.advantage_estimator
     kl_coef = float(args.kl_coef)
-    kl_type = args.kl_loss_type
     kl = None
-    if ref_log_probs is not None:
-        kl = [compute_approx_kl(o, r, kl_type) for o, r in zip(old_log_probs, ref_log_probs)]
-        metrics["ref_kl"] = _masked_token_mean(kl, masks)
+    if ref_log_probs is not None and old_log_probs is not None:
+        kl = [compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old_log_probs, ref_log_probs)]
+    elif ref_log_probs is not None and kl_coef > 0:
+        raise ValueError("--kl-coef folds a KL penalty into the advantages: it needs old and reference log-probs")
 
     if args.loss_type == "sft_loss":
         advantages = [torch.zeros_like(m) for m in masks]
@@ -78,7 +96,22 @@ def compute_rollout_tensors(
     if args.normalize_advantages and estimator in ("grpo", "gspo"):
         advantages = normalize_advantages(advantages, masks)
 
-    # engine (behaviour) vs trainer (old policy) log-prob mismatch
+    tis = None
+    if old_log_probs is not None:
+        more, tis = behaviour_metrics(args, items, old_log_probs, ref_log_probs)
+        metrics.update(more)
+    return RolloutTensors(old_log_probs, ref_log_probs, advantages, tis, metrics)
+
+
+def behaviour_metrics(args, items: list[TrainItem], old_log_probs: list[Tensor], ref_log_probs: list[Tensor] | None
+                      ) -> tuple[dict[str, float], list[Tensor] | None]:
+    """The rollout's old-vs-reference KL, engine (behaviour) vs trainer (old policy) mismatch and TIS metrics, and
+    the TIS weights per item with --use-tis (else None)."""
+    masks = [it.loss_mask for it in items]
+    metrics: dict[str, float] = {}
+    if ref_log_probs is not None:
+        kl = [compute_approx_kl(o, r, args.kl_loss_type) for o, r in zip(old_log_probs, ref_log_probs)]
+        metrics["ref_kl"] = _masked_token_mean(kl, masks)
     diffs = [(o - it.rollout_log_probs).abs() for o, it in zip(old_log_probs, items)]
     mk = torch.cat(masks) if masks else torch.zeros(0)
     d = torch.cat(diffs) if diffs else torch.zeros(0)
@@ -96,7 +129,7 @@ def compute_rollout_tensors(
         if args.use_tis:
             tis = list(torch.split(w, [m.numel() for m in masks]))
         metrics.update(tis_metrics)
-    return RolloutTensors(old_log_probs, ref_log_probs, advantages, tis, metrics)
+    return metrics, tis
 
 
 def _advantages(args, estimator, groups, masks, kl, kl_coef) -> list[Tensor]:
@@ -149,10 +182,11 @@ class LossInputs:
     sizes: list[int]
     mask: Tensor
     weight: Tensor
-    old: Tensor
+    old: Tensor | None  # None: the micro-batch's own log-probs, detached (RolloutTensors.old_log_probs is None)
     adv: Tensor
     tis: Tensor | None
     ref: Tensor | None
+    behaviour: Tensor | None = None  # the tokens' rollout log-probs, for TIS weights computed in the loss
 
     def reduce(self, x: Tensor) -> Tensor:
         """The step-normalised sum of a per-token quantity: Σ weight·x over masked tokens (a NaN or inf
@@ -161,11 +195,12 @@ class LossInputs:
 
 
 def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tensor], num_tokens: float,
-                num_samples: float, device: torch.device | str, sample_tokens: list[float] | None = None
-                ) -> LossInputs:
+                num_samples: float, device: torch.device | str, sample_tokens: list[float] | None = None,
+                rollout_log_probs: list[Tensor] | None = None) -> LossInputs:
     """`micro_batch_loss`'s inputs for the items at `positions` (their loss masks `masks`), normalised by the
     step's global token / sample count. `sample_tokens`: each item's sample-mean denominator, its rollout's loss
-    tokens in the step (upstream's `rollout_id`: a fan-out's samples averaged as one; default: its own)."""
+    tokens in the step (upstream's `rollout_id`: a fan-out's samples averaged as one; default: its own).
+    `rollout_log_probs`: the items' behaviour log-probs, needed with --use-tis when `rt` has no old log-probs."""
     mask = torch.cat(masks).float()
     if loss_agg_mode(args) == "token_mean":
         weight = mask / max(float(num_tokens), 1.0)
@@ -174,9 +209,15 @@ def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tens
         tokens = [float(m.sum()) for m in masks] if sample_tokens is None else sample_tokens
         weight = torch.cat([m.float() / max(t, 1.0) / denom for m, t in zip(masks, tokens)])
     pick = lambda ts: None if ts is None else torch.cat([ts[p].float() for p in positions])  # noqa: E731
-    host = [mask, weight, pick(rt.old_log_probs), pick(rt.advantages), pick(rt.tis_weights), pick(rt.ref_log_probs)]
-    mask, weight, old, adv, tis, ref = to_device(host, device)
-    return LossInputs([m.numel() for m in masks], mask, weight, old, adv, tis, ref)
+    behaviour = None
+    if args.use_tis and rt.old_log_probs is None:
+        if rollout_log_probs is None:
+            raise ValueError("loss_inputs: --use-tis without old log-probs needs the items' rollout log-probs")
+        behaviour = torch.cat([lp.float() for lp in rollout_log_probs])
+    host = [mask, weight, pick(rt.old_log_probs), pick(rt.advantages), pick(rt.tis_weights), pick(rt.ref_log_probs),
+            behaviour]
+    mask, weight, old, adv, tis, ref, behaviour = to_device(host, device)
+    return LossInputs([m.numel() for m in masks], mask, weight, old, adv, tis, ref, behaviour)
 
 
 def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: LossInputs
@@ -185,6 +226,10 @@ def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: Los
     0-dim tensors on the device: read back once per step, not per micro-batch) for one micro-batch of real
     items; `log_probs` / `entropies` flat over the items' response tokens."""
     metrics: dict[str, Tensor] = {}
+    old = inp.old if inp.old is not None else log_probs.detach().float()
+    tis = inp.tis
+    if tis is None and inp.behaviour is not None:
+        tis = truncated_is_weights(old, inp.behaviour, float(args.tis_clip), float(args.tis_clip_low))[0]
     if args.loss_type == "sft_loss":
         loss = -inp.reduce(log_probs)
         metrics["sft_loss"] = loss.detach()
@@ -193,17 +238,17 @@ def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: Los
     # GSPO: the sequence ratio on every token; otherwise the token ratio. The
     # same clipped surrogate (PPO clip, then the dual clip) applies to both.
     if args.advantage_estimator == "gspo":
-        ratio = torch.cat(compute_gspo_ratio(list(log_probs.split(inp.sizes)), list(inp.old.split(inp.sizes)),
+        ratio = torch.cat(compute_gspo_ratio(list(log_probs.split(inp.sizes)), list(old.split(inp.sizes)),
                                              list(inp.mask.split(inp.sizes))))
     else:
-        ratio = policy_ratio(log_probs, inp.old)
+        ratio = policy_ratio(log_probs, old)
     pg, clip = clipped_surrogate(ratio, inp.adv, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
-    if inp.tis is not None:  # per token, also under GSPO (see compute_gspo_ratio)
-        pg = pg * inp.tis
+    if tis is not None:  # per token, also under GSPO (see compute_gspo_ratio)
+        pg = pg * tis
     pg_loss = inp.reduce(pg)
     loss = pg_loss
     names = ["pg_clipfrac", "ppo_kl"]
-    per_token = [clip, inp.old - log_probs.detach().float()]
+    per_token = [clip, old - log_probs.detach().float()]
     if args.eps_clip_c is not None:
         names.append("pg_dual_clipfrac")
         per_token.append(dual_clip_flags(ratio, inp.adv, args.eps_clip_c))

@@ -5,7 +5,9 @@ rank (RayTrainGroup does).
 
 Per `train` call: drop FAILED samples, compute old-policy (and reference)
 log-probs for the rollout with the current weights (split over data-parallel
-ranks, then gathered), compute advantages / TIS weights with the shared loss
+ranks, then gathered; the old ones only when the rollout trains in more than
+one optimizer step or --kl-coef needs them: otherwise the update's own forward
+gives them, see loss.py), compute advantages / TIS weights with the shared loss
 code, then run len(samples) / --global-batch-size optimizer steps, each
 accumulating gradients over this rank's micro-batches (fixed size, or token
 budget bins balanced over ranks; padded or packed). The step loop, the metric
@@ -26,8 +28,8 @@ import torch
 from slime.backends.training_utils.data import (MicroBatch, TrainItem, build_micro_batch, dummy_item, flatten_groups,
                                                 plan_micro_batches, rollout_tokens, split_steps)
 from slime.backends.training_utils.distributed import open_master_port, use_cuda
-from slime.backends.training_utils.loss import (RolloutTensors, compute_rollout_tensors, loss_inputs,
-                                                micro_batch_loss)
+from slime.backends.training_utils.loss import (RolloutTensors, behaviour_metrics, compute_rollout_tensors,
+                                                loss_inputs, micro_batch_loss, old_log_probs_needed)
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
 from slime.backends.training_utils.weight_sync.feed import EngineFeed
 from slime.utils.types import Sample
@@ -176,11 +178,16 @@ class Trainer(Offloadable):
         finally:
             if model is self._actor:
                 self._set_train_mode(model, True)
+        return self._gather_log_probs(mine, flat, len(items))
+
+    def _gather_log_probs(self, mine: list[TrainItem], flat: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """Every rank's log-probs of its items `mine` (`flat`: device tensors, flat over their response tokens in
+        item order), gathered on every rank into one list by item position (`n` items in all)."""
         local = []
         if flat:
             host = torch.cat(flat).cpu().split([it.response_len for it in mine])
             local = [(it.pos, lp.clone()) for it, lp in zip(mine, host)]  # (own storage: pickled to other ranks)
-        out: list[torch.Tensor | None] = [None] * len(items)
+        out: list[torch.Tensor | None] = [None] * n
         for part in (self._dp_gather(local) if self._dp()[1] > 1 else [local]):
             for pos, lp in part:
                 out[pos] = lp
@@ -196,7 +203,7 @@ class Trainer(Offloadable):
 
     def _train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        items, rt, metrics = self._prepare(groups)
+        items, rt, metrics = self._prepare(groups, old_forward=None)
         if not items:
             logger.warning("rollout %d: no trainable samples (%d failed); skipping the update", rollout_id,
                            int(metrics["num_failed_excluded"]))
@@ -204,10 +211,14 @@ class Trainer(Offloadable):
         metrics["old_logprob_time_s"] = time.perf_counter() - t0
         steps = split_steps([it.rollout for it in items], int(self.args.global_batch_size))
         sums: dict[str, float] = defaultdict(float)
+        seen: tuple[list, list] | None = ([], []) if rt.old_log_probs is None else None
         for positions in steps:
-            for k, v in self._train_step([items[p] for p in positions], rt).items():
+            for k, v in self._train_step([items[p] for p in positions], rt, seen).items():
                 sums[k] += v
         metrics.update({k: v / len(steps) for k, v in sums.items()})
+        if seen is not None:  # the old log-probs were the update's forward: the metrics that need them, now
+            old = self._gather_log_probs(seen[0], seen[1], len(items))
+            metrics.update(behaviour_metrics(self.args, items, old, rt.ref_log_probs)[0])
         metrics["num_optimizer_steps"] = float(len(steps))
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train_time_s"] = time.perf_counter() - t0
@@ -215,22 +226,29 @@ class Trainer(Offloadable):
                     policy_version, len(items), len(steps), metrics.get("loss", 0.0), metrics.get("grad_norm", 0.0))
         return metrics
 
-    def _prepare(self, groups: list[list[Sample]]) -> tuple[list[TrainItem], RolloutTensors | None, dict]:
-        """Samples → items, old / reference log-probs, advantages and TIS weights."""
+    def _prepare(self, groups: list[list[Sample]], old_forward: bool | None = True
+                 ) -> tuple[list[TrainItem], RolloutTensors | None, dict]:
+        """Samples → items, old / reference log-probs, advantages and TIS weights. `old_forward`: whether the old
+        log-probs get a forward of their own (None: when `old_log_probs_needed`; without one the update's
+        forward gives them)."""
         item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
         items = [it for g in item_groups for it in g]
         metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed),
                                      "num_tokens": float(sum(it.num_tokens for it in items))}
         if not items:
             return items, None, metrics
-        old = self._log_probs(self._actor, items)
+        if old_forward is None:
+            steps = split_steps([it.rollout for it in items], int(self.args.global_batch_size))
+            old_forward = old_log_probs_needed(self.args, len(steps))
+        old = self._log_probs(self._actor, items) if old_forward else None
         ref = self._log_probs(self._ref, items) if self._ref is not None else None
         rt = compute_rollout_tensors(self.args, item_groups, old, ref)
         metrics.update(rt.metrics)
         return items, rt, metrics
 
-    def _train_step(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, float]:
-        parts = self._accumulate_grads(step_items, rt)
+    def _train_step(self, step_items: list[TrainItem], rt: RolloutTensors, seen: tuple[list, list] | None = None
+                    ) -> dict[str, float]:
+        parts = self._accumulate_grads(step_items, rt, seen)
         grad_norm = self._optimizer_step()
         keys = self._metric_keys()
         values = read_metrics(parts, keys)  # the step's one read of the loss metrics from the device
@@ -238,10 +256,12 @@ class Trainer(Offloadable):
         out["grad_norm"] = float(grad_norm)
         return out
 
-    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors) -> dict[str, torch.Tensor]:
+    def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors, seen: tuple[list, list] | None = None
+                          ) -> dict[str, torch.Tensor]:
         """Forward / backward over this rank's micro-batches of one optimizer step, then the gradient
         reductions; returns this rank's metric parts (0-dim tensors on the device). Nothing here waits for
-        the device: inputs go in by asynchronous copies and metrics stay on the device."""
+        the device: inputs go in by asynchronous copies and metrics stay on the device. `seen` (items, log-probs):
+        where the micro-batches' items and detached log-probs are appended (the old ones, when `rt` has none)."""
         from slime.backends.training_utils.distributed import device
 
         args = self.args
@@ -254,9 +274,13 @@ class Trainer(Offloadable):
             mb = self._micro_batch(mb_items)
             if mb_items:
                 inp = loss_inputs(args, rt, [it.pos for it in mb_items], [it.loss_mask for it in mb_items],
-                                  num_tokens, num_samples, device(), [per_rollout[it.rollout] for it in mb_items])
+                                  num_tokens, num_samples, device(), [per_rollout[it.rollout] for it in mb_items],
+                                  [it.rollout_log_probs for it in mb_items])
                 lps, ents, _ = self._forward(self._actor, mb, with_entropy=True,
                                              entropy_grad=float(args.entropy_coef) != 0.0)
+                if seen is not None:
+                    seen[0].extend(mb_items)
+                    seen[1].append(lps.detach().float())
                 loss, m = micro_batch_loss(args, lps, ents, inp)
                 m["loss"] = loss.detach()
                 for key, v in m.items():

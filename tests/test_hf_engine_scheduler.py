@@ -1,5 +1,6 @@
 """The scheduler's steps, driven by hand (no thread, no HTTP): chunked prefill mixed into decode steps,
-aborts that keep KV (also in the middle of a prefill), and the prefix cache under KV-pool pressure.
+aborts that keep KV (also in the middle of a prefill), the prefix cache under KV-pool pressure, and a
+group's samples sharing their prompt's KV.
 Every output is checked against a plain greedy reference."""
 
 from __future__ import annotations
@@ -157,3 +158,71 @@ def test_retract_recomputes_from_tokens(model_dir, ref):
     while not r.finished:
         step(s)
     assert r.output_ids == greedy_reference(ref, r.input_ids, 25)
+
+
+def sampled(rid: str, p: list[int], n: int, seed: int, **over) -> Request:
+    g = torch.Generator().manual_seed(seed)
+    return Request(rid, list(p), SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, **over),
+                   generator=g)
+
+
+def run_group(s: Scheduler, p: list[int], n: int, size: int) -> list[Request]:
+    reqs = [sampled(f"g{i}", p, n, seed=i) for i in range(size)]
+    for r in reqs:
+        s._add(r)
+    while not all(r.finished for r in reqs):
+        step(s)
+    return reqs
+
+
+@pytest.mark.parametrize("length", [37, 41])  # the shared positions end inside a block, or at its end
+def test_a_groups_samples_share_their_prompts_kv(model_dir, ref, length):
+    """The samples of a group (one prompt, n requests): one prefill, the others start on its KV (full blocks shared,
+    the partly filled one copied) and feed only the last prompt token; the same tokens and log-probs as each
+    prefilling its own prompt (the radix cache off), and every block back in the pool at the end."""
+    p = prompt(length, 9)
+    shared = scheduler(model_dir)
+    own = scheduler(model_dir, prefix_cache_tokens=0)
+    a, b = run_group(shared, p, 12, 4), run_group(own, p, 12, 4)
+    assert shared.stats.prefill_tokens == length and own.stats.prefill_tokens == 4 * length
+    assert shared.stats.shared_prompts == 3 and shared.stats.shared_prompt_tokens == 3 * (length - 1)
+    assert [r.cached_tokens for r in a] == [0] + [length - 1] * 3 and [r.cached_tokens for r in b] == [0] * 4
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    assert len({tuple(r.output_ids) for r in a}) > 1  # sampled apart after the shared prompt
+    assert shared.batch.pool.num_used == 0 and shared.batch.num_rows == 0
+    g = [request(f"q{i}", p, 8) for i in range(3)]
+    for r in g:
+        shared._add(r)
+    while not all(r.finished for r in g):
+        step(shared)
+    assert all(r.output_ids == greedy_reference(ref, p, 8) for r in g)
+    assert shared.batch.pool.num_used == 0
+
+
+def test_a_follower_whose_leader_is_aborted_prefills_its_own_prompt(model_dir, ref):
+    s = scheduler(model_dir, chunked_prefill_size=16)
+    p = prompt(60, 10)
+    lead, follow = request("lead", p, 6), request("follow", p, 6)
+    s._add(lead)
+    s._add(follow)
+    step(s)  # the leader's first chunk; the follower waits
+    assert follow.leader is lead and s.batch.cached(follow.row) == 0
+    s.abort("lead")
+    while not follow.finished:
+        step(s)
+    assert follow.cached_tokens == 0 and follow.output_ids == greedy_reference(ref, p, 6)
+    assert s.stats.shared_prompts == 0
+
+
+def test_only_requests_of_one_extra_key_share_a_prompt(model_dir):
+    s = scheduler(model_dir)
+    p = prompt(30, 11)
+    reqs = [sampled("a", p, 4, 0), sampled("b", p, 4, 1), sampled("c", p, 4, 2)]
+    reqs[1].extra_key = "v1"
+    for r in reqs:
+        s._add(r)
+    while not all(r.finished for r in reqs):
+        step(s)
+    assert [r.cached_tokens for r in reqs] == [0, 0, 29] and s.stats.shared_prompts == 1

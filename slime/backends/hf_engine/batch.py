@@ -9,7 +9,9 @@ long sample is prefilled chunk by chunk alongside the running batch instead of s
 of any lengths share a forward without padding.
 
 Joining and leaving copy no KV: a new row gets an empty table (or the blocks of an aborted request it
-resumes), a leaving row hands its blocks back to the pool (or to the prefix cache). Block tables live in
+resumes), a leaving row hands its blocks back to the pool (or to the prefix cache). A row may start on
+another row's prefix (`share_prefix`: the samples of a group share their prompt): its full blocks are
+shared, only the partly filled last one is copied. Block tables live in
 one tensor `tables[row slot, i]` so a step gathers them without Python loops over positions.
 
 The model's device is the batch's: the KV pool lives there, block tables stay on the host (they change
@@ -84,6 +86,23 @@ class PagedBatch:
 
     def cached(self, row: int) -> int:
         return self._cached[row]
+
+    def share_prefix(self, row: int, src: int, positions: int) -> None:
+        """Start the empty `row` on the KV of `src`'s first `positions` positions: the blocks they fill are shared
+        (neither row writes them again: a row writes only past its cached positions), a partly filled last
+        block is copied."""
+        if self._cached[row] or self._blocks[row]:
+            raise ValueError(f"row {row} is not empty")
+        if positions > self._cached[src]:
+            raise ValueError(f"row {src} has {self._cached[src]} cached positions, not {positions}")
+        full, rest = divmod(positions, self.block_size)
+        blocks = self._blocks[src][:full]
+        self.pool.share(blocks)
+        if rest:
+            blocks = blocks + self._alloc(1)
+            self.pool.copy_block(self._blocks[src][full], blocks[-1])
+        self._put_blocks(row, blocks)
+        self._cached[row] = positions
 
     def detach(self, row: int) -> tuple[list[int], int]:
         """Remove `row` and hand its blocks (and cached positions) to the caller, who now owns them."""
@@ -171,9 +190,12 @@ class PagedBatch:
         """Give `row` enough blocks for `positions` positions."""
         need = -(-positions // self.block_size) - len(self._blocks[row])
         if need > 0:
-            if self.pool.num_free < need and self.reclaim is not None:
-                self.reclaim(need - self.pool.num_free)
-            self._put_blocks(row, self.pool.alloc(need))
+            self._put_blocks(row, self._alloc(need))
+
+    def _alloc(self, n: int) -> list[int]:
+        if self.pool.num_free < n and self.reclaim is not None:
+            self.reclaim(n - self.pool.num_free)
+        return self.pool.alloc(n)
 
     def _put_blocks(self, row: int, blocks: list[int]) -> None:
         if not blocks:

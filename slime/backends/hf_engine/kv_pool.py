@@ -6,7 +6,8 @@ a row's blocks copies `block_size * D` contiguous floats per head, keys and valu
 being zeros it keeps masked-out positions finite (0 x NaN garbage would be NaN in attention's matmuls).
 
 Blocks belong to whoever holds their ids (a running row, or the prefix cache for an aborted request);
-no position is ever copied when a request joins, leaves or is resumed. The pool starts small and grows
+no position is ever copied when a request joins, leaves or is resumed. A full block may have several
+holders (rows sharing a prompt, `share`): it goes back to the free list when the last one frees it. The pool starts small and grows
 by reallocation (amortised, at most up to `max_blocks`); layers are allocated on their first write, so
 the pool needs no model-specific shape information.
 """
@@ -37,6 +38,7 @@ class KVPool:
         self.generation += 1
         self.capacity = min(max(2, capacity or self.initial_blocks), self.max_blocks)
         self._free: list[int] = list(range(self.capacity - 1, 0, -1))  # pop() hands out low ids first
+        self._extra_holders: dict[int, int] = {}  # block -> holders beyond the first (shared blocks)
 
     # ---- blocks ------------------------------------------------------------------------
     @property
@@ -56,7 +58,28 @@ class KVPool:
         return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """One holder gives `blocks` back; a block is free again when its last holder has."""
+        if not self._extra_holders:
+            self._free.extend(blocks)
+            return
+        for b in blocks:
+            n = self._extra_holders.get(b)
+            if n is None:
+                self._free.append(b)
+            elif n == 1:
+                del self._extra_holders[b]
+            else:
+                self._extra_holders[b] = n - 1
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of `blocks` (which it must never write: full blocks of a shared prefix)."""
+        for b in blocks:
+            self._extra_holders[b] = self._extra_holders.get(b, 0) + 1
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's keys and values of block `src` into block `dst`."""
+        for t in self._kv.values():
+            t[:, :, dst] = t[:, :, src]
 
     def _grow(self, need: int) -> None:
         if need > self.max_blocks:

@@ -34,6 +34,8 @@ class Request:
     extra_key: str | None = None  # SGLang's prefix-cache namespace (our client: the weight version it was sent at)
     kv_version: str | None = None  # while it has a row: the weight version that computed its oldest KV position
     retractions: int = 0  # times its KV was dropped and it was sent back to the queue (SGLang's num_retractions)
+    # a running request with the same prompt (and extra_key) whose prefill this one waits for, to start on its KV
+    leader: Request | None = None
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of input_ids + output_ids (without building the whole list)."""

@@ -14,6 +14,7 @@ row), so a new or resumed request never stalls the rows already decoding for
 longer than one chunk. `step_composition` "mixed" (SGLang's --enable-mixed-chunk,
 the CPU's default) packs both into one forward; "separate" (SGLang's default, a
 GPU's) runs them as two, so every decode forward replays its CUDA graph.
+Requests with the same prompt (a group's samples) share its KV: see shared_prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from slime.backends.hf_engine.logprobs import fill_prompt_logprobs, record_outpu
 from slime.backends.hf_engine.prefix_cache import CachedKV, PrefixCache
 from slime.backends.hf_engine.request import Request, abort_reason, eos_ids, finish_reason
 from slime.backends.hf_engine.sampling import prepare_sampling, sample_tokens, to_host
+from slime.backends.hf_engine.shared_prompts import SharedPrompts
 from slime.backends.hf_engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class Scheduler:
         self._stop = False
         self.num_steps = 0
         self.stats = SchedulerStats()
+        self.shared = SharedPrompts(self.batch, self.stats)
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
 
     # ---- API for other threads -------------------------------------------------------
@@ -161,11 +164,12 @@ class Scheduler:
         for r in reversed(self.running):
             self.stats.retracted_tokens += self.batch.cached(r.row)
             self.batch.drop(r.row)
-            r.row = r.kv_version = None
+            r.row = r.kv_version = r.leader = None
             r.retractions += 1
             self.waiting.appendleft(r)
         self.stats.retractions += n
         self.running = []
+        self.shared.clear()
         return n
 
     def set_paused(self, paused: bool) -> None:
@@ -228,8 +232,9 @@ class Scheduler:
                 logger.exception("scheduler step failed")
                 victims, self.running = self.running, []
                 self.batch.clear()
+                self.shared.clear()
                 for r in victims:
-                    r.row = None
+                    r.row = r.leader = None
                     if not r.finished:
                         self._finish(r, abort_reason(f"engine error: {e}", 500))
 
@@ -268,6 +273,8 @@ class Scheduler:
             else:
                 r.row = self.batch.add_row()
                 r.kv_version = self.weight_version
+                if self.prefix_cache.enabled:
+                    self.shared.admit(r)
             self.running.append(r)
 
     def _plan(self) -> tuple[list, list[Request], int, int, int, int]:
@@ -277,6 +284,8 @@ class Scheduler:
         chunks' (query, key) pairs."""
         segments, samplers, prefilling = [], [], []
         for r in self.running:
+            if r.leader is not None and not self.shared.ready(r):
+                continue  # its prompt's KV is still being prefilled by its leader
             left = r.num_tokens - self.batch.cached(r.row)
             if left == 1:
                 segments.append((r.row, [r.output_ids[-1] if r.output_ids else r.input_ids[-1]], True))
@@ -338,40 +347,18 @@ class Scheduler:
             for r in done:
                 self._leave(r, cache=False)
             self.running = [r for r in self.running if id(r) not in gone]
-        st = self.stats
-        st.evict_s += time.perf_counter() - t1
-        st.add_step(t1 - t0, decoded, prefill_tokens)
-        st.sampled_tokens += len(samplers)
-        if prefill_tokens:
-            st.prefill_s += t1 - t0
-            st.prefill_cpu_s += c1 - c0
-            st.prefill_tail_s += t1 - t_back
-            st.prefills += 1
-            st.prefill_decode_rows += decoded
-            st.prefill_decode_ctx_tokens += decode_ctx
-            decode_buckets = [bk for bk in self.batch.last_plan.buckets if bk.q == 1]
-            st.prefill_decode_padded += sum(bk.b * bk.m for bk in decode_buckets) * self.batch.block_size
-            st.prefill_decode_buckets += len(decode_buckets)
-            st.prefill_key_pairs += pairs
-            st.prefill_decode_steps += decoded > 0
-            st.prefill_rows += len(segments) - decoded
-            st.prefill_tokens += prefill_tokens
-            st.prefill_positions += prefill_tokens  # packed: no padding
-        else:
-            st.decode_s += t1 - t0
-            st.decode_cpu_s += c1 - c0
-            st.decode_launch_s += t_issued - t0
-            st.decode_tail_s += t1 - t_back
-            st.decode_steps += 1
-            st.decode_rows += decoded
-            st.decode_ctx_tokens += decode_ctx
-            st.decode_padded += sum(bk.b * bk.m for bk in self.batch.last_plan.buckets) * self.batch.block_size
-            st.decode_buckets += len(self.batch.last_plan.buckets)
+        self.stats.evict_s += time.perf_counter() - t1
+        self.stats.record_step(wall=t1 - t0, cpu=c1 - c0, launch=t_issued - t0, tail=t1 - t_back, decoded=decoded,
+                               decode_ctx=decode_ctx, prefill_tokens=prefill_tokens, prefill_pairs=pairs,
+                               prefill_rows=len(segments) - decoded, sampled=len(samplers),
+                               block_size=self.batch.block_size,
+                               buckets=[(bk.q, bk.b * bk.m) for bk in self.batch.last_plan.buckets])
 
     def _leave(self, r: Request, cache: bool) -> None:
         """Take `r`'s row out of the batch; with `cache` (an abort) its KV goes to the prefix cache."""
         if r.row is None:
             return
+        self.shared.leave(r)
         if cache and self.prefix_cache.enabled and self.batch.cached(r.row) > 0:
             blocks, cached = self.batch.detach(r.row)
             self.prefix_cache.put(r.extra_key, r.input_ids + r.output_ids, CachedKV(blocks, cached, r.kv_version))

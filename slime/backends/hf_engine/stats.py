@@ -49,6 +49,10 @@ class SchedulerStats:
     sampled_tokens: int = 0  # tokens generated (one per decoding row, one per finished prefill)
     cache_hits: int = 0  # requests that resumed an aborted request's KV
     cache_hit_tokens: int = 0  # positions they did not prefill
+    # requests that started on the KV of a running request with the same prompt (a group's samples), and the
+    # prompt positions they did not prefill
+    shared_prompts: int = 0
+    shared_prompt_tokens: int = 0
     # hits on KV that older weights computed (a request with the entry's extra_key, or none, after an update with
     # flush_cache=false): never with version-keyed requests (slime/rollout/engine_versions.py)
     cache_stale_hits: int = 0
@@ -69,6 +73,41 @@ class SchedulerStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def record_step(self, *, wall: float, cpu: float, launch: float, tail: float, decoded: int, decode_ctx: int,
+                    prefill_tokens: int, prefill_pairs: int, prefill_rows: int, sampled: int,
+                    buckets: list[tuple[int, int]], block_size: int) -> None:
+        """One engine step: its wall and thread CPU seconds (of them: until its work was issued, after its tokens
+        were back), its decoding rows and their cached tokens, its prefill tokens, (query, key) pairs and rows, the
+        tokens it sampled, and its attention buckets as (queries per row, rows x key blocks)."""
+        self.add_step(wall, decoded, prefill_tokens)
+        self.sampled_tokens += sampled
+        decode_blocks = sum(blocks for q, blocks in buckets if q == 1)
+        decode_buckets = sum(q == 1 for q, _ in buckets)
+        if prefill_tokens:
+            self.prefill_s += wall
+            self.prefill_cpu_s += cpu
+            self.prefill_tail_s += tail
+            self.prefills += 1
+            self.prefill_decode_rows += decoded
+            self.prefill_decode_ctx_tokens += decode_ctx
+            self.prefill_decode_padded += decode_blocks * block_size
+            self.prefill_decode_buckets += decode_buckets
+            self.prefill_key_pairs += prefill_pairs
+            self.prefill_decode_steps += decoded > 0
+            self.prefill_rows += prefill_rows
+            self.prefill_tokens += prefill_tokens
+            self.prefill_positions += prefill_tokens  # packed: no padding
+        else:
+            self.decode_s += wall
+            self.decode_cpu_s += cpu
+            self.decode_launch_s += launch
+            self.decode_tail_s += tail
+            self.decode_steps += 1
+            self.decode_rows += decoded
+            self.decode_ctx_tokens += decode_ctx
+            self.decode_padded += decode_blocks * block_size
+            self.decode_buckets += decode_buckets
 
     def add_step(self, seconds: float, decoded: int, prefill_tokens: int) -> None:
         d, p = decoded / 1000.0, prefill_tokens / 1000.0

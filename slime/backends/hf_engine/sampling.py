@@ -183,11 +183,11 @@ def sample_tokens(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor
         rows, ids, values = sb.bias
         logits = logits.index_put((rows, ids), logits[rows, ids] + values)
     logp = torch.log_softmax(logits if sb.temps is None else logits / sb.temps, dim=-1)
-    tokens = logits.argmax(dim=-1)
+    tokens = None if sb.rows is not None and sb.every_row_draws else logits.argmax(dim=-1)  # greedy rows' tokens
     if sb.rows is not None:
         sub = _restrict(logp if sb.every_row_draws else logp.index_select(0, sb.rows), sb)
         # inverse-CDF draw: one uniform per row (cheap, and per-request generators stay independent)
-        cdf = sub.exp().cumsum(dim=-1)
+        cdf = sub.exp().cumsum_(dim=-1)
         targets = (sb.u * cdf[:, -1]).unsqueeze(1)
         drawn = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
         tokens = drawn if sb.every_row_draws else tokens.index_copy(0, sb.rows, drawn)

@@ -87,6 +87,9 @@ class Trainer(Offloadable):
     def _finish_grads(self) -> None:
         """After a step's last backward: the gradient reductions the backward did not do itself."""
 
+    def _before_backward(self, last: bool) -> None:
+        """Before each micro-batch's backward; `last`: the optimizer step's last one."""
+
     def _optimizer_step(self) -> float:
         """Clip, step, zero the gradients; returns the grad norm."""
         raise NotImplementedError
@@ -209,6 +212,7 @@ class Trainer(Offloadable):
                            int(metrics["num_failed_excluded"]))
             return metrics
         metrics["old_logprob_time_s"] = time.perf_counter() - t0
+        metrics["old_logprob_forward"] = float(rt.old_log_probs is not None)  # 0: the update's forward gave them
         steps = split_steps([it.rollout for it in items], int(self.args.global_batch_size))
         sums: dict[str, float] = defaultdict(float)
         seen: tuple[list, list] | None = ([], []) if rt.old_log_probs is None else None
@@ -270,7 +274,8 @@ class Trainer(Offloadable):
         dp_size = self._dp()[1]
         self._zero_grads()
         parts: dict[str, torch.Tensor] = {}
-        for mb_items in self._plan(step_items):
+        plan = self._plan(step_items)
+        for i, mb_items in enumerate(plan):
             mb = self._micro_batch(mb_items)
             if mb_items:
                 inp = loss_inputs(args, rt, [it.pos for it in mb_items], [it.loss_mask for it in mb_items],
@@ -289,6 +294,7 @@ class Trainer(Offloadable):
                 _, _, keep = self._forward(self._actor, mb)
                 loss = keep.sum() * 0.0
             # gradients are averaged over DP ranks; the loss is already a global mean
+            self._before_backward(i == len(plan) - 1)
             (loss * dp_size).backward()
         self._finish_grads()
         return parts

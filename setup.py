@@ -12,6 +12,7 @@ setup(
     version="0.1.0",
     description="RL post-training for LLMs (slime-style: Ray + Megatron/FSDP + SGLang) with APRIL active partial rollouts",
     packages=find_packages(include=["slime", "slime.*"]),
+    package_data={"slime.backends.hf_engine": ["paged_decode.c"]},  # built on first use (cpu_decode.py)
     python_requires=">=3.10",
     install_requires=[
         # a range that the CPU wheel torch==2.13.0 satisfies (install it first on CPU machines)

@@ -9,8 +9,9 @@ Modules: `__main__` (CLI), `server` (generate and control routes), `info` (read-
 `http_utils`, `engine` (model + scheduler + weight version), `device` (--device, --dtype, host-to-device copies), `scheduler` (continuous batching thread:
 one packed step of decode tokens and prompt chunks at a time; `request`: one request's state and what ends
 it), `batch` (rows over a paged KV cache, the
-packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool), `prefix_cache`
-(aborted requests' blocks), `shared_prompts` (a group's samples on one prompt's KV), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id
+packed forward), `kv_pool` (KV blocks), `paged_attention` (attention over the pool; on the CPU its decode part in
+`paged_decode.c`, built on first use by `cpu_decode`), `prefix_cache` (aborted requests' blocks), `shared_prompts`
+(a group's samples on one prompt's KV), `stats` (the scheduler's counters), `sampling`, `logprobs` (prompt / top-k / chosen-id
 log-probs), `fields` (what is done with every SGLang request field), `protocol` (request validation,
 response shapes), `weights` (disk / broadcast updates, the weight-update group and session), `testing` (subprocess helper for tests and benchmarks).
 See docs/sglang-compat.md for where it differs from SGLang.

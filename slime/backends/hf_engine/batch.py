@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from slime.backends.hf_engine import cpu_decode
 from slime.backends.hf_engine.buckets import BUCKET_MIN_SAVING
 from slime.backends.hf_engine.decode_graphs import DecodeGraphs, resolve_mode
 from slime.backends.hf_engine.kv_pool import KVPool
@@ -66,6 +67,8 @@ class PagedBatch:
         self.graphs = DecodeGraphs(model, self.pool, resolve_mode(decode_graphs, self.device), graph_max_rows, kernel,
                                    prefill_attention, self._step_mask)
         self._layers = int(model.config.num_hidden_layers)
+        # on the CPU, decode buckets attend in the pool (cpu_decode; None: gather + SDPA, as on other devices)
+        self.decode_kernel = cpu_decode.load() if self.device.type == "cpu" and kernel == "sdpa" else None
 
     # ---- rows --------------------------------------------------------------------------
     @property
@@ -178,7 +181,8 @@ class PagedBatch:
         keep = [last[i] for i, seg in enumerate(segments) if seg[2]]
         packed, keep_t = move_plan(buckets, [torch.tensor([ids, pos, slots], dtype=torch.long),
                                              torch.tensor(keep, dtype=torch.long)], self.device)
-        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel, self.prefill_attention)
+        plan = self.last_plan = StepPlan(self.pool, packed[2], buckets, self.kernel, self.prefill_attention,
+                                         self.decode_kernel)
         out = self.model(input_ids=packed[0:1], position_ids=packed[1:2], attention_mask=self._step_mask,
                          use_cache=False, logits_to_keep=keep_t, paged_step=plan)
         for row, toks, _ in segments:

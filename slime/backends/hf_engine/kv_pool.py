@@ -118,6 +118,10 @@ class KVPool:
         flat[0].index_copy_(1, slots, keys)
         flat[1].index_copy_(1, slots, values)
 
+    def layer_tensor(self, idx: int) -> torch.Tensor:
+        """Layer `idx`'s whole tensor, [2, Hkv, num_blocks, block_size, D] (keys, then values)."""
+        return self._kv[idx]
+
     def gather(self, idx: int, blocks: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `blocks` ([rows * m] ids, m per row), as [Hkv, rows, m * block_size, D] each
         (one copy of both)."""

@@ -86,6 +86,7 @@ class StepPlan:
     buckets: list[Bucket]
     kernel: str = "sdpa"  # sdpa: torch's scaled_dot_product_attention; eager: matmul, softmax, matmul
     prefill: str = "split"  # a prefill chunk with a prefix: "split" (CPU) or "masked" (see the module's doc)
+    decode_kernel: object = None  # cpu_decode.DecodeKernel: decode buckets attended in the pool, nothing gathered
 
 
 def _eager(q, k, v, mask, scale):
@@ -187,6 +188,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 prefix = (k[:, :, :bk.p0], v[:, :, :bk.p0])
             outs.append(_unpad(_prefill(q, k_new, v_new, prefix, g, scaling, plan.kernel).reshape(b * nq, h, d), bk))
             continue
+        if plan.decode_kernel is not None:
+            o = plan.decode_kernel(q.view(b, h, d), pool.layer_tensor(layer), bk.blocks, bk.limit,
+                                   d ** -0.5 if scaling is None else scaling)
+            if o is not None:
+                outs.append(o)
+                continue
         k, v = pool.gather(layer, bk.blocks, b)
         q = q.view(b, hkv, g, d).transpose(0, 1)  # [Hkv, b, G, D]: a KV head's G query heads as G queries
         if bk.keys is not None:  # no padding: attend exactly the rows' keys, no mask (SDPA's fast path)

@@ -1,0 +1,233 @@
+"""A step of the real-model run against the box's limit: SmolLM2-135M-Instruct in fp32 (tools/convert_smollm2.py),
+`train.py` with FSDP, the embedded engine and APRIL, on reasoning-gym arithmetic.
+
+    python benchmarks/real_model_step.py [--steps 4] [--threads 2] [--work runs/real-model-step] [-- train.py flags]
+
+Prints every step's time split (rollout, train, weight push, the rest), then the engine's decode and the trainer's
+achieved GFLOP/s and their share of the box's fp32 matmul rate. The rate is measured in this process right before
+and right after the run (torch.matmul of two 1024 x 1024 fp32 matrices at --threads threads, the median of 0.3 s
+windows), and the shares are taken against their mean; both probes are printed, with the load average. The last
+line is JSON.
+
+FLOPs are model FLOPs (what the work needs, not what the kernels execute), per token:
+  body       2 x N_body, N_body = the decoder layers' matmul weights (q, k, v, o, gate, up, down projections);
+  head       2 x V x H (vocabulary x hidden), only where a token's logits are needed;
+  attention  4 x layers x query heads x head dim per key a query attends (QK^T and PV).
+  Engine decode: every row of a decode-only step is one token through body and head, attending its cached keys and
+    its own (the engine's counters decode_rows, decode_ctx_tokens over decode_s, from /get_server_info, polled while
+    the run goes on). Prefill, and rows decoded in steps that also prefill, are not in this share.
+  Trainer: the update's forward is body for every token (prompt and response), head for the response tokens (the
+    log-prob head computes no others), attention over each sample's causal pairs (from the step's mean sample
+    length); backward = 2 x forward; plus a forward when the old log-probs had their own (train/old_logprob_forward).
+    Over train/train_time_s (the whole trainer call: data, old log-probs, update).
+  Not counted: the embedding lookup, norms, element-wise work, the log-prob head's recompute in the backward.
+
+The defaults are the first run of this model measured here (APRIL, 8 groups over-sampled for 4, 8 samples each,
+<= 48 new tokens, one optimizer step of 32 samples), micro-batches of up to 1,024 tokens (micro-batches of one
+~90-token sample cost 1.3x the trainer's time), and both sides at --threads torch threads: in train.py the engine
+and the trainer take turns, so each can use the whole box. Measure on a quiet box: with other work on it, two
+threads slow the engine down (each of a decode step's ~3,000 parallel regions waits for both threads to be
+scheduled: a rollout of 161 s at load ~9 against 41 s with one thread at load ~12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+# reasoning-gym's 2-term, 1-2 digit arithmetic: the starting model gets ~0.2 of it right (greedy), room both ways
+TASK = dict(name="basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=2)
+RUN_FLAGS = ["--apply-chat-template", "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--over-sampling-batch-size", "8",
+             "--partial-rollout", "--rollout-max-response-len", "48", "--global-batch-size", "32",
+             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024",
+             "--train-backend", "fsdp", "--rollout-backend", "embedded", "--no-use-wandb"]
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def matmul_rate(threads: int, seconds: float = 3.0, n: int = 1024) -> float:
+    """GFLOP/s of torch.matmul on two n x n fp32 matrices at `threads` threads (median of 0.3 s windows)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        rates, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0, k = time.perf_counter(), 0
+            while time.perf_counter() - t0 < 0.3:
+                a @ b
+                k += 1
+            rates.append(2 * n**3 * k / (time.perf_counter() - t0) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(before)
+
+
+class ModelShape:
+    """The model's FLOP terms (see the module docstring) from its config.json."""
+
+    def __init__(self, model_dir: str):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            c = json.load(f)
+        h, ffn, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+        d = c.get("head_dim") or h // heads
+        self.body = layers * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * ffn)
+        self.head = c["vocab_size"] * h
+        self.attn_per_key = 4 * layers * heads * d
+
+    def decode_flops(self, rows: int, ctx_tokens: int) -> float:
+        return 2.0 * (self.body + self.head) * rows + self.attn_per_key * (ctx_tokens + rows)
+
+    def train_flops(self, tokens: float, response_tokens: float, samples: float, old_forward: bool) -> float:
+        n = tokens / max(samples, 1.0)
+        forward = 2.0 * self.body * tokens + 2.0 * self.head * response_tokens + \
+            self.attn_per_key * samples * n * (n + 1) / 2
+        return forward * (3 + (1 if old_forward else 0))
+
+
+def prepare(work: str, num: int, seed: int) -> tuple[str, str]:
+    """The converted model (cached) and `num` prompts of the task, in the rows tools/convert_smollm2.py writes."""
+    import convert_smollm2
+    import reasoning_gym
+
+    model = convert_smollm2.convert(os.path.join(work, "model"))
+    task = dict(TASK)
+    ds = reasoning_gym.create_dataset(task.pop("name"), size=num, seed=seed, **task)
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        for i, item in enumerate(ds):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{item['question']}\n"
+                                            f"{convert_smollm2.ANSWER_INSTRUCTION}"}],
+                                "label": str(item["answer"]), "metadata": {"index": i}}) + "\n")
+    return model, data
+
+
+class EngineStats(threading.Thread):
+    """Polls the run's engine (its URL from its log) for its scheduler's counters until stopped; keeps the last."""
+
+    def __init__(self, log_path: str):
+        super().__init__(daemon=True)
+        self.log_path, self.url, self.last = log_path, None, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            if self.url is None:
+                try:
+                    with open(self.log_path) as f:
+                        m = re.search(r"hf_engine serving .* on (http://\S+)", f.read())
+                    self.url = m.group(1) if m else None
+                except OSError:
+                    continue
+            if self.url is not None:
+                try:
+                    with urllib.request.urlopen(self.url + "/get_server_info", timeout=5) as r:
+                        self.last = json.load(r)["internal_states"][0]["scheduler_stats"]
+                except (OSError, ValueError, KeyError):
+                    pass  # between steps, or shut down
+
+
+def run_train(o, model: str, data: str) -> tuple[list[dict], dict | None, float]:
+    run_dir = os.path.join(o.work, "run")
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", model, "--prompt-data", data,
+           *RUN_FLAGS, "--num-rollout", str(o.steps), "--embedded-engine-threads", str(o.threads),
+           "--train-num-threads", str(o.threads), "--seed", str(o.seed), "--run-dir", run_dir, *o.extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+           "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run dir's metrics.jsonl is appended to
+    poll = EngineStats(os.path.join(run_dir, "engine_logs", "engine_0.log"))
+    poll.start()
+    t0 = time.perf_counter()
+    with open(os.path.join(o.work, "train.log"), "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=o.timeout).returncode
+    wall = time.perf_counter() - t0
+    poll.done.set()
+    poll.join()
+    if rc != 0:
+        raise SystemExit(f"train.py exited {rc}: see {os.path.join(o.work, 'train.log')}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if r.get("step", -1) >= 0]
+    return rows, poll.last, wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4, help="train.py steps (--num-rollout)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and of the trainer")
+    p.add_argument("--work", default=os.path.join(REPO, "runs", "real-model-step"))
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600)
+    o, extra = p.parse_known_args(argv)
+    o.extra = [x for x in extra if x != "--"]
+    os.makedirs(o.work, exist_ok=True)
+    model, data = prepare(o.work, o.num_prompts, o.seed)
+    shape = ModelShape(model)
+    load0, rate0 = load_avg(), matmul_rate(o.threads)
+    rows, eng, wall = run_train(o, model, data)
+    load1, rate1 = load_avg(), matmul_rate(o.threads)
+    rate = (rate0 + rate1) / 2
+
+    print(f"matmul rate ({o.threads} threads, fp32 1024^3): {rate0:.1f} GFLOP/s before (load {load0}), "
+          f"{rate1:.1f} after (load {load1})")
+    print(f"{'step':>4} {'step s':>7} {'rollout':>8} {'train':>7} {'push':>6} {'other':>6} {'new tok':>8} "
+          f"{'train tok':>9} {'old fwd':>7} {'trainer GFLOP/s':>15}")
+    train_fl = train_s = 0.0
+    for r in rows:
+        step, roll, tr = r["perf/step_time_s"], r["perf/rollout_s"], r.get("perf/train_s", 0.0)
+        push = r.get("perf/weight_push_s", 0.0)
+        old = bool(r.get("train/old_logprob_forward", 1.0))
+        fl = shape.train_flops(r.get("train/num_tokens", 0.0), r.get("rollout/trained_tokens", 0.0),
+                               r.get("train/num_samples", 0.0), old)
+        ts = r.get("train/train_time_s", 0.0)
+        train_fl, train_s = train_fl + fl, train_s + ts
+        print(f"{r['step']:>4} {step:>7.1f} {roll:>8.1f} {tr:>7.1f} {push:>6.1f} {step - roll - tr - push:>6.1f} "
+              f"{r.get('rollout/new_tokens', 0):>8.0f} {r.get('train/num_tokens', 0):>9.0f} {int(old):>7} "
+              f"{fl / max(ts, 1e-9) / 1e9:>15.1f}")
+    steps = [r["perf/step_time_s"] for r in rows]
+    out = {"load_before": load0, "load_after": load1, "matmul_gflops_before": rate0, "matmul_gflops_after": rate1,
+           "threads": o.threads, "steps": len(rows), "step_s_mean": statistics.mean(steps), "step_s_max": max(steps),
+           "wall_s": wall, "trainer_gflops": train_fl / max(train_s, 1e-9) / 1e9}
+    out["trainer_share"] = out["trainer_gflops"] / rate
+    if eng:
+        dec_fl = shape.decode_flops(eng["decode_rows"], eng["decode_ctx_tokens"])
+        out.update(decode_s=eng["decode_s"], decode_steps=eng["decode_steps"], decode_rows=eng["decode_rows"],
+                   prefill_s=eng["prefill_s"], prefill_tokens=eng["prefill_tokens"],
+                   shared_prompt_tokens=eng.get("shared_prompt_tokens", 0),
+                   decode_gflops=dec_fl / max(eng["decode_s"], 1e-9) / 1e9)
+        out["decode_share"] = out["decode_gflops"] / rate
+        print(f"engine decode: {eng['decode_rows']} rows in {eng['decode_steps']} decode-only steps "
+              f"({eng['decode_rows'] / max(eng['decode_steps'], 1):.1f} rows/step), {eng['decode_s']:.1f} s: "
+              f"{out['decode_gflops']:.1f} GFLOP/s = {100 * out['decode_share']:.0f}% of the matmul rate; prefill "
+              f"{eng['prefill_tokens']} tokens in {eng['prefill_s']:.1f} s")
+    else:
+        print("engine decode: no counters (the engine's log gave no URL)")
+    print(f"trainer: {out['trainer_gflops']:.1f} GFLOP/s = {100 * out['trainer_share']:.0f}% of the matmul rate; "
+          f"step mean {out['step_s_mean']:.1f} s, max {out['step_s_max']:.1f} s")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
-"""A step of the real-model run against the box's limit: SmolLM2-135M-Instruct in fp32 (tools/convert_smollm2.py),
-`train.py` with FSDP, the embedded engine and APRIL, on reasoning-gym arithmetic.
+"""A step of the real-model run against the box's limit: the real-model quick start (scripts/quickstart_real_model.sh:
+SmolLM2-135M-Instruct in fp32, `train.py` with FSDP, the embedded engine and APRIL) for a few steps, timed.
 
     python benchmarks/real_model_step.py [--steps 4] [--threads 2] [--work runs/real-model-step] [-- train.py flags]
 
@@ -22,12 +22,11 @@ FLOPs are model FLOPs (what the work needs, not what the kernels execute), per t
     Over train/train_time_s (the whole trainer call: data, old log-probs, update).
   Not counted: the embedding lookup, norms, element-wise work, the log-prob head's recompute in the backward.
 
-The defaults are the first run of this model measured here (APRIL, 8 groups over-sampled for 4, 8 samples each,
-<= 48 new tokens, one optimizer step of 32 samples), micro-batches of up to 1,024 tokens (micro-batches of one
-~90-token sample cost 1.3x the trainer's time), and both sides at --threads torch threads: in train.py the engine
-and the trainer take turns, so each can use the whole box. Measure on a quiet box: with other work on it, two
-threads slow the engine down (each of a decode step's ~3,000 parallel regions waits for both threads to be
-scheduled: a rollout of 161 s at load ~9 against 41 s with one thread at load ~12).
+The run is the quick start's own command (its task, reward, batch, APRIL settings and micro-batches) without its
+evaluations, with both sides at --threads torch threads: in train.py the engine and the trainer take turns, so each
+can use the whole box. Measure on a quiet box: with other work on it, two threads slow the engine down (each of a
+decode step's ~3,000 torch ops that runs on both threads waits for both to be scheduled: a rollout of 161 s at load ~9 against
+41 s with one thread at load ~12).
 """
 
 from __future__ import annotations
@@ -46,16 +45,6 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
-
-# reasoning-gym's 2-term, 1-2 digit arithmetic: the starting model gets ~0.2 of it right (greedy), room both ways
-TASK = dict(name="basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=2)
-RUN_FLAGS = ["--apply-chat-template", "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
-             "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--over-sampling-batch-size", "8",
-             "--partial-rollout", "--rollout-max-response-len", "48", "--global-batch-size", "32",
-             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024",
-             "--train-backend", "fsdp", "--rollout-backend", "embedded", "--no-use-wandb"]
-
 
 def load_avg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -105,23 +94,6 @@ class ModelShape:
         return forward * (3 + (1 if old_forward else 0))
 
 
-def prepare(work: str, num: int, seed: int) -> tuple[str, str]:
-    """The converted model (cached) and `num` prompts of the task, in the rows tools/convert_smollm2.py writes."""
-    import convert_smollm2
-    import reasoning_gym
-
-    model = convert_smollm2.convert(os.path.join(work, "model"))
-    task = dict(TASK)
-    ds = reasoning_gym.create_dataset(task.pop("name"), size=num, seed=seed, **task)
-    data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        for i, item in enumerate(ds):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{item['question']}\n"
-                                            f"{convert_smollm2.ANSWER_INSTRUCTION}"}],
-                                "label": str(item["answer"]), "metadata": {"index": i}}) + "\n")
-    return model, data
-
-
 class EngineStats(threading.Thread):
     """Polls the run's engine (its URL from its log) for its scheduler's counters until stopped; keeps the last."""
 
@@ -147,25 +119,26 @@ class EngineStats(threading.Thread):
                     pass  # between steps, or shut down
 
 
-def run_train(o, model: str, data: str) -> tuple[list[dict], dict | None, float]:
+def run_quick_start(o) -> tuple[list[dict], dict | None, float]:
     run_dir = os.path.join(o.work, "run")
-    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", model, "--prompt-data", data,
-           *RUN_FLAGS, "--num-rollout", str(o.steps), "--embedded-engine-threads", str(o.threads),
-           "--train-num-threads", str(o.threads), "--seed", str(o.seed), "--run-dir", run_dir, *o.extra]
+    cmd = ["bash", os.path.join(REPO, "scripts", "quickstart_real_model.sh"), "--skip-eval-before-train",
+           "--eval-interval", str(o.steps + 1), "--embedded-engine-threads", str(o.threads),
+           "--train-num-threads", str(o.threads), *o.extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-           "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run dir's metrics.jsonl is appended to
+           "SLIME_SKIP_INSTALL": "1", "WORK": o.work, "RUN": run_dir, "STEPS": str(o.steps),
+           "EVAL_NUM": "8", "PYTHON": sys.executable}
+    shutil.rmtree(os.path.join(run_dir, "engine_logs"), ignore_errors=True)
     poll = EngineStats(os.path.join(run_dir, "engine_logs", "engine_0.log"))
     poll.start()
     t0 = time.perf_counter()
+    os.makedirs(o.work, exist_ok=True)
     with open(os.path.join(o.work, "train.log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=o.timeout).returncode
     wall = time.perf_counter() - t0
     poll.done.set()
     poll.join()
     if rc != 0:
-        raise SystemExit(f"train.py exited {rc}: see {os.path.join(o.work, 'train.log')}")
+        raise SystemExit(f"the quick start exited {rc}: see {os.path.join(o.work, 'train.log')}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("step", -1) >= 0]
     return rows, poll.last, wall
@@ -176,16 +149,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="train.py steps (--num-rollout)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and of the trainer")
     p.add_argument("--work", default=os.path.join(REPO, "runs", "real-model-step"))
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
     o, extra = p.parse_known_args(argv)
     o.extra = [x for x in extra if x != "--"]
-    os.makedirs(o.work, exist_ok=True)
-    model, data = prepare(o.work, o.num_prompts, o.seed)
-    shape = ModelShape(model)
     load0, rate0 = load_avg(), matmul_rate(o.threads)
-    rows, eng, wall = run_train(o, model, data)
+    rows, eng, wall = run_quick_start(o)
+    shape = ModelShape(os.path.join(o.work, "model"))
     load1, rate1 = load_avg(), matmul_rate(o.threads)
     rate = (rate0 + rate1) / 2
 

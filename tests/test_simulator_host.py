@@ -133,3 +133,31 @@ def test_separate_forwards_price_a_decode_step_plus_a_prefill_only_step():
     assert separate.mixed_step_s(3, 840, *read, 0, 0, 0) == mixed.mixed_step_s(3, 840, *read, 0, 0, 0)
     assert separate.mixed_step_s(0, 0, 0, 0, 64, 10, 1) == mixed.mixed_step_s(0, 0, 0, 0, 64, 10, 1)
     assert EngineCostModel.from_dict(separate.to_dict()).separate_prefill
+
+
+def test_a_calibration_cut_before_three_prefill_probes_gives_no_model():
+    """An engine that counts its prefill forwards, calibrated on fewer than three probes (a pass its deadline cut
+    short): no model, rather than one that prices prefill as free and, lacking the mixed rows, an engine of another
+    composition (a GPU run's Pareto calibration, cut before its third probe, predicted APRIL at +737%)."""
+    from slime.rollout.simulator.calibrate import Calibrator
+    from slime.rollout.simulator.probes import Probe
+
+    cal = Calibrator("http://127.0.0.1:9", 100)
+    cal.info = {"backend": "slime.hf_engine", "enable_mixed_chunk": False, "cuda_graph_mode": "capture",
+                "cuda_graph_max_bs": 128, "max_running_requests": 128, "page_size": 32}
+    cal.stats_ok = True
+    probes = []
+    for rows in (1, 4, 16, 64):  # decode at 2 ms + 10 us per row; a prefill forward 20 ms + 1 ms per chunk
+        p = Probe([8] * rows, 32)
+        p.runs.append((32 * (2e-3 + rows * 1e-5), [32, 32 * rows, 32 * rows * 24, 32 * rows * 64, 0]))
+        t = 0.02 + 1e-3 * rows
+        p.mixed.append((t, [1, 0, 0, 0, 0, 1, 8 * rows, 36 * rows, rows]))
+        p.prefill.append((t, 1, 8 * rows, 64 * rows))
+        probes.append(p)
+    cal.probes = probes[:2]
+    with pytest.raises(RuntimeError, match="prefill measured on 2 probe"):
+        cal.fit()
+    cal.probes = probes
+    cost = cal.fit()
+    assert cost.prefill_mode == "mixed" and cost.separate_prefill and cost.graph_max_rows == 128
+    assert cost.mixed_step_s(0, 0, 0, 0, 8, 36, 1) == pytest.approx(0.021, rel=0.05)

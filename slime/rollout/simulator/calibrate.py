@@ -268,6 +268,11 @@ class Calibrator:
         if not pts:
             raise RuntimeError(f"Calibrator.fit: no {clock} measurements (the engine reports no such counters)")
         mixed_rows = [r for p in self.probes for r in (p.mixed if clock == "wall" else p.cpu_mixed)]
+        if self.stats_ok and len(mixed_rows) < 3 and sum(1 for p in self.probes if p.prefill) < 3:
+            # an engine that counts its prefill forwards, timed on fewer than three probes (a pass cut short by its
+            # deadline): the model would price prefill as free and lose the engine's step composition
+            raise RuntimeError(f"Calibrator.fit: prefill measured on {sum(1 for p in self.probes if p.prefill)} "
+                               f"probe(s), the fit needs 3 (was the calibration pass cut short?)")
         mixed = len(mixed_rows) >= 3
         prefill, prefill_err = {}, None
         rows = [r for p in self.probes for r in (p.prefill if clock == "wall" else p.cpu_prefill)]

@@ -22,8 +22,8 @@ class Clock:
     def left(self) -> float:
         return float("inf") if self.budget is None else self.budget - self.elapsed()
 
-    def plan(self, opts, step_s: float, modes: list[str], warm_runs: int) -> "Plan":
-        return Plan(self, opts, step_s, modes, warm_runs)
+    def plan(self, opts, step_s: float, modes: list[str], warm_runs: int, sync_s: float | None = None) -> "Plan":
+        return Plan(self, opts, step_s, modes, warm_runs, sync_s)
 
 
 class Plan:
@@ -35,9 +35,12 @@ class Plan:
     STEP_OVERHEAD_S = 0.6  # per mode step beyond it and its limit slice: the limit's ramp, the weight-version bump,
     # the engines' counters, the abort
 
-    def __init__(self, clock: Clock, opts, step_s: float, modes: list[str], warm_runs: int):
+    def __init__(self, clock: Clock, opts, step_s: float, modes: list[str], warm_runs: int,
+                 sync_s: float | None = None):
         self.clock, self.opts, self.step_s = clock, opts, step_s
-        self.sync_s = 1.2 * opts.scale * opts.cap * step_s + 0.5  # its longest sample's decode steps, ramp, drain
+        # a sync step: as measured (`sync_s`), else its longest sample's decode steps at `step_s`, ramp and drain
+        # (an overestimate where a prefill forward costs several decode steps: the probe's tok/s then counts them)
+        self.sync_s = sync_s if sync_s else 1.2 * opts.scale * opts.cap * step_s + 0.5
         # before the warm-up: a partial mode's step guessed at a quarter of sync's (measured in the warm-up)
         self.mode_s = {m: self._mode_s(self.sync_s if m == "sync" else max(0.2, self.sync_s / 4)) for m in modes}
         self.report_s = opts.report_seconds
@@ -93,8 +96,8 @@ class Plan:
         return False
 
     def describe(self) -> str:
-        out = (f"plan: {1e3 * self.step_s:.1f} ms per decode step at C*; a round ~{self.round_s:.0f}s (a sync step "
-               f"~{self.sync_s:.1f}s)")
+        out = (f"plan: {1e3 * self.step_s:.1f} ms per request in flight at C*; a round ~{self.round_s:.0f}s (a sync "
+               f"step ~{self.sync_s:.1f}s)")
         if self.clock.budget is not None:
             out += (f"; --time-budget {self.clock.budget:.0f}s, {self.clock.left():.0f}s left: warm-up up to "
                     f"{self.warmup_s:.1f}s x {self.warm_runs}, calibration up to {self.calibration_s or 0:.0f}s, "
@@ -104,7 +107,7 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        return {"budget_s": self.clock.budget, "step_ms": round(1e3 * self.step_s, 3),
+        return {"budget_s": self.clock.budget, "step_ms": round(1e3 * self.step_s, 3), "sync_s": round(self.sync_s, 3),
                 "round_s_planned": round(self.round_s, 1),
                 "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 1),
                 "elapsed_s": round(self.clock.elapsed(), 1)}

@@ -50,3 +50,27 @@ def test_spread_is_a_t_interval():
     sp = spread([0.6, 0.7])
     assert sp["std"] == pytest.approx(0.0707, abs=1e-4) and sp["ci90"] == pytest.approx(6.314 * 0.0707 / 2 ** 0.5, rel=1e-3)
     assert spread([0.5])["ci90"] == float("inf")
+
+
+def test_graph_captures_are_no_measured_steps_cost_and_the_validity_names_what_broke_it(capsys):
+    """A mode's step, or a limit slice, pays no CUDA graph capture (SGLang captures at start-up); counters of another
+    interval are refused. The summary says the ratios hold only when every partial mode and the limit warmed up."""
+    from rollout_report import validity
+    from rollout_workload import without_captures
+
+    assert without_captures(4.478, 2.231) == pytest.approx(2.247)  # sync on the Pareto workload, an H200 (2026-11-28)
+    assert without_captures(1.0, 0.0) == 1.0
+    with pytest.raises(ValueError, match="another interval"):
+        without_captures(1.0, 1.5)
+
+    class Limit:
+        engine = {"cuda_graph_capture_s": 0.476}
+
+    res = {m: {"engine": {"cuda_graph_capture_s": c}} for m, c in (("sync", 0.967), ("april", 0.315), ("pool", 0.2))}
+    v = validity(512, {"april": True, "pool": True, "limit": False}, [False, True], res, Limit())
+    assert v["valid"] is False and v["why_not"] == ["limit warmed up for fewer than 512 engine steps"]
+    assert v["graph_capture_s_taken_out"] == {"sync": 0.967, "april": 0.315, "pool": 0.2, "limit": 0.476}
+    assert (v["calibration_passes"], v["calibration_passes_complete"]) == (2, 1)
+    assert "NOT VALID: limit warmed up" in capsys.readouterr().out
+    v = validity(512, {"april": True, "limit": True}, None, res, Limit())  # no --simulate
+    assert v["valid"] and v["calibration_passes"] is None

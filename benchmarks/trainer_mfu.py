@@ -11,7 +11,8 @@ ones; MFU = 8 x N x T / time / peak (train_throughput.py: forward and backward o
 forward; attention's own FLOPs not counted). A variant that runs out of memory is a result and the next one runs.
 `--layers auto`: as many of the preset's layers as the memory estimate (slime/utils/gpu_plan.py, within 15% of two
 measured peaks) fits into 90% of the card at the largest variant. `--profile`: one more train() at the best variant
-under torch.profiler: the top kernels by GPU time, their share by kind (matmul, attention, element-wise, optimizer,
+under torch.profiler (the device's kernels only; the measured variants are in --json before it starts): the top
+kernels by GPU time, their share by kind (matmul, attention, element-wise, optimizer,
 copies, communication) and the GPU's idle share of the wall time (the host's). Same command on CPU (the dry run).
 """
 
@@ -66,12 +67,14 @@ def kind_of(name: str) -> str:
 
 
 def profile_one(trainer, groups, steps_done: int) -> dict:
-    """One train() under torch.profiler: top kernels, share by kind, and the GPU's idle share of the wall time."""
+    """One train() under torch.profiler: top kernels, share by kind, and the GPU's idle share of the wall time. On a
+    GPU the device's kernels only: recording every host op too made the profiler's own bookkeeping outlast a GPU
+    stage's minute (an H200, 2026-11-28: killed while collecting the trace, for 0.5B and for a 4B-shaped stack)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         trainer.train(steps_done, copy.deepcopy(groups), steps_done)
@@ -92,6 +95,15 @@ def profile_one(trainer, groups, steps_done: int) -> dict:
             "by_kind": {k: round(v / busy, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:160], "calls": c, "s": round(t, 5), "share": round(t / busy, 4)}
                     for t, n, c in rows[:15]]}
+
+
+def save(o, out: dict) -> None:
+    """--json: what was measured so far (rewritten after every variant and after the profile, so that a stage killed
+    at its time cap keeps every figure it took)."""
+    if o.json:
+        with open(o.json + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(o.json + ".tmp", o.json)
 
 
 def run(o) -> dict:
@@ -144,11 +156,13 @@ def run(o) -> dict:
                 torch.cuda.empty_cache()
             out["variants"].append(v)
             print(json.dumps(v), flush=True)
+            save(o, out)
         done = [v for v in out["variants"] if "error" not in v]
         if o.profile and done:
             best = min(done, key=lambda v: v["train_s"])
             trainer.args = base.replace(max_tokens_per_gpu=best["max_tokens_per_gpu"])
             out["profile"] = {"max_tokens_per_gpu": best["max_tokens_per_gpu"], **profile_one(trainer, groups, step)}
+            save(o, out)
     finally:
         trainer.shutdown()
     return out
@@ -204,9 +218,7 @@ def main(argv=None) -> int:
     os.makedirs(o.root, exist_ok=True)
     out = run(o)
     report(out)
-    if o.json:
-        with open(o.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save(o, out)
     return 0 if any("error" not in v for v in out["variants"]) else 1
 
 

@@ -97,7 +97,7 @@ def test_the_gpu_main_jobs_dry_run_runs_every_stage_on_cpu(tmp_path):
         assert {"./S_stream.log", "./R_april.log", "./W_push.log", "./C_gpu_lines.log", "./weight_push.json"} <= set(
             t.getnames())
     status = {p: (tmp_path / f"work{p}" / f"logs_{p}" / "status.txt").read_text() for p in "12"}
-    for p, stages in (("1", ("payload", "E2_rollout", "M1_mfu_0.5b", "M2_mfu_4b")),
+    for p, stages in (("1", ("payload", "E2_lognormal", "M1", "M2")),
                       ("2", ("C_gpu_lines", "S_stream", "R_april", "W_push"))):
         for stage in stages:
             assert f"{stage}: exit 0" in status[p], status[p]
@@ -105,9 +105,31 @@ def test_the_gpu_main_jobs_dry_run_runs_every_stage_on_cpu(tmp_path):
                   **json.loads((out / "acceptance_2.json").read_text())}
     assert acceptance and all(acceptance.values()), acceptance
     assert {"E2 lognormal: the simulator, calibrated in the same run, predicted every mode",
+            "E2 lognormal: every mode and the limit measured after its warm-up",
             "E2 lognormal: no forward mixed decode rows with prefill chunks",
             "E2 lognormal: every decode forward went the CUDA graph's way", "M1 0.5B: profile taken",
             "M2 4B-shaped: MFU measured", "S stream: ledger audit clean", "R april: >= 1 steps",
             "W: weight push timed"} <= set(acceptance)
     # part 1 unpacked the payload's site (both runs' parts were there)
     assert (tmp_path / "work1" / "site" / "gmj_probe" / "__init__.py").is_file()
+    # each trainer stage wrote its variants' figures before its profile, and the rollout benchmark took the CUDA graph
+    # captures (none on the CPU: the static path) out of its modes' time
+    m1 = json.loads((tmp_path / "work1" / "logs_1" / "M1.json").read_text())
+    assert [v["max_tokens_per_gpu"] for v in m1["variants"]] == [64, 128] and m1["profile"]["top"]
+    e2 = json.loads((tmp_path / "work1" / "logs_1" / "rollout_lognormal.json").read_text())
+    assert set(e2["validity"]["graph_capture_s_taken_out"]) == {"sync", "april", "pool", "limit"}
+
+
+def test_a_stage_the_budget_cannot_hold_is_skipped_not_started(tmp_path):
+    """BUDGET_S below what each stage needs: nothing starts that could not finish, each says so; and only the stages
+    named in GPU_MAIN_JOB_STAGES are considered."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_MAIN_JOB_WORK": str(tmp_path / "work"),
+           "GPU_MAIN_JOB_PAYLOAD": str(tmp_path / "none"), "BUDGET_S": "12", "GPU_MAIN_JOB_STAGES": "M2 E2_lognormal"}
+    p = subprocess.run(["bash", "benchmarks/gpu_main_job.sh", "--cpu-dry-run", "--part", "1"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    status = (tmp_path / "work" / "logs_1" / "status.txt").read_text()
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # (the summary: nothing measured)
+    lines = status.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["payload", "E2_lognormal", "M2"], status  # the job's order
+    assert all("skipped (needs ~15s" in ln for ln in lines), status
+    assert not (tmp_path / "work" / "logs_1" / "E2_lognormal.log").exists()

@@ -147,6 +147,8 @@ def predict(runners: dict, res: dict, cal: Calibrator, opts, vocab: int, b: int,
             print(f"  {name:8s} {e.get('decode_cpu_s', 0):.2f} / {dec:.2f} | {e.get('prefill_cpu_s', 0):.2f} / {pre:.2f}"
                   f"   (wall decode {e.get('decode_s', 0):.2f}: CPU share {e.get('decode_cpu_s', 0) / max(1e-9, e.get('decode_s', 0)):.2f})")
     out["cost_model"] = {k: v for k, v in cost.to_dict().items() if k != "extra"}
+    out["calibration"] = {k: cost.extra.get(k) for k in ("passes", "probes", "prefill_probes", "decode_fit_rel_rms",
+                                                         "prefill_fit_rel_rms", "host_fit_rel_rms")}
     out["gpu_scale"] = gpu_scale(runners, opts)
     return out
 

@@ -308,6 +308,10 @@ class Calibrator:
                              "step_ms": [round(1e3 * s / x[0], 4) for s, x in p.runs],
                              "fit_ms": round(1e3 * sum(c * v for c, v in zip(coef, st[1])) / st[1][0], 4)}
                             for p, st in pts],
+                 # what each probe's prefill forwards cost as measured (a fit that misprices prefill shows here)
+                 "prefill_probes": [{"rows": len(p.lengths) + len(p.late), "tokens": sum(p.lengths) + sum(p.late),
+                                     "ms_per_forward": [round(1e3 * s / max(1, f), 3) for s, f, *_ in p.prefill]}
+                                    for p in self.probes if p.prefill],
                  "stat": stat, "passes": max((len(p.runs) for p in self.probes), default=0),
                  "decode_fit_rel_rms": round(decode_err, 4),
                  "prefill_fit_rel_rms": None if prefill_err is None else round(prefill_err, 4),

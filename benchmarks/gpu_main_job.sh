@@ -240,7 +240,9 @@ EOF
       --num-cpus 8 --port "$port" --node-ip-address 127.0.0.1 --include-dashboard false --temp-dir "$tmp" \
       > "$LOGS/S_ray_head.log" 2>&1 &
     pid=$!
-    for _ in $(seq 60); do grep -q "will now block" "$LOGS/S_ray_head.log" 2>/dev/null && break; sleep 1; done
+    for _ in $(seq 60); do  # (a head that died says why in its log, and the run after it fails at once)
+      grep -q "will now block" "$LOGS/S_ray_head.log" 2>/dev/null && break; kill -0 "$pid" 2>/dev/null || break; sleep 1
+    done
     rm -rf "$WORK/stream"
     # its one save is the final one (after step STREAM_STEPS): the ledger audit reads it
     run_capped S_stream "$S_CAP" "$S_NEED" env RAY_ADDRESS=127.0.0.1:$port RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 \

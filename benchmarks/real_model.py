@@ -201,6 +201,14 @@ def markdown(res: dict) -> str:
             f"{f(st['length_trained_mean'], '.1f')} / {f(st['length_trained_p90'], '.0f')} ({f(st['length_sync_mean'], '.1f')} / "
             f"{f(st['length_sync_p90'], '.0f')}) | {f(st['length_longest_decile_share'])} | {_fmt_acc(st.get('eval_first'))} -> "
             f"{_fmt_acc(st.get('eval_last'))} | {gain} | {st['load_before']} -> {st['load_after']} |")
+    curves = {k: {p["step"]: p for p in v["eval_curve"]} for k, v in runs.items() if v["eval_curve"]}
+    if curves:
+        names = list(curves)
+        lines += ["", "Held-out eval accuracy (greedy) against trained steps and the loop's wall time (evals excluded):", "",
+                  "| after step | " + " | ".join(f"{n}: accuracy (min)" for n in names) + " |", "| --- " * (len(names) + 1) + "|"]
+        for step in sorted({s for c in curves.values() for s in c}):
+            cells = [f"{c[step]['accuracy']:.3f} ({c[step]['loop_s'] / 60:.1f})" if step in c else "" for c in curves.values()]
+            lines.append(f"| {step + 1 if step >= 0 else 'start'} | " + " | ".join(cells) + " |")
     lines.append("")
     for backend, r in res["ratios"].items():
         lines.append(f"- {backend}: APRIL / sync trained samples/s {r['samples_per_s']:.2f}x, rollout tokens/s "

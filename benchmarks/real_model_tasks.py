@@ -6,8 +6,9 @@ Per candidate (a reasoning-gym generator and its parameters), `--n` prompts as t
 (tools/convert_smollm2.py: the question plus the boxed-answer instruction, SmolLM2's chat template), answered greedily
 by transformers' `generate` (up to --max-new tokens) and scored by the quick start's reward (the final number must
 equal the answer: slime/tasks/final_number.py) and, beside it, by `--rm-type math` (math-verify, which also counts an
-echoed question as its value): accuracy, the mean response length, and with --samples the accuracy of samples at temperature 1 and the share of prompts whose samples disagree
-(the groups GRPO learns from). One JSON line per candidate. docs/real-model.md holds the table and the choice.
+echoed question as its value): accuracy, the mean response length, and with --samples, at each --temperature, the
+accuracy of samples and the share of prompts whose samples disagree (the groups GRPO learns from). One JSON line per
+candidate. docs/real-model.md holds the table and the choice.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=64, help="prompts per candidate")
     p.add_argument("--seed", type=int, default=1_000_000, help="the quick start's held-out seed")
     p.add_argument("--max-new", type=int, default=96)
-    p.add_argument("--samples", type=int, default=0, help="also this many samples per prompt at temperature 1")
+    p.add_argument("--samples", type=int, default=0, help="also this many samples per prompt at each --temperature")
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
 
@@ -60,10 +62,10 @@ def main(argv=None) -> int:
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
 
-    def generate(rows: list[dict], samples: int) -> tuple[list[str], list[int]]:
+    def generate(rows: list[dict], samples: int, temperature: float = 1.0) -> tuple[list[str], list[int]]:
         texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        how = (dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=samples) if samples
+        how = (dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples) if samples
                else dict(do_sample=False))
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=a.max_new, pad_token_id=tok.pad_token_id, **how)[:, enc.input_ids.shape[1]:]
@@ -87,15 +89,17 @@ def main(argv=None) -> int:
                "greedy_accuracy_math_verify": sum(asyncio.run(score_math(responses, labels))) / a.n,
                "greedy_response_tokens_mean": sum(lengths) / a.n, "example": [rows[0]["prompt"][0]["content"].split("\n")[0],
                                                                                responses[0][:120], labels[0]]}
-        if a.samples:
-            per_prompt = []
+        for t in a.temperature if a.samples else []:
+            per_prompt, lengths = [], []
             for i in range(0, a.n, 8):
                 chunk = rows[i:i + 8]
-                out, _ = generate(chunk, a.samples)
+                out, n_tokens = generate(chunk, a.samples, t)
                 got = score(out, [r["label"] for r in chunk for _ in range(a.samples)])
                 per_prompt += [sum(got[j * a.samples:(j + 1) * a.samples]) for j in range(len(chunk))]
-            res["sampled_accuracy"] = sum(per_prompt) / (a.n * a.samples)
-            res["prompts_with_mixed_samples"] = sum(0 < k < a.samples for k in per_prompt) / a.n
+                lengths += n_tokens
+            res[f"sampled_t{t}"] = {"accuracy": sum(per_prompt) / (a.n * a.samples),
+                                    "prompts_with_mixed_samples": sum(0 < k < a.samples for k in per_prompt) / a.n,
+                                    "response_tokens_mean": sum(lengths) / len(lengths)}
         res["seconds"] = round(time.monotonic() - t0, 1)
         print(json.dumps(res), flush=True)
     return 0

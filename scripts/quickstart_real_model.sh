@@ -65,7 +65,7 @@ $PY train.py \
   --rollout-shuffle --rollout-seed 1 --seed 1 \
   --custom-rm-path slime.tasks.final_number.reward --sglang-max-prefill-tokens 2048 \
   --num-rollout "$STEPS" --rollout-batch-size 4 --n-samples-per-prompt 8 \
-  --rollout-max-response-len 64 --rollout-temperature 1.0 \
+  --rollout-max-response-len 64 --rollout-temperature 0.7 \
   "${ROLLOUT_MODE[@]}" \
   --advantage-estimator grpo --calculate-per-token-loss --use-tis \
   --lr 1e-5 --global-batch-size 32 --micro-batch-size 16 \

@@ -61,27 +61,6 @@ def quickstart_task():
 
 
 @pytest.fixture(scope="session")
-def smollm2_model():
-    """runs/smollm2/model: SmolLM2-135M-Instruct dequantised to fp32 by tools/convert_smollm2.py, where
-    scripts/quickstart.sh --real-model keeps it; converted once (its marker file says it is there) and shared
-    read-only by every real-model test. Needs `bash scripts/install.sh --real-model` (scripts/test.sh runs it)."""
-    import fcntl
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = os.path.join(repo, "runs", "smollm2", "model")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    sys.path.insert(0, os.path.join(repo, "tools"))
-    try:
-        import convert_smollm2
-    finally:
-        sys.path.pop(0)
-    with open(out + ".lock", "w") as lock:  # two pytest workers: one converts, the other then finds it converted
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return convert_smollm2.convert(out)
-
-
-@pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an fp32 HF directory (tests/real_model.py): converted once per machine, cached in
     runs/smollm2/model, shared read-only by the `real_model` tests."""

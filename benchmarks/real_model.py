@@ -52,13 +52,17 @@ def load() -> float:
 def run_quickstart(opts, name: str, mode_args: list[str], steps: int, eval_interval: int, extra: list[str]) -> dict:
     """One run of the real-model quick start into <out>/<name>; its stats."""
     run_dir = os.path.join(opts.out, name)
+    # a loaded box's engine steps can take a minute: the health check waits for them instead of calling the engine
+    # dead (SGLang's own variable, which the embedded engine reads too); Ray's workers at the driver's priority
     env = {**os.environ, "SLIME_SKIP_INSTALL": os.environ.get("SLIME_SKIP_INSTALL", "1"), "WORK": opts.work,
            "RUN": run_dir, "STEPS": str(steps), "EVAL_INTERVAL": str(eval_interval),
+           "SGLANG_HEALTH_CHECK_TIMEOUT": "240", "RAY_worker_niceness": "0",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     load_before, t0 = load(), time.monotonic()
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, f"{name}.log"), "w") as log:
-        rc = subprocess.run(["bash", "scripts/quickstart.sh", "--real-model", *mode_args, *extra], cwd=REPO, env=env,
+        rc = subprocess.run(["bash", "scripts/quickstart.sh", "--real-model", *mode_args,
+                             "--rollout-health-check-timeout", "300", *extra], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"{name}: the quick start failed with exit code {rc}; see {opts.out}/{name}.log")

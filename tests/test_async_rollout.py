@@ -237,10 +237,15 @@ def ray_get(ref):
     return ray.get(ref, timeout=60)
 
 
-@pytest.mark.parametrize("policy, pause", [("restart", "in_place"), ("mask", "retract"), ("restart", "abort")])
+@pytest.mark.parametrize("policy, pause", [("restart", "in_place"), ("mask", "retract"), ("restart", "abort"),
+                                           ("guarded", "in_place")])
 def test_max_staleness_is_never_exceeded_by_a_trained_token(env, policy, pause):
+    """(guarded: `restart` with the length guard on, which masks what it would restart)"""
+    flags = ["--staleness-policy", "restart"] if policy == "guarded" else \
+        ["--staleness-policy", policy, *(["--disable-length-guard"] if policy == "restart" else [])]
+    policy = "mask" if policy == "guarded" else policy
     args = make_args(env["root"], "--rollout-mode", "stream", "--rollout-max-response-len", "64",
-                     "--max-staleness", "1", "--staleness-policy", policy, "--pause-mode", pause)
+                     "--max-staleness", "1", *flags, "--pause-mode", pause)
     manager, rollout = start(env, args)
     batches = []
     try:

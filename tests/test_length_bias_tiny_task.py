@@ -125,7 +125,7 @@ def test_the_restart_cap_loses_long_samples_and_the_metrics_say_so(env):
     """The contrast: with `restart`, a sample needing more steps than the cap allows is regenerated again and again;
     the per-step metrics see its cut first attempts (length/longest_decile_share < 1)."""
     issued, trained, metrics = run(env, "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
-                                   "--staleness-policy", "restart")
+                                   "--staleness-policy", "restart", "--disable-length-guard")
     prompts = first_half(issued)
     lengths = sorted(prompts.values())
     decile = lengths[int(0.9 * len(lengths))]

@@ -197,10 +197,15 @@ def test_slow_reward_does_not_block_the_drain(env, monkeypatch):
     assert all(buffer.group_state(gid) == FINISHED for gid in (0, 1))
 
 
-@pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
+@pytest.mark.parametrize("policy", ["restart", "mask", "keep", "guarded"])
 def test_staleness_policies(env, policy):
+    """(guarded: `restart` with the length guard on: what it would restart is masked, and counted as the guard's)"""
+    guarded = policy == "guarded"
+    flags = ["--staleness-policy", "restart"] if guarded else \
+        ["--staleness-policy", policy, *(["--disable-length-guard"] if policy == "restart" else [])]
+    policy = "mask" if guarded else policy
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
-                     "--staleness-policy", policy, "--rollout-max-response-len", "96").replace(rollout_ignore_eos=True)
+                     *flags, "--rollout-max-response-len", "96").replace(rollout_ignore_eos=True)
     source, buffer, outs = run_steps(env, args, 1, source=LongFirstSource(args, env["tok"]))
     for _ in range(3):  # (the long groups make a partial one all but certain) step on until one was parked
         if any(not s.status.is_finished and s.response_length for g in buffer._parked for s in g):
@@ -227,6 +232,7 @@ def test_staleness_policies(env, policy):
         assert old == [] and m["rollout/staleness_restarted_tokens"] > 0
     elif policy == "mask":
         assert old and all(k == 0 for _, k in old) and m["rollout/staleness_masked_tokens"] == len(old)
+        assert m["rollout/staleness_guard_masked"] == (m["rollout/staleness_mask"] if guarded else 0)
     else:
         assert old and all(k == 1 for _, k in old)
 

@@ -15,6 +15,10 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
                    help="largest allowed lag (policy versions) of a resumed token behind the current policy")
     g.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart",
                    help="what happens to a resumed sample over --max-staleness")
+    g.add_argument("--disable-length-guard", action="store_true", default=False,
+                   help="with --staleness-policy restart: restart a sample over --max-staleness every time (the guard, "
+                        "on by default, masks its stale tokens instead, so long responses train as often as in a "
+                        "synchronous run; docs/metrics.md)")
     if entry == "train_async.py":
         g.add_argument("--max-async-lag", type=int, default=1,
                        help="how many policy versions the rollout may run ahead of the trainer: a batch trained at "
@@ -26,6 +30,8 @@ def check(a: Args, entry: str) -> None:
         StalenessCap.from_args(a)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    _require(not a.disable_length_guard or (a.max_staleness is not None and a.staleness_policy == "restart"),
+             "--disable-length-guard", "the guard acts only on --max-staleness with --staleness-policy restart")
     if entry == "train_async.py":
         _require(a.max_async_lag >= 1, "--max-async-lag", "must be >= 1 (0 is synchronous training: use train.py)")
         _require(a.max_async_lag >= a.update_weights_interval, "--max-async-lag",

@@ -188,7 +188,7 @@ def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, floa
     for reason, c in reasons.items():
         out[f"rollout/groups_dropped/{reason}"] = float(c)
     for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",
-              "masked_tokens_at_train"):
+              "masked_tokens_at_train", "guard_masked", "guard_masked_groups_at_train"):
         out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
     if step.chunk is not None:
         out["rollout/over_sampling_batch_size"] = float(step.chunk)

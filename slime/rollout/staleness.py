@@ -5,7 +5,9 @@ Every response token carries the policy version that produced it. Measured again
 train a group (`train_version`), a token older than `train_version - max_staleness` is stale; the policy says
 what happens to it: `restart` drops the sample's response and generates it again from the prompt (a group
 that has wholly finished cannot be, so the caller drops it); `mask` keeps the stale tokens as context with
-their loss mask zeroed; `keep` keeps everything (TIS corrects it). The sites: `at_resume` (parked groups
+their loss mask zeroed; `keep` keeps everything (TIS corrects it). The length guard bounds `restart`: a sample that
+spent its restart budget is masked instead, since restarts are what drop the long tail (slime/rollout/length_bias.py
+measures it). The sites: `at_resume` (parked groups
 handed out again), `at_resume_in_flight` (a sample sent again after the engines changed version under a
 running step), `before_training` (finished groups about to be trained), `restart_floor` (in-place updates:
 requests to abort so the cap is applied when they resume). A sample here is anything with `status`,
@@ -24,22 +26,36 @@ from slime.rollout.length_bias import CUT_KEY
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
+# The length guard: how often `restart` may regenerate one sample before its stale tokens are masked instead. Every
+# restart replaces a sample that ran past the cap, so a long one, by a fresh draw: on the simulator's long tail a
+# budget of 1 or 2 keeps 0.17 / 0.12 of the longest decile's synchronous share, 0 keeps 1.0 (benchmarks/README.md).
+GUARD_RESTART_BUDGET = 0
 
 
 @dataclass(frozen=True)
 class StalenessCap:
     max_staleness: int | None = None  # None: no cap
     policy: str = "restart"
+    restart_budget: int | None = None  # restart: restarts a sample may take before it is masked (None: unbounded)
 
     def __post_init__(self):  # the one check of both values
         if self.policy not in POLICIES:
             raise ValueError(f"--staleness-policy: {self.policy!r} is not one of {POLICIES}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"--max-staleness: must be >= 0, got {self.max_staleness}")
+        if self.restart_budget is not None and self.restart_budget < 0:
+            raise ValueError(f"restart budget: must be >= 0, got {self.restart_budget}")
 
     @classmethod
     def from_args(cls, args) -> "StalenessCap":
-        return cls(args.max_staleness, args.staleness_policy)
+        """The run's cap; with `restart`, the length guard (unless `--disable-length-guard`) gives each sample
+        `GUARD_RESTART_BUDGET` restarts."""
+        guarded = args.staleness_policy == "restart" and not args.disable_length_guard
+        return cls(args.max_staleness, args.staleness_policy, GUARD_RESTART_BUDGET if guarded else None)
+
+    @property
+    def guarded(self) -> bool:  # the length guard can act: a cap, `restart`, a restart budget
+        return self.max_staleness is not None and self.policy == "restart" and self.restart_budget is not None
 
     def floor(self, train_version: int) -> int | None:
         """The oldest version a token trained at `train_version` may have (None: no cap)."""
@@ -56,14 +72,24 @@ class StalenessCap:
         oldest = sample.oldest_version()
         return oldest is not None and oldest < floor
 
+    def _policy_for(self, sample) -> str:
+        """The policy, except that a sample which spent its restart budget is masked (the length guard)."""
+        if self.policy == "restart" and self.restart_budget is not None \
+                and sample.metadata.get("staleness_restarts", 0) >= self.restart_budget:
+            return "mask"
+        return self.policy
+
     def _apply(self, sample, floor: int, counts: Counter) -> None:
-        counts[self.policy] += 1
-        if self.policy == "restart":
+        policy = self._policy_for(sample)
+        counts[policy] += 1
+        if policy != self.policy:
+            counts["guard_masked"] += 1
+        if policy == "restart":
             counts["restarted_tokens"] += sample.response_length
             sample.metadata.setdefault(CUT_KEY, sample.response_length)  # its first attempt was at least this long
             sample.reset_response()
             sample.metadata["staleness_restarts"] = sample.metadata.get("staleness_restarts", 0) + 1
-        elif self.policy == "mask":
+        elif policy == "mask":
             counts["masked_tokens"] += sample.mask_tokens_older_than(floor)
 
     # ---- the sites ---------------------------------------------------------------------------
@@ -105,18 +131,22 @@ class StalenessCap:
         for group in groups:
             if any(s.loss_tokens_older_than(floor) for s in group):
                 counts["stale_groups_at_train"] += 1
-                if self.policy == "restart":
+                policy = self.policy
+                if policy == "restart" and any(self._policy_for(s) == "mask" for s in group):
+                    policy = "mask"  # the guard: a member spent its restart budget, so the group is not dropped
+                    counts["guard_masked_groups_at_train"] += 1
+                if policy == "restart":
                     stale.append(group)
                     continue
-                if self.policy == "mask":
+                if policy == "mask":
                     counts["masked_tokens_at_train"] += sum(s.mask_tokens_older_than(floor) for s in group)
             kept.append(group)
         return kept, stale, counts
 
     def restart_floor(self, train_version: int) -> int | None:
         """With requests running across an in-place update: the version below which a request's sample must be
-        aborted and restarted (restart policy only; None: nothing to abort)."""
-        return self.floor(train_version) if self.policy == "restart" else None
+        aborted and restarted (restart policy only; None: nothing to abort, as when the guard restarts nothing)."""
+        return self.floor(train_version) if self.policy == "restart" and self.restart_budget != 0 else None
 
 
-__all__ = ["POLICIES", "StalenessCap"]
+__all__ = ["GUARD_RESTART_BUDGET", "POLICIES", "StalenessCap"]

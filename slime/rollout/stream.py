@@ -306,9 +306,10 @@ class StreamRollout:
         }
         if dropped:
             out["rollout/groups_dropped/stale_at_train"] = float(len(dropped))
-        for k in ("stale_groups_at_train", "masked_tokens_at_train"):
+        for k in ("stale_groups_at_train", "masked_tokens_at_train", "guard_masked_groups_at_train"):
             out[f"rollout/staleness_{k}"] = float(counts[k])
-        for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_samples_in_flight"):
+        for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_samples_in_flight",
+                  "guard_masked"):
             out[f"rollout/staleness_in_flight_{k}"] = float(st[k])
         out.update(token_version_metrics(groups, version))
         out.update(sample_metrics(groups))

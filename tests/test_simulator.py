@@ -134,7 +134,8 @@ def test_pool_mode_keeps_the_pool_full():
 def test_staleness_restart_wastes_tokens_and_a_filter_costs_groups():
     lengths = ParetoLengths(1.0, 8, 128)
     keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True), FLAT, lengths).summary()
-    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0), FLAT, lengths).summary()
+    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
+                                  restart_budget=None), FLAT, lengths).summary()
     assert keep["goodput_tokens_per_s"] == pytest.approx(keep["e2e_tokens_per_s"])
     assert restart["wasted_tokens"] > 0 and restart["goodput_tokens_per_s"] < restart["e2e_tokens_per_s"]
     # unfinished samples older than the cap restart; finished members of parked groups stay (as in staleness.py)
@@ -334,7 +335,8 @@ def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
     keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                staleness_policy="keep"), FLAT, lengths)
     assert sum(s.get("staleness_mask", 0) for s in mask.steps) > 0 and mask.summary()["wasted_tokens"] > 0
-    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0), FLAT, lengths)
+    restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
+                                  restart_budget=None), FLAT, lengths)
     assert sum(s.get("staleness_keep", 0) for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] == 0
     assert sum(s["stale_ready"] for s in restart.steps) > 0 and sum(s["stale_ready"] for s in mask.steps) == 0
     assert sum(s.get("staleness_stale_groups_at_train", 0) for s in mask.steps) > 0

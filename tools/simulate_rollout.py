@@ -29,6 +29,7 @@ from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.from_run import predict_run
 from slime.rollout.simulator.lengths import PAPER_LENGTHS
 from slime.rollout.simulator.gpu_presets import cost_model_from_spec, gpu_cost_model
+from slime.rollout.staleness import StalenessCap
 
 logger = logging.getLogger("simulate_rollout")
 
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pass-rate", type=float, default=1.0, help="share of finished groups the dynamic filter keeps")
     r.add_argument("--max-staleness", type=int, default=None)
     r.add_argument("--staleness-policy", choices=["restart", "mask", "keep"], default="restart")
+    r.add_argument("--disable-length-guard", action="store_true", help="as train.py's")
     r.add_argument("--reuse-stale-kv", action="store_true")
     r.add_argument("--pause-mode", choices=["abort", "retract", "in_place"], default="in_place",
                    help="stream mode: how a push reaches the requests in flight (train_async.py's flag)")
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                      pool_size=a.rollout_pool_size or a.sglang_server_concurrency * a.num_engines,
                      max_response_len=a.rollout_max_response_len, pass_rate=a.pass_rate, max_staleness=a.max_staleness,
                      staleness_policy=a.staleness_policy, reuse_stale_kv=a.reuse_stale_kv, pause_mode=a.pause_mode,
-                     admission=a.admission,
+                     restart_budget=StalenessCap.from_args(a).restart_budget, admission=a.admission,
                      train_time_s=a.train_time,
                      max_async_lag=a.max_async_lag, budgets_are_lengths=a.ignore_eos, steps=a.steps,
                      warmup_steps=a.warmup, seed=a.seed)

@@ -29,6 +29,7 @@ from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.group_outcome import TargetPlacement
+from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.simulator.cluster import SimCluster, SimRequester, SimSource
 from slime.rollout.staleness import StalenessCap
 from slime.rollout.step import StepIO, run_step, step_error
@@ -68,6 +69,7 @@ class Recorder:
     def __init__(self, cluster: SimCluster):
         self.cluster = cluster
         self.steps: list[dict] = []
+        self.ledger: dict[str, int] = {}  # the ledger's counts at the end (Ledger.check_balanced)
         self._mark = self._totals()
 
     def _totals(self) -> dict:
@@ -80,7 +82,7 @@ class Recorder:
                 "engine": engine}
 
     def record(self, t_start: float, t_end: float, wall_extra: float, t_target: float | None, trained: list,
-               version: int, wasted: int, counts: Counter, group_finish_t: list[float]) -> None:
+               version: int, wasted: int, counts: Counter, group_finish_t: list[float], dropped: list = ()) -> None:
         now, was = self._totals(), self._mark
         lags: Counter = Counter()
         for g in trained:
@@ -94,9 +96,11 @@ class Recorder:
             "time_to_target_s": (t_target if t_target is not None else t_end) - t_start,
             "new_tokens": now["new"] - was["new"], "wasted_tokens": wasted + masked,
             "trained_tokens": sum(lags.values()), "lag_tokens": dict(lags), "accepted": len(trained),
+            "trained_lengths": [s.response_length for g in trained for s in g],
             "busy_s": now["busy"] - was["busy"], "requests": now["requests"] - was["requests"],
             "reprefill_tokens": now["reprefill"] - was["reprefill"], "group_finish_t": group_finish_t,
             "engine": {k: v - was["engine"].get(k, 0) for k, v in now["engine"].items()}, **counts,
+            **length_bias_metrics([s for g in trained for s in g], dropped=[s for g in dropped for s in g]),
         })
         self._mark = now
 
@@ -148,10 +152,12 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         target_t = state.clock.marks.get("target")
         recorder.record(t_start, loop.time(), between, t0 + target_t if target_t is not None else None,
                         state.accepted, step, wasted, counts,
-                        sorted(t0 + st.finished_t - t_start for st in state.groups.values() if st.finished_t is not None))
+                        sorted(t0 + st.finished_t - t_start for st in state.groups.values() if st.finished_t is not None),
+                        stale_ready)
         buffer.mark([group_id(g) for g in state.accepted], TRAINED)
         if step + 1 < cfg.steps:
             await asyncio.sleep(between)  # training and the weight update
+    recorder.ledger = buffer.check_balanced()  # (raises if a group was lost or held twice)
 
 
 async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
@@ -194,6 +200,7 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         await asyncio.sleep(cfg.train_time_s)  # the trainer trains; the engines go on
         await push_in_flight(cfg, cluster, gate, stream, j + 1)
     await stream.quiesce()
+    recorder.ledger = buffer.check_balanced(idle=False)  # (what the stream still holds in flight stays issued)
 
 
 def admission_of(cfg) -> AdmissionControl:

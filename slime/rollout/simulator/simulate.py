@@ -23,7 +23,7 @@ from slime.rollout.simulator.cluster import SimCluster, SimSource
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.drive import Judge, Recorder, drive_steps, drive_stream
 from slime.rollout.simulator.engine import EventLoop, SimEngine
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.staleness import GUARD_RESTART_BUDGET, StalenessCap
 
 MODES = ("chunked", "pool", "stream")  # --rollout-mode's names (stream: train_async.py)
 
@@ -43,6 +43,7 @@ class SimConfig:
     pass_rate: float = 1.0  # share of finished groups the dynamic filter keeps
     max_staleness: int | None = None
     staleness_policy: str = "restart"
+    restart_budget: int | None = GUARD_RESTART_BUDGET  # the length guard's, as a run's default; None: guard off
     reuse_stale_kv: bool = False
     pause_mode: str = "in_place"  # stream: how a push reaches the requests in flight (--pause-mode)
     prefix_cache: bool = True
@@ -96,7 +97,8 @@ class SimConfig:
                     concurrency_per_engine=args.sglang_server_concurrency, num_engines=args.num_engines,
                     max_response_len=args.rollout_max_response_len, max_staleness=args.max_staleness,
                     staleness_policy=args.staleness_policy, reuse_stale_kv=args.reuse_stale_kv,
-                    pause_mode=args.pause_mode, budgets_are_lengths=args.rollout_ignore_eos)
+                    pause_mode=args.pause_mode, budgets_are_lengths=args.rollout_ignore_eos,
+                    restart_budget=StalenessCap.from_args(args).restart_budget)
         base.update(kw)
         return cls(**base)
 
@@ -110,6 +112,7 @@ class SimResult:
     timeline: list | None = None  # (t, engine id, running sequences) at every change
     engine_stats: dict = field(default_factory=dict)  # summed over engines, whole run
     client_timeline: list | None = None  # (t, requests in flight)
+    ledger: dict = field(default_factory=dict)  # the ledger's counts at the end (balanced: checked)
 
     def measured(self) -> list[dict]:
         w = min(self.config.warmup_steps, max(0, len(self.steps) - 1))
@@ -172,7 +175,8 @@ async def _simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult
     source = SimSource(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
     recorder = Recorder(cluster)
     drive = drive_stream if cfg.mode == "stream" else drive_steps
-    cap = StalenessCap(cfg.max_staleness, cfg.staleness_policy)  # the simulated run's one cap (it checks both values)
+    cap = StalenessCap(cfg.max_staleness, cfg.staleness_policy, cfg.restart_budget)  # the simulated run's one cap (it checks both values)
     await drive(cfg, cap, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
     return SimResult(cfg, cost.name, lengths.describe(), steps=recorder.steps, timeline=timeline,
-                     engine_stats=sum_counters(e.stats for e in engines), client_timeline=cluster.timeline)
+                     engine_stats=sum_counters(e.stats for e in engines), client_timeline=cluster.timeline,
+                     ledger=recorder.ledger)

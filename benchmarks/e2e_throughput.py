@@ -26,6 +26,12 @@ e2e_async_over_april, e2e_async_over_sync (trained samples/s ratios), accuracy_a
 
     python benchmarks/e2e_throughput.py [--steps 80] [--rounds 2] [--modes sync april one_step_off stream]
     python benchmarks/e2e_throughput.py --modes stream_abort stream_retract stream_in_place   # --pause-mode
+    python benchmarks/e2e_throughput.py --rounds 1 --modes april_cap_no_guard april_cap_guard \
+        stream_cap_no_guard stream_cap_guard   # the length guard off / on under the quick start's cap
+
+With the cap's modes a second table gives the length bias (slime/utils/summary.py's means over the steps): the
+longest decile's share, trained length mean / p90 against the synchronous estimate, and how often the guard acted
+(samples masked instead of restarted; steps where it did).
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ import time
 
 import psutil
 
+from slime.utils.summary import guard_summary, length_bias_summary
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logger = logging.getLogger("e2e_throughput")
 
+CAP = ["--max-staleness", "4", "--staleness-policy", "restart"]  # scripts/quickstart.sh's
 MODES = {
     "sync": ("train.py", []),
     "april": ("train.py", ["--partial-rollout", "--over-sampling-batch-size", "16"]),
@@ -54,7 +63,15 @@ MODES = {
     "stream_abort": ("train_async.py", ["--partial-rollout", "--rollout-mode", "stream", "--pause-mode", "abort"]),
     "stream_retract": ("train_async.py", ["--partial-rollout", "--rollout-mode", "stream", "--pause-mode", "retract"]),
     "stream_in_place": ("train_async.py", ["--partial-rollout", "--rollout-mode", "stream", "--pause-mode", "in_place"]),
+    # the length guard off / on (on is the default) under the quick start's cap, APRIL and stream
+    "april_cap_no_guard": ("train.py", ["--partial-rollout", "--over-sampling-batch-size", "16", *CAP,
+                                        "--disable-length-guard"]),
+    "april_cap_guard": ("train.py", ["--partial-rollout", "--over-sampling-batch-size", "16", *CAP]),
+    "stream_cap_no_guard": ("train_async.py", ["--partial-rollout", "--rollout-mode", "stream", *CAP,
+                                               "--disable-length-guard"]),
+    "stream_cap_guard": ("train_async.py", ["--partial-rollout", "--rollout-mode", "stream", *CAP]),
 }
+GUARD_MODES = ["april_cap_no_guard", "april_cap_guard", "stream_cap_no_guard", "stream_cap_guard"]
 
 
 def load() -> str:
@@ -203,6 +220,7 @@ def run_stats(path: str) -> dict:
         "accuracy_start": final[0]["eval/accuracy"] if len(final) > 1 else None,
         "accuracy": final[-1]["eval/accuracy"] if final else float("nan"),
         "eval_s": eval_s,
+        **length_bias_summary(steps), **guard_summary(steps),
     }
 
 
@@ -222,8 +240,25 @@ def summarize(results: list[dict], modes: list[str]) -> dict[str, dict]:
             "accuracy": sum(r["accuracy"] for r in runs) / len(runs),
             "accuracy_runs": [round(r["accuracy"], 4) for r in runs],
             "samples_per_s_runs": [round(r["samples_per_s"], 2) for r in runs],
+            **{k: _mean([r[k] for r in runs]) for k in runs[0] if k.startswith(("length_", "guard_"))},
         }
     return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def print_length_table(s: dict[str, dict]) -> None:
+    f = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    print(f"\n{'mode':<20} {'longest decile':>14} {'trained mean/p90':>17} {'sync mean/p90':>14} {'guard masked':>13} "
+          f"{'guard steps':>12}")
+    for m, v in s.items():
+        print(f"{m:<20} {f(v.get('length_longest_decile_share')):>14} "
+              f"{f(v.get('length_trained_mean'), '.1f') + ' / ' + f(v.get('length_trained_p90'), '.1f'):>17} "
+              f"{f(v.get('length_sync_mean'), '.1f') + ' / ' + f(v.get('length_sync_p90'), '.1f'):>14} "
+              f"{f(v.get('guard_masked_samples'), '.0f'):>13} {f(v.get('guard_steps'), '.0f'):>12}")
 
 
 def main(argv=None) -> int:
@@ -260,6 +295,8 @@ def main(argv=None) -> int:
     for m, v in s.items():
         print(f"{m:<13} {v['wall_s']:8.1f} {v['samples_per_s']:10.2f} {v['engine_idle']:12.2f} {v['trainer_idle']:13.2f} "
               f"{v['off_policy_ratio']:11.3f} {v['mean_staleness']:10.3f} {v['accuracy']:9.3f}")
+    if any(m in GUARD_MODES for m in s):
+        print_length_table(s)
     print(f"per-run samples/s: " + "; ".join(f"{m} {v['samples_per_s_runs']}" for m, v in s.items()))
     print(f"per-run eval accuracy: " + "; ".join(f"{m} {v['accuracy_runs']}" for m, v in s.items()))
     print(f"load average at the end: {load()}")

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from slime.utils.summary import log_run_summary, max_lag, staleness_line, summarize
+from slime.utils.summary import guard_line, log_run_summary, max_lag, staleness_line, summarize
 
 
 def rows(lags_per_step: list[dict[int, int]], ratio: float) -> list[dict]:
@@ -31,7 +31,9 @@ def test_the_line_says_what_the_ratio_and_the_cap_mean(base_args):
     assert s["eval_accuracy_first"] == 0.5 and s["eval_accuracy_last"] == 0.7
     capped = staleness_line(s, base_args.replace(max_staleness=4, use_tis=True))
     assert "0.400" in capped and "older policy" in capped and "corrected by TIS" in capped
-    assert "largest lag 4 versions <= --max-staleness 4" in capped and "regenerated" in capped
+    assert "largest lag 4 versions <= --max-staleness 4" in capped and "(the length guard)" in capped
+    unguarded = staleness_line(s, base_args.replace(max_staleness=4, disable_length_guard=True))
+    assert "regenerated" in unguarded and "length guard" not in unguarded
     masked = staleness_line(s, base_args.replace(max_staleness=4, staleness_policy="mask"))
     assert "out of the loss" in masked and "uncorrected" in masked
     assert "uncapped" in staleness_line(s, base_args.replace(max_staleness=None))
@@ -122,3 +124,17 @@ def test_the_run_summary_reports_tool_use(tmp_path, base_args, caplog):
     with caplog.at_level(logging.INFO, logger="slime.utils.summary"):
         log_run_summary(str(tmp_path), str(tmp_path / "metrics.jsonl"), base_args)
     assert "tool-call rate, eval (model turns ending in a call): 0.500 -> 0.800" in caplog.text
+
+
+def test_the_summary_says_whether_the_length_guard_acted_and_how_often(base_args):
+    steps = rows([{0: 1}] * 4, 0.2)
+    steps[1]["rollout/staleness_guard_masked"] = 3.0
+    steps[3]["rollout/staleness_in_flight_guard_masked"] = 2.0
+    steps[3]["rollout/staleness_guard_masked_groups_at_train"] = 1.0
+    s = summarize(steps)
+    assert (s["guard_masked_samples"], s["guard_masked_groups"], s["guard_steps"]) == (5.0, 1.0, 2)
+    line = guard_line(s, base_args.replace(max_staleness=4))
+    assert line.startswith(f"length guard: on, acted in 2 of {s['steps']} steps: 5 samples") and "1 finished groups" in line
+    assert "off (--disable-length-guard)" in guard_line(s, base_args.replace(max_staleness=4, disable_length_guard=True))
+    assert "not needed" in guard_line(s, base_args.replace(max_staleness=4, staleness_policy="mask"))
+    assert "not needed" in guard_line(s, base_args)  # no cap

@@ -50,7 +50,8 @@ def staleness_line(summary: dict, args) -> str:
         return line + " (no --max-staleness: uncapped)"
     if lag > args.max_staleness:  # said as it is: a token older than the cap reached the trainer
         return line + f", OVER --max-staleness {args.max_staleness}"
-    fate = {"restart": "regenerated", "mask": "kept as context, out of the loss", "keep": "trained, TIS-weighted"}
+    fate = {"restart": "regenerated" if args.disable_length_guard else "kept as context, out of the loss (the length guard)",
+            "mask": "kept as context, out of the loss", "keep": "trained, TIS-weighted"}
     return line + (f" <= --max-staleness {args.max_staleness} (older tokens are {fate[args.staleness_policy]}: "
                    f"--staleness-policy {args.staleness_policy})")
 
@@ -84,7 +85,7 @@ def summarize(rows: list[dict]) -> dict:
         "rollout_tokens_per_s": _mean([r.get("rollout/tokens_per_s") for r in steps]),
         "off_policy_token_ratio": _mean([r.get("rollout/off_policy_token_ratio") for r in steps]),
         "max_lag": max_lag(steps),
-        **length_bias_summary(steps),
+        **length_bias_summary(steps), **guard_summary(steps),
     }
 
 
@@ -94,6 +95,32 @@ LENGTH_KEYS = ("trained_mean", "sync_mean", "trained_p90", "sync_p90", "longest_
 def length_bias_summary(steps: list[dict]) -> dict:
     """The run's length bias: each `length/` metric's mean over the steps that have it (slime/rollout/length_bias.py)."""
     return {f"length_{k}": _mean([r.get(f"length/{k}") for r in steps]) for k in LENGTH_KEYS}
+
+
+# the length guard's counts (slime/rollout/staleness.py): samples masked instead of restarted at a resume (a step's,
+# stream mode's in flight) and finished groups masked instead of dropped before training
+GUARD_SAMPLE_KEYS = ("rollout/staleness_guard_masked", "rollout/staleness_in_flight_guard_masked")
+GUARD_GROUP_KEY = "rollout/staleness_guard_masked_groups_at_train"
+
+
+def guard_summary(steps: list[dict]) -> dict:
+    """How often the length guard acted: samples it masked, groups it kept, steps in which it did either."""
+    acted = [sum(r.get(k, 0.0) for k in (*GUARD_SAMPLE_KEYS, GUARD_GROUP_KEY)) for r in steps]
+    return {"guard_masked_samples": sum(r.get(k, 0.0) for r in steps for k in GUARD_SAMPLE_KEYS),
+            "guard_masked_groups": sum(r.get(GUARD_GROUP_KEY, 0.0) for r in steps),
+            "guard_steps": sum(1 for a in acted if a)}
+
+
+def guard_line(summary: dict, args) -> str:
+    """One line: was the length guard on, and did it act?"""
+    if args.max_staleness is None or args.staleness_policy != "restart":
+        return "length guard: not needed (it bounds --staleness-policy restart under --max-staleness)"
+    if args.disable_length_guard:
+        return "length guard: off (--disable-length-guard): every sample over the cap was regenerated"
+    return (f"length guard: on, acted in {summary.get('guard_steps', 0)} of {summary.get('steps', 0)} steps: "
+            f"{summary.get('guard_masked_samples', 0):.0f} samples over the cap kept with their stale tokens masked "
+            f"instead of regenerated, {summary.get('guard_masked_groups', 0):.0f} finished groups masked instead of "
+            f"dropped")
 
 
 def length_line(summary: dict) -> str:
@@ -133,6 +160,7 @@ def log_run_summary(run_dir: str, metrics_path: str, args, restarts: dict[str, i
         f"rollout tokens/s: {fmt(summary.get('rollout_tokens_per_s'), '.1f')}",
         staleness_line(summary, args),
         length_line(summary),
+        guard_line(summary, args),
     ]
     if "tool_call_rate_first_quarter" in summary:
         lines += [

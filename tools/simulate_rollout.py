@@ -95,14 +95,16 @@ def run_modes(cost: EngineCostModel, lengths, base: SimConfig, modes: list[str],
 def print_table(rows: list[dict]) -> None:
     ref = next((r["tokens_per_s"] for r in rows if r["mode"] == "sync"), None)
     print(f"{'mode':16s} {'tok/s':>9s} {'/sync':>6s} {'e2e tok/s':>9s} {'goodput':>9s} {'idle':>5s} {'off-pol':>7s} "
-          f"{'step s':>7s}  staleness (lag: share of trained tokens)")
+          f"{'step s':>7s} {'samples/s':>9s} {'long10':>6s}  staleness (lag: share of trained tokens)")
     for r in rows:
         hist = r["staleness_hist"]
         tot = sum(hist.values()) or 1
         st = " ".join(f"{k}:{v / tot:.2f}" for k, v in list(hist.items())[:6])
         rel = f"{r['tokens_per_s'] / ref:6.2f}" if ref else "     -"
+        share = "     -" if r["longest_decile_share"] is None else f"{r['longest_decile_share']:6.2f}"
         print(f"{r['mode']:16s} {r['tokens_per_s']:9.0f} {rel} {r['e2e_tokens_per_s']:9.0f} {r['goodput_tokens_per_s']:9.0f} "
-              f"{r['engine_idle_fraction']:5.2f} {r['off_policy_token_ratio']:7.3f} {r['step_s']:7.1f}  {st}")
+              f"{r['engine_idle_fraction']:5.2f} {r['off_policy_token_ratio']:7.3f} {r['step_s']:7.1f} "
+              f"{r['trained_samples_per_s']:9.1f} {share}  {st}")
 
 
 def paper_reproduction(steps: int = 20, warmup: int = 4, seed: int = 0, verbose: bool = True, **length_overrides) -> dict:

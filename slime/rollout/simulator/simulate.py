@@ -148,7 +148,15 @@ class SimResult:
             "requests_per_step": sum(s["requests"] for s in st) / len(st) if st else 0.0,
             "reprefill_tokens_per_step": sum(s["reprefill_tokens"] for s in st) / len(st) if st else 0.0,
             "new_tokens": new, "wasted_tokens": wasted, "rollout_s": rollout, "wall_s": wall,
+            "trained_samples_per_s": sum(len(s["trained_lengths"]) for s in st) / rollout if rollout else 0.0,
+            "longest_decile_share": _mean([s.get("length/longest_decile_share") for s in st]),
+            "guard_masked": sum(s.get("staleness_guard_masked", 0) for s in st),
         }
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def sum_counters(counters) -> dict:

@@ -30,8 +30,9 @@ e2e_async_over_april, e2e_async_over_sync (trained samples/s ratios), accuracy_a
         stream_cap_no_guard stream_cap_guard   # the length guard off / on under the quick start's cap
 
 With the cap's modes a second table gives the length bias (slime/utils/summary.py's means over the steps): the
-longest decile's share, trained length mean / p90 against the synchronous estimate, and how often the guard acted
-(samples masked instead of restarted; steps where it did).
+longest decile's share, and with `sync` among the modes the same against the measured sync run (pooled finished
+lengths, rollout_trace.jsonl: not stream mode); trained length mean / p90 against the synchronous estimate; how
+often the guard acted (samples masked instead of restarted; steps where it did).
 """
 
 from __future__ import annotations
@@ -245,6 +246,24 @@ def summarize(results: list[dict], modes: list[str]) -> dict[str, dict]:
     return out
 
 
+def finished_lengths(run_dir: str) -> list[int]:
+    """Every finished group's response lengths over the run (rollout_trace.jsonl; stream mode writes none)."""
+    path = os.path.join(run_dir, "rollout_trace.jsonl")
+    if not os.path.isfile(path):
+        return []
+    return [x for line in open(path) if line.strip() for g in json.loads(line).get("finished_lengths", []) for x in g]
+
+
+def share_vs_sync(lengths: list[int], sync: list[int]) -> float | None:
+    """The longest decile's share against the measured synchronous run (not an estimate): P(length >= the sync
+    run's p90) here over the same in the sync run, each pooled over its whole run."""
+    if not lengths or not sync:
+        return None
+    xs = sorted(sync)
+    p90 = xs[int(0.9 * len(xs))]
+    return (sum(x >= p90 for x in lengths) / len(lengths)) / (sum(x >= p90 for x in xs) / len(xs))
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -252,10 +271,10 @@ def _mean(xs):
 
 def print_length_table(s: dict[str, dict]) -> None:
     f = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)  # noqa: E731
-    print(f"\n{'mode':<20} {'longest decile':>14} {'trained mean/p90':>17} {'sync mean/p90':>14} {'guard masked':>13} "
-          f"{'guard steps':>12}")
+    print(f"\n{'mode':<20} {'longest decile':>14} {'vs sync run':>11} {'trained mean/p90':>17} {'sync mean/p90':>14} "
+          f"{'guard masked':>13} {'guard steps':>12}")
     for m, v in s.items():
-        print(f"{m:<20} {f(v.get('length_longest_decile_share')):>14} "
+        print(f"{m:<20} {f(v.get('length_longest_decile_share')):>14} {f(v.get('length_share_vs_sync_run')):>11} "
               f"{f(v.get('length_trained_mean'), '.1f') + ' / ' + f(v.get('length_trained_p90'), '.1f'):>17} "
               f"{f(v.get('length_sync_mean'), '.1f') + ' / ' + f(v.get('length_sync_p90'), '.1f'):>14} "
               f"{f(v.get('guard_masked_samples'), '.0f'):>13} {f(v.get('guard_steps'), '.0f'):>12}")
@@ -290,6 +309,10 @@ def main(argv=None) -> int:
         for m in opts.modes:
             results.append(run_mode(opts, m, r))
     s = summarize(results, opts.modes)
+    if "sync" in s:  # the longest decile against the measured synchronous run (round 0's)
+        sync = finished_lengths(os.path.join(opts.out, "sync-r0"))
+        for m in s:
+            s[m]["length_share_vs_sync_run"] = share_vs_sync(finished_lengths(os.path.join(opts.out, f"{m}-r0")), sync)
     print(f"\n{'mode':<13} {'wall s':>8} {'samples/s':>10} {'engine idle':>12} {'trainer idle':>13} {'off-policy':>11} "
           f"{'staleness':>10} {'eval acc':>9}")
     for m, v in s.items():

@@ -40,6 +40,9 @@ def test_quickstart_april_improves_on_the_warm_start(tmp_path, quickstart_task):
     assert summary["rollout_tokens_per_s"] > 0
     assert 0.0 < summary["off_policy_token_ratio"] < 1.0  # partial rollout resumed parked samples
     assert summary["max_staleness"] == 4 and summary["max_lag"] <= 4  # the quick start's cap holds
+    # the length guard (on by default) acted, and the summary reports the long tail trained as synchronously
+    assert summary["guard_steps"] > 0 and summary["length_longest_decile_share"] >= 0.9, summary
+    assert "length guard: on, acted in" in out.stderr
     assert os.path.isdir(run / "ckpt" / "iter_0000039")
     assert "==== run summary ====" in out.stderr
     # it ends with the run's pictures (and says where they are), the simulator's prediction among them

@@ -11,9 +11,12 @@ else
   bash scripts/install.sh || exit 1
 fi
 # SGLang's own code at the pinned and the oldest supported version (no GPU packages), for the contract tests
-# (`pytest -m sglang_contract`); SLIME_SKIP_SGLANG_CONTRACT=1 leaves it out (those tests then skip).
+# (`pytest -m sglang_contract`), installed in the background while the tests start (those tests wait for it on its
+# lock); SLIME_SKIP_SGLANG_CONTRACT=1 leaves it out (those tests then skip).
+mkdir -p runs/test-costs && rm -f runs/test-costs/sglang-contract-install.log
 if [[ "${SLIME_SKIP_SGLANG_CONTRACT:-0}" != 1 ]]; then
-  ${PYTHON:-python3} tools/sglang_contract_env.py install || exit 1
+  ${PYTHON:-python3} tools/sglang_contract_env.py install --background runs/test-costs/sglang-contract-install.log \
+    || exit 1
   export SLIME_REQUIRE_SGLANG_CONTRACT=1
 fi
 # SGLang's own server on CPU for the `real_sglang` tests (tools/sglang_cpu_env.py: a venv per version, 1-4 min each when pip's
@@ -21,7 +24,7 @@ fi
 # its lock (or install it themselves). SLIME_SKIP_REAL_SGLANG=1 leaves it out, and those tests skip.
 install_pid=
 if [[ "${SLIME_SKIP_REAL_SGLANG:-0}" != 1 ]]; then
-  mkdir -p runs/test-costs && rm -f runs/test-costs/real_sglang.jsonl
+  rm -f runs/test-costs/real_sglang.jsonl
   setsid ${PYTHON:-python3} tools/sglang_cpu_env.py install --all > runs/test-costs/sglang-cpu-install.log 2>&1 &
   install_pid=$!
 fi
@@ -33,6 +36,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=
 # Files are handed out in tests/conftest.py's order (slow first), not xdist's (most tests first).
 ${PYTHON:-python3} -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
+[[ -f runs/test-costs/sglang-contract-install.log ]] && cat runs/test-costs/sglang-contract-install.log >&2
 if [[ -n $install_pid ]]; then
   # a run that needed no real SGLang does not wait for its install (the next run redoes what was cut)
   kill -- -"$install_pid" 2>/dev/null && echo "[test] real-SGLang venv install cut short (no test waited for it)" >&2

@@ -5,8 +5,8 @@
 - Megatron's GPTModel is transformers' LlamaForCausalLM: the layer structure (no q/k norm, no biases, RoPE base
   100000, tied embeddings) and the log-probs of real chat text, beside the FSDP trainer's; one RL step on both
   trainers gives the same loss and leaves them with the same log-probs;
-- train.py runs the real-model command on Megatron end to end (APRIL, the embedded engine), and its first step's
-  loss, entropy, gradient norm and engine log-prob mismatch are the FSDP trainer's on the same batch.
+- train.py runs the real-model command on Megatron end to end (APRIL, the embedded engine), its recomputed
+  log-probs within the bound of the engine's (that one step equals FSDP's is the test above's, on one batch).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _command(model_dir: str, data: str, work, backend: str) -> list[str]:
     return argv + model_args() if backend == "megatron" else argv
 
 
-def test_train_py_runs_the_real_model_on_megatron_as_on_fsdp(smollm2_dir, tmp_path):
+def test_train_py_runs_the_real_model_on_megatron(smollm2_dir, tmp_path):
     sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
         import convert_smollm2
@@ -79,29 +79,11 @@ def test_train_py_runs_the_real_model_on_megatron_as_on_fsdp(smollm2_dir, tmp_pa
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[0]["train/num_tokens"] > 0 and rows[1]["rollout/off_policy_tokens"] > 0  # APRIL resumed step 0's rest
     print(f"train.py on Megatron, 2 steps: {time.monotonic() - t0:.0f} s")
-
-    # the FSDP trainer, same flags, on the batch Megatron's step 0 trained
-    from slime.arguments import parse_args
-    from slime.backends.fsdp_utils.actor import FSDPTrainer
-    from slime.utils.types import Sample
-
     step0 = json.loads((tmp_path / "rollouts" / "rollout_0.json").read_text())
-    groups = [[Sample.from_dict(s) for s in g] for g in step0["groups"]]
-    assert len({s.reward for g in groups for s in g}) > 1  # something to learn from
-    fsdp = FSDPTrainer(parse_args(_command(smollm2_dir, data, tmp_path / "fsdp", "fsdp")))
-    fsdp.init()
-    try:
-        m = fsdp.train(0, groups, 0)
-    finally:
-        fsdp.shutdown()
+    assert len({s["reward"] for g in step0["groups"] for s in g}) > 1  # something to learn from
     meg = {k.removeprefix("train/"): v for k, v in rows[0].items() if k.startswith("train/")}
-    print("step 0, Megatron run vs FSDP: " + ", ".join(f"{k} {meg[k]:.7g} / {m[k]:.7g}" for k in
-          ("loss", "entropy", "grad_norm", "logprob_abs_diff_max", "logprob_abs_diff_mean")))
-    for key in ("loss", "pg_loss", "entropy"):
-        assert meg[key] == pytest.approx(m[key], abs=1e-5), key
-    assert meg["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4) and m["grad_norm"] > 0
-    # both trainers' recomputation against the engine's log-probs of the same tokens (the real weights)
-    assert meg["logprob_abs_diff_max"] == pytest.approx(m["logprob_abs_diff_max"], abs=1e-5)
+    assert meg["grad_norm"] > 0 and meg["entropy"] > 0
+    # the trainer's recomputation against the engine's log-probs of the same tokens (the real weights)
     assert meg["logprob_abs_diff_max"] <= LOGPROB_BOUND
 
 

@@ -99,7 +99,7 @@ class Mode:
                 time.sleep(train_s)  # the trainer trains; the engines go on
                 self.version += 1
                 with self.rollout.updating_weights(self.version):
-                    self.engines.update_weights_from_disk(model_dir, self.version, flush_cache=self.name != "in_place")
+                    self.engines.weights.from_disk(model_dir, self.version, flush_cache=self.name != "in_place")
                 self.manager.set_policy_version(self.version)
                 wall += time.monotonic() - t0
                 samples += sum(len(g) for g in batch.groups)

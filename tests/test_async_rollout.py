@@ -61,7 +61,7 @@ def load_weights(env, name: str, version: int, flush: bool = True) -> dict:
     """The engines load model `name` as `version` (what the trainer's push does, from disk; `flush`: its
     flush_cache, false under --pause-mode in_place); returns how many requests were in flight across the update
     (the engine's num_paused_requests)."""
-    replies = env["engines"].update_weights_from_disk(str(env["root"] / name), version, flush_cache=flush)
+    replies = env["engines"].weights.from_disk(str(env["root"] / name), version, flush_cache=flush)
     return {"in_flight_across": sum(int(r.get("num_paused_requests", 0)) for r in replies.values())}
 
 

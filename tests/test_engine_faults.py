@@ -121,7 +121,7 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
             result["error"] = e
 
     caller = threading.Thread(target=blocking_call, daemon=True)
-    with ProcessWatch(group, on_fault=lambda f: group.kill_engine(f.rank)) as watch:
+    with ProcessWatch(group, on_fault=lambda f: group.faults.kill_engine(f.rank)) as watch:
         # stopped before the call, so the call cannot finish first on a fast box; the kernel still accepts
         # the connection, so the caller blocks exactly as on an engine that froze mid-request
         os.kill(pid, signal.SIGSTOP)
@@ -132,10 +132,10 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
     assert isinstance(result.get("error"), requests.ConnectionError), result
     assert not isinstance(result["error"], requests.Timeout), result
     assert "is stopped" in watch.faults[old_url].problem
-    assert "exited with code" in group.engine_problem(old_url)
+    assert "exited with code" in group.faults.engine_problem(old_url)
 
-    new_url = group.restart_engine(0)
-    assert new_url != old_url and group.engine_problem(new_url) is None
+    new_url = group.faults.restart_engine(0)
+    assert new_url != old_url and group.faults.engine_problem(new_url) is None
     assert group.worker_urls() == [new_url]  # the dead one is off the router
     out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 3}},
                         timeout=60).json()
@@ -172,7 +172,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
     assert len(failures) == 1 and isinstance(failures[0], requests.ConnectionError), failures
     assert not isinstance(failures[0], requests.Timeout), failures
     assert [v for v, _ in calls] == [7, 7] and calls[0][1] != calls[1][1]
-    assert manager.restarts.counts["engine"] == 1 and group.engine_problem(group.engine_urls[0]) is None
+    assert manager.restarts.counts["engine"] == 1 and group.faults.engine_problem(group.engine_urls[0]) is None
 
 
 def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
@@ -194,11 +194,11 @@ def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
         time.sleep(0.1)
     assert not _alive(server)  # PR_SET_PDEATHSIG: the server went with its host
     deadline = time.monotonic() + 15
-    while group.engine_problem(old_url) is None and time.monotonic() < deadline:
+    while group.faults.engine_problem(old_url) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "host actor" in group.engine_problem(old_url)
-    new_url = group.restart_engine(0)
-    assert group.worker_urls() == [new_url] and group.engine_problem(new_url) is None
+    assert "host actor" in group.faults.engine_problem(old_url)
+    new_url = group.faults.restart_engine(0)
+    assert group.worker_urls() == [new_url] and group.faults.engine_problem(new_url) is None
     assert group.engine_nodes()[0]["node_id"] == group.slots[0].node_id
     out = requests.post(group.router_url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2}},
                         timeout=60).json()
@@ -247,7 +247,7 @@ def test_a_dead_router_is_named_then_restarted_on_its_port_with_the_engines_regi
         manager.restart_engines(error)
     manager.args = args.replace(use_fault_tolerance=True)
     assert manager.restart_engines(error) == []  # no engine restarted: they keep their weights
-    assert manager.restarts.counts["router"] == 1 and group.router_fault() is None
+    assert manager.restarts.counts["router"] == 1 and group.faults.router_fault() is None
     assert group.router_url == url and group.router.process.pid != old_pid
     assert group.worker_urls() == [engine_url] and group.engine_urls == [engine_url]
     out = requests.post(url + "/generate", json={"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 3}},
@@ -269,7 +269,7 @@ def test_a_router_dead_before_the_weight_push_is_restarted_and_the_push_repeated
     old_pid = group.router.process.pid
     os.kill(old_pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while group.router_fault() is None and time.monotonic() < deadline:
+    while group.faults.router_fault() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     # the watch's own thread recorded the exit first: the push's error handler must still see it
     watch = ProcessWatch(group)
@@ -288,4 +288,4 @@ def test_a_router_dead_before_the_weight_push_is_restarted_and_the_push_repeated
     trainer = type("Trainer", (), {"update_weights": staticmethod(update_weights)})()
     assert manager.push_weights(trainer, 7)["workers"] == group.engine_urls
     assert calls == [7, 7] and manager.restarts.counts["router"] == 1
-    assert group.router_fault() is None and group.router.process.pid != old_pid
+    assert group.faults.router_fault() is None and group.router.process.pid != old_pid

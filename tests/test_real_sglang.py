@@ -319,7 +319,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
     args = rollout_args(root, *flags, "--run-dir", str(root / f"run_stream_{pause}"), entry="train_async.py")
     log = ReplyLog(monkeypatch)
     weights = {v: "AB"[v % 2] for v in range(20)}
-    group.update_weights_from_disk(paths["A"], 0)
+    group.weights.from_disk(paths["A"], 0)
     if not ray.is_initialized():  # ours: not left to the next module in this worker (it may need more CPUs)
         init_ray(num_cpus=2)
         request.addfinalizer(ray.shutdown)
@@ -332,7 +332,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
             with rollout.updating_weights(step + 1):  # abort: the gate drains ours; else the engines hold them
-                replies = group.update_weights_from_disk(paths[weights[step + 1]], step + 1,
+                replies = group.weights.from_disk(paths[weights[step + 1]], step + 1,
                                                          flush_cache=pause != "in_place")
             assert all(r["success"] for r in replies.values()), replies
             manager.set_policy_version(step + 1)

@@ -154,7 +154,7 @@ def test_abort_all_until_idle_stops_in_flight_requests_on_both_engines(group):
 
 def test_update_weights_from_disk_bumps_every_worker(group, models):
     before = [_gen(u, f"pre-{i}") for i, u in enumerate(group.engine_urls)]
-    res = group.update_weights_from_disk(str(models["m1"]), version=3)
+    res = group.weights.from_disk(str(models["m1"]), version=3)
     assert set(res) == set(group.engine_urls) and all(r["success"] for r in res.values())
     after = [_gen(u, f"post-{i}") for i, u in enumerate(group.engine_urls)]
     assert [a["meta_info"]["weight_version"] for a in after] == ["3", "3"]
@@ -162,7 +162,7 @@ def test_update_weights_from_disk_bumps_every_worker(group, models):
     assert before[0]["meta_info"]["output_token_logprobs"] != after[0]["meta_info"]["output_token_logprobs"]
 
     with pytest.raises(EngineGroupError) as e:
-        group.update_weights_from_disk(str(models["root"] / "missing"), version=4)
+        group.weights.from_disk(str(models["root"] / "missing"), version=4)
     assert all(u in str(e.value) for u in group.engine_urls)
     assert [_gen(u, f"still-{i}")["meta_info"]["weight_version"] for i, u in enumerate(group.engine_urls)] == ["3", "3"]
 
@@ -175,25 +175,25 @@ def test_distributed_weight_update_over_gloo(group, models):
 
     state = AutoModelForCausalLM.from_pretrained(str(models["m0"]), dtype=torch.float32).state_dict()
     port = pick_free_ports(1)[0]
-    world = group.weight_update_world_size()
+    world = group.weights.world_size()
     assert world == 3
-    futs = group.init_weights_update_group("127.0.0.1", port)  # engines block until the trainer joins
+    futs = group.weights.init_group("127.0.0.1", port)  # engines block until the trainer joins
     timeout = datetime.timedelta(seconds=20)
     store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout)
     pg = weight_update_group.join("gloo", store, 0, world, "weight_update_group", timeout)  # SGLang's layout
     try:
-        group.wait_all(futs, "init_weights_update_group", timeout=60, check_success=True)
+        group.weights.wait(futs, "init_weights_update_group", timeout=60, check_success=True)
         names = list(state)
-        sessions = group.begin_weight_update()
+        sessions = group.weights.begin()
         # both spellings SGLang takes for a dtype: "torch.float32" and "float32"
         dtypes = [str(state[n].dtype).replace("torch.", "", i % 2) for i, n in enumerate(names)]
-        futs = group.update_weights_from_distributed(names, dtypes,
+        futs = group.weights.from_distributed(names, dtypes,
                                                      [list(state[n].shape) for n in names], weight_version=5)
         for n in names:
             pg.broadcast(state[n].contiguous(), 0).wait()
-        group.wait_all(futs, "update_weights_from_distributed", timeout=60, check_success=True)
+        group.weights.wait(futs, "update_weights_from_distributed", timeout=60, check_success=True)
         sessions.close()
-        group.wait_all(group.destroy_weights_update_group(), "destroy_weights_update_group", timeout=30,
+        group.weights.wait(group.weights.destroy_group(), "destroy_weights_update_group", timeout=30,
                        check_success=True)
     finally:
         weight_update_group.leave(pg)

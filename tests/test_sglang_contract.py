@@ -229,7 +229,7 @@ def group(sglang, base_args, monkeypatch):
     # /flush_cache: the router fans it out as is; a live process (problem() None), as Router.problem answers
     g.router = types.SimpleNamespace(url=sglang.url, problem=lambda: None)
     yield g
-    g._pool.shutdown(wait=False)
+    g.fan_out.close()
 
 
 def test_abort_until_idle_reads_sglang_loads(sglang, group, caplog):

@@ -226,7 +226,7 @@ class RolloutManager:
 
     def kill_faulty(self, fault: EngineFault) -> None:
         if fault.rank is not None:
-            self.engines.kill_engine(fault.rank)
+            self.engines.faults.kill_engine(fault.rank)
 
     def restart_engines(self, error: EngineFaultError) -> list[int]:
         """Restart every engine in `error.faults` (they serve version 0 until the driver pushes) and the router if
@@ -248,9 +248,9 @@ class RolloutManager:
                 logger.warning("restart %s: %s", self.restarts.progress(), fault.describe())
                 try:
                     if fault.router:
-                        self.engines.restart_router()
+                        self.engines.faults.restart_router()
                     else:
-                        self.engines.restart_engine(fault.rank)
+                        self.engines.faults.restart_engine(fault.rank)
                         restarted.append(fault.rank)
                     break
                 except ServerLaunchError as e:

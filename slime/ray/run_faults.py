@@ -219,7 +219,7 @@ class TrainerRecovery:
         if self.engines is None or self.args.update_weight_mode != "distributed":
             return
         try:
-            self.engines.wait_all(self.engines.destroy_weights_update_group(timeout=60.0),
-                                  "POST /destroy_weights_update_group", timeout=65.0)
+            push = self.engines.weights
+            push.wait(push.destroy_group(timeout=60.0), "POST /destroy_weights_update_group", timeout=65.0)
         except Exception as e:  # noqa: BLE001 - an engine that has no group (yet) is fine
             logger.warning("engines: dropping the old trainer's weight-update group: %s", e)

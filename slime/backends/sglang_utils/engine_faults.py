@@ -1,27 +1,43 @@
-"""EngineGroup's faults: which engine (or the router) is at fault and what is wrong with it, read from the
-processes (slime/backends/sglang_utils/watchdog.py asks), and the restarts that replace it (the RolloutManager's
-`restart_engines`)."""
+"""A group's faults: which engine (or the router) failed and what is wrong with it, read from the processes
+(slime/backends/sglang_utils/watchdog.py asks), and the restarts that replace it (the RolloutManager's
+`restart_engines`). Its own state: the monitor of the placed engines' hosts."""
 
 from __future__ import annotations
 
 import logging
 
 from slime.backends.sglang_utils import engine_api
+from slime.backends.sglang_utils.engine_handle import HostMonitor
+from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault
 
 logger = logging.getLogger(__name__)
 
 
-class EngineFaultsMixin:
-    """Needs `engines`, `router`, `placed`, `_monitor`, `engine_urls`, `_timeout()` and `_check_engines_alive`
-    from EngineGroup."""
+class EngineFaults:
+    """The faults of `group` (an EngineGroup: its `engines`, `router`, `placed`, `engine_urls`, `startup_timeout()`)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.monitor: HostMonitor | None = None  # placed engines: one thread asking every host how its server is
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return self.group.engine_urls
+
+    def watch_hosts(self) -> None:
+        if self.group.placed:
+            self.monitor = HostMonitor(self.group.engines)
+            self.monitor.refresh()
+            self.monitor.start()
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
 
     def engine_rank(self, url: str) -> int | None:
-        """The rank of the engine this group launched at `url` (None: not ours)."""
-        for rank, engine in enumerate(self.engines):
-            if engine.url == url:
-                return rank
-        return None
+        """The rank of the engine the group launched at `url` (None: not ours)."""
+        return next((rank for rank, e in enumerate(self.group.engines) if e.url == url), None)
 
     def engine_problem(self, url: str) -> str | None:
         """What is wrong with our engine process at `url` (exited, stopped, zombie; a host actor gone), or None.
@@ -31,35 +47,45 @@ class EngineFaultsMixin:
         rank = self.engine_rank(url)
         if rank is None:
             return None
-        if not self.placed:
-            return self.engines[rank].problem()
-        if self._monitor is None or self._monitor.problems.get(url) is None:
+        if not self.group.placed:
+            return self.group.engines[rank].problem()
+        if self.monitor is None or self.monitor.problems.get(url) is None:
             return None
-        self._monitor.refresh([self.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
-        return self._monitor.problems.get(url)
+        self.monitor.refresh([self.group.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
+        return self.monitor.problems.get(url)
 
     def router_fault(self) -> EngineFault | None:
-        """The router this group started, if its process exited or is stopped (an external router: never)."""
-        problem = self.router.problem() if self.router is not None else None
-        return None if problem is None else EngineFault(self.router.url, None, problem, router=True)
+        """The router the group started, if its process exited or is stopped (an external router: never)."""
+        router = self.group.router
+        problem = router.problem() if router is not None else None
+        return None if problem is None else EngineFault(router.url, None, problem, router=True)
+
+    def check_alive(self) -> None:
+        """Raises ServerLaunchError naming the first engine whose process is gone (with its log's tail)."""
+        for engine in self.group.engines:
+            problem = self.engine_problem(engine.url)
+            if problem is not None:
+                raise ServerLaunchError(f"{engine.name} {problem} while waiting for the router to list it; last lines "
+                                        f"of {engine.log_path}:\n{engine.log_tail()}")
 
     def restart_router(self, timeout: float = 60.0) -> None:
         """Start our router again on its port, with the same flags, and register every engine with it again (the
         engines keep running, their weights and requests untouched). Raises ServerLaunchError if it does not come
         up or does not list the engines as healthy."""
-        waited = self.router.restart(timeout)
-        for engine in self.engines:
-            self.router.add_worker(engine.url)
-        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self._check_engines_alive)
+        router = self.group.router
+        waited = router.restart(timeout)
+        for engine in self.group.engines:
+            router.add_worker(engine.url)
+        router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self.check_alive)
         logger.warning("sglang-router restarted at %s (pid %s) after %.1fs; %d engine(s) registered again",
-                       self.router.url, self.router.process.pid, waited, len(self.engines))
+                       router.url, router.process.pid, waited, len(self.group.engines))
 
     def kill_engine(self, rank: int) -> None:
         """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
-        if 0 <= rank < len(self.engines):
-            self.engines[rank].kill(grace=0.5)
-            if self._monitor is not None:
-                self._monitor.refresh([self.engines[rank]])
+        if 0 <= rank < len(self.group.engines):
+            self.group.engines[rank].kill(grace=0.5)
+            if self.monitor is not None:
+                self.monitor.refresh([self.group.engines[rank]])
 
     def restart_engine(self, rank: int, timeout: float | None = None) -> str:
         """Replace engine `rank` (dead, frozen or misbehaving) with a fresh one; returns its URL.
@@ -69,19 +95,20 @@ class EngineFaultsMixin:
         --hf-checkpoint weights at weight_version 0 until the caller re-syncs the current ones), and it is added
         to the router once healthy. Raises ServerLaunchError (with the log tail) if it does not come up.
         """
-        if self.router is None or not 0 <= rank < len(self.engines):
-            raise ValueError(f"restart_engine: no engine {rank} (this group has {len(self.engines)})")
-        engine = self.engines[rank]
+        engines, router = self.group.engines, self.group.router
+        if router is None or not 0 <= rank < len(engines):
+            raise ValueError(f"restart_engine: no engine {rank} (this group has {len(engines)})")
+        engine = engines[rank]
         old_url = engine.url
         try:
-            self.router.remove_worker(old_url, timeout=10)
+            router.remove_worker(old_url, timeout=10)
         except Exception as e:  # noqa: BLE001 - a router that cannot drop it still must get the new one
             logger.warning("could not remove %s from the router: %s", old_url, e)
-        new_url = engine.restart(timeout or self._timeout())
+        new_url = engine.restart(timeout or self.group.startup_timeout())
         engine_api.check_engine_versions([new_url])
-        if self._monitor is not None:
-            self._monitor.refresh([engine])
-        self.router.add_worker(new_url)
-        self.router.wait_workers_healthy([new_url], timeout=60.0, extra_check=self._check_engines_alive)
+        if self.monitor is not None:
+            self.monitor.refresh([engine])
+        router.add_worker(new_url)
+        router.wait_workers_healthy([new_url], timeout=60.0, extra_check=self.check_alive)
         logger.warning("engine %d restarted at %s (was %s)", rank, new_url, old_url)
         return new_url

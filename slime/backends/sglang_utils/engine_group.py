@@ -6,7 +6,9 @@ bundle's node with its GPUs; the router stays in this (the driver's) process.
 Generation goes through the router (`router_url`). Everything the router does
 not route in sglang-router 0.3.2 (aborts, pause/continue, weight updates,
 /v1/loads) is fanned out by this class to every worker listed by the router's
-`GET /workers`. All state lives on the object; `shutdown()` (also run by
+`GET /workers` (`fan_out`). Two pieces stand beside the processes, each with
+its own state: `faults` (engine_faults.py: which one failed, restarts) and
+`weights` (weight_update.py: the trainer's push). `shutdown()` (also run by
 `atexit` and the context manager) leaves no child processes behind.
 """
 
@@ -18,29 +20,25 @@ import logging
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import aiohttp
 
 from slime.backends.sglang_utils import engine_api, http_client
-from slime.backends.sglang_utils.engine_faults import EngineFaultsMixin
-from slime.backends.sglang_utils.engine_handle import HostMonitor, LocalEngine, RemoteEngine, host_result
+from slime.backends.sglang_utils.engine_faults import EngineFaults
+from slime.backends.sglang_utils.engine_handle import LocalEngine, RemoteEngine, gather_hosts
 from slime.backends.sglang_utils.engine_host import EngineSlot
+from slime.backends.sglang_utils.fan_out import EngineGroupError, FanOut
 from slime.backends.sglang_utils.process_utils import ServerLaunchError, pick_free_ports
 from slime.backends.sglang_utils.router import Router
 from slime.backends.sglang_utils.watchdog import EngineFaultError
-from slime.backends.sglang_utils.weight_update import WeightUpdateMixin
+from slime.backends.sglang_utils.weight_update import WeightPush
 
 logger = logging.getLogger(__name__)
 
 LOADS_URLS_TTL_S = 10.0  # how long `loads` trusts its worker list before asking the router again
 
 
-class EngineGroupError(RuntimeError):
-    """A fan-out call failed on one or more workers; the message names each."""
-
-
-class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
+class EngineGroup:
     def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None,
                  slots: list[EngineSlot] | None = None):
         """`slots`: where each engine runs (its placement-group bundles; `PlacementGroups.engine_slots()`): each
@@ -54,13 +52,13 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
                              f"--rollout-num-gpus-per-engine) but {len(slots)} placement slots")
         self.slots = slots
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="slime_engines_")
-        self.startup_timeout = startup_timeout or args.engine_startup_timeout
+        self._startup_timeout = startup_timeout or args.engine_startup_timeout
         self.backend: str | None = None
         self.engines: list[LocalEngine | RemoteEngine] = []
         self.router: Router | None = None
-        self._monitor: HostMonitor | None = None
-        self._used_ports: set[int] = set()
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_engines), thread_name_prefix="engine-group")
+        self.fan_out = FanOut(lambda: self.worker_urls(), 2 * self.num_engines)
+        self.faults = EngineFaults(self)
+        self.weights = WeightPush(self.fan_out, self.num_gpus_per_engine, lambda: self.backend)
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
@@ -84,15 +82,15 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         """Whether the engines' hosts are Ray actors on placement-group bundles."""
         return self.slots is not None
 
-    def _timeout(self) -> float:
-        return self.startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
+    def startup_timeout(self) -> float:
+        return self._startup_timeout or (900.0 if self.backend == "sglang" else 180.0)
 
     def _start(self) -> None:
         t0 = time.monotonic()
         self.router = self._start_or_attach_router()
         if self.placed:
             self.engines = [RemoteEngine(self.args, rank, self.log_dir, slot) for rank, slot in enumerate(self.slots)]
-            states = self._gather([e.start_async() for e in self.engines], "start", 120.0)
+            states = gather_hosts([e.start_async() for e in self.engines], "start", 120.0)
             for engine, state in zip(self.engines, states):
                 engine.set_state(state)
         else:
@@ -104,25 +102,23 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
             raise EngineGroupError("--rollout-backend auto resolved differently on the engines' nodes: "
                                    + ", ".join(f"engine {e.rank} on {e.node_ip}: {e.backend}" for e in self.engines))
         self.backend = backends.pop()
-        timeout = self._timeout()
+        timeout = self.startup_timeout()
         if self.placed:
-            self._gather([e.wait_healthy_async(timeout) for e in self.engines], "wait_healthy", timeout + 60)
-            for engine, state in zip(self.engines, self._gather([e.actor.state.remote() for e in self.engines],
+            gather_hosts([e.wait_healthy_async(timeout) for e in self.engines], "wait_healthy", timeout + 60)
+            for engine, state in zip(self.engines, gather_hosts([e.actor.state.remote() for e in self.engines],
                                                                 "state", 30.0)):
                 engine.set_state(state)  # a relaunch on a lost port moved it
-            self._monitor = HostMonitor(self.engines)
-            self._monitor.refresh()
-            self._monitor.start()
+            self.faults.watch_hosts()
         else:
             # every engine concurrently; the first failure wins (with its log tail)
-            for fut in [self._pool.submit(e.wait_healthy, timeout) for e in self.engines]:
+            for fut in [self.fan_out.pool.submit(e.wait_healthy, timeout) for e in self.engines]:
                 fut.result(timeout=timeout + 120)
         # an engine speaking an SGLang API we do not support fails the run now, naming its version, not at the
         # first weight update (every worker behind the router: an external router may list others too)
         engine_api.check_engine_versions(self.engine_urls)
         for engine in self.engines:
             self.router.add_worker(engine.url)
-        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self._check_engines_alive)
+        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self.faults.check_alive)
         others = sorted(set(self.worker_urls()) - set(self.engine_urls))
         if others:
             engine_api.check_engine_versions(others)
@@ -130,30 +126,6 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         logger.info("EngineGroup: %d %s engine(s) %son %s behind %s ready in %.1fs (logs: %s)",
                     self.num_engines, self.backend, "(Ray actors) " if self.placed else "", ", ".join(where),
                     self.router.url, time.monotonic() - t0, self.log_dir)
-
-    def _gather(self, refs: list, what: str, timeout: float) -> list:
-        """Every engine host's answer, one deadline; the first failure (the host's own error) is raised."""
-        import ray
-
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        out: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
-        while pending:
-            left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
-            if not ready:
-                raise ServerLaunchError(f"engine host(s) {sorted(pending.values())}: {what} did not answer within "
-                                        f"{timeout:.0f}s")
-            for ref in ready:
-                rank = pending.pop(ref)
-                out[rank] = host_result(ref, 5.0, f"engine {rank} {what}")
-        return [out[r] for r in range(len(refs))]
-
-    def _ports(self, n: int) -> list[int]:
-        with self._lock:
-            ports = pick_free_ports(n, exclude=self._used_ports)
-            self._used_ports.update(ports)
-            return ports
 
     def _start_or_attach_router(self) -> Router:
         ip, port = self.args.sglang_router_ip, self.args.sglang_router_port
@@ -167,22 +139,15 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
                     raise ServerLaunchError(f"a router already runs at {ip}:{port}, so the --router-* flags "
                                             f"{' '.join(self.args.router_extra_args)} cannot reach it: it keeps its own")
                 return router
-        router_port, prom_port = self._ports(2)
+        router_port, prom_port = pick_free_ports(2)
         return Router.start(self.args, port or router_port, prom_port, self.log_dir)
-
-    def _check_engines_alive(self) -> None:
-        for engine in self.engines:
-            problem = self.engine_problem(engine.url)
-            if problem is not None:
-                raise ServerLaunchError(f"{engine.name} {problem} while waiting for the router to list it; last lines "
-                                        f"of {engine.log_path}:\n{engine.log_tail()}")
 
     # --- where the engines run ------------------------------------------------------------
     def engine_nodes(self) -> list[dict]:
         """Per engine rank: node_ip, node_id (None outside Ray), hostname, the host's pid, backend, gpu_ids."""
         if not self.placed:
             return [e.host.node() for e in self.engines]
-        return self._gather([e.actor.node.remote() for e in self.engines], "node", 30.0)
+        return gather_hosts([e.actor.node.remote() for e in self.engines], "node", 30.0)
 
     def engine_devices(self) -> list[tuple[int, ...] | None]:
         """Per engine rank: the node GPU indices its server runs on (its bundles' GPUs, in TP order), or None
@@ -193,7 +158,6 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
             out.append(tuple(int(g) for g in ids) if ids and all(str(g).isdigit() for g in ids) else None)
         return out
 
-    # --- faults and restarts: engine_faults.py ----------------------------------------------
     def shutdown(self, grace: float = 10.0) -> None:
         """Terminate the engines (through their hosts) and the router we started (SIGTERM, SIGKILL after `grace`).
         Idempotent."""
@@ -202,8 +166,7 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
                 return
             self._closed = True
         atexit.unregister(self.shutdown)
-        if self._monitor is not None:
-            self._monitor.stop()
+        self.faults.stop()
         router, engines = self.router, list(self.engines)
         if router is not None and not router.owned:
             for engine in engines:  # an external router must not keep routing to engines that are gone
@@ -219,7 +182,7 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
             t.join(timeout=grace + 20)
         if router is not None:
             router.shutdown(grace=min(grace, 5.0))
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fan_out.close()
         logger.info("EngineGroup shut down (%d engines)", len(engines))
 
     @staticmethod
@@ -253,52 +216,18 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         Raises `EngineFaultError` naming the router if the one we started died."""
         if self.router is None:
             raise RuntimeError("EngineGroup is not started")
-        fault = self.router_fault()
+        fault = self.faults.router_fault()
         if fault is not None:  # named as what it is (process, port, exit code), not as a refused connection
             raise EngineFaultError(fault.describe(), [fault])
         return sorted(w["url"] for w in self.router.list_workers(timeout))
 
-    # --- sync fan-out --------------------------------------------------------------
-    def _submit_all(self, method: str, path: str, json=None, timeout: float = 60.0,
-                    urls: list[str] | None = None, payloads: list | None = None) -> dict[str, Future]:
-        urls = self.worker_urls() if urls is None else urls
-        if not urls:
-            raise EngineGroupError(f"{method} {path}: the router at {self.router_url} lists no workers")
-        call = http_client.post_json if method == "POST" else (lambda u, _j, timeout: http_client.get_json(u, timeout))
-        return {
-            url: self._pool.submit(call, http_client.join_url(url, path), payloads[i] if payloads else json, timeout)
-            for i, url in enumerate(urls)
-        }
-
-    def wait_all(self, futures: dict[str, Future], what: str, timeout: float | None = None,
-                 check_success: bool = False) -> dict[str, object]:
-        """Results by worker URL; raises EngineGroupError naming every worker that failed (or said success=false)."""
-        results, failures = {}, []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for url, fut in futures.items():
-            try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                res = fut.result(timeout=left)
-            except Exception as e:
-                failures.append(f"{url}: {type(e).__name__}: {e}")
-                continue
-            if check_success and not (isinstance(res, dict) and res.get("success")):
-                failures.append(f"{url}: {res!r}")
-            results[url] = res
-        if failures:
-            raise EngineGroupError(f"{what} failed on {len(failures)}/{len(futures)} worker(s):\n" + "\n".join(failures))
-        return results
-
-    def _fan_out(self, method, path, json=None, timeout=60.0, check_success=False):
-        return self.wait_all(self._submit_all(method, path, json, timeout), f"{method} {path}",
-                             timeout=timeout + 5, check_success=check_success)
-
+    # --- the engines' requests -------------------------------------------------------------
     def load(self, timeout: float = 10.0) -> dict[str, object]:
         """Every worker's load report (SGLang's /v1/loads?include=core; /get_load only where that is missing), by
         URL."""
         urls = self.worker_urls()
-        futs = {u: self._pool.submit(engine_api.load_sync, u, timeout) for u in urls}
-        return self.wait_all(futs, f"GET {engine_api.LOADS_PATH}", timeout=timeout + 5)
+        futs = {u: self.fan_out.pool.submit(engine_api.load_sync, u, timeout) for u in urls}
+        return self.fan_out.wait(futs, f"GET {engine_api.LOADS_PATH}", timeout=timeout + 5)
 
     async def loads(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> list[dict]:
         """Every worker's per-DP-rank load dicts, queues included (--admission auto); the worker list is asked of the
@@ -312,10 +241,10 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         """POST /pause_generation {"mode"} to every worker (abort | retract | in_place)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause: mode {mode!r} is not one of abort, retract, in_place")
-        self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout)
+        self.fan_out.call("POST", "/pause_generation", {"mode": mode}, timeout)
 
     def continue_generation(self, timeout: float = 60.0) -> None:
-        self._fan_out("POST", "/continue_generation", {}, timeout)
+        self.fan_out.call("POST", "/continue_generation", {}, timeout)
 
     def flush_cache(self, timeout: float = 60.0) -> dict | str | None:
         """POST /flush_cache through the router (which fans it out to every worker). SGLang answers in plain text;
@@ -326,20 +255,11 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         """POST /release_memory_occupation {"tags"} to every engine this group launched (colocated: they share
         devices with the trainer). SGLang needs idle engines and --enable-memory-saver (the launcher passes it
         with --colocate)."""
-        self.wait_all(self._submit_all("POST", "/release_memory_occupation", {"tags": tags}, timeout,
-                                       urls=self.engine_urls), "POST /release_memory_occupation", timeout + 5)
+        self.fan_out.call("POST", "/release_memory_occupation", {"tags": tags}, timeout, urls=self.engine_urls)
 
     def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
         """POST /resume_memory_occupation {"tags"} to every engine this group launched."""
-        self.wait_all(self._submit_all("POST", "/resume_memory_occupation", {"tags": tags}, timeout,
-                                       urls=self.engine_urls), "POST /resume_memory_occupation", timeout + 5)
-
-    def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True,
-                                 abort_all_requests: bool = False, timeout: float = 600.0) -> dict[str, object]:
-        """Every worker loads `path` and tags its outputs with weight_version str(version); checks success."""
-        payload = {"model_path": str(path), "weight_version": str(int(version)), "flush_cache": flush_cache,
-                   "abort_all_requests": abort_all_requests}
-        return self._fan_out("POST", "/update_weights_from_disk", payload, timeout, check_success=True)
+        self.fan_out.call("POST", "/resume_memory_occupation", {"tags": tags}, timeout, urls=self.engine_urls)
 
     # --- async ---------------------------------------------------------------------
     async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.01,
@@ -351,7 +271,7 @@ class EngineGroup(EngineFaultsMixin, WeightUpdateMixin):
         seconds elapsed."""
         start = time.monotonic()
         # our router dead (a step stopping because of it): its workers are the engines we launched
-        listed = self.engine_urls if self.router_fault() is not None else await asyncio.to_thread(self.worker_urls)
+        listed = self.engine_urls if self.faults.router_fault() is not None else await asyncio.to_thread(self.worker_urls)
         urls = [u for u in listed if u not in exclude]
         own = session is None
         session = session or aiohttp.ClientSession()

@@ -109,6 +109,26 @@ def host_result(ref, timeout: float, what: str):
         raise ServerLaunchError(f"{what}: its host actor died ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
 
+def gather_hosts(refs: list, what: str, timeout: float) -> list:
+    """Every engine host's answer, one deadline; the first failure (the host's own error) is raised."""
+    import ray
+
+    pending = {ref: rank for rank, ref in enumerate(refs)}
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
+        if not ready:
+            raise ServerLaunchError(f"engine host(s) {sorted(pending.values())}: {what} did not answer within "
+                                    f"{timeout:.0f}s")
+        for ref in ready:
+            rank = pending.pop(ref)
+            out[rank] = host_result(ref, 5.0, f"engine {rank} {what}")
+    return [out[r] for r in range(len(refs))]
+
+
+
 class RemoteEngine(_EngineState):
     """A host as a Ray actor on `slot` (its placement-group bundle); re-created there if the actor dies."""
 

@@ -42,19 +42,19 @@ class EngineFault:
         return f"{who} {self.problem}"
 
 
-def process_faults(engines, known) -> list[EngineFault]:
-    """New faults (not in `known`, by URL) read from the processes alone, no I/O: the group's router (exited,
-    stopped), then each engine it launched."""
+def process_faults(faults, known) -> list[EngineFault]:
+    """New faults (not in `known`, by URL) read from the processes alone, no I/O (`faults`: an EngineGroup's
+    `.faults`): the group's router (exited, stopped), then each engine it launched."""
     found = []
-    router = engines.router_fault()
+    router = faults.router_fault()
     if router is not None and router.url not in known:
         found.append(router)
-    for url in list(engines.engine_urls):
+    for url in list(faults.engine_urls):
         if url in known:
             continue
-        problem = engines.engine_problem(url)
+        problem = faults.engine_problem(url)
         if problem is not None:
-            found.append(EngineFault(url, engines.engine_rank(url), problem))
+            found.append(EngineFault(url, faults.engine_rank(url), problem))
     return found
 
 
@@ -115,7 +115,7 @@ class EngineWatchdog:
 
     def check_processes(self) -> list[EngineFault]:
         """Exited / stopped router and engine processes (no I/O); reported and returned."""
-        found = process_faults(self.engines, self.faults)
+        found = process_faults(self.engines.faults, self.faults)
         for fault in found:
             self._report(fault)
         return found
@@ -157,12 +157,12 @@ class EngineWatchdog:
         # the process may explain it (stopped, exited): say that instead. A killed engine refuses connections at
         # once, while the process that hosts it (an EngineHost actor) may see the exit a moment later: give it that
         # moment, so the fault names the exit code rather than the refused connection
-        why = self.engines.engine_problem(url)
+        why = self.engines.faults.engine_problem(url)
         deadline = asyncio.get_running_loop().time() + wait
         while why is None and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
-            why = self.engines.engine_problem(url)
-        return EngineFault(url, self.engines.engine_rank(url), why or problem)
+            why = self.engines.faults.engine_problem(url)
+        return EngineFault(url, self.engines.faults.engine_rank(url), why or problem)
 
     async def check_once(self) -> list[EngineFault]:
         """One full check (processes, then HTTP health of the rest, concurrently); new faults are reported."""
@@ -229,7 +229,7 @@ class ProcessWatch:
         self._thread.join(timeout=5)
 
     def check(self) -> list[EngineFault]:
-        found = process_faults(self.engines, self.faults)
+        found = process_faults(self.engines.faults, self.faults)
         for fault in found:
             self.faults[fault.url] = fault
             logger.error("engine watchdog: %s", fault.describe())

@@ -59,16 +59,16 @@ def runs():
 def test_without_the_guard_the_restart_cap_starves_the_long_tail(runs):
     off = runs["off"]
     assert longest_decile_share(off) < 0.6
-    assert sum(s.get("staleness_restart", 0) for s in off.steps) > 0
-    assert not any(s.get("staleness_guard_masked") for s in off.steps)
+    assert sum(s["staleness"]["restart"] for s in off.steps) > 0
+    assert not any(s["staleness"]["guard_masked"] for s in off.steps)
 
 
 def test_the_guard_trains_the_long_tail_as_a_synchronous_run_would(runs):
     on = runs["on"]
     assert longest_decile_share(on) >= 0.9
-    assert sum(s.get("staleness_guard_masked", 0) for s in on.steps) > 0
-    assert not any(s.get("staleness_restart") for s in on.steps)
-    assert sum(s.get("staleness_masked_tokens", 0) for s in on.steps) > 0
+    assert sum(s["staleness"]["guard_masked"] for s in on.steps) > 0
+    assert not any(s["staleness"]["restart"] for s in on.steps)
+    assert sum(s["staleness"]["masked_tokens"] for s in on.steps) > 0
     samples_per_s = {arm: sum(len(s["trained_lengths"]) for s in r.measured()) / r.summary()["rollout_s"]
                      for arm, r in runs.items()}
     assert samples_per_s["on"] > samples_per_s["off"]  # restarts regenerate, masking does not

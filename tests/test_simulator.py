@@ -334,12 +334,12 @@ def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
                                staleness_policy="mask"), FLAT, lengths)
     keep = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                staleness_policy="keep"), FLAT, lengths)
-    assert sum(s.get("staleness_mask", 0) for s in mask.steps) > 0 and mask.summary()["wasted_tokens"] > 0
+    assert sum(s["staleness"]["mask"] for s in mask.steps) > 0 and mask.summary()["wasted_tokens"] > 0
     restart = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                   restart_budget=None), FLAT, lengths)
-    assert sum(s.get("staleness_keep", 0) for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] == 0
+    assert sum(s["staleness"]["keep"] for s in keep.steps) > 0 and keep.summary()["wasted_tokens"] == 0
     assert sum(s["stale_ready"] for s in restart.steps) > 0 and sum(s["stale_ready"] for s in mask.steps) == 0
-    assert sum(s.get("staleness_stale_groups_at_train", 0) for s in mask.steps) > 0
+    assert sum(s["staleness"]["stale_groups_at_train"] for s in mask.steps) > 0
     assert mask.summary()["off_policy_token_ratio"] < keep.summary()["off_policy_token_ratio"]
 
 

@@ -59,7 +59,7 @@ class TargetPlacement:
         rec.ready_in = list(ready)
         # finished at an older policy: the cap as before training (restart drops the group, mask masks, keep keeps)
         kept, stale, counts = c.cap.before_training(ready, c.train_version())
-        rec.counts.update({f"staleness_{k}": v for k, v in counts.items()})
+        rec.staleness.update(counts)
         for g in stale:
             rec.rejected[group_id(g)] = "stale_ready"
         for g in kept:

@@ -14,6 +14,7 @@ from slime.backends.sglang_utils.watchdog import EngineWatchdog
 from slime.rollout.engine_versions import version_check_metrics
 from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.multi_turn.metrics import tool_metrics
+from slime.rollout.staleness import STEP_COUNTS
 from slime.utils.ledger import group_id, reason_category
 from slime.utils.types import Sample, Status
 
@@ -46,6 +47,11 @@ def token_version_metrics(groups: list[list[Sample]], current_version: int) -> d
     for lag in sorted(lags):
         out[f"rollout/staleness_hist/lag_{lag}"] = float(lags[lag])
     return out
+
+
+def staleness_metrics(counts: Counter, keys: tuple[str, ...], prefix: str = "rollout/staleness_") -> dict[str, float]:
+    """What the staleness cap did (its counts, `StalenessCap`'s names), one metric per name in `keys`."""
+    return {f"{prefix}{k}": float(counts[k]) for k in keys}
 
 
 def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
@@ -172,24 +178,22 @@ def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, floa
         "rollout/groups_submitted": float(len(step.groups)),
         "rollout/groups_resumed": float(len(step.resumed)),
         "rollout/groups_fresh": float(len(step.groups) - len(step.resumed)),
-        "rollout/groups_refilled": float(step.counts["refill_groups"]),
-        "rollout/groups_finished": float(step.counts["groups_finished"]),
+        "rollout/groups_refilled": float(step.refilled_groups),
+        "rollout/groups_finished": float(step.finished_groups),
         "rollout/groups_accepted": float(len(step.accepted)),
         "rollout/groups_ready_in": float(len(step.ready_in)),
         "rollout/groups_ready_out": float(len(step.overflow)),
-        "rollout/groups_parked": float(step.counts["parked"]),
-        "rollout/groups_dropped": float(len(step.rejected) + step.counts["discarded"]),
+        "rollout/groups_parked": float(step.parked),
+        "rollout/groups_dropped": float(len(step.rejected) + step.discarded),
         "rollout/groups_failed": float(len(step.failed)),
         "rollout/policy_version": float(step.config.policy_version),
     }
     reasons = Counter(reason_category(r) for r in step.rejected.values())
-    if step.counts["discarded"]:
-        reasons["discarded_unfinished"] += step.counts["discarded"]
+    if step.discarded:
+        reasons["discarded_unfinished"] += step.discarded
     for reason, c in reasons.items():
         out[f"rollout/groups_dropped/{reason}"] = float(c)
-    for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",
-              "masked_tokens_at_train", "guard_masked", "guard_masked_groups_at_train"):
-        out[f"rollout/staleness_{k}"] = float(step.counts[f"staleness_{k}"])
+    out.update(staleness_metrics(step.staleness, STEP_COUNTS))
     if step.chunk is not None:
         out["rollout/over_sampling_batch_size"] = float(step.chunk)
     out.update(token_version_metrics(step.accepted, step.config.policy_version))

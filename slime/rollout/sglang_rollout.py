@@ -28,9 +28,8 @@ from slime.rollout.group_outcome import TargetPlacement
 from slime.rollout.rm_hub import reward_group, reward_timeout
 from slime.rollout.rollout_metrics import EngineMonitors, step_metrics
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
-from slime.rollout.step import (UNLIMITED_REWARD_SETTLE_S, RolloutEngineFaultError, RolloutError, StepIO, run_step,
-                                step_error)
-from slime.rollout.step_record import StepConfig
+from slime.rollout.step import UNLIMITED_REWARD_SETTLE_S, StepIO, run_step
+from slime.rollout.step_record import RolloutEngineFaultError, RolloutError, StepConfig, step_error
 from slime.rollout.step_supply import ChunkedSupply, PoolSupply
 from slime.rollout.version_gate import GatedRequester
 from slime.utils.misc import run_sync

@@ -30,6 +30,11 @@ POLICIES = ("restart", "mask", "keep")
 # restart replaces a sample that ran past the cap, so a long one, by a fresh draw: on the simulator's long tail a
 # budget of 1 or 2 keeps 0.17 / 0.12 of the longest decile's synchronous share, 0 keeps 1.0 (benchmarks/README.md).
 GUARD_RESTART_BUDGET = 0
+# what the sites count (their Counters' names): samples by policy, tokens, groups
+STEP_COUNTS = (*POLICIES, "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",
+               "masked_tokens_at_train", "guard_masked", "guard_masked_groups_at_train")  # a step's sites
+IN_FLIGHT_COUNTS = (*POLICIES, "masked_tokens", "restarted_tokens", "stale_samples_in_flight",
+                    "guard_masked")  # at_resume_in_flight
 
 
 @dataclass(frozen=True)
@@ -149,4 +154,4 @@ class StalenessCap:
         return self.floor(train_version) if self.policy == "restart" and self.restart_budget != 0 else None
 
 
-__all__ = ["GUARD_RESTART_BUDGET", "POLICIES", "StalenessCap"]
+__all__ = ["GUARD_RESTART_BUDGET", "IN_FLIGHT_COUNTS", "POLICIES", "STEP_COUNTS", "StalenessCap"]

@@ -14,7 +14,7 @@ The `supply` feeds groups (chunked over-sampling with top-ups, or a pool always 
 takes accepted ones (toward a target, or to stream mode's queue); `StepIO` is what the step talks to: the
 engines behind the router (slime/rollout/sglang_rollout.py) or the simulator's on a simulated clock
 (slime/rollout/simulator/drive.py). It returns its `StepRecord` (slime/rollout/step_record.py) and never
-raises for what goes wrong inside: `step_error(record)` names it.
+raises for what goes wrong inside: `step_error(record)` (there) names it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from slime.backends.sglang_utils.http_client import EngineHTTPError, EngineUnreachableError
-from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError
 from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.group_outcome import judge
-from slime.rollout.step_record import StepConfig, StepGroup, StepRecord
+from slime.rollout.step_record import RolloutError, StepConfig, StepGroup, StepRecord
 from slime.utils.ledger import DROPPED, FINISHED, group_id
 
 logger = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
                         raise t.exception()
                 if not all(not t.cancelled() and t.result() for t in members):
                     return None
-            rec.counts["groups_finished"] += 1
+            rec.finished_groups += 1
             st.finished_t = rec.clock.now()
             rewarding[group_id(st.samples)] = len(st.samples)
             await judge(io, rec, st)
@@ -162,7 +161,7 @@ async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyn
 async def stop_and_drain(rec: StepRecord, io, requests: set) -> None:
     rec.clock.mark("stop")
     rec.abort_point = {"t": round(rec.clock.now(), 4), "accepted": len(rec.accepted),
-                       "finished_groups": rec.counts["groups_finished"], "in_flight": io.requester.in_flight}
+                       "finished_groups": rec.finished_groups, "in_flight": io.requester.in_flight}
     timeout = rec.config.abort_timeout
     deadline = rec.clock.now() + timeout
     while True:
@@ -232,7 +231,7 @@ async def commit(rec: StepRecord, buffer) -> None:
         else:
             unfinished.append(g)
     partial = rec.config.partial
-    rec.counts["parked"], rec.counts["discarded"] = (len(unfinished), 0) if partial else (0, len(unfinished))
+    rec.parked, rec.discarded = (len(unfinished), 0) if partial else (0, len(unfinished))
     if buffer is None:
         return
     finished_ids = [group_id(g) for g in rec.accepted + rec.overflow if group_id(g) in rec.groups]
@@ -250,32 +249,6 @@ async def commit(rec: StepRecord, buffer) -> None:
         calls.append(("hold_ready", rec.accepted))
     for name, *a in calls:
         await call_maybe_remote(buffer, name, *a, timeout=rec.config.rpc_timeout)
-
-
-# ---- what a failed step raises ------------------------------------------------------------------------
-class RolloutError(RuntimeError):
-    """A rollout step could not complete; finished groups were kept in the buffer first."""
-
-
-class RolloutEngineFaultError(RolloutError, EngineFaultError):
-    """A rollout step stopped because engines died or froze (`.faults` names them); nothing was lost."""
-
-    def __init__(self, message: str, faults: list[EngineFault]):
-        EngineFaultError.__init__(self, message, faults)
-
-
-def step_error(rec: StepRecord) -> RolloutError | None:
-    """The error a failed step raises (after its commit), naming the failed engines first."""
-    if not rec.errors:
-        return None
-    cause = rec.errors[0] + (f" (+{len(rec.errors) - 1} more)" if len(rec.errors) > 1 else "")
-    if rec.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
-        cause = "; ".join(f.describe() for f in rec.faults.values()) + f" (the step saw: {cause})"
-    msg = (f"rollout step {rec.config.rollout_id} failed: {cause}; kept {len(rec.accepted) + len(rec.overflow)} "
-           f"finished groups in the buffer, {rec.counts['parked']} parked, {rec.counts['discarded']} dropped")
-    if rec.faults:
-        return RolloutEngineFaultError(msg, list(rec.faults.values()))
-    return RolloutError(msg)
 
 
 # ---- plumbing: engine faults, and what else wakes the loop ----------------------------------------------
@@ -325,4 +298,4 @@ class Signals:
             task.cancel()
 
 
-__all__ = ["RolloutEngineFaultError", "RolloutError", "StepIO", "run_step", "step_error"]
+__all__ = ["StepIO", "run_step"]

@@ -1,5 +1,6 @@
-"""What one APRIL rollout step is asked (`StepConfig`) and what it did (`StepRecord`: run_step,
-slime/rollout/step.py, writes it; the metrics and the trace, the over-sampling planner and the simulator read it)."""
+"""What one APRIL rollout step is asked (`StepConfig`), what it did (`StepRecord`: run_step, slime/rollout/step.py,
+writes it; the metrics and the trace, the over-sampling planner and the simulator read it) and what a failed step
+raises (`step_error`: `RolloutError`, `RolloutEngineFaultError`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError
 from slime.rollout.staleness import StalenessCap
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,11 @@ class StepRecord:
     ready_in: list[list] = field(default_factory=list)  # ready groups taken from the buffer at the start
     resumed: list[int] = field(default_factory=list)  # the parked ones among them
     exhausted: bool = False  # the data source had no more fresh groups
-    counts: Counter = field(default_factory=Counter)  # refill_groups, groups_finished, staleness_*, parked, ...
+    finished_groups: int = 0  # groups whose members all finished (before their reward)
+    refilled_groups: int = 0  # chunked top-ups: groups added as requests finished, between chunks
+    parked: int = 0  # unfinished groups parked at the commit (--partial-rollout)...
+    discarded: int = 0  # ... or dropped
+    staleness: Counter = field(default_factory=Counter)  # what the staleness cap did (StalenessCap.COUNTS)
     errors: list[str] = field(default_factory=list)  # the first one stopped the step
     faults: dict = field(default_factory=dict)  # engine url -> EngineFault (the watchdog's)
     halted: bool = False  # stopped by the caller (a checkpoint), not by its target
@@ -89,3 +95,28 @@ class StepRecord:
 
     def open_groups(self) -> list[StepGroup]:  # no outcome: unfinished, or its reward never settled
         return [st for st in self.groups.values() if st.outcome is None]
+
+
+class RolloutError(RuntimeError):
+    """A rollout step could not complete; finished groups were kept in the buffer first."""
+
+
+class RolloutEngineFaultError(RolloutError, EngineFaultError):
+    """A rollout step stopped because engines died or froze (`.faults` names them); nothing was lost."""
+
+    def __init__(self, message: str, faults: list[EngineFault]):
+        EngineFaultError.__init__(self, message, faults)
+
+
+def step_error(rec: StepRecord) -> RolloutError | None:
+    """The error a failed step raises (after its commit), naming the failed engines first."""
+    if not rec.errors:
+        return None
+    cause = rec.errors[0] + (f" (+{len(rec.errors) - 1} more)" if len(rec.errors) > 1 else "")
+    if rec.faults:  # name the engine first: the requests' own errors (a 503 from the router) say less
+        cause = "; ".join(f.describe() for f in rec.faults.values()) + f" (the step saw: {cause})"
+    msg = (f"rollout step {rec.config.rollout_id} failed: {cause}; kept {len(rec.accepted) + len(rec.overflow)} "
+           f"finished groups in the buffer, {rec.parked} parked, {rec.discarded} dropped")
+    if rec.faults:
+        return RolloutEngineFaultError(msg, list(rec.faults.values()))
+    return RolloutError(msg)

@@ -17,15 +17,14 @@ finishes waiting, then becoming overflow that later steps train on, stale.
 from __future__ import annotations
 
 from slime.rollout.buffer import take_groups
-from slime.rollout.step import RolloutError
-from slime.rollout.step_record import StepGroup, StepRecord
+from slime.rollout.step_record import RolloutError, StepGroup, StepRecord
 from slime.utils.ledger import group_id
 
 async def next_groups(rec: StepRecord, io, num: int) -> list[list]:  # take_groups, recorded in `rec`
     c = rec.config
     parked, fresh, counts = await take_groups(io.buffer, None if rec.exhausted else io.data_source, num, c.n, c.cap,
                                               c.train_version(), c.rpc_timeout)
-    rec.counts.update({f"staleness_{k}": v for k, v in counts.items()})
+    rec.staleness.update(counts)
     rec.exhausted = len(parked) + len(fresh) < num
     rec.resumed += [group_id(g) for g in parked]
     for g in parked + fresh:
@@ -94,7 +93,7 @@ class ChunkedSupply(Supply):
         free = budget - requests - _unfinished(out)
         if self.top_ups and free > 0 and awaiting < budget and not rec.exhausted:
             refill = await next_groups(rec, io, -(-free // rec.config.n))
-            rec.counts["refill_groups"] += len(refill)
+            rec.refilled_groups += len(refill)
             out += refill
         return out
 

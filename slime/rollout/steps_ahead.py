@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
-from slime.rollout.step import RolloutEngineFaultError, RolloutError
+from slime.rollout.step_record import RolloutEngineFaultError, RolloutError
 from slime.rollout.version_gate import VersionGate
 
 logger = logging.getLogger(__name__)

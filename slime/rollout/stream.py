@@ -41,10 +41,9 @@ from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.length_bias import length_bias_metrics
-from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
-from slime.rollout.staleness import StalenessCap
-from slime.rollout.step import RolloutEngineFaultError, RolloutError
-from slime.rollout.step_record import StepRecord
+from slime.rollout.rollout_metrics import sample_metrics, staleness_metrics, token_version_metrics
+from slime.rollout.staleness import IN_FLIGHT_COUNTS, StalenessCap
+from slime.rollout.step_record import RolloutEngineFaultError, RolloutError, StepRecord
 from slime.rollout.step_supply import PoolSupply
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
@@ -306,11 +305,9 @@ class StreamRollout:
         }
         if dropped:
             out["rollout/groups_dropped/stale_at_train"] = float(len(dropped))
-        for k in ("stale_groups_at_train", "masked_tokens_at_train", "guard_masked_groups_at_train"):
-            out[f"rollout/staleness_{k}"] = float(counts[k])
-        for k in ("restart", "mask", "keep", "masked_tokens", "restarted_tokens", "stale_samples_in_flight",
-                  "guard_masked"):
-            out[f"rollout/staleness_in_flight_{k}"] = float(st[k])
+        out.update(staleness_metrics(counts, ("stale_groups_at_train", "masked_tokens_at_train",
+                                              "guard_masked_groups_at_train")))
+        out.update(staleness_metrics(st, IN_FLIGHT_COUNTS, "rollout/staleness_in_flight_"))
         out.update(token_version_metrics(groups, version))
         out.update(sample_metrics(groups))
         if self.config.admission is not None:

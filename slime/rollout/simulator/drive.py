@@ -32,8 +32,8 @@ from slime.rollout.group_outcome import TargetPlacement
 from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.simulator.cluster import SimCluster, SimRequester, SimSource
 from slime.rollout.staleness import StalenessCap
-from slime.rollout.step import StepIO, run_step, step_error
-from slime.rollout.step_record import StepConfig
+from slime.rollout.step import StepIO, run_step
+from slime.rollout.step_record import StepConfig, step_error
 from slime.rollout.step_supply import ChunkedSupply, PoolSupply
 from slime.rollout.stream import StreamConfig, StreamRollout
 from slime.rollout.version_gate import GatedRequester, VersionGate
@@ -82,7 +82,7 @@ class Recorder:
                 "engine": engine}
 
     def record(self, t_start: float, t_end: float, wall_extra: float, t_target: float | None, trained: list,
-               version: int, wasted: int, counts: Counter, group_finish_t: list[float], dropped: list = ()) -> None:
+               version: int, wasted: int, counts: dict, group_finish_t: list[float], dropped: list = ()) -> None:
         now, was = self._totals(), self._mark
         lags: Counter = Counter()
         for g in trained:
@@ -143,12 +143,14 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
         t0 = state.clock.t0
         unfinished = [st.samples for st in state.open_groups() if not all(s.status.is_finished for s in st.samples)]
         stale_ready = [g for g in state.ready_in if state.rejected.get(group_id(g)) == "stale_ready"]
-        wasted = (judge.rejected_tokens - rejected_tokens + state.counts["staleness_restarted_tokens"]
+        wasted = (judge.rejected_tokens - rejected_tokens + state.staleness["restarted_tokens"]
                   + sum(s.resp_len for g in stale_ready for s in g)
                   + (0 if cfg.partial_rollout else sum(s.resp_len for g in unfinished for s in g)))
-        counts = Counter({k: v for k, v in {**state.counts, "ready_in": len(state.ready_in)}.items() if v})
-        counts.update({"rejected": judge.rejected - rejected, "stale_ready": len(stale_ready),
-                       "resumed_groups": len(state.resumed), "submitted_groups": len(state.groups)})
+        counts = {"refilled_groups": state.refilled_groups, "finished_groups": state.finished_groups,
+                  "parked": state.parked, "discarded": state.discarded, "ready_in": len(state.ready_in),
+                  "rejected": judge.rejected - rejected, "stale_ready": len(stale_ready),
+                  "resumed_groups": len(state.resumed), "submitted_groups": len(state.groups),
+                  "staleness": Counter(state.staleness)}
         target_t = state.clock.marks.get("target")
         recorder.record(t_start, loop.time(), between, t0 + target_t if target_t is not None else None,
                         state.accepted, step, wasted, counts,
@@ -192,7 +194,7 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         out = await stream.take(j, NO_TIMEOUT_S)
         now = loop.time()
         recorder.record(t_last, now, 0.0, now, out.groups, j, judge.rejected_tokens - rejected_tokens,
-                        Counter({"rejected": judge.rejected - rejected}), [])
+                        {"rejected": judge.rejected - rejected, "staleness": Counter()}, [])
         t_last = now
         buffer.mark([group_id(g) for g in out.groups], TRAINED)
         if j + 1 == cfg.steps:

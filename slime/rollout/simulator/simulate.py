@@ -150,7 +150,7 @@ class SimResult:
             "new_tokens": new, "wasted_tokens": wasted, "rollout_s": rollout, "wall_s": wall,
             "trained_samples_per_s": sum(len(s["trained_lengths"]) for s in st) / rollout if rollout else 0.0,
             "longest_decile_share": _mean([s.get("length/longest_decile_share") for s in st]),
-            "guard_masked": sum(s.get("staleness_guard_masked", 0) for s in st),
+            "guard_masked": sum(s["staleness"]["guard_masked"] for s in st),
         }
 
 

@@ -56,8 +56,8 @@ def train(args) -> dict:
                 version = run.new_policy_version()
                 eval_due = run.eval_due(rollout_id)
                 if is_due(rollout_id, args.update_weights_interval) or eval_due:
-                    with rollout.updating_weights(version):
-                        step_metrics.update(run.push_weights(rollout_id, version))
+                    with rollout.updating_weights(version) as flush_cache:
+                        step_metrics.update(run.push_weights(rollout_id, version, flush_cache))
 
                 # 4. Eval, with the rollout paused (it shares the engines).
                 if eval_due:

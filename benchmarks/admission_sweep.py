@@ -35,7 +35,6 @@ from rollout_workload import WORKLOADS, BudgetSource, ModeRunner, build_bench_mo
 
 from slime.arguments import parse_args  # noqa: E402
 from slime.backends.sglang_utils.engine_group import EngineGroup  # noqa: E402
-from slime.rollout.admission import AdmissionControl  # noqa: E402
 from slime.tasks.subtract_chain import VOCAB, write_dataset  # noqa: E402
 from slime.utils.tiny_model import build_tokenizer  # noqa: E402
 
@@ -64,9 +63,8 @@ async def main_async(opts, workdir: str) -> dict:
                 runners[f"fixed_{size}"] = ModeRunner(f"fixed_{size}", args, group, http,
                                                       BudgetSource(lengths, opts.seed, opts.n, vocab))
             auto_args = parse_args(base + ["--admission", "auto"]).replace(rollout_ignore_eos=True)
-            control = AdmissionControl.from_args(auto_args)
-            runners["auto"] = ModeRunner("auto", auto_args, group, http, BudgetSource(lengths, opts.seed, opts.n, vocab),
-                                         admission=control)
+            runners["auto"] = ModeRunner("auto", auto_args, group, http, BudgetSource(lengths, opts.seed, opts.n, vocab))
+            control = runners["auto"].rollout.admission  # the pool's controller, learning across steps
             t0 = time.monotonic()
             for name, r in runners.items():
                 await r.warm_up(opts.warmup_engine_steps, opts.warmup_seconds)

@@ -51,10 +51,8 @@ def main(argv=None) -> int:
     from slime.backends.sglang_utils.engine_group import EngineGroup
     from slime.backends.sglang_utils.watchdog import PROCESS_CHECK_S, EngineWatchdog
     from slime.ray.buffer import PartialRolloutBuffer
-    from slime.rollout.base_types import RolloutContext
     from slime.rollout.data_source import RolloutDataSource
-    from slime.rollout.sglang_rollout import generate_rollout
-    from slime.rollout.staleness import StalenessCap
+    from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
     from slime.utils import checkpoint as ckpts
     from slime.utils.empty_steps import count_trainable
     from slime.utils.hf_dir import check_hf_checkpoint
@@ -71,8 +69,7 @@ def main(argv=None) -> int:
             for mode in (("watchdog", "off") if step % 2 else ("off", "watchdog")):
                 source, buffer = state[mode]
                 t0 = time.perf_counter()
-                out = generate_rollout(modes[mode], step, RolloutContext(source, buffer, engines, tok, 0,
-                                                                         cap=StalenessCap.from_args(modes[mode])))
+                out = generate_rollout(modes[mode], step, engine_rollout(modes[mode], buffer, source, engines).context())
                 dt = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 counts.append(count_trainable(out.groups))

@@ -80,11 +80,11 @@ class Mode:
 
     def _freeze(self) -> None:
         r = self.rollout
-        r._call(r.gate.hold("benchmark", self.engines, r.session, drain=False), 60)
-        self.engines.pause("in_place")
+        r._call(r.gate.hold("benchmark", self.engines, drain=False), 60)
+        r._call(self.engines.pause("in_place", r.rollout.link.session), 60)
 
     def _thaw(self) -> None:
-        self.engines.continue_generation()
+        self.rollout._call(self.engines.continue_generation(self.rollout.rollout.link.session), 60)
         self.rollout.loop.call_soon_threadsafe(self.rollout.gate.release, "benchmark")
 
     def run(self, steps: int, train_s: float, model_dir: str, measure: bool) -> None:
@@ -98,8 +98,8 @@ class Mode:
                 self.manager.mark_trained(batch.groups)
                 time.sleep(train_s)  # the trainer trains; the engines go on
                 self.version += 1
-                with self.rollout.updating_weights(self.version):
-                    self.engines.weights.from_disk(model_dir, self.version, flush_cache=self.name != "in_place")
+                with self.rollout.updating_weights(self.version) as flush_cache:
+                    self.engines.weights.from_disk(model_dir, self.version, flush_cache=flush_cache)
                 self.manager.set_policy_version(self.version)
                 wall += time.monotonic() - t0
                 samples += sum(len(g) for g in batch.groups)

@@ -25,13 +25,11 @@ import aiohttp
 import requests
 
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.rollout_metrics import OccupancySampler
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
-from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
+from slime.rollout.sglang_rollout import engine_rollout
 from slime.rollout.simulator.lengths import ParetoLengths, paper_lengths
 from slime.rollout.simulator.probes import stats_delta
-from slime.rollout.staleness import StalenessCap
 from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3
 from slime.utils.types import Sample
@@ -209,17 +207,17 @@ STAT_KEYS = ("step_s", "to_target_s", "abort_to_idle_s", "drain_s", "outside_s",
 class ModeRunner:
     """One rollout mode with its own data source, buffer and policy version, run in slices of >= min_seconds."""
 
-    def __init__(self, name, args, engines, http, source: BudgetSource, planner=None, admission=None):
+    def __init__(self, name, args, engines, http, source: BudgetSource, planner=None):
         # each mode traces into its own run directory (rollout_trace.jsonl: lengths, occupancy, bookkeeping)
         args = args.replace(run_dir=os.path.join(args.run_dir, name))
         self.name, self.args, self.engines, self.http = name, args, engines, http
-        self.planner = planner  # --over-sampling-batch-size auto
-        self.admission = admission  # --admission auto: the pool's controller, learning across steps
         self.warmup_steps = 0  # rollout steps run before measuring (see warm_up)
         self.warm_step_s: float | None = None  # the warm-up's mean step seconds
-        self.flush = not args.reuse_stale_kv
         self.source = source
         self.buffer = CountingBuffer(args)
+        # the mode's run-long rollout (planner: --over-sampling-batch-size auto's; --admission auto's controller)
+        self.rollout = engine_rollout(args, self.buffer, source, engines, planner=planner)
+        self.rollout.link.session = http
         self.step = 0
         self.tokens, self.wall, self.off, self.total_tok = 0.0, 0.0, 0.0, 0.0
         self.rounds: list[float] = []
@@ -236,14 +234,12 @@ class ModeRunner:
         while (wall < min_seconds or steps < min_steps) and not (steps and deadline is not None
                                                                   and time.monotonic() >= deadline):
             t_bump = time.monotonic()
-            bump_version(self.engines, self.step, self.flush)  # simulated weight update: not rollout time
+            bump_version(self.engines, self.step, self.rollout.flush_cache)  # simulated weight update: not rollout time
             rp0, rs0 = self.buffer.reprefill_tokens, self.buffer.resumed_samples
             e0 = engine_stats(self.engines)
             t0 = time.monotonic()
-            out = await generate_rollout_async(self.args, self.step, RolloutContext(
-                self.source, self.buffer, self.engines, None, self.step, over_sampling=self.planner,
-                cap=StalenessCap.from_args(self.args), admission=self.admission),
-                hooks=StepHooks(session=self.http))
+            self.rollout.version = self.step
+            out = await self.rollout.step(self.step)
             wall_dt = time.monotonic() - t0
             delta = stats_delta(engine_stats(self.engines), e0)
             for k, v in delta.items():  # this step's engine time only

@@ -15,10 +15,8 @@ import requests
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -77,7 +75,7 @@ def run_steps(env, args, steps, source=None, buffer=None, first_version=0, train
     for step in range(steps):
         version = first_version + step
         set_version(env, version)
-        ctx = RolloutContext(source, buffer, env["engines"], env["tok"], version, cap=StalenessCap.from_args(args))
+        ctx = engine_rollout(args, buffer, source, env["engines"], policy_version=version).context()
         out = generate_rollout(args, step, ctx)
         outs.append(out)
         if train:

@@ -129,13 +129,14 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
         c = AdmissionControl("auto", 64, 4, batch=16, rule=AimdRule(interval_s=0.0))
         io = step_io(read)
         assert c.limit == 16 and not c.started  # one batch before the first report
-        assert c.at_wake(io) == 16
+        c.watch(io)  # a step starts: its engines are polled from its wakes on
+        assert c.at_wake() == 16
         await asyncio.sleep(0)
-        c.at_wake(io)  # the report is pending: no second one, nothing observed
+        c.at_wake()  # the report is pending: no second one, nothing observed
         assert len(calls) == 1 and c.observations == 0
         reply.set()
         await c.poll.report
-        c.at_wake(io)  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
+        c.at_wake()  # observed (the engines' capacity: 32 >= one batch), and the next report asked for
         await asyncio.sleep(0)
         assert c.started and c.observations == 1 and c.limit == 16 and len(calls) == 2
         c.step_ended(SimpleNamespace(target=None))  # a stream's segment: the poll ends, the limit stays
@@ -161,7 +162,8 @@ def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
         assert c.observations == 1 and c.limit == 16 and poll.warned
         poll.close()
         fixed = AdmissionControl("fixed", 8, 4)
-        assert fixed.at_wake(io) == 8 and fixed.poll is None  # fixed asks the engines nothing
+        fixed.watch(io)
+        assert fixed.at_wake() == 8 and fixed.poll is None  # fixed asks the engines nothing
 
     asyncio.run(main())
 
@@ -194,10 +196,8 @@ def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
     from slime.arguments import parse_args
     from slime.backends.sglang_utils.engine_group import EngineGroup
     from slime.ray.buffer import PartialRolloutBuffer
-    from slime.rollout.base_types import RolloutContext
     from slime.rollout.data_source import RolloutDataSource
-    from slime.rollout.sglang_rollout import generate_rollout
-    from slime.rollout.staleness import StalenessCap
+    from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
     from slime.tasks.subtract_chain import VOCAB, write_dataset
     from slime.utils.ledger import TRAINED
     from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -214,13 +214,12 @@ def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
         "--rollout-ignore-eos", "--sglang-server-concurrency", "32", "--sglang-max-running-requests", "4",
         "--partial-rollout", "--rollout-mode", "pool", "--rollout-seed", "7", "--run-dir", str(tmp_path / "run")])
     assert (args.admission, args.rollout_pool_size) == ("auto", 32)
-    control = AdmissionControl.from_args(args)
-    source, buffer, cap = RolloutDataSource(args, tok), PartialRolloutBuffer(args), StalenessCap.from_args(args)
+    source, buffer = RolloutDataSource(args, tok), PartialRolloutBuffer(args)
     with EngineGroup(args, log_dir=str(tmp_path / "logs")).start() as engines:
-        outs = []
+        rollout = engine_rollout(args, buffer, source, engines)  # the engines serve version 0
+        control, outs = rollout.admission, []
         for step in range(4):
-            ctx = RolloutContext(source, buffer, engines, tok, 0, admission=control, cap=cap)  # the engines serve version 0
-            outs.append(generate_rollout(args, step, ctx))
+            outs.append(generate_rollout(args, step, rollout.context()))
             buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
     assert all(o.metrics["rollout/groups_accepted"] == 4 for o in outs)
     assert control.observations > 0 and control.started

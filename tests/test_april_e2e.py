@@ -12,10 +12,8 @@ import ray
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import Buffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import RolloutError, generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import RolloutError, engine_rollout, generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -59,8 +57,7 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
     source = RolloutDataSource(args, env["tok"])
     buf = Buffer.remote(args)
     trained: list[int] = []
-    cap = StalenessCap.from_args(args)
-    out = generate_rollout(args, 0, RolloutContext(source, buf, env["engines"], env["tok"], 0, cap=cap))
+    out = generate_rollout(args, 0, engine_rollout(args, buf, source, env["engines"], policy_version=0).context())
     ray.get(buf.mark.remote(ids(out.groups), TRAINED), timeout=T)
     trained += ids(out.groups)
     parked_before = ray.get(buf.parked_ids.remote(), timeout=T)
@@ -81,7 +78,7 @@ def test_ray_buffer_save_restart_resume_never_trains_twice(env, tmp_path):
         step += 1
         assert step <= 4, "no step after the restart submitted a group"
         parked_now = ray.get(buf2.parked_ids.remote(), timeout=T)
-        out = generate_rollout(args, step, RolloutContext(source2, buf2, env["engines"], env["tok"], step, cap=cap))
+        out = generate_rollout(args, step, engine_rollout(args, buf2, source2, env["engines"], policy_version=step).context())
         assert len(out.groups) == 3
         m = out.metrics
         if m["rollout/groups_submitted"] > 0 and not submitted:
@@ -120,8 +117,7 @@ def test_engine_killed_mid_rollout_raises_and_keeps_finished_groups(env, monkeyp
     buf = Buffer.remote(args)
     with pytest.raises(RolloutError, match=r"rollout step 0 failed: engine 0 \(http://.*\) exited with code -9 "
                                            r"\(killed by SIGKILL\)") as info:
-        generate_rollout(args, 0, RolloutContext(source, buf, engines, env["tok"], 0,
-                                                 cap=StalenessCap.from_args(args)))
+        generate_rollout(args, 0, engine_rollout(args, buf, source, engines, policy_version=0).context())
     assert "kept" in str(info.value)
     assert [f.rank for f in info.value.faults] == [0]  # an EngineFaultError: restartable by rank
     summary = ray.get(buf.check_balanced.remote(), timeout=T)  # nothing left issued: every group accounted for

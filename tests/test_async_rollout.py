@@ -149,8 +149,10 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypat
         for step in range(3):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with frozen_mid_request(env, rollout) as frozen, rollout.updating_weights(step + 1):  # cuts through requests
-                pushed = load_weights(env, weights[step + 1], step + 1, flush=pause != "in_place")
+            # cuts through requests holding tokens; the rollout's flush rule says whether the push flushes
+            with frozen_mid_request(env, rollout) as frozen, rollout.updating_weights(step + 1) as flush:
+                assert flush == (pause != "in_place")
+                pushed = load_weights(env, weights[step + 1], step + 1, flush=flush)
             queued_across += frozen["waiting"] if pause != "abort" else 0
             if pause == "abort":  # every request of ours was back before the update: none ran across it
                 assert pushed["in_flight_across"] == 0
@@ -223,8 +225,9 @@ def test_the_cache_check_above_fails_without_version_keys(env):
             if step >= 4 and stale_cache_hits(env) > stale_hits0:
                 break
             manager.mark_trained(rollout.next_batch(step).groups)
-            with rollout.updating_weights(step + 1):
-                load_weights(env, "AB"[(step + 1) % 2], step + 1, flush=False)
+            with rollout.updating_weights(step + 1) as flush:
+                assert not flush  # --reuse-stale-kv
+                load_weights(env, "AB"[(step + 1) % 2], step + 1, flush=flush)
             manager.set_policy_version(step + 1)
     finally:
         rollout.stop()
@@ -297,10 +300,10 @@ def test_backpressure_keeps_the_rollout_within_the_lag(env):
         while rollout.gate.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rollout.gate.in_flight == 0
-        producer = rollout.producer
-        requests_before = producer.segment_io.requester.requests
+        producer, segment = rollout.producer, rollout.rollout.io  # the running segment's
+        requests_before = segment.requester.requests
         time.sleep(1.0)
-        assert producer.segment_io.requester.requests == requests_before and rollout.gate.in_flight == 0
+        assert segment.requester.requests == requests_before and rollout.gate.in_flight == 0
         assert len(producer.queue) == lag * args.rollout_batch_size
         assert len(producer.waiting) <= args.rollout_pool_size // args.n_samples_per_prompt
         # the trainer catches up one version at a time; every batch respects the lag

@@ -150,10 +150,10 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
     args, group = engines
     manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
     manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
-    manager.engines, manager.restarts, manager.policy_version = group, RestartBudget(2), 6
+    manager.engines, manager.restarts = group, RestartBudget(2)
     calls = []
 
-    def update_weights(engines, version):
+    def update_weights(engines, version, flush_cache=True):
         urls = engines.worker_urls()
         calls.append((version, urls))
         if len(calls) == 1:
@@ -167,7 +167,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
 
     failures = []
     trainer = type("Trainer", (), {"update_weights": staticmethod(update_weights)})()
-    assert manager.push_weights(trainer, 7) == {"weight_sync_time_s": 0.0}
+    assert manager.push_weights(trainer, 7, flush_cache=True) == {"weight_sync_time_s": 0.0}
     # the first push ended because the frozen engine was killed (its connection dropped), never by a timeout
     assert len(failures) == 1 and isinstance(failures[0], requests.ConnectionError), failures
     assert not isinstance(failures[0], requests.Timeout), failures
@@ -278,14 +278,14 @@ def test_a_router_dead_before_the_weight_push_is_restarted_and_the_push_repeated
 
     manager = object.__new__(RolloutManager)  # only the engine-fault parts: no data, buffer or rollout function
     manager.args = args.replace(use_fault_tolerance=True, max_engine_restarts=2)
-    manager.engines, manager.restarts, manager.policy_version = group, RestartBudget(2), 6
+    manager.engines, manager.restarts = group, RestartBudget(2)
     calls = []
 
-    def update_weights(engines, version):
+    def update_weights(engines, version, flush_cache=True):
         calls.append(version)
         return {"weight_sync_time_s": 0.0, "workers": engines.worker_urls()}
 
     trainer = type("Trainer", (), {"update_weights": staticmethod(update_weights)})()
-    assert manager.push_weights(trainer, 7)["workers"] == group.engine_urls
+    assert manager.push_weights(trainer, 7, flush_cache=True)["workers"] == group.engine_urls
     assert calls == [7, 7] and manager.restarts.counts["router"] == 1
     assert group.faults.router_fault() is None and group.router.process.pid != old_pid

@@ -22,10 +22,8 @@ import requests
 from slime.arguments import parse_args
 from slime.backends.sglang_utils.engine_group import EngineGroup
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
@@ -80,7 +78,7 @@ def run(env, *flags) -> tuple[dict, set[int], list[dict]]:
     """Rollout steps, the engines' version bumped before each, until every group issued in the first STEPS steps
     trained (at most 3 x STEPS steps); (issued groups, trained group ids, metrics)."""
     args = make_args(env["root"], *flags, "--num-rollout", str(3 * STEPS))
-    source, buffer, cap = TaskLengths(args, env["tok"]), PartialRolloutBuffer(args), StalenessCap.from_args(args)
+    source, buffer = TaskLengths(args, env["tok"]), PartialRolloutBuffer(args)
     trained, metrics = set(), []
     for step in range(3 * STEPS):
         if step >= STEPS and set(first_half(source.issued)) <= trained:
@@ -89,7 +87,7 @@ def run(env, *flags) -> tuple[dict, set[int], list[dict]]:
             requests.post(url + "/update_weight_version", json={"new_version": str(step), "abort_all_requests": False},
                           timeout=30).raise_for_status()
         source.step = step
-        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step, cap=cap))
+        out = generate_rollout(args, step, engine_rollout(args, buffer, source, env["engines"], policy_version=step).context())
         trained.update(g[0].group_index for g in out.groups)
         buffer.mark([g[0].group_index for g in out.groups], TRAINED)
         metrics.append(out.metrics)

@@ -21,10 +21,8 @@ from test_fsdp_helpers import make_groups
 from slime.backends.sglang_utils import http_client
 from slime.backends.training_utils.data import flatten_groups
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.sglang_versions import SGLANG_PINNED
@@ -111,8 +109,7 @@ def test_april_steps_on_real_engines_park_what_sglang_returned_and_resume_it(env
     resumed = trained_spanning = 0
     for step in range(10):
         set_version(group, step)
-        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], step,
-                                                          cap=StalenessCap.from_args(args)))
+        out = generate_rollout(args, step, engine_rollout(args, buffer, source, group, policy_version=step).context())
         # the step ended with every engine idle: the abort went through the fan-out until /v1/loads said so
         assert all(sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in load["loads"]) == 0
                    for load in group.load().values())
@@ -331,9 +328,8 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
         for step in range(12):
             batches.append(rollout.next_batch(step))
             manager.mark_trained(batches[-1].groups)
-            with rollout.updating_weights(step + 1):  # abort: the gate drains ours; else the engines hold them
-                replies = group.weights.from_disk(paths[weights[step + 1]], step + 1,
-                                                         flush_cache=pause != "in_place")
+            with rollout.updating_weights(step + 1) as flush:  # abort: the gate drains ours; else the engines hold
+                replies = group.weights.from_disk(paths[weights[step + 1]], step + 1, flush_cache=flush)  # them
             assert all(r["success"] for r in replies.values()), replies
             manager.set_policy_version(step + 1)
             spanning = [s for b in batches for g in b.groups for s in g if len(set(s.weight_versions)) > 1]

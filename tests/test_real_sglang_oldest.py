@@ -13,10 +13,8 @@ from test_fsdp_helpers import make_groups
 from test_real_sglang import PROMPT, SPEC, sample_from, transformers_greedy
 
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.tasks.subtract_chain import VOCAB, write_dataset
 from slime.utils.ledger import TRAINED
 from slime.utils.sglang_versions import SGLANG_OLDEST
@@ -45,8 +43,7 @@ def test_the_oldest_sglang_serves_an_april_step_and_a_weight_update(env, make_tr
     assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 404  # no sessions yet
     source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
     for step in range(2):
-        out = generate_rollout(args, step, RolloutContext(source, buffer, group, env["tok"], 0,
-                                                          cap=StalenessCap.from_args(args)))
+        out = generate_rollout(args, step, engine_rollout(args, buffer, source, group, policy_version=0).context())
         assert len(out.groups) == 2
         assert all(s.response_length == len(s.rollout_log_probs) > 0 for g in out.groups for s in g)
         assert all(sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in load["loads"]) == 0

@@ -112,14 +112,14 @@ def test_pause_and_continue_reach_every_worker(group):
         return [http_client.get_json(u + "/get_server_info", 10)["internal_states"][0]["paused"] for u in group.engine_urls]
 
     # as SGLang 0.5.23: abort pauses only the HTTP side and aborts; retract / in_place also pause the scheduler
-    group.pause("retract")
+    asyncio.run(group.pause("retract"))
     try:
         assert paused() == [True, True]
     finally:
-        group.continue_generation()
+        asyncio.run(group.continue_generation())
     assert paused() == [False, False]
     with pytest.raises(ValueError, match="mode"):
-        group.pause("freeze")
+        asyncio.run(group.pause("freeze"))
 
 
 def test_abort_all_until_idle_stops_in_flight_requests_on_both_engines(group):

@@ -264,9 +264,9 @@ def test_flush_cache_accepts_sglang_text_reply(sglang, group):
 
 def test_pause_and_continue_are_accepted(sglang, group):
     for mode in ("in_place", "retract", "abort"):
-        group.pause(mode)
+        asyncio.run(group.pause(mode))
         assert sglang.state()["paused"] is True
-        group.continue_generation()
+        asyncio.run(group.continue_generation())
         assert sglang.state()["paused"] is False
 
 

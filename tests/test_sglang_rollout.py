@@ -12,10 +12,8 @@ import json
 import pytest
 
 from slime.ray.buffer import PartialRolloutBuffer
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.utils.ledger import FINISHED, PARKED, TRAINED
 from slime.utils.types import Status
 
@@ -241,7 +239,7 @@ def test_evaluation_generates_given_groups_without_buffer(env):
     args = make_args(env["root"], "--eval-temperature", "0", "--eval-max-response-len", "12")
     source = RolloutDataSource(args, env["tok"])
     groups = source.get_groups(3)
-    ctx = RolloutContext(None, None, env["engines"], env["tok"], 0, eval_groups=groups)
+    ctx = engine_rollout(args, None, None, env["engines"]).context(eval_groups=groups)
     out = generate_rollout(args, 0, ctx, evaluation=True)
     assert out.groups == groups and all(s.status.is_finished and s.response_length <= 12 for g in groups for s in g)
     # greedy: both samples of a prompt give the same answer
@@ -272,7 +270,7 @@ def test_custom_generate_function_must_return_the_sample(env):
 
 
 def test_a_shared_http_session_is_reused_across_steps_and_left_open(env, tmp_path):
-    """StepHooks.session: every step sends through the caller's session (keep-alive connections to the router
+    """The link's session: every step sends through the caller's session (keep-alive connections to the router
     are reused), and the step never closes it; pool mode exercises the abort path through it too."""
     import aiohttp
 
@@ -289,13 +287,13 @@ def test_a_shared_http_session_is_reused_across_steps_and_left_open(env, tmp_pat
 
         trace.on_request_start.append(on_start)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), trace_configs=[trace]) as session:
-            from slime.rollout.sglang_rollout import StepHooks, generate_rollout_async
-
+            rollout = engine_rollout(args, buffer, source, env["engines"])
+            rollout.link.session = session
             outs = []
             for step in range(3):
                 set_version(env, step)
-                ctx = RolloutContext(source, buffer, env["engines"], env["tok"], step, cap=StalenessCap.from_args(args))
-                outs.append(await generate_rollout_async(args, step, ctx, hooks=StepHooks(session=session)))
+                rollout.version = step
+                outs.append(await rollout.step(step))
                 buffer.mark([g[0].group_index for g in outs[-1].groups], TRAINED)
                 assert not session.closed
             return outs, requests_sent
@@ -341,14 +339,12 @@ def test_over_sampling_auto_sizes_every_step_and_logs_it(env, tmp_path):
     planner = OverSamplingPlanner.from_args(args)
     source = RecordingSource(args, env["tok"])
     buffer = PartialRolloutBuffer(args)
-    with pytest.raises(ValueError, match="no over_sampling planner"):
-        generate_rollout(args, 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0,
-                                                 cap=StalenessCap.from_args(args)))
+    with pytest.raises(ValueError, match="needs its planner"):
+        engine_rollout(args, buffer, source, env["engines"])
     sizes = []
     for step in range(4):
         set_version(env, step)
-        out = generate_rollout(args, step, RolloutContext(source, buffer, env["engines"], env["tok"], step,
-                                                          over_sampling=planner, cap=StalenessCap.from_args(args)))
+        out = generate_rollout(args, step, engine_rollout(args, buffer, source, env["engines"], planner=planner, policy_version=step).context())
         buffer.mark([g[0].group_index for g in out.groups], TRAINED)
         planner.wait(timeout=120)  # plans run in the background; the test takes each one before the next step
         sizes.append(out.metrics["rollout/over_sampling_batch_size"])

@@ -301,11 +301,13 @@ def test_the_virtual_clock_jumps_and_keeps_equal_times_in_order():
 
 
 def test_the_simulator_drives_the_real_step(monkeypatch):
-    """chunked and pool run slime/rollout/step.py's run_step (and its supplies); stream runs StreamRollout."""
+    """The simulator drives the run's Rollout: chunked and pool run its steps (slime/rollout/step.py's run_step, its
+    supplies), stream runs StreamRollout over it; every push goes through its pause protocol (`updating_weights`)."""
+    import slime.rollout.rollout as rollout_mod
     import slime.rollout.simulator.drive as drive
 
     seen = []
-    real_step, real_take = drive.run_step, drive.StreamRollout.take
+    real_step, real_take, real_update = rollout_mod.run_step, drive.StreamRollout.take, rollout_mod.Rollout.updating_weights
 
     async def counting_step(state, io, supply, placement, halt=None):
         seen.append((type(supply).__name__, type(placement).__name__))
@@ -315,14 +317,58 @@ def test_the_simulator_drives_the_real_step(monkeypatch):
         seen.append(("take", rollout_id))
         return await real_take(self, rollout_id, timeout)
 
-    monkeypatch.setattr(drive, "run_step", counting_step)
+    def counting_update(self, version):
+        seen.append(("update", version, self.pause_mode))
+        return real_update(self, version)
+
+    monkeypatch.setattr(rollout_mod, "run_step", counting_step)
     monkeypatch.setattr(drive.StreamRollout, "take", counting_take)
+    monkeypatch.setattr(rollout_mod.Rollout, "updating_weights", counting_update)
     lengths = ParetoLengths(1.0, 8, 128)
     simulate(_long_tail(steps=2, over_sampling_batch_size=16, partial_rollout=True), FLAT, lengths)
     simulate(_long_tail(steps=2, mode="pool", partial_rollout=True, pool_size=16), FLAT, lengths)
-    simulate(_long_tail(steps=2, mode="stream", pool_size=16, train_time_s=0.05), FLAT, lengths)
-    assert seen[:4] == [("ChunkedSupply", "TargetPlacement")] * 2 + [("PoolSupply", "TargetPlacement")] * 2
-    assert sorted(seen[4:]) == [("PoolSupply", "StreamPlacement"), ("take", 0), ("take", 1)]  # one segment
+    assert seen == [("ChunkedSupply", "TargetPlacement"), ("update", 1, "abort"),
+                    ("ChunkedSupply", "TargetPlacement")] + [("PoolSupply", "TargetPlacement"), ("update", 1, "abort"),
+                                                             ("PoolSupply", "TargetPlacement")]
+    seen.clear()
+    simulate(_long_tail(steps=2, mode="stream", pool_size=16, train_time_s=0.05, pause_mode="retract"), FLAT, lengths)
+    assert sorted(seen, key=str) == sorted([("PoolSupply", "StreamPlacement"), ("take", 0), ("take", 1),
+                                            ("update", 1, "retract")], key=str)  # one segment
+
+
+@pytest.mark.parametrize("mode, pause, reuse, flush", [("chunked", "abort", False, True), ("chunked", "abort", True, False),
+                                                       ("stream", "abort", False, True), ("stream", "retract", False, True),
+                                                       ("stream", "in_place", False, False)])
+def test_the_flush_rule_is_the_rollouts(mode, pause, reuse, flush, monkeypatch):
+    """A push flushes the engines' prefix cache unless --reuse-stale-kv, or in place (the engines keep requests with
+    their KV): the Rollout says which, the trainer's push obeys (the simulated engines as the real ones)."""
+    from slime.rollout.simulator.cluster import SimCluster
+
+    told = []
+    real = SimCluster.update_weights if mode == "stream" else SimCluster.set_version
+    monkeypatch.setattr(SimCluster, "update_weights" if mode == "stream" else "set_version",
+                        lambda self, version, f: told.append(f) or real(self, version, f))
+    simulate(_long_tail(steps=3, mode=mode, pool_size=16, train_time_s=0.05, partial_rollout=True, pause_mode=pause,
+                        reuse_stale_kv=reuse), FLAT, ParetoLengths(1.0, 8, 128))
+    assert told == [flush, flush]
+
+
+def test_a_stream_push_aborts_requests_over_the_cap_by_rid(monkeypatch):
+    """In place under --max-staleness with restart: after the push, requests a token of which may now be too old
+    are aborted by rid (the Rollout's protocol, which the simulator drives), so the cap applies when they resume."""
+    from slime.rollout.simulator.cluster import SimCluster
+
+    aborted, real = [], SimCluster.abort_requests
+
+    async def counting(self, rids, session=None):
+        aborted.extend(rids)
+        return await real(self, rids, session)
+
+    monkeypatch.setattr(SimCluster, "abort_requests", counting)
+    cfg = _long_tail(steps=6, mode="stream", pool_size=32, train_time_s=0.05, pause_mode="in_place", max_staleness=0,
+                     partial_rollout=True)
+    res = simulate(cfg, FLAT, ParetoLengths(1.0, 8, 128))
+    assert aborted and all(s["accepted"] == cfg.rollout_batch_size for s in res.steps)
 
 
 def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():

@@ -12,11 +12,9 @@ import subprocess
 import pytest
 
 from slime.backends.training_utils.data import flatten_groups, split_steps
-from slime.rollout.base_types import RolloutContext
 from slime.rollout.buffer import PartialRolloutBuffer
 from slime.rollout.data_source import RolloutDataSource
-from slime.rollout.sglang_rollout import generate_rollout
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout, generate_rollout
 from slime.utils.ledger import FINISHED, TRAINED
 from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Status
@@ -31,8 +29,7 @@ PLUGINS = "tests.upstream_plugins"
 
 def step(env, args, source, buffer, rollout_id):
     set_version(env, rollout_id)
-    out = generate_rollout(plugin_args(args), rollout_id, RolloutContext(source, buffer, env["engines"], env["tok"],
-                                                                         rollout_id, cap=StalenessCap.from_args(args)))
+    out = generate_rollout(plugin_args(args), rollout_id, engine_rollout(args, buffer, source, env["engines"], policy_version=rollout_id).context())
     buffer.mark([g[0].group_index for g in out.groups], TRAINED)
     return out
 
@@ -122,8 +119,7 @@ def test_a_list_returning_generate_trains_every_sample_and_the_ledger_counts_the
                      "--custom-generate-function-path", f"{PLUGINS}.generate_fanout")
     source, buffer = RolloutDataSource(args, env["tok"]), PartialRolloutBuffer(args)
     set_version(env, 0)
-    out = generate_rollout(plugin_args(args), 0, RolloutContext(source, buffer, env["engines"], env["tok"], 0,
-                                                                cap=StalenessCap.from_args(args)))
+    out = generate_rollout(plugin_args(args), 0, engine_rollout(args, buffer, source, env["engines"], policy_version=0).context())
     assert len(out.groups) == 3
     for g in out.groups:
         assert len(g) == 4 and len({s.group_index for s in g}) == 1  # 2 samples made of each of the 2

@@ -113,16 +113,17 @@ def _park_one_aborted_request(engine) -> int:
     return engine.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
 
 
-@pytest.mark.parametrize("reuse", [False, True])
-def test_weight_sync_flushes_the_cache_unless_reuse_stale_kv(engine, trainer, reuse):
-    """Default: an update flushes the aborted requests' KV (computed by the old weights), so resumed samples
-    are re-prefilled; --reuse-stale-kv sends flush_cache=false and the engine keeps it."""
+@pytest.mark.parametrize("flush", [True, False])
+def test_weight_sync_flushes_the_cache_as_the_rollout_says(engine, trainer, flush):
+    """A flushing update drops the aborted requests' KV (computed by the old weights), so resumed samples are
+    re-prefilled; `flush_cache=False` (the rollout's rule under --reuse-stale-kv or in-place pauses: tests/
+    test_simulator.py checks it) keeps it."""
     engine.post("/flush_cache")
-    t = trainer(update_weight_mode="disk", reuse_stale_kv=reuse)
+    t = trainer(update_weight_mode="disk")
     assert _park_one_aborted_request(engine) >= 1
-    t.update_weights([engine.url], int(engine_version(engine)) + 1)
+    t.update_weights([engine.url], int(engine_version(engine)) + 1, flush_cache=flush)
     left = engine.get("/get_server_info").json()["internal_states"][0]["prefix_cache_entries"]
-    assert (left >= 1) if reuse else (left == 0)
+    assert (left == 0) if flush else (left >= 1)
 
 
 # ---- --update-weight-mode tensor ------------------------------------------------------------------
@@ -301,7 +302,7 @@ def test_tensor_sender_on_cuda_returns_the_bucket_memory(tmp_path):
         named = [(f"w{i}", torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)) for i in range(8)]
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        sender = TensorSender(0, 1, None, 1 << 18, True, 120.0)  # 256 KiB buckets: 2 tensors each
+        sender = TensorSender(0, 1, None, 1 << 18, 120.0)  # 256 KiB buckets: 2 tensors each
         sender.send([EngineFeed(reader.url, (0,))], iter(named), 3)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == base

@@ -181,11 +181,9 @@ class RayTrainGroup:
         ref = groups if isinstance(groups, ray.ObjectRef) else ray.put(groups)
         return self._all("train", rollout_id, ref, policy_version)[0]
 
-    def update_weights(self, engines, new_version: int, pause_mode: str | None = None) -> dict[str, float]:
-        """Push weights to every engine worker as `new_version` (engines: an EngineGroup or a list of worker URLs).
-        With `pause_mode` ("abort", "retract", "in_place") the engines are paused around the update (SGLang's
-        documented pause → update → continue); the default assumes the caller already drained them (APRIL aborts
-        before training)."""
+    def update_weights(self, engines, new_version: int, flush_cache: bool = True) -> dict[str, float]:
+        """Push weights to every engine worker as `new_version` (engines: an EngineGroup or a list of worker URLs),
+        idle or paused by the caller (the run's Rollout, slime/rollout/rollout.py, which also says `flush_cache`)."""
         is_group = not isinstance(engines, (list, tuple))
         feeds = None
         if self.args.update_weight_mode == "tensor":  # by reference: each engine from the ranks on its devices
@@ -194,13 +192,7 @@ class RayTrainGroup:
                               engines.engine_devices() if is_group else None)
         else:
             urls = list(engines.worker_urls()) if is_group else list(engines)
-        if pause_mode and is_group:
-            engines.pause(pause_mode)
-        try:
-            return self._all("update_weights", urls, int(new_version), feeds)[0]
-        finally:
-            if pause_mode and is_group:
-                engines.continue_generation()
+        return self._all("update_weights", urls, int(new_version), feeds, flush_cache)[0]
 
     def save(self, path: str) -> None:
         self._all("save", path)

@@ -18,6 +18,7 @@ shared with trainer restarts); once it is spent the next fault raises
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -30,17 +31,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
 from slime.ray.restarts import RestartBudget
-from slime.rollout.admission import AdmissionControl
-from slime.rollout.base_types import RolloutContext, RolloutOutput, eval_output_metrics, to_rollout_output
+from slime.rollout.base_types import RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.buffer import call_sync
 from slime.rollout.multi_turn import ToolAgent
 from slime.rollout.multi_turn.metrics import tool_metrics
+from slime.rollout.rollout import Rollout, RolloutContext
 from slime.rollout.sampling_request import args_with_router
-from slime.rollout.staleness import StalenessCap
+from slime.rollout.sglang_rollout import engine_rollout
 from slime.utils.eval_scores import write_eval_scores
 from slime.utils.gc_utils import freeze_gc_heap
 from slime.utils.ledger import TRAINED, group_id
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, run_sync
 from slime.utils.plugin_args import plugin_args
 from slime.utils.types import Sample, Status
 
@@ -93,7 +94,6 @@ class RolloutManager:
         self.args = args
         self.run_dir = run_dir
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-        self.policy_version = 0
         self.engines = None
         self.plugin_args = plugin_args(args)  # what plugins get (writable); the router's address once engines attach
         self.data_source = RolloutDataSource(args, self.tokenizer) if args.prompt_data else None
@@ -107,23 +107,16 @@ class RolloutManager:
         self._record_dropped_rows()
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
-        # --over-sampling-batch-size auto: its planner learns across steps (the simulator it runs is imported
-        # only then); None: the fixed size
-        self.over_sampling = None
-        if args.over_sampling_batch_size == "auto":
-            from slime.rollout.simulator.planner import OverSamplingPlanner
-
-            self.over_sampling = OverSamplingPlanner.from_args(args)
-        self.cap = StalenessCap.from_args(args)  # --max-staleness: every step, the gate and the stream apply this one
-        # --admission: pool mode's requests in flight (auto learns them from the engines' loads across steps)
-        self.admission = AdmissionControl.from_args(args)
         # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
         self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
         self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router and the trainer
+        self.rollout: Rollout | None = None  # the run's rollout (slime/rollout/rollout.py), over the engines
+        engines = None
         if start_engines:
             from slime.backends.sglang_utils.engine_group import EngineGroup
 
-            self.attach_engines(EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start())
+            engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
+        self.attach_engines(engines)
         # the rollout runs in this process: keep the start-up heap (tokenizer, data, torch, Ray) out of the full
         # collections that would otherwise stall every request in flight for a walk over all of it
         freeze_gc_heap("rollout manager")
@@ -137,26 +130,23 @@ class RolloutManager:
         return max(1, self.args.num_epoch * len(self.data_source) // self.args.rollout_batch_size)
 
     def attach_engines(self, engines) -> None:
-        """The engines (and router) this manager's rollouts use; plugins see the router's address in
-        `args.sglang_router_ip` / `args.sglang_router_port`, as upstream slime's plugins do."""
-        self.engines = engines
-        self.plugin_args = args_with_router(self.args, engines.router_url)
+        """The engines (and router) this manager's rollouts use (None: --debug-train-only), and the run's `Rollout`
+        over them; plugins see the router's address in `args.sglang_router_ip` / `args.sglang_router_port`, as
+        upstream slime's plugins do."""
+        planner = None  # --over-sampling-batch-size auto: its planner (the simulator it runs is imported only then)
+        if self.args.over_sampling_batch_size == "auto":
+            from slime.rollout.simulator.planner import OverSamplingPlanner
 
-    def context(self, policy_version: int | None = None, eval_groups=None) -> RolloutContext:
-        """What a rollout function gets as its `data_source` (upstream's third argument)."""
-        return RolloutContext(
-            data_source=self.data_source,
-            buffer=None if eval_groups is not None else self.buffer,
-            engines=self.engines,
-            tokenizer=self.tokenizer,
-            policy_version=self.policy_version if policy_version is None else policy_version,
-            eval_groups=eval_groups,
-            over_sampling=None if eval_groups is not None else self.over_sampling,
-            admission=None if eval_groups is not None else self.admission,
-            cap=self.cap,
-            n_samples_per_prompt=self.args.n_samples_per_prompt,
-            agent=self.agent,
-        )
+            planner = OverSamplingPlanner.from_args(self.args)
+        version = self.rollout.version if self.rollout is not None else 0
+        self.engines = engines
+        self.rollout = engine_rollout(self.args, self.buffer, self.data_source, engines, self.agent, planner, version)
+        if engines is not None:
+            self.plugin_args = args_with_router(self.args, engines.router_url)
+
+    @property
+    def policy_version(self) -> int:
+        return self.rollout.version
 
     def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
         """One training step of the rollout function, called as upstream slime calls it; its result (ours,
@@ -171,7 +161,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.context()))
+        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.rollout.context()))
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
         """A batch about to be trained (from `generate` or train_async.py's rollout): reward and data metrics,
@@ -189,7 +179,7 @@ class RolloutManager:
         for name, groups in self.eval_sets.items():
             def run(groups=groups):
                 fresh = [[Sample.from_dict(s.to_dict()) for s in g] for g in groups]  # never reuse generated state
-                return self.eval_fn(self.plugin_args, rollout_id, self.context(eval_groups=fresh), evaluation=True)
+                return self.eval_fn(self.plugin_args, rollout_id, self.rollout.context(eval_groups=fresh), evaluation=True)
 
             out = run()
             if isinstance(out, RolloutOutput):
@@ -204,16 +194,24 @@ class RolloutManager:
         return metrics
 
     # ---- engine faults and the weight push ------------------------------------------
-    def push_weights(self, trainer, version: int) -> dict[str, float]:
-        """The driver's push: `trainer.update_weights(engines, version)` (a RayTrainGroup) to every engine.
+    def push_weights(self, trainer, version: int, flush_cache: bool | None = None) -> dict[str, float]:
+        """The driver's push: `trainer.update_weights(engines, version, flush_cache)` (a RayTrainGroup) to every
+        engine, through the Rollout's `updating_weights` (train.py: the engines are idle), or inside it already
+        (train_async.py's AsyncRollout: `flush_cache` given).
 
         An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
         instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
         """
+        if flush_cache is None:
+            async def update():
+                async with self.rollout.updating_weights(version) as flush:
+                    return await asyncio.to_thread(self.push_weights, trainer, version, flush)
+
+            return run_sync(update())
         while True:
             with ProcessWatch(self.engines, on_fault=self.kill_faulty) as watch:
                 try:
-                    return trainer.update_weights(self.engines, version)
+                    return trainer.update_weights(self.engines, version, flush_cache)
                 except Exception as e:  # noqa: BLE001 - an engine fault is named; anything else re-raised
                     faults = list(watch.faults.values()) or _faults_within(watch, FAULT_CONFIRM_S)
                     if not faults:
@@ -258,7 +256,7 @@ class RolloutManager:
         return restarted
 
     def set_policy_version(self, version: int) -> None:
-        self.policy_version = version
+        self.rollout.version = int(version)
 
     def mark_trained(self, groups: list[list[Sample]]) -> None:
         ids = sorted(group_id(g) for g in groups)
@@ -294,7 +292,7 @@ class RolloutManager:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.policy_version = int(state["policy_version"])
+        self.rollout.version = int(state["policy_version"])
         if self.data_source is not None and state.get("data_source") is not None:
             self.data_source.load_state_dict(state["data_source"])
 

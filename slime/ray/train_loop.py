@@ -281,17 +281,18 @@ class TrainingRun:
         self.record.policy_version = manager.policy_version
         return manager.policy_version
 
-    def push_weights(self, rollout_id: int, version: int) -> dict[str, float]:
+    def push_weights(self, rollout_id: int, version: int, flush_cache: bool | None = None) -> dict[str, float]:
         """The trainer's weights to every engine as `version` (the loop calls this after each update; train_async.py
-        inside its rollout's `updating_weights`). An engine that fails meanwhile is named, or restarted and pushed
-        again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id` first."""
+        inside its rollout's `updating_weights`, which gives `flush_cache`). An engine that fails meanwhile is named,
+        or restarted and pushed again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id`
+        first."""
         manager = self.rollout_manager
         if manager.engines is None or self.actor_model is None:
             return {}
         t0 = time.monotonic()
         try:
             with self.checkpoint_if_engines_give_up(rollout_id):
-                sync = manager.push_weights(self.actor_model, version)
+                sync = manager.push_weights(self.actor_model, version, flush_cache)
         finally:
             self._trainer_busy += time.monotonic() - t0
         return {f"weight_sync/{k}": v for k, v in sync.items()}

@@ -19,8 +19,9 @@
   The controller lives as long as the run's rollout (it learns across steps). The simulator runs the same one
   against its engines' load reports (slime/rollout/simulator/cluster.py: `SimCluster.loads`).
 
-`AdmissionControl` holds the limit and decides; `LoadPoll` (one per step, on its event loop) asks the engines for
-a load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
+`AdmissionControl` holds the limit and decides (the run's `Rollout`, slime/rollout/rollout.py, builds the one
+controller and tells it when a step starts); `LoadPoll` (one per step, on its event loop) asks the engines for a
+load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
 up to the limit (slime/rollout/step_supply.py's PoolSupply). Measured against a sweep of fixed pool sizes:
 benchmarks/admission_sweep.py (benchmarks/README.md, its `--admission auto` row).
 """
@@ -157,11 +158,6 @@ class AdmissionControl:
         # before the first load report: one batch (auto's start), or the ceiling
         self.limit = min(self.ceiling, batch) if self.auto and batch else self.ceiling
 
-    @classmethod
-    def from_args(cls, args) -> "AdmissionControl":
-        return cls(args.admission, args.rollout_pool_size, args.n_samples_per_prompt,
-                   args.rollout_batch_size * args.n_samples_per_prompt)
-
     @property
     def auto(self) -> bool:
         return self.mode == "auto"
@@ -205,16 +201,18 @@ class AdmissionControl:
                          before, self.limit, running, waiting, usage, retracted, in_flight)
         return self.limit
 
-    def at_wake(self, io) -> int:
-        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`, `io` its StepIO): auto polls that step's
-        engines for load reports (`LoadPoll`). Returns the limit."""
-        if not self.auto:
-            return self.limit
-        if self.poll is None or self.poll.io is not io:  # a new step (a step that failed never ended its poll)
-            if self.poll is not None:
-                self.poll.close()
-            self.poll = LoadPoll(self, io)
-        self.poll.at_wake()
+    def watch(self, io) -> None:
+        """A step starts (`io`: its StepIO): auto polls its engines for load reports (`LoadPoll`) from now on, until
+        `step_ended` (or the next step: one that failed never ended its poll)."""
+        if self.poll is not None:
+            self.poll.close()
+        self.poll = LoadPoll(self, io) if self.auto else None
+
+    def at_wake(self) -> int:
+        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`): a report that came back is observed,
+        the next one asked for. Returns the limit."""
+        if self.poll is not None:
+            self.poll.at_wake()
         return self.limit
 
     def step_ended(self, record) -> int:

@@ -1,7 +1,7 @@
 """Evaluation rollout: generate every eval group with the eval sampling flags (no buffer, no partial rollout).
 
-Eval groups come from `ctx.eval_groups` (a dict name -> groups, or a list of
-groups); the RolloutManager loads them once from `--eval-prompt-data`.
+Eval groups are a dict name -> groups, or a list of groups (the RolloutManager loads them once from
+`--eval-prompt-data`; a rollout function gets them as `data_source.eval_groups`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from slime.backends.sglang_utils.watchdog import EngineWatchdog
-from slime.rollout.base_types import RolloutContext, RolloutOutput
+from slime.rollout.base_types import RolloutOutput
 from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
 from slime.rollout.step_record import StepClock
 from slime.utils.types import Sample, Status, expand_fanout
@@ -21,21 +21,21 @@ from slime.utils.types import Sample, Status, expand_fanout
 logger = logging.getLogger(__name__)
 
 
-def eval_sets(args, ctx: RolloutContext) -> dict[str, list[list[Sample]]]:
-    given: Any = ctx.eval_groups
+def eval_sets(given: Any) -> dict[str, list[list[Sample]]]:
     if isinstance(given, dict):
         return given
     if given is None:
-        raise ValueError("evaluation rollout: ctx.eval_groups is empty (the RolloutManager passes the "
+        raise ValueError("evaluation rollout: data_source.eval_groups is empty (the RolloutManager passes the "
                          "--eval-prompt-data sets)")
     return {"eval": list(given)}
 
 
-async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
+async def generate_eval(args, rollout_id: int, groups, engines, version: int, agent=None) -> RolloutOutput:
+    """`groups` generated on `engines` (serving `version`) with the eval flags, and rewarded."""
     from slime.rollout.rm_hub import reward_group
 
-    sets = eval_sets(args, ctx)
-    urls = await asyncio.to_thread(ctx.engines.worker_urls)
+    sets = eval_sets(groups)
+    urls = await asyncio.to_thread(engines.worker_urls)
     concurrency = args.sglang_server_concurrency * max(1, len(urls))
     sem = asyncio.Semaphore(concurrency)
     max_len = args.eval_max_response_len
@@ -43,10 +43,9 @@ async def generate_eval(args, rollout_id: int, ctx: RolloutContext) -> RolloutOu
     metrics: dict[str, float] = {}
     all_groups: list[list[Sample]] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as session, \
-            EngineWatchdog(args, ctx.engines, session) as watchdog:  # a dead / frozen engine: EngineFaultError
-        req = SampleRequester(args, session, ctx.engines.router_url, sampling_params_from_args(args, evaluation=True),
-                              rollout_id, int(ctx.policy_version), max_response_len=max_len, evaluation=True,
-                              agent=ctx.agent)
+            EngineWatchdog(args, engines, session) as watchdog:  # a dead / frozen engine: EngineFaultError
+        req = SampleRequester(args, session, engines.router_url, sampling_params_from_args(args, evaluation=True),
+                              rollout_id, int(version), max_response_len=max_len, evaluation=True, agent=agent)
 
         async def one_group(group: list[Sample]) -> None:
             async def one(s: Sample) -> None:

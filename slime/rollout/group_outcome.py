@@ -1,15 +1,12 @@
 """What a finished group becomes: `judge` rewards it and says failed (no trainable sample), rejected (the
 dynamic filter said no) or passed; the step (slime/rollout/step.py) accepts a passed group while it runs, to
-its placement: `TargetPlacement` (train.py's step: toward a target) or `StreamPlacement` (stream mode's queue,
-slime/rollout/stream.py).
+its placement (slime/rollout/rollout.py's `TargetPlacement`, stream.py's `StreamPlacement`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
-from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.step_record import StepGroup, StepRecord
 from slime.utils.ledger import group_failure_reason, group_id
 from slime.utils.types import Status
@@ -44,28 +41,4 @@ async def judge(io, rec: StepRecord, st: StepGroup) -> None:
         rec.rejected[gid] = reason
 
 
-class TargetPlacement:
-    """train.py's step: ready groups from the last step count first, then accepted groups until `target`."""
-
-    def __init__(self, target: int, on_accept: Callable[[], None] | None = None):
-        self.target = target
-        self.on_accept = on_accept  # e.g. a progress bar's update
-
-    async def take_ready(self, rec: StepRecord, io) -> None:
-        if io.buffer is None:
-            return
-        c = rec.config
-        ready = await call_maybe_remote(io.buffer, "take_ready", self.target, timeout=c.rpc_timeout)
-        rec.ready_in = list(ready)
-        # finished at an older policy: the cap as before training (restart drops the group, mask masks, keep keeps)
-        kept, stale, counts = c.cap.before_training(ready, c.train_version())
-        rec.staleness.update(counts)
-        for g in stale:
-            rec.rejected[group_id(g)] = "stale_ready"
-        for g in kept:
-            self.accept(rec, g)
-
-    def accept(self, rec: StepRecord, group: list) -> None:
-        rec.accepted.append(group)
-        if self.on_accept is not None:
-            self.on_accept()
+__all__ = ["judge"]

@@ -224,7 +224,7 @@ def workload_trace(args, step, requester) -> dict[str, Any]:
     group finished, and the requests in flight over the step."""
     finished = [[s.response_length for s in st.samples] for st in step.groups.values() if st.outcome is not None]
     prompts = [st.samples[0].prompt_length for st in step.groups.values()]
-    timeline = requester.timeline or []
+    timeline = requester.timeline
     if len(timeline) > MAX_TIMELINE_POINTS:
         k = -(-len(timeline) // MAX_TIMELINE_POINTS)
         timeline = timeline[::k] + [timeline[-1]]

@@ -169,7 +169,7 @@ class RequestLoop:
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
-        self.timeline: list[tuple[float, int]] | None = None  # (loop time, in flight) at each change, if a list
+        self.timeline: list[tuple[float, int]] = []  # (loop time, in flight) at each change (the trace's occupancy)
 
     def budget(self, sample: Sample) -> int:
         """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`, or what
@@ -234,8 +234,7 @@ class RequestLoop:
     def _in_flight(self, delta: int) -> None:
         self.in_flight += delta
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        if self.timeline is not None:
-            self.timeline.append((asyncio.get_running_loop().time(), self.in_flight))
+        self.timeline.append((asyncio.get_running_loop().time(), self.in_flight))
 
 
 class SampleRequester(RequestLoop):

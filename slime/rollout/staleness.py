@@ -1,5 +1,5 @@
-"""The staleness cap (`--max-staleness`, `--staleness-policy`): one object, built once per run (the
-RolloutManager's; the simulator's per simulated run), used wherever a token may be too old.
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): the run's Rollout holds the one, used wherever a
+token may be too old.
 
 Every response token carries the policy version that produced it. Measured against the version that will
 train a group (`train_version`), a token older than `train_version - max_staleness` is stale; the policy says
@@ -10,9 +10,8 @@ spent its restart budget is masked instead, since restarts are what drop the lon
 measures it). The sites: `at_resume` (parked groups
 handed out again), `at_resume_in_flight` (a sample sent again after the engines changed version under a
 running step), `before_training` (finished groups about to be trained), `restart_floor` (in-place updates:
-requests to abort so the cap is applied when they resume). A sample here is anything with `status`,
-`response_length`, `metadata`, `oldest_version()`, `reset_response()`, `mask_tokens_older_than(v)` and
-`loss_tokens_older_than(v)` (slime/utils/types.py's `Sample`, the simulator's `SimSample`).
+requests to abort so the cap is applied when they resume). A sample: slime/utils/types.py's `Sample` or the
+simulator's `SimSample`.
 """
 
 from __future__ import annotations

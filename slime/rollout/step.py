@@ -51,6 +51,7 @@ class StepIO:
     filter: Callable[[list, Any], str | None] | None = None  # (a group, the StepRecord) -> why it is dropped, or None
     session: Any = None
     watchdog: Any = None  # the engines': faults, changed, check_once() (None: nothing watches them)
+    progress: Callable[[], None] | None = None  # a group accepted (a progress bar)
 
 
 async def run_step(io: StepIO, config: StepConfig, supply, placement, halt: asyncio.Event | None = None) -> StepRecord:

@@ -1,8 +1,7 @@
 """How a step feeds the engines: parked groups first, then fresh ones, as chunks or as a pool.
 
-`take_groups` is the one way groups leave the buffer and the data source: the buffer's parked groups first
-(FIFO or `--buffer-filter-path`; the staleness cap applied to them once, here), then fresh ones (`issued` in
-the ledger); the step and upstream's `data_source.get_samples` (slime/rollout/base_types.py) both call it.
+The order groups are handed out in is `take_groups`'s (slime/rollout/buffer.py), the one way they leave the
+buffer and the data source (the step here, upstream's `data_source.get_samples`): parked first, then fresh.
 Each time the step's loop wakes, its supply's `top_up` says which groups to add:
 - `ChunkedSupply` (`--rollout-mode chunked`, APRIL): `--over-sampling-batch-size` groups at a time while
   (groups in play + accepted) < target; with `--partial-rollout`, a top-up as soon as fewer requests are in
@@ -108,7 +107,7 @@ class PoolSupply(Supply):
         return self.gate.wait_open if self.gate is not None and not self.gate.is_open else None
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int, awaiting: int) -> list[list]:
-        limit = self.admission.at_wake(io) if self.admission is not None else self.in_flight_cap
+        limit = self.admission.at_wake() if self.admission is not None else self.in_flight_cap
         out: list[list] = []
         if awaiting >= limit:  # the reward is behind, not the engines
             return out

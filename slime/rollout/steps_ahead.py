@@ -6,10 +6,10 @@ step) runs while the trainer trains on earlier batches. Step j starts once the e
 lag of 1 step j+1 overlaps training on step j. The step's staleness cap and version metrics use P(j)
 (`gate.train_version`), so they are exact for the version that trains it.
 
-A weight update that lands while a step runs pauses it at the `VersionGate` (abort, the samples wait,
-update, they resume from their tokens under the new version). A custom `--rollout-function-path` cannot
-be paused that way: its steps run on a worker thread and an update waits until the running step ends
-(as upstream slime's train_async.py does).
+A weight update that lands while a step runs pauses it as the run's `Rollout` says (slime/rollout/rollout.py:
+its version gate, `--pause-mode`): every token keeps the version that produced it. A custom
+`--rollout-function-path` cannot be paused that way: its steps run on a worker thread and an update waits until
+the running step ends (as upstream slime's train_async.py does).
 
 `quiesce()` halts the running step (unfinished groups parked, accepted and overflow groups kept ready)
 and moves the finished steps not yet taken to the buffer's ready list; `resume()` restarts production
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
@@ -34,28 +34,24 @@ TAKE_POLL_S = 5.0
 
 
 class StepsAhead:
-    """Rollout steps produced ahead of the trainer, on the rollout's event loop (driven by `AsyncRollout`)."""
+    """Steps of the run's `rollout` produced ahead of the trainer, on the rollout's event loop (driven by
+    `AsyncRollout`). `custom_step(j)`: a custom synchronous rollout function's step instead of `rollout.step`, run
+    on a worker thread (an update waits for its step to end)."""
 
-    def __init__(self, args, gate: VersionGate, buffer, first_rollout_id: int, num_rollout: int, version_offset: int,
-                 builtin_step: Callable[[int, asyncio.Event], Awaitable[RolloutOutput]] | None = None,
+    def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int,
                  custom_step: Callable[[int], RolloutOutput] | None = None):
-        """One of: `builtin_step(j, halt)`, the built-in APRIL step (paused in flight at the gate), or
-        `custom_step(j)`, a custom synchronous rollout function's step, run on a worker thread (updates wait for
-        its step to end)."""
-        if (builtin_step is None) == (custom_step is None):
-            raise ValueError("StepsAhead: give builtin_step or custom_step")
-        self.args, self.gate, self.buffer = args, gate, buffer
-        self.builtin_step, self.custom_step = builtin_step, custom_step
-        self.max_lag = int(args.max_async_lag)
+        self.rollout, self.buffer, self.custom_step = rollout, rollout.buffer, custom_step
+        self.step_lock = asyncio.Lock()  # held while a custom (not pausable) step runs
+        self.gate: VersionGate = rollout.run_ahead(self, pausable=custom_step is None)
+        self.max_lag = int(max_lag)  # --max-async-lag
         self.offset = int(version_offset)
         self.num_rollout = int(num_rollout)
-        self.rpc_timeout = args.rollout_rpc_timeout
+        self.rpc_timeout = rollout.config.rpc_timeout
         self.next_batch = int(first_rollout_id)  # next batch take() hands out
         self.next_step = int(first_rollout_id)  # next step to produce
         self.outputs: dict[int, RolloutOutput] = {}
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
-        self.step_lock = asyncio.Lock()  # held while a custom (not pausable) step runs
         self.running_step: int | None = None
         self._halt: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -99,8 +95,8 @@ class StepsAhead:
         self.gate.set_train_version(self.train_version(j))
         self.running_step = j
         try:
-            if self.builtin_step is not None:
-                return await self.builtin_step(j, halt)
+            if self.custom_step is None:
+                return await self.rollout.step(j, halt=halt)
             async with self.step_lock:
                 return await asyncio.to_thread(self.custom_step, j)
         finally:

@@ -4,8 +4,8 @@ One pool of `--rollout-pool-size` requests stays in flight across training steps
 loop: parked groups first, then fresh ones). A group whose members all finished is rewarded and
 filtered and, if accepted, queued for the trainer at once; `take(rollout_id)` hands out the next
 `--rollout-batch-size` queued groups as soon as they exist. A weight update reaches the engines while
-requests are in flight through the `VersionGate` (abort -> the samples wait at the gate -> update ->
-they resume from their tokens), so every token keeps the version that produced it.
+requests are in flight through the run's `Rollout` (slime/rollout/rollout.py: its version gate and its pause
+protocol, `--pause-mode`), so every token keeps the version that produced it.
 
 Lag (`--max-async-lag K`): batch j is trained at policy version P(j) = j + offset. A finished group
 joins the batch being filled only while the engines serve a version >= P(of that batch) - K; beyond
@@ -16,9 +16,9 @@ within the lag has room: their newest token is then K+1 versions behind the poli
 `--max-staleness` is applied at every resume (against the version that would train the group if it
 finished now) and again to each group when it is taken (`StalenessCap.before_training`).
 
-The stream runs in segments: a segment is a rollout step (slime/rollout/step.py) with pool mode's supply
-(gated: no new group while the gate is held) and a placement that sends accepted groups to the queue
-(no target); `run_segment` runs it against the real engines (slime/ray/async_rollout.py) or the simulator's.
+The stream runs in segments: a segment is a step of the run's `Rollout` (`rollout.step`) with stream mode's pool
+(gated: no new group while the gate is held) and a placement that sends accepted groups to the queue (no target),
+against the real engines (on slime/ray/async_rollout.py's loop) or the simulator's.
 `quiesce()` ends the segment (requests aborted, unfinished groups parked in the buffer, groups that
 finished during the stop kept ready) and moves every queued group to the buffer's ready list, so a
 checkpoint taken then holds everything in flight; `resume()` takes the ready groups back first and starts
@@ -34,17 +34,14 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
-from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import call_maybe_remote
 from slime.rollout.length_bias import length_bias_metrics
 from slime.rollout.rollout_metrics import sample_metrics, staleness_metrics, token_version_metrics
-from slime.rollout.staleness import IN_FLIGHT_COUNTS, StalenessCap
+from slime.rollout.staleness import IN_FLIGHT_COUNTS
 from slime.rollout.step_record import RolloutEngineFaultError, RolloutError, StepRecord
-from slime.rollout.step_supply import PoolSupply
 from slime.rollout.version_gate import VersionGate
 from slime.utils.ledger import DROPPED, FINISHED, group_id
 from slime.utils.types import Sample
@@ -69,37 +66,17 @@ class StreamPlacement:
         self._accept(group)
 
 
-@dataclass(frozen=True)
-class StreamConfig:
-    batch_size: int  # --rollout-batch-size
-    max_lag: int  # --max-async-lag
-    pool_size: int  # --rollout-pool-size
-    cap: StalenessCap
-    rpc_timeout: float = 120.0
-    admission: AdmissionControl | None = None  # --admission (None: fixed pool_size); it learns across segments
-
-    @classmethod
-    def from_args(cls, args, cap: StalenessCap) -> "StreamConfig":
-        return cls(int(args.rollout_batch_size), int(args.max_async_lag), int(args.rollout_pool_size), cap,
-                   args.rollout_rpc_timeout, AdmissionControl.from_args(args))
-
-
-# run_segment(rollout_id, supply, placement, halt, on_io) -> the segment's RolloutOutput
-RunSegment = Callable[..., Awaitable[RolloutOutput]]
-
-
 class StreamRollout:
-    """The stream's state on the rollout's event loop; `AsyncRollout` (slime/ray) drives it."""
+    """The stream's state on the rollout's event loop, driving the run's `rollout` ahead of the trainer
+    (`AsyncRollout`, slime/ray, or the simulator drives it)."""
 
-    def __init__(self, config: StreamConfig, run_segment: RunSegment, gate: VersionGate, buffer, engines,
-                 first_rollout_id: int, num_rollout: int, version_offset: int, session=None):
-        self.config, self.run_segment, self.gate, self.buffer, self.engines = config, run_segment, gate, buffer, engines
-        self.session = session
-        self.batch_size = config.batch_size
-        self.max_lag = config.max_lag
+    def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int):
+        self.rollout = rollout
+        self.gate: VersionGate = rollout.run_ahead(self)
+        self.buffer, self.rpc_timeout = rollout.buffer, rollout.config.rpc_timeout
+        self.batch_size = rollout.config.batch_size
+        self.max_lag = int(max_lag)  # --max-async-lag
         self.offset = int(version_offset)
-        self.rpc_timeout = config.rpc_timeout
-        self.cap = config.cap
         self.next_batch = int(first_rollout_id)  # the next batch take() hands out
         self.num_rollout = int(num_rollout)  # no batch beyond the last one is collected
         self.queue: deque[tuple[list[Sample], int]] = deque()  # (group, engine version when it joined a batch)
@@ -109,12 +86,10 @@ class StreamRollout:
         self.exhausted = False
         self.error: str | None = None
         self.engine_fault: RolloutEngineFaultError | None = None  # a segment that lost an engine (it names it)
-        self.segment_io = None  # the running segment's StepIO (its requester counts the tokens)
         self._segment_task: asyncio.Task | None = None
         self._halt: asyncio.Event | None = None
         self._balance_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
-        self._tokens_done = 0  # new tokens of finished segments
         self._tokens_at_take = 0
         self._time_at_take = time.monotonic()
         self._staleness_at_take: Counter = Counter()
@@ -165,7 +140,7 @@ class StreamRollout:
             elif "lag" not in self.gate.holds:
                 logger.debug("stream: batch %d is %d versions ahead of the engines (v%d); pausing", self._fill_batch(),
                              self.train_version(self._fill_batch()) - self.gate.version, self.gate.version)
-                await self.gate.hold("lag", self.engines, self.session, drain=False)
+                await self.gate.hold("lag", self.rollout.engines, drain=False)
             self.changed.set()
 
     # ---- segments ----------------------------------------------------------------------
@@ -182,10 +157,8 @@ class StreamRollout:
             self._segment_task = asyncio.ensure_future(self._run_segment(self._halt))
 
     async def _run_segment(self, halt: asyncio.Event) -> None:
-        # issue nothing while paused (lag, update, eval)
-        supply = PoolSupply(self.config.pool_size, gate=self.gate, admission=self.config.admission)
-        try:
-            out = await self.run_segment(self.next_batch, supply, StreamPlacement(self.accept), halt, self._segment_io)
+        try:  # the rollout's pool, gated: nothing new while paused (lag, update, eval)
+            out = await self.rollout.step(self.next_batch, StreamPlacement(self.accept), halt)
             if not out.metrics.get("rollout/halted"):
                 logger.warning("stream: the prompt data is exhausted; %d groups queued", len(self.queue))
                 self.exhausted = True
@@ -194,16 +167,7 @@ class StreamRollout:
             self.engine_fault = e if isinstance(e, RolloutEngineFaultError) else None
             logger.error("stream segment failed: %s", self.error)
         finally:
-            if self.segment_io is not None:
-                self._tokens_done += self.segment_io.requester.new_tokens
-            self.segment_io = None
             self.changed.set()
-
-    def _segment_io(self, io) -> None:
-        self.segment_io = io
-
-    def _new_tokens(self) -> int:
-        return self._tokens_done + (self.segment_io.requester.new_tokens if self.segment_io is not None else 0)
 
     async def quiesce(self) -> None:
         """End the segment (in flight -> parked, late finishers -> ready) and move queued groups to the buffer's ready list."""
@@ -244,7 +208,7 @@ class StreamRollout:
                 break  # data exhausted
             part = [self.queue.popleft() for _ in range(min(self.batch_size - len(kept), len(self.queue)))]
             await self._mark_finished([g for g, _ in part])
-            ok, stale, c = self.cap.before_training([g for g, _ in part], version)
+            ok, stale, c = self.rollout.cap.before_training([g for g, _ in part], version)
             counts.update(c)
             ok_ids = {id(g) for g in ok}
             kept += [(g, a) for g, a in part if id(g) in ok_ids]
@@ -282,7 +246,7 @@ class StreamRollout:
     def _metrics(self, kept, version: int, waited: float, counts: Counter, dropped: list[int]) -> dict[str, float]:
         groups = [g for g, _ in kept]
         now = time.monotonic()
-        tokens = self._new_tokens()
+        tokens = self.rollout.new_tokens()
         new_tokens, elapsed = tokens - self._tokens_at_take, now - self._time_at_take
         self._tokens_at_take, self._time_at_take = tokens, now
         st = self.gate.staleness - self._staleness_at_take
@@ -310,8 +274,8 @@ class StreamRollout:
         out.update(staleness_metrics(st, IN_FLIGHT_COUNTS, "rollout/staleness_in_flight_"))
         out.update(token_version_metrics(groups, version))
         out.update(sample_metrics(groups))
-        if self.config.admission is not None:
-            out.update(self.config.admission.metrics())
+        if self.rollout.admission is not None:
+            out.update(self.rollout.admission.metrics())
         self.max_queue = len(self.queue)
         return out
 

@@ -20,7 +20,7 @@ a resume is still within it when it is trained.
 The gate lives on the event loop of the rollout it guards; other threads reach it through
 `asyncio.run_coroutine_threadsafe`.
 
-Paused updates (`--pause-mode retract|in_place`, slime/ray/async_rollout.py): the engines keep our requests across
+Paused updates (`--pause-mode retract|in_place`, the run's Rollout: slime/rollout/rollout.py): the engines keep our requests across
 the push and label every token with the version that sampled it (`meta_info.weight_versions`):
 `begin_update(v)` / `end_update()` bracket the push (a reply may then carry versions up to `newest_version`)
 while a hold without drain keeps new requests back, and `stale_requests` names the requests whose sample may
@@ -36,7 +36,6 @@ import logging
 import time
 from collections import Counter
 
-from slime.backends.sglang_utils import http_client
 from slime.rollout.multi_turn.model_turn import Segment
 from slime.rollout.sampling_request import VersionWindow
 
@@ -191,23 +190,11 @@ class VersionGate:
                 out.append(rid)
         return out
 
-    async def abort_requests(self, rids: list[str], engines, session=None, timeout: float = 30.0) -> None:
-        """POST /abort_request {"rid"} for each of `rids` to every worker (the router does not route aborts)."""
-        if not rids:
-            return
-        self._aborted.update(rids)
-        urls = await asyncio.to_thread(engines.worker_urls)
-        own = session is None
-        if own:
-            import aiohttp
-
-            session = aiohttp.ClientSession()
-        try:
-            await asyncio.gather(*(http_client.post(session, u, "/abort_request", {"rid": rid}, timeout=timeout)
-                                   for u in urls for rid in rids))
-        finally:
-            if own:
-                await session.close()
+    async def abort_requests(self, rids: list[str], engines, session=None) -> None:
+        """Abort `rids` on every engine (`engines.abort_requests`); their samples come back to the gate and resume."""
+        if rids:
+            self._aborted.update(rids)
+            await engines.abort_requests(rids, session)
 
     def set_train_version(self, train_version: int) -> None:
         self.train_version = int(train_version)

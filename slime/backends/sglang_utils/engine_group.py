@@ -237,14 +237,31 @@ class EngineGroup:
             self._load_urls = (now, await asyncio.to_thread(self.worker_urls))
         return await engine_api.rank_loads(session, self._load_urls[1], timeout)
 
-    def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
-        """POST /pause_generation {"mode"} to every worker (abort | retract | in_place)."""
+    async def pause(self, mode: str, session: aiohttp.ClientSession | None = None, timeout: float = 60.0) -> None:
+        """POST /pause_generation {"mode"} to every worker (abort | retract | in_place: SGLang's modes)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause: mode {mode!r} is not one of abort, retract, in_place")
-        self.fan_out.call("POST", "/pause_generation", {"mode": mode}, timeout)
+        await self._post_all("/pause_generation", [{"mode": mode}], session, timeout)
 
-    def continue_generation(self, timeout: float = 60.0) -> None:
-        self.fan_out.call("POST", "/continue_generation", {}, timeout)
+    async def continue_generation(self, session: aiohttp.ClientSession | None = None, timeout: float = 60.0) -> None:
+        await self._post_all("/continue_generation", [{}], session, timeout)
+
+    async def abort_requests(self, rids: list[str], session: aiohttp.ClientSession | None = None,
+                             timeout: float = 30.0) -> None:
+        """POST /abort_request {"rid"} for each of `rids` to every worker (the router does not route aborts)."""
+        if rids:
+            await self._post_all("/abort_request", [{"rid": rid} for rid in rids], session, timeout)
+
+    async def _post_all(self, path: str, bodies: list[dict], session, timeout: float) -> None:
+        urls = await asyncio.to_thread(self.worker_urls)
+        own = session is None
+        session = session or aiohttp.ClientSession()
+        try:
+            await asyncio.gather(*(http_client.post(session, u, path, body, timeout=timeout) for u in urls
+                                   for body in bodies))
+        finally:
+            if own:
+                await session.close()
 
     def flush_cache(self, timeout: float = 60.0) -> dict | str | None:
         """POST /flush_cache through the router (which fans it out to every worker). SGLang answers in plain text;

@@ -300,9 +300,10 @@ class Trainer(Offloadable):
         return parts
 
     # ---------------------------------------------------- weights, ckpt ----
-    def update_weights(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+    def update_weights(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None,
+                       flush_cache: bool = True) -> dict[str, float]:
         with self.on_device("update_weights"):
-            return self.updater.update(list(urls), int(version), feeds)
+            return self.updater.update(list(urls), int(version), feeds, flush_cache)
 
     def save(self, path: str) -> None:
         with self.on_device("save"):

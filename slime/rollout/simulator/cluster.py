@@ -2,7 +2,8 @@
 requests to them, and the prompt groups.
 
 - `SimCluster`: the engines (slime/rollout/simulator/engine.py) behind a round-robin router, seen as the step
-  sees an `EngineGroup` (`worker_urls`, `abort_all_until_idle`), and the client: one serial resource that
+  sees an `EngineGroup` (`worker_urls`, `abort_all_until_idle`, `loads`, `pause`, `continue_generation`,
+  `abort_requests`; the trainer's push: `update_weights`, or `set_version` while idle), and the client: one serial resource that
   sends each request and reads each reply, at the cost model's client costs.
 - `SimRequester`: the step's request loop (slime/rollout/sampling_request.py's `RequestLoop`: budget,
   statuses, resumes) with requests sent to the simulated engines instead of over HTTP.
@@ -125,6 +126,8 @@ class SimCluster:
         self.timeline: list[tuple[float, int]] | None = None  # (t, requests in flight), the client's view
         self.client_free_at = 0.0  # the client sends one request after another
         self._retractions_seen: dict[int, int] = {}  # per engine, for the load reports' retraction counts
+        self.paused: str | None = None  # the mode the engines were paused in (retract | in_place), until continued
+        self._by_rid: dict[str, tuple[SimEngine, SimRequest]] = {}  # requests in flight sent with a rid
 
     # ---- as the step sees an EngineGroup -----------------------------------------------------
     def worker_urls(self) -> list[str]:
@@ -137,6 +140,27 @@ class SimCluster:
         took = self.cost.abort_s + self.cost.request_latency_s
         await asyncio.sleep(took)
         return took
+
+    async def pause(self, mode: str, session=None) -> None:
+        """SGLang's /pause_generation: the engines hold what runs until the update, taken in `mode`."""
+        self.paused = mode
+
+    async def continue_generation(self, session=None) -> None:
+        self.paused = None
+
+    def update_weights(self, version: int, flush: bool) -> None:
+        """The trainer's push reaches every engine now: taken between two of its steps, in the mode it was paused
+        in (nothing running: as in place), at the cost model's `weight_update_s`."""
+        self.command_all(self.events.now, "update", (version, flush, self.cost.weight_update_s, self.paused or "in_place"))
+
+    async def abort_requests(self, rids: list[str], session=None) -> None:
+        """POST /abort_request {"rid"} for each: the request ends at its engine, its reply saying what it produced."""
+        t = self.events.now + self.cost.request_latency_s / 2
+        for rid in rids:
+            if rid in self._by_rid:
+                eng, req = self._by_rid[rid]
+                self.events.at(t, eng.deliver, "abort_request", req)
+        await asyncio.sleep(self.cost.request_latency_s)
 
     async def loads(self, session=None) -> list[dict]:
         """Every engine's load report as SGLang's /v1/loads shapes it (running, waiting, KV token usage, the engine's
@@ -152,9 +176,9 @@ class SimCluster:
         return out
 
     # ---- the client -------------------------------------------------------------------------
-    def request(self, sample: SimSample) -> asyncio.Future:
+    def request(self, sample: SimSample, rid: str | None = None) -> asyncio.Future:
         """Send `sample`'s request now (after the client's queued work); resolves to (segments, finished) once
-        the client has read the reply."""
+        the client has read the reply (`rid`: so it can be aborted by it)."""
         fut = self.events.aloop.create_future()
         eng = self.engines[self.rr % len(self.engines)]
         cost = eng.cost
@@ -169,12 +193,15 @@ class SimCluster:
         self.in_flight += 1
         if self.timeline is not None:
             self.timeline.append((t, self.in_flight))
-        req = SimRequest(self.seq, sample, t + cost.request_latency_s / 2, functools.partial(self._receive, fut))
+        req = SimRequest(self.seq, sample, t + cost.request_latency_s / 2, functools.partial(self._receive, fut, rid))
+        if rid is not None:
+            self._by_rid[rid] = (eng, req)
         self.events.at(req.arrive_t, eng.deliver, "request", req)
         return fut
 
-    def _receive(self, fut: asyncio.Future, t: float, req: SimRequest, segs, finished: bool) -> None:
+    def _receive(self, fut: asyncio.Future, rid: str | None, t: float, req: SimRequest, segs, finished: bool) -> None:
         """A reply reaches the client, which reads it (per request and per token) when it is free."""
+        self._by_rid.pop(rid, None)
         t = max(t, self.client_free_at) + self.cost.client_per_request_s / 2 \
             + self.cost.client_per_token_s * sum(n for _, n in segs)
         self.client_free_at = t
@@ -215,7 +242,7 @@ class SimRequester(RequestLoop):
         self.requests += 1
         self._in_flight(+1)
         try:
-            segs, finished = await self.cluster.request(sample)
+            segs, finished = await self.cluster.request(sample, rid)
         finally:
             self._in_flight(-1)
         sample.add(segs)

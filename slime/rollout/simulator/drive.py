@@ -1,42 +1,36 @@
-"""The simulator drives the real rollout step (slime/rollout/step.py) against simulated engines on a simulated
-clock (clock.py), so a change to the step is a change to the simulation.
+"""The simulator drives the run's real rollout (slime/rollout/rollout.py's `Rollout`: its step, its admission, its
+pause protocol) against simulated engines on a simulated clock (clock.py), so a change to the rollout is a change
+to the simulation. `SimLink` is what the Rollout talks to here.
 
-- chunked / pool (`drive_steps`): train.py's loop: for each step the engines get the new version (a flush of
-  their prefix cache unless `reuse_stale_kv`), the step runs with `ChunkedSupply` or `PoolSupply` and
-  `TargetPlacement` against the real partial-rollout buffer (slime/rollout/buffer.py), its accepted groups are
-  trained (marked in the ledger), and `train_time_s` plus the weight update pass before the next one.
-- stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` with its
-  `VersionGate`, its segments run as real steps; a trainer takes each batch, trains for `train_time_s` and
-  pushes the next version to the engines while their requests run, as `--pause-mode` says (slime/ray/
-  async_rollout.py's `updating_weights`): abort drains the gate (every request aborted, resumed after the
-  push), retract / in_place hold new requests back while the engines apply the update with the requests they
-  hold (retracted: prefilled again; in place: on their KV).
+- chunked / pool (`drive_steps`): train.py's loop: each step is `rollout.step` against the real partial-rollout
+  buffer (slime/rollout/buffer.py), its accepted groups are trained (marked in the ledger), `train_time_s` passes
+  and the next version is pushed to the idle engines through `rollout.updating_weights` (its flush rule).
+- stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` over the Rollout; a
+  trainer takes each batch, trains for `train_time_s` and pushes the next version while requests run, through
+  the Rollout's pause protocol (`--pause-mode`): abort drains the gate (every request aborted, resumed after the
+  push), retract / in_place hold new requests back while the engines, paused, apply the update with the requests
+  they hold (retracted: prefilled again; in place: on their KV), and requests over the staleness cap are aborted
+  by rid before they continue.
 
 What stays the simulator's own, and why: the engines, the client's and the router's costs (the cost model);
 the reward (none: a simulated sample has no text) and the dynamic filter (a coin with the configured pass
 rate); the step's own bookkeeping outside requests (buffer calls, commit: `step_overhead_s`, half before the
-first request, half after the drain); the trainer (a wait of `train_time_s`). In stream mode requests are not
-aborted by rid when a push makes them stale (the simulated engines abort only all at once).
+first request, half after the drain); the trainer (a wait of `train_time_s`, and `weight_update_s` for a push).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 
-from slime.rollout.admission import AdmissionControl
-from slime.rollout.base_types import RolloutOutput
 from slime.rollout.buffer import PartialRolloutBuffer
-from slime.rollout.group_outcome import TargetPlacement
 from slime.rollout.length_bias import length_bias_metrics
+from slime.rollout.rollout import Rollout
 from slime.rollout.simulator.cluster import SimCluster, SimRequester, SimSource
-from slime.rollout.staleness import StalenessCap
-from slime.rollout.step import StepIO, run_step
-from slime.rollout.step_record import StepConfig, step_error
-from slime.rollout.step_supply import ChunkedSupply, PoolSupply
-from slime.rollout.stream import StreamConfig, StreamRollout
-from slime.rollout.version_gate import GatedRequester, VersionGate
+from slime.rollout.step import StepIO
+from slime.rollout.stream import StreamRollout
 from slime.utils.ledger import TRAINED, group_id
 
 NO_TIMEOUT_S = 1e9  # the simulated step has no wall-clock limits to hit
@@ -105,40 +99,46 @@ class Recorder:
         self._mark = now
 
 
-def _step_config(cfg, cap: StalenessCap, rollout_id: int, version: int, train_version) -> StepConfig:
-    return StepConfig(rollout_id=rollout_id, n=cfg.n_samples_per_prompt, partial=cfg.partial_rollout, cap=cap,
-                      policy_version=version, train_version=train_version, rpc_timeout=NO_TIMEOUT_S,
-                      abort_timeout=NO_TIMEOUT_S, reward_settle_s=NO_TIMEOUT_S, num_engines=cfg.num_engines)
+class SimLink:
+    """The simulated engines as the run's Rollout (slime/rollout/rollout.py) sees them: each step's requests go to
+    the cluster through `SimRequester` (and the rollout's gate, if it runs ahead), rewarded and filtered by the
+    `judge`; no metrics (the `Recorder` reads the step's record) and no evaluation."""
+
+    backend = None
+    session = None
+
+    def __init__(self, cluster: SimCluster, judge: Judge, max_response_len: int):
+        self.engines, self.judge, self.max_response_len = cluster, judge, max_response_len
+
+    async def worker_urls(self) -> list[str]:
+        return self.engines.worker_urls()
+
+    @contextlib.asynccontextmanager
+    async def open_step(self, rollout, rollout_id: int, urls: list[str], in_flight_cap: int):
+        requester = SimRequester(self.engines, self.max_response_len, rollout_id)
+        yield StepIO(buffer=rollout.buffer, data_source=rollout.data_source, engines=self.engines, requester=requester,
+                     generate=rollout.requests(requester), reward=self.judge.reward, filter=self.judge.filter)
+
+    def step_metrics(self, record, io) -> dict[str, float]:
+        return {}
+
+    async def evaluate(self, rollout_id: int, groups, version: int):
+        raise NotImplementedError("the rollout simulator does not evaluate")
 
 
-async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
-                      recorder: Recorder) -> None:
-    """train.py's loop over the real step (chunked or pool)."""
+async def drive_steps(cfg, cluster: SimCluster, source: SimSource, judge: Judge, recorder: Recorder) -> None:
+    """train.py's loop over the run's Rollout (chunked or pool): step, train, push."""
     loop = asyncio.get_running_loop()
     cost = cluster.cost
     buffer = PartialRolloutBuffer()
-    if cfg.mode == "chunked":
-        supply = ChunkedSupply(cfg.chunk, cfg.concurrency_per_engine,
-                               top_ups=cfg.partial_rollout and cfg.top_ups)
-    else:
-        supply = PoolSupply(cfg.pool_size, admission=admission_of(cfg))
-    between = cfg.train_time_s + cost.weight_update_s
+    rollout = Rollout(cfg.rollout_config(), buffer, source, SimLink(cluster, judge, cfg.max_response_len))
     for step in range(cfg.steps):
-        cluster.set_version(step, flush=not cfg.reuse_stale_kv)  # the new weights: the engines are idle
         t_start = loop.time()
         await asyncio.sleep(cost.step_overhead_s / 2)  # the step's bookkeeping before its first request
         rejected_tokens = judge.rejected_tokens
         rejected = judge.rejected
-        requester = SimRequester(cluster, cfg.max_response_len, step)
-        io = StepIO(buffer=buffer, data_source=source, engines=cluster, requester=requester,
-                    generate=requester.generate, reward=judge.reward, filter=judge.filter)
-        supply.prepare(cfg.num_engines)
-        state = await run_step(io, _step_config(cfg, cap, step, step, lambda step=step: step), supply,
-                               TargetPlacement(cfg.rollout_batch_size))
-        error = step_error(state)
-        if error is not None:
-            raise error
-        await supply.after_step(state, cluster)  # (--admission auto's climb; auto's over-sampling is not simulated)
+        await rollout.step(step)  # (--admission auto's climb learns; auto's over-sampling is not simulated)
+        state = rollout.record
         await asyncio.sleep(cost.step_overhead_s / 2)  # and after its drain
         t0 = state.clock.t0
         unfinished = [st.samples for st in state.open_groups() if not all(s.status.is_finished for s in st.samples)]
@@ -152,40 +152,25 @@ async def drive_steps(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSo
                   "resumed_groups": len(state.resumed), "submitted_groups": len(state.groups),
                   "staleness": Counter(state.staleness)}
         target_t = state.clock.marks.get("target")
-        recorder.record(t_start, loop.time(), between, t0 + target_t if target_t is not None else None,
-                        state.accepted, step, wasted, counts,
+        recorder.record(t_start, loop.time(), cfg.train_time_s + cost.weight_update_s,
+                        t0 + target_t if target_t is not None else None, state.accepted, step, wasted, counts,
                         sorted(t0 + st.finished_t - t_start for st in state.groups.values() if st.finished_t is not None),
                         stale_ready)
         buffer.mark([group_id(g) for g in state.accepted], TRAINED)
         if step + 1 < cfg.steps:
-            await asyncio.sleep(between)  # training and the weight update
+            await asyncio.sleep(cfg.train_time_s)  # training
+            async with rollout.updating_weights(step + 1) as flush_cache:  # the push, to idle engines
+                await asyncio.sleep(cost.weight_update_s)
+                cluster.set_version(step + 1, flush_cache)
     recorder.ledger = buffer.check_balanced()  # (raises if a group was lost or held twice)
 
 
-async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimSource, judge: Judge,
-                       recorder: Recorder) -> None:
-    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, pushes in flight (`push_in_flight`)."""
+async def drive_stream(cfg, cluster: SimCluster, source: SimSource, judge: Judge, recorder: Recorder) -> None:
+    """train_async.py's `--rollout-mode stream` over the real `StreamRollout`, pushes in flight."""
     loop = asyncio.get_running_loop()
     buffer = PartialRolloutBuffer()
-    gate = VersionGate(0, train_version=0)
-
-    async def run_segment(rollout_id: int, supply, placement, halt: asyncio.Event, on_io) -> RolloutOutput:
-        requester = SimRequester(cluster, cfg.max_response_len, rollout_id)
-        io = StepIO(buffer=buffer, data_source=source, engines=cluster, requester=requester,
-                    generate=GatedRequester(requester, gate, cap).generate, reward=judge.reward, filter=judge.filter)
-        on_io(io)
-        supply.prepare(cfg.num_engines)
-        state = await run_step(io, _step_config(cfg, cap, rollout_id, gate.train_version, lambda: gate.train_version),
-                               supply, placement, halt=halt)
-        error = step_error(state)
-        if error is not None:
-            raise error
-        return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0} if state.halted else {})
-
-    admission = admission_of(cfg)
-    stream = StreamRollout(StreamConfig(cfg.rollout_batch_size, cfg.max_async_lag, cfg.pool_size, cap, NO_TIMEOUT_S,
-                                        admission),
-                           run_segment, gate, buffer, cluster, 0, cfg.steps, 0)
+    rollout = Rollout(cfg.rollout_config(), buffer, source, SimLink(cluster, judge, cfg.max_response_len))
+    stream = StreamRollout(rollout, 0, cfg.steps, 0, cfg.max_async_lag)
     await stream.resume()
     t_last = loop.time()
     for j in range(cfg.steps):
@@ -200,32 +185,10 @@ async def drive_stream(cfg, cap: StalenessCap, cluster: SimCluster, source: SimS
         if j + 1 == cfg.steps:
             break
         await asyncio.sleep(cfg.train_time_s)  # the trainer trains; the engines go on
-        await push_in_flight(cfg, cluster, gate, stream, j + 1)
+        async with rollout.updating_weights(j + 1) as flush_cache:  # the push reaches the engines between two steps,
+            cluster.update_weights(j + 1, flush_cache)  # in the mode they were paused in, at the model's cost
     await stream.quiesce()
     recorder.ledger = buffer.check_balanced(idle=False)  # (what the stream still holds in flight stays issued)
 
 
-def admission_of(cfg) -> AdmissionControl:
-    """The pool's --admission, as the run makes it (AdmissionControl.from_args)."""
-    return AdmissionControl(cfg.admission, cfg.pool_size, cfg.n_samples_per_prompt,
-                            cfg.rollout_batch_size * cfg.n_samples_per_prompt)
-
-
-async def push_in_flight(cfg, cluster: SimCluster, gate: VersionGate, stream: StreamRollout, version: int) -> None:
-    """train_async.py's push while requests run (`AsyncRollout.updating_weights`), per `cfg.pause_mode`."""
-    loop = asyncio.get_running_loop()
-    update = (version, not cfg.reuse_stale_kv and cfg.pause_mode != "in_place", cluster.cost.weight_update_s)
-    if cfg.pause_mode == "abort":
-        await gate.hold("update", cluster, timeout=NO_TIMEOUT_S)  # every request aborted and back at the gate
-        cluster.command_all(loop.time(), "update", (*update, "in_place"))  # (nothing runs to keep)
-        gate.set_version(version)
-    else:
-        gate.begin_update(version)
-        await gate.hold("update", cluster, drain=False)  # nothing new is sent; the engines keep what runs
-        cluster.command_all(loop.time(), "update", (*update, cfg.pause_mode))
-        gate.end_update()
-    await stream.rebalance()
-    gate.release("update")
-
-
-__all__ = ["Judge", "Recorder", "drive_steps", "drive_stream", "push_in_flight"]
+__all__ = ["Judge", "Recorder", "SimLink", "drive_steps", "drive_stream"]

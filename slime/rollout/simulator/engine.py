@@ -211,6 +211,8 @@ class SimEngine(Admission):
                 self.waiting.append(payload)
             elif kind == "abort":
                 t = self._abort_all(t)
+            elif kind == "abort_request":
+                self._abort_one(t, payload)
             elif kind == "update":  # weights reach the engine between two steps, paused in `mode`
                 version, flush, cost_s, mode = payload
                 for req in self.running.values():
@@ -251,6 +253,20 @@ class SimEngine(Admission):
             req = self.waiting.popleft()
             self._emit(t, req, req.produced, False)
         return t
+
+    def _abort_one(self, t: float, req: SimRequest) -> None:
+        """One request aborted by its rid (a stale one after an in-place update): it ends as at an abort-all."""
+        if req.seq in self.running:
+            n = self._produced(req)
+            del self.running[req.seq]
+            self.tokens_now -= req.n_input - (1 if req.gen0 == 0 else 0) + (self.k - req.k_join)
+            if self.prefix_cache_on:
+                self.cache[req.sample.sid] = (req.sample.n_tokens + n - 1, req.key)
+            self._prune_heaps()
+            self._emit(t, req, n, False)
+        elif req in self.prefilling or req in self.waiting:  # nothing sampled since it was (re)admitted
+            (self.prefilling if req in self.prefilling else self.waiting).remove(req)
+            self._emit(t, req, req.produced, False)
 
     def _emit(self, t: float, req: SimRequest, produced: int, finished: bool) -> None:
         write = self.cost.engine_per_request_s / 2 + self.cost.engine_per_output_token_s * produced

@@ -1,6 +1,6 @@
 """`simulate(config, cost, lengths) -> SimResult`: run a rollout mode for some steps in simulation.
 
-The rollout is the real one (slime/rollout/step.py, and stream mode's `StreamRollout`), driven by drive.py
+The rollout is the real one (slime/rollout/rollout.py's `Rollout`, and stream mode's `StreamRollout`), driven by drive.py
 against simulated engines (engine.py, cluster.py) on a simulated clock (clock.py).
 
 The result holds per-step records and the aggregates over the steps after `warmup_steps` (the
@@ -18,10 +18,11 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+from slime.rollout.rollout import RolloutConfig
 from slime.rollout.simulator.clock import run_virtual
 from slime.rollout.simulator.cluster import SimCluster, SimSource
 from slime.rollout.simulator.cost_model import EngineCostModel
-from slime.rollout.simulator.drive import Judge, Recorder, drive_steps, drive_stream
+from slime.rollout.simulator.drive import NO_TIMEOUT_S, Judge, Recorder, drive_steps, drive_stream
 from slime.rollout.simulator.engine import EventLoop, SimEngine
 from slime.rollout.staleness import GUARD_RESTART_BUDGET, StalenessCap
 
@@ -45,7 +46,7 @@ class SimConfig:
     staleness_policy: str = "restart"
     restart_budget: int | None = GUARD_RESTART_BUDGET  # the length guard's, as a run's default; None: guard off
     reuse_stale_kv: bool = False
-    pause_mode: str = "in_place"  # stream: how a push reaches the requests in flight (--pause-mode)
+    pause_mode: str = "in_place"  # stream: how a push reaches the requests in flight (--pause-mode; steps: idle)
     prefix_cache: bool = True
     steps: int = 10
     warmup_steps: int = 2
@@ -67,8 +68,6 @@ class SimConfig:
             raise ValueError(f"SimConfig.pass_rate must be in (0, 1], got {self.pass_rate}")
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError("SimConfig.over_sampling_batch_size must be >= 1")
-        if self.pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"SimConfig.pause_mode: {self.pause_mode!r}")
 
     @property
     def chunk(self) -> int:
@@ -81,6 +80,14 @@ class SimConfig:
         if not self.partial_rollout and self.chunk == self.rollout_batch_size:
             return "sync"
         return f"april(os={self.chunk})"
+
+    def rollout_config(self) -> RolloutConfig:
+        """The run's rollout configured as this simulated one (no wall-clock limits on a simulated clock)."""
+        cap = StalenessCap(self.max_staleness, self.staleness_policy, self.restart_budget)
+        return RolloutConfig(self.mode, self.rollout_batch_size, self.n_samples_per_prompt, self.chunk,
+                             self.partial_rollout, self.pool_size, self.admission, self.concurrency_per_engine, cap,
+                             self.pause_mode, self.reuse_stale_kv, NO_TIMEOUT_S, NO_TIMEOUT_S, NO_TIMEOUT_S,
+                             top_ups=self.top_ups)
 
     def replace(self, **kw) -> "SimConfig":
         return dataclasses.replace(self, **kw)
@@ -183,8 +190,7 @@ async def _simulate(cfg: SimConfig, cost: EngineCostModel, lengths) -> SimResult
     source = SimSource(lengths, cfg.n_samples_per_prompt, cfg.max_response_len, cfg.seed, cfg.budgets_are_lengths)
     recorder = Recorder(cluster)
     drive = drive_stream if cfg.mode == "stream" else drive_steps
-    cap = StalenessCap(cfg.max_staleness, cfg.staleness_policy, cfg.restart_budget)  # the simulated run's one cap (it checks both values)
-    await drive(cfg, cap, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
+    await drive(cfg, cluster, source, Judge(cfg.pass_rate, cfg.seed), recorder)
     return SimResult(cfg, cost.name, lengths.describe(), steps=recorder.steps, timeline=timeline,
                      engine_stats=sum_counters(e.stats for e in engines), client_timeline=cluster.timeline,
                      ledger=recorder.ledger)

@@ -65,12 +65,11 @@ class TensorSender:
     """Lives in every trainer rank; ranks that feed no engine only drain the collective weight stream."""
 
     def __init__(self, rank: int, world_size: int, pool: ThreadPoolExecutor | None, buffer_bytes: int,
-                 flush_cache: bool, timeout: float):
+                 timeout: float):
         self.rank = rank
         self.world_size = world_size
         self.pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync-tensor")
         self.buffer_bytes = buffer_bytes
-        self.flush_cache = flush_cache
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
         # CPU: each bucket's shared-memory segment is kept for the next sync (creating and faulting in a
@@ -83,9 +82,11 @@ class TensorSender:
             self._groups[ranks] = dist.new_group(list(ranks), backend="gloo")
         return self._groups[ranks]
 
-    def send(self, feeds: list[EngineFeed], named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Every rank calls this with the same `feeds`; `named` yields full tensors on every feeding rank.
-        Returns the bytes handed over by this rank. Raises on this rank's failure after draining `named`."""
+    def send(self, feeds: list[EngineFeed], named: Iterable[tuple[str, torch.Tensor]], version: int,
+             flush_cache: bool = True) -> int:
+        """Every rank calls this with the same `feeds`; `named` yields full tensors on every feeding rank (the last
+        bucket carries `flush_cache`). Returns the bytes handed over by this rank. Raises on this rank's failure
+        after draining `named`."""
         for f in feeds:  # same order on every rank
             if len(f.ranks) > 1:
                 self._group(f.ranks)
@@ -100,7 +101,7 @@ class TensorSender:
                 self._buffers[i] = flat["flattened_tensor"]
             n_bytes += flat["flattened_tensor"].numel() * flat["flattened_tensor"].element_size()
             try:
-                self._send_bucket(mine, flat, version, error is None, last)
+                self._send_bucket(mine, flat, version, error is None, flush_cache and last)
             except Exception as e:  # keep draining: the other ranks wait in the same collectives
                 error = error or e
             del flat, bucket  # the engines have copied it (or failed)
@@ -109,8 +110,8 @@ class TensorSender:
             raise error
         return n_bytes
 
-    def _send_bucket(self, mine: list[EngineFeed], flat: dict, version: int, post_it: bool, last: bool) -> None:
-        body = {"load_format": "flattened_bucket", "flush_cache": self.flush_cache and last,
+    def _send_bucket(self, mine: list[EngineFeed], flat: dict, version: int, post_it: bool, flush: bool) -> None:
+        body = {"load_format": "flattened_bucket", "flush_cache": flush,
                 "weight_version": str(version)}
         futures, error = [], None
         for f in mine:

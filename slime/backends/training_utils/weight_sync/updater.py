@@ -13,10 +13,11 @@ One update, as SGLang (>= 0.5.21) requires it: rank 0 opens a weight-update
 session on every engine (`/begin_weight_update`; a server without sessions
 answers 404 and needs none), the buckets follow, rank 0 closes the sessions
 (`/end_weight_update`). Every bucket but the last says `flush_cache: false`;
-the last one carries the flush (unless --reuse-stale-kv, or --pause-mode
-in_place: then the engines hold requests with their KV and a flush would be
-refused), so the engine flushes the cache the old weights produced once, right
-after the last load. Upstream slime instead pauses the engines, calls
+the last one carries the caller's `flush_cache` (the rollout's rule,
+slime/rollout/rollout.py: not with --reuse-stale-kv, nor under --pause-mode
+in_place, where the engines hold requests with their KV and would refuse it),
+so the engine flushes the cache the old weights produced once, right after the
+last load. Upstream slime instead pauses the engines, calls
 /flush_cache, sends every bucket with `flush_cache: false` and continues: our
 callers hand over idle engines (the step end aborts until idle;
 train_async.py's abort mode drains at its gate) or paused ones (its retract
@@ -85,14 +86,13 @@ class WeightUpdater:
         self._tensor: TensorSender | None = None
         self.buffer_bytes = args.update_weight_buffer_size
         self.timeout = HTTP_TIMEOUT_S
-        # --reuse-stale-kv: the engines keep parked samples' KV across the update (no re-prefill on resume);
-        # --pause-mode in_place: they hold requests with their KV across it, so a flush would be refused
-        self.flush_cache = not args.reuse_stale_kv and args.pause_mode != "in_place"
 
     # ------------------------------------------------------------ public ----
-    def update(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None) -> dict[str, float]:
+    def update(self, urls: list[str], version: int, feeds: list[EngineFeed] | None = None,
+               flush_cache: bool = True) -> dict[str, float]:
         """Send the current weights to every worker in `urls` as `version` (tensor mode: to the engines of
-        `feeds`, default every URL fed by rank 0). Call on every trainer rank (the gathers are collectives)."""
+        `feeds`, default every URL fed by rank 0), the engines' prefix cache flushed after the last load if
+        `flush_cache`. Call on every trainer rank (the gathers are collectives)."""
         if not urls and not feeds:
             raise ValueError("update_weights: no engine worker URLs (is the EngineGroup started?)")
         t0 = time.perf_counter()
@@ -121,12 +121,12 @@ class WeightUpdater:
         n_bytes = 0
         try:
             if mode == "tensor":
-                n_bytes = self._tensor_sender().send(feeds, named, version)
+                n_bytes = self._tensor_sender().send(feeds, named, version, flush_cache)
             elif self.rank == 0:
                 if mode == "disk":
-                    n_bytes = self._send_disk(list(urls), dict(named), version)
+                    n_bytes = self._send_disk(list(urls), dict(named), version, flush_cache)
                 else:
-                    n_bytes = self._send_distributed(list(urls), named, version)
+                    n_bytes = self._send_distributed(list(urls), named, version, flush_cache)
         except Exception as e:  # tell the other ranks before raising, so none waits forever
             error = e
         finally:
@@ -152,8 +152,7 @@ class WeightUpdater:
 
     def _tensor_sender(self) -> TensorSender:
         if self._tensor is None:
-            self._tensor = TensorSender(self.rank, dist.get_world_size(), self._pool, self.buffer_bytes,
-                                        self.flush_cache, self.timeout)
+            self._tensor = TensorSender(self.rank, dist.get_world_size(), self._pool, self.buffer_bytes, self.timeout)
         return self._tensor
 
     # ------------------------------------------------------ backend hooks ----
@@ -247,7 +246,8 @@ class WeightUpdater:
             logger.warning("destroy_weights_update_group: %s", e)
         self._release_local()
 
-    def _send_distributed(self, urls: list[str], named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def _send_distributed(self, urls: list[str], named: Iterable[tuple[str, torch.Tensor]], version: int,
+                          flush_cache: bool) -> int:
         dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
         n_bytes = 0
         for bucket, last in buckets_with_last(buckets, named, self.buffer_bytes):
@@ -258,7 +258,7 @@ class WeightUpdater:
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": self.group_name,
                 "weight_version": str(version),
-                "flush_cache": self.flush_cache and last,  # once, after the last load (see the module docstring)
+                "flush_cache": flush_cache and last,  # once, after the last load (see the module docstring)
             }
             futs = _post_all(self._pool, urls, "/update_weights_from_distributed", payload, self.timeout)
             try:
@@ -284,12 +284,12 @@ class WeightUpdater:
         for w in works:
             w.wait()
 
-    def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int) -> int:
+    def _send_disk(self, urls: list[str], state: dict[str, torch.Tensor], version: int, flush_cache: bool) -> int:
         if self._disk_dir is None:
             self._disk_dir = tempfile.mkdtemp(prefix="slime_weights_")
         path = os.path.join(self._disk_dir, f"v{version}")
         self.write_hf(state, path)
-        payload = {"model_path": path, "weight_version": str(version), "flush_cache": self.flush_cache}
+        payload = {"model_path": path, "weight_version": str(version), "flush_cache": flush_cache}
         _wait_all(_post_all(self._pool, urls, "/update_weights_from_disk", payload, self.timeout),
                   urls, "/update_weights_from_disk", self.timeout)
         for old in os.listdir(self._disk_dir):  # keep only the version the engines now serve

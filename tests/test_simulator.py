@@ -336,41 +336,6 @@ def test_the_simulator_drives_the_real_step(monkeypatch):
                                             ("update", 1, "retract")], key=str)  # one segment
 
 
-@pytest.mark.parametrize("mode, pause, reuse, flush", [("chunked", "abort", False, True), ("chunked", "abort", True, False),
-                                                       ("stream", "abort", False, True), ("stream", "retract", False, True),
-                                                       ("stream", "in_place", False, False)])
-def test_the_flush_rule_is_the_rollouts(mode, pause, reuse, flush, monkeypatch):
-    """A push flushes the engines' prefix cache unless --reuse-stale-kv, or in place (the engines keep requests with
-    their KV): the Rollout says which, the trainer's push obeys (the simulated engines as the real ones)."""
-    from slime.rollout.simulator.cluster import SimCluster
-
-    told = []
-    real = SimCluster.update_weights if mode == "stream" else SimCluster.set_version
-    monkeypatch.setattr(SimCluster, "update_weights" if mode == "stream" else "set_version",
-                        lambda self, version, f: told.append(f) or real(self, version, f))
-    simulate(_long_tail(steps=3, mode=mode, pool_size=16, train_time_s=0.05, partial_rollout=True, pause_mode=pause,
-                        reuse_stale_kv=reuse), FLAT, ParetoLengths(1.0, 8, 128))
-    assert told == [flush, flush]
-
-
-def test_a_stream_push_aborts_requests_over_the_cap_by_rid(monkeypatch):
-    """In place under --max-staleness with restart: after the push, requests a token of which may now be too old
-    are aborted by rid (the Rollout's protocol, which the simulator drives), so the cap applies when they resume."""
-    from slime.rollout.simulator.cluster import SimCluster
-
-    aborted, real = [], SimCluster.abort_requests
-
-    async def counting(self, rids, session=None):
-        aborted.extend(rids)
-        return await real(self, rids, session)
-
-    monkeypatch.setattr(SimCluster, "abort_requests", counting)
-    cfg = _long_tail(steps=6, mode="stream", pool_size=32, train_time_s=0.05, pause_mode="in_place", max_staleness=0,
-                     partial_rollout=True)
-    res = simulate(cfg, FLAT, ParetoLengths(1.0, 8, 128))
-    assert aborted and all(s["accepted"] == cfg.rollout_batch_size for s in res.steps)
-
-
 def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
     """The real StalenessCap on simulated samples: with mask and a cap of 0, resumed samples' tokens from older
     versions leave the loss (counted as wasted), and with keep they are trained; a group held ready from the step

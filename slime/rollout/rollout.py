@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
@@ -269,7 +269,7 @@ class RolloutContext:
     (`get_samples`, `add_samples`, `len`) over the run's `rollout`; `eval_groups` for `evaluation=True`."""
 
     rollout: Rollout
-    eval_groups: Any = None  # a list of groups, or a dict by eval set name
+    eval_groups: list[list[Sample]] | dict[str, list[list[Sample]]] | None = None  # a list, or lists by eval set
     # ids handed out by get_samples and not yet handed back or returned (settled after the call)
     issued: set[int] = field(default_factory=set)
 

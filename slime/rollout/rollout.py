@@ -87,8 +87,9 @@ class Rollout:
     def __init__(self, config: RolloutConfig, buffer, data_source, link, planner=None, policy_version: int = 0):
         if config.pause_mode not in PAUSE_MODES:
             raise ValueError(f"--pause-mode {config.pause_mode!r} is not one of {PAUSE_MODES}")
-        if config.over_sampling == "auto" and planner is None:
-            raise ValueError("--over-sampling-batch-size auto needs its planner (OverSamplingPlanner.from_args(args))")
+        if (config.over_sampling == "auto") != (planner is not None):
+            raise ValueError("--over-sampling-batch-size auto needs its planner (OverSamplingPlanner.from_args(args)), "
+                             "and a fixed size takes none")
         self.config, self.buffer, self.data_source, self.link = config, buffer, data_source, link
         self.engines = link.engines if link is not None else None
         self.planner = planner  # --over-sampling-batch-size auto (slime/rollout/simulator/planner.py)
@@ -132,10 +133,9 @@ class Rollout:
         """`--rollout-mode`'s: chunked over-sampling (top-ups under --partial-rollout), a pool, or stream mode's pool,
         gated (no new group while the gate is held). Either takes parked groups first (`take_groups`)."""
         c = self.config
-        if c.mode == "chunked":
-            auto = c.over_sampling == "auto"
-            return ChunkedSupply(None if auto else int(c.over_sampling), c.concurrency_per_engine,
-                                 top_ups=c.partial and c.top_ups, planner=self.planner if auto else None)
+        if c.mode == "chunked":  # auto: the planner's choice for this step
+            size = self.planner.size() if self.planner is not None else int(c.over_sampling)
+            return ChunkedSupply(size, c.concurrency_per_engine, top_ups=c.partial and c.top_ups)
         return PoolSupply(c.pool_size, gate=self.gate if c.mode == "stream" else None, admission=self.admission)
 
     # ---- the verbs ----------------------------------------------------------------------------
@@ -166,8 +166,13 @@ class Rollout:
             return RolloutOutput(groups=[], metrics={"rollout/halted": 1.0})
         if error is not None:
             raise error
-        metrics = {**self.link.step_metrics(record, io), **supply.metrics()}  # this step's over-sampling prediction
-        await supply.after_step(record, self.engines)  # then the planner, the admission climb learn from it
+        metrics = self.link.step_metrics(record, io)
+        if self.planner is not None:  # this step's over-sampling prediction, then the planner learns from the step
+            metrics.update(self.planner.metrics())
+            await self.planner.after_step(record, self.engines)
+        if self.admission is not None:  # auto: the step's tokens/s judges its climb
+            metrics.update(self.admission.metrics())
+            self.admission.step_ended(record)
         return RolloutOutput(groups=record.accepted, metrics=metrics, dropped=dict(record.rejected))
 
     @contextlib.asynccontextmanager

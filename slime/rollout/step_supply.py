@@ -41,8 +41,7 @@ def _unfinished(groups: list[list]) -> int:
 class Supply:
     """What the step asks a supply: `prepare(num_engines)` (sets `in_flight_cap`, `chunk`), `top_up` at each wake
     (the groups to add; `playing`: groups in play, `requests`: members being generated, `awaiting`: rows of
-    generated groups whose reward still runs), `gate_closed()` (what to wait on while none may be), `metrics()`,
-    `after_step()`."""
+    generated groups whose reward still runs), `gate_closed()` (what to wait on while none may be)."""
 
     chunk: int | None = None
     in_flight_cap = 0
@@ -53,33 +52,18 @@ class Supply:
     def gate_closed(self):
         return None
 
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    async def after_step(self, record: StepRecord, engines) -> None:
-        return None
-
 
 class ChunkedSupply(Supply):
-    """Over-sampled chunks with top-ups (APRIL): `size` groups a chunk (`--over-sampling-batch-size`), or each
-    step what `planner` chooses (`auto`'s, slime/rollout/simulator/planner.py, which learns from each step's
-    record); `concurrency_per_engine` caps the requests in flight."""
+    """Over-sampled chunks with top-ups (APRIL): `size` groups a chunk (`--over-sampling-batch-size`, or this
+    step's choice of auto's planner); `concurrency_per_engine` caps the requests in flight."""
 
-    def __init__(self, size: int | None, concurrency_per_engine: int, top_ups: bool, planner=None):
-        self.size, self.planner = size, planner
-        self.concurrency_per_engine = concurrency_per_engine
+    def __init__(self, size: int, concurrency_per_engine: int, top_ups: bool):
+        self.size, self.concurrency_per_engine = size, concurrency_per_engine
         self.top_ups = top_ups  # --partial-rollout: what is unfinished at the target is parked, not thrown away
 
     def prepare(self, num_engines: int) -> None:
-        self.chunk = self.planner.size() if self.planner is not None else self.size
+        self.chunk = self.size
         self.in_flight_cap = self.concurrency_per_engine * num_engines
-
-    def metrics(self) -> dict[str, float]:
-        return self.planner.metrics() if self.planner is not None else {}
-
-    async def after_step(self, record: StepRecord, engines) -> None:
-        if self.planner is not None:
-            await self.planner.after_step(record, engines)
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int, awaiting: int) -> list[list]:
         out: list[list] = []
@@ -114,10 +98,3 @@ class PoolSupply(Supply):
         while (free := limit - requests - _unfinished(out)) > 0 and not rec.exhausted and self.gate_closed() is None:
             out += await next_groups(rec, io, -(-free // rec.config.n))
         return out
-
-    def metrics(self) -> dict[str, float]:
-        return self.admission.metrics() if self.admission is not None else {}
-
-    async def after_step(self, record: StepRecord, engines) -> None:
-        if self.admission is not None:
-            self.admission.step_ended(record)  # auto: the step's tokens/s judges its climb

@@ -1,6 +1,6 @@
 """`--over-sampling-batch-size auto`: each chunked step's over-sampling size, chosen with the rollout simulator.
 
-The RolloutManager (slime/ray/rollout.py) makes this planner for `auto` only; the chunked supply asks it
+The RolloutManager (slime/ray/rollout.py) makes this planner for `auto` only; the run's Rollout asks it
 `size()` (this step's size), `metrics()` and `after_step(record, engines)` (learn from the finished step's
 `StepRecord`, slime/rollout/step_record.py).
 

@@ -34,8 +34,9 @@ def test_the_flush_rule_is_the_rollouts(mode, pause, reuse, flush, monkeypatch):
 
 
 def test_a_stream_push_aborts_requests_over_the_cap_by_rid(monkeypatch):
-    """In place under --max-staleness with restart: after the push, requests a token of which may now be too old
-    are aborted by rid (the Rollout's protocol, which the simulator drives), so the cap applies when they resume."""
+    """In place under --max-staleness with restart (the length guard off): after the push, requests a token of which
+    may now be too old are aborted by rid (the Rollout's protocol, which the simulator drives), so the cap applies
+    when they resume."""
     aborted, real = [], SimCluster.abort_requests
 
     async def counting(self, rids, session=None):
@@ -43,10 +44,11 @@ def test_a_stream_push_aborts_requests_over_the_cap_by_rid(monkeypatch):
         return await real(self, rids, session)
 
     monkeypatch.setattr(SimCluster, "abort_requests", counting)
-    cfg = _config(steps=6, mode="stream", pool_size=32, pause_mode="in_place", max_staleness=0)
+    cfg = _config(steps=6, mode="stream", pool_size=32, pause_mode="in_place", max_staleness=0, restart_budget=None)
     res = simulate(cfg, FLAT, LENGTHS)
     assert aborted and all(s["accepted"] == cfg.rollout_batch_size for s in res.steps)
     aborted.clear()
     simulate(cfg.replace(staleness_policy="mask"), FLAT, LENGTHS)  # mask needs no restart: nothing to abort
+    simulate(cfg.replace(restart_budget=0), FLAT, LENGTHS)  # nor the guard, which masks instead of restarting
     simulate(cfg.replace(max_staleness=None), FLAT, LENGTHS)
     assert aborted == []

@@ -1,7 +1,6 @@
-"""What a finished group becomes: `judge` rewards it and says failed (no trainable sample), rejected (the
-dynamic filter said no) or passed; the step (slime/rollout/step.py) accepts a passed group while it runs, to
-its placement (slime/rollout/rollout.py's `TargetPlacement`, stream.py's `StreamPlacement`).
-"""
+"""What a finished group becomes: `judge` rewards it and says failed (no trainable sample), rejected (the dynamic
+filter said no) or passed; the step (step.py) hands a passed group to its placement (`TargetPlacement`,
+`StreamPlacement`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""APRIL against the real engines: the default rollout function (`--rollout-function-path`, upstream slime's
-`generate_rollout(args, rollout_id, data_source, evaluation=False) -> RolloutOutput`: one step of the run's
-`Rollout`, `data_source.rollout`; evaluation: eval_rollout.py) and `EngineLink`, what that Rollout talks to. A
-dead or frozen engine, named by the watchdog, stops the step as at its target (finished groups kept, the rest
-parked), then `RolloutEngineFaultError` names it (`RolloutError` for any other failure).
-"""
+"""APRIL against the real engines: the default rollout function (upstream slime's `generate_rollout`: one step of
+the run's `Rollout`, `data_source.rollout`) and `EngineLink`, what that Rollout talks to. A dead or frozen engine,
+named by the watchdog, stops the step as at its target (nothing lost), then `RolloutEngineFaultError` names it."""
 
 from __future__ import annotations
 
@@ -83,4 +80,5 @@ class EngineLink:
         return await generate_eval(self.args, rollout_id, groups, self.engines, version, self.agent)
 
 
-__all__ = ["EngineLink", "GenerateState", "engine_rollout", "RolloutEngineFaultError", "RolloutError", "generate_rollout", "run_sync"]
+__all__ = ["EngineLink", "GenerateState", "RolloutEngineFaultError", "RolloutError", "engine_rollout", "generate_rollout",
+           "run_sync"]

@@ -10,11 +10,9 @@
     settle the groups still being rewarded: overflow, kept ready           place(stopped=True)
     commit: finished marked, rejected dropped, unfinished parked           commit
 
-The `supply` feeds groups (chunked over-sampling with top-ups, or a pool always in flight); the `placement`
-takes accepted ones (toward a target, or to stream mode's queue); `StepIO` is what the step talks to: the
-engines behind the router (slime/rollout/sglang_rollout.py) or the simulator's on a simulated clock
-(slime/rollout/simulator/drive.py). It returns its `StepRecord` (slime/rollout/step_record.py) and never
-raises for what goes wrong inside: `step_error(record)` (there) names it.
+The `supply` feeds groups, the `placement` takes accepted ones (toward a target, or to stream mode's queue);
+`StepIO` is what the step talks to (the Rollout's link: the real engines or the simulator's). It returns its
+`StepRecord` and never raises for what goes wrong inside: `step_error(record)` names it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What one APRIL rollout step is asked (`StepConfig`), what it did (`StepRecord`: run_step, slime/rollout/step.py,
-writes it; the metrics and the trace, the over-sampling planner and the simulator read it) and what a failed step
-raises (`step_error`: `RolloutError`, `RolloutEngineFaultError`)."""
+"""What one APRIL rollout step is asked (`StepConfig`), what it did (`StepRecord`, which run_step writes and the
+metrics, the trace, the planner and the simulator read) and what a failed one raises (`step_error`)."""
 
 from __future__ import annotations
 
@@ -76,7 +75,7 @@ class StepRecord:
     refilled_groups: int = 0  # chunked top-ups: groups added as requests finished, between chunks
     parked: int = 0  # unfinished groups parked at the commit (--partial-rollout)...
     discarded: int = 0  # ... or dropped
-    staleness: Counter = field(default_factory=Counter)  # what the staleness cap did (StalenessCap.COUNTS)
+    staleness: Counter = field(default_factory=Counter)  # what the staleness cap did (staleness.STEP_COUNTS)
     errors: list[str] = field(default_factory=list)  # the first one stopped the step
     faults: dict = field(default_factory=dict)  # engine url -> EngineFault (the watchdog's)
     halted: bool = False  # stopped by the caller (a checkpoint), not by its target

@@ -1,16 +1,12 @@
-"""How a step feeds the engines: parked groups first, then fresh ones, as chunks or as a pool.
-
-The order groups are handed out in is `take_groups`'s (slime/rollout/buffer.py), the one way they leave the
-buffer and the data source (the step here, upstream's `data_source.get_samples`): parked first, then fresh.
-Each time the step's loop wakes, its supply's `top_up` says which groups to add:
-- `ChunkedSupply` (`--rollout-mode chunked`, APRIL): `--over-sampling-batch-size` groups at a time while
-  (groups in play + accepted) < target; with `--partial-rollout`, a top-up as soon as fewer requests are in
-  flight than a chunk's worth, so the engines stay full instead of draining a chunk;
-- `PoolSupply` (`--rollout-mode pool`, CoPRIS; stream mode's segments): a pool of requests in flight for the
-  whole step, refilled as they finish; `gate` (stream mode) holds new groups back while it is closed.
-Neither adds groups while the rows of generated groups still awaiting their reward reach a chunk's worth
-(the pool's limit): a reward that stalls would otherwise let a step generate without bound, every group it
-finishes waiting, then becoming overflow that later steps train on, stale.
+"""How a step feeds the engines: parked groups first, then fresh ones (`take_groups`, slime/rollout/buffer.py, the
+one way groups leave the buffer and the data source), as chunks or as a pool. At each wake of the step's loop the
+supply's `top_up` says which groups to add:
+- `ChunkedSupply` (chunked, APRIL): `--over-sampling-batch-size` groups at a time while (in play + accepted) <
+  target; with `--partial-rollout`, a top-up as soon as fewer requests are in flight than a chunk's worth;
+- `PoolSupply` (pool, CoPRIS; stream mode's segments): a pool of requests in flight, refilled as they finish;
+  `gate` (stream mode) holds new groups back while it is closed.
+Neither adds groups while a chunk's worth of rows awaits its reward: a stalled reward would otherwise let a step
+generate without bound, what it finished training later, stale.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from __future__ import annotations
 from slime.rollout.buffer import take_groups
 from slime.rollout.step_record import RolloutError, StepGroup, StepRecord
 from slime.utils.ledger import group_id
+
 
 async def next_groups(rec: StepRecord, io, num: int) -> list[list]:  # take_groups, recorded in `rec`
     c = rec.config
@@ -58,11 +55,10 @@ class ChunkedSupply(Supply):
     step's choice of auto's planner); `concurrency_per_engine` caps the requests in flight."""
 
     def __init__(self, size: int, concurrency_per_engine: int, top_ups: bool):
-        self.size, self.concurrency_per_engine = size, concurrency_per_engine
+        self.chunk, self.concurrency_per_engine = size, concurrency_per_engine
         self.top_ups = top_ups  # --partial-rollout: what is unfinished at the target is parked, not thrown away
 
     def prepare(self, num_engines: int) -> None:
-        self.chunk = self.size
         self.in_flight_cap = self.concurrency_per_engine * num_engines
 
     async def top_up(self, rec: StepRecord, io, playing: int, requests: int, awaiting: int) -> list[list]:

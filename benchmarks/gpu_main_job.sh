@@ -248,7 +248,11 @@ EOF
     run_capped S_stream "$S_CAP" "$S_NEED" env RAY_ADDRESS=127.0.0.1:$port RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 \
       $PY train_async.py "${RCOMMON[@]}" --num-rollout "$STREAM_STEPS" "${STREAM[@]}" --save "$WORK/stream/ckpt" \
       --save-interval "$STREAM_STEPS" --run-dir "$WORK/stream"
-    kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    # the head's own shutdown waits ~30 s for the GCS that the same signal stopped (drain_node's timeout): a few
+    # seconds' grace, then the group is killed (nothing of the run is in it: the save and the metrics are on disk)
+    kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null
+    for _ in 1 2 3 4 5; do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -"$pid" 2>/dev/null; wait "$pid" 2>/dev/null
     rm -rf "$tmp"
     $PY tools/audit_ledger.py "$WORK/stream/ckpt" > "$LOGS/S_audit.txt" 2>&1
     cp "$WORK/stream/metrics.jsonl" "$LOGS/S_metrics.jsonl" 2>/dev/null

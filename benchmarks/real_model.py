@@ -264,8 +264,12 @@ def reading(res: dict) -> str:
     r, cpu, gpu = res["ratios"].get("embedded"), res.get("simulated_cpu"), res.get("simulated_gpu")
     if not r:
         return ""
+    a, s = res["runs"]["april"], res["runs"]["sync"]
     text = (f"APRIL trained {r['samples_per_s']:.2f}x the samples/s of sync on the embedded engine"
-            + (f" (the simulator predicts {cpu['april_over_sync']:.2f}x for the rollout alone)" if cpu else "") + ". ")
+            + (f" (the simulator predicts {cpu['april_over_sync']:.2f}x for the rollout alone)" if cpu else "") + ": "
+            f"rollout {a['rollout_s']:.0f} s against {s['rollout_s']:.0f} s, training {a['train_s']:.0f} s against "
+            f"{s['train_s']:.0f} s (evals, the same work in both: {a['eval_s']:.0f} s against {s['eval_s']:.0f} s; "
+            "a gap there is the box's load, not the mode). ")
     curve = (res.get("engine") or {}).get("curve_tok_s") or {}
     if curve:
         lo, hi = min(curve, key=int), max(curve, key=int)

@@ -55,6 +55,7 @@ def test_reused_arms_make_the_table_without_running_anything(tmp_path, monkeypat
     assert april["eval_gain"] == pytest.approx(0.25) and res["april_minus_sync"]["difference"] == 0.0
     md = (out / "real_model.md").read_text()
     assert "APRIL / sync trained samples/s 2.00x" in md
+    assert "rollout 30 s against 30 s, training 30 s against 90 s" in md  # where the time went, arm by arm
     assert "| n/a -> n/a |" in md and "| 1.5 -> 2.5 |" in md  # the load where the arm's own run saved it
 
 

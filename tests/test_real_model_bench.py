@@ -4,17 +4,19 @@ arm or one of another length is refused."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from slime.utils.summary import LAG_PREFIX
 
-import real_model  # noqa: E402
-from slime.utils.summary import LAG_PREFIX  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# loaded under its own name: `real_model` is tests/real_model.py, the real-model tests' helpers
+_spec = importlib.util.spec_from_file_location("real_model_benchmark", os.path.join(REPO, "benchmarks", "real_model.py"))
+real_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(real_model)
 
 
 def write_run(run_dir, steps: int, step_s: float, new_tokens: float, lag1_share: float, scores_after: list[float]):

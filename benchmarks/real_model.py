@@ -5,6 +5,7 @@ this runs unchanged).
     python benchmarks/real_model.py                        # everything, one command (prints how long it took)
     python benchmarks/real_model.py --steps 2 --sglang-steps 0 --no-calibrate    # a smoke run
     python benchmarks/real_model.py -- --lr 2e-5           # extra train.py flags for every run (e.g. a GPU's)
+    python benchmarks/real_model.py --reuse april          # read the finished APRIL arm in --out, run the rest
 
 1. `bash scripts/quickstart.sh --real-model` with and without `--no-partial` on the embedded engine: the same
    prompts, seed and number of trained samples (--steps x 4 groups x 8); held-out eval accuracy against step and
@@ -43,6 +44,7 @@ from slime.utils.summary import LAG_PREFIX  # noqa: E402
 
 logger = logging.getLogger("real_model")
 CURVE = "1,2,4,8,16,32,64"
+ARMS = ("april", "sync", "sglang-april", "sglang-sync")
 
 
 def load() -> float:
@@ -69,10 +71,28 @@ def run_quickstart(opts, name: str, mode_args: list[str], steps: int, eval_inter
     stats = run_stats(run_dir)
     stats.update(name=name, run_dir=run_dir, whole_run_s=round(time.monotonic() - t0, 1), load_before=load_before,
                  load_after=load())
+    with open(os.path.join(opts.out, f"{name}.json"), "w") as f:  # what --reuse reads back
+        json.dump({k: stats[k] for k in ("whole_run_s", "load_before", "load_after")}, f)
     print(f"  {name}: {stats['steps']} steps in {stats['loop_s']:.0f} s of loop ({stats['whole_run_s']:.0f} s whole), "
           f"{stats['samples_per_s']:.3f} samples/s, rollout {stats['rollout_tokens_per_s']:.1f} tok/s, eval "
           f"{_fmt_acc(stats.get('eval_first'))} -> {_fmt_acc(stats.get('eval_last'))}; load {load_before} -> "
           f"{stats['load_after']}", flush=True)
+    return stats
+
+
+def reused_stats(opts, name: str, steps: int) -> dict:
+    """A finished arm of an earlier run of this benchmark, read from <out>/<name> instead of run again."""
+    run_dir = os.path.join(opts.out, name)
+    if not os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise SystemExit(f"--reuse {name}: {run_dir} holds no finished run (no summary.json)")
+    stats = run_stats(run_dir)
+    if stats["steps"] != steps:
+        raise SystemExit(f"--reuse {name}: {run_dir} ran {stats['steps']} steps, this benchmark runs {steps}")
+    saved = os.path.join(opts.out, f"{name}.json")  # its load and time, where the run that made it wrote them
+    stats.update(json.load(open(saved)) if os.path.exists(saved) else
+                 {"whole_run_s": None, "load_before": None, "load_after": None})
+    stats.update(name=name, run_dir=run_dir, reused=True)
+    print(f"  {name}: reused {run_dir} ({stats['steps']} steps, {stats['samples_per_s']:.3f} samples/s)", flush=True)
     return stats
 
 
@@ -204,7 +224,7 @@ def markdown(res: dict) -> str:
             f"{st['rollout_tokens_per_s']:.1f} | {st['off_policy_token_share']:.2f} | {f(st['response_len_mean'], '.1f')} | "
             f"{f(st['length_trained_mean'], '.1f')} / {f(st['length_trained_p90'], '.0f')} ({f(st['length_sync_mean'], '.1f')} / "
             f"{f(st['length_sync_p90'], '.0f')}) | {f(st['length_longest_decile_share'])} | {_fmt_acc(st.get('eval_first'))} -> "
-            f"{_fmt_acc(st.get('eval_last'))} | {gain} | {st['load_before']} -> {st['load_after']} |")
+            f"{_fmt_acc(st.get('eval_last'))} | {gain} | {f(st['load_before'], '')} -> {f(st['load_after'], '')} |")
     curves = {k: {p["step"]: p for p in v["eval_curve"]} for k, v in runs.items() if v["eval_curve"]}
     if curves:
         names = list(curves)
@@ -244,8 +264,12 @@ def reading(res: dict) -> str:
     r, cpu, gpu = res["ratios"].get("embedded"), res.get("simulated_cpu"), res.get("simulated_gpu")
     if not r:
         return ""
+    a, s = res["runs"]["april"], res["runs"]["sync"]
     text = (f"APRIL trained {r['samples_per_s']:.2f}x the samples/s of sync on the embedded engine"
-            + (f" (the simulator predicts {cpu['april_over_sync']:.2f}x for the rollout alone)" if cpu else "") + ". ")
+            + (f" (the simulator predicts {cpu['april_over_sync']:.2f}x for the rollout alone)" if cpu else "") + ": "
+            f"rollout {a['rollout_s']:.0f} s against {s['rollout_s']:.0f} s, training {a['train_s']:.0f} s against "
+            f"{s['train_s']:.0f} s (evals, the same work in both: {a['eval_s']:.0f} s against {s['eval_s']:.0f} s; "
+            "a gap there is the box's load, not the mode). ")
     curve = (res.get("engine") or {}).get("curve_tok_s") or {}
     if curve:
         lo, hi = min(curve, key=int), max(curve, key=int)
@@ -268,9 +292,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps of each embedded-engine run (default: the quick start's)")
     p.add_argument("--sglang-steps", type=int, default=6, help="steps of each run on SGLang's own server (0: none)")
     p.add_argument("--no-calibrate", action="store_true", help="skip the engine curve and the simulator")
+    p.add_argument("--reuse", default="", help="comma-separated arms (april, sync, sglang-april, sglang-sync) whose "
+                   "finished runs in --out are read instead of run again")
     p.add_argument("--work", default="runs/smollm2", help="the quick start's model and data (WORK)")
     p.add_argument("--out", default="runs/real_model_bench")
     opts = p.parse_args(argv)
+    reuse = [a for a in opts.reuse.split(",") if a]
+    if set(reuse) - set(ARMS):
+        p.error(f"--reuse: unknown arm(s) {sorted(set(reuse) - set(ARMS))}; the arms are {', '.join(ARMS)}")
+    if opts.sglang_steps == 0 and {"sglang-april", "sglang-sync"} & set(reuse):
+        p.error("--reuse names an SGLang arm but --sglang-steps is 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     opts.work, opts.out = os.path.abspath(opts.work), os.path.abspath(opts.out)
     steps = opts.steps or int(_quickstart_default("STEPS"))
@@ -281,12 +312,14 @@ def main(argv=None) -> int:
     print(f"real-model benchmark: {steps} steps per embedded run, {opts.sglang_steps} per SGLang run; load {load()}", flush=True)
     interval = int(_quickstart_default("EVAL_INTERVAL"))
     for name, mode in (("april", []), ("sync", ["--no-partial"])):
-        res["runs"][name] = run_quickstart(opts, name, mode, steps, min(interval, steps), extra)
+        res["runs"][name] = (reused_stats(opts, name, steps) if name in reuse else
+                             run_quickstart(opts, name, mode, steps, min(interval, steps), extra))
     res["april_minus_sync"] = april_vs_sync_final(res["runs"]["april"]["run_dir"], res["runs"]["sync"]["run_dir"])
     if opts.sglang_steps:
         for name, mode in (("sglang-april", []), ("sglang-sync", ["--no-partial"])):
-            res["runs"][name] = run_quickstart(opts, name, mode, opts.sglang_steps, 0,
-                                               [*extra, "--rollout-backend", "sglang"])
+            res["runs"][name] = (reused_stats(opts, name, opts.sglang_steps) if name in reuse else
+                                 run_quickstart(opts, name, mode, opts.sglang_steps, 0,
+                                                [*extra, "--rollout-backend", "sglang"]))
     for backend, (a, s) in {"embedded": ("april", "sync"), "SGLang's server": ("sglang-april", "sglang-sync")}.items():
         if a in res["runs"]:
             ra, rs = res["runs"][a], res["runs"][s]

@@ -126,7 +126,8 @@ def run_quick_start(o) -> tuple[list[dict], dict | None, float]:
            "--train-num-threads", str(o.threads), *o.extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
            "SLIME_SKIP_INSTALL": "1", "WORK": o.work, "RUN": run_dir, "STEPS": str(o.steps),
-           "EVAL_NUM": "8", "PYTHON": sys.executable}
+           "EVAL_NUM": "8", "PYTHON": sys.executable,
+           "RAY_worker_niceness": "0"}  # Ray's workers (trainer, engine) at the driver's priority, not Ray's default 15
     shutil.rmtree(os.path.join(run_dir, "engine_logs"), ignore_errors=True)
     poll = EngineStats(os.path.join(run_dir, "engine_logs", "engine_0.log"))
     poll.start()

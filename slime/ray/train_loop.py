@@ -17,10 +17,7 @@ where a batch comes from and when the weights reach the engines.
             if run.save_due(rollout_id): run.save(rollout_id)
         run.finish()
 
-Timing (`perf/` metrics, one set per step): the step's wall time, how long the trainer was busy
-(training and pushing weights), how long the engines were idle (the embedded engine's scheduler
-counter; absent with SGLang) and, on eval steps, how long the eval took, so a run's idle fractions
-are sums of these over its steps.
+Timing: the `perf/` metrics of each step (slime/ray/step_timing.py; on eval steps, how long the eval took).
 
 Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
 `RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
@@ -45,6 +42,7 @@ from slime.ray.placement_group import create_placement_groups, write_placement
 from slime.ray.restarts import PARTS
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
 from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
+from slime.ray.step_timing import StepTiming
 from slime.rollout.base_types import RolloutOutput
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptySteps, count_trainable
@@ -56,26 +54,8 @@ from slime.utils.summary import log_run_summary
 
 logger = logging.getLogger("train")
 
-ENGINE_INFO_TIMEOUT_S = 10.0
-
-
 def is_due(rollout_id: int, interval: int | None) -> bool:
     return bool(interval) and (rollout_id + 1) % interval == 0
-
-
-def engine_idle_seconds(engines) -> float | None:
-    """Sum over workers of the embedded engine's cumulative scheduler idle time (None if an engine has none)."""
-    from slime.backends.sglang_utils.http_client import get_json
-
-    total = 0.0
-    for url in engines.engine_urls:  # the engines this run launched (no router round trip)
-        info = get_json(url.rstrip("/") + "/get_server_info", timeout=ENGINE_INFO_TIMEOUT_S)
-        states = info.get("internal_states") if isinstance(info, dict) else None
-        stats = states[0].get("scheduler_stats") if isinstance(states, list) and states and isinstance(states[0], dict) else None
-        if not isinstance(stats, dict) or "idle_s" not in stats:
-            return None
-        total += float(stats["idle_s"])
-    return total
 
 
 class TrainingRun:
@@ -117,8 +97,7 @@ class TrainingRun:
         # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
         self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)
         self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
-        self._engine_idle_ok = self.rollout_manager.engines is not None
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), None, 0.0
+        self.timing = StepTiming(self.rollout_manager.engines)  # the `perf/` metrics of each step
 
     def _name_trainer_ranks(self) -> None:
         """The trainer ranks' actors by role (and pid), so a death names the rank (after a restart: the new ones)."""
@@ -159,7 +138,7 @@ class TrainingRun:
 
     def steps(self) -> range:
         """The rollout ids still to run (the per-step clock starts here)."""
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), self._engine_idle(), 0.0
+        self.timing.restart()
         return range(self.start_rollout_id, self.num_rollout)
 
     def is_last(self, rollout_id: int) -> bool:
@@ -269,7 +248,7 @@ class TrainingRun:
         out = self.actor_model.train(rollout_id, batch, version)
         if self.recovery is not None:
             self.recovery.trained(rollout_id, batch, version)
-        self._trainer_busy += time.monotonic() - t0
+        self.timing.trainer_busy += time.monotonic() - t0
         if not self.args.load_debug_rollout_data:
             self.rollout_manager.mark_trained(rollout.groups)
         return {f"train/{k}": v for k, v in out.items()}
@@ -294,7 +273,7 @@ class TrainingRun:
             with self.checkpoint_if_engines_give_up(rollout_id):
                 sync = manager.push_weights(self.actor_model, version, flush_cache)
         finally:
-            self._trainer_busy += time.monotonic() - t0
+            self.timing.trainer_busy += time.monotonic() - t0
         return {f"weight_sync/{k}": v for k, v in sync.items()}
 
     @contextlib.contextmanager
@@ -336,36 +315,18 @@ class TrainingRun:
         return out
 
     # ---- logging ---------------------------------------------------------------------------
-    def _engine_idle(self) -> float | None:
-        if not self._engine_idle_ok:
-            return None
-        try:
-            idle = engine_idle_seconds(self.rollout_manager.engines)
-        except Exception as e:  # a metric: never stop training for it
-            logger.warning("engine idle time not measured (%s)", e)
-            idle = None
-        if idle is None:
-            self._engine_idle_ok = False
-        return idle
-
     def log(self, rollout_id: int, step_metrics: dict) -> None:
         """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
         timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
-        now = time.monotonic()
+        step_metrics.update(self.timing.metrics())  # (the next step's clock starts)
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
         self.record.ledger = self.rollout_manager.ledger_summary()
         step_metrics.update({f"ledger/{k}": v for k, v in self.record.ledger.items()})
         # restarts so far, read now: one during this step's training or weight push (after its batch was made) counts
         step_metrics.update(self.rollout_manager.restarts.metrics())
-        step_metrics["perf/step_time_s"] = now - self._step_start
-        step_metrics["perf/trainer_busy_s"] = self._trainer_busy
-        idle = self._engine_idle()
-        if idle is not None and self._engine_idle_start is not None:
-            step_metrics["perf/engine_idle_s"] = idle - self._engine_idle_start
         self.metrics.log(rollout_id, step_metrics)
         self.record.step = rollout_id + 1  # a failure from here on is in the next step
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), idle, 0.0
 
     def finish(self) -> dict:
         manager = self.rollout_manager  # restarts counted to the end: one after the last row is in no row
@@ -383,4 +344,4 @@ class TrainingRun:
             self.rollout_manager.shutdown()
 
 
-__all__ = ["STOPS", "RunStopped", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]
+__all__ = ["STOPS", "RunStopped", "TrainingRun", "is_due", "train_or_stop"]

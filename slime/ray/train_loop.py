@@ -7,6 +7,7 @@ where a batch comes from and when the weights reach the engines.
         run.evaluate_start()
         for rollout_id in run.steps():
             batch = run.rollout(rollout_id)                    # or train_async.py's rollout running ahead
+            if batch is None: break                            # a stop halted it (its samples parked)
             if run.trainable(rollout_id, batch):               # not a step where every group failed
                 with run.phases.train():                       # --colocate: who holds the devices
                     metrics |= run.train(rollout_id, batch)
@@ -15,9 +16,15 @@ where a batch comes from and when the weights reach the engines.
             if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
             run.log(rollout_id, metrics)
             if run.save_due(rollout_id): run.save(rollout_id)
-        run.finish()
+            if run.stop_due(rollout_id): break                   # SIGTERM, SIGINT, --exit-*
+        run.finish()                                             # (a stop: checkpoint, shut down, say why)
 
 Timing: the `perf/` metrics of each step (slime/ray/step_timing.py; on eval steps, how long the eval took).
+
+Stops: SIGTERM, SIGINT and --exit-duration-in-mins request a stop (`GracefulStop`, slime/utils/graceful_stop.py;
+--exit-interval is `stop_due`'s): a rollout halts as at its target (None: nothing to train), a training call or
+weight push finishes, and the loop leaves after the step; `finish` then checkpoints the last step done, shuts
+every part and Ray down and raises `StoppedOnRequest` (exit 128 + the signal, 0 for a time limit).
 
 Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
 `RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
@@ -41,12 +48,13 @@ from slime.ray.colocation import device_phases
 from slime.ray.placement_group import create_placement_groups, write_placement
 from slime.ray.restarts import PARTS
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
-from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
+from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, explain_stop, train_or_stop
 from slime.ray.step_timing import StepTiming
 from slime.rollout.base_types import RolloutOutput
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptySteps, count_trainable
 from slime.utils.gpu_plan import effective_settings
+from slime.utils.graceful_stop import GracefulStop, StopNow, StoppedOnRequest
 from slime.utils.hf_dir import check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
@@ -59,8 +67,10 @@ def is_due(rollout_id: int, interval: int | None) -> bool:
 
 
 class TrainingRun:
-    def __init__(self, args):
+    def __init__(self, args, stop: GracefulStop | None = None):
+        """`stop`: the entry point's (its signal handlers installed); None: only --exit-interval stops early."""
         self.args = args
+        self.stop = stop if stop is not None else GracefulStop()
         self.run_dir = resolve_run_dir(args)
         setup_logging(self.run_dir)
         logger.info("%s", effective_settings(args))  # precision, optimizer sharding, offload
@@ -76,13 +86,15 @@ class TrainingRun:
     def _start(self, ckpt, state) -> None:
         args = self.args
         init_ray(listen_host=args.listen_host)
+        self.stop.install()  # again: ray.init puts its own SIGTERM handler in
         self.metrics = MetricsLogger(args, self.run_dir)
         # Engines + router + data + buffer on one side, trainers on the other.
         pgs = create_placement_groups(args)
         # each engine's host actor on its bundles (colocated: the trainers' bundles)
         self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only,
                                               engine_slots=pgs.engine_slots(args.num_engines,
-                                                                            args.rollout_num_gpus_per_engine))
+                                                                            args.rollout_num_gpus_per_engine),
+                                              halt=self.stop)
         self.record.actors[self.rollout_manager.buffer._actor_id.hex()] = "the buffer actor"
         if not args.debug_rollout_only:
             if args.use_fault_tolerance:  # a trainer that fails starts again; the engines stay up
@@ -110,9 +122,13 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if isinstance(exc, Exception):
+        if isinstance(exc, StopNow):  # a second stop signal: everything down, then it says where the run was
+            self.shutdown_quietly()
+            raise StopNow(f"{exc}; stopped in step {self.record.step}: {self.record.resume_hint()}",
+                          exc.exit_code) from None
+        if isinstance(exc, Exception) and not isinstance(exc, StoppedOnRequest):
             self._stop(exc)
-        elif exc is not None:  # Ctrl-C: everything down, then it goes on up
+        elif exc is not None:  # Ctrl-C without our handlers: everything down, then it goes on up
             self.shutdown_quietly()
         return False
 
@@ -211,10 +227,14 @@ class TrainingRun:
             self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
 
     # ---- one step ------------------------------------------------------------------------
-    def rollout(self, rollout_id: int) -> RolloutOutput:
+    def rollout(self, rollout_id: int) -> RolloutOutput | None:
         """The step's batch (train.py: one APRIL step). An engine fault is named, or with --use-fault-tolerance the
-        engine is restarted, given the current weights and the step run again (parked samples first)."""
-        return self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
+        engine is restarted, given the current weights and the step run again (parked samples first). None: a stop
+        request halted it (its unfinished samples parked, its finished groups kept ready: nothing lost)."""
+        if self.stop.requested:
+            return None
+        out = self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
+        return None if "rollout/halted" in out.metrics else out
 
     def _surviving_engine_faults(self, step: Callable[[], Any]) -> Any:
         manager = self.rollout_manager
@@ -266,8 +286,8 @@ class TrainingRun:
         or restarted and pushed again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id`
         first."""
         manager = self.rollout_manager
-        if manager.engines is None or self.actor_model is None:
-            return {}
+        if manager.engines is None or self.actor_model is None or self.stop.requested:
+            return {}  # (a stop: the engines are about to go; a --load pushes the checkpoint's weights)
         t0 = time.monotonic()
         try:
             with self.checkpoint_if_engines_give_up(rollout_id):
@@ -289,10 +309,18 @@ class TrainingRun:
 
     # ---- checkpoints and eval -------------------------------------------------------------------
     def save_due(self, rollout_id: int) -> bool:
-        """--save every --save-interval steps, and after the last one."""
-        return bool(self.args.save) and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval))
+        """--save every --save-interval steps, and after the last one (a stop's checkpoint is `finish`'s)."""
+        return (bool(self.args.save) and not self.stop_due(rollout_id)
+                and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval)))
 
-    def save(self, rollout_id: int) -> None:
+    def stop_due(self, rollout_id: int) -> bool:
+        """Stop after this step: a stop was requested (SIGTERM, SIGINT, --exit-duration-in-mins), or --exit-interval
+        says so; `finish` then checkpoints and says why."""
+        if is_due(rollout_id, self.args.exit_interval) and not self.is_last(rollout_id):
+            self.stop.request(f"--exit-interval {self.args.exit_interval}: step {rollout_id} done")
+        return self.stop.requested
+
+    def save(self, rollout_id: int) -> str:
         manager = self.rollout_manager
         writers = {"buffer": manager.save_buffer}
         if self.actor_model is not None:
@@ -303,9 +331,11 @@ class TrainingRun:
         if self.recovery is not None:
             self.recovery.checkpointed(f"{path}/trainer")
         self.record.checkpoint, self.record.at_checkpoint = rollout_id, manager.ledger_summary()
+        return path
 
     def eval_due(self, rollout_id: int) -> bool:
-        return bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
+        return (bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
+                and not self.stop.requested)
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Eval sets on the engines' current weights (never enters the buffer, never trains)."""
@@ -329,12 +359,28 @@ class TrainingRun:
         self.record.step = rollout_id + 1  # a failure from here on is in the next step
 
     def finish(self) -> dict:
+        if self.stop.requested:
+            self._finish_stopped()
         manager = self.rollout_manager  # restarts counted to the end: one after the last row is in no row
         summary = log_run_summary(self.run_dir, self.metrics.path, self.args,
                                   restarts={p: manager.restarts.counts[p] for p in PARTS} if manager else None)
         self.metrics.close()
         self.shutdown()
         return summary
+
+    def _finish_stopped(self) -> None:
+        """A requested stop: checkpoint the last step done (everything in flight is parked by now), shut every part
+        and Ray down, then raise `StoppedOnRequest` naming why, the checkpoint and what `--load` resumes."""
+        done, path, held = self.record.step - 1, None, None
+        if self.args.save and done >= 0:
+            path = self.save(done)
+            held = self.rollout_manager.buffer_sizes()
+        self.metrics.close()
+        self.shutdown()
+        import ray
+
+        ray.shutdown()
+        raise StoppedOnRequest(explain_stop(self.stop.reason, self.record, path, held), self.stop.exit_code)
 
     def shutdown(self) -> None:
         if self.actor_model is not None:

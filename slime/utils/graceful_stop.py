@@ -53,6 +53,7 @@ class GracefulStop:
         self._deadline_s = exit_duration_in_mins * 60.0 if exit_duration_in_mins else None
         self._started = time.monotonic()
         self._timer: threading.Timer | None = None
+        self._handling = False  # the handlers are ours (inside `with`, until a second signal)
         self._previous: dict[int, object] = {}
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
@@ -86,6 +87,7 @@ class GracefulStop:
 
     # ---- the handlers and the time limit ----------------------------------------------------------
     def __enter__(self) -> "GracefulStop":
+        self._handling = True
         self.install()
         if self._deadline_s is not None:
             self._timer = threading.Timer(max(0.0, self._deadline_s - (time.monotonic() - self._started)),
@@ -101,14 +103,15 @@ class GracefulStop:
         return False
 
     def install(self) -> None:
-        """(Re)install the handlers; only in the main thread, only while entered (`with`)."""
-        if threading.current_thread() is not threading.main_thread() or self.signals >= 2:
+        """(Re)install the handlers: inside `with`, in the main thread (else nothing)."""
+        if not self._handling or threading.current_thread() is not threading.main_thread():
             return
         for signum in SIGNALS:
             previous = signal.signal(signum, self._on_signal)
             self._previous.setdefault(signum, previous)
 
     def _restore(self) -> None:
+        self._handling = False
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

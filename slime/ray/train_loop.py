@@ -62,6 +62,8 @@ from slime.utils.summary import log_run_summary
 
 logger = logging.getLogger("train")
 
+AT_ONCE_S = 5.0  # a second stop signal: how long trainer ranks get to release their weight-update group
+
 def is_due(rollout_id: int, interval: int | None) -> bool:
     return bool(interval) and (rollout_id + 1) % interval == 0
 
@@ -122,10 +124,11 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if isinstance(exc, StopNow):  # a second stop signal: everything down, then it says where the run was
-            self.shutdown_quietly()
-            raise StopNow(f"{exc}; stopped in step {self.record.step}: {self.record.resume_hint()}",
-                          exc.exit_code) from None
+        at_once = self.stop.at_once  # a second stop signal: everything down, then it says where the run was
+        if isinstance(exc, KeyboardInterrupt) and at_once is not None:
+            self.shutdown_quietly(at_once=True)
+            raise StopNow(f"{at_once}; stopped in step {self.record.step}: {self.record.resume_hint()}",
+                          at_once.exit_code) from None
         if isinstance(exc, Exception) and not isinstance(exc, StoppedOnRequest):
             self._stop(exc)
         elif exc is not None:  # Ctrl-C without our handlers: everything down, then it goes on up
@@ -142,9 +145,9 @@ class TrainingRun:
         self.shutdown_quietly()
         raise RunStopped(reason) from error
 
-    def shutdown_quietly(self) -> None:
+    def shutdown_quietly(self, at_once: bool = False) -> None:
         try:
-            self.shutdown()
+            self.shutdown(at_once)
         except Exception as e:  # noqa: BLE001 - the run's own error is the one to report
             logger.warning("shutting down after the failure: %s: %s", type(e).__name__, e)
 
@@ -382,9 +385,10 @@ class TrainingRun:
         ray.shutdown()
         raise StoppedOnRequest(explain_stop(self.stop.reason, self.record, path, held), self.stop.exit_code)
 
-    def shutdown(self) -> None:
+    def shutdown(self, at_once: bool = False) -> None:
+        """Trainers, engines, router. `at_once`: trainer ranks still busy with a call are killed after a moment."""
         if self.actor_model is not None:
-            self.actor_model.shutdown()  # releases the weight-update group on both sides
+            self.actor_model.shutdown(**({"timeout": AT_ONCE_S} if at_once else {}))  # releases the weight-update group
             self.actor_model = None
         if self.rollout_manager is not None:
             self.rollout_manager.shutdown()

@@ -5,8 +5,8 @@
 loop asks `stop.requested` at its safe points, and a rollout step takes it as its `halt` (`is_set()` and an
 `async wait()` usable on any event loop, woken from the signal handler), so the step stops as at its target:
 unfinished samples parked, finished groups kept ready. The first signal only records the request; a second one
-raises `StopNow` at once (the run shuts its parts down and names why; nothing more is saved); a third is no longer
-caught. `--exit-duration-in-mins M` (Megatron-LM's flag) requests the stop M minutes after the process started;
+raises `StopNow` at once (the run shuts its parts down and names why; nothing more is saved; `at_once` keeps it, as
+Ray's waits turn it into a plain KeyboardInterrupt); a third is no longer caught. `--exit-duration-in-mins M` (Megatron-LM's flag) requests the stop M minutes after the process started;
 `--exit-interval N` is the training loop's (after every N-th step). docs/faults.md.
 """
 
@@ -50,6 +50,7 @@ class GracefulStop:
         self.reason: str | None = None  # why the stop was requested (None: it was not)
         self.exit_code = 0
         self.signals = 0  # stop signals received
+        self.at_once: StopNow | None = None  # what the second one raised (Ray's waits re-raise a plain KeyboardInterrupt)
         self._deadline_s = exit_duration_in_mins * 60.0 if exit_duration_in_mins else None
         self._started = time.monotonic()
         self._timer: threading.Timer | None = None
@@ -125,7 +126,8 @@ class GracefulStop:
                            "weight push finished), then checkpointing; send it again to stop at once", name)
             return
         self._restore()  # a third signal is not caught
-        raise StopNow(f"{name} received again while stopping ({self.reason}): stopped at once", 128 + signum)
+        self.at_once = StopNow(f"{name} received again while stopping ({self.reason}): stopped at once", 128 + signum)
+        raise self.at_once
 
     def _time_is_up(self) -> None:
         minutes = (time.monotonic() - self._started) / 60.0

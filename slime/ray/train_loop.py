@@ -64,6 +64,7 @@ logger = logging.getLogger("train")
 
 AT_ONCE_S = 5.0  # a second stop signal: how long trainer ranks get to release their weight-update group
 
+
 def is_due(rollout_id: int, interval: int | None) -> bool:
     return bool(interval) and (rollout_id + 1) % interval == 0
 

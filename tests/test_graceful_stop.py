@@ -35,7 +35,8 @@ STEPS = 9  # each chain's --num-rollout
 # as the run's first one forms its weight-update group, so it leads its chain
 CHAINS = {
     "train.py": [("chunked", "weight push", signal.SIGTERM), ("chunked", "rollout", signal.SIGTERM),
-                 ("chunked", "training", signal.SIGINT), ("chunked", "second signal", signal.SIGTERM)],
+                 ("chunked", "training", signal.SIGINT), ("chunked", "second signal", signal.SIGTERM),
+                 ("chunked", "exit interval", None)],
     "train_async.py": [("pool", "weight push", signal.SIGINT), ("stream", "rollout", signal.SIGINT),
                        ("chunked", "training", signal.SIGTERM)],
 }
@@ -60,11 +61,13 @@ def _stopped_run(d, entry: str, mode: str, phase: str, sig: int, start: int, opt
                  steps: int = STEPS) -> dict:
     """One run from step `start` (a --load resume unless 0), stopped by `sig` in `phase` of step `at` (the first
     push, or the step after `start`, so that the resumed step runs whole first); `options`: more flags."""
-    at = start if phase == "weight push" else start + 1
+    at = start if phase in ("weight push", "exit interval") else start + 1
     assert phase != "weight push" or start == 0
-    # one weight bucket per tensor: the push takes long enough to be caught in it
-    extra = (["--load", str(d / "ckpt")] if start else []) + (["--update-weight-buffer-size", "4096"]
-                                                              if phase == "weight push" else [])
+    extra = ["--load", str(d / "ckpt")] if start else []
+    if phase == "weight push":  # one weight bucket per tensor: the push takes long enough to be caught in it
+        extra += ["--update-weight-buffer-size", "4096"]
+    if phase == "exit interval":  # no signal: Megatron-LM's flag stops it after its first step
+        extra += ["--exit-interval", str(start + 1)]
     for old in (d / "rollouts").glob("rollout_*.json"):  # a halted step's dump is rewritten when it runs again
         if int(old.stem.split("_")[1]) >= start:
             old.unlink()
@@ -76,7 +79,9 @@ def _stopped_run(d, entry: str, mode: str, phase: str, sig: int, start: int, opt
     out = {"log": log, "start": start, "at": at}
     try:
         trainer = None
-        if phase == "rollout":
+        if phase == "exit interval":
+            _wait(lambda: "resumed from" in log.read_text(), 400, "the resume", proc, str(log))
+        elif phase == "rollout":
             _wait(lambda: any(int(p.name[5:]) >= at for p in (d / "run" / "gate").glob("held-*")), 400,
                   f"step {at}'s rollout", proc, str(log))
         else:  # the step's batch is made (its dump) / the engine joined the push: freeze the trainer there
@@ -88,11 +93,15 @@ def _stopped_run(d, entry: str, mode: str, phase: str, sig: int, start: int, opt
             trainer.send_signal(signal.SIGSTOP)
         out["job"] = _descendants(proc.pid)
         out["job_cmds"] = [" ".join(p.cmdline()) for p in out["job"]]
-        if sig == signal.SIGINT:
+        if sig is None:
+            pass
+        elif sig == signal.SIGINT:
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole foreground group
         else:
             proc.send_signal(sig)
-        _wait(lambda: "stopping at the next safe point" in log.read_text(), 60, "the stop's first line", proc, str(log))
+        if sig is not None:
+            _wait(lambda: "stopping at the next safe point" in log.read_text(), 60, "the stop's first line", proc,
+                  str(log))
         if phase == "second signal":  # while the training call still runs
             proc.send_signal(sig)
             proc.wait(timeout=120)
@@ -153,8 +162,10 @@ def test_a_stop_checkpoints_says_why_and_leaves_nothing_behind(chain, i):
 def check_stop(chain, run) -> None:
     """Exit code, where it stopped, the checkpoint, the last line of train.log and the console, no process left."""
     d, text = chain["d"], run["log"].read_text()
-    assert run["rc"] == 128 + run["sig"], text[-3000:]
-    done, name = run["done"], "SIGINT (Ctrl-C)" if run["sig"] == signal.SIGINT else "SIGTERM"
+    assert run["rc"] == (0 if run["sig"] is None else 128 + run["sig"]), text[-3000:]
+    done = run["done"]
+    why = (f"--exit-interval {done + 1}: step {done} done" if run["sig"] is None else
+           f"{'SIGINT (Ctrl-C)' if run['sig'] == signal.SIGINT else 'SIGTERM'} received")
     # where it stopped: a training call or a push finishes its step; a halted rollout leaves its step undone (in
     # train_async.py the trainer may be training the step before it, which then finishes)
     assert done == run["at"] or (run["phase"] == "rollout" and done == run["at"] - 1), text[-3000:]
@@ -162,11 +173,12 @@ def check_stop(chain, run) -> None:
     ckpt_lines = re.findall(rf"slime.utils.checkpoint: saved checkpoint \S*iter_{done:07d}", text)
     if run["phase"] != "rollout":  # it landed in the call: the step's own checkpoint is the stop's, written once
         assert len(ckpt_lines) == 1, ckpt_lines
-        assert any(k.startswith("weight_sync/") for k in run["rows"][-1]) == (run["phase"] == "weight push")
+        pushed = run["phase"] in ("weight push", "exit interval")  # (a stop in the training call skips the push)
+        assert any(k.startswith("weight_sync/") for k in run["rows"][-1]) == pushed
     ckpt = d / "ckpt" / f"iter_{done:07d}"
     buffer = run["buffer"]
     held = f"{len(buffer['parked'])} parked and {len(buffer['ready'])} ready groups in its buffer"
-    reason = (f"{name} received; stopped after step {done} (everything in flight parked): saved checkpoint {ckpt} "
+    reason = (f"{why}; stopped after step {done} (everything in flight parked): saved checkpoint {ckpt} "
               f"({held}); `--load {d / 'ckpt'}` resumes at step {done + 1}")
     train_log = run["train_log"]
     assert train_log[-1].endswith(f" WARNING train: stopped: {reason}"), train_log[-3:]
@@ -177,7 +189,9 @@ def check_stop(chain, run) -> None:
     assert ("hf_engine" in cmds or "sglang.launch_server" in cmds) and "router" in cmds and "FSDPTrainer" in cmds
     assert "raylet" in cmds
     assert run["survivors"] == []
-    assert buffer["parked"] and "issued" not in buffer["ledger"]["state"].values()
+    assert "issued" not in buffer["ledger"]["state"].values()  # every group the stopped run took is accounted for
+    if run["phase"] == "rollout":
+        assert buffer["parked"]
     if run["phase"] == "rollout" and chain["entry"] == "train.py":  # the halted step's own tokens were parked
         assert any(run["at"] in s["weight_versions"] for g in buffer["parked"] for s in g)
 
@@ -195,6 +209,13 @@ def test_a_second_signal_stops_at_once_naming_the_checkpoint_to_resume_from(chai
     assert text.rstrip().splitlines()[-1] == f"{chain['entry']}: stopped: {reason}"
     assert int(run["latest"]) == at - 1 and [r["step"] for r in run["rows"]] == list(range(at))  # nothing more saved
     assert run["survivors"] == []
+
+
+def test_exit_interval_stops_after_its_step_checkpointed_and_exits_0(chain):
+    runs = [r for r in chain["runs"] if r["phase"] == "exit interval"]
+    if not runs:
+        pytest.skip(f"{chain['entry']}'s chain has no --exit-interval run")
+    check_stop(chain, runs[0])
 
 
 def test_each_resume_takes_the_parked_samples_first_and_the_ledger_audit_passes(chain):

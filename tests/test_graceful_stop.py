@@ -1,7 +1,8 @@
 """A polite stop (slime/utils/graceful_stop.py, docs/faults.md) on the quick start's task, embedded engine: SIGTERM
 and SIGINT (a terminal's Ctrl-C: sent to the driver's whole process group) during a rollout, a training call and a
 weight push, for train.py and train_async.py. Each entry point runs a chain: every run is stopped at the moment its
-case names and the next one resumes it with --load, the last one to the end of the run. Each stop must exit with
+case names and the next one resumes it with --load, the last one to the end of the run (train.py's last one is
+stopped by --exit-interval instead: exit 0, checkpointed, the end of its chain). Each stop must exit with
 128 + the signal, end train.log and the console with its reason and checkpoint, leave no process of the job behind,
 and the next run must resume there with the parked samples first (their tokens kept, never generated again); the
 final checkpoint's ledger audit is clean (every group issued once, trained at most once, none lost).
@@ -149,9 +150,11 @@ def chain(request, task, tmp_path_factory):
         runs.append(run)
         assert run["resumes_at"] >= start, run["log"].read_text()[-3000:]
         start = run["resumes_at"]
+    if runs[-1]["phase"] == "exit interval":  # it ends the chain (exit 0, checkpointed): the audit is of its checkpoint
+        return {"d": d, "entry": entry, "runs": runs, "end": runs[-1]["done"]}
     final = subprocess.run(_chain_cmd(d, entry, "chunked", "--load", str(d / "ckpt")), cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=600)
-    return {"d": d, "entry": entry, "runs": runs, "final": final, "steps": STEPS}
+    return {"d": d, "entry": entry, "runs": runs, "final": final, "end": STEPS - 1}
 
 
 @pytest.mark.parametrize("i", range(3), ids=["weight_push", "rollout", "training"])  # (each chain's first three)
@@ -225,21 +228,23 @@ def test_each_resume_takes_the_parked_samples_first_and_the_ledger_audit_passes(
 def check_resumes(chain) -> None:
     """Each resume starts where its stop said, takes what the stop held first, keeps the parked tokens; the final
     ledger audit is clean."""
-    d, runs, final, steps = chain["d"], chain["runs"], chain["final"], chain["steps"]
-    assert final.returncode == 0, final.stderr[-3000:]
-    for run, after in zip(runs, runs[1:] + [None]):
-        text = (after["log"] if after else None)
-        resumed = text.read_text() if text else final.stderr
+    d, runs, end = chain["d"], chain["runs"], chain["end"]
+    after = [r["log"].read_text() for r in runs[1:]]
+    if "final" in chain:
+        assert chain["final"].returncode == 0, chain["final"].stderr[-3000:]
+        after.append(chain["final"].stderr)
+    for run, resumed in zip(runs, after):
         assert f"at rollout {run['resumes_at']}" in resumed
-    runs = [r for r in runs if r["phase"] != "second signal"]  # (it saved nothing: the checks below are the others')
-    assert _steps_logged(d) == list(range(steps))
+    # (the second signal saved nothing; the last stop of a chain that ends with it has nothing after it)
+    runs = [r for r in runs if r["phase"] != "second signal" and r["done"] < end]
+    assert _steps_logged(d) == list(range(end + 1))
     # every sample parked by a stop reaches training with the tokens it had (resumed, never generated again)
     trained = {}
-    for rid in range(steps):
+    for rid in range(end + 1):
         for g in json.load(open(d / "rollouts" / f"rollout_{rid}.json"))["groups"]:
             assert g[0]["group_index"] not in trained, f"group {g[0]['group_index']} trained twice"
             trained[g[0]["group_index"]] = g
-    final_buffer = _buffer(d, steps - 1)
+    final_buffer = _buffer(d, end)
     still = {g[0]["group_index"] for g in final_buffer["parked"] + final_buffer["ready"]}
     resumed = 0
     for run in runs:
@@ -257,7 +262,7 @@ def check_resumes(chain) -> None:
                     assert by_index[s["index"]]["tokens"][:len(s["tokens"])] == s["tokens"], (gid, s["index"])
     assert resumed > 0
     ledger = final_buffer["ledger"]["state"]
-    driver = json.loads((d / "ckpt" / f"iter_{steps - 1:07d}" / "driver_state.json").read_text())
+    driver = json.loads((d / "ckpt" / f"iter_{end:07d}" / "driver_state.json").read_text())
     assert sorted(int(g) for g in ledger) == list(range(driver["rollout"]["data_source"]["group_counter"]))
     assert set(ledger.values()) <= {"trained", "dropped", "parked", "finished"}
     assert {int(g) for g, s in ledger.items() if s == "trained"} == set(trained)

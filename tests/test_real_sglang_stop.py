@@ -31,7 +31,7 @@ def chain(task, tmp_path_factory):
     final = subprocess.run(_chain_cmd(d, "train.py", "chunked", "--load", str(d / "ckpt"), *sglang, steps=STEPS),
                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     record_cost("a SIGTERM'd train.py run and its --load resume, 3 steps", time.monotonic() - t0)
-    return {"d": d, "entry": "train.py", "runs": [run], "final": final, "steps": STEPS}
+    return {"d": d, "entry": "train.py", "runs": [run], "final": final, "end": STEPS - 1}
 
 
 def test_a_stop_on_sglang_checkpoints_says_why_and_leaves_nothing_behind(chain):

@@ -10,6 +10,7 @@ slime/ray/train_loop.py. With --colocate, `run.phases` hands the shared devices 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -22,20 +23,23 @@ from tqdm import tqdm  # noqa: E402
 from slime.arguments import ArgumentError, parse_args  # noqa: E402
 from slime.dry_run import dry_run  # noqa: E402
 from slime.ray.train_loop import TrainingRun, train_or_stop  # noqa: E402
+from slime.utils.graceful_stop import GracefulStop  # noqa: E402
 
 logger = logging.getLogger("train")
 
 
-def train(args) -> dict:
+def train(args, stop: GracefulStop | None = None) -> dict:
     # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
     # An error that ends the run shuts everything down and names what failed (slime/ray/train_loop.py).
-    with TrainingRun(args) as run:
+    with TrainingRun(args, stop) as run:
         run.evaluate_start()
 
         for rollout_id in tqdm(run.steps(), desc="rollout steps"):
             # 1. Rollout (APRIL: over-sample, stop at the target, abort, park the rest).
             with run.phases.rollout(), run.checkpoint_if_engines_give_up(rollout_id - 1):
                 rollout = run.rollout(rollout_id)
+            if rollout is None:  # a stop request halted it (its samples parked, none lost): finish() checkpoints
+                break
             step_metrics = dict(rollout.metrics)
 
             # 2'. Nothing to train on (every group failed): no update, no version bump; stops after N in a row.
@@ -56,8 +60,10 @@ def train(args) -> dict:
             #    a checkpoint of step k always has step k's row (a resume drops the rows after its checkpoint).
             if run.save_due(rollout_id):
                 run.save(rollout_id)
+            if run.stop_due(rollout_id):  # SIGTERM, SIGINT, --exit-duration-in-mins, --exit-interval
+                break
 
-        return run.finish()
+        return run.finish()  # after a stop: checkpoint the last step done, shut down, say why (exit 128 + signal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run is not None:  # checks the whole command line, prints the plan, starts nothing
         return dry_run("train.py", args)
-    return train_or_stop("train.py", train, args)
+    with GracefulStop(args.exit_duration_in_mins) as stop:  # SIGTERM / SIGINT: stop at the next safe point
+        return train_or_stop("train.py", functools.partial(train, stop=stop), args)
 
 
 if __name__ == "__main__":

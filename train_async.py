@@ -17,6 +17,7 @@ an engine fault stops the run with the engine named (`--use-fault-tolerance`'s r
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -30,20 +31,23 @@ from slime.arguments import ArgumentError, parse_args  # noqa: E402
 from slime.dry_run import dry_run  # noqa: E402
 from slime.ray.async_rollout import AsyncRollout  # noqa: E402
 from slime.ray.train_loop import TrainingRun, is_due, train_or_stop  # noqa: E402
+from slime.utils.graceful_stop import GracefulStop  # noqa: E402
 
 logger = logging.getLogger("train")
 
 
-def train(args) -> dict:
+def train(args, stop: GracefulStop | None = None) -> dict:
     # Checks, then engines + router + data + buffer, trainers; resumed from --load if it holds a checkpoint.
     # An error that ends the run shuts everything down and names what failed (slime/ray/train_loop.py).
-    with TrainingRun(args) as run:
+    with TrainingRun(args, stop) as run:
         run.evaluate_start()
         rollout = AsyncRollout(args, run.rollout_manager, run.start_rollout_id).start()
         try:
             for rollout_id in tqdm(run.steps(), desc="rollout steps"):
                 # 1. The next batch (the rollout produced it while the trainer trained on the previous ones).
                 batch = rollout.next_batch(rollout_id)
+                if batch is None:  # a stop request came while it waited: rollout.stop() below parks everything
+                    break
                 step_metrics = dict(batch.metrics)
 
                 # 2. Train on it (off-policy tokens corrected against their behaviour log-probs); a batch where
@@ -55,7 +59,7 @@ def train(args) -> dict:
                 #    --update-weights-interval steps): they wait at the gate (abort) or run on (in place) meanwhile.
                 version = run.new_policy_version()
                 eval_due = run.eval_due(rollout_id)
-                if is_due(rollout_id, args.update_weights_interval) or eval_due:
+                if (is_due(rollout_id, args.update_weights_interval) or eval_due) and not run.stop.requested:
                     with rollout.updating_weights(version) as flush_cache:
                         step_metrics.update(run.push_weights(rollout_id, version, flush_cache))
 
@@ -69,9 +73,11 @@ def train(args) -> dict:
                 if run.save_due(rollout_id):
                     with rollout.quiesced(resume=not run.is_last(rollout_id)):
                         run.save(rollout_id)
+                if run.stop_due(rollout_id):  # SIGTERM, SIGINT, --exit-duration-in-mins, --exit-interval
+                    break
         finally:
             rollout.stop()  # parks whatever is still in flight
-        return run.finish()
+        return run.finish()  # after a stop: checkpoint the last step done, shut down, say why (exit 128 + signal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run is not None:  # checks the whole command line, prints the plan, starts nothing
         return dry_run("train_async.py", args)
-    return train_or_stop("train_async.py", train, args)
+    with GracefulStop(args.exit_duration_in_mins) as stop:  # SIGTERM / SIGINT: stop at the next safe point
+        return train_or_stop("train_async.py", functools.partial(train, stop=stop), args)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,12 @@ def test_agent_flags_are_filled_with_agent_env_and_refused_without(base, base_ar
                            "--custom-generate-function-path", "tests.plugins_for_tests.tool_turn_generate"])
     with pytest.raises(ArgumentError, match="--tool-timeout: must be > 0"):
         parse_args(base + ["--agent-env", "slime.tasks.subtract_tool.ENV", "--tool-timeout", "0"])
+
+
+def test_megatron_exit_flags_are_taken_and_checked(base):
+    """Megatron-LM's --exit-duration-in-mins / --exit-interval (upstream scripts pass them): honoured, not refused."""
+    args = parse_args(base + ["--exit-duration-in-mins", "230", "--exit-interval", "20"])
+    assert (args.exit_duration_in_mins, args.exit_interval) == (230, 20)
+    for flag in ("--exit-duration-in-mins", "--exit-interval"):
+        with pytest.raises(ArgumentError, match=f"{flag}: must be > 0"):
+            parse_args(base + [flag, "0"])

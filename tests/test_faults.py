@@ -102,7 +102,7 @@ def _engine_pids(driver_pid: int) -> list[int]:
     return [p.pid for p in _descendants(driver_pid) if "slime.backends.hf_engine" in _cmdline(p)]
 
 
-def _wait(cond, timeout: float, what: str, proc=None, log=None):
+def _wait(cond, timeout: float, what: str, proc=None, log=None, poll: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -110,7 +110,7 @@ def _wait(cond, timeout: float, what: str, proc=None, log=None):
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"train.py exited ({proc.returncode}) while waiting for {what}:\n"
                                  + (open(log).read()[-4000:] if log else ""))
-        time.sleep(0.2)
+        time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}" + (f":\n{open(log).read()[-4000:]}" if log else ""))
 
 

@@ -20,6 +20,13 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
                    help="reference model (default: --hf-checkpoint); with --train-backend megatron a torch_dist "
                         "checkpoint (tools/convert_hf_to_torch_dist.py) or a HF directory, which is also the "
                         "actor's starting point when --load has no checkpoint (as in slime)")
+    # Megatron-LM's names; a SIGTERM or SIGINT stops the same way (docs/faults.md)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop this many minutes after the start (the rollout halted, its unfinished samples parked), "
+                        "checkpoint (with --save) and exit 0: set it below a scheduler's time limit and --load resumes")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop after every step whose number (counted from 1, across resumes) is a multiple of this, "
+                        "checkpointed (with --save); exit 0")
 
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action=argparse.BooleanOptionalAction, default=True,
@@ -48,4 +55,6 @@ def check(a: Args, entry: str) -> None:
              "must be > 0 and needs --save")
     _require(a.load is None or _here(a, os.path.isdir(a.load)) or a.save == a.load, "--load",
              f"{a.load!r} is not a directory")
+    _require(a.exit_duration_in_mins is None or a.exit_duration_in_mins > 0, "--exit-duration-in-mins", "must be > 0")
+    _require(a.exit_interval is None or a.exit_interval > 0, "--exit-interval", "must be > 0")
     _require(a.ckpt_step is None or (a.load is not None and a.ckpt_step >= 0), "--ckpt-step", "must be >= 0 and needs --load")

@@ -102,16 +102,34 @@ class AsyncRollout:
             self.thread.join(timeout=30)
 
     # ---- the training loop's calls --------------------------------------------------------------
-    def next_batch(self, rollout_id: int) -> RolloutOutput:
-        """Batch `rollout_id`: its groups (finished, rewarded, accepted) and rollout metrics."""
+    def next_batch(self, rollout_id: int) -> RolloutOutput | None:
+        """Batch `rollout_id`: its groups (finished, rewarded, accepted) and rollout metrics. None: the run's stop
+        request (the manager's `halt`) came first (`stop()` then parks everything in flight)."""
         timeout = self.args.rollout_request_timeout
-        out = self._call(self.producer.take(rollout_id, timeout), timeout + CALL_SLACK_S)
+        out = self._call(self._take_unless_stopped(rollout_id, timeout), timeout + CALL_SLACK_S)
+        if out is None:
+            return None
         g = self.gate.stats()
         out.metrics.update({"async/gate_pauses": g["pauses"], "async/gate_held_s": g["held_s"],
                             "async/gate_drain_s": g["drain_s"], "async/engine_version": float(self.gate.version),
                             "async/update_pause_s": self.rollout.update_pause_s})
         out.metrics.update({f"async/buffer_{k}": float(v) for k, v in self.manager.buffer_sizes().items()})
         return self.manager.finish_batch(rollout_id, out)
+
+    async def _take_unless_stopped(self, rollout_id: int, timeout: float) -> RolloutOutput | None:
+        stop = self.manager.halt
+        if stop is None:
+            return await self.producer.take(rollout_id, timeout)
+        if stop.is_set():
+            return None
+        take, stopped = asyncio.ensure_future(self.producer.take(rollout_id, timeout)), asyncio.ensure_future(stop.wait())
+        await asyncio.wait({take, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not take.done():
+            take.cancel()  # (a cancelled take hands back the groups it held)
+            await asyncio.wait({take})
+            return None
+        return take.result()
 
     @contextlib.contextmanager
     def updating_weights(self, new_version: int):

@@ -83,9 +83,10 @@ def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: st
 
 
 class RolloutManager:
-    def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None):
+    def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None, halt=None):
         """`engine_slots`: each engine's placement-group bundles (`PlacementGroups.engine_slots`); the engines'
-        hosts are then Ray actors there. None: engines on this machine, hosted in this process."""
+        hosts are then Ray actors there. None: engines on this machine, hosted in this process. `halt`: the run's
+        stop request (slime/utils/graceful_stop.py): a training step halts at a safe point once it is set."""
         from transformers import AutoTokenizer
 
         from slime.ray.buffer import Buffer
@@ -93,6 +94,7 @@ class RolloutManager:
 
         self.args = args
         self.run_dir = run_dir
+        self.halt = halt
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.engines = None
         self.plugin_args = plugin_args(args)  # what plugins get (writable); the router's address once engines attach
@@ -161,7 +163,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> RolloutOutput:
         if self.args.load_debug_rollout_data:
             return self._load_debug(rollout_id)
-        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.rollout.context()))
+        return self.finish_batch(rollout_id, self.call_rollout_fn(rollout_id, self.rollout.context(halt=self.halt)))
 
     def finish_batch(self, rollout_id: int, out: RolloutOutput) -> RolloutOutput:
         """A batch about to be trained (from `generate` or train_async.py's rollout): reward and data metrics,

@@ -13,6 +13,7 @@ counts, which Ray actor is which), so an error that ends the run names the part 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +25,7 @@ from slime.ray.placement_group import PlacementError
 from slime.rollout.data_source import DataError
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptyStepsError
+from slime.utils.graceful_stop import StopNow, StoppedOnRequest
 from slime.utils.hf_dir import ModelDirError
 from slime.utils.net import ListenHostError
 from slime.utils.paths import PathNotVisibleError
@@ -49,14 +51,20 @@ STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, Da
 def train_or_stop(entry: str, train: Callable, args) -> int:
     """Run `train(args)`. Whatever error ends it is the last thing written to <run>/train.log (once logging is
     set up): a traceback for an error that does not name its cause, the cause chain, then `stopped: <reason>`
-    as the last line; the reason's first line goes to stderr last, and the exit code is 1 (130 for Ctrl-C)."""
+    as the last line; the reason's first line goes to stderr last, and the exit code is 1. A stop that was asked
+    for (slime/utils/graceful_stop.py) ends the same way with its own line and exit code (128 + the signal)."""
     log = logging.getLogger("train")
     try:
         train(args)
-    except KeyboardInterrupt:
-        log.error("stopped: interrupted")
-        print(f"{entry}: interrupted", file=sys.stderr)
-        return 130
+    except StoppedOnRequest as e:
+        log.warning("stopped: %s", e)
+        print(f"{entry}: stopped: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # a second stop signal (StopNow), or Ctrl-C where our handlers are not installed
+        reason = str(e) if isinstance(e, StopNow) else "interrupted"
+        log.error("stopped: %s", reason)
+        print(f"{entry}: stopped: {reason}", file=sys.stderr)
+        return e.exit_code if isinstance(e, StopNow) else 128 + signal.SIGINT
     except Exception as e:
         root = e.__cause__ if isinstance(e, RunStopped) and e.__cause__ is not None else e
         if isinstance(root, STOPS):
@@ -103,6 +111,19 @@ class RunRecord:
             there = f"; checkpoint {ckpt} holds those of step {self.checkpoint}" if ckpt else ""
             return f"it held the weights and optimizer state of policy version {self.policy_version}{there}"
         return ""
+
+
+def explain_stop(reason: str, record: RunRecord, checkpoint: str | None, held: dict | None) -> str:
+    """The line a requested stop ends with: why, the last step done, the checkpoint written (and the groups its
+    buffer holds) and what `--load` resumes."""
+    done = record.step - 1
+    if done < 0:
+        return f"{reason}; stopped in step 0, before anything was trained: nothing to checkpoint, a new run starts at step 0"
+    if checkpoint is None:
+        return f"{reason}; stopped after step {done}: {record.resume_hint()}"
+    return (f"{reason}; stopped after step {done} (everything in flight parked): saved checkpoint {checkpoint} "
+            f"({held['parked']} parked and {held['ready']} ready groups in its buffer); `--load {record.save}` "
+            f"resumes at step {done + 1}")
 
 
 def _chain(error: BaseException):

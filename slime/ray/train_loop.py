@@ -7,6 +7,7 @@ where a batch comes from and when the weights reach the engines.
         run.evaluate_start()
         for rollout_id in run.steps():
             batch = run.rollout(rollout_id)                    # or train_async.py's rollout running ahead
+            if batch is None: break                            # a stop halted it (its samples parked)
             if run.trainable(rollout_id, batch):               # not a step where every group failed
                 with run.phases.train():                       # --colocate: who holds the devices
                     metrics |= run.train(rollout_id, batch)
@@ -15,12 +16,15 @@ where a batch comes from and when the weights reach the engines.
             if run.eval_due(rollout_id): metrics |= run.evaluate(rollout_id)
             run.log(rollout_id, metrics)
             if run.save_due(rollout_id): run.save(rollout_id)
-        run.finish()
+            if run.stop_due(rollout_id): break                   # SIGTERM, SIGINT, --exit-*
+        run.finish()                                             # (a stop: checkpoint, shut down, say why)
 
-Timing (`perf/` metrics, one set per step): the step's wall time, how long the trainer was busy
-(training and pushing weights), how long the engines were idle (the embedded engine's scheduler
-counter; absent with SGLang) and, on eval steps, how long the eval took, so a run's idle fractions
-are sums of these over its steps.
+Timing: the `perf/` metrics of each step (slime/ray/step_timing.py; on eval steps, how long the eval took).
+
+Stops: SIGTERM, SIGINT and --exit-duration-in-mins request a stop (`GracefulStop`, slime/utils/graceful_stop.py;
+--exit-interval is `stop_due`'s): a rollout halts as at its target (None: nothing to train), a training call or
+weight push finishes, and the loop leaves after the step; `finish` then checkpoints the last step done, shuts
+every part and Ray down and raises `StoppedOnRequest` (exit 128 + the signal, 0 for a time limit).
 
 Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
 `RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
@@ -44,11 +48,13 @@ from slime.ray.colocation import device_phases
 from slime.ray.placement_group import create_placement_groups, write_placement
 from slime.ray.restarts import PARTS
 from slime.ray.rollout import EngineRestartsExhausted, RolloutManager
-from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, train_or_stop
+from slime.ray.run_faults import STOPS, RunRecord, RunStopped, TrainerRecovery, explain, explain_stop, train_or_stop
+from slime.ray.step_timing import StepTiming
 from slime.rollout.base_types import RolloutOutput
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptySteps, count_trainable
 from slime.utils.gpu_plan import effective_settings
+from slime.utils.graceful_stop import GracefulStop, StopNow, StoppedOnRequest
 from slime.utils.hf_dir import check_hf_checkpoint
 from slime.utils.metrics import MetricsLogger, truncate_run_logs
 from slime.utils.run import init_ray, resolve_run_dir, setup_logging
@@ -56,31 +62,18 @@ from slime.utils.summary import log_run_summary
 
 logger = logging.getLogger("train")
 
-ENGINE_INFO_TIMEOUT_S = 10.0
+AT_ONCE_S = 5.0  # a second stop signal: how long trainer ranks get to release their weight-update group
 
 
 def is_due(rollout_id: int, interval: int | None) -> bool:
     return bool(interval) and (rollout_id + 1) % interval == 0
 
 
-def engine_idle_seconds(engines) -> float | None:
-    """Sum over workers of the embedded engine's cumulative scheduler idle time (None if an engine has none)."""
-    from slime.backends.sglang_utils.http_client import get_json
-
-    total = 0.0
-    for url in engines.engine_urls:  # the engines this run launched (no router round trip)
-        info = get_json(url.rstrip("/") + "/get_server_info", timeout=ENGINE_INFO_TIMEOUT_S)
-        states = info.get("internal_states") if isinstance(info, dict) else None
-        stats = states[0].get("scheduler_stats") if isinstance(states, list) and states and isinstance(states[0], dict) else None
-        if not isinstance(stats, dict) or "idle_s" not in stats:
-            return None
-        total += float(stats["idle_s"])
-    return total
-
-
 class TrainingRun:
-    def __init__(self, args):
+    def __init__(self, args, stop: GracefulStop | None = None):
+        """`stop`: the entry point's (its signal handlers installed); None: only --exit-interval stops early."""
         self.args = args
+        self.stop = stop if stop is not None else GracefulStop()
         self.run_dir = resolve_run_dir(args)
         setup_logging(self.run_dir)
         logger.info("%s", effective_settings(args))  # precision, optimizer sharding, offload
@@ -96,13 +89,15 @@ class TrainingRun:
     def _start(self, ckpt, state) -> None:
         args = self.args
         init_ray(listen_host=args.listen_host)
+        self.stop.install()  # again: ray.init puts its own SIGTERM handler in
         self.metrics = MetricsLogger(args, self.run_dir)
         # Engines + router + data + buffer on one side, trainers on the other.
         pgs = create_placement_groups(args)
         # each engine's host actor on its bundles (colocated: the trainers' bundles)
         self.rollout_manager = RolloutManager(args, self.run_dir, start_engines=not args.debug_train_only,
                                               engine_slots=pgs.engine_slots(args.num_engines,
-                                                                            args.rollout_num_gpus_per_engine))
+                                                                            args.rollout_num_gpus_per_engine),
+                                              halt=self.stop)
         self.record.actors[self.rollout_manager.buffer._actor_id.hex()] = "the buffer actor"
         if not args.debug_rollout_only:
             if args.use_fault_tolerance:  # a trainer that fails starts again; the engines stay up
@@ -117,8 +112,7 @@ class TrainingRun:
         # --colocate: who holds the shared devices in each phase (engines release, the trainer onloads, ...)
         self.phases = device_phases(args, self.actor_model, self.rollout_manager.engines)
         self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
-        self._engine_idle_ok = self.rollout_manager.engines is not None
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), None, 0.0
+        self.timing = StepTiming(self.rollout_manager.engines)  # the `perf/` metrics of each step
 
     def _name_trainer_ranks(self) -> None:
         """The trainer ranks' actors by role (and pid), so a death names the rank (after a restart: the new ones)."""
@@ -131,9 +125,14 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if isinstance(exc, Exception):
+        at_once = self.stop.at_once  # a second stop signal: everything down, then it says where the run was
+        if isinstance(exc, KeyboardInterrupt) and at_once is not None:
+            self.shutdown_quietly(at_once=True)
+            raise StopNow(f"{at_once}; stopped in step {self.record.step}: {self.record.resume_hint()}",
+                          at_once.exit_code) from None
+        if isinstance(exc, Exception) and not isinstance(exc, StoppedOnRequest):
             self._stop(exc)
-        elif exc is not None:  # Ctrl-C: everything down, then it goes on up
+        elif exc is not None:  # Ctrl-C without our handlers: everything down, then it goes on up
             self.shutdown_quietly()
         return False
 
@@ -147,9 +146,9 @@ class TrainingRun:
         self.shutdown_quietly()
         raise RunStopped(reason) from error
 
-    def shutdown_quietly(self) -> None:
+    def shutdown_quietly(self, at_once: bool = False) -> None:
         try:
-            self.shutdown()
+            self.shutdown(at_once)
         except Exception as e:  # noqa: BLE001 - the run's own error is the one to report
             logger.warning("shutting down after the failure: %s: %s", type(e).__name__, e)
 
@@ -159,7 +158,7 @@ class TrainingRun:
 
     def steps(self) -> range:
         """The rollout ids still to run (the per-step clock starts here)."""
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), self._engine_idle(), 0.0
+        self.timing.restart()
         return range(self.start_rollout_id, self.num_rollout)
 
     def is_last(self, rollout_id: int) -> bool:
@@ -232,10 +231,14 @@ class TrainingRun:
             self.metrics.log(-1, self.rollout_manager.evaluate(rollout_id=-1))
 
     # ---- one step ------------------------------------------------------------------------
-    def rollout(self, rollout_id: int) -> RolloutOutput:
+    def rollout(self, rollout_id: int) -> RolloutOutput | None:
         """The step's batch (train.py: one APRIL step). An engine fault is named, or with --use-fault-tolerance the
-        engine is restarted, given the current weights and the step run again (parked samples first)."""
-        return self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
+        engine is restarted, given the current weights and the step run again (parked samples first). None: a stop
+        request halted it (its unfinished samples parked, its finished groups kept ready: nothing lost)."""
+        if self.stop.requested:
+            return None
+        out = self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
+        return None if "rollout/halted" in out.metrics else out
 
     def _surviving_engine_faults(self, step: Callable[[], Any]) -> Any:
         manager = self.rollout_manager
@@ -269,7 +272,7 @@ class TrainingRun:
         out = self.actor_model.train(rollout_id, batch, version)
         if self.recovery is not None:
             self.recovery.trained(rollout_id, batch, version)
-        self._trainer_busy += time.monotonic() - t0
+        self.timing.trainer_busy += time.monotonic() - t0
         if not self.args.load_debug_rollout_data:
             self.rollout_manager.mark_trained(rollout.groups)
         return {f"train/{k}": v for k, v in out.items()}
@@ -287,14 +290,14 @@ class TrainingRun:
         or restarted and pushed again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id`
         first."""
         manager = self.rollout_manager
-        if manager.engines is None or self.actor_model is None:
-            return {}
+        if manager.engines is None or self.actor_model is None or self.stop.requested:
+            return {}  # (a stop: the engines are about to go; a --load pushes the checkpoint's weights)
         t0 = time.monotonic()
         try:
             with self.checkpoint_if_engines_give_up(rollout_id):
                 sync = manager.push_weights(self.actor_model, version, flush_cache)
         finally:
-            self._trainer_busy += time.monotonic() - t0
+            self.timing.trainer_busy += time.monotonic() - t0
         return {f"weight_sync/{k}": v for k, v in sync.items()}
 
     @contextlib.contextmanager
@@ -310,10 +313,18 @@ class TrainingRun:
 
     # ---- checkpoints and eval -------------------------------------------------------------------
     def save_due(self, rollout_id: int) -> bool:
-        """--save every --save-interval steps, and after the last one."""
-        return bool(self.args.save) and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval))
+        """--save every --save-interval steps, and after the last one (a stop's checkpoint is `finish`'s)."""
+        return (bool(self.args.save) and not self.stop_due(rollout_id)
+                and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval)))
 
-    def save(self, rollout_id: int) -> None:
+    def stop_due(self, rollout_id: int) -> bool:
+        """Stop after this step: a stop was requested (SIGTERM, SIGINT, --exit-duration-in-mins), or --exit-interval
+        says so; `finish` then checkpoints and says why."""
+        if is_due(rollout_id, self.args.exit_interval) and not self.is_last(rollout_id):
+            self.stop.request(f"--exit-interval {self.args.exit_interval}: step {rollout_id} done")
+        return self.stop.requested
+
+    def save(self, rollout_id: int) -> str:
         manager = self.rollout_manager
         writers = {"buffer": manager.save_buffer}
         if self.actor_model is not None:
@@ -324,9 +335,11 @@ class TrainingRun:
         if self.recovery is not None:
             self.recovery.checkpointed(f"{path}/trainer")
         self.record.checkpoint, self.record.at_checkpoint = rollout_id, manager.ledger_summary()
+        return path
 
     def eval_due(self, rollout_id: int) -> bool:
-        return bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
+        return (bool(self.rollout_manager.eval_sets) and is_due(rollout_id, self.args.eval_interval)
+                and not self.stop.requested)
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Eval sets on the engines' current weights (never enters the buffer, never trains)."""
@@ -336,38 +349,22 @@ class TrainingRun:
         return out
 
     # ---- logging ---------------------------------------------------------------------------
-    def _engine_idle(self) -> float | None:
-        if not self._engine_idle_ok:
-            return None
-        try:
-            idle = engine_idle_seconds(self.rollout_manager.engines)
-        except Exception as e:  # a metric: never stop training for it
-            logger.warning("engine idle time not measured (%s)", e)
-            idle = None
-        if idle is None:
-            self._engine_idle_ok = False
-        return idle
-
     def log(self, rollout_id: int, step_metrics: dict) -> None:
         """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
         timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
-        now = time.monotonic()
+        step_metrics.update(self.timing.metrics())  # (the next step's clock starts)
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)
         self.record.ledger = self.rollout_manager.ledger_summary()
         step_metrics.update({f"ledger/{k}": v for k, v in self.record.ledger.items()})
         # restarts so far, read now: one during this step's training or weight push (after its batch was made) counts
         step_metrics.update(self.rollout_manager.restarts.metrics())
-        step_metrics["perf/step_time_s"] = now - self._step_start
-        step_metrics["perf/trainer_busy_s"] = self._trainer_busy
-        idle = self._engine_idle()
-        if idle is not None and self._engine_idle_start is not None:
-            step_metrics["perf/engine_idle_s"] = idle - self._engine_idle_start
         self.metrics.log(rollout_id, step_metrics)
         self.record.step = rollout_id + 1  # a failure from here on is in the next step
-        self._step_start, self._engine_idle_start, self._trainer_busy = time.monotonic(), idle, 0.0
 
     def finish(self) -> dict:
+        if self.stop.requested:
+            self._finish_stopped()
         manager = self.rollout_manager  # restarts counted to the end: one after the last row is in no row
         summary = log_run_summary(self.run_dir, self.metrics.path, self.args,
                                   restarts={p: manager.restarts.counts[p] for p in PARTS} if manager else None)
@@ -375,12 +372,27 @@ class TrainingRun:
         self.shutdown()
         return summary
 
-    def shutdown(self) -> None:
+    def _finish_stopped(self) -> None:
+        """A requested stop: checkpoint the last step done (everything in flight is parked by now), shut every part
+        and Ray down, then raise `StoppedOnRequest` naming why, the checkpoint and what `--load` resumes."""
+        done, path, held = self.record.step - 1, None, None
+        if self.args.save and done >= 0:
+            path = self.save(done)
+            held = self.rollout_manager.buffer_sizes()
+        self.metrics.close()
+        self.shutdown()
+        import ray
+
+        ray.shutdown()
+        raise StoppedOnRequest(explain_stop(self.stop.reason, self.record, path, held), self.stop.exit_code)
+
+    def shutdown(self, at_once: bool = False) -> None:
+        """Trainers, engines, router. `at_once`: trainer ranks still busy with a call are killed after a moment."""
         if self.actor_model is not None:
-            self.actor_model.shutdown()  # releases the weight-update group on both sides
+            self.actor_model.shutdown(**({"timeout": AT_ONCE_S} if at_once else {}))  # releases the weight-update group
             self.actor_model = None
         if self.rollout_manager is not None:
             self.rollout_manager.shutdown()
 
 
-__all__ = ["STOPS", "RunStopped", "TrainingRun", "engine_idle_seconds", "is_due", "train_or_stop"]
+__all__ = ["STOPS", "RunStopped", "TrainingRun", "is_due", "train_or_stop"]

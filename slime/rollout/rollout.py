@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from slime.rollout.admission import AdmissionControl
 from slime.rollout.base_types import RolloutOutput
@@ -139,10 +139,11 @@ class Rollout:
         return PoolSupply(c.pool_size, gate=self.gate if c.mode == "stream" else None, admission=self.admission)
 
     # ---- the verbs ----------------------------------------------------------------------------
-    async def step(self, rollout_id: int, placement=None, halt: asyncio.Event | None = None) -> RolloutOutput:
+    async def step(self, rollout_id: int, placement=None, halt=None) -> RolloutOutput:
         """One step toward `--rollout-batch-size` accepted groups (`placement`: a stream segment's queue instead),
-        with `--rollout-mode`'s supply. Raises RolloutError / RolloutEngineFaultError after its commit (nothing lost);
-        a halted one returns no groups and `rollout/halted` 1 (everything is in the buffer then)."""
+        with `--rollout-mode`'s supply; `halt`: an asyncio.Event or the run's GracefulStop. Raises RolloutError /
+        RolloutEngineFaultError after its commit (nothing lost); a halted one returns no groups and `rollout/halted` 1
+        (everything is in the buffer then)."""
         c, gate, supply = self.config, self.gate, self.supply()
         version = gate.train_version if gate is not None else self.version
         urls = await self.link.worker_urls()
@@ -236,9 +237,9 @@ class Rollout:
         if not self.pausable:
             self.production.step_lock.release()
 
-    def context(self, eval_groups=None) -> "RolloutContext":
-        """What a rollout function gets as upstream's `data_source`."""
-        return RolloutContext(self, eval_groups)
+    def context(self, eval_groups=None, halt=None) -> "RolloutContext":
+        """What a rollout function gets as upstream's `data_source` (`halt`: train.py's stop request)."""
+        return RolloutContext(self, eval_groups, halt)
 
 
 class TargetPlacement:
@@ -275,6 +276,8 @@ class RolloutContext:
 
     rollout: Rollout
     eval_groups: list[list[Sample]] | dict[str, list[list[Sample]]] | None = None  # a list, or lists by eval set
+    # train.py: the run's stop request (GracefulStop: `is_set()`, an `async wait()` on any loop), the step's `halt`
+    halt: Any = None
     # ids handed out by get_samples and not yet handed back or returned (settled after the call)
     issued: set[int] = field(default_factory=set)
 

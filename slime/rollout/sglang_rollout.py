@@ -31,7 +31,7 @@ def generate_rollout(args, rollout_id: int, data_source: RolloutContext, evaluat
     rollout = data_source.rollout
     if evaluation:
         return run_sync(rollout.evaluate(rollout_id, data_source.eval_groups))
-    return run_sync(rollout.step(rollout_id))
+    return run_sync(rollout.step(rollout_id, halt=data_source.halt))  # train.py: the run's stop request
 
 
 def engine_rollout(args, buffer, data_source, engines, agent=None, planner=None, policy_version: int = 0) -> Rollout:

@@ -202,21 +202,27 @@ class StreamRollout:
         counts: Counter = Counter()
         dropped: list[int] = []
         stale_groups: list[list[Sample]] = []
-        while len(kept) < self.batch_size:
-            await self._wait_for_groups(t0, timeout)
-            if not self.queue:
-                break  # data exhausted
-            part = [self.queue.popleft() for _ in range(min(self.batch_size - len(kept), len(self.queue)))]
-            await self._mark_finished([g for g, _ in part])
-            ok, stale, c = self.rollout.cap.before_training([g for g, _ in part], version)
-            counts.update(c)
-            ok_ids = {id(g) for g in ok}
-            kept += [(g, a) for g, a in part if id(g) in ok_ids]
-            if stale:
-                stale_groups += stale
-                ids = sorted(group_id(g) for g in stale)
-                await call_maybe_remote(self.buffer, "mark", ids, DROPPED, "stale_at_train", timeout=self.rpc_timeout)
-                dropped += ids
+        part: list[tuple[list[Sample], int]] = []
+        try:
+            while len(kept) < self.batch_size:
+                await self._wait_for_groups(t0, timeout)
+                if not self.queue:
+                    break  # data exhausted
+                part = [self.queue.popleft() for _ in range(min(self.batch_size - len(kept), len(self.queue)))]
+                await self._mark_finished([g for g, _ in part])
+                ok, stale, c = self.rollout.cap.before_training([g for g, _ in part], version)
+                counts.update(c)
+                ok_ids = {id(g) for g in ok}
+                kept += [(g, a) for g, a in part if id(g) in ok_ids]
+                part = []
+                if stale:
+                    stale_groups += stale
+                    ids = sorted(group_id(g) for g in stale)
+                    await call_maybe_remote(self.buffer, "mark", ids, DROPPED, "stale_at_train", timeout=self.rpc_timeout)
+                    dropped += ids
+        except asyncio.CancelledError:  # the run stops (AsyncRollout): what this take holds goes back to the queue
+            self.queue.extendleft(reversed(kept + part))
+            raise
         self.next_batch += 1
         waited = time.monotonic() - t0
         await self.rebalance()  # a batch left the queue: room for the next one

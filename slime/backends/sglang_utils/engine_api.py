@@ -5,6 +5,9 @@ Load: `GET /v1/loads?include=core` (SGLang >= 0.5.9; upstream slime polls the sa
 requests. Only a server without that route (404) is asked `GET /get_load` (removed in SGLang 0.5.21), whose
 reply is a list of per-DP-rank dicts with `num_reqs` / `num_waiting_reqs`.
 
+Idle time: `GET /get_server_info` -> `internal_states[0].scheduler_stats.idle_s`, the embedded engine's scheduler
+idle seconds so far (SGLang's server has no such counter).
+
 Version: `GET /server_info` -> `"version"` (SGLang's `sglang.__version__`; `/get_server_info` on a server
 without the newer route). `check_engine_versions` refuses one outside `versions.supported_range()`.
 """
@@ -134,3 +137,16 @@ async def rank_loads(session: aiohttp.ClientSession, urls: list[str], timeout: f
     reads (slime/rollout/admission.py)."""
     replies = await gather_loads(session, urls, timeout, include="core,queues")
     return [rank for u, reply in zip(urls, replies) for rank in _rank_loads(reply, u)]
+
+
+def engine_idle_seconds(urls: list[str], timeout: float = 10.0) -> float | None:
+    """The engines' scheduler idle seconds so far, summed (None if one has no such counter)."""
+    total = 0.0
+    for url in urls:
+        info = http_client.get_json(url.rstrip("/") + "/get_server_info", timeout=timeout)
+        states = info.get("internal_states") if isinstance(info, dict) else None
+        stats = states[0].get("scheduler_stats") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+        if not isinstance(stats, dict) or "idle_s" not in stats:
+            return None
+        total += float(stats["idle_s"])
+    return total

@@ -1,5 +1,6 @@
 import json
 import os
+import time
 
 from slime.utils.metrics import MetricsLogger, read_metrics
 
@@ -49,3 +50,50 @@ def test_wandb_keeps_its_files_under_the_run_dir_and_gets_redacted_flags(tmp_pat
     for p in run.rglob("*"):
         if p.is_file():
             assert b"hunter2" not in p.read_bytes(), p
+
+
+def _wandb_history(run_file) -> list[dict] | None:
+    """The history rows of an offline run's `.wandb` file, None until its exit record is written. It is a LevelDB-style log (wandb-core's store: a 7-byte
+    header ":W&B" + magic 0xBEE1 + version, then 32 KiB blocks of records, each checksum u32, length u16, type u8:
+    1 full, 2 first, 3 middle, 4 last) of `wandb_internal_pb2.Record` messages; wandb 0.31 ships no Python reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = run_file.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, chunks, rows, ended = 7, b"", [], False
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks = data[pos + 7:pos + 7 + n] if kind in (1, 2) else chunks + data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            ended = ended or record.WhichOneof("record_type") == "exit"
+    return rows if ended else None
+
+
+def test_the_eval_before_the_first_step_reaches_wandb_and_the_jsonl(tmp_path, monkeypatch, base_args):
+    """The eval before training is step -1 (the JSONL, the summaries); wandb refuses a step below 0, so its own step
+    is the rollout id + 1 and the charts' axis `rollout/step` carries the rollout id."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    m = MetricsLogger(base_args.replace(use_wandb=True, wandb_mode="offline", wandb_project="t"), str(tmp_path))
+    m.log(-1, {"eval/accuracy": 0.25})
+    m.log(0, {"reward/mean": 0.5, "eval/accuracy": 0.5})
+    m.log(1, {"reward/mean": 0.75})
+    m.close()
+    assert [(r["step"], r.get("eval/accuracy")) for r in read_metrics(tmp_path / "metrics.jsonl")] == \
+        [(-1, 0.25), (0, 0.5), (1, None)]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60  # wandb-core writes the file's last records after finish() returns
+    while (history := _wandb_history(run_file)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert history is not None, "the offline run has no exit record"
+    assert [(r["_step"], r["rollout/step"], r.get("eval/accuracy")) for r in history] == \
+        [(0, -1, 0.25), (1, 0, 0.5), (2, 1, None)]

@@ -237,14 +237,29 @@ def test_subtract_chain_real_task(rm):
 
 
 
-def test_math_verify_says_nothing_untrue_about_its_timeouts(caplog):
-    """math-verify warns that its timeouts are off and the caller must bound it; every call here is bounded
-    (--reward-timeout), so the run's log does not carry that warning. Its other warnings still get through."""
+def test_math_verify_says_nothing_untrue_about_its_timeouts(parse_with, monkeypatch, caplog):
+    """math-verify warns (once a process) that its timeouts are off and the caller must bound it. A math-reward group
+    (under --reward-timeout) carries no such warning, while our own warning (a failed sample) and math-verify's
+    warning from a call nobody bounds still show."""
     import logging
+
+    import math_verify.grader
+    import math_verify.parser
 
     from slime.rollout.rm_hub.math_verify_reward import math_verify_correct
 
+    for module in (math_verify.parser, math_verify.grader):  # the warning fires here even after other tests' calls
+        monkeypatch.setattr(module, "TIMEOUT_WARNING_SHOWN", False)
+    right, unlabelled = sample("so it is $x^2+1$", "x^2+1"), sample(r"\boxed{1}", "", index=1)
     with caplog.at_level(logging.WARNING):
-        assert math_verify_correct("so it is $x^2+1$", ["x^2+1"])
-        logging.getLogger("math_verify.parser").warning("some other problem")
-    assert "Timeout is disabled" not in caplog.text and "some other problem" in caplog.text
+        asyncio.run(reward_group(parse_with(rm_type="math"), [right, unlabelled]))
+    assert right.reward == 1.0 and unlabelled.status == Status.FAILED
+    assert math_verify.parser.TIMEOUT_WARNING_SHOWN and math_verify.grader.TIMEOUT_WARNING_SHOWN  # warned, and dropped
+    assert "Timeout is disabled" not in caplog.text
+    assert "reward failed for sample 1" in caplog.text
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert math_verify_correct("so it is $x^2+1$", ["x^2+1"])  # unbounded, in this thread: the warning is true
+    assert "Timeout is disabled" in caplog.text

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 WANDB_DIRS = {"WANDB_DIR": "", "WANDB_CACHE_DIR": "wandb/cache", "WANDB_CONFIG_DIR": "wandb/config",
               "WANDB_DATA_DIR": "wandb/data", "WANDB_ARTIFACT_DIR": "wandb/artifacts"}
+WANDB_STEP = "rollout/step"  # every wandb chart's x-axis (upstream slime's name): the rollout id, -1 before the first step
 
 
 def _jsonable(value: Any) -> Any:
@@ -68,6 +69,10 @@ class MetricsLogger:
                     # --wandb-key (upstream's flag): this run's key; else wandb's own (WANDB_API_KEY, netrc)
                     settings=wandb.Settings(api_key=args.wandb_key) if args.wandb_key else None,
                 )
+            # wandb's own step must start at 0 and never go back: the eval before the first step (step -1) is its
+            # step 0, rollout step N its step N + 1; the charts' x-axis is `rollout/step`, the rollout id as in the JSONL
+            self._wandb_run.define_metric(WANDB_STEP)
+            self._wandb_run.define_metric("*", step_metric=WANDB_STEP)
             logger.info("wandb run %s (mode=%s)", self._wandb_run.id, args.wandb_mode)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -76,7 +81,7 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb_run is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            self._wandb_run.log(flat, step=int(step))
+            self._wandb_run.log({WANDB_STEP: int(step), **flat}, step=int(step) + 1)
 
     def close(self) -> None:
         if self._wandb_run is not None:

@@ -26,12 +26,16 @@ from slime.rollout.rm_hub.threads import run_in_daemon_thread
 _APPROXIMATE_DECIMAL = re.compile(r"\d*\.\d*[1-9]")  # 0.33, 6.2831 (not 2.0)
 
 
+_BOUNDED_THREAD = "rm-check-math-verify-bounded"  # the thread of a check under a time limit
+
+
 class _BoundedHere(logging.Filter):
-    """math-verify warns on each first call that its timeouts are off and the caller must bound it: we do (every
-    call runs under `--reward-timeout`), so the warning is not true of a run here."""
+    """math-verify warns (once a process) that its timeouts are off and the caller must bound it. A check run by
+    `math_verify_reward` is bounded (its daemon thread, under `--reward-timeout`), so there the warning is not true and
+    is dropped; from any other thread (no time limit, or a plugin calling math-verify itself) it stays."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
+        return record.threadName != _BOUNDED_THREAD or "Timeout is disabled" not in record.getMessage()
 
 
 for _logger in ("math_verify.parser", "math_verify.grader"):
@@ -119,4 +123,5 @@ async def math_verify_reward(response: str, label, timeout: float | None, answer
         verdict = quick_verdict(answer, golds)
         if verdict is not None:
             return 1.0 if verdict else 0.0
-    return 1.0 if await run_in_daemon_thread(math_verify_correct, text, golds, timeout=timeout) else 0.0
+    return 1.0 if await run_in_daemon_thread(math_verify_correct, text, golds, timeout=timeout,
+                                             name=_BOUNDED_THREAD if timeout is not None else None) else 0.0

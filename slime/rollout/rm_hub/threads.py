@@ -13,8 +13,10 @@ import threading
 from typing import Any, Callable
 
 
-async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-    """`fn(*args)` in a fresh daemon thread; raises TimeoutError after `timeout` seconds (None: no limit)."""
+async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                               name: str | None = None) -> Any:
+    """`fn(*args)` in a fresh daemon thread (`name`, default `rm-check-<fn>`); raises TimeoutError after `timeout`
+    seconds (None: no limit)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -36,5 +38,5 @@ async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: floa
         except RuntimeError:  # the loop closed while we worked: nobody is waiting
             pass
 
-    threading.Thread(target=target, name=f"rm-check-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    threading.Thread(target=target, name=name or f"rm-check-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
     return await asyncio.wait_for(future, timeout)

@@ -245,10 +245,10 @@ def test_abort_until_idle_reads_sglang_loads(sglang, group, caplog):
 
 
 def test_engine_load_counts_running_and_waiting(sglang, group):
-    from slime.backends.sglang_utils.engine_api import busy_requests_by_url
+    from slime.backends.sglang_utils.engine_api import busy_requests, load_sync
 
     sglang.set_running(4)
-    assert busy_requests_by_url([sglang.url]) == {sglang.url: 4}
+    assert busy_requests(load_sync(sglang.url)) == 4
 
 
 def test_flush_cache_accepts_sglang_text_reply(sglang, group):

@@ -1,16 +1,5 @@
-"""What we read from an engine's server, as SGLang reports it: its load and its version.
-
-Load: `GET /v1/loads?include=core` (SGLang >= 0.5.9; upstream slime polls the same) answers
-`{"version", "loads": [one dict per DP rank]}`; a rank is busy with `num_running_reqs + num_waiting_reqs`
-requests. Only a server without that route (404) is asked `GET /get_load` (removed in SGLang 0.5.21), whose
-reply is a list of per-DP-rank dicts with `num_reqs` / `num_waiting_reqs`.
-
-Idle time: `GET /get_server_info` -> `internal_states[0].scheduler_stats.idle_s`, the embedded engine's scheduler
-idle seconds so far (SGLang's server has no such counter).
-
-Version: `GET /server_info` -> `"version"` (SGLang's `sglang.__version__`; `/get_server_info` on a server
-without the newer route). `check_engine_versions` refuses one outside `versions.supported_range()`.
-"""
+"""What we read from an engine's server, as SGLang reports it: its load (`/v1/loads`, `/get_load` where that
+is missing), its scheduler idle time (the embedded engine's `/get_server_info`) and its version."""
 
 from __future__ import annotations
 
@@ -62,8 +51,7 @@ def busy_requests(reply: Any, where: str = "load") -> int:
 
 
 async def load(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0, include: str = "core") -> Any:
-    """One server's load reply: /v1/loads?include=<include> (e.g. "core,queues"), or /get_load on a server without
-    it (404)."""
+    """One server's load reply: /v1/loads?include=<include>, or /get_load on a server without it (404)."""
     try:
         return await http_client.get(session, url, f"/v1/loads?include={include}", timeout=timeout)
     except http_client.EngineHTTPError as e:
@@ -72,13 +60,18 @@ async def load(session: aiohttp.ClientSession, url: str, timeout: float | None =
     return await http_client.get(session, url, LEGACY_LOAD_PATH, timeout=timeout)
 
 
-def load_sync(url: str, timeout: float = 10.0) -> Any:
+def _get_or_legacy(url: str, path: str, legacy: str, timeout: float) -> Any:
+    """GET `path`, or `legacy` on a server without it (404)."""
     try:
-        return http_client.get_json(http_client.join_url(url, LOADS_PATH), timeout)
+        return http_client.get_json(http_client.join_url(url, path), timeout)
     except http_client.EngineHTTPError as e:
         if e.status != 404:
             raise
-    return http_client.get_json(http_client.join_url(url, LEGACY_LOAD_PATH), timeout)
+    return http_client.get_json(http_client.join_url(url, legacy), timeout)
+
+
+def load_sync(url: str, timeout: float = 10.0) -> Any:
+    return _get_or_legacy(url, LOADS_PATH, LEGACY_LOAD_PATH, timeout)
 
 
 async def busy(session: aiohttp.ClientSession, url: str, timeout: float | None = 10.0) -> int:
@@ -86,19 +79,8 @@ async def busy(session: aiohttp.ClientSession, url: str, timeout: float | None =
     return busy_requests(await load(session, url, timeout), url)
 
 
-def busy_requests_by_url(urls: list[str], timeout: float = 10.0) -> dict[str, int]:
-    """Running + waiting requests on each server (synchronous)."""
-    return {u: busy_requests(load_sync(u, timeout), u) for u in urls}
-
-
 def server_info(url: str, timeout: float = 10.0) -> dict:
-    """GET /server_info (/get_server_info on a server without it)."""
-    try:
-        out = http_client.get_json(http_client.join_url(url, SERVER_INFO_PATH), timeout)
-    except http_client.EngineHTTPError as e:
-        if e.status != 404:
-            raise
-        out = http_client.get_json(http_client.join_url(url, LEGACY_SERVER_INFO_PATH), timeout)
+    out = _get_or_legacy(url, SERVER_INFO_PATH, LEGACY_SERVER_INFO_PATH, timeout)
     if not isinstance(out, dict):
         raise http_client.EngineHTTPError("GET", http_client.join_url(url, SERVER_INFO_PATH), 200,
                                           f"expected a JSON object, got {out!r}")
@@ -114,8 +96,7 @@ def engine_version(url: str, timeout: float = 10.0) -> str:
 
 
 def check_engine_versions(urls: list[str], timeout: float = 10.0) -> dict[str, str]:
-    """Every engine's SGLang version, by URL; raises UnsupportedEngineVersion naming each engine outside the
-    supported range (asked concurrently)."""
+    """Every engine's SGLang version, by URL; raises naming each one outside the supported range."""
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         found = dict(zip(urls, pool.map(lambda u: engine_version(u, timeout), urls)))
     bad = {u: v for u, v in found.items() if not versions.is_supported(v)}
@@ -133,8 +114,7 @@ async def gather_loads(session: aiohttp.ClientSession, urls: list[str], timeout:
 
 
 async def rank_loads(session: aiohttp.ClientSession, urls: list[str], timeout: float | None = 10.0) -> list[dict]:
-    """Every server's per-DP-rank load dicts with their queues (retractions), flattened: what --admission auto
-    reads (slime/rollout/admission.py)."""
+    """Every server's per-DP-rank load dicts with their queues, flattened (what --admission auto reads)."""
     replies = await gather_loads(session, urls, timeout, include="core,queues")
     return [rank for u, reply in zip(urls, replies) for rank in _rank_loads(reply, u)]
 

@@ -1,6 +1,5 @@
-"""A group's faults: which engine (or the router) failed and what is wrong with it, read from the processes
-(slime/backends/sglang_utils/watchdog.py asks), and the restarts that replace it (the RolloutManager's
-`restart_engines`). Its own state: the monitor of the placed engines' hosts."""
+"""A group's faults: which engine (or the router) failed and why, read from the processes, and the restarts that
+replace it. Its own state: the monitor of the placed engines' hosts."""
 
 from __future__ import annotations
 
@@ -40,10 +39,8 @@ class EngineFaults:
         return next((rank for rank, e in enumerate(self.group.engines) if e.url == url), None)
 
     def engine_problem(self, url: str) -> str | None:
-        """What is wrong with our engine process at `url` (exited, stopped, zombie; a host actor gone), or None.
-        Local processes are read from /proc; placed ones from the host monitor's last round (<= 0.5 s old, no I/O
-        while it says running; a problem it saw is asked again before it is returned, so a stale one is never
-        acted on)."""
+        """What is wrong with our engine process at `url`, or None: from /proc, or for placed engines from the
+        host monitor's last round (a problem it saw is confirmed before it is returned)."""
         rank = self.engine_rank(url)
         if rank is None:
             return None
@@ -51,7 +48,7 @@ class EngineFaults:
             return self.group.engines[rank].problem()
         if self.monitor is None or self.monitor.problems.get(url) is None:
             return None
-        self.monitor.refresh([self.group.engines[rank]], timeout=5.0)  # a fault is confirmed before it is acted on
+        self.monitor.refresh([self.group.engines[rank]], timeout=5.0)
         return self.monitor.problems.get(url)
 
     def router_fault(self) -> EngineFault | None:
@@ -69,9 +66,7 @@ class EngineFaults:
                                         f"of {engine.log_path}:\n{engine.log_tail()}")
 
     def restart_router(self, timeout: float = 60.0) -> None:
-        """Start our router again on its port, with the same flags, and register every engine with it again (the
-        engines keep running, their weights and requests untouched). Raises ServerLaunchError if it does not come
-        up or does not list the engines as healthy."""
+        """Start our router again on its port and register every engine with it again (they keep running)."""
         router = self.group.router
         waited = router.restart(timeout)
         for engine in self.group.engines:
@@ -81,20 +76,15 @@ class EngineFaults:
                        router.url, router.process.pid, waited, len(self.group.engines))
 
     def kill_engine(self, rank: int) -> None:
-        """Kill engine `rank` now (a stopped one too), so whatever waits on it fails at once instead of timing out."""
+        """Kill engine `rank` now, so whatever waits on it fails at once instead of timing out."""
         if 0 <= rank < len(self.group.engines):
             self.group.engines[rank].kill(grace=0.5)
             if self.monitor is not None:
                 self.monitor.refresh([self.group.engines[rank]])
 
     def restart_engine(self, rank: int, timeout: float | None = None) -> str:
-        """Replace engine `rank` (dead, frozen or misbehaving) with a fresh one; returns its URL.
-
-        The old one is taken off the router and killed by its host (SIGTERM, then SIGKILL: a stopped process gets
-        it too); the host starts a new one on its node on fresh ports with the same flags (so it serves the
-        --hf-checkpoint weights at weight_version 0 until the caller re-syncs the current ones), and it is added
-        to the router once healthy. Raises ServerLaunchError (with the log tail) if it does not come up.
-        """
+        """Replace engine `rank` with a fresh one (off the router, killed, relaunched on fresh ports, serving
+        --hf-checkpoint at weight_version 0 until the caller re-syncs); returns its URL."""
         engines, router = self.group.engines, self.group.router
         if router is None or not 0 <= rank < len(engines):
             raise ValueError(f"restart_engine: no engine {rank} (this group has {len(engines)})")

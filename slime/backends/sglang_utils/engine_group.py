@@ -1,21 +1,12 @@
-"""EngineGroup: N rollout engines behind one sglang-router.
-
-Each engine's server is owned by an `EngineHost` (engine_host.py): in a run a
-Ray actor on the engine's placement-group bundle, so the engine starts on that
-bundle's node with its GPUs; the router stays in this (the driver's) process.
-Generation goes through the router (`router_url`). Everything the router does
-not route in sglang-router 0.3.2 (aborts, pause/continue, weight updates,
-/v1/loads) is fanned out by this class to every worker listed by the router's
-`GET /workers` (`fan_out`). Two pieces stand beside the processes, each with
-its own state: `faults` (engine_faults.py: which one failed, restarts) and
-`weights` (weight_update.py: the trainer's push). `shutdown()` (also run by
-`atexit` and the context manager) leaves no child processes behind.
-"""
+"""EngineGroup: N rollout engines behind one sglang-router. Each engine's server is owned by an `EngineHost` (a
+Ray actor on its placement-group bundle in a run); what the router does not route (aborts, pauses, weight
+updates, loads) is fanned out to every worker it lists. `faults` and `weights` stand beside the processes."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import tempfile
 import threading
@@ -41,9 +32,8 @@ LOADS_URLS_TTL_S = 10.0  # how long `loads` trusts its worker list before asking
 class EngineGroup:
     def __init__(self, args, log_dir: str | None = None, startup_timeout: float | None = None,
                  slots: list[EngineSlot] | None = None):
-        """`slots`: where each engine runs (its placement-group bundles; `PlacementGroups.engine_slots()`): each
-        engine's host is then a Ray actor on its bundle. Without slots the hosts live in this process (tools,
-        tests: every engine on this machine)."""
+        """`slots`: each engine's placement-group bundles (its host is a Ray actor there); None: hosts in this
+        process."""
         self.args = args
         self.num_gpus_per_engine = args.rollout_num_gpus_per_engine
         self.num_engines = args.num_engines
@@ -90,7 +80,7 @@ class EngineGroup:
         self.router = self._start_or_attach_router()
         if self.placed:
             self.engines = [RemoteEngine(self.args, rank, self.log_dir, slot) for rank, slot in enumerate(self.slots)]
-            states = gather_hosts([e.start_async() for e in self.engines], "start", 120.0)
+            states = gather_hosts([e.actor.start.remote() for e in self.engines], "start", 120.0)
             for engine, state in zip(self.engines, states):
                 engine.set_state(state)
         else:
@@ -104,7 +94,7 @@ class EngineGroup:
         self.backend = backends.pop()
         timeout = self.startup_timeout()
         if self.placed:
-            gather_hosts([e.wait_healthy_async(timeout) for e in self.engines], "wait_healthy", timeout + 60)
+            gather_hosts([e.actor.wait_healthy.remote(timeout) for e in self.engines], "wait_healthy", timeout + 60)
             for engine, state in zip(self.engines, gather_hosts([e.actor.state.remote() for e in self.engines],
                                                                 "state", 30.0)):
                 engine.set_state(state)  # a relaunch on a lost port moved it
@@ -113,8 +103,7 @@ class EngineGroup:
             # every engine concurrently; the first failure wins (with its log tail)
             for fut in [self.fan_out.pool.submit(e.wait_healthy, timeout) for e in self.engines]:
                 fut.result(timeout=timeout + 120)
-        # an engine speaking an SGLang API we do not support fails the run now, naming its version, not at the
-        # first weight update (every worker behind the router: an external router may list others too)
+        # an unsupported SGLang fails the run now, not at the first weight update
         engine_api.check_engine_versions(self.engine_urls)
         for engine in self.engines:
             self.router.add_worker(engine.url)
@@ -150,8 +139,7 @@ class EngineGroup:
         return gather_hosts([e.actor.node.remote() for e in self.engines], "node", 30.0)
 
     def engine_devices(self) -> list[tuple[int, ...] | None]:
-        """Per engine rank: the node GPU indices its server runs on (its bundles' GPUs, in TP order), or None
-        where no bundle says (hosted in this process, or on CPU)."""
+        """Per engine rank: its bundles' node GPU indices (TP order), or None where no bundle says."""
         out: list[tuple[int, ...] | None] = []
         for rank in range(self.num_engines):
             ids = self.slots[rank].gpu_ids if self.placed else ()
@@ -159,8 +147,7 @@ class EngineGroup:
         return out
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """Terminate the engines (through their hosts) and the router we started (SIGTERM, SIGKILL after `grace`).
-        Idempotent."""
+        """Terminate the engines and the router we started (SIGTERM, SIGKILL after `grace`). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -212,8 +199,7 @@ class EngineGroup:
         return [e.url for e in self.engines]
 
     def worker_urls(self, timeout: float = 10.0) -> list[str]:
-        """Every worker the router lists (GET /workers): the fan-out list for aborts, pauses, weight updates.
-        Raises `EngineFaultError` naming the router if the one we started died."""
+        """Every worker the router lists (GET /workers); raises `EngineFaultError` if our router died."""
         if self.router is None:
             raise RuntimeError("EngineGroup is not started")
         fault = self.faults.router_fault()
@@ -223,15 +209,13 @@ class EngineGroup:
 
     # --- the engines' requests -------------------------------------------------------------
     def load(self, timeout: float = 10.0) -> dict[str, object]:
-        """Every worker's load report (SGLang's /v1/loads?include=core; /get_load only where that is missing), by
-        URL."""
+        """Every worker's load report, by URL."""
         urls = self.worker_urls()
         futs = {u: self.fan_out.pool.submit(engine_api.load_sync, u, timeout) for u in urls}
         return self.fan_out.wait(futs, f"GET {engine_api.LOADS_PATH}", timeout=timeout + 5)
 
     async def loads(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> list[dict]:
-        """Every worker's per-DP-rank load dicts, queues included (--admission auto); the worker list is asked of the
-        router at most every `LOADS_URLS_TTL_S`."""
+        """Every worker's per-DP-rank load dicts, queues included (--admission auto)."""
         now = time.monotonic()
         if self._load_urls is None or now - self._load_urls[0] > LOADS_URLS_TTL_S:
             self._load_urls = (now, await asyncio.to_thread(self.worker_urls))
@@ -254,24 +238,16 @@ class EngineGroup:
 
     async def _post_all(self, path: str, bodies: list[dict], session, timeout: float) -> None:
         urls = await asyncio.to_thread(self.worker_urls)
-        own = session is None
-        session = session or aiohttp.ClientSession()
-        try:
+        async with _session(session) as session:
             await asyncio.gather(*(http_client.post(session, u, path, body, timeout=timeout) for u in urls
                                    for body in bodies))
-        finally:
-            if own:
-                await session.close()
 
     def flush_cache(self, timeout: float = 60.0) -> dict | str | None:
-        """POST /flush_cache through the router (which fans it out to every worker). SGLang answers in plain text;
-        a busy engine refuses (HTTP 400, raised)."""
+        """POST /flush_cache through the router (it fans it out); a busy engine refuses (HTTP 400, raised)."""
         return http_client.post_json(self.router_url + "/flush_cache", None, timeout)
 
     def release_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
-        """POST /release_memory_occupation {"tags"} to every engine this group launched (colocated: they share
-        devices with the trainer). SGLang needs idle engines and --enable-memory-saver (the launcher passes it
-        with --colocate)."""
+        """POST /release_memory_occupation {"tags"} to every engine we launched (idle, --enable-memory-saver)."""
         self.fan_out.call("POST", "/release_memory_occupation", {"tags": tags}, timeout, urls=self.engine_urls)
 
     def resume_memory_occupation(self, tags: list[str] | None = None, timeout: float = 120.0) -> None:
@@ -282,17 +258,13 @@ class EngineGroup:
     async def abort_all_until_idle(self, timeout: float = 60.0, interval: float = 0.01,
                                    session: aiohttp.ClientSession | None = None,
                                    exclude: set[str] | frozenset = frozenset()) -> float:
-        """POST /abort_request {"abort_all": true} to every worker (but `exclude`: known dead ones), repeated
-        until every worker's load report (SGLang's /v1/loads?include=core, as upstream slime polls it) shows no
-        running or waiting request. Every wait is bounded by `timeout` (--rollout-abort-timeout). Returns
-        seconds elapsed."""
+        """POST /abort_request {"abort_all": true} to every worker but `exclude`, until every load report shows no
+        running or waiting request (bounded by `timeout`); returns seconds elapsed."""
         start = time.monotonic()
         # our router dead (a step stopping because of it): its workers are the engines we launched
         listed = self.engine_urls if self.faults.router_fault() is not None else await asyncio.to_thread(self.worker_urls)
         urls = [u for u in listed if u not in exclude]
-        own = session is None
-        session = session or aiohttp.ClientSession()
-        try:
+        async with _session(session) as session:
             rounds = 0
             while True:
                 rounds += 1
@@ -309,6 +281,13 @@ class EngineGroup:
                     raise EngineGroupError(f"abort_all_until_idle: still busy after {elapsed:.1f}s ({rounds} rounds): "
                                            + ", ".join(f"{u}: {n} request(s)" for u, n in busy.items() if n))
                 await asyncio.sleep(interval)
-        finally:
-            if own:
-                await session.close()
+
+
+@contextlib.asynccontextmanager
+async def _session(session: aiohttp.ClientSession | None):
+    """`session`, or a new one closed on exit."""
+    if session is not None:
+        yield session
+        return
+    async with aiohttp.ClientSession() as own:
+        yield own

@@ -1,15 +1,7 @@
 """How EngineGroup reaches an engine's host: in its own process (`LocalEngine`, tools and tests) or as a Ray
-actor on the engine's placement-group bundle (`RemoteEngine`, a run). Both have one interface:
-
-    .start() (launch, no wait) · .wait_healthy(timeout) · .restart(timeout) -> url · .kill(grace)
-    .shutdown(grace) · .problem() · .check_alive(doing) · .log_tail(n)
-    .url · .pid · .log_path · .name · .node_ip · .backend
-
-A remote engine's `problem()` is what `HostMonitor` (one thread, every `POLL_S`) last heard from its host,
-keyed by the engine's URL, so the watchdog's per-second check does no I/O and a restarted engine never
-inherits its predecessor's state. Errors raised in a host come back as themselves (ServerLaunchError with
-the log tail, PathNotVisibleError naming the node), not wrapped in Ray's exception types.
-"""
+actor on the engine's placement-group bundle (`RemoteEngine`, a run), with one interface. A remote engine's
+problem is what `HostMonitor` last heard from its host, so the watchdog's check does no I/O; errors raised in a
+host come back as themselves, not wrapped in Ray's exception types."""
 
 from __future__ import annotations
 
@@ -56,24 +48,21 @@ class LocalEngine(_EngineState):
         self.node_ip = "127.0.0.1"
         self._state: dict = {}
 
-    def _set(self, state: dict) -> None:
-        self._state = state
-
     @property
     def name(self) -> str:
         return self._state.get("name", f"engine {self.rank}")
 
     def start(self) -> "LocalEngine":
-        self._set(self.host.start())
+        self._state = self.host.start()
         return self
 
     def wait_healthy(self, timeout: float) -> float:
         waited = self.host.wait_healthy(timeout)
-        self._set(self.host.state())  # a relaunch on a lost port moves it
+        self._state = self.host.state()  # a relaunch on a lost port moves it
         return waited
 
     def restart(self, timeout: float) -> str:
-        self._set(self.host.restart(timeout))
+        self._state = self.host.restart(timeout)
         return self.url
 
     def kill(self, grace: float = 0.5) -> None:
@@ -93,7 +82,7 @@ class LocalEngine(_EngineState):
 
 
 def host_result(ref, timeout: float, what: str):
-    """ray.get that raises the host's own exception, or ServerLaunchError naming `what` on a timeout / a dead actor."""
+    """ray.get raising the host's own exception, or ServerLaunchError naming `what` (a timeout, a dead actor)."""
     import ray
 
     try:
@@ -128,7 +117,6 @@ def gather_hosts(refs: list, what: str, timeout: float) -> list:
     return [out[r] for r in range(len(refs))]
 
 
-
 class RemoteEngine(_EngineState):
     """A host as a Ray actor on `slot` (its placement-group bundle); re-created there if the actor dies."""
 
@@ -137,7 +125,7 @@ class RemoteEngine(_EngineState):
         self.node_ip = slot.node_ip
         self.backend = backend
         self._state: dict = {}
-        self._actor = None
+        self.actor = None
         self._new_actor()
 
     def _new_actor(self) -> None:
@@ -145,7 +133,7 @@ class RemoteEngine(_EngineState):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = ray.remote(EngineHost)
-        self._actor = cls.options(
+        self.actor = cls.options(
             num_cpus=HOST_NUM_CPUS,
             num_gpus=HOST_NUM_GPUS if self.slot.gpu_ids else 0,
             max_concurrency=HOST_MAX_CONCURRENCY,
@@ -154,27 +142,16 @@ class RemoteEngine(_EngineState):
         ).remote(self.args, self.rank, self.log_dir, self.slot.gpu_ids, self.backend)
 
     @property
-    def actor(self):
-        return self._actor
-
-    @property
     def name(self) -> str:
         return f"{self._state.get('name', f'engine {self.rank}')} on node {self.node_ip}"
 
     def _call(self, method: str, *a, timeout: float = CALL_TIMEOUT_S, what: str | None = None):
-        return host_result(getattr(self._actor, method).remote(*a), timeout, what or f"engine {self.rank} {method}")
-
-    def node(self) -> dict:
-        return self._call("node")
+        return host_result(getattr(self.actor, method).remote(*a), timeout, what or f"engine {self.rank} {method}")
 
     def start(self) -> "RemoteEngine":
-        """Launch (the host resolves the backend and checks --hf-checkpoint on its node first)."""
         self._state = self._call("start", timeout=CALL_TIMEOUT_S + 60)
         self.backend = self._state["backend"]
         return self
-
-    def start_async(self):
-        return self._actor.start.remote()
 
     def set_state(self, state: dict) -> None:
         self._state = state
@@ -184,9 +161,6 @@ class RemoteEngine(_EngineState):
         waited = self._call("wait_healthy", timeout, timeout=timeout + 60)
         self._state = self._call("state")
         return waited
-
-    def wait_healthy_async(self, timeout: float):
-        return self._actor.wait_healthy.remote(timeout)
 
     def restart(self, timeout: float) -> str:
         import ray
@@ -198,7 +172,7 @@ class RemoteEngine(_EngineState):
                 raise
             logger.warning("engine %d: its host actor is gone (%s); starting a new one on bundle %d", self.rank, e,
                            self.slot.bundle_index)
-            ray.kill(self._actor)
+            ray.kill(self.actor)
             self._new_actor()
             self.start()
             self.wait_healthy(timeout)
@@ -212,22 +186,16 @@ class RemoteEngine(_EngineState):
             self._call("kill", grace, timeout=grace + 15)
         except ServerLaunchError as e:
             logger.warning("engine %d: %s; killing its host actor", self.rank, e)
-            ray.kill(self._actor)
-
-    def shutdown_async(self, grace: float = 10.0):
-        return self._actor.shutdown.remote(grace)
+            ray.kill(self.actor)
 
     def shutdown(self, grace: float = 10.0) -> None:
         import ray
 
         try:
-            host_result(self.shutdown_async(grace), grace + 15, f"engine {self.rank} shutdown")
+            self._call("shutdown", grace, timeout=grace + 15)
         except Exception as e:  # noqa: BLE001 - the actor goes anyway
             logger.warning("engine %d shutdown: %s", self.rank, e)
-        ray.kill(self._actor)
-
-    def problem(self) -> str | None:
-        raise NotImplementedError("a remote engine's problem comes from the HostMonitor (EngineGroup.engine_problem)")
+        ray.kill(self.actor)
 
     def check_alive(self, doing: str) -> None:
         self._call("check_alive", doing)
@@ -237,11 +205,8 @@ class RemoteEngine(_EngineState):
 
 
 class HostMonitor:
-    """One thread asking every remote host, every POLL_S, what is wrong with its server process.
-
-    `problems[url]` holds the last answer for the engine serving at `url` (None: running). A host that is
-    gone or does not answer within MONITOR_TIMEOUT_S is a problem of its engine too.
-    """
+    """One thread asking every remote host, every POLL_S, what is wrong with its server process: `problems[url]`
+    (None: running; a host gone or silent for MONITOR_TIMEOUT_S is a problem too)."""
 
     def __init__(self, engines: list[RemoteEngine]):
         self.engines = engines

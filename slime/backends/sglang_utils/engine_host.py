@@ -1,9 +1,5 @@
-"""EngineHost: owns one rollout engine's server process on the node where it runs.
-
-In a run each engine's host is a small Ray actor on the engine's placement-group bundle (`EngineSlot`), so the
-server starts on that node and sees that bundle's GPUs; tools and tests may use a host in their own process.
-The host picks the ports, launches the server, keeps its log, says what is wrong with the process (from /proc)
-and kills or restarts it. The server is launched from the host's own long-lived thread, to which its
+"""EngineHost: owns one rollout engine's server process on its node (in a run a Ray actor on the engine's
+placement-group bundle). The server is launched from the host's own long-lived thread, to which its
 PR_SET_PDEATHSIG is tied, so it dies with the host and never with a short-lived caller."""
 
 from __future__ import annotations
@@ -24,9 +20,7 @@ from slime.utils.run import process_placement
 
 logger = logging.getLogger(__name__)
 
-# Ray resources of an engine's host actor, inside its bundle: no CPU (the bundle's CPU is the trainer's when
-# colocated; the server's own work is not Ray's to count), a fifth of the bundle's GPU (a colocated trainer
-# takes part of the same GPU); the server sees the bundle's GPUs through CUDA_VISIBLE_DEVICES.
+# The host actor's Ray resources inside its bundle: no CPU, a fifth of a GPU (a colocated trainer shares both)
 HOST_NUM_CPUS = 0.0
 HOST_NUM_GPUS = 0.2
 HOST_MAX_CONCURRENCY = 8  # problem() / log_tail() are answered while a start or restart waits
@@ -34,8 +28,7 @@ HOST_MAX_CONCURRENCY = 8  # problem() / log_tail() are answered while a start or
 
 @dataclass(frozen=True)
 class EngineSlot:
-    """Where engine `rank` runs: its first placement-group bundle (the host actor goes there) and every bundle's
-    GPUs (Ray's ids on `node_ip`; empty on CPU)."""
+    """Where an engine runs: its placement-group bundles (the host on the first) and their GPUs (empty on CPU)."""
 
     placement_group: object
     bundle_indices: tuple[int, ...]
@@ -49,8 +42,7 @@ class EngineSlot:
 
 
 class EngineHost:
-    """One engine server: launch, health wait, problem, kill, restart, log. Methods are safe to call from
-    several threads (a Ray actor with max_concurrency)."""
+    """One engine server: launch, health wait, problem, kill, restart, log; thread-safe (max_concurrency)."""
 
     def __init__(self, args, rank: int, log_dir: str, gpu_ids: tuple[str, ...] = (), backend: str | None = None):
         self.args = args
@@ -65,8 +57,7 @@ class EngineHost:
 
     # --- where ------------------------------------------------------------------
     def node(self) -> dict:
-        """This host's node_id / node_ip (None outside Ray), hostname, pid, code root, backend, GPUs, server URL
-        and pid."""
+        """Where this host runs (`process_placement`), its backend, GPUs, server URL and pid."""
         info = process_placement()
         engine = self.engine
         info.update(backend=self.backend, gpu_ids=list(self.gpu_ids), url=None if engine is None else engine.url,
@@ -97,25 +88,23 @@ class EngineHost:
         return self.state()
 
     def wait_healthy(self, timeout: float) -> float:
-        """Wait for GET /health_generate; a port taken between picking and binding gets one relaunch.
-        Raises ServerLaunchError naming the engine with its log tail."""
+        """Wait for GET /health_generate; a port taken between picking and binding gets one relaunch."""
         engine = self._current()
         try:
             return engine.wait_healthy(timeout)
         except ServerLaunchError:
-            if engine.is_alive() or "address already in use" not in engine.log_tail(200).lower():
+            if engine.process.is_alive() or "address already in use" not in engine.process.log_tail(200).lower():
                 raise
             logger.warning("%s lost its port %d to another process; relaunching", engine.name, engine.port)
-            engine.terminate(grace=1)
+            engine.process.terminate(grace=1)
             self._launcher.submit(self._launch).result()
             return self._current().wait_healthy(timeout)
 
     def restart(self, timeout: float) -> dict:
-        """Kill the server (SIGTERM, then SIGKILL: a stopped one too) and start a fresh one on new ports with the
-        same flags; returns `state()` once healthy."""
+        """Kill the server (a stopped one too) and start a fresh one on new ports; returns `state()` once healthy."""
         old = self.engine
         if old is not None:
-            old.terminate(grace=5)
+            old.process.terminate(grace=5)
             logger.warning("restarting engine %d (was %s); its log continues in %s", self.rank, old.url,
                            old.process.log_path)
         self.start()
@@ -123,13 +112,12 @@ class EngineHost:
         return self.state()
 
     def kill(self, grace: float = 0.5) -> None:
-        """Kill the server now, so whatever waits on it fails at once instead of timing out."""
         if self.engine is not None:
-            self.engine.terminate(grace=grace)
+            self.engine.process.terminate(grace=grace)
 
     def shutdown(self, grace: float = 10.0) -> None:
         if self.engine is not None:
-            self.engine.terminate(grace)
+            self.engine.process.terminate(grace)
         self._launcher.shutdown(wait=False)
 
     # --- state ------------------------------------------------------------------
@@ -139,7 +127,7 @@ class EngineHost:
         return self.engine
 
     def problem(self) -> str | None:
-        """What is wrong with the server process (exited, stopped, zombie), or None. Reads /proc only."""
+        """What is wrong with the server process (exited, stopped, zombie), or None."""
         engine = self.engine
         return None if engine is None else process_problem(engine.process)
 
@@ -147,7 +135,7 @@ class EngineHost:
         self._current().process.check_alive(doing)
 
     def log_tail(self, max_lines: int = 40) -> str:
-        return self._current().log_tail(max_lines)
+        return self._current().process.log_tail(max_lines)
 
     def state(self) -> dict:
         engine = self._current()

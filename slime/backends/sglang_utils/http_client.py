@@ -1,9 +1,6 @@
-"""Small HTTP helpers for SGLang-protocol engines and sglang-router.
-
-Async helpers take the caller's `aiohttp.ClientSession`; sync ones use `requests`; every call has a timeout. A
-non-2xx reply raises `EngineHTTPError` (status, body, URL); no reply raises `EngineUnreachableError` (URL, how
-long it waited); credentials in URLs are redacted. A 2xx reply comes back parsed when JSON, as text when the
-server says it is not (`/flush_cache`), None when empty."""
+"""Small HTTP helpers for SGLang-protocol engines and sglang-router: every call has a timeout; a non-2xx reply
+raises `EngineHTTPError`, no reply `EngineUnreachableError`; a 2xx reply comes back parsed when JSON, as text when
+the server says it is not (`/flush_cache`), None when empty."""
 
 from __future__ import annotations
 
@@ -88,20 +85,16 @@ def _decode(method: str, url: str, status: int, text: str, content_type: str | N
         raise EngineHTTPError(method, url, status, f"response is not JSON ({e}): {text}") from e
 
 
-def _client_timeout(timeout: float | None) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
-
-
 async def _request(session: aiohttp.ClientSession, method: str, url: str, json: Any, timeout: float | None):
     # orjson both ways: /generate bodies carry a token id (and back, a log-prob) per token
     kw = {} if json is None else {"data": orjson.dumps(json), "headers": {"Content-Type": "application/json"}}
+    waited = timeout if timeout is not None else DEFAULT_TIMEOUT_S
     try:
-        async with session.request(method, url, timeout=_client_timeout(timeout), **kw) as resp:
+        async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=waited), **kw) as resp:
             body = await resp.read()
             status = resp.status
             content_type = resp.headers.get("Content-Type")
     except asyncio.TimeoutError:
-        waited = timeout if timeout is not None else DEFAULT_TIMEOUT_S
         raise EngineUnreachableError(method, url, f"no reply within {waited:g}s") from None
     except aiohttp.ClientError as e:
         raise EngineUnreachableError(method, url, f"{type(e).__name__}: {e}") from None
@@ -114,10 +107,7 @@ async def _request(session: aiohttp.ClientSession, method: str, url: str, json: 
 
 
 async def generate(session: aiohttp.ClientSession, url: str, payload: dict, timeout: float | None = None) -> dict:
-    """POST `{url}/generate` (url: a worker or the router) and return the JSON reply.
-
-    `payload` is a single (non-batch, non-streaming) SGLang `GenerateReqInput`.
-    """
+    """POST one (non-batch, non-streaming) `GenerateReqInput` to `{url}/generate`; returns the JSON reply."""
     if payload.get("stream"):
         raise ValueError("http_client.generate: streaming requests are not supported here (payload['stream'] is true)")
     out = await _request(session, "POST", join_url(url, "/generate"), payload, timeout)
@@ -128,24 +118,19 @@ async def generate(session: aiohttp.ClientSession, url: str, payload: dict, time
 
 async def post(session: aiohttp.ClientSession, base_url: str, path: str, json: Any = None,
                timeout: float | None = DEFAULT_TIMEOUT_S) -> dict | list | None:
-    """POST `json` to base_url + path; returns the parsed JSON body or None for an empty body."""
     return await _request(session, "POST", join_url(base_url, path), json, timeout)
 
 
 async def get(session: aiohttp.ClientSession, base_url: str, path: str,
               timeout: float | None = DEFAULT_TIMEOUT_S) -> dict | list | None:
-    """GET base_url + path; returns the parsed JSON body or None for an empty body."""
     return await _request(session, "GET", join_url(base_url, path), None, timeout)
 
 
 def post_json(url: str, json: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | str | None:
-    """Synchronous POST of `json` to the full `url`; the parsed JSON reply, a plain-text reply as a string, or
-    None for an empty body."""
     resp = requests.post(url, json=json, timeout=timeout)
     return _decode("POST", url, resp.status_code, resp.text, resp.headers.get("Content-Type"))
 
 
 def get_json(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict | list | str | None:
-    """Synchronous GET of the full `url`; the parsed JSON reply, a plain-text reply as a string, or None."""
     resp = requests.get(url, timeout=timeout)
     return _decode("GET", url, resp.status_code, resp.text, resp.headers.get("Content-Type"))

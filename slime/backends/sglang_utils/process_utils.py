@@ -1,5 +1,5 @@
-"""Child server processes: launch in their own process group, log to a file, wait for an HTTP health route, and
-terminate (SIGTERM, then SIGKILL) without leaving orphans. Shared by the engine and router launchers."""
+"""Child server processes: launched in their own process group, logging to a file, waited for on an HTTP route,
+terminated (SIGTERM, then SIGKILL) without leaving orphans."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import requests
 
@@ -23,19 +22,14 @@ class ServerLaunchError(RuntimeError):
     """A child server died or did not become healthy in time; the message names it and shows its log tail."""
 
 
-# SGLang 0.5.15.post1 reserves port + 10000 for its gRPC server and refuses a server port above this
-# (ServerArgs._handle_deprecated_args: "SGLANG_GRPC_PORT (...) must be between 1 and 65535").
+# SGLang reserves port + 10000 for its gRPC server and refuses a server port above this
 SGLANG_MAX_PORT = 65535 - 10000
 
 
 def pick_free_ports(n: int, exclude: set[int] | None = None, host: str = "127.0.0.1",
                     max_port: int = 65535) -> list[int]:
-    """`n` distinct free TCP ports on `host`, none of them in `exclude` or above `max_port`.
-
-    All sockets stay bound until every port is chosen, so the n ports are distinct; the caller adds them to
-    `exclude` for later calls so one process never hands out the same port twice. The OS picks them; if its
-    ephemeral range keeps answering above `max_port`, ports below it are tried in turn.
-    """
+    """`n` distinct free TCP ports on `host`, none in `exclude` or above `max_port` (the OS picks them; if it keeps
+    answering above `max_port`, ports below it are tried in turn)."""
     exclude = set(exclude or ())
     socks: list[socket.socket] = []
     ports: list[int] = []
@@ -83,16 +77,11 @@ ZOMBIE_REAP_WAIT_S = 2.0
 class ManagedProcess:
     """One child server process, started in its own session (process group)."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: str, env: dict[str, str] | None = None,
-                 cwd: str | None = None, die_with_parent: bool = True):
+    def __init__(self, name: str, cmd: list[str], log_path: str, env: dict[str, str] | None = None):
         self.name = name
-        # Linux PR_SET_PDEATHSIG: the child gets SIGTERM if the thread that launched it dies (even by SIGKILL),
-        # so a killed trainer leaves no orphan servers. Launch from a long-lived thread.
-        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
         self.cmd = list(cmd)
         self.log_path = log_path
         self._env = env
-        self._cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ManagedProcess":
@@ -105,9 +94,9 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self._env,
-                cwd=self._cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                # SIGTERM if the launching thread dies (even by SIGKILL): a killed trainer leaves no orphan servers
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         return self
 
@@ -133,19 +122,16 @@ class ManagedProcess:
         if self.proc is not None and self.proc.poll() is not None:
             raise self.error(f"exited with code {self.proc.returncode} while {doing}")
 
-    def wait_http_ok(self, url: str, timeout: float, interval: float = 0.25,
-                     accept: Callable[[requests.Response], bool] | None = None) -> float:
-        """Poll GET `url` until it answers 2xx (and `accept(resp)` if given); returns seconds waited.
-
-        Raises ServerLaunchError (with the log tail) if the process dies or the timeout passes.
-        """
+    def wait_http_ok(self, url: str, timeout: float, interval: float = 0.25) -> float:
+        """Poll GET `url` until it answers 2xx; returns seconds waited. Raises ServerLaunchError (with the log tail)
+        if the process dies or the timeout passes."""
         start = time.monotonic()
         last_err = "no attempt"
         while True:
             self.check_alive(f"waiting for {url}")
             try:
                 resp = requests.get(url, timeout=min(5.0, max(0.5, timeout)))
-                if 200 <= resp.status_code < 300 and (accept is None or accept(resp)):
+                if 200 <= resp.status_code < 300:
                     return time.monotonic() - start
                 last_err = f"HTTP {resp.status_code}: {resp.text[:200]}"
             except requests.RequestException as e:
@@ -172,8 +158,7 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("%s (pid %s) still alive after SIGKILL", self.name, pgid)
-        # SIGKILL is delivered asynchronously: a straggler may still run for a moment (longer on a loaded box);
-        # return only once the group is gone, so a caller that frees the port or the GPU next finds them free
+        # SIGKILL is asynchronous: return once the group is gone, so the port and the GPU are free for the caller
         deadline = time.monotonic() + 5
         while process_group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -182,7 +167,7 @@ class ManagedProcess:
 
 
 def process_problem(proc: "ManagedProcess") -> str | None:
-    """Why `proc` cannot serve (exited, stopped, zombie), or None if it is running. Reads /proc only."""
+    """Why `proc` cannot serve (exited, stopped, zombie), or None if it is running."""
     rc = proc.returncode()
     if rc is not None:
         return _exit_text(rc)
@@ -219,7 +204,6 @@ def process_group_members(pgid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        # fields after the ')' of the command name: state ppid pgrp ...
         rest = stat[stat.rfind(")") + 2:].split()
         if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
             members.append(int(entry))

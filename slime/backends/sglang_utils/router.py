@@ -1,8 +1,5 @@
-"""sglang-router (0.3.2): start it on loopback (or attach to an existing one), register workers, read them back.
-
-Pinned by tests/test_router*.py: `POST /workers {"url"}` answers 202 and registers asynchronously; `GET /workers`
-lists a worker once it passed the router's probes. The circuit breaker is off: 0.3.2 would answer every request
-503 for 60 s after 10 failed ones (client errors included); worker health is EngineGroup's to check."""
+"""sglang-router (0.3.2): start it (or attach to an existing one), register workers, read them back. Its circuit
+breaker is off: 0.3.2 would answer every request 503 for 60 s after 10 failed ones; worker health is ours to check."""
 
 from __future__ import annotations
 
@@ -95,16 +92,14 @@ class Router:
             raise self._error(f"exited with code {self.process.returncode()} while {doing}")
 
     def problem(self) -> str | None:
-        """What is wrong with the router process we started (exited, stopped, a zombie), naming its pid; None while
-        it runs, and for an external router (its process is not ours to read)."""
+        """What is wrong with the router process we started, naming its pid; None while it runs, or if not ours."""
         if self.process is None:
             return None
         problem = process_problem(self.process)
         return None if problem is None else f"(pid {self.process.pid}) {problem}"
 
     def restart(self, timeout: float = 60.0) -> float:
-        """Start the router we own again, on the same address with the same flags; returns seconds until it
-        answered. It knows no workers: the caller registers them again."""
+        """Start the router we own again on the same address (knowing no workers); returns seconds until it answered."""
         if self.process is None:
             raise ServerLaunchError(f"sglang-router at {self.url} was not started by this run, so it cannot be "
                                     "restarted")
@@ -145,11 +140,8 @@ class Router:
 
     def wait_workers_healthy(self, urls: list[str], timeout: float, interval: float = 0.25,
                              extra_check=None) -> float:
-        """Poll GET /workers until every url in `urls` is listed with is_healthy; returns seconds waited.
-
-        `extra_check()` (optional) runs each round and may raise (e.g. an engine process died).
-        Raises ServerLaunchError naming the missing workers, with the router's log tail.
-        """
+        """Poll GET /workers until every url in `urls` is listed healthy; returns seconds waited. `extra_check()` runs
+        each round and may raise (an engine process died)."""
         want = {_url_key(u): u for u in urls}
         start = time.monotonic()
         while True:

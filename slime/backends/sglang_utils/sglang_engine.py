@@ -1,7 +1,5 @@
-"""Launch one rollout engine as a child HTTP server: real SGLang (`sglang.launch_server`, on a GPU or on CPU), or
-our embedded transformers engine. Both speak SGLang's native HTTP API (see docs/architecture.md), so everything
-above this file is backend-agnostic. SGLang runs from `--sglang-python` (default: this interpreter); on a machine
-without CUDA the launcher adds the CPU flags and import stand-ins below, and nothing else differs."""
+"""Launch one rollout engine as a child HTTP server: real SGLang (`sglang.launch_server`, on a GPU or on CPU with
+the flags and import stand-ins below), or our embedded transformers engine; both speak SGLang's native HTTP API."""
 
 from __future__ import annotations
 
@@ -32,22 +30,14 @@ _RESERVED_SGLANG_FLAGS = {
 }
 
 
-# SGLang's server on a CPU box (docs/sglang-compat.md): its torch-native
-# attention and sampling, no CUDA graphs or grammar backend, fp32 like the CPU trainers, a small KV pool. Each is
-# set unless the user passes the same `--sglang-<flag>`.
+# SGLang's server on a CPU box (docs/sglang-compat.md), each unless the user passes the same `--sglang-<flag>`
 CPU_LAUNCH_FLAGS = {
     "device": "cpu", "attention-backend": "torch_native", "sampling-backend": "pytorch", "disable-cuda-graph": True,
     "dtype": "float32", "grammar-backend": "none", "skip-server-warmup": True, "mem-fraction-static": "0.1",
     "max-total-tokens": "16384",
 }
-# Import stand-ins for two packages whose registry builds cannot run on a CPU torch (torchvision; vllm's rotary):
-# first on the PYTHONPATH of a CPU SGLang server only (cpu_stand_ins/README.md)
+# first on a CPU SGLang server's PYTHONPATH only (cpu_stand_ins/README.md)
 CPU_STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stand_ins")
-
-
-def sglang_python(args) -> str:
-    """The interpreter that runs `sglang.launch_server`."""
-    return args.sglang_python or sys.executable
 
 
 def _cuda_available() -> bool:
@@ -117,21 +107,15 @@ def _extra_flag_names(extra: dict | None) -> set[str]:
 
 def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: int, base_gpu_id: int,
                                 host: str = DEFAULT_HOST, cpu: bool = False) -> list[str]:
-    """`<--sglang-python> -m sglang.launch_server ...` for engine `engine_rank`; `cpu`: no CUDA here (the CPU flags are
-    added, `--colocate` is refused).
-
-    Sets --model-path/--tp-size/--host/--port/--base-gpu-id/--nccl-port from our flags, a per-engine --random-seed
-    (args.seed + rank), --weight-version 0 and, with --colocate, --enable-memory-saver unless the user passed them,
-    then appends every `--sglang-<flag>` from `args.sglang_extra_args` ({flag-name: str | True}). A user
-    `--sglang-host` replaces the loopback default.
-    """
+    """`<--sglang-python> -m sglang.launch_server ...` for engine `engine_rank`, then every `--sglang-<flag>`; `cpu`:
+    no CUDA here (the CPU flags are added, `--colocate` is refused)."""
     if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required to launch SGLang engines (it becomes --model-path)")
     extra = dict(args.sglang_extra_args)
     names = _extra_flag_names(extra)
     tp = args.rollout_num_gpus_per_engine
     cmd = [
-        sglang_python(args), "-m", "sglang.launch_server",
+        args.sglang_python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(args.hf_checkpoint),
         "--tp-size", str(tp),
         "--port", str(port),
@@ -156,12 +140,8 @@ def build_sglang_server_command(args, engine_rank: int, port: int, nccl_port: in
 
 
 def build_embedded_engine_command(args, engine_rank: int, port: int, host: str = DEFAULT_HOST) -> list[str]:
-    """`python -m slime.backends.hf_engine ...` for engine `engine_rank` (CPU, one slot per engine).
-
-    `--sglang-<flag>` options pass through when the embedded engine has the same flag (SGLang's names:
-    `--sglang-disable-radix-cache`, `--sglang-max-running-requests`, ...); any other is refused by name,
-    never silently dropped.
-    """
+    """`python -m slime.backends.hf_engine ...` for engine `engine_rank`; an `--sglang-<flag>` passes through when
+    the embedded engine has the same flag, any other is refused by name."""
     if not args.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required to launch the embedded engine (it becomes --model-path)")
     cmd = [
@@ -171,12 +151,13 @@ def build_embedded_engine_command(args, engine_rank: int, port: int, host: str =
         "--port", str(port),
     ]
     cmd += ["--num-threads", str(args.embedded_engine_threads), "--seed", str(args.seed + engine_rank)]
-    if args.colocate and "enable-memory-saver" not in _extra_flag_names(args.sglang_extra_args):
+    names = _extra_flag_names(args.sglang_extra_args)
+    if args.colocate and "enable-memory-saver" not in names:
         cmd += ["--enable-memory-saver"]  # as for SGLang: colocated engines release their memory around training
-    if "weight-version" not in _extra_flag_names(args.sglang_extra_args):
+    if "weight-version" not in names:
         cmd += ["--weight-version", "0"]  # as for SGLang: the policy version the engine starts with
     known = _embedded_engine_flags()
-    unknown = sorted(f for f in _extra_flag_names(args.sglang_extra_args) if f not in known)
+    unknown = sorted(f for f in names if f not in known)
     if unknown:
         raise ValueError(f"--sglang-{unknown[0]}: the embedded engine (--rollout-backend embedded) has no --{unknown[0]}; "
                          f"SGLang flags it understands: {', '.join('--sglang-' + f for f in sorted(known))}")
@@ -215,25 +196,13 @@ class EngineProcess:
         logger.info("%s healthy at %s after %.1fs", self.name, self.url, waited)
         return waited
 
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
-
-    def log_tail(self, max_lines: int = 40) -> str:
-        return self.process.log_tail(max_lines)
-
-    def terminate(self, grace: float = 10.0) -> None:
-        self.process.terminate(grace)
 
 
 def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir: str,
                         nccl_port: int | None = None, host: str = DEFAULT_HOST,
                         gpu_ids: tuple[str, ...] | None = None) -> EngineProcess:
-    """Build (not start) engine `engine_rank` for `backend` ('sglang' or 'embedded').
-
-    `gpu_ids`: the GPUs of the engine's placement-group bundles (Ray's ids on its node); the server sees exactly
-    those (CUDA_VISIBLE_DEVICES) from --base-gpu-id 0. Without them (an engine launched outside Ray) engines of
-    one node share the visible GPUs in rank order.
-    """
+    """Build (not start) engine `engine_rank` for `backend`. `gpu_ids`: its bundles' GPUs (it sees exactly those);
+    without them engines of one node share the visible GPUs in rank order."""
     env = dict(os.environ)
     if backend == "sglang":
         tp = args.rollout_num_gpus_per_engine
@@ -243,7 +212,7 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
         if nccl_port is None:
             raise ValueError("make_engine_process: an SGLang engine needs an nccl_port")
         cmd = build_sglang_server_command(args, engine_rank, port, nccl_port, base_gpu_id, host, cpu=cpu)
-        host = _host_from_cmd(cmd, host)
+        host = cmd[cmd.index("--host") + 1] if "--host" in cmd else host  # a user's --sglang-host
         if cpu:
             env["SGLANG_USE_CPU_ENGINE"] = "0"  # its own CPU path needs sgl_kernel's CPU build (no wheel has it)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STAND_INS, env.get("PYTHONPATH")) if p)
@@ -271,7 +240,3 @@ def make_engine_process(args, backend: str, engine_rank: int, port: int, log_dir
     connect_host = advertised_address(resolve_listen_host("auto")) if host in WILDCARDS else host
     log_path = os.path.join(log_dir, f"engine_{engine_rank}.log")
     return EngineProcess(f"engine {engine_rank} ({backend})", backend, cmd, connect_host, port, log_path, env=env)
-
-
-def _host_from_cmd(cmd: list[str], default: str) -> str:
-    return cmd[cmd.index("--host") + 1] if "--host" in cmd else default

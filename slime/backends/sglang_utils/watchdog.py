@@ -1,11 +1,6 @@
-"""Engine watchdog: no rollout waits on a dead or frozen engine.
-
-While a step runs, `EngineWatchdog` checks every engine the group launched: its process every
-`PROCESS_CHECK_S` (exited, stopped or a zombie), and `GET /health_generate` every
-`--rollout-health-check-interval` s, which SGLang (and the embedded engine) answer only while their scheduler
-makes progress. A failing engine is reported once through `on_fault(EngineFault)`; the step stops as at its
-target (abort, drain, park) and raises `EngineFaultError` naming it. The router the group started is watched
-the same way, and a failed request first asks whether the router or an engine died (`explain_failure`)."""
+"""Engine watchdog: no rollout waits on a dead or frozen engine. While a step runs, `EngineWatchdog` reads every
+engine's process each `PROCESS_CHECK_S` and probes `GET /health_generate` (answered only while a scheduler makes
+progress) each --rollout-health-check-interval; a fault is reported once and the step raises `EngineFaultError`."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ from slime.backends.sglang_utils import http_client
 logger = logging.getLogger(__name__)
 
 PROCESS_CHECK_S = 1.0
-# an unreachable engine's host gets this long to report the process's exit or stop before the fault is named by
-# the refused connection
+# how long an unreachable engine's host gets to report its process's exit before the refused connection is named
 EXPLAIN_WAIT_S = 2.0
 
 
@@ -43,8 +37,7 @@ class EngineFault:
 
 
 def process_faults(faults, known) -> list[EngineFault]:
-    """New faults (not in `known`, by URL) read from the processes alone, no I/O (`faults`: an EngineGroup's
-    `.faults`): the group's router (exited, stopped), then each engine it launched."""
+    """New faults (not in `known`) of the router and engines of `faults` (an EngineGroup's), read from the processes."""
     found = []
     router = faults.router_fault()
     if router is not None and router.url not in known:
@@ -75,7 +68,6 @@ class EngineWatchdog:
         self.timeout = float(args.rollout_health_check_timeout)
         self.first_wait = float(args.rollout_health_check_first_wait)
         self.faults: dict[str, EngineFault] = {}
-        self.checks = 0  # HTTP health probes sent (for the overhead measurement)
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set at each new fault (a running step waits on it)
 
@@ -101,9 +93,6 @@ class EngineWatchdog:
         await self.stop()
 
     # ---- checks ------------------------------------------------------------------
-    def _urls(self) -> list[str]:
-        return list(self.engines.engine_urls)
-
     def _report(self, fault: EngineFault) -> None:
         if fault.url in self.faults:
             return
@@ -122,7 +111,7 @@ class EngineWatchdog:
 
     async def explain_failure(self, wait: float = EXPLAIN_WAIT_S) -> list[EngineFault]:
         """A request failed: did the router or an engine die? Their processes are read for up to `wait` s (a
-        killed process drops its connections a moment before its exit can be read); what is found is reported."""
+        killed process drops its connections a moment before its exit can be read)."""
         deadline = asyncio.get_running_loop().time() + wait
         while True:
             found = self.check_processes()
@@ -131,9 +120,8 @@ class EngineWatchdog:
             await asyncio.sleep(0.1)
 
     def explaining(self, request: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-        """`request` (an async call through the router, e.g. a step's generate), but one that fails asks first
-        whether the router or an engine died (waiting `explain_failure`'s moment where the failure is a lost
-        connection or a 5xx), so the fault is reported before the caller sees the request's own error."""
+        """`request` (an async call through the router), but a failure first asks whether the router or an engine
+        died, so the fault is reported before the caller sees the request's own error."""
         async def call(*args, **kwargs):
             try:
                 return await request(*args, **kwargs)
@@ -146,7 +134,6 @@ class EngineWatchdog:
         return call
 
     async def _probe(self, url: str) -> EngineFault | None:
-        self.checks += 1
         try:
             await http_client.get(self.session, url, "/health_generate", timeout=self.timeout)
             return None
@@ -154,9 +141,7 @@ class EngineWatchdog:
             problem, wait = f"did not answer GET /health_generate ({e.cause})", EXPLAIN_WAIT_S
         except http_client.EngineHTTPError as e:
             problem, wait = f"answered GET /health_generate with HTTP {e.status}", 0.0
-        # the process may explain it (stopped, exited): say that instead. A killed engine refuses connections at
-        # once, while the process that hosts it (an EngineHost actor) may see the exit a moment later: give it that
-        # moment, so the fault names the exit code rather than the refused connection
+        # the process may explain it (stopped, exited): say that instead, giving its host a moment to see the exit
         why = self.engines.faults.engine_problem(url)
         deadline = asyncio.get_running_loop().time() + wait
         while why is None and asyncio.get_running_loop().time() < deadline:
@@ -167,7 +152,7 @@ class EngineWatchdog:
     async def check_once(self) -> list[EngineFault]:
         """One full check (processes, then HTTP health of the rest, concurrently); new faults are reported."""
         found = self.check_processes()
-        urls = [u for u in self._urls() if u not in self.faults]
+        urls = [u for u in self.engines.engine_urls if u not in self.faults]
         for fault in await asyncio.gather(*(self._probe(u) for u in urls)):
             if fault is not None and fault.url not in self.faults:
                 self._report(fault)
@@ -208,11 +193,8 @@ class EngineWatchdog:
 
 
 class ProcessWatch:
-    """For blocking phases (a weight sync): a thread that checks every engine process (and the router's) each second.
-
-    A stopped or dead engine would hold a weight broadcast until its timeouts (minutes); the watch records it and
-    calls `on_fault(fault)` (the caller kills a stopped engine, which makes the sync fail at once, naming it).
-    """
+    """For blocking phases (a weight sync): a thread reading every engine's (and the router's) process each second,
+    calling `on_fault(fault)` (the caller kills a stopped engine, so the sync fails at once instead of timing out)."""
 
     def __init__(self, engines, on_fault: Callable[[EngineFault], None] | None = None, interval: float = PROCESS_CHECK_S):
         self.engines, self.on_fault, self.interval = engines, on_fault, interval

@@ -1,14 +1,6 @@
-"""SGLang's weight-update session around the buckets of one update.
-
-Since SGLang 0.5.21 the scheduler refuses `/update_weights_from_tensor` and `/update_weights_from_distributed`
-(`success=false`, HTTP 400; in distributed mode without joining the broadcast) unless `POST /begin_weight_update`
-opened a session; `POST /end_weight_update` closes it and finalises the loaded weights (post-load processing of
-quantized models). A server without the routes (404: SGLang up to 0.5.20, our supported range starts at
-0.5.15.post1) needs no session. `/update_weights_from_disk` needs none either.
-
-A session left open (a trainer killed mid-update) makes `begin` answer 400 "a weight-update session is already
-open": it is closed and opened again, with a warning, so the next update goes through.
-"""
+"""SGLang's weight-update session around the buckets of one update: since SGLang 0.5.21 the scheduler refuses
+tensor and distributed updates unless `POST /begin_weight_update` opened one (a server without the route, 404,
+needs none). A session left open by a killed trainer is closed and opened again, with a warning."""
 
 from __future__ import annotations
 
@@ -67,8 +59,7 @@ class WeightUpdateSessions:
             raise RuntimeError(f"weight update: {BEGIN} failed on {len(errors)} engine(s): " + "; ".join(errors))
 
     def close(self, quiet: bool = False) -> None:
-        """Close every session this object opened; raises (unless `quiet`: after a failed update) naming each
-        engine that refused."""
+        """Close every session this object opened; raises (unless `quiet`) naming each engine that refused."""
         urls, self.open_on = self.open_on, []
         futures = {u: self.pool.submit(_post, u, END, self.timeout) for u in urls}
         errors = []

@@ -1,20 +1,6 @@
 """The trainer's weight push as the engines see it: calls fanned out to every worker, returning futures so the
-trainer can broadcast tensors while the engines wait in their receive.
-
-Sequence (trainer side, see slime/backends/training_utils/weight_sync/):
-    futs = push.init_group(addr, port)                     # engines join the group...
-    <trainer joins the group as rank 0>                    # ...while the trainer joins it, in SGLang's layout
-                                                           # (slime.utils.weight_update_group.join)
-    push.wait(futs, "init_weights_update_group", check_success=True)
-    sessions = push.begin()                                # SGLang >= 0.5.21 refuses updates without one
-    futs = push.from_distributed(names, dtypes, shapes, version)
-    <trainer broadcasts each tensor in `names` order from rank 0>
-    push.wait(futs, "update_weights_from_distributed", check_success=True)
-    sessions.close()                                       # /end_weight_update
-    push.wait(push.destroy_group(), "destroy", check_success=True)
-
-Engine i (in `worker_urls()` order) gets rank_offset 1 + i * tp; the group's world size is 1 + num_workers * tp.
-"""
+trainer can broadcast tensors while the engines wait in their receive (init_group, begin, from_distributed, the
+broadcast, the session's close, destroy_group). Engine i gets rank_offset 1 + i * tp in the group."""
 
 from __future__ import annotations
 
@@ -28,8 +14,7 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 
 
 class WeightPush:
-    """`fan_out` reaches the workers; `gpus_per_engine` is each engine's TP; `backend()`: the engines' backend
-    (embedded or sglang, known once they started), which picks the group's transport."""
+    """`backend()`: the engines' backend (known once they started), which picks the group's transport."""
 
     def __init__(self, fan_out: FanOut, gpus_per_engine: int, backend: Callable[[], str | None]):
         self.fan_out, self.tp, self.backend = fan_out, gpus_per_engine, backend
@@ -48,8 +33,7 @@ class WeightPush:
         return self.fan_out.submit("POST", "/init_weights_update_group", timeout=timeout, urls=urls, payloads=payloads)
 
     def begin(self, timeout: float = 120.0) -> WeightUpdateSessions:
-        """Open SGLang's weight-update session on every worker (none where the server has no sessions); close it
-        with `.close()` on the returned object after the last bucket."""
+        """Open SGLang's weight-update session on every worker; `.close()` it after the last bucket."""
         sessions = WeightUpdateSessions(self.fan_out.pool, timeout)
         sessions.open(self.fan_out.worker_urls())
         return sessions
@@ -57,8 +41,8 @@ class WeightPush:
     def from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: int,
                          group_name: str = DEFAULT_GROUP_NAME, flush_cache: bool = True,
                          load_format: str | None = None, timeout: float = 600.0) -> dict[str, Future]:
-        """POST /update_weights_from_distributed to every worker concurrently; returns {url: Future}. The engines
-        then wait for the trainer to broadcast the tensors in `names` order."""
+        """POST /update_weights_from_distributed to every worker concurrently (they then wait for the trainer's
+        broadcast of `names` in order); returns {url: Future}."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"update_weights_from_distributed: names/dtypes/shapes lengths differ "
                              f"({len(names)}/{len(dtypes)}/{len(shapes)})")

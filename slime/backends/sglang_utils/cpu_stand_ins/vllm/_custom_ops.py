@@ -1,12 +1,6 @@
-"""`vllm._custom_ops.rotary_embedding` in plain torch, for SGLang's server on a CPU box.
-
-Needed by `sglang/srt/layers/rotary_embedding/base.py` (SGLang 0.5.23): on a device that is neither CUDA nor HIP,
-and without SGLang's own CPU engine (`SGLANG_USE_CPU_ENGINE=1`, which needs `sgl_kernel`'s CPU build), its
-`RotaryEmbedding.__init__` imports this function and `forward_cuda` calls it in place on the query and key.
-Semantics of vLLM's kernel: `cos_sin_cache[pos]` holds rot_dim/2 cosines then rot_dim/2 sines; the first rot_dim
-channels of every head rotate, the rest pass through; neox style pairs channel i with i + rot_dim/2, GPT-J style
-pairs 2i with 2i+1.
-"""
+"""`vllm._custom_ops.rotary_embedding` in plain torch, for SGLang's server on a CPU box (see ../README.md). As
+vLLM's kernel: `cos_sin_cache[pos]` holds rot_dim/2 cosines then sines; the first rot_dim channels of every head
+rotate; neox style pairs channel i with i + rot_dim/2, GPT-J style 2i with 2i+1."""
 
 from __future__ import annotations
 

@@ -291,7 +291,7 @@ def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args,
     items = [it for g in item_groups for it in g]
     mb = build_micro_batch(items, tok.pad_token_id, packed=False)
     with torch.no_grad():
-        old = list(forward_micro_batch(model, mb, 1.0, 64)[0].split(mb.response_sizes))
+        old = list(forward_micro_batch(model, mb, 1.0, 64)[0].split([it.response_len for it in mb.items]))
     rt = compute_rollout_tensors(args, item_groups, old, None)
     lps, ents, _ = forward_micro_batch(model, mb, 1.0, 64, with_entropy=True, entropy_grad=True)
     lps.retain_grad()

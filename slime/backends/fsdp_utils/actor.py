@@ -1,7 +1,5 @@
-"""The FSDP2 trainer: one instance per data-parallel rank; the step loop, metrics, offload and shutdown are the shared
-skeleton's (`training_utils.trainer.Trainer`). Here: a transformers causal LM sharded with FSDP2 (bf16 compute over
-fp32 master weights with --bf16), AdamW, the forward through the chunked log-prob head, and gradient clipping.
-"""
+"""The FSDP2 trainer rank on the shared skeleton (`training_utils.trainer.Trainer`): a transformers causal LM
+sharded with FSDP2 (bf16 compute over fp32 master weights with --bf16), AdamW, the chunked log-prob head."""
 
 from __future__ import annotations
 
@@ -79,10 +77,8 @@ class FSDPTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
 
     def _before_backward(self, last: bool) -> None:
-        # One rank: nothing to reduce, and FSDP2 would still copy every gradient into its "reduced" shard and the
-        # parameters out of and back into their shards around every micro-batch (a third of a CPU step at micro-batch
-        # 1). So the gradients accumulate unsharded and the parameters stay gathered until the step's last backward.
-        # With more ranks, every micro-batch reduce-scatters (sharded gradients: the least memory).
+        # One rank: nothing to reduce, yet FSDP2 would copy every gradient and parameter in and out of its shards
+        # around every micro-batch; so they stay unsharded until the step's last backward
         if self.world_size == 1:
             self.model.set_requires_gradient_sync(last)
             self.model.set_reshard_after_backward(last)

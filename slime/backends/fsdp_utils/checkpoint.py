@@ -1,9 +1,6 @@
-"""Trainer checkpoints and HF export.
-
-A checkpoint directory (the caller makes it atomic): `model.safetensors` (full model state, HF names),
-`optimizer.pt` (keyed by parameter name), `rng_rank{r}.json`, `trainer_meta.json`. Full state dicts do not
-depend on the sharding, so a checkpoint loads at another data-parallel size. Loading runs no code from the files
-(`slime.utils.safe_load`; older `rng_rank{r}.pt` files load with numpy's types allow-listed)."""
+"""FSDP trainer checkpoints and HF export: `model.safetensors` (full state, HF names), `optimizer.pt`,
+`rng_rank{r}.json`, `trainer_meta.json`; full state dicts load at another data-parallel size, and loading runs no
+code from the files."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The trainer model's weights under their HF names, and a plain HF directory written from them.
-
-Shared by checkpoints (`checkpoint.py`: export, save) and weight sync
-(`update_weight.py`: the disk path), so neither imports the other; the tokenizer files
-copied next to the weights are weight_sync's (`hf_dir.TOKENIZER_FILES`).
-"""
+"""The trainer model's weights under their HF names, and a plain HF directory written from them (shared by
+checkpoints and the weight sync's disk path)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ from torch import nn
 from slime.backends.training_utils.weight_sync.hf_dir import TOKENIZER_FILES
 
 
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: every rank must call it; only rank 0 gets the tensors (CPU)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -25,8 +20,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def iter_full_weights(model: nn.Module):
-    """Collective: every rank gets every (name, full tensor) in turn, on its own device (one all-gather per
-    tensor, so no rank ever holds the whole model twice)."""
+    """Collective: every rank gets every (name, full tensor) in turn (one all-gather per tensor)."""
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():

@@ -1,10 +1,5 @@
-"""Process-group setup, model loading and FSDP2 sharding, and the teacher-forced forward of a micro-batch (padded
-or packed) shared by the old-policy, reference and training passes.
-
-Weights, gradients and AdamW state stay float32; with --bf16 FSDP2's mixed-precision policy gathers bf16
-parameters and reduces gradients in float32. `--attn-implementation sdpa` registers `slime_sdpa` with
-transformers (torch SDPA for padded micro-batches, `training_utils.varlen` for packed ones). The output
-projection returns the final hidden states and `training_utils.logprob_head` computes log-probs chunk by chunk."""
+"""Process-group setup, model loading and FSDP2 sharding (fp32 master weights; bf16 compute with --bf16), packed-
+aware attention (`slime_sdpa`), and the teacher-forced forward of a micro-batch through the chunked log-prob head."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ PACKED_SDPA = "slime_sdpa"
 
 
 def _packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention-function signature: query [B, Hq, S, D], key / value [B, Hkv, S, D]
-    -> ([B, S, Hq, D], None)."""
+    """transformers' attention signature: query [B, Hq, S, D], key / value [B, Hkv, S, D] -> ([B, S, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from slime.backends.training_utils.varlen import packed_causal_attention
@@ -47,8 +41,7 @@ def _register_attention() -> str:
 
 
 class HeadOrHidden(nn.Linear):
-    """The model's output projection; while `emit_hidden` is set it returns its input (the final hidden
-    states) so that the chunked head, not the model, turns them into log-probs."""
+    """The model's output projection; while `emit_hidden` is set it returns its input (the final hidden states)."""
 
     emit_hidden = False
 
@@ -87,8 +80,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
-    """FSDP2: one unit per decoder layer plus the root (embeddings, norm, head). With `bf16`, parameters
-    are gathered as bf16 for compute; the sharded (master) parameters and gradients stay float32."""
+    """FSDP2: one unit per decoder layer plus the root; with `bf16`, parameters are gathered as bf16 for compute."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -100,15 +92,13 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     model.to(device())
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
-    # the root (embeddings, final norm, output projection) stays gathered after the forward: the chunked head
-    # reads the output projection's weight after the model's forward returns, and the backward needs it anyway
+    # the root stays gathered after the forward: the chunked head reads the output projection's weight after it
     fully_shard(model, **{**kw, "reshard_after_forward": False})
     return model
 
 
 def compile_elementwise(model: nn.Module) -> int:
-    """--compile-ops: torch.compile every RMSNorm and MLP (its activation and product fuse; the matmuls stay
-    cuBLAS), dynamic shapes (one graph for every micro-batch length). Returns how many modules."""
+    """--compile-ops: torch.compile every RMSNorm and MLP (dynamic shapes); returns how many modules."""
     n = 0
     for m in model.modules():
         name = type(m).__name__
@@ -157,13 +147,11 @@ def final_hidden(model: nn.Module, mb: MicroBatch) -> Tensor:
 def forward_micro_batch(model: nn.Module, mb: MicroBatch, temperature: float, chunk_size: int,
                         with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
                         ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R]
-    (log_softmax(logits / T) at the taken token, flat in item order), their entropies (or None) and a tensor
-    that depends on every parameter used (for a no-op backward)."""
+    """Teacher-forced forward: the response tokens' log-probs [R], their entropies (or None) and a tensor that
+    depends on every parameter used (for a no-op backward)."""
     hidden = final_hidden(model, mb)
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, mb.rows)
-    # after the root's forward FSDP2 keeps the root's parameters (the head among them) unsharded until the
-    # backward: this is the full weight, in the compute dtype
+    # the root's parameters stay unsharded until the backward: the full weight, in the compute dtype
     weight = model.get_output_embeddings().weight
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                              entropy_grad=entropy_grad, fused=fused)

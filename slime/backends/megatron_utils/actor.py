@@ -1,13 +1,6 @@
-"""The Megatron-core trainer: one instance per trainer rank; the step loop,
-metrics, offload and shutdown are the shared skeleton's
-(`training_utils.trainer.Trainer`). Here: megatron's GPTModel under its DDP
-wrapper and optimizer (fp32 main weights under --bf16, optionally sharded over
-DP), the forward through the vocab-parallel chunked log-prob head, and the
-gradient reductions (`finalize_model_grads`).
-
-Ranks form TP groups (`--tensor-model-parallel-size`) and data-parallel
-replicas; TP peers see the same samples.
-"""
+"""The Megatron-core trainer rank on the shared skeleton (`training_utils.trainer.Trainer`): megatron's GPTModel
+under its DDP wrapper and optimizer, the forward through the vocab-parallel log-prob head, and the gradient
+reductions. TP peers see the same samples."""
 
 from __future__ import annotations
 
@@ -72,8 +65,7 @@ class MegatronTrainer(Trainer):
         return {"num_params": n_params, "tp": tp, "dp": self.layout.dp_size, "device_index": physical_device_index()}
 
     def _load_initial(self, built: Built, ref_load: str | None) -> None:
-        """`--ref-load` (a torch_dist checkpoint, or a HF directory) when
-        given, else `--hf-checkpoint`."""
+        """`ref_load` (a torch_dist checkpoint, or a HF directory) when given, else `--hf-checkpoint`."""
         tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
         if ref_load and ckpt.is_megatron_checkpoint(ref_load):
             ckpt.load_model(built, ref_load)
@@ -149,8 +141,7 @@ class MegatronTrainer(Trainer):
         dist.barrier()
 
     def _state_tensors(self):
-        """--offload: parameters (and Megatron's contiguous parameter / gradient buffers behind them), the
-        optimizer's fp32 main weights and Adam state, for the policy and the reference model."""
+        """--offload: the models' parameters and gradient buffers, the optimizer's main weights and state."""
         for built in (self.actor, self.ref):
             if built is not None:
                 yield from module_tensors(built.model)

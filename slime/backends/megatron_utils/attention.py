@@ -1,19 +1,6 @@
-"""Core attention for megatron's local layer spec without TransformerEngine,
-padded or packed.
-
-- `SDPAttention` (`--attention-backend flash/auto`): torch's
-  scaled_dot_product_attention as a drop-in for megatron's local
-  `DotProductAttention` (same constructor, same [s, b, heads, dim] tensors);
-  SDPA picks FlashAttention / memory-efficient kernels on GPU (no [b, h, s, s]
-  score matrix) and a fused kernel on CPU. Right-padded sequences are causal,
-  so pad positions never influence real ones and no mask is needed.
-- Packed sequences (`packed_seq_params`, megatron's `thd` layout: q [t, heads,
-  dim], segment boundaries in `cu_seqlens_q`) go to
-  `training_utils.varlen.packed_causal_attention` (flash-attn / torch varlen
-  kernels on GPU, one SDPA call per sample elsewhere).
-- `PackedLocalAttention` (`--attention-backend unfused/local`): megatron's
-  own attention, run once per sample on packed input.
-"""
+"""Core attention for megatron's local layer spec, padded or packed (`thd`): `SDPAttention` (torch SDPA, causal,
+no mask; packed input through `training_utils.varlen`) and `PackedLocalAttention` (megatron's unfused attention,
+once per sample on packed input)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
-"""Megatron trainer checkpoints: megatron's distributed checkpoint format
-(torch_dist) inside the `trainer/` part of our atomic `iter_NNNNNNN/`.
-
-    trainer/torch_dist/     one dist-checkpoint: the GPTModel's weights (TP-independent global
-                            tensors), the optimizer state (reshardable) and the LR scheduler
-    trainer/rng_rank{r}.pt  python / torch / megatron-tracker RNG state of each rank
-    trainer/trainer_meta.json
-
-A dist-checkpoint stores global tensors with their sharding, so a
-checkpoint saved at one TP/DP layout loads at another. The optimizer state
-is saved per model parameter (`fully_reshardable` with the distributed
-optimizer, megatron's own per-parameter format with the plain one), which
-makes it reshardable in TP and DP alike; three traps of megatron-core
-0.16.1's torch-Adam path are handled here: (a) `_init_optimizer_state`,
-(b) and the `KeyError: 'step'` of the fully-reshardable load
-`_load_optimizer`, (c) `_restore_steps`.
-
-`tools/convert_hf_to_torch_dist.py` writes the model part alone:
-`OUT/iter_0000000/` + `OUT/latest_checkpointed_iteration.txt`.
-
-Upstream slime's checkpoints are Megatron-LM's (`megatron/training/checkpointing.py` `save_checkpoint`): its
-converter writes `OUT/release/` (tracker `release`), its training `SAVE/iter_N/` (tracker `N`, the rollout id),
-one dist-checkpoint holding `model` (the same keys as ours: megatron's local layer spec maps its norms onto
-Transformer Engine's names), `args` (a Namespace, in `common.pt`), `iteration`, `rng_state`, and in a training
-checkpoint `optimizer` and `opt_param_scheduler`. `--ref-load` reads its model; `--load` given one
-(`foreign_checkpoint`) resumes its weights only.
+"""Megatron trainer checkpoints: megatron's dist-checkpoint (torch_dist: weights, reshardable optimizer state
+and LR scheduler) plus per-rank RNG state and `trainer_meta.json` inside the `trainer/` part of our atomic
+`iter_NNNNNNN/`; loads at another TP/DP layout. Three traps of megatron-core 0.16.1's torch-Adam path are handled
+here (`_init_optimizer_state`, `_load_optimizer`, `_restore_steps`). Upstream slime's (Megatron-LM's) model
+checkpoints load too: `--ref-load`, and `--load` (`foreign_checkpoint`: weights only).
 """
 
 from __future__ import annotations
@@ -69,8 +48,7 @@ def is_megatron_checkpoint(path: str) -> bool:
 
 @dataclass
 class ForeignCheckpoint:
-    """A model checkpoint that `--load` names but train.py did not write (upstream slime's / Megatron-LM's, or
-    a converter's): the actor starts from its weights at `start_rollout`."""
+    """A model checkpoint `--load` names that train.py did not write: the actor starts from its weights."""
 
     model_dir: str
     iteration: int | None  # the rollout id it was saved at (None: a converter's `release`)
@@ -81,9 +59,8 @@ class ForeignCheckpoint:
 
 
 def foreign_checkpoint(load_dir: str) -> ForeignCheckpoint | None:
-    """`load_dir`'s newest checkpoint if it is a model dist-checkpoint train.py did not write
-    (`slime.utils.checkpoint.model_only_checkpoint`: upstream's converter output, an upstream training checkpoint,
-    our converter's output). Its files are checked first (nothing in them runs)."""
+    """`load_dir`'s newest checkpoint if it is a model dist-checkpoint train.py did not write (its files are
+    checked first: nothing in them runs)."""
     from megatron.core import dist_checkpointing
 
     where = model_only_checkpoint(load_dir)
@@ -140,19 +117,15 @@ def _optimizer_sharded(trainer, model_sharded: dict, is_loading: bool) -> dict:
 
 
 def _torch_adam() -> bool:
-    """The traps below are those of megatron's torch-Adam fallback (no apex / TransformerEngine); with
-    TE's FusedAdam the step lives in the param groups and megatron's own path is used."""
+    """The traps below are those of megatron's torch-Adam fallback (no apex / TransformerEngine)."""
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
 
     return not HAVE_APEX_OR_TE
 
 
 def _init_optimizer_state(optimizers) -> None:
-    """Trap (a): the distributed optimizer's `state_dict()` needs Adam's
-    state to exist; without apex/TE it also reads a `step` from every
-    parameter's state, and a fresh optimizer has none (`assert len(steps) ==
-    1`, or `KeyError: 'step'` after megatron's own `init_state_fn`). Zero
-    moments and step 0 are exactly a fresh Adam."""
+    """Trap (a): the distributed optimizer's `state_dict()` needs Adam's state, with a `step`, on every
+    parameter; a fresh optimizer has none. Zero moments and step 0 are exactly a fresh Adam."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for o in optimizers:
@@ -172,13 +145,9 @@ def _init_optimizer_state(optimizers) -> None:
 
 
 def _load_optimizer(opt, inner: list, state: dict) -> None:
-    """The distributed optimizer's `load_state_dict` puts one shared `step`
-    tensor into every parameter's state and then, loading the
-    fully-reshardable parameter state, copies every state entry from the
-    file, which has no `step` (`KeyError: 'step'`). So: param groups first,
-    drop the steps, the parameter state, then per-parameter steps
-    (`_restore_steps`). Trap (b): the copies go into leaf tensors that
-    require grad, hence `no_grad`."""
+    """Trap (b): loading the fully-reshardable parameter state copies every entry from the file, which has no
+    `step` (`KeyError: 'step'`): param groups first, drop the steps, then the parameter state (under no_grad:
+    the copies go into leaf tensors that require grad); `_restore_steps` puts the steps back."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not any(isinstance(o, DistributedOptimizer) for o in inner) or not _torch_adam():
@@ -200,8 +169,7 @@ def _load_optimizer(opt, inner: list, state: dict) -> None:
 
 
 def _restore_steps(optimizers, step: int) -> None:
-    """Trap (c): after a load, every parameter needs its own `step` tensor
-    (a shared or missing one makes Adam's bias correction wrong)."""
+    """Trap (c): after a load, every parameter needs its own `step` tensor (else Adam's bias correction is wrong)."""
     if not _torch_adam():
         return
     for o in optimizers:

@@ -12,18 +12,14 @@ from slime.utils.model_shape import ModelShape
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """The vocabulary padded to a multiple of lcm(divisible_by, TP).
-    Megatron-LM pads to divisible_by x TP, which changes the embedding's
-    global shape with TP (Qwen3's 151936 rows become 152064 at TP=2) and so
-    breaks resuming a checkpoint at another TP; lcm keeps one shape for
-    every TP that divides divisible_by (1..128 by default)."""
+    """The vocabulary padded to a multiple of lcm(divisible_by, TP): one shape for every TP that divides
+    divisible_by, so a checkpoint resumes at another TP (Megatron-LM's divisible_by x TP changes it)."""
     multiple = math.lcm(divisible_by, tp)
     return -(-vocab_size // multiple) * multiple
 
 
 def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool, impl: str = "local"):
-    """`impl`: "local" (megatron's torch modules, ours for the norms and core attention) or
-    "transformer_engine" (TE's fused layers: its norms, fused RoPE, its attention kernels)."""
+    """`impl`: "local" or "transformer_engine" (`layer_spec.layer_impl`)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -58,11 +54,9 @@ def transformer_config(args, shape: ModelShape, tp: int, use_cuda: bool, impl: s
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=not use_cuda,
-        # (weights are loaded afterwards, but initialisation is also what marks TP-split parameters:
-        # without it the grad norm counts only rank 0's shards)
+        # (weights are loaded afterwards, but initialisation marks TP-split parameters for the grad norm)
         perform_initialization=True,
-        # apex's fused kernels are not used; --compile-ops (or TE) fuses SwiGLU through megatron's own
-        # torch.compile'd bias_swiglu, TE's layer spec brings its fused RoPE
+        # no apex; --compile-ops (or TE) fuses SwiGLU through megatron's torch.compile'd bias_swiglu
         gradient_accumulation_fusion=False,
         bias_activation_fusion=compile_ops(args) or impl == "transformer_engine",
         bias_dropout_fusion=False,

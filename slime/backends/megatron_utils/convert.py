@@ -1,10 +1,5 @@
-"""HF directory ⇄ Megatron torch_dist checkpoint (the two conversion tools,
-and `tools/export_hf.py` for Megatron training checkpoints).
-
-A torch_dist checkpoint stores TP-independent global tensors, so one
-process (TP=1) converts any model; under torchrun (RANK / WORLD_SIZE set)
-the ranks split the work as TP ranks.
-"""
+"""HF directory ⇄ Megatron torch_dist checkpoint (the conversion tools and `tools/export_hf.py`); under torchrun
+the ranks split the work as TP ranks."""
 
 from __future__ import annotations
 
@@ -65,10 +60,8 @@ def _hf_dtype(hf_dir: str) -> torch.dtype | None:
 
 
 def torch_dist_to_hf(flags, input_dir: str, output_dir: str, origin_hf_dir: str) -> str:
-    """A plain HF directory (config + tokenizer of `origin_hf_dir`, weights in
-    its dtype) from a torch_dist checkpoint: a converter output, a
-    `train.py --save` iter dir or a trainer dir. `flags`: the Megatron flags
-    (defaults are right: the stored tensors do not depend on them)."""
+    """A HF directory (config + tokenizer of `origin_hf_dir`, weights in its dtype) from a torch_dist checkpoint
+    (a converter's, a `train.py --save` iter dir or a trainer dir)."""
     if ckpt.model_dir_of(input_dir) is None:
         raise FileNotFoundError(f"--input-dir {input_dir!r}: no megatron model checkpoint (metadata.json) in it")
     shape = read_shape(origin_hf_dir)

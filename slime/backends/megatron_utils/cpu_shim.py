@@ -1,23 +1,8 @@
-"""Run megatron-core on a machine without CUDA (CI, laptops).
-
-megatron-core 0.16 asks CUDA for things it does not need on CPU: the current
-device, `torch.cuda.synchronize`, the CUDA RNG (dropout / init forks),
-`device="cuda"` tensors in the optimizer, DDP buffers, grad clipping and the
-causal mask, `Tensor.cuda()`, `param.type() == "torch.cuda.FloatTensor"`
-checks, and the CUDA RNG state that recompute saves and restores. This
-module answers them with the CPU from the outside (no edits to megatron's
-files), once per process. Without it megatron-core fails at its first CUDA
-call on a CPU torch (the CUDA RNG seed, `torch.cuda.current_device()` in the
-forward, the optimizer's `device="cuda"` buffers).
-
-Applied only when CUDA is absent (`parallel.prepare_platform`); the GPU path
-never imports it. `device="cuda"` factories are redirected only inside the
-megatron modules that call them (their `torch` global becomes a proxy): a
-process-wide patch of `torch.zeros` & co. confuses torch's own device
-contexts (transformers then loads models with garbage RoPE buffers). The
-process-wide patches only turn calls that would raise ("Torch not compiled
-with CUDA enabled") into CPU calls; the one visible change is that
-`Tensor.type()` names CPU tensors `torch.cuda.*`.
+"""Run megatron-core on a machine without CUDA (CI, laptops): its calls for the current device, synchronize, the
+CUDA RNG, `device="cuda"` factories, `Tensor.cuda()` and `torch.cuda.*` type checks are answered with the CPU from
+the outside, once per process, applied only when CUDA is absent. `device="cuda"` factories are redirected only
+inside the megatron modules that call them: a process-wide patch of `torch.zeros` & co. confuses torch's own
+device contexts. The one visible process-wide change: `Tensor.type()` names CPU tensors `torch.cuda.*`.
 """
 
 from __future__ import annotations
@@ -70,8 +55,7 @@ def _cpu_factory(fn):
 
 
 class _CpuTorch(types.ModuleType):
-    """`torch` as one megatron module sees it: factories create CPU tensors
-    where megatron asks for CUDA ones; everything else is torch itself."""
+    """`torch` as one megatron module sees it: factories make CPU tensors where megatron asks for CUDA ones."""
 
     def __init__(self):
         super().__init__("torch")
@@ -93,8 +77,7 @@ def _cuda_type_name(original):
 
 
 class CpuRNGStatesTracker:
-    """megatron's CUDA RNG tracker over the CPU generator: `fork(name)`
-    swaps the default CPU generator to the named stream and back."""
+    """megatron's CUDA RNG tracker over the CPU generator: `fork(name)` swaps to the named stream and back."""
 
     def __init__(self):
         self.reset()

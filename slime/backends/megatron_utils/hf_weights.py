@@ -1,15 +1,6 @@
-"""HF ⇄ Megatron weights (Qwen3, Qwen2, Llama), in memory.
-
-Megatron parameter names are those of the bare `GPTModel` (no DDP /
-Float16Module prefix). Three views of a Megatron weight:
-
-- *full*: the TP=1 layout (what a dist-checkpoint stores as the global
-  tensor): QKV fused per query group, [q heads of group g; k_g; v_g] for each
-  g; `linear_fc1` = cat(gate, up); vocabulary rows padded;
-- *local*: one TP rank's shard of it (`shard`), and back (`unshard`, from
-  every rank's shard, after an all-gather);
-- *HF*: names and tensors of `transformers`' Qwen3/Qwen2/Llama.
-"""
+"""HF ⇄ Megatron weights (Qwen3, Qwen2, Llama), in memory, under the bare GPTModel's names. A Megatron weight is
+*full* (the TP=1 layout: QKV fused per query group, `linear_fc1` = cat(gate, up), vocabulary rows padded), *local*
+(one TP rank's shard: `shard` / `unshard`) or *HF* (transformers' names and tensors)."""
 
 from __future__ import annotations
 

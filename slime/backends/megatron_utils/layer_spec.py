@@ -1,18 +1,7 @@
-"""Which transformer layer the GPTModel is built from, chosen once at start-up and logged.
-
-- `transformer_engine` (`--transformer-impl auto` when Transformer Engine imports on a CUDA machine, as in
-  our docker image): megatron's TE layer spec: TE's fused norm + linear layers, fused RoPE, its
-  attention kernels (flash / cuDNN, packed `thd` input natively).
-- `local` (everywhere else): megatron's local spec with our RMSNorm (HF's arithmetic, sequence
-  parallelism), and our core attention: torch SDPA (`--attention-backend flash/auto`) or megatron's
-  unfused attention, both packed-aware (`attention.py`), and our RoPE after the q / k norms (`rope.py`:
-  per-token frequencies built once per layer, nothing read back from the device). `--compile-ops` fuses
-  RMSNorm, RoPE and SwiGLU with torch.compile.
-
-Parameter names differ: TE folds the two pre-norms into the following linear layer
-(`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`). `canonical_name` maps them to the local
-spec's names, which are what the HF mapping (`hf_weights`) and the weight sync speak. Checkpoints hold the
-names of the layer they were saved from: convert and train with the same `--transformer-impl`.
+"""Which transformer layer the GPTModel is built from, chosen once at start-up and logged: `transformer_engine`
+(TE's fused layers, where it imports on CUDA) or `local` (our RMSNorm, packed-aware attention and RoPE).
+`canonical_name` maps TE's parameter names to the local spec's (what `hf_weights` and the weight sync speak);
+checkpoints hold the names of the layer they were saved from.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Build megatron-core's GPTModel from a HF config (the layer spec of
-`layer_spec.py`: Transformer Engine's or the local one), fill it from HF
-weights or full tensors, and the
-teacher-forced forward of a micro-batch (padded or packed) that returns
-per-token log-probs and entropies from the vocab-parallel chunked head
-(`training_utils.logprob_head`): the full [tokens, vocabulary] logits never
-exist.
-"""
+"""Build megatron-core's GPTModel from a HF config, fill it from HF weights, and the teacher-forced forward of a
+micro-batch that returns per-token log-probs and entropies from the vocab-parallel chunked head (the full
+[tokens, vocabulary] logits never exist)."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Built:
-    """A GPTModel and what wraps it: `model` is what runs forward (DDP /
-    Float16Module around it, or the bare model), `core` the GPTModel."""
+    """A GPTModel (`core`) and what runs forward (`model`: DDP / Float16Module around it, or the bare model)."""
 
     model: nn.Module
     core: nn.Module
@@ -84,10 +78,8 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
 
 
 def _padding_idx_hook(pad: int):
-    """transformers' embedding is nn.Embedding(padding_idx=pad_token_id) (LlamaModel / Qwen2Model / Qwen3Model):
-    the looked-up pad rows pass no gradient back to the table. Megatron's VocabParallelEmbedding has no such
-    index, so without this the pad token's row (SmolLM2's <|im_end|>, which every chat turn ends with) trains
-    differently from the FSDP backend and from transformers. The forward is unchanged."""
+    """As transformers' nn.Embedding(padding_idx=pad_token_id): the pad rows pass no gradient back to the table
+    (Megatron's VocabParallelEmbedding has no such index). The forward is unchanged."""
 
     def hook(module, inputs, output):
         ids = inputs[0]
@@ -105,47 +97,34 @@ def named_local_params(core: nn.Module) -> dict[str, nn.Parameter]:
 
 
 @torch.no_grad()
-def load_full(built: Built, get_full, tp_rank: int, tp: int) -> None:
-    """Fill every parameter from `get_full(megatron_name) -> full tensor`."""
+def load_hf(built: Built, hf_dir: str, tp_rank: int, tp: int) -> None:
+    reader = hf_weights.HFReader(hf_dir)
     params = named_local_params(built.core)
     expected = set(hf_weights.megatron_names(built.shape))
     if set(params) != expected:
         raise RuntimeError(f"GPTModel parameters differ from the HF mapping: extra {sorted(set(params) - expected)}, "
                            f"missing {sorted(expected - set(params))}")
     for name in hf_weights.megatron_names(built.shape):
-        local = hf_weights.shard(name, get_full(name), tp_rank, tp)
+        full = hf_weights.hf_to_full(name, reader.get, built.shape, built.padded_vocab)
+        local = hf_weights.shard(name, full, tp_rank, tp)
         p = params[name]
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{name}: shape {tuple(local.shape)} from the source, the model has {tuple(p.shape)}")
         p.data.copy_(local.to(dtype=p.dtype))
 
 
-def load_hf(built: Built, hf_dir: str, tp_rank: int, tp: int) -> None:
-    reader = hf_weights.HFReader(hf_dir)
-    load_full(built, lambda n: hf_weights.hf_to_full(n, reader.get, built.shape, built.padded_vocab), tp_rank, tp)
-
-
 # ---------------------------------------------------------------- forward ----
-def _tp_info():
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-
-
 def final_hidden(built: Built, mb: MicroBatch) -> torch.Tensor:
-    """The decoder's output (after the final norm) for `mb`, [S, B, H] over the whole sequence on every
-    TP rank; its gradient is summed over TP ranks on the way back (as megatron's output layer does).
-    GPTModel returns the hidden states instead of logits while `post_process` is off for this call."""
+    """The decoder's output (after the final norm) for `mb`, [S, B, H] on every TP rank, its gradient summed over
+    TP on the way back (GPTModel returns hidden states while `post_process` is off)."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                         gather_from_sequence_parallel_region)
 
     psp = None
     if mb.packed:
-        # the local spec's RoPE (rope.py) and per-sample attention read the samples' lengths in every layer: from
-        # `cu_seqlens_*_padded` (our segments carry no padding, so they are the same boundaries), here the host's
-        # copy, so no layer waits for the device (megatron's own thd RoPE reads them too, with .tolist()). TE's
-        # fused RoPE and attention take the device's tensors.
+        # the local spec's RoPE and per-sample attention read the lengths from `cu_seqlens_*_padded` (our segments
+        # carry no padding): the host's copy, so no layer waits for the device; TE takes the device's tensors
         host = mb.cu_seqlens_host if built.impl == "local" else None
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                               cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,
@@ -172,18 +151,17 @@ def output_weight(built: Built) -> torch.Tensor:
 def forward_micro_batch(built: Built, mb: MicroBatch, temperature: float, chunk_size: int,
                         with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
                         ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Teacher-forced forward on one micro-batch. Returns the response tokens' log-probs [R] (flat in item
-    order), their entropies (or None) and a tensor that depends on every parameter used (for a no-op
-    backward)."""
+    """Teacher-forced forward: the response tokens' log-probs [R], their entropies (or None) and a tensor that
+    depends on every parameter used (for a no-op backward)."""
     hidden = final_hidden(built, mb)  # [S, B, H]
     s, b = hidden.size(0), hidden.size(1)
     # rows index the [B, S] layout of input_ids; hidden is [S, B]: row r = (r // S, r % S) -> (r % S) * B + r // S
     rows = (mb.rows % s) * b + mb.rows // s if b > 1 else mb.rows
     h = hidden.reshape(s * b, -1).index_select(0, rows)
     weight = output_weight(built)
-    tp, tp_rank = _tp_info()
     from megatron.core import parallel_state as mpu
 
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     lp, ent = head_log_probs(h, weight, mb.targets, temperature, vocab_size=built.shape.vocab_size,
                              vocab_start=tp_rank * weight.size(0), chunk_size=chunk_size,
                              tp_group=mpu.get_tensor_model_parallel_group() if tp > 1 else None,

@@ -1,12 +1,5 @@
-"""RMSNorm for the local layer spec, as HF's Qwen3/Qwen2/Llama compute it
-(fp32 statistics, scale applied in the input dtype), and with sequence
-parallelism: megatron's own torch fallback refuses `--sequence-parallel`
-(apex / TransformerEngine norms are the only ones it allows).
-
-`CompiledRMSNorm` (`--compile-ops`): the same arithmetic through
-`torch.compile` (dynamic shapes: one kernel for every micro-batch length)
-instead of ~7 element-wise kernels per call.
-"""
+"""RMSNorm for the local layer spec, as HF computes it (fp32 statistics, scale in the input dtype), with sequence
+parallelism (megatron's torch fallback refuses it); `CompiledRMSNorm` (`--compile-ops`) through torch.compile."""
 
 from __future__ import annotations
 

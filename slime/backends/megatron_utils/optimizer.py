@@ -1,5 +1,4 @@
-"""Megatron's optimizer (Adam with decoupled weight decay; fp32 main
-weights under --bf16; optionally sharded over DP) and its LR schedule."""
+"""Megatron's optimizer (Adam; fp32 main weights under --bf16; optionally sharded over DP) and LR schedule."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Megatron's process groups on top of the default one, the seeds, and the
-small collectives the trainer needs (over the data-parallel group).
-
-On a machine without CUDA the CPU shim is applied first (gloo groups, CPU
-RNG tracker); on a GPU nothing here goes through it.
-"""
+"""Megatron's process groups on top of the default one, the seeds, and the small data-parallel collectives the
+trainer needs (the CPU shim first where CUDA is absent)."""
 
 from __future__ import annotations
 

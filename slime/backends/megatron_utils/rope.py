@@ -1,16 +1,7 @@
-"""Rotary position embedding for the local layer spec, applied by `RoPESelfAttention` right after the q / k
-norms: megatron's SelfAttention with its own RoPE skipped.
-
-Why: megatron's unfused RoPE (no Transformer Engine) recomputes cos and sin of the frequencies for q and for k
-in every layer and applies them in ~12 element-wise kernels per tensor; for packed (`thd`) micro-batches it also
-splits every tensor into its samples to rebuild the frequencies per call. Here the per-token frequencies are
-built once per layer call (packed: the samples' lengths come from the host's copy of the boundaries, so nothing
-waits for the device) and shared by q and k, and with `--compile-ops` one torch.compile'd kernel per tensor does
-cos, sin, the rotation and the sum (`rope_kernel`).
-
-Arithmetic: megatron's `_apply_rotary_pos_emb_bshd` (non-interleaved halves, cos / sin cast to the input's dtype
-before the products, a partial rotary dimension passed through), so the eager path gives megatron's values.
-"""
+"""Rotary position embedding for the local layer spec, applied by `RoPESelfAttention` after the q / k norms in
+place of megatron's unfused RoPE: per-token frequencies built once per layer (packed: from the host's copy of the
+boundaries) and shared by q and k, one torch.compile'd kernel per tensor with `--compile-ops`. The arithmetic is
+megatron's `_apply_rotary_pos_emb_bshd`."""
 
 from __future__ import annotations
 
@@ -42,9 +33,8 @@ def rope_kernel(fused: bool):
 
 
 def token_freqs(emb: Tensor, seq_len: int, packed_seq_params) -> Tensor | None:
-    """Per-token frequencies [seq_len, 1, 1, R] from megatron's table `emb` [max_s, 1, 1, R]: positions 0..S-1
-    (padded micro-batches), or restarting at every sample (packed ones: the sample lengths from the host's copy of
-    the boundaries, `cu_seqlens_q_padded`); None where the host has no copy (the caller keeps megatron's RoPE)."""
+    """Per-token frequencies [seq_len, 1, 1, R] from megatron's table `emb`, restarting at every packed sample;
+    None where the host has no copy of the boundaries."""
     if packed_seq_params is None:
         return emb[:seq_len]
     host = packed_seq_params.cu_seqlens_q_padded
@@ -57,9 +47,8 @@ def token_freqs(emb: Tensor, seq_len: int, packed_seq_params) -> Tensor | None:
 
 
 class RoPESelfAttention(SelfAttention):
-    """megatron's SelfAttention; RoPE by `apply_rope` (one compiled kernel per tensor with `fused_rope`) on q and
-    k after their norms, megatron's own RoPE skipped. Inference, different q / k tables and packed boundaries
-    only on the device fall back to megatron's RoPE."""
+    """megatron's SelfAttention with RoPE by `apply_rope` after the q / k norms; inference, different q / k tables
+    and packed boundaries only on the device fall back to megatron's RoPE."""
 
     def __init__(self, *args, fused_rope: bool = False, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,6 +1,2 @@
-"""What every trainer backend shares (FSDP and Megatron): the trainer skeleton
-(`trainer`: step loop, metrics, offload, shutdown), samples → train items,
-optimizer-step / data-parallel / micro-batch plans and padded or packed
-micro-batches (`data`), packed attention (`varlen`), the chunked log-prob /
-entropy head (`logprob_head`), and the advantages, off-policy correction and
-per-micro-batch loss (`loss`)."""
+"""What both trainer backends (FSDP and Megatron) share: the trainer skeleton, data plans and micro-batches,
+packed attention, the chunked log-prob head, and the loss."""

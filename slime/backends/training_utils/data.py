@@ -1,13 +1,6 @@
-"""Samples → tensors for the trainer: exclude FAILED samples (and keep those a
-plugin removed out of the loss), split a rollout into optimizer steps (the
-samples of one plugin `rollout_id` together), plan every data-parallel rank's
-micro-batches (fixed size, or token-budget bins balanced across ranks) and lay
-a micro-batch out as model inputs (right-padded, or packed back to back
-without padding).
-
-Everything here is deterministic and independent of the rank, so every rank
-computes the same plan and only keeps its own part.
-"""
+"""Samples → tensors for the trainer: drop FAILED samples, split a rollout into optimizer steps, plan every
+data-parallel rank's micro-batches and lay one out (right-padded, or packed). Deterministic and independent of the
+rank: every rank computes the same plan and keeps its own part."""
 
 from __future__ import annotations
 
@@ -65,11 +58,8 @@ def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
 
 
 def flatten_groups(groups: list[list[Sample]], reward_key: str | None = None) -> tuple[list[list[TrainItem]], int]:
-    """Drop FAILED samples and turn the rest into TrainItems, keeping the
-    group structure (for group-relative advantages). Returns (groups of items,
-    number of failed samples excluded). Groups left empty are dropped. As upstream: a sample a plugin removed
-    (`remove_sample`) trains with a zero loss mask (its reward still counts in its group), and samples that share a
-    `rollout_id` are one rollout (without one, each sample is its own)."""
+    """(groups of TrainItems, number of FAILED samples dropped); groups left empty are dropped. As upstream, a
+    sample a plugin removed trains with a zero loss mask (its reward still counts in its group)."""
     out: list[list[TrainItem]] = []
     failed = 0
     pos = 0
@@ -102,9 +92,8 @@ def flatten_groups(groups: list[list[Sample]], reward_key: str | None = None) ->
 
 
 def split_steps(rollouts: list, global_batch_size: int) -> list[list[int]]:
-    """Positions (`rollouts[p]`: position p's rollout) cut into optimizer steps of `global_batch_size` rollouts,
-    in order of first appearance, each rollout's positions in one step, as upstream (the last step smaller when
-    the count is not a multiple). Without a plugin's `rollout_id`, a rollout is a sample."""
+    """Positions (`rollouts[p]`: position p's rollout) cut into optimizer steps of `global_batch_size` rollouts, in
+    order of first appearance, as upstream (the last step smaller when the count is not a multiple)."""
     if global_batch_size < 1:
         raise ValueError(f"--global-batch-size must be >= 1, got {global_batch_size}")
     members: dict[Any, list[int]] = {}
@@ -126,29 +115,18 @@ def rollout_tokens(items: list[TrainItem]) -> Counter:
     return out
 
 
-def shard(positions: list[int] | range, rank: int, world_size: int) -> list[int]:
-    """This rank's data-parallel share (strided, so lengths are spread evenly)."""
-    return list(positions)[rank::world_size]
-
-
 def plan_micro_batches(items: list[TrainItem], dp_size: int, micro_batch_size: int,
                        max_tokens: int | None = None, balance: bool = False) -> list[list[list[TrainItem]]]:
-    """Every data-parallel rank's micro-batches for `items` (index = DP rank).
-
-    Fixed size (`max_tokens` None): a strided share per rank (with `balance`, `--balance-data`: each sample,
-    longest first, to the rank with the fewest tokens so far), cut into micro-batches of `micro_batch_size`. Token budget (`--use-dynamic-batch-size --max-tokens-per-gpu`): samples go
-    to the rank with the fewest tokens so far (longest first), then each rank's share is cut into
-    bins of at most `max_tokens` tokens (first fit, longest first; a sample longer than the budget
-    gets a bin of its own), and the bins are rebalanced: every rank gets as many bins as the rank
-    that needs most, filled longest-first into the lightest bin wherever that keeps the budget.
-    """
+    """Every data-parallel rank's micro-batches for `items` (index = DP rank). Fixed size (`max_tokens` None): a
+    strided share per rank (`balance`: lightest rank first), cut into `micro_batch_size`. Token budget: lightest
+    rank first, then first-fit bins of <= `max_tokens`, rebalanced to the count of the rank that needs most."""
     if dp_size < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
     if max_tokens is None:
         mbs = micro_batch_size or 1
         if mbs < 1:
             raise ValueError(f"--micro-batch-size must be >= 1, got {mbs}")
-        parts = _lightest_first(items, dp_size) if balance else [shard(items, r, dp_size) for r in range(dp_size)]
+        parts = _lightest_first(items, dp_size) if balance else [items[r::dp_size] for r in range(dp_size)]
         return [[part[i : i + mbs] for i in range(0, len(part), mbs)] for part in parts]
     if max_tokens < 1:
         raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens}")
@@ -197,8 +175,7 @@ def _first_fit(items: list[TrainItem], max_tokens: int) -> list[list[TrainItem]]
 
 
 def dummy_item(pad_id: int) -> TrainItem:
-    """A 2-token, fully masked item: lets a rank with no data still run the
-    forward/backward collectives that FSDP needs on every rank."""
+    """A 2-token, fully masked item: a rank with no data still runs the forward/backward collectives."""
     return TrainItem(
         pos=-1,
         tokens=torch.tensor([pad_id, pad_id], dtype=torch.long),
@@ -211,16 +188,9 @@ def dummy_item(pad_id: int) -> TrainItem:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch as model inputs, padded or packed.
-
-    Padded: `input_ids` [B, S] right-padded to the longest sample (and to a multiple of
-    `multiple`), `attention_mask` [B, S]. Packed: `input_ids` [1, T], the samples back to back with
-    no padding (a trailing pad segment only to reach `multiple`), `cu_seqlens` [n + 1] int32 segment
-    boundaries on the device and `cu_seqlens_host` the same on the host (for code that must read them
-    without waiting for the device), `attention_mask` None; attention must stay inside a segment.
-    `position_ids` restart at 0 for every sample in both. `rows` are the flat (row-major over
-    `input_ids`) positions whose next token is a response token, `targets` those tokens, in item order.
-    """
+    """One micro-batch as model inputs. Padded: `input_ids` [B, S], `attention_mask` [B, S]. Packed: `input_ids`
+    [1, T] back to back, `cu_seqlens` [n + 1] segment bounds (also on the host). `rows`: the flat positions whose
+    next token is a response token, `targets` those tokens, in item order."""
 
     items: list[TrainItem]
     input_ids: Tensor
@@ -237,18 +207,13 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
     @property
-    def response_sizes(self) -> list[int]:
-        return [it.response_len for it in self.items]
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
 
 def to_device(tensors: list[Tensor | None], device: torch.device | str) -> list[Tensor | None]:
-    """Host tensors -> `device` in one copy per dtype. On a GPU the copy goes from pinned memory and is
-    asynchronous: the host never waits for the device here (a copy from pageable memory, as a plain
-    `.to("cuda")` makes, first waits for all queued work to finish). None entries stay None."""
+    """Host tensors -> `device` in one copy per dtype; on a GPU from pinned memory, so the host never waits for
+    the device (a copy from pageable memory first waits for all queued work)."""
     device = torch.device(device)
     if device.type == "cpu":
         return list(tensors)

@@ -1,5 +1,4 @@
-"""The default process group and the device, for every trainer backend
-(gloo on CPU, NCCL on GPU)."""
+"""The default process group and the device, for every trainer backend (gloo on CPU, NCCL on GPU)."""
 
 from __future__ import annotations
 
@@ -29,17 +28,9 @@ def use_cuda() -> bool:
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600,
                      listen_host: str = "auto", listen_sock: socket.socket | None = None) -> bool:
-    """Create the default process group (gloo on CPU, nccl on GPU) unless one
-    exists. Returns True when this call created it (so the caller destroys it).
-
-    Rank 0 serves the rendezvous store on `listen_sock` (or a new socket on
-    `listen_host` as resolved on this node, port `master_port` or a free one),
-    never on every interface as torch's own store server would; the others
-    connect to `master_addr:master_port`. With a loopback `listen_host` the
-    gloo / NCCL bootstrap sockets stay on loopback too; otherwise gloo listens
-    on the interface that holds this node's address (multi-node runs). Under torchrun (the tools), its
-    agent already serves the store at MASTER_PORT: the group joins that one.
-    """
+    """Create the default process group unless one exists; True when this call created it. Rank 0 serves the
+    store on `listen_sock` (or on `listen_host`, never every interface); under torchrun the group joins its
+    agent's store."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(
@@ -73,16 +64,14 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def open_master_port(listen_host: str) -> tuple[socket.socket, str, int]:
-    """For a trainer's rank 0, before `init`: the store's listening socket on `listen_host` as resolved on this
-    node (kept open so no other process takes the port), the address the other ranks connect to, and the port."""
+    """Rank 0's store socket on `listen_host` (kept open so no other process takes the port), address, port."""
     host = resolve_listen_host(listen_host)
     sock = listen_socket(host)
     return sock, advertised_address(host), sock.getsockname()[1]
 
 
 def compile_ops(args) -> bool:
-    """Whether `--compile-ops` (auto / on / off) fuses the trainer's element-wise work here: auto is on where
-    the trainer runs on a GPU."""
+    """Whether `--compile-ops` fuses the trainer's element-wise work here (auto: on a GPU)."""
     if args.compile_ops not in ("auto", "on", "off"):
         raise ValueError(f"--compile-ops must be auto, on or off, got {args.compile_ops!r}")
     return args.compile_ops == "on" or (args.compile_ops == "auto" and use_cuda())
@@ -93,8 +82,7 @@ def device() -> torch.device:
 
 
 def physical_device_index() -> int | None:
-    """This process's accelerator as an index among the node's devices (None on CPU). Ray gives a GPU actor
-    CUDA_VISIBLE_DEVICES listing its node-level GPU ids; torch numbers them from 0."""
+    """This process's accelerator as an index among the node's devices (None on CPU)."""
     if not use_cuda():
         return None
     idx = torch.cuda.current_device()

@@ -1,27 +1,8 @@
-"""The log-prob / entropy head: hidden states -> per-token log-prob of the
-target and entropy, without ever holding [tokens, vocabulary] logits.
-
-`head_log_probs(hidden [N, H], weight [V_local, H], targets [N], ...)`
-computes, chunk by chunk over tokens, the chunk's logits (hidden @ weight.T in
-the weights' dtype, then float32, divided by the temperature), their
-log-softmax and entropy, and keeps only the per-token results (log-prob,
-log-sum-exp, entropy). The backward recomputes each chunk's logits and turns
-d(log-prob) and d(entropy) into the gradients of the hidden states and the
-weight (a custom autograd Function), so memory grows with the chunk, not with
-tokens x vocabulary. This is the fused-projection approach of Liger-Kernel's
-fused linear cross-entropy and Apple's Cut Cross-Entropy, in plain torch, with
-two outputs (log-prob and entropy) instead of a scalar loss.
-
-Vocabulary parallelism (Megatron's TP): `weight` holds this rank's rows of the
-(padded) vocabulary starting at `vocab_start`; rows at or past `vocab_size`
-(padding) never get probability. The max, the sums and the target's logit are
-all-reduced over `tp_group` once per chunk. The hidden states must be the same
-on every TP rank; their gradient here is this rank's part (the caller sums it
-over TP, as megatron's column-parallel output layer does).
-
-Values: the same as log_softmax over the full logits (`compute_log_probs` /
-`compute_entropy_from_logits`) up to float32 rounding: |diff| <= 1e-5 in fp32
-(tests/test_logprob_head.py).
+"""The log-prob / entropy head: hidden states -> per-token log-prob of the target and entropy, chunk by chunk
+over tokens, never holding [tokens, vocabulary] logits; the backward recomputes each chunk's logits (a custom
+autograd Function), as Liger-Kernel's fused linear cross-entropy does. Vocabulary-parallel over `tp_group`
+(Megatron's TP): max, sums and the target's logit are all-reduced once per chunk; the hidden states' gradient is
+this rank's part. Values equal log_softmax over the full logits up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -147,8 +128,7 @@ def _accumulate(gz: Tensor, h: Tensor, w: Tensor, grad_h: Tensor | None, grad_w:
 
 def _chunk_sums_eager(h: Tensor, w: Tensor, temperature: float, local_t: Tensor, mine: Tensor, valid: int,
                       with_entropy: bool, group) -> tuple[Tensor, Tensor]:
-    """A chunk's ([sum e^(s-m), target logit, (sum e^(s-m) (s-m))] summed over TP, max m) with float32
-    logits s, in place where it can (the least memory without fused kernels)."""
+    """A chunk's ([sum e^(s-m), target logit, (sum e^(s-m) (s-m))] summed over TP, max m), in place where it can."""
     s = _logits(h, w, temperature)  # [c, valid] float32
     if valid:
         picked = s.gather(1, local_t[:, None]).squeeze(1).masked_fill_(~mine, 0.0)
@@ -209,10 +189,8 @@ def _logit_grad(raw: Tensor, lse: Tensor, ent: Tensor | None, g_lp: Tensor | Non
 
 
 class FusedKernels:
-    """The head's element-wise work per chunk through torch.compile (`--compile-ops`): the float32 logits,
-    their shifted exponentials and the backward's d loss / d logits never exist as [c, V] tensors; each
-    chunk reads its raw logits twice forward and once backward (the eager path makes ~10 float32 passes).
-    Dynamic shapes: one graph for every chunk length."""
+    """The head's element-wise work per chunk through torch.compile (`--compile-ops`): no float32 [c, V] tensors;
+    dynamic shapes, one graph for every chunk length."""
 
     def __init__(self):
         self.max_and_target = torch.compile(_max_and_target, dynamic=True)
@@ -236,14 +214,9 @@ def head_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
                    vocab_size: int | None = None, vocab_start: int = 0, chunk_size: int = 0,
                    tp_group=None, with_entropy: bool = False, entropy_grad: bool = False, fused: bool = False
                    ) -> tuple[Tensor, Tensor | None]:
-    """Per-token log_softmax(hidden @ weight.T / T)[target] and (optionally) entropy, float32 [N].
-
-    `weight`: [V_local, H], this rank's vocabulary rows [vocab_start, vocab_start + V_local);
-    `vocab_size`: the real vocabulary (rows at or past it are padding), default all rows;
-    `chunk_size`: tokens per chunk (`--log-probs-chunk-size`: 0 auto, -1 the whole input);
-    `entropy_grad`: whether the entropy carries a gradient (a loss term) or is a metric only;
-    `fused`: the element-wise work through torch.compile'd kernels (`FusedKernels`, `--compile-ops`).
-    """
+    """Per-token log_softmax(hidden @ weight.T / T)[target] and (optionally) entropy, float32 [N]. `weight`: this
+    rank's vocabulary rows from `vocab_start`; rows at or past `vocab_size` are padding; `entropy_grad`: whether
+    the entropy carries a gradient or is a metric only."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
         raise ValueError(f"head_log_probs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not line up")
     if targets.shape != hidden.shape[:1]:

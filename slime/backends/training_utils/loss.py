@@ -1,24 +1,7 @@
-"""The loss of one micro-batch and the rollout-level preparation (advantages,
-TIS weights, behaviour-vs-old mismatch) that feeds it.
-
-Old-policy log-probs: when a rollout trains in one optimizer step and its
-advantages do not depend on them (no --kl-coef), they equal the current
-policy's at the update's own forward, so no forward of their own is run
-(`old_log_probs_needed`; verl's "on-policy" case): the loss takes the
-micro-batch's log-probs, detached, as the old ones (ratio 1, the same
-gradient), the TIS weights against each token's behaviour log-prob (a resumed
-APRIL token carries the one its engine sampled it with) are computed per
-micro-batch, and the mismatch metrics after the step from the same values.
-
-Normalisation: every micro-batch loss is divided by the *global* denominator
-of its optimizer step (tokens for ``token_mean``, samples for
-``sample_mean``), counted over all ranks, so that summing micro-batches and
-averaging data-parallel gradients gives exactly the loss of the whole step in
-one batch. Reported metrics use the same denominators and are summed over
-micro-batches and ranks. ``pg_clipfrac`` is the share of tokens where the PPO
-clip is active (upstream slime's definition); with ``--eps-clip-c`` the dual
-clip's share is ``pg_dual_clipfrac`` (GSPO included). Conventions of the loss
-(log-ratio clamp, empty samples, GSPO with TIS) are in docs/architecture.md.
+"""The loss of one micro-batch and the rollout-level preparation (advantages, TIS weights, behaviour-vs-old
+mismatch) that feeds it. Each micro-batch loss is divided by its optimizer step's *global* denominator (tokens or
+samples, over all ranks), so summing micro-batches and averaging DP gradients gives the whole step's loss.
+Conventions (old log-probs from the update's own forward, clamps, GSPO with TIS) are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -52,9 +35,8 @@ def needs_ref(args) -> bool:
 
 
 def old_log_probs_needed(args, num_steps: int) -> bool:
-    """Whether the old policy's log-probs need a forward of their own before the update: the rollout trains in
-    more than one optimizer step (later steps see updated weights), or its advantages fold in a KL penalty
-    (--kl-coef) computed from them. Otherwise they are the update's own forward, detached."""
+    """Whether the old log-probs need a forward of their own (more than one optimizer step, or --kl-coef);
+    otherwise they are the update's own forward, detached."""
     return num_steps > 1 or float(args.kl_coef) > 0
 
 
@@ -75,9 +57,8 @@ def compute_rollout_tensors(
     old_log_probs: list[Tensor] | None,
     ref_log_probs: list[Tensor] | None,
 ) -> RolloutTensors:
-    """Advantages, TIS weights and mismatch metrics for the whole rollout
-    (identical on every rank: inputs are gathered). Without `old_log_probs` (taken from the update's forward:
-    `old_log_probs_needed`) the TIS weights and the metrics that need them come later (`behaviour_metrics`)."""
+    """Advantages, TIS weights and mismatch metrics for the whole rollout (the same on every rank); without
+    `old_log_probs` the TIS weights and their metrics come later (`behaviour_metrics`)."""
     items = [it for g in groups for it in g]
     masks = [it.loss_mask for it in items]
     metrics: dict[str, float] = {}
@@ -105,8 +86,7 @@ def compute_rollout_tensors(
 
 def behaviour_metrics(args, items: list[TrainItem], old_log_probs: list[Tensor], ref_log_probs: list[Tensor] | None
                       ) -> tuple[dict[str, float], list[Tensor] | None]:
-    """The rollout's old-vs-reference KL, engine (behaviour) vs trainer (old policy) mismatch and TIS metrics, and
-    the TIS weights per item with --use-tis (else None)."""
+    """The rollout's reference KL, engine-vs-trainer mismatch and TIS metrics, and the TIS weights (--use-tis)."""
     masks = [it.loss_mask for it in items]
     metrics: dict[str, float] = {}
     if ref_log_probs is not None:
@@ -118,8 +98,7 @@ def behaviour_metrics(args, items: list[TrainItem], old_log_probs: list[Tensor],
     metrics["logprob_abs_diff_max"] = float(d[mk != 0].max()) if bool((mk != 0).any()) else 0.0
     metrics["logprob_abs_diff_mean"] = float(d[mk != 0].mean()) if bool((mk != 0).any()) else 0.0
 
-    # importance weights old/behaviour: always reported (ESS is a per-step
-    # health metric), applied to the loss only with --use-tis
+    # importance weights old/behaviour: always reported, applied to the loss only with --use-tis
     tis = None
     if items:
         w, tis_metrics = compute_tis_weights(
@@ -173,11 +152,8 @@ def _masked_token_mean(values: list[Tensor], masks: list[Tensor]) -> float:
 
 @dataclass
 class LossInputs:
-    """One micro-batch's rollout tensors on the model's device, flat over its items' response tokens (in
-    item order), and each token's share of the step's loss (`weight`): mask / num_tokens (``token_mean``)
-    or mask / (its rollout's mask count x rollouts) (``sample_mean``; a rollout is a sample unless a plugin set
-    `rollout_id`), 0 off the mask. Built on the host and copied in once (`data.to_device`), so the loss never
-    waits for the device."""
+    """One micro-batch's rollout tensors on the device, flat over its response tokens, and each token's share of
+    the step's loss (`weight`: mask / tokens, or mask / (its rollout's tokens x rollouts) for sample_mean)."""
 
     sizes: list[int]
     mask: Tensor
@@ -189,18 +165,16 @@ class LossInputs:
     behaviour: Tensor | None = None  # the tokens' rollout log-probs, for TIS weights computed in the loss
 
     def reduce(self, x: Tensor) -> Tensor:
-        """The step-normalised sum of a per-token quantity: Σ weight·x over masked tokens (a NaN or inf
-        where the mask is 0 never leaks). `x` may be [R] or [k, R] (k quantities at once)."""
+        """Σ weight·x over masked tokens (a NaN off the mask never leaks); `x` is [R] or [k, R]."""
         return torch.where(self.weight != 0, x * self.weight, torch.zeros((), dtype=x.dtype, device=x.device)).sum(-1)
 
 
 def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tensor], num_tokens: float,
                 num_samples: float, device: torch.device | str, sample_tokens: list[float] | None = None,
                 rollout_log_probs: list[Tensor] | None = None) -> LossInputs:
-    """`micro_batch_loss`'s inputs for the items at `positions` (their loss masks `masks`), normalised by the
-    step's global token / sample count. `sample_tokens`: each item's sample-mean denominator, its rollout's loss
-    tokens in the step (upstream's `rollout_id`: a fan-out's samples averaged as one; default: its own).
-    `rollout_log_probs`: the items' behaviour log-probs, needed with --use-tis when `rt` has no old log-probs."""
+    """`micro_batch_loss`'s inputs for the items at `positions`. `sample_tokens`: each item's sample-mean
+    denominator (its rollout's loss tokens; default its own); `rollout_log_probs`: needed with --use-tis when `rt`
+    has no old log-probs."""
     mask = torch.cat(masks).float()
     if loss_agg_mode(args) == "token_mean":
         weight = mask / max(float(num_tokens), 1.0)
@@ -222,9 +196,7 @@ def loss_inputs(args, rt: RolloutTensors, positions: list[int], masks: list[Tens
 
 def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: LossInputs
                      ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss (already divided by the step's global denominator) and metric parts (same normalisation, detached
-    0-dim tensors on the device: read back once per step, not per micro-batch) for one micro-batch of real
-    items; `log_probs` / `entropies` flat over the items' response tokens."""
+    """Loss and metric parts (detached, on the device), both step-normalised, of one micro-batch of real items."""
     metrics: dict[str, Tensor] = {}
     old = inp.old if inp.old is not None else log_probs.detach().float()
     tis = inp.tis
@@ -235,8 +207,7 @@ def micro_batch_loss(args, log_probs: Tensor, entropies: Tensor | None, inp: Los
         metrics["sft_loss"] = loss.detach()
         return loss, metrics
 
-    # GSPO: the sequence ratio on every token; otherwise the token ratio. The
-    # same clipped surrogate (PPO clip, then the dual clip) applies to both.
+    # GSPO: the sequence ratio on every token; otherwise the token ratio
     if args.advantage_estimator == "gspo":
         ratio = torch.cat(compute_gspo_ratio(list(log_probs.split(inp.sizes)), list(old.split(inp.sizes)),
                                              list(inp.mask.split(inp.sizes))))

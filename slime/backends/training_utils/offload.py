@@ -1,14 +1,6 @@
-"""`--offload`: the trainer's state leaves the device between training phases and comes back.
-
-Works on storages, not tensors: every parameter, gradient and optimizer-state tensor (views and tied
-weights included) is reduced to the distinct storages behind it; each storage's bytes are copied to a
-host buffer (pinned on a GPU) and the storage is resized to 0 bytes, which frees the memory for real
-while every tensor object, view and reference (FSDP2's sharded parameters, Megatron's contiguous
-parameter and gradient buffers, the optimizer's state) stays valid. Onload resizes the storages back and
-copies the bytes in: the same values, in the same tensors. On a GPU the caching allocator's blocks are
-returned to the driver (`empty_cache`), so `memory_reserved` drops too; on CPU the same calls run (the
-host buffer is another CPU allocation, dropped after the onload).
-"""
+"""`--offload`: the trainer's state leaves the device between training phases and comes back. It works on the
+distinct storages behind every parameter, gradient and optimizer tensor: their bytes go to a host buffer and the
+storage is resized to 0, which frees the memory while every tensor, view and reference stays valid."""
 
 from __future__ import annotations
 
@@ -29,8 +21,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tensors(optimizer) -> Iterable[torch.Tensor]:
-    """Every tensor a torch optimizer holds: its parameters (Megatron: the fp32 main copies), their
-    gradients and its per-parameter state."""
+    """Every tensor a torch optimizer holds: its parameters, their gradients and its per-parameter state."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             yield p
@@ -133,8 +124,8 @@ def _memory() -> dict[str, float]:
 
 
 class Offloadable:
-    """Trainer mixin: `offload` / `onload` of what `_state_tensors()` yields, and `on_device(what)` around a
-    method that needs the state (an offloaded trainer comes back for it and leaves again)."""
+    """Trainer mixin: `offload` / `onload` of what `_state_tensors()` yields; `on_device(what)` brings an offloaded
+    trainer back around a method that needs its state."""
 
     offloader: DeviceOffloader
     rank: int
@@ -143,7 +134,6 @@ class Offloadable:
         raise NotImplementedError
 
     def offload(self) -> dict[str, float]:
-        """--offload: parameters, gradients and optimizer state leave the device."""
         return self.offloader.offload(self._state_tensors())
 
     def onload(self) -> dict[str, float]:

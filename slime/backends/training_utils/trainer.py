@@ -1,19 +1,8 @@
-"""The trainer skeleton both backends extend (FSDP2 and Megatron-core): one
-instance per trainer rank (a Ray actor in a run, a plain object in tests).
-Every public method that touches the model is a collective: call it on every
-rank (RayTrainGroup does).
-
-Per `train` call: drop FAILED samples, compute old-policy (and reference)
-log-probs for the rollout with the current weights (split over data-parallel
-ranks, then gathered; the old ones only when the rollout trains in more than
-one optimizer step or --kl-coef needs them: otherwise the update's own forward
-gives them, see loss.py), compute advantages / TIS weights with the shared loss
-code, then run len(samples) / --global-batch-size optimizer steps, each
-accumulating gradients over this rank's micro-batches (fixed size, or token
-budget bins balanced over ranks; padded or packed). The step loop, the metric
-keys and their reduction, the timing, offload and shutdown live here once; a
-backend supplies its model set-up, its forward, its gradient bookkeeping and
-its data-parallel collectives.
+"""The trainer skeleton both backends extend (FSDP2 and Megatron-core): one instance per trainer rank. Every
+public method that touches the model is a collective: call it on every rank. Per `train` call: drop FAILED
+samples, compute old (when needed: loss.py) and reference log-probs, advantages and TIS weights, then run
+len(samples) / --global-batch-size optimizer steps over this rank's micro-batches. A backend supplies its model
+set-up, its forward, its gradient bookkeeping and its data-parallel collectives.
 """
 
 from __future__ import annotations
@@ -75,7 +64,7 @@ class Trainer(Offloadable):
 
     def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """(log-probs [R], entropies [R] or None, a tensor depending on every parameter used), flat over the
-        micro-batch's response tokens in item order."""
+        response tokens in item order."""
         raise NotImplementedError
 
     def _set_train_mode(self, model, training: bool) -> None:
@@ -129,8 +118,7 @@ class Trainer(Offloadable):
 
     # ------------------------------------------------------------ set-up ----
     def open_master_port(self) -> tuple[str, int]:
-        """Rank 0: open the process-group store's listening socket on --listen-host now (kept for `init`, so
-        no other process takes the port); returns (address the other ranks connect to, port)."""
+        """Rank 0: open the store's listening socket now (kept for `init`); returns (address, port)."""
         self._master_sock, address, port = open_master_port(self.args.listen_host)
         return address, port
 
@@ -152,8 +140,8 @@ class Trainer(Offloadable):
         return self.args.micro_batch_layout == "packed"
 
     def _plan(self, items: list[TrainItem]) -> list[list[TrainItem]]:
-        """This rank's micro-batches, padded with empty ones to the count of the rank that has most
-        (every rank runs the same number of forward passes: FSDP's collectives need it)."""
+        """This rank's micro-batches, padded with empty ones to the count of the rank that has most (every rank
+        runs the same number of forward passes)."""
         args = self.args
         dp_rank, dp_size = self._dp()
         max_tokens = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
@@ -184,8 +172,8 @@ class Trainer(Offloadable):
         return self._gather_log_probs(mine, flat, len(items))
 
     def _gather_log_probs(self, mine: list[TrainItem], flat: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-        """Every rank's log-probs of its items `mine` (`flat`: device tensors, flat over their response tokens in
-        item order), gathered on every rank into one list by item position (`n` items in all)."""
+        """Every rank's log-probs of its items `mine` (`flat`: flat over their response tokens), gathered on every
+        rank into one list by item position."""
         local = []
         if flat:
             host = torch.cat(flat).cpu().split([it.response_len for it in mine])
@@ -195,9 +183,6 @@ class Trainer(Offloadable):
             for pos, lp in part:
                 out[pos] = lp
         return out  # type: ignore[return-value]
-
-    def _metric_keys(self) -> list[str]:
-        return metric_keys(self.args)
 
     # ------------------------------------------------------------- train ----
     def train(self, rollout_id: int, groups: list[list[Sample]], policy_version: int = 0) -> dict[str, float]:
@@ -233,8 +218,7 @@ class Trainer(Offloadable):
     def _prepare(self, groups: list[list[Sample]], old_forward: bool | None = True
                  ) -> tuple[list[TrainItem], RolloutTensors | None, dict]:
         """Samples → items, old / reference log-probs, advantages and TIS weights. `old_forward`: whether the old
-        log-probs get a forward of their own (None: when `old_log_probs_needed`; without one the update's
-        forward gives them)."""
+        log-probs get a forward of their own (None: when `old_log_probs_needed`)."""
         item_groups, n_failed = flatten_groups(groups, self.args.reward_key)
         items = [it for g in item_groups for it in g]
         metrics: dict[str, float] = {"num_samples": float(len(items)), "num_failed_excluded": float(n_failed),
@@ -254,7 +238,7 @@ class Trainer(Offloadable):
                     ) -> dict[str, float]:
         parts = self._accumulate_grads(step_items, rt, seen)
         grad_norm = self._optimizer_step()
-        keys = self._metric_keys()
+        keys = metric_keys(self.args)
         values = read_metrics(parts, keys)  # the step's one read of the loss metrics from the device
         out = dict(zip(keys, self._dp_sum(values) if self._dp()[1] > 1 else values))
         out["grad_norm"] = float(grad_norm)
@@ -262,10 +246,9 @@ class Trainer(Offloadable):
 
     def _accumulate_grads(self, step_items: list[TrainItem], rt: RolloutTensors, seen: tuple[list, list] | None = None
                           ) -> dict[str, torch.Tensor]:
-        """Forward / backward over this rank's micro-batches of one optimizer step, then the gradient
-        reductions; returns this rank's metric parts (0-dim tensors on the device). Nothing here waits for
-        the device: inputs go in by asynchronous copies and metrics stay on the device. `seen` (items, log-probs):
-        where the micro-batches' items and detached log-probs are appended (the old ones, when `rt` has none)."""
+        """Forward / backward over this rank's micro-batches of one optimizer step (nothing waits for the device);
+        returns this rank's metric parts. `seen` (items, log-probs): where the micro-batches' items and detached
+        log-probs are appended (the old ones, when `rt` has none)."""
         from slime.backends.training_utils.distributed import device
 
         args = self.args
@@ -330,9 +313,8 @@ class Trainer(Offloadable):
         return self.rank
 
     def shutdown(self) -> None:
-        """Idempotent, and safe after a failed `init`. Closes the weight updater, drops the models, optimizer and
-        offload buffers (their device memory goes back to the allocator and, on a GPU, to the driver) and destroys
-        the process groups this trainer made."""
+        """Close the weight updater, drop models, optimizer and offload buffers, destroy our process groups.
+        Idempotent, and safe after a failed `init`."""
         if self.updater is not None:
             self.updater.close()
             self.updater = None

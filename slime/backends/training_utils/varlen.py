@@ -1,13 +1,6 @@
-"""Causal attention over packed sequences (samples back to back in one row,
-attention never crossing a sample boundary), for both trainer backends.
-
-Kernels, in order of preference:
-- `flash_attn_varlen_func` (the flash-attn package) when installed, on CUDA in fp16 / bf16;
-- torch's own variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`) on CUDA
-  in fp16 / bf16;
-- otherwise one `scaled_dot_product_attention` call per sample (causal; on CPU, in fp32, with
-  dropout): exact and O(sum of L^2), never a [T, T] mask.
-"""
+"""Causal attention over packed sequences (attention never crossing a sample boundary): flash-attn's varlen
+kernel where installed, else torch's varlen kernel (CUDA, fp16 / bf16), else one SDPA call per sample (exact,
+never a [T, T] mask)."""
 
 from __future__ import annotations
 
@@ -59,8 +52,7 @@ def kernel_name(q: Tensor, dropout_p: float = 0.0) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _torch_varlen_works(dev: torch.device, dtype: torch.dtype) -> bool:
-    """Once per device and dtype: torch's varlen kernel (a prototype in torch 2.10-2.13) runs forward and backward
-    here and agrees with per-sample SDPA; otherwise packed attention stays on SDPA, and the log says why."""
+    """Once per device and dtype: whether torch's (prototype) varlen kernel runs here and agrees with SDPA."""
     g = torch.Generator(device=dev).manual_seed(0)
     lengths = [7, 1, 12]
     cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32, device=dev)

@@ -88,11 +88,9 @@ def full_grads(trainer) -> dict[str, torch.Tensor]:
 
 def step_grads(trainer, groups) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss and full gradients of one optimizer step on `groups` (no update)."""
-    from slime.backends.megatron_utils import parallel
-
     items, rt, _ = trainer._prepare(copy.deepcopy(groups))
     parts = trainer._accumulate_grads(items, rt)
-    loss = parallel.dp_sum([parts["loss"]])[0]
+    loss = trainer._dp_sum([parts["loss"]])[0]
     return loss, full_grads(trainer)
 
 

@@ -12,7 +12,7 @@ from slime.backends.fsdp_utils import checkpoint as ckpt
 from slime.backends.fsdp_utils.model import build_model, describe, forward_micro_batch, init_distributed
 from slime.backends.fsdp_utils.update_weight import FSDPWeightUpdater
 from slime.backends.training_utils.data import MicroBatch
-from slime.backends.training_utils.distributed import compile_ops, device, physical_device_index
+from slime.backends.training_utils.distributed import compile_ops, physical_device_index
 from slime.backends.training_utils.loss import needs_ref
 from slime.backends.training_utils.offload import module_tensors, optimizer_tensors
 from slime.backends.training_utils.trainer import Trainer
@@ -94,21 +94,6 @@ class FSDPTrainer(Trainer):
 
     def _dp(self) -> tuple[int, int]:
         return self.rank, self.world_size
-
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device())  # NCCL on a GPU needs device tensors
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def _dp_max(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64, device=device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    def _dp_gather(self, obj) -> list:
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
 
     # ---------------------------------------------------- weights, ckpt ----
     def _save(self, path: str) -> None:

@@ -116,14 +116,11 @@ class MegatronTrainer(Trainer):
     def _dp(self) -> tuple[int, int]:
         return self.layout.dp_rank, self.layout.dp_size
 
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        return parallel.dp_sum(values)
+    def _dp_groups(self) -> tuple:
+        from megatron.core import parallel_state as mpu
 
-    def _dp_max(self, n: int) -> int:
-        return parallel.dp_max(n)
-
-    def _dp_gather(self, obj) -> list:
-        return parallel.dp_all_gather_object(obj)
+        # the gloo twin: pickled objects stay on the CPU even where the DP group is NCCL (TP peers hold the same data)
+        return mpu.get_data_parallel_group(), mpu.get_data_parallel_group_gloo(with_context_parallel=False)
 
     # ---------------------------------------------------- weights, ckpt ----
     def _save(self, path: str) -> None:

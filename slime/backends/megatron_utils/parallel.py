@@ -1,5 +1,4 @@
-"""Megatron's process groups on top of the default one, the seeds, and the small data-parallel collectives the
-trainer needs (the CPU shim first where CUDA is absent)."""
+"""Megatron's process groups on top of the default one and the seeds (the CPU shim first where CUDA is absent)."""
 
 from __future__ import annotations
 
@@ -72,35 +71,8 @@ def destroy_parallel(owns_pg: bool) -> None:
         dist.destroy_process_group()
 
 
-def dp_group():
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_data_parallel_group()
-
-
 def tp_group():
     from megatron.core import parallel_state as mpu
 
     return mpu.get_tensor_model_parallel_group()
 
-
-def dp_max(n: int) -> int:
-    t = torch.tensor([n], dtype=torch.int64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group())
-    return int(t.item())
-
-
-def dp_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device())
-    dist.all_reduce(t, group=dp_group())
-    return t.tolist()
-
-
-def dp_all_gather_object(obj) -> list:
-    """Over the data-parallel ranks (TP peers hold the same data)."""
-    from megatron.core import parallel_state as mpu
-
-    out: list = [None] * mpu.get_data_parallel_world_size()
-    # the gloo twin of the DP group: pickled objects stay on the CPU even where the DP group is NCCL
-    dist.all_gather_object(out, obj, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
-    return out

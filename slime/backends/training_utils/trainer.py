@@ -13,10 +13,11 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from slime.backends.training_utils.data import (MicroBatch, TrainItem, build_micro_batch, dummy_item, flatten_groups,
                                                 plan_micro_batches, rollout_tokens, split_steps)
-from slime.backends.training_utils.distributed import open_master_port, use_cuda
+from slime.backends.training_utils.distributed import device, open_master_port, use_cuda
 from slime.backends.training_utils.loss import (RolloutTensors, behaviour_metrics, compute_rollout_tensors,
                                                 loss_inputs, micro_batch_loss, old_log_probs_needed)
 from slime.backends.training_utils.offload import DeviceOffloader, Offloadable
@@ -58,63 +59,39 @@ class Trainer(Offloadable):
         self._master_sock = None
 
     # ---------------------------------------------------- backend's part ----
-    def _setup(self, master_addr: str, master_port: int, listen_sock) -> dict:
-        """Process groups, models, optimizer, weight updater; returns the `init` info."""
-        raise NotImplementedError
-
-    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """(log-probs [R], entropies [R] or None, a tensor depending on every parameter used), flat over the
-        response tokens in item order."""
-        raise NotImplementedError
-
-    def _set_train_mode(self, model, training: bool) -> None:
-        raise NotImplementedError
-
-    def _zero_grads(self) -> None:
-        raise NotImplementedError
-
+    # A backend defines `_setup(master_addr, master_port, listen_sock) -> init info`, `_forward(model, mb,
+    # with_entropy, entropy_grad) -> (log-probs [R], entropies or None, a tensor depending on every parameter
+    # used)`, `_set_train_mode`, `_zero_grads`, `_optimizer_step() -> grad norm`, the model handles `_actor` /
+    # `_ref`, `_dp() -> (data-parallel rank, size)`, `_state_tensors`, `_save` / `_load` / `_export_hf`,
+    # `_release` and `_destroy_groups`; the hooks below have defaults.
     def _finish_grads(self) -> None:
         """After a step's last backward: the gradient reductions the backward did not do itself."""
 
     def _before_backward(self, last: bool) -> None:
         """Before each micro-batch's backward; `last`: the optimizer step's last one."""
 
-    def _optimizer_step(self) -> float:
-        """Clip, step, zero the gradients; returns the grad norm."""
-        raise NotImplementedError
-
-    @property
-    def _actor(self):
-        """The trained model handle `_forward` takes."""
-        raise NotImplementedError
-
-    @property
-    def _ref(self):
-        raise NotImplementedError
-
-    def _dp(self) -> tuple[int, int]:
-        """(data-parallel rank, data-parallel size)."""
-        raise NotImplementedError
-
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        raise NotImplementedError
-
-    def _dp_max(self, n: int) -> int:
-        raise NotImplementedError
-
-    def _dp_gather(self, obj) -> list:
-        raise NotImplementedError
-
     def _seq_multiple(self) -> int:
         """Micro-batch lengths must be a multiple of this (sequence parallelism)."""
         return 1
 
-    def _release(self) -> None:
-        """Drop every reference to models, optimizer and buffers (shutdown)."""
-        raise NotImplementedError
+    def _dp_groups(self) -> tuple:
+        """(the data-parallel group, its gloo twin for pickled objects); None: the default group."""
+        return None, None
 
-    def _destroy_groups(self) -> None:
-        raise NotImplementedError
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device())  # NCCL on a GPU needs device tensors
+        dist.all_reduce(t, group=self._dp_groups()[0])
+        return t.tolist()
+
+    def _dp_max(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_groups()[0])
+        return int(t.item())
+
+    def _dp_gather(self, obj) -> list:
+        out: list = [None] * self._dp()[1]
+        dist.all_gather_object(out, obj, group=self._dp_groups()[1])
+        return out
 
     # ------------------------------------------------------------ set-up ----
     def open_master_port(self) -> tuple[str, int]:
@@ -150,8 +127,6 @@ class Trainer(Offloadable):
         return mine + [[] for _ in range(n - len(mine))]
 
     def _micro_batch(self, items: list[TrainItem]) -> MicroBatch:
-        from slime.backends.training_utils.distributed import device
-
         return build_micro_batch(items or [dummy_item(self.pad_id)], self.pad_id, self.packed, device(),
                                  self._seq_multiple())
 
@@ -249,8 +224,6 @@ class Trainer(Offloadable):
         """Forward / backward over this rank's micro-batches of one optimizer step (nothing waits for the device);
         returns this rank's metric parts. `seen` (items, log-probs): where the micro-batches' items and detached
         log-probs are appended (the old ones, when `rt` has none)."""
-        from slime.backends.training_utils.distributed import device
-
         args = self.args
         per_rollout = rollout_tokens(step_items)  # a sample-mean loss averages each rollout once
         num_tokens, num_samples = float(sum(per_rollout.values())), float(len(per_rollout))
@@ -299,15 +272,6 @@ class Trainer(Offloadable):
     def export_hf(self, path: str) -> None:
         with self.on_device("export_hf"):
             self._export_hf(path)
-
-    def _save(self, path: str) -> None:
-        raise NotImplementedError
-
-    def _load(self, path: str) -> None:
-        raise NotImplementedError
-
-    def _export_hf(self, path: str) -> None:
-        raise NotImplementedError
 
     def ready(self) -> int:
         return self.rank

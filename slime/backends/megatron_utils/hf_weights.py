@@ -28,6 +28,8 @@ _LAYER_1TO1 = {
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split along dim 1
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # dim 0, contiguous
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")  # dim 0, padded rows
+_OUTSIDE_LAYERS = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                   "output_layer.weight": "lm_head.weight", "decoder.final_layernorm.weight": "model.norm.weight"}
 
 
 def megatron_names(shape: ModelShape) -> list[str]:
@@ -71,19 +73,20 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def hf_to_full(name: str, get: Callable[[str], Tensor], shape: ModelShape, padded_vocab: int) -> Tensor:
-    """The full Megatron tensor `name`, from HF tensors fetched by `get(hf_name)`."""
-    if name == "embedding.word_embeddings.weight":
-        return _pad_rows(get("model.embed_tokens.weight"), padded_vocab)
-    if name == "output_layer.weight":
-        return _pad_rows(get("lm_head.weight"), padded_vocab)
-    if name == "decoder.final_layernorm.weight":
-        return get("model.norm.weight")
+def _layer(name: str, what: str) -> tuple[str, str]:
+    """(HF prefix `model.layers.{i}.`, Megatron suffix) of a decoder-layer parameter."""
     m = _LAYER.match(name)
     if m is None:
-        raise KeyError(f"no HF source for Megatron parameter {name!r}")
-    hf = f"model.layers.{m.group(1)}."
-    sub = m.group(2)
+        raise KeyError(f"no HF {what} for Megatron parameter {name!r}")
+    return f"model.layers.{m.group(1)}.", m.group(2)
+
+
+def hf_to_full(name: str, get: Callable[[str], Tensor], shape: ModelShape, padded_vocab: int) -> Tensor:
+    """The full Megatron tensor `name`, from HF tensors fetched by `get(hf_name)`."""
+    if name in _OUTSIDE_LAYERS:
+        t = get(_OUTSIDE_LAYERS[name])
+        return _pad_rows(t, padded_vocab) if name in _VOCAB else t
+    hf, sub = _layer(name, "source")
     if sub in _LAYER_1TO1:
         return get(hf + _LAYER_1TO1[sub])
     if sub in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -96,17 +99,9 @@ def hf_to_full(name: str, get: Callable[[str], Tensor], shape: ModelShape, padde
 
 def full_to_hf(name: str, full: Tensor, shape: ModelShape) -> list[tuple[str, Tensor]]:
     """HF (name, tensor) pairs of one full Megatron tensor (vocabulary padding removed)."""
-    if name == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", full[: shape.vocab_size])]
-    if name == "output_layer.weight":
-        return [("lm_head.weight", full[: shape.vocab_size])]
-    if name == "decoder.final_layernorm.weight":
-        return [("model.norm.weight", full)]
-    m = _LAYER.match(name)
-    if m is None:
-        raise KeyError(f"no HF name for Megatron parameter {name!r}")
-    hf = f"model.layers.{m.group(1)}."
-    sub = m.group(2)
+    if name in _OUTSIDE_LAYERS:
+        return [(_OUTSIDE_LAYERS[name], full[: shape.vocab_size] if name in _VOCAB else full)]
+    hf, sub = _layer(name, "name")
     if sub in _LAYER_1TO1:
         return [(hf + _LAYER_1TO1[sub], full)]
     if sub in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

@@ -33,14 +33,6 @@ def megatron_safe_globals() -> list:
     return list(SAFE_GLOBALS)
 
 
-def _require_psutil() -> None:
-    """megatron's checkpoint writer needs psutil; without it a save never returns."""
-    try:
-        import psutil  # noqa: F401
-    except ImportError as e:  # pragma: no cover - a dependency of the package
-        raise RuntimeError("megatron dist-checkpointing needs psutil (pip install psutil); without it a save hangs") from e
-
-
 # -------------------------------------------------------------- finding ----
 def is_megatron_checkpoint(path: str) -> bool:
     return model_dir_of(path) is not None
@@ -78,15 +70,22 @@ def _model_sharded(built) -> dict:
     return built.core.sharded_state_dict(prefix="")
 
 
-def save_model(built, path: str) -> None:
-    """Collective. The GPTModel's weights as a dist-checkpoint in `path`."""
+def _dist_save(state: dict, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    _require_psutil()
+    try:  # megatron's checkpoint writer needs psutil; without it a save never returns
+        import psutil  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise RuntimeError("megatron dist-checkpointing needs psutil (pip install psutil); without it a save hangs") from e
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": _model_sharded(built)}, path)
+    dist_checkpointing.save(state, path)
+
+
+def save_model(built, path: str) -> None:
+    """Collective. The GPTModel's weights as a dist-checkpoint in `path`."""
+    _dist_save({"model": _model_sharded(built)}, path)
 
 
 def load_model(built, path: str) -> None:
@@ -180,18 +179,12 @@ def _restore_steps(optimizers, step: int) -> None:
 
 def save_state(trainer, path: str) -> None:
     """Collective: weights + optimizer + scheduler as one dist-checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    _require_psutil()
     model_sharded = _model_sharded(trainer.actor)
     state = {"model": model_sharded,
              "optimizer": _optimizer_sharded(trainer, model_sharded, is_loading=False),
              "scheduler": trainer.scheduler.state_dict(),
              "adam_step": trainer.scheduler.num_steps}
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(state, path)
+    _dist_save(state, path)
 
 
 def load_state(trainer, path: str) -> None:

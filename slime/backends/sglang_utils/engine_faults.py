@@ -65,13 +65,17 @@ class EngineFaults:
                 raise ServerLaunchError(f"{engine.name} {problem} while waiting for the router to list it; last lines "
                                         f"of {engine.log_path}:\n{engine.log_tail()}")
 
+    def register(self, urls: list[str]) -> None:
+        """Add `urls` to the router and wait until it lists them healthy (an engine process dying fails it)."""
+        for url in urls:
+            self.group.router.add_worker(url)
+        self.group.router.wait_workers_healthy(urls, timeout=60.0, extra_check=self.check_alive)
+
     def restart_router(self, timeout: float = 60.0) -> None:
         """Start our router again on its port and register every engine with it again (they keep running)."""
         router = self.group.router
         waited = router.restart(timeout)
-        for engine in self.group.engines:
-            router.add_worker(engine.url)
-        router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self.check_alive)
+        self.register(self.engine_urls)
         logger.warning("sglang-router restarted at %s (pid %s) after %.1fs; %d engine(s) registered again",
                        router.url, router.process.pid, waited, len(self.group.engines))
 
@@ -98,7 +102,6 @@ class EngineFaults:
         engine_api.check_engine_versions([new_url])
         if self.monitor is not None:
             self.monitor.refresh([engine])
-        router.add_worker(new_url)
-        router.wait_workers_healthy([new_url], timeout=60.0, extra_check=self.check_alive)
+        self.register([new_url])
         logger.warning("engine %d restarted at %s (was %s)", rank, new_url, old_url)
         return new_url

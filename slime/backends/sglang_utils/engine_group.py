@@ -105,9 +105,7 @@ class EngineGroup:
                 fut.result(timeout=timeout + 120)
         # an unsupported SGLang fails the run now, not at the first weight update
         engine_api.check_engine_versions(self.engine_urls)
-        for engine in self.engines:
-            self.router.add_worker(engine.url)
-        self.router.wait_workers_healthy(self.engine_urls, timeout=60.0, extra_check=self.faults.check_alive)
+        self.faults.register(self.engine_urls)
         others = sorted(set(self.worker_urls()) - set(self.engine_urls))
         if others:
             engine_api.check_engine_versions(others)
@@ -135,7 +133,7 @@ class EngineGroup:
     def engine_nodes(self) -> list[dict]:
         """Per engine rank: node_ip, node_id (None outside Ray), hostname, the host's pid, backend, gpu_ids."""
         if not self.placed:
-            return [e.host.node() for e in self.engines]
+            return [e.node() for e in self.engines]
         return gather_hosts([e.actor.node.remote() for e in self.engines], "node", 30.0)
 
     def engine_devices(self) -> list[tuple[int, ...] | None]:

@@ -38,14 +38,13 @@ class _EngineState:
         return self._state["log_path"]
 
 
-class LocalEngine(_EngineState):
-    """A host in this process."""
+class LocalEngine(_EngineState, EngineHost):
+    """A host in this process; url, pid and log path as of its last start, health wait or restart."""
+
+    node_ip = "127.0.0.1"
 
     def __init__(self, args, rank: int, log_dir: str, backend: str | None = None):
-        self.rank = rank
-        self.host = EngineHost(args, rank, log_dir, backend=backend)
-        self.backend = self.host.backend
-        self.node_ip = "127.0.0.1"
+        super().__init__(args, rank, log_dir, backend=backend)
         self._state: dict = {}
 
     @property
@@ -53,32 +52,17 @@ class LocalEngine(_EngineState):
         return self._state.get("name", f"engine {self.rank}")
 
     def start(self) -> "LocalEngine":
-        self._state = self.host.start()
+        self._state = super().start()
         return self
 
     def wait_healthy(self, timeout: float) -> float:
-        waited = self.host.wait_healthy(timeout)
-        self._state = self.host.state()  # a relaunch on a lost port moves it
+        waited = super().wait_healthy(timeout)
+        self._state = self.state()  # a relaunch on a lost port moves it
         return waited
 
     def restart(self, timeout: float) -> str:
-        self._state = self.host.restart(timeout)
+        self._state = super().restart(timeout)
         return self.url
-
-    def kill(self, grace: float = 0.5) -> None:
-        self.host.kill(grace)
-
-    def shutdown(self, grace: float = 10.0) -> None:
-        self.host.shutdown(grace)
-
-    def problem(self) -> str | None:
-        return self.host.problem()
-
-    def check_alive(self, doing: str) -> None:
-        self.host.check_alive(doing)
-
-    def log_tail(self, max_lines: int = 40) -> str:
-        return self.host.log_tail(max_lines)
 
 
 def host_result(ref, timeout: float, what: str):
@@ -145,8 +129,8 @@ class RemoteEngine(_EngineState):
     def name(self) -> str:
         return f"{self._state.get('name', f'engine {self.rank}')} on node {self.node_ip}"
 
-    def _call(self, method: str, *a, timeout: float = CALL_TIMEOUT_S, what: str | None = None):
-        return host_result(getattr(self.actor, method).remote(*a), timeout, what or f"engine {self.rank} {method}")
+    def _call(self, method: str, *a, timeout: float = CALL_TIMEOUT_S):
+        return host_result(getattr(self.actor, method).remote(*a), timeout, f"engine {self.rank} {method}")
 
     def start(self) -> "RemoteEngine":
         self._state = self._call("start", timeout=CALL_TIMEOUT_S + 60)

@@ -69,18 +69,17 @@ def resolve_rollout_backend(args) -> str:
     if choice == "auto":
         cuda = _cuda_available()
         has_sglang = cuda and _sglang_importable(args.sglang_python)
-        backend = "sglang" if (cuda and has_sglang) else "embedded"
+        backend = "sglang" if has_sglang else "embedded"
         logger.info("--rollout-backend auto -> %s (cuda available: %s, sglang importable: %s)", backend, cuda, has_sglang)
-    else:
-        if choice == "sglang" and not _sglang_importable(args.sglang_python):
-            where = f"--sglang-python {args.sglang_python}" if args.sglang_python else f"this Python ({sys.executable})"
-            raise RuntimeError(f"--rollout-backend sglang: {where} cannot import `sglang` (on a GPU machine: pip install "
-                               f"'{versions.sglang_requirement()}'; on a CPU box: python tools/sglang_cpu_env.py "
-                               "install, then --sglang-python (or $SLIME_SGLANG_PYTHON) set to what "
-                               "`python tools/sglang_cpu_env.py python` prints)")
-        logger.info("--rollout-backend %s", choice)
-        backend = choice
-    return backend
+        return backend
+    if choice == "sglang" and not _sglang_importable(args.sglang_python):
+        where = f"--sglang-python {args.sglang_python}" if args.sglang_python else f"this Python ({sys.executable})"
+        raise RuntimeError(f"--rollout-backend sglang: {where} cannot import `sglang` (on a GPU machine: pip install "
+                           f"'{versions.sglang_requirement()}'; on a CPU box: python tools/sglang_cpu_env.py "
+                           "install, then --sglang-python (or $SLIME_SGLANG_PYTHON) set to what "
+                           "`python tools/sglang_cpu_env.py python` prints)")
+    logger.info("--rollout-backend %s", choice)
+    return choice
 
 
 def _extra_args_to_argv(extra: dict, prefix: str, reserved: dict[str, str]) -> list[str]:

@@ -133,8 +133,7 @@ class RemoteEngine(_EngineState):
         return host_result(getattr(self.actor, method).remote(*a), timeout, f"engine {self.rank} {method}")
 
     def start(self) -> "RemoteEngine":
-        self._state = self._call("start", timeout=CALL_TIMEOUT_S + 60)
-        self.backend = self._state["backend"]
+        self.set_state(self._call("start", timeout=CALL_TIMEOUT_S + 60))
         return self
 
     def set_state(self, state: dict) -> None:

@@ -2,7 +2,7 @@
 public method that touches the model is a collective: call it on every rank. Per `train` call: drop FAILED
 samples, compute old (when needed: loss.py) and reference log-probs, advantages and TIS weights, then run
 len(samples) / --global-batch-size optimizer steps over this rank's micro-batches. A backend supplies its model
-set-up, its forward, its gradient bookkeeping and its data-parallel collectives.
+set-up, its forward, its gradient bookkeeping and its data-parallel group.
 """
 
 from __future__ import annotations

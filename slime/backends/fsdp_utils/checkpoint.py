@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slime.backends.fsdp_utils.hf_weights import full_state_dict, untie_for_safetensors, write_hf_dir
+from slime.backends.fsdp_utils.hf_weights import full_state_dict, write_hf_dir
 from slime.utils import checkpoint as driver_ckpt
 from slime.utils.safe_load import CheckpointFileError, check_safetensors, read_json_file, safe_torch_load
 
@@ -37,17 +37,14 @@ def export_hf(model: nn.Module, path: str, hf_checkpoint: str | None) -> None:
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, hf_checkpoint: str | None = None) -> None:
     """Collective. Model + optimizer (full, from rank 0) and every rank's RNG."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     rank = dist.get_rank()
-    model_sd = get_model_state_dict(model, options=_options())
+    model_sd = full_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=_options())
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        save_file(untie_for_safetensors(model, model_sd), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        write_hf_dir(model, model_sd, path, None)  # config and weights; the tokenizer is the run's
         torch.save(optim_sd, os.path.join(path, "optimizer.pt"))
-        model.config.save_pretrained(path)
         with open(os.path.join(path, "trainer_meta.json"), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(),
                        "hf_checkpoint": hf_checkpoint}, f)

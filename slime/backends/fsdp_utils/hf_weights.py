@@ -29,21 +29,15 @@ def iter_full_weights(model: nn.Module):
         yield name, t.detach()
 
 
-def untie_for_safetensors(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: drop the tied output embedding."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    return {k: v.detach().contiguous() for k, v in state.items()}
-
-
 def write_hf_dir(model: nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None) -> None:
     """Rank-0 only: a plain HF model directory (config, safetensors, tokenizer)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     model.config.save_pretrained(path)
-    save_file(untie_for_safetensors(model, state), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    tied = getattr(model.config, "tie_word_embeddings", False)  # safetensors refuses shared storage: drop the copy
+    weights = {k: v.detach().contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if hf_checkpoint and os.path.isdir(hf_checkpoint):
         for name in TOKENIZER_FILES:
             src = os.path.join(hf_checkpoint, name)

@@ -273,9 +273,6 @@ class Trainer(Offloadable):
         with self.on_device("export_hf"):
             self._export_hf(path)
 
-    def ready(self) -> int:
-        return self.rank
-
     def shutdown(self) -> None:
         """Close the weight updater, drop models, optimizer and offload buffers, destroy our process groups.
         Idempotent, and safe after a failed `init`."""

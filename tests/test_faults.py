@@ -169,8 +169,13 @@ def faulty_run(task):
         os.kill(second[0], signal.SIGSTOP)
         out["frozen_pid"] = second[0]
         _wait(lambda: _engine_pids(proc.pid) not in ([], second), 120, "the frozen engine's replacement", proc, log)
-        # 3. kill -9 the driver once step 3 is checkpointed: everything it started goes with it
-        _wait(lambda: _latest(d) >= 3, 400, "checkpoint 3", proc, log)
+        # 3. kill -9 the buffer actor: a new one starts from the newest checkpoint and replays the calls since
+        (buffer,) = [p for p in _descendants(proc.pid) if "ray::PartialRolloutBuffer" in _cmdline(p)]
+        buffer.send_signal(signal.SIGKILL)
+        _wait(lambda: "buffer actor restarted from" in log.read_text(), 300, "the buffer's restart", proc, log)
+        out["buffer_restarted_in"] = len(_steps_logged(d))  # the step whose row is the first to count it
+        # 4. kill -9 the driver once step 3 and that step are checkpointed: everything it started goes with it
+        _wait(lambda: _latest(d) >= max(3, out["buffer_restarted_in"]), 400, "checkpoint 3", proc, log)
         job = _descendants(proc.pid)
         out["job"] = [(p.pid, _cmdline(p)) for p in job]
         proc.send_signal(signal.SIGKILL)
@@ -297,6 +302,34 @@ def test_resume_finishes_the_run_and_the_ledger_audit_passes(faulty_run, task):
     assert _steps_logged(d) == list(range(STEPS))
     trace = [json.loads(line)["rollout_id"] for line in open(d / "run" / "rollout_trace.jsonl")]
     assert sorted(set(trace)) == list(range(STEPS)) and len(trace) >= STEPS
+
+
+def test_a_killed_buffer_actor_restarts_from_its_checkpoint_and_loses_nothing(faulty_run, task):
+    """The new actor started from the newest checkpoint's buffer and ledger and replayed the calls since (the
+    engine, router and trainer kept running: the run went on); every checkpoint from there audits clean, and the
+    groups parked in them reached training with their parked tokens (resumed, never generated again)."""
+    from slime.utils.ledger_audit import audit_checkpoint
+
+    d, _ = task
+    text, step = faulty_run["log"].read_text(), faulty_run["buffer_restarted_in"]
+    assert re.search(r"restart 3/\d+: the buffer actor died \(ActorDiedError\)", text), text[-3000:]
+    base, replayed = re.search(r"buffer actor restarted from \S*iter_(\d+)/buffer/buffer\.json: replayed (\d+) ",
+                               text).groups()
+    assert step - 2 <= int(base) < step and int(replayed) > 0  # save interval 1: the step it died in (or its save)
+    rows = {r["step"]: r for r in map(json.loads, open(d / "run" / "metrics.jsonl"))}
+    assert rows[step]["restarts/buffer"] == 1 and max(r["restarts/buffer"] for r in rows.values()) == 1
+    trained = {g[0]["group_index"]: g for rid in range(STEPS)
+               for g in json.load(open(d / "rollouts" / f"rollout_{rid}.json"))["groups"]}
+    resumed = 0
+    for j in range(step - 1, STEPS):
+        ckpt = d / "ckpt" / f"iter_{j:07d}"
+        audit_checkpoint(str(ckpt))  # raises naming what is wrong
+        for g in json.loads((ckpt / "buffer" / "buffer.json").read_text())["parked"]:
+            if g[0]["group_index"] in trained:
+                resumed += 1
+                by_index = {s["index"]: s for s in trained[g[0]["group_index"]]}
+                assert all(by_index[s["index"]]["tokens"][:len(s["tokens"])] == s["tokens"] for s in g)
+    assert resumed > 0
 
 
 # ------------------------------------------------------------ runs that must stop ----

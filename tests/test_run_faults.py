@@ -4,6 +4,7 @@ named by their role with what they held and what --load restores (run_faults.exp
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -129,6 +130,75 @@ def test_a_dead_ray_actor_is_named_by_its_role_with_what_it_held(ray_node):
     assert (f"; trainer rank 1 (pid {pids[1]}) died (ActorDiedError): it held the weights and optimizer state of "
             "policy version 7; checkpoint iter_0000003 holds those of step 3; stopped in step 5: `--load /ckpt` "
             "resumes at step 4") in reason
+
+
+def test_a_dead_buffer_actor_starts_again_from_the_checkpoint_and_replays_the_calls_since(ray_node, tmp_path):
+    """--use-fault-tolerance: the new actor holds what the dead one held (parked tokens included), a call cut by the
+    death runs once (in the replay), the restart is counted; once the budget is spent the death is named."""
+    from types import SimpleNamespace
+
+    from test_buffer import make_group
+
+    from slime.ray.buffer import BufferRestartsExhausted, RestartableBuffer
+    from slime.ray.restarts import RestartBudget
+    from slime.rollout.buffer import call_sync
+    from slime.utils.ledger import DROPPED, FINISHED, TRAINED
+
+    budget = RestartBudget(1)
+    buffer = RestartableBuffer(SimpleNamespace(save=str(tmp_path), rollout_rpc_timeout=60.0, buffer_filter_path=None),
+                               budget)
+
+    def call(method, *args):
+        return call_sync(buffer, method, *args, timeout=60.0)
+
+    def state(name):
+        call("save", str(tmp_path / name))
+        return json.loads((tmp_path / name).read_text())
+
+    call("drop_rows", {7: "over_context_length: 900 tokens"})
+    call("issue", [make_group(g) for g in range(4)])  # step 0, then its checkpoint
+    call("mark", [0, 1], FINISHED)
+    call("mark", [3], DROPPED, "reward_failed: ZeroDivisionError")
+    call("park", [make_group(2, tokens=3)])
+    call("mark", [0, 1], TRAINED)
+    state("ckpt.json")
+    buffer.checkpointed(str(tmp_path / "ckpt.json"))
+    # two steps since the checkpoint: group 2 parked again with more tokens each time
+    assert [g[0].group_index for g in call("take_parked", 4)] == [2]
+    call("issue", [make_group(4), make_group(5, finished=2)])
+    call("park", [make_group(2, tokens=4), make_group(4, tokens=2)])
+    call("mark", [5], FINISHED)
+    call("hold_ready", [make_group(5, finished=2)])
+    assert [g[0].group_index for g in call("take_ready", 4)] == [5]
+    assert [g[0].group_index for g in call("take_parked", 4)] == [2, 4]
+    call("issue", [make_group(6, finished=2), make_group(7)])
+    call("mark", [4], FINISHED)
+    call("mark", [4, 5], TRAINED)
+    call("park", [make_group(2, tokens=5)])
+    call("mark", [6], FINISHED)
+    call("hold_ready", [make_group(6, finished=2)])
+    before = state("before.json")
+    assert len(buffer.journal) == 13 and before["ledger"]["state"]["2"] == "parked"
+
+    dead = buffer.actor
+    ray.kill(dead, no_restart=True)
+    _wait_dead(dead)
+    call("park", [make_group(7, tokens=1)])  # sent to the dead actor: runs once, in the replay
+    assert budget.counts["buffer"] == 1 and buffer.actor is not dead
+    after = state("after.json")
+    assert after["ledger"]["state"].pop("7") == "parked" and after["parked"].pop()[0]["group_index"] == 7
+    assert before["ledger"]["state"].pop("7") == "issued"
+    assert after == before  # parked tokens, ready groups, ledger and dropped rows as the dead actor held them
+
+    record = RunRecord("/ckpt", step=3, checkpoint=0)
+    record.actors[buffer.actor._actor_id.hex()] = "the buffer actor"
+    ray.kill(buffer.actor, no_restart=True)
+    _wait_dead(buffer.actor)
+    with pytest.raises(BufferRestartsExhausted) as spent:
+        call("num_parked")
+    assert "giving up after 1 restart(s) (--max-engine-restarts 1" in str(spent.value)
+    assert "; the buffer actor died (ActorDiedError): it held the ledger of every group" in explain(
+        spent.value, record, names_itself=True)
 
 
 def test_only_a_dead_rank_or_one_out_of_memory_is_worth_a_restart(ray_node):

@@ -1,5 +1,5 @@
-"""Fault tolerance: the engines' health checks (always on) and restarts of engines, the router and the trainer
-(--use-fault-tolerance); docs/faults.md."""
+"""Fault tolerance: the engines' health checks (always on) and restarts of engines, the router, the trainer and the
+buffer actor (--use-fault-tolerance); docs/faults.md."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="restart an engine that dies or freezes during a rollout (re-sync the current weights, resume "
                         "its parked samples), the router (same port, engines registered again) and a trainer that "
-                        "dies or runs out of memory (from the last checkpoint, the engines kept, the steps since "
-                        "replayed); without it such a failure stops the run with an error naming the part")
+                        "dies or runs out of memory, or the buffer actor (from the last checkpoint, the other parts "
+                        "kept, what changed it since replayed); without it such a failure stops the run, naming the "
+                        "part")
     g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
                    help="seconds between GET /health_generate checks of every engine while a step runs "
                         "(0: HTTP checks off; dead or stopped engine processes are still noticed within 1 s)")
@@ -23,8 +24,9 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
                    help="seconds before the first HTTP health check of a step (slow first compilations)")
     g.add_argument("--max-engine-restarts", type=int, default=3,
-                   help="restarts allowed in a run (--use-fault-tolerance), of engines, the router and the trainer "
-                        "together; one more failure checkpoints (with --save, where it can) and stops the run")
+                   help="restarts allowed in a run (--use-fault-tolerance), of engines, the router, the trainer and "
+                        "the buffer actor together; one more failure checkpoints (with --save, where it can) and "
+                        "stops the run")
     g.add_argument("--max-consecutive-empty-steps", type=int, default=3,
                    help="stop the run when this many steps in a row have no trainable sample (every group failed); "
                         "such steps are skipped (no update, no version bump) and counted")

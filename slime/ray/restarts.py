@@ -1,15 +1,16 @@
 """The run's restart budget (`--use-fault-tolerance`, `--max-engine-restarts N`).
 
-Every part the driver restarts (an engine, the router, the trainer) spends from one budget of N restarts: a run
-that keeps losing parts, whichever they are, stops once it is spent (checkpointing first where it can), naming
-what failed last. Counts by part feed the `restarts/*` metrics.
+Every part the driver restarts (an engine, the router, the trainer, the buffer actor) spends from one budget of N
+restarts: a run that keeps losing parts, whichever they are, stops once it is spent (checkpointing first where it
+can), naming what failed last. Counts by part feed the `restarts/*` metrics.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-PARTS = ("engine", "router", "trainer")
+PARTS = ("engine", "router", "trainer", "buffer")
+TOGETHER = "engines, the router, the trainer and the buffer together"  # what the budget counts (messages)
 
 
 class RestartBudget:

@@ -2,7 +2,8 @@
 
 It lives in the driver process (rollout functions are asyncio HTTP clients);
 the buffer is a Ray actor so that its contents have one owner and survive in
-checkpoints. The policy version that the engines serve is tracked here.
+checkpoints (--use-fault-tolerance: and its death, slime/ray/buffer.py). The
+policy version that the engines serve is tracked here.
 
 Engine faults: a rollout or eval step that loses an engine or the router
 raises `EngineFaultError` (its unfinished samples already parked). Without
@@ -12,7 +13,7 @@ with it the driver (slime/ray/train_loop.py) has the manager restart it
 an engine on fresh ports), pushes the current weights to restarted engines
 (`push_weights`, with the trainer it passes) and runs the step again, parked
 samples first. Restarts spend from the run's budget (slime/ray/restarts.py,
-shared with trainer restarts); once it is spent the next fault raises
+shared with trainer and buffer restarts); once it is spent the next fault raises
 `EngineRestartsExhausted` (train.py checkpoints, then stops).
 """
 
@@ -25,12 +26,10 @@ import os
 import time
 from typing import Any
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from slime.backends.sglang_utils.process_utils import ServerLaunchError
 from slime.backends.sglang_utils.watchdog import EngineFault, EngineFaultError, ProcessWatch
-from slime.ray.restarts import RestartBudget
+from slime.ray.buffer import RestartableBuffer, start_buffer
+from slime.ray.restarts import TOGETHER, RestartBudget
 from slime.rollout.base_types import RolloutOutput, eval_output_metrics, to_rollout_output
 from slime.rollout.buffer import call_sync
 from slime.rollout.multi_turn import ToolAgent
@@ -89,7 +88,6 @@ class RolloutManager:
         stop request (slime/utils/graceful_stop.py): a training step halts at a safe point once it is set."""
         from transformers import AutoTokenizer
 
-        from slime.ray.buffer import Buffer
         from slime.rollout.data_source import RolloutDataSource, load_eval_groups
 
         self.args = args
@@ -103,15 +101,14 @@ class RolloutManager:
             name: load_eval_groups(args, self.tokenizer, name, path, args.n_samples_per_eval_prompt)
             for name, path in args.eval_datasets
         }
-        # the buffer writes its part of each checkpoint next to the driver's: keep it on the driver's node
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.buffer = Buffer.options(scheduling_strategy=here).remote(args)
+        self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router, the trainer and the buffer
+        # --use-fault-tolerance: a handle that starts the actor again from the newest checkpoint, replaying since
+        self.buffer = RestartableBuffer(args, self.restarts) if args.use_fault_tolerance else start_buffer(args)
         self._record_dropped_rows()
         self.rollout_fn = load_function(args.rollout_function_path)
         self.eval_fn = load_function(args.eval_function_path) if args.eval_function_path else self.rollout_fn
         # --agent-env: the multi-turn agent (its tool workers) lives as long as this manager (closed at shutdown)
         self.agent = ToolAgent.from_args(args, self.tokenizer) if args.agent_env else None
-        self.restarts = RestartBudget(args.max_engine_restarts)  # engines, the router and the trainer
         self.rollout: Rollout | None = None  # the run's rollout (slime/rollout/rollout.py), over the engines
         engines = None
         if start_engines:
@@ -244,7 +241,7 @@ class RolloutManager:
                 if not self.restarts.spend("router" if fault.router else "engine"):
                     raise EngineRestartsExhausted(
                         f"{error}; giving up after {self.restarts.used} restart(s) (--max-engine-restarts "
-                        f"{self.restarts.limit}: engines, the router and the trainer together)", error.faults) from error
+                        f"{self.restarts.limit}: {TOGETHER})", error.faults) from error
                 logger.warning("restart %s: %s", self.restarts.progress(), fault.describe())
                 try:
                     if fault.router:
@@ -274,6 +271,16 @@ class RolloutManager:
     # ---- checkpoints --------------------------------------------------------
     def save_buffer(self, path: str) -> None:
         self._buffer("save", os.path.join(path, "buffer.json"))
+
+    def buffer_checkpointed(self, ckpt_dir: str) -> None:
+        """A checkpoint is published: a restarted buffer actor starts from its buffer (--use-fault-tolerance)."""
+        if isinstance(self.buffer, RestartableBuffer):
+            self.buffer.checkpointed(os.path.join(ckpt_dir, "buffer", "buffer.json"))
+
+    @property
+    def buffer_actor(self):
+        """The buffer's Ray actor now (--use-fault-tolerance: the newest its handle started)."""
+        return self.buffer.actor if isinstance(self.buffer, RestartableBuffer) else self.buffer
 
     def load_buffer(self, path: str) -> None:
         self._buffer("load", os.path.join(path, "buffer.json"))

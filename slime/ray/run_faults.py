@@ -21,7 +21,9 @@ from typing import Callable
 from slime.backends.sglang_utils.engine_api import UnsupportedEngineVersion
 from slime.backends.sglang_utils.watchdog import EngineFaultError
 from slime.ray.actor_group import TrainerRankError
+from slime.ray.buffer import BufferReplayError, BufferRestartsExhausted
 from slime.ray.placement_group import PlacementError
+from slime.ray.restarts import TOGETHER
 from slime.rollout.data_source import DataError
 from slime.utils import checkpoint as ckpts
 from slime.utils.empty_steps import EmptyStepsError
@@ -45,7 +47,7 @@ class TrainerRestartsExhausted(RuntimeError):
 # errors that name their cause (flag, file, engine, trainer rank, reward): one line, no traceback
 STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, DataError, EngineFaultError,
          EmptyStepsError, PlacementError, PathNotVisibleError, ListenHostError, UnsupportedEngineVersion,
-         TrainerRankError, TrainerRestartsExhausted)
+         TrainerRankError, TrainerRestartsExhausted, BufferRestartsExhausted, BufferReplayError)
 
 
 def train_or_stop(entry: str, train: Callable, args) -> int:
@@ -208,7 +210,7 @@ class TrainerRecovery:
                 if not self.budget.spend("trainer"):
                     raise TrainerRestartsExhausted(
                         f"{error}; giving up after {self.budget.used} restart(s) (--max-engine-restarts "
-                        f"{self.budget.limit}: engines, the router and the trainer together)") from error
+                        f"{self.budget.limit}: {TOGETHER})") from error
                 steps = [rid for rid, _, _ in self.replay]
                 logger.warning("restart %s: %s; the trainer starts again from %s and replays %d step(s) %s trained "
                                "since (the engines and the router stay up)", self.budget.progress(), error,

@@ -30,8 +30,9 @@ Failures: the run is a context manager; an error that ends it shuts every part d
 `RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
 what `--load` restores (slime/ray/run_faults.py). `train_or_stop` writes that line and the cause chain as the
 last lines of <run>/train.log (a traceback before them for an error that does not name its cause) and on
-stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory is restarted from the newest
-checkpoint while the engines stay up, and the steps trained since are replayed (`TrainerRecovery`).
+stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory, or the buffer actor, starts
+again from the newest checkpoint while the other parts stay up, and what changed it since is replayed
+(`TrainerRecovery`; slime/ray/buffer.py's `RestartableBuffer`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,6 @@ class TrainingRun:
                                               engine_slots=pgs.engine_slots(args.num_engines,
                                                                             args.rollout_num_gpus_per_engine),
                                               halt=self.stop)
-        self.record.actors[self.rollout_manager.buffer._actor_id.hex()] = "the buffer actor"
         if not args.debug_rollout_only:
             if args.use_fault_tolerance:  # a trainer that fails starts again; the engines stay up
                 self.recovery = TrainerRecovery(args, self.rollout_manager.restarts, self.rollout_manager.engines)
@@ -114,8 +114,10 @@ class TrainingRun:
         self.empty_steps = EmptySteps(args.max_consecutive_empty_steps)
         self.timing = StepTiming(self.rollout_manager.engines)  # the `perf/` metrics of each step
 
-    def _name_trainer_ranks(self) -> None:
-        """The trainer ranks' actors by role (and pid), so a death names the rank (after a restart: the new ones)."""
+    def _name_actors(self) -> None:
+        """The buffer's and trainer ranks' actors by role, so a death names the part (after a restart: the new ones)."""
+        if self.rollout_manager is not None:
+            self.record.actors[self.rollout_manager.buffer_actor._actor_id.hex()] = "the buffer actor"
         if self.actor_model is not None:
             for rank, (actor, pid) in enumerate(zip(self.actor_model.actors, self.actor_model.pids)):
                 self.record.actors[actor._actor_id.hex()] = f"trainer rank {rank} (pid {pid})"
@@ -141,7 +143,7 @@ class TrainingRun:
         if not isinstance(error, Exception):
             self.shutdown_quietly()
             raise error
-        self._name_trainer_ranks()
+        self._name_actors()
         reason = explain(error, self.record, names_itself=isinstance(error, STOPS))
         self.shutdown_quietly()
         raise RunStopped(reason) from error
@@ -252,8 +254,7 @@ class TrainingRun:
                     logger.info("pushed policy version %d to the restarted engines", manager.policy_version)
 
     def trainable(self, rollout_id: int, rollout: RolloutOutput) -> bool:
-        """Whether there is anything to train: not without a trainer (--debug-rollout-only), nor on a batch
-        where every group failed (counted; --max-consecutive-empty-steps in a row stop the run)."""
+        """Anything to train: a trainer (not --debug-rollout-only), a group not failed (else counted, N stop)."""
         if self.actor_model is None:
             return False
         if count_trainable(rollout.groups) == 0:
@@ -334,6 +335,7 @@ class TrainingRun:
                                       "rng": ckpts.rng_state(), "contract": ckpts.data_contract(self.args)})
         if self.recovery is not None:
             self.recovery.checkpointed(f"{path}/trainer")
+        manager.buffer_checkpointed(path)
         self.record.checkpoint, self.record.at_checkpoint = rollout_id, manager.ledger_summary()
         return path
 

@@ -205,7 +205,10 @@ class PartialRolloutBuffer:
 
 # ---- calling the buffer (a Ray actor, or the object itself) ------------------------------------------------
 async def call_maybe_remote(obj: Any, method: str, *args: Any, timeout: float = RPC_TIMEOUT_S) -> Any:
-    """Call `obj.method(*args)`: through Ray (awaited, with `timeout`) for an actor handle, directly otherwise."""
+    """Call `obj.method(*args)`: through Ray (awaited, with `timeout`) for an actor handle, through a handle that
+    restarts its actor (slime/ray/buffer.py's `RestartableBuffer`), directly otherwise."""
+    if hasattr(obj, "call_restarting"):
+        return await obj.call_restarting(method, *args, timeout=timeout)
     fn = getattr(obj, method)
     remote = getattr(fn, "remote", None)
     if remote is None:

@@ -152,7 +152,7 @@ def test_router_and_trainer_killed_under_fault_tolerance_keep_the_engines_and_tr
     if died[1] in ("train", "save"):
         assert (counts + [1]).index(1) == (replayed[-1] if replayed else ckpt) + 1, (died[1], counts, replayed)
     summary = json.loads((d / "run" / "summary.json").read_text())
-    assert summary["restarts"] == {"engine": 0, "router": 1, "trainer": 1}
+    assert summary["restarts"] == {"engine": 0, "router": 1, "trainer": 1, "buffer": 0}
 
     # every step generated once (one dump each, the step's rollout never re-run), every group trained once
     assert [m for m in re.findall(r"saved rollout (\d+) to", text)] == [str(i) for i in range(steps)]

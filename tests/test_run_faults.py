@@ -196,7 +196,7 @@ def test_a_dead_buffer_actor_starts_again_from_the_checkpoint_and_replays_the_ca
     _wait_dead(buffer.actor)
     with pytest.raises(BufferRestartsExhausted) as spent:
         call("num_parked")
-    assert "giving up after 1 restart(s) (--max-engine-restarts 1" in str(spent.value)
+    assert "giving up on the buffer actor after 1 restart(s) (--max-engine-restarts 1" in str(spent.value)
     assert "; the buffer actor died (ActorDiedError): it held the ledger of every group" in explain(
         spent.value, record, names_itself=True)
 

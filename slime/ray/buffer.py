@@ -141,7 +141,7 @@ class RestartableBuffer:
             while True:
                 if not self.budget.spend("buffer"):
                     raise BufferRestartsExhausted(
-                        f"the buffer actor died; giving up after {self.budget.used} restart(s) (--max-engine-restarts "
+                        f"giving up on the buffer actor after {self.budget.used} restart(s) (--max-engine-restarts "
                         f"{self.budget.limit}: {TOGETHER})") from error
                 logger.warning("restart %s: the buffer actor died (%s); a new one starts from %s and replays the %d "
                                "call(s) that changed the buffer since (the engines, the router and the trainer keep "
@@ -162,9 +162,9 @@ class RestartableBuffer:
         try:
             results = ray.get(refs, timeout=self.args.rollout_rpc_timeout)[len(first):]
             summary = ray.get(self.actor.check_balanced.remote(False), timeout=self.args.rollout_rpc_timeout)
-        except ray.exceptions.RayTaskError as e:
+        except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:  # (a death is the caller's)
             raise BufferReplayError(f"replaying the buffer's calls on {self.base or 'an empty buffer'} failed: "
-                                    f"{e.cause if e.cause is not None else e}") from e
+                                    f"{getattr(e, 'cause', None) or e}") from e
         for i, (c, result) in enumerate(zip(self.journal, results)):
             if c.taken is not None and [group_id(g) for g in result] != c.taken:
                 raise BufferReplayError(

@@ -1,30 +1,12 @@
 """`--admission`: how many requests a pool (`--rollout-mode pool`, and stream mode's segments) keeps in flight.
 
 - `fixed`: `--rollout-pool-size`, always (what CoPRIS does);
-- `auto` (the default for pool and stream, unless `--rollout-pool-size` is given): the limit is the smaller of two
-  numbers, what the engines' load reports allow (`cap`) and what the steps' own speed chose (`StepClimb`).
-  * The cap, AIMD over `GET /v1/loads?include=core,queues` (every `interval_s` while a pool runs): it starts at the
-    engines' batch capacity (their `max_running_requests`, at most `--rollout-pool-size`); congestion (a
-    retraction, SGLang's `queues.retracted`: requests pushed out of a full KV cache and prefilled again; or KV
-    token usage at `high_usage` or more) cuts it to `decrease` x the limit; a queue (waiting requests beyond
-    `queue_slack` of the running ones in two reports in a row: one while new rows are admitted is not a signal)
-    brings it down to what runs plus the slack; with every slot in use and no queue it grows by a group (additive
-    increase) up to `--rollout-pool-size`.
-  * The climb: the limit starts at one batch of requests (`--rollout-batch-size` x `--n-samples-per-prompt`, what
-    the fixed stream pool defaults to: more in flight parks more partial work at every step's end). What the loads
-    cannot see decides from there: the partial samples a step parks and prefills again at the next one, its drain,
-    and on a CPU a decode step that grows with its rows. So in pool mode each step's tokens/s (to its end, drain
-    included) judges probes of a neighbouring limit, and a probe wins only on evidence beyond the steps' own noise
-    (`StepClimb`). A stream has no steps: its segments keep the start, within the cap.
-  The controller lives as long as the run's rollout (it learns across steps). The simulator runs the same one
-  against its engines' load reports (slime/rollout/simulator/cluster.py: `SimCluster.loads`).
+- `auto`: the smaller of `cap`, AIMD over the engines' load reports (a retraction or high KV usage cuts it, a queue
+  brings it down to what runs, full slots without a queue grow it by a group), and `StepClimb`, which judges probes
+  of a neighbouring limit by each pool step's tokens/s and moves only on evidence beyond the steps' noise.
 
-`AdmissionControl` holds the limit and decides (the run's `Rollout`, slime/rollout/rollout.py, builds the one
-controller and tells it when a step starts); `LoadPoll` (one per step, on its event loop) asks the engines for a
-load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
-up to the limit (slime/rollout/step_supply.py's PoolSupply). Measured against a sweep of fixed pool sizes:
-benchmarks/admission_sweep.py (benchmarks/README.md, its `--admission auto` row).
-"""
+The run's `Rollout` builds the one `AdmissionControl` (it learns across steps); `LoadPoll` (one per step) feeds it
+load reports. Measured against fixed pool sizes: benchmarks/admission_sweep.py."""
 
 from __future__ import annotations
 

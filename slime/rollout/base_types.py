@@ -1,13 +1,8 @@
 """What a rollout function returns, in upstream slime's shape.
 
-A rollout function (`--rollout-function-path`) is called as upstream slime calls it:
-
-    generate_rollout(args, rollout_id, data_source, evaluation=False)
-
-(`data_source`: the run's `RolloutContext`, slime/rollout/rollout.py.) It returns upstream's
-`RolloutFnTrainOutput` / `RolloutFnEvalOutput`, a plain list of groups (upstream's legacy form), or our
-`RolloutOutput`; `to_rollout_output` reads any of them.
-"""
+A rollout function is called as upstream calls it, `generate_rollout(args, rollout_id, data_source,
+evaluation=False)`, and may return upstream's outputs, a plain list of groups, or our `RolloutOutput`;
+`to_rollout_output` reads any of them."""
 
 from __future__ import annotations
 

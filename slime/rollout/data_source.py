@@ -1,14 +1,8 @@
-"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets (files: data_files.py).
+"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets.
 
-A prompt is a string or a list of chat messages; with `--apply-chat-template` it goes through the tokenizer's
-template (a string becomes one user message) and is tokenised without special tokens. `Sample.prompt` holds the
-text that was tokenised.
-
-Rows the engine would refuse are dropped at load with file, line and reason (`empty_prompt`,
-`over_max_prompt_len`, `over_context_length`), counted in `dropped_rows` and listed in `dropped` for the ledger.
-The data order and the saved position count file rows, dropped ones included, so dropping a row never shifts
-what the next step draws. Training groups and samples get run-wide ids 0, 1, 2, ... (saved in `state_dict`);
-eval groups get negative ids and carry `metadata["eval_name"]`."""
+Rows the engine would refuse are dropped at load, named with file, line and reason; the saved position counts
+file rows, dropped ones included, so dropping a row never shifts what the next step draws. Eval groups get
+negative ids and carry `metadata["eval_name"]`."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """Which weight version sampled each token: the engine's spans checked against our own record, and the prefix-cache
 key that keeps KV of different versions apart.
 
-The engine's word: SGLang >= 0.5.19 (and the embedded engine) end every reply, an aborted one too, with
-`meta_info.weight_versions = [{"version", "start", "end"}, ...]` covering `output_ids[start:end]` in order
-(`meta_info.weight_version` is the last span's version); SGLang 0.5.15.post1, the oldest we support, sends only
-`meta_info.weight_version`, the version it serves when it replies (sglang/srt/utils/weight_versions.py at 0.5.23;
-tokenizer_manager.py at both versions).
-
-Our record of a request: the versions the engines may have served while it ran, a `VersionWindow` from `sent` (served
-when it was sent) to `newest` (the newest pushed before its reply came back); with no window (train.py's steps, where
-the engines serve one version for the whole step) both are the step's version. A request no update crossed has one
-version; a paused update (`--pause-mode retract|in_place`) lets requests run across it.
-
-`label_tokens` takes the engine's spans when they agree with the record. Otherwise every token gets a version that
-is never newer than the truth, so the staleness cap may act early but never late:
-- a reply without spans that an update crossed (old SGLang under a pause mode): every token gets `sent`, the oldest
-  version it may have (`Sample.metadata["versions_unreported"]` counts them);
-- spans outside the record (a version older than `sent` or newer than `newest`: something else changed the weights,
-  or the engine's numbering is not ours): a warning naming the request, `metadata["version_disagreements"]`
-  counted, and each token labelled with the older of the engine's version and `newest`.
-`sample_metrics` (rollout_metrics.py) reports both per batch.
-"""
+SGLang >= 0.5.19 (and the embedded engine) report `meta_info.weight_versions` spans; older ones only the version
+served at reply time. Our record of a request is a `VersionWindow` (`sent` .. `newest`). `label_tokens` takes the
+engine's spans when they agree with it; otherwise every token gets a version never newer than the truth (so the
+staleness cap may act early but never late), and the disagreement is counted in the sample's metadata."""
 
 from __future__ import annotations
 

@@ -6,26 +6,10 @@
         push(flush_cache)                              # paused per --pause-mode around the push, then resumed
     out = await rollout.evaluate(rollout_id, groups)
 
-It owns what lives across steps: the buffer handle, the staleness cap (`--max-staleness`), the admission controller
-(`--admission`: pool and stream; built here and nowhere else), the over-sampling planner (`auto`), the version gate
-(train_async.py: `run_ahead`) and the engines' pause protocol. The `link` is what a step talks to: the real engines
-behind the router (slime/rollout/sglang_rollout.py's `EngineLink`) or the simulator's (slime/rollout/simulator/
-drive.py's `SimLink`); its `engines` answer `abort_all_until_idle`, `pause`, `continue_generation`,
-`abort_requests` and `loads`. train.py's RolloutManager (slime/ray/rollout.py), train_async.py's producers
-(steps_ahead.py, stream.py, on slime/ray/async_rollout.py's loop) and the simulator are loops over these verbs.
-
-A weight update (`updating_weights`): without a gate (train.py) the engines are idle between steps and the caller
-pushes. With one (train_async.py), by `--pause-mode`:
-- abort: every request of ours is aborted and waits at the gate; the push; they resume from their tokens;
-- retract / in_place: no new request passes the gate and the engines pause in SGLang's mode, keeping our requests
-  (KV freed / kept); the push; then the requests a token of which may now be over --max-staleness (restart
-  policy) are aborted by rid, so the cap applies when they resume; the engines continue.
-The push flushes the engines' prefix cache (KV the older weights computed) unless --reuse-stale-kv, or in_place
-(the engines hold requests with their KV: SGLang refuses a flush then): `flush_cache`, the one rule.
-
-`step()` stops at a safe point when its `halt` is set (as at its target: unfinished groups parked, accepted ones
-kept ready), so a caller that must stop the run (a checkpoint, a signal) halts the step and loses nothing.
-"""
+It owns what lives across steps: the buffer handle, the staleness cap, the admission controller, the over-sampling
+planner, the version gate and the engines' pause protocol (docs/architecture.md). The `link` is the real engines
+(`EngineLink`) or the simulator's (`SimLink`). `flush_cache` is the one rule: flush the prefix cache unless
+`--reuse-stale-kv` or in_place (SGLang refuses a flush while it holds requests)."""
 
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
 """One sample's generation over SGLang's HTTP API, and small helpers for the rollout.
 
-`SampleRequester.generate(sample, stop)` sends `POST /generate` with the
-sample's token ids so far (a resumed sample continues from its ids, never
-re-tokenised text) and `max_new_tokens` = the budget left (`--rollout-max-response-len`, or a smaller
-per-sample `metadata["max_response_len"]`), appends the
-returned segment with `Sample.append_response` (tokens, log-probs, per-token
-versions and loss mask grow together) and sets the status from the finish
-reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
-abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
-e.g. a prompt over its context) fails that sample with
-`metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
-retried and never stops the step.
-
-Per-token versions come from `meta_info.weight_versions` when the engine
-returns it (the embedded engine and newer SGLang: one span per weight version
-that sampled part of the segment, so a segment that crossed an in-flight
-weight update is labelled exactly), else from the single `weight_version`.
-
-`send(sample, rid, window)` is one request; `generate` loops over it. train_async.py wraps each request in
-a `GatedRequester` (slime/rollout/version_gate.py), which passes the gate before it is sent and checks
-every token's version against the `VersionWindow` of the request.
-
-`--custom-generate-function-path`: upstream slime's `async def generate(args, sample, sampling_params) -> Sample`
-(with an `evaluation` keyword when it declares one) replaces the request loop; `sampling_params["max_new_tokens"]`
-is the sample's whole budget, as upstream passes it (a resumed sample has `response_length` of it used). What it
-left out when growing the response itself (versions, loss mask) is filled in (`Sample.complete_response`).
-With `--agent-env` that function is the built-in multi-turn generate (slime/rollout/multi_turn/): `run_custom`
-runs it inside the scope of the rollout's `ToolAgent`, each model turn sent by `turn` (the same request as
-`send`, nothing appended), so a turn has the request ids, version checks and counters of any request.
-"""
+`SampleRequester.generate` sends `POST /generate` from the sample's token ids so far with the budget left, appends
+the segment (`Sample.append_response`) and sets the status from the finish reason; an engine's 4xx fails that
+sample (`engine_refused: ...`), never the step. `--custom-generate-function-path` (upstream's signature) replaces
+the request loop; `run_custom` runs the multi-turn generate inside the rollout's `ToolAgent` scope."""
 
 from __future__ import annotations
 

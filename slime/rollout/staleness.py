@@ -1,18 +1,9 @@
-"""The staleness cap (`--max-staleness`, `--staleness-policy`): the run's Rollout holds the one, used wherever a
-token may be too old.
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): the run's Rollout holds the one.
 
-Every response token carries the policy version that produced it. Measured against the version that will
-train a group (`train_version`), a token older than `train_version - max_staleness` is stale; the policy says
-what happens to it: `restart` drops the sample's response and generates it again from the prompt (a group
-that has wholly finished cannot be, so the caller drops it); `mask` keeps the stale tokens as context with
-their loss mask zeroed; `keep` keeps everything (TIS corrects it). The length guard bounds `restart`: a sample that
-spent its restart budget is masked instead, since restarts are what drop the long tail (slime/rollout/length_bias.py
-measures it). The sites: `at_resume` (parked groups
-handed out again), `at_resume_in_flight` (a sample sent again after the engines changed version under a
-running step), `before_training` (finished groups about to be trained), `restart_floor` (in-place updates:
-requests to abort so the cap is applied when they resume). A sample: slime/utils/types.py's `Sample` or the
-simulator's `SimSample`.
-"""
+A token older than `train_version - max_staleness` is stale: `restart` regenerates the sample (a wholly finished
+group is dropped instead), `mask` zeroes its loss mask, `keep` keeps it (TIS corrects it). The length guard masks a
+sample that spent its restart budget. Sites: `at_resume`, `at_resume_in_flight`, `before_training`,
+`restart_floor`."""
 
 from __future__ import annotations
 

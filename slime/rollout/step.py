@@ -10,10 +10,7 @@
     settle the groups still being rewarded: overflow, kept ready           place(stopped=True)
     commit: finished marked, rejected dropped, unfinished parked           commit
 
-The `supply` feeds groups, the `placement` takes accepted ones (toward a target, or to stream mode's queue);
-`StepIO` is what the step talks to (the Rollout's link: the real engines or the simulator's). It returns its
-`StepRecord` and never raises for what goes wrong inside: `step_error(record)` names it.
-"""
+It returns its `StepRecord` and never raises for what goes wrong inside: `step_error(record)` names it."""
 
 from __future__ import annotations
 

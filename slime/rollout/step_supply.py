@@ -1,13 +1,7 @@
-"""How a step feeds the engines: parked groups first, then fresh ones (`take_groups`, slime/rollout/buffer.py, the
-one way groups leave the buffer and the data source), as chunks or as a pool. At each wake of the step's loop the
-supply's `top_up` says which groups to add:
-- `ChunkedSupply` (chunked, APRIL): `--over-sampling-batch-size` groups at a time while (in play + accepted) <
-  target; with `--partial-rollout`, a top-up as soon as fewer requests are in flight than a chunk's worth;
-- `PoolSupply` (pool, CoPRIS; stream mode's segments): a pool of requests in flight, refilled as they finish;
-  `gate` (stream mode) holds new groups back while it is closed.
-Neither adds groups while a chunk's worth of rows awaits its reward: a stalled reward would otherwise let a step
-generate without bound, what it finished training later, stale.
-"""
+"""How a step feeds the engines, parked groups first (`take_groups`): `ChunkedSupply` (APRIL) adds
+`--over-sampling-batch-size` groups at a time while short of the target; `PoolSupply` (pool, stream segments) keeps
+a pool of requests in flight. Neither adds groups while a chunk's worth awaits its reward (a stalled reward would
+otherwise let a step generate without bound)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """One-step-off (train_async.py with `--rollout-mode chunked|pool`): APRIL steps run ahead of the trainer.
 
-Rollout step j (over-sample, stop at the target, abort, park, resume parked first: exactly train.py's
-step) runs while the trainer trains on earlier batches. Step j starts once the engines serve a version
->= P(j) - `--max-async-lag` (P(j) = j + offset, the version that trains batch j), so with the default
-lag of 1 step j+1 overlaps training on step j. The step's staleness cap and version metrics use P(j)
-(`gate.train_version`), so they are exact for the version that trains it.
-
-A weight update that lands while a step runs pauses it as the run's `Rollout` says (slime/rollout/rollout.py:
-its version gate, `--pause-mode`): every token keeps the version that produced it. A custom
-`--rollout-function-path` cannot be paused that way: its steps run on a worker thread and an update waits until
-the running step ends (as upstream slime's train_async.py does).
-
-`quiesce()` halts the running step (unfinished groups parked, accepted and overflow groups kept ready)
-and moves the finished steps not yet taken to the buffer's ready list; `resume()` restarts production
-at the first batch not yet taken, whose step takes the ready groups first.
-"""
+Step j starts once the engines serve a version >= P(j) - `--max-async-lag` (P(j): the version that trains it);
+its staleness cap uses P(j). An update during a step pauses it per `--pause-mode`; a custom rollout function
+cannot be paused, so an update waits for its step (as upstream's train_async.py). `quiesce()` / `resume()` stop
+and restart production without losing a group."""
 
 from __future__ import annotations
 

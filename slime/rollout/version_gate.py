@@ -1,32 +1,12 @@
 """VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
 version exact (`train_async.py`).
 
-Every request of a rollout that has a gate passes it before it is sent (`GatedRequester`, below: the
-rollout's `SampleRequester` seen through the gate; only train_async.py makes one). `hold(reason)`
-closes the gate and drains the engines through SGLang's documented API: abort every request
-(`POST /abort_request {"abort_all": true}`, repeated until `/v1/loads` shows it idle) and wait until every
-request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
-version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
-runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between
-tokens. `release(reason, version=...)` reopens the gate once no reason holds it; the waiting samples
-resume from their token ids under the new version (APRIL's abort -> park -> resume, without leaving the
-step), after the staleness cap is applied to each of them (`--max-staleness`).
-
-Versions: `version` is what the engines serve; `train_version` is the policy version that will train
-what the rollout is collecting now (one-step-off: the step's batch; stream: the batch the next
-accepted group joins). Staleness is measured against `train_version`, so a token that passes the cap at
-a resume is still within it when it is trained.
-
-The gate lives on the event loop of the rollout it guards; other threads reach it through
-`asyncio.run_coroutine_threadsafe`.
-
-Paused updates (`--pause-mode retract|in_place`, the run's Rollout: slime/rollout/rollout.py): the engines keep our requests across
-the push and label every token with the version that sampled it (`meta_info.weight_versions`):
-`begin_update(v)` / `end_update()` bracket the push (a reply may then carry versions up to `newest_version`)
-while a hold without drain keeps new requests back, and `stale_requests` names the requests whose sample may
-now hold a token beyond the staleness cap, to be aborted by rid (`abort_requests`) so the cap is applied when
-they resume.
-"""
+Every request passes the gate before it is sent (`GatedRequester`). `hold(reason)` closes it and drains the
+engines (abort all until idle; `drain=False` only stops new requests); the aborted samples wait at the gate and
+resume from their token ids under the new version after `release`, the staleness cap applied. Staleness is
+measured against `train_version`. For paused updates (`--pause-mode retract|in_place`) `begin_update` /
+`end_update` bracket the push and `stale_requests` names the requests to abort by rid. The gate lives on the event
+loop of the rollout it guards."""
 
 from __future__ import annotations
 

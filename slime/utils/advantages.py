@@ -1,11 +1,7 @@
 """Advantage estimators (GRPO, GSPO, REINFORCE++, REINFORCE++-baseline) and masked batch whitening.
 
-Pure functions over a batch given as per-sample 1-D tensors (no padding), rewards ordered group-contiguously.
-Per-token advantages are zero at masked-out positions. GRPO's std is the unbiased group std; a group of one
-sample, or whose rewards are all equal, gets advantage exactly 0 (a float32 mean of equal values can differ from
-them in the last bit, which `/ (std + 1e-6)` would blow up; upstream has that residue). REINFORCE++ folds
-`-kl_coef * kl_t` into each token's reward, adds the reward at the last token, takes the discounted return and
-whitens over the batch's masked tokens."""
+Pure functions over per-sample 1-D tensors, rewards group-contiguous. A group of one sample, or of equal rewards,
+gets advantage exactly 0 (a float32 mean can differ from equal values in the last bit, which the std would blow up)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Checkpoint directories, written atomically.
+"""Checkpoint directories, written atomically (assembled in a tmp dir, renamed into place, then the pointer).
 
-Layout under `--save DIR`: `DIR/iter_0000012/` (trainer/, buffer/, driver_state.json) and
-`DIR/latest_checkpointed_iteration.txt`, the newest complete one. A checkpoint is assembled in a tmp dir and
-renamed into place when every part is written, the pointer replaced after that, so a crash mid-save leaves the
-previous checkpoint usable; a failed save raises `CheckpointSaveError` naming the path, the part and the cause.
-
-On `--load`, `resolve_checkpoint` checks the files before anything loads them (JSON parses, safetensors headers
-match the sizes, torch pickles name no code); a corrupt or planted one is named, the previous intact one offered
-(`--ckpt-step N`). `check_data_contract` refuses a resume whose flags would change what the saved data position
-and parked groups mean."""
+`resolve_checkpoint` checks a `--load` checkpoint's files before anything loads them; `check_data_contract` refuses
+a resume whose flags would change what the saved data position and parked groups mean."""
 
 from __future__ import annotations
 

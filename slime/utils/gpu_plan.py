@@ -1,13 +1,5 @@
-"""What a run puts on each GPU, from its flags alone: the effective trainer settings (one line, logged at start-up),
-which GPU holds which trainer rank and engine, and an estimate of memory per GPU (`train.py --dry-run`).
-
-The estimate (docs/gpu.md, "Memory per GPU") counts, per trainer rank: weights, gradients and optimizer state by
-precision and sharding; activations of the largest micro-batch (--max-tokens-per-gpu, or one sample of the full
-prompt + response budget, which trains alone) under the recompute flags; the chunked log-prob head; and per engine
-SGLang's static memory (--sglang-mem-fraction-static of the card) plus a fixed overhead. With --colocate the peak is
-the largest of three phases: rollout (engines whole; the trainer offloaded or resident), training (engines
-released) and the weight hand-over (engine weights back, the trainer still there).
-"""
+"""What a run puts on each GPU, from its flags alone: the effective trainer settings, which GPU holds which trainer
+rank and engine, and an estimate of memory per GPU (`train.py --dry-run`; the model is in docs/gpu.md)."""
 
 from __future__ import annotations
 

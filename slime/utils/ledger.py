@@ -6,8 +6,7 @@
                         │        └──────▶ dropped(reason)
                         └──▶ dropped(reason)        (final)
 
-Data rows dropped at load never become groups: they are recorded apart, row -> reason (`drop_rows`), so an audit
-accounts for every row as well as every group. The buffer (`slime/rollout/buffer.py`) holds and persists it."""
+Data rows dropped at load are recorded apart (`drop_rows`), so an audit accounts for every row as well."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The ledger audit of a saved run: nothing lost, nothing held twice, nothing left in flight.
-
-On a checkpoint's files alone: every group the data source issued has exactly one ledger state and the ledger
-knows no other id; none is still `issued`; the groups the buffer holds are exactly the ledger's parked and
-finished ones (`Ledger.check_balanced`). `python tools/audit_ledger.py SAVE_DIR` runs it."""
+"""The ledger audit of a saved run (`tools/audit_ledger.py SAVE_DIR`): nothing lost, nothing held twice,
+nothing left in flight."""
 
 from __future__ import annotations
 

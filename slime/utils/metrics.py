@@ -1,8 +1,5 @@
-"""One metrics path: wandb (offline unless asked) and `metrics.jsonl` in the run directory.
-
-wandb keeps every file under the run directory (WANDB_DIR / _CACHE_DIR / _CONFIG_DIR / _DATA_DIR / _ARTIFACT_DIR,
-unless the user set them), and the flags it records as the run config are redacted (`slime.utils.redact`).
-"""
+"""One metrics path: wandb (offline unless asked; its files under the run directory, its config redacted) and
+`metrics.jsonl` in the run directory."""
 
 from __future__ import annotations
 

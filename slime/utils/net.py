@@ -1,10 +1,5 @@
-"""Listening sockets for the run's rendezvous stores and process groups, on loopback unless told otherwise.
-
-torch's `TCPStore(is_master=True)` binds every interface whatever `host` says, and gloo binds where the hostname
-resolves; neither authenticates. So the store's socket is created here, bound to `--listen-host`, and handed to
-the store (`master_listen_fd`); gloo devices are bound to the same host. `resolve_listen_host` resolves the flag
-on each node: `auto` is loopback while the Ray cluster is one machine, else this node's IP as Ray knows it; an
-interface name is that interface's address; an address is used as given."""
+"""Listening sockets for the run's rendezvous stores and process groups, on `--listen-host` (loopback unless told
+otherwise): torch's `TCPStore` and gloo would bind every interface, unauthenticated."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""RL math as pure functions over tensors: log-probs and entropy from logits, KL estimators, PPO / GSPO policy losses,
-masked aggregation, SFT loss and truncated importance sampling (TIS) for off-policy tokens.
-
-Shapes: element-wise functions accept any shape. Functions that reduce over a sequence (``compute_gspo_ratio``,
-``aggregate_loss`` with ``sample_mean``) treat the LAST dimension as tokens, and also accept a list of 1-D
-per-sample tensors (packed batches of unequal lengths). Advantage estimators live in ``slime.utils.advantages`` and
-are re-exported here.
-"""
+"""RL math as pure functions over tensors: log-probs and entropy, KL estimators, PPO / GSPO losses, masked
+aggregation, SFT loss and truncated importance sampling. Reductions over a sequence take the LAST dimension as
+tokens, or a list of 1-D per-sample tensors."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Reading checkpoint files without running code, with errors that name the file.
-
-`torch.load(weights_only=False)` would let a planted `optimizer.pt` run code on `--load`, so every torch file
-goes through `safe_torch_load` (`weights_only=True` plus an explicit allow-list). torch.distributed.checkpoint
-reads its `.metadata` with plain `pickle.load`: `check_dist_checkpoint` reads it first with an unpickler that
-accepts only its own metadata classes. Corrupt or truncated files raise `CheckpointFileError` naming the file."""
+"""Reading checkpoint files without running code (`weights_only=True` plus an allow-list; DCP metadata through a
+restricted unpickler), with errors (`CheckpointFileError`) that name the file."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The flags passed through to SGLang's server (`--sglang-<flag>`) and to sglang-router (upstream's
-`--router-<flag>`), checked against their own flag names at parse time, so that a typo fails at once.
-
-SGLang's names are its `ServerArgs` command-line flags: the installed SGLang's when SGLang is installed (for a
-version whose list this project ships, that list, generated from the version's own code; for another, read from
-its code in a child process, so that the driver never imports SGLang), else the pinned version's shipped list
-(slime/utils/sglang_server_flags.py, written by tools/sglang_server_flags.py). sglang-router's are the installed
-sglang-router's own parser's (a dependency of this package).
-"""
+"""The flags passed through to SGLang's server (`--sglang-<flag>`) and to sglang-router (`--router-<flag>`),
+checked against their own flag names at parse time so that a typo fails at once. The driver never imports SGLang:
+an unshipped version's names are read from its code in a child process."""
 
 from __future__ import annotations
 

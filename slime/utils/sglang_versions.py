@@ -1,10 +1,5 @@
-"""The SGLang versions we build against, written once (standard library only: setup.py reads it before anything
-is installed).
-
-Read by the engine version check at start-up, the embedded engine's reported version, setup.py's `sglang`
-extra, the Dockerfiles and the contract tests (`CONTRACT_VERSIONS`). Supported: SGLANG_OLDEST (upstream slime's
-pin) to SGLANG_PINNED (our image's), both tested; between them the API moved (weight-update sessions since
-0.5.21: older servers answer 404). A version outside the range is refused at start-up."""
+"""The SGLang versions we build against, written once (standard library only: setup.py reads it). Supported:
+SGLANG_OLDEST (upstream slime's pin) to SGLANG_PINNED, both tested; others are refused at start-up."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Build tiny Qwen3-architecture models and word-level tokenizers in code.
-
-No model hub is reachable on our CPU machines, so the embedded default (tests, benchmarks, the quick start) builds
-its model here and saves it as a plain Hugging Face directory that every component loads by path.
-"""
+"""Build tiny Qwen3-architecture models and word-level tokenizers in code (no model hub on our CPU machines)."""
 
 from __future__ import annotations
 

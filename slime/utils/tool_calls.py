@@ -1,10 +1,7 @@
-"""Tool calls in a model's text, and the environment that answers them (a plain description, no process).
+"""Tool calls in a model's text, and the environment that answers them (docs/multi-turn.md).
 
-A model turn that calls a tool ends with `<call_open> BODY <call_close>`; the tool's answer is appended as
-`<result_open> OUTPUT <result_close>` (observation tokens, loss mask 0). BODY is `plain` (the argument string of
-the environment's only tool) or `json` (`{"name": "<tool>", "arguments": {...}}`, Qwen / Hermes style). A call
-the model wrote badly gets `bad_call_output` and the trajectory goes on; a tool that fails fails the sample
-(docs/multi-turn.md)."""
+A call is `<call_open> BODY <call_close>`, BODY `plain` or `json`; the answer is appended as observation tokens
+(loss mask 0). A badly written call gets `bad_call_output`; a tool that fails fails the sample."""
 
 from __future__ import annotations
 

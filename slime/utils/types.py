@@ -1,10 +1,7 @@
 """The one `Sample` that flows from a dataset row to the loss.
 
-Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`, `weight_versions`) always have
-exactly `response_length` entries, and `tokens` is the prompt followed by the response; a response grows by
-`append_response` (ours) or `append_response_tokens` (upstream's, for plugins), which keep them in step.
-Upstream's plugin API keeps upstream's meaning (docs/plugins.md); attributes a plugin sets travel with the
-sample (`to_dict()["extra"]`); fields with no meaning here (`UNSUPPORTED_FIELDS`) are refused when set."""
+Invariant: `loss_mask`, `rollout_log_probs` and `weight_versions` have exactly `response_length` entries and
+`tokens` is prompt + response (`append_response` keeps them in step). Upstream's plugin API keeps its meaning."""
 
 from __future__ import annotations
 

@@ -6,10 +6,7 @@
      "calls": [{"id": "9f..", "name": "calculator", "arguments": "37-5", "state": "done",
                 "seconds": 0.004, "error": None, "truncated": False, "reran": False}]}
 
-`turns` cover the response tokens in order: model turns (loss mask 1) and tool turns (observations, loss mask
-0); a model turn without `end_reason` is still open. A call is `pending` (sent, no observation yet: picked up
-again after an abort, never sent twice), `done`, `bad_call` or `failed`. The record travels with the sample
-(buffer, checkpoints), so a resumed sample knows where it stopped."""
+A call is `pending` (sent, no observation yet), `done`, `bad_call` or `failed`; the record travels with the sample."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Rewards: `async_rm` (one sample), `batched_async_rm` (a group), `reward_group` (never raises).
 
-Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's `metadata["rm_type"]`, else
-`--rm-type`: deepscaler (boxed answer after `</think>`, 1/0), dapo (`Answer:` line, +1/-1), math (math-verify,
-1/0), remote_rm (POST to `--rm-url`), subtract_chain (the embedded task), boxed_<type> (the last `\\boxed{...}`
-scored by <type>). Every reward is bounded by `--reward-timeout`; a custom plugin runs off the rollout's event
-loop (in a daemon thread), so one that blocks cannot freeze generation. A reward may be a number, or with
-`--reward-key K` a dict whose field K is the number."""
+Dispatch (slime semantics): `--custom-rm-path`, else the sample's `metadata["rm_type"]`, else `--rm-type`
+(deepscaler, dapo, math, remote_rm, subtract_chain, boxed_<type>). Every reward is bounded by `--reward-timeout`;
+a custom one runs in a daemon thread so it cannot freeze generation."""
 
 from __future__ import annotations
 

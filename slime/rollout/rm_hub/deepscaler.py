@@ -1,11 +1,8 @@
 """DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after the reasoning, 1 if right else 0.
 
-The format is part of the reward, as in DeepScaleR: a response without a finished reasoning block (`</think>`, or
-the `###Response` marker) or without a boxed answer after it scores 0. Right means `math_grader.answers_match`
-against any gold answer (a label may be a list of answers, or boxed). Every answer upstream's grader accepts is
-accepted (tests/test_upstream_plugin_api.py) except by accident of its normalisation; the differences all accept
-more: we split at the FIRST `</think>` (upstream: the last), read `\\boxed 42` and `\\fbox{42}`, and score equal
-values however they are written (`math_grader`'s docstring lists them)."""
+The format is part of the reward: no finished reasoning block (`</think>` or `###Response`) or no boxed answer
+scores 0. Right means `math_grader.answers_match` against any gold answer; it accepts every answer upstream's
+grader does (tests/test_upstream_plugin_api.py) and some more."""
 
 from __future__ import annotations
 

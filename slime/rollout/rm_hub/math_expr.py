@@ -1,17 +1,8 @@
-"""Read a final answer (LaTeX or plain: `3\\sqrt{3}`, `\\frac{x^2-1}{x-1}`, `2pi`, `7\\frac{3}{4}`) into a small
-expression tree (`read`); `math_value` evaluates and compares trees.
+"""Read a final answer (LaTeX or plain: `3\\sqrt{3}`, `\\frac{x^2-1}{x-1}`, `2pi`) into a small expression tree.
 
-This is the slow half of the rule rewards' equivalence check (the cheap half is the normalised-string match in
-`math_grader`); it runs only after the strings differ. Upstream slime hands this step to `sympy.simplify`; we
-evaluate instead (`math_value`), which is faster and bounded by construction. Reading is linear in the answer: an
-answer longer than `MAX_CHARS` or nested deeper than `MAX_DEPTH` is not read (undecided). Anything outside the
-grammar (sets, inequalities, words, unknown commands) is not read either; the caller then keeps the string verdict.
-
-Grammar: numbers, letters (variables; `a_1`, `x_{n}`, Greek commands), `\\pi`, `+ - * / ^`, `\\cdot`,
-`\\times`, `\\div`, juxtaposition (`2x`, `3\\sqrt{3}`, `x(x+1)`), `( ) [ ] { }`, `|x|`, `!`, `\\frac`,
-`\\sqrt[n]{}`, `\\binom`, `\\lfloor \\rfloor`, `\\lceil \\rceil`, trig / log / exp functions (`\\sin^2 x`,
-`\\log_2 8`), and the plain words `pi`, `sqrt`, `sin`... (`2pi`, `sqrt(2)`).
-"""
+The slow half of the rule rewards' equivalence check (upstream uses `sympy.simplify`; `math_value` evaluates
+instead, bounded by construction). An answer over `MAX_CHARS`, deeper than `MAX_DEPTH` or outside the grammar
+(sets, inequalities, words, unknown commands) is not read: undecided."""
 
 from __future__ import annotations
 

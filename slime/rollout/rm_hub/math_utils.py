@@ -1,7 +1,4 @@
-"""Answer extraction shared by the rule-based rewards: the last boxed answer, EOS texts, labels.
-
-Pure string functions, linear in the length of the text. Normalising and comparing answers lives in `math_grader`.
-"""
+"""Answer extraction shared by the rule-based rewards: the last boxed answer, EOS texts, labels (linear time)."""
 
 from __future__ import annotations
 

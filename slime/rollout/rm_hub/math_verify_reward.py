@@ -1,12 +1,9 @@
 """`--rm-type math`: 1.0 if the response's final answer equals a gold answer, else 0.0.
 
-The final answer is in the text after the first `</think>` (the whole response without one): the last boxed
-answer, else the last explicit statement (`Answer: ...`, `the answer is ...`), else what HF math-verify extracts.
-`math_grader` decides first, cheaply: right when the answers match, wrong when both are plain arithmetic with
-different values. Only undecided answers go to math-verify, in a daemon thread under `--reward-timeout` (its own
-timeouts use `signal.alarm`, main-thread only, so they are off). A decimal approximation is right only when the
-label itself is written with a decimal (math-verify accepts `6.283185307` for `2\\pi`; we do not); a label
-math-verify cannot parse is scored by the normalised-string match; an empty label raises."""
+The answer after the first `</think>`: the last boxed one, else an explicit statement, else math-verify's. The
+cheap `math_grader` decides first; only undecided answers go to math-verify, in a daemon thread under
+`--reward-timeout` (its `signal.alarm` timeouts are main-thread only). A decimal approximation is right only when
+the label has a decimal."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`--rm-type remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url`, read back a float.
-
-The server may answer a bare JSON number or an object with a numeric
-`"reward"` (or `"score"`) field; anything else is an error naming the URL.
-"""
+"""`--rm-type remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url`, read back a number (bare, or an
+object's `"reward"` / `"score"`); anything else is an error naming the URL."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Run a blocking check off the event loop, with a time limit the caller can enforce.
-
-Rule checks (sympy inside math-verify) are CPU-bound and may hang on pathological inputs. They run in a daemon
-thread so the rollout's event loop keeps serving HTTP, and so an abandoned (timed-out) check never blocks
-interpreter exit. A thread cannot be killed: a check that hangs forever keeps its thread, but the caller is released
-at the deadline.
-"""
+"""Run a blocking check off the event loop in a daemon thread, under a deadline: the loop keeps serving, and a
+check that hangs (it cannot be killed) never blocks the caller past the deadline nor interpreter exit."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""`train.py ... --dry-run [h100|h200|mi300x]` (and train_async.py's): the whole GPU command line checked on any
-machine, before GPUs are spent. Nothing starts: no Ray, no engine, no trainer.
+"""`train.py ... --dry-run [h100|h200|mi300x]`: the whole GPU command line checked on any machine, starting nothing.
 
-By the time it runs, `parse_args` has validated every flag (with the --sglang-* / --router-* pass-through names
-checked against SGLang's and sglang-router's own flags) as on the GPU machines. The dry run adds what parsing does
-not: the model's config.json (or, where the model is not on this machine, the shape that MODEL_ARGS describe),
-each plugin's dotted path imported and its signature checked against upstream's contract, the SGLang and router
-command lines built as the launcher builds them, the effective trainer settings, the flags left at a default that
-differs from upstream's, the placement and an estimate of memory per GPU with a warning when it exceeds the card.
-Exit 0 when everything holds, 2 with the problems listed.
-"""
+Beyond `parse_args`: the model's shape, each plugin's import and signature, the SGLang and router command lines,
+the effective trainer settings, defaults that differ from upstream's, the placement and memory per GPU.
+Exit 0 when everything holds, 2 with the problems listed."""
 
 from __future__ import annotations
 

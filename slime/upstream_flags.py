@@ -1,9 +1,5 @@
-"""Upstream slime's flags that this project does not take: each fails with what to use instead.
-
-Upstream's flags (THUDM/slime's and the APRIL repository's `slime/utils/arguments.py`, and the Megatron flags their
-scripts pass to train.py) are either in slime/arguments/ with upstream's meaning, or here: `parse_args`
-refuses them with the message below instead of "unrecognized argument". docs/upstream-flags.md lists both.
-"""
+"""Upstream slime's flags that this project does not take: `parse_args` refuses each with what to use instead
+(docs/upstream-flags.md lists them and the ones taken)."""
 
 from __future__ import annotations
 

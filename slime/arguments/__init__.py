@@ -1,14 +1,8 @@
 """Every flag, with slime's names, parsed and validated in this package (the only place a default is written).
 
-`parse_args(argv)` returns an immutable `Args`: after parsing, code reads typed values and nobody mutates them.
-
-One module per flag group holds the group's flags (`add`), the defaults derived from other flags
-(`fill_defaults`) and its rules (`check`, each error naming the flag): cluster, engines, rollout, partial_rollout
-(APRIL), staleness, weight_updates, faults, data (and reward), evaluation, algorithm, trainer, megatron, run
-(checkpoints, logging), multi_turn, debug (and the dry run). Other `--sglang-<flag>` options are passed through to
-SGLang servers (`args.sglang_extra_args`) and upstream's `--router-<flag>` ones to sglang-router
-(`args.router_extra_args`), each checked against the real part's flags (pass_through.py).
-"""
+`parse_args(argv)` returns an immutable `Args`. One module per flag group holds its flags (`add`), its derived
+defaults (`fill_defaults`) and its rules (`check`, each error naming the flag); `--sglang-<flag>` and
+`--router-<flag>` pass through, checked against the real parts' flags (pass_through.py)."""
 
 from __future__ import annotations
 

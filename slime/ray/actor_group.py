@@ -1,8 +1,5 @@
-"""RayTrainGroup: N trainer actors driven SPMD.
-
-Every call reaches every rank and every wait has a timeout; a rank that fails or does not answer is named
-(`TrainerRankError`: rank, call, whether its process died). With a `recover` hook (`--use-fault-tolerance`) a
-failed call is recovered and run again, so every holder of the group goes on with the same object."""
+"""RayTrainGroup: N trainer actors driven SPMD; every wait has a timeout and a failing rank is named
+(`TrainerRankError`). With a `recover` hook (`--use-fault-tolerance`) a failed call is recovered and run again."""
 
 from __future__ import annotations
 

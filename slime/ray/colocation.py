@@ -1,22 +1,13 @@
 """Who holds the shared devices in each phase of a training step.
 
-Disaggregated (`Phases`): trainers and engines have devices of their own; nothing moves. Colocated
-(`ColocatedPhases`, `--colocate`): every device holds a trainer rank and (a share of) an engine, and the
-step hands the memory back and forth, as slime does:
+Disaggregated (`Phases`): nothing moves. Colocated (`ColocatedPhases`, `--colocate`), as slime does:
 
     rollout       engines hold weights + KV cache; the trainer is offloaded (--offload)
     train         engines release weights, KV cache and CUDA graphs; the trainer onloads and trains
     weight_sync   engines resume their weights; the trainer hands them the new ones (tensor sync);
                   then the trainer offloads and the engines resume their KV cache and CUDA graphs
-                  (eval and the next rollout find them whole)
 
-train.py wraps each phase in its context manager and reads the same either way. `metrics()` returns, once
-per step, the seconds inside each phase (`perf/rollout_s`, `perf/train_s`, `perf/weight_push_s`, any
-placement) and, colocated, what each hand-over cost (`colocate/*`): seconds releasing, resuming, offloading,
-onloading, and the memory handed back each way: the bytes the trainer offloaded and onloaded, the bytes the
-engines released and took back (their own count, where they report it: the embedded engine does, SGLang
-does not) and, on a GPU, what the device's free memory gained from each release and offload.
-"""
+`metrics()` returns each phase's seconds (`perf/*`) and, colocated, what each hand-over cost (`colocate/*`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Placement groups shaped by the hardware, and where their bundles landed.
 
-One placement group holds the trainer bundles (`actor_num_nodes x actor_num_gpus_per_node`), plus
-`rollout_num_gpus` rollout bundles when not colocated. Bundles ask for a GPU only where Ray sees GPUs (a GPU
-bundle on a CPU-only machine would wait forever). Colocated runs share each bundle between a trainer rank and an
-engine TP rank (TRAINER_GPU_SHARE, ENGINE_GPU_SHARE). Once ready, every bundle is located (node, IP, GPU), the
-lists are sorted by node and GPU, and the files each node needs are checked from that node; `engine_slots()`
-hands each engine its bundles."""
+Bundles ask for a GPU only where Ray sees GPUs (else they would wait forever); colocated runs share each bundle
+between a trainer rank and an engine TP rank. Once ready, every bundle is located and the files each node needs
+are checked from that node; `engine_slots()` hands each engine its bundles."""
 
 from __future__ import annotations
 

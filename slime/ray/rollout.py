@@ -1,20 +1,9 @@
 """RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function.
 
-It lives in the driver process (rollout functions are asyncio HTTP clients);
-the buffer is a Ray actor so that its contents have one owner and survive in
-checkpoints. The policy version that the engines serve is tracked here.
-
-Engine faults: a rollout or eval step that loses an engine or the router
-raises `EngineFaultError` (its unfinished samples already parked). Without
-`--use-fault-tolerance` that ends the run with the engine (or router) named;
-with it the driver (slime/ray/train_loop.py) has the manager restart it
-(`restart_engines`: the router on its port with every engine registered again,
-an engine on fresh ports), pushes the current weights to restarted engines
-(`push_weights`, with the trainer it passes) and runs the step again, parked
-samples first. Restarts spend from the run's budget (slime/ray/restarts.py,
-shared with trainer restarts); once it is spent the next fault raises
-`EngineRestartsExhausted` (train.py checkpoints, then stops).
-"""
+It lives in the driver process; the buffer is a Ray actor so its contents have one owner and survive in
+checkpoints. A step that loses an engine or the router raises `EngineFaultError` (its samples parked); with
+`--use-fault-tolerance` the driver has the manager restart it (`restart_engines`), push the weights and run the
+step again, spending from the run's restart budget (slime/ray/restarts.py)."""
 
 from __future__ import annotations
 

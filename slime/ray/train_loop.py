@@ -1,7 +1,5 @@
-"""The pieces train.py and train_async.py share: the checks before anything starts, set-up, resume,
-a training step, the weight push (engine faults named, or restarted with --use-fault-tolerance),
-checkpoints, eval, per-step logging and the entry points' error handling. The two loops differ only in
-where a batch comes from and when the weights reach the engines.
+"""The pieces train.py and train_async.py share: checks, set-up, resume, a training step, the weight push,
+checkpoints, eval, logging and the entry points' error handling.
 
     with TrainingRun(args) as run:   # checks, run dir, logging, Ray, engines + buffer, trainers, resume
         run.evaluate_start()
@@ -19,20 +17,8 @@ where a batch comes from and when the weights reach the engines.
             if run.stop_due(rollout_id): break                   # SIGTERM, SIGINT, --exit-*
         run.finish()                                             # (a stop: checkpoint, shut down, say why)
 
-Timing: the `perf/` metrics of each step (slime/ray/step_timing.py; on eval steps, how long the eval took).
-
-Stops: SIGTERM, SIGINT and --exit-duration-in-mins request a stop (`GracefulStop`, slime/utils/graceful_stop.py;
---exit-interval is `stop_due`'s): a rollout halts as at its target (None: nothing to train), a training call or
-weight push finishes, and the loop leaves after the step; `finish` then checkpoints the last step done, shuts
-every part and Ray down and raises `StoppedOnRequest` (exit 128 + the signal, 0 for a time limit).
-
-Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
-`RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
-what `--load` restores (slime/ray/run_faults.py). `train_or_stop` writes that line and the cause chain as the
-last lines of <run>/train.log (a traceback before them for an error that does not name its cause) and on
-stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory is restarted from the newest
-checkpoint while the engines stay up, and the steps trained since are replayed (`TrainerRecovery`).
-"""
+A requested stop checkpoints the last step and raises `StoppedOnRequest`; an error shuts every part down and
+leaves as `RunStopped`, naming what failed and what `--load` restores (docs/faults.md)."""
 
 from __future__ import annotations
 

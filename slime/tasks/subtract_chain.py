@@ -1,9 +1,8 @@
 """The embedded `subtract_chain` task: data generation, reward and a noisy teacher.
 
-A prompt `"47-5="` asks for the chain n-s, n-2s, ... down to n mod s, two digits each:
-`"42,37,32,27,22,17,12,07,02"`, then EOS. Every token follows a local rule, so a tiny model learns it; the
-number of steps q = min(cap, ceil(X)), X ~ Pareto(1, alpha), has the long tail that makes partial rollout
-matter (response 3q tokens: mean ~17, p99 = 3 * cap at the defaults alpha=1, cap=64)."""
+`"47-5="` asks for `"42,37,32,27,22,17,12,07,02"` then EOS: every token follows a local rule, so a tiny model
+learns it, and the number of steps, min(cap, ceil(Pareto(alpha))), has the long tail that makes partial rollout
+matter."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call.
 
-Each number of the chain may be written directly or asked of the calculator (`[37-5]`: the engine stops at `]`
-and `32` is appended as observation tokens):
-
     [47-5]42,37,[37-5]32,27<eos>        -> chain 42,37,32,27 (calls removed)
 
-The reward is subtract_chain's exact match on the chain; a call the calculator cannot read answers `??`. The
-warm start imitates a teacher that calls the calculator on `p_call` of the steps and is otherwise wrong with
-probability `p_err`, so RL on the exact-match reward raises the call rate, and accuracy with it."""
+The reward is subtract_chain's exact match on the chain. The teacher calls the calculator on `p_call` of the
+steps and is otherwise wrong with probability `p_err`, so RL raises the call rate, and accuracy with it."""
 
 from __future__ import annotations
 

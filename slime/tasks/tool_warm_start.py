@@ -1,11 +1,5 @@
-"""Warm start and in-process evaluation of the agentic `subtract_tool` task (slime/tasks/subtract_tool.py).
-
-The warm start is supervised training on `tool_teacher` trajectories with the calculator's observations
-kept out of the loss (the model learns to call and to go on after the answer, never to write the answer it
-is given). `sample_with_tools` is a plain-PyTorch multi-turn sampler (a KV cache, the calculator called in
-this process at each ``]``, its answer fed as forced tokens) used to measure the warm start; training
-rollouts go through the engines and the built-in multi-turn generate instead (slime/rollout/multi_turn/).
-"""
+"""Warm start and in-process evaluation of the agentic `subtract_tool` task: supervised training on teacher
+trajectories with observations out of the loss, and a plain-PyTorch multi-turn sampler to measure it."""
 
 from __future__ import annotations
 

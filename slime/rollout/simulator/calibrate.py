@@ -1,40 +1,10 @@
 """Calibrate an `EngineCostModel` on a live engine (any server speaking SGLang's /generate).
 
-Probes are synchronised batches: R requests sent together (`ignore_eos`, N new tokens each), so
-they share a prefill and decode in lockstep with known contexts. From the engine's own
-scheduler counters (`/get_server_info` -> `internal_states[0].scheduler_stats`, which the embedded
-engine reports: decode seconds / steps / rows, prefill seconds / forwards / positions) each probe
-gives the mean decode-step time at a known batch, total context and longest context, and the
-prefill time at known rows x lengths. Engines without those counters (SGLang) are timed from the
-outside: the same batch with two lengths N1 < N2, the difference being (N2 - N1) decode steps.
-The decode and prefill terms are least-squares fits with non-negative coefficients; a request's
-HTTP round trip and abort-to-idle are timed directly.
-
-The host's part of a step (the embedded engine counts the time until a step's work is issued and the time after
-its tokens are back): `host_fit.py`; the step terms are then fitted on the step time less that tail.
-
-An engine that packs prompt chunks into its decode steps (the embedded engine's paged cache: its
-counters include `prefill_key_pairs`) is fitted as one step cost over every step it ran: decode-only
-steps [steps, rows, keys read, key positions gathered] and steps with prefill tokens [steps, decoded
-rows, their keys, their gathered positions, prefill tokens, prefill (query, key) pairs], so the fit
-gives a step's base, a decoded row, a key read, a prefilled token and a prefill step's extra base
-(`prefill_mode` "mixed"); a staggered probe (prompts arriving while rows decode) adds mixed steps.
-
-The engine's own HTTP side (its process's CPU beyond the scheduler thread's, which on one CPU stalls the
-scheduler) is fitted per request, input and output token on bursts, plus what a request costs beyond a
-burst's share when requests trickle in one by one while rows decode, as a rollout's do (`_trickle`: each
-wakes the HTTP side and takes the GIL from a running step; ~0.1-0.3 ms more per request here).
-
-The client's own cost (`client_per_*`) is measured where the rollout spends it: with `args`, a pass
-sends bursts through the rollout's own request path (`SampleRequester`: payload, aiohttp, JSON with
-per-token log-probs, `Sample.append_response`) and reads this process's CPU time, plus that of
-`client_pids` (the router, which shares the driver's CPU in the benchmark), divided by the share
-of a CPU this process gets (a short busy loop): CPU seconds per request, per input and per output
-token of the one serial resource the simulator's client is.
-
-`closed_loop_tps` (C requests always in flight) is `benchmarks/engine_throughput.py`'s curve;
-`abort_to_idle_s` its abort measurement.
-"""
+Probes are synchronised batches (R requests of N new tokens, `ignore_eos`). Engines that report scheduler
+counters (the embedded engine) are fitted on them, non-negative least squares: decode and prefill terms, or one
+packed step cost for a paged "mixed" engine, and the host terms (`host_fit.py`); others (SGLang) are timed from
+outside with two lengths. The HTTP round trip, abort-to-idle, the engine's HTTP side and, with `args`, the
+client's own CPU cost on the rollout's real request path are measured directly."""
 
 from __future__ import annotations
 

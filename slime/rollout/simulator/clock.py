@@ -1,13 +1,7 @@
 """asyncio on a simulated clock: the real rollout step runs on it against the simulated engines.
 
-`VirtualTimeLoop` is asyncio's own selector event loop whose `time()` is simulated: when nothing is ready to
-run, instead of waiting for the next timer it jumps the clock to it. Everything scheduled through the loop
-(`asyncio.sleep`, `wait_for` timeouts, the simulated engines' events) therefore happens in simulated time, in
-time order, and callbacks due at the same time run in the order they were scheduled. A simulation of hours
-of rollout takes as long as its events take to compute.
-
-`run_virtual(coro)` runs a coroutine to completion on a fresh loop (in the calling thread, which may be any).
-"""
+`VirtualTimeLoop` is asyncio's selector loop whose `time()` jumps to the next timer when nothing is ready, so
+everything scheduled through it happens in simulated time, in order. `run_virtual(coro)` runs one on a fresh loop."""
 
 from __future__ import annotations
 

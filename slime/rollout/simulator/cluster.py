@@ -1,15 +1,6 @@
-"""What the real rollout step talks to in the simulator: the simulated engines behind a router, the client's
-requests to them, and the prompt groups.
-
-- `SimCluster`: the engines (slime/rollout/simulator/engine.py) behind a round-robin router, seen as the step
-  sees an `EngineGroup` (`worker_urls`, `abort_all_until_idle`, `loads`, `pause`, `continue_generation`,
-  `abort_requests`; the trainer's push: `update_weights`, or `set_version` while idle), and the client: one serial resource that
-  sends each request and reads each reply, at the cost model's client costs.
-- `SimRequester`: the step's request loop (slime/rollout/sampling_request.py's `RequestLoop`: budget,
-  statuses, resumes) with requests sent to the simulated engines instead of over HTTP.
-- `SimSample`: one sample, answering what the step reads of a `Sample` from runs of (version, tokens).
-- `SimSource`: fresh prompt groups of `SimSample`s drawn from a length model (the data source).
-"""
+"""What the real rollout step talks to in the simulator: `SimCluster` (the simulated engines behind a round-robin
+router, seen as the step sees an `EngineGroup`, plus the client as one serial resource), `SimRequester` (the step's
+request loop sending to them), `SimSample` and `SimSource` (prompt groups drawn from a length model)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""The simulator drives the run's real rollout (slime/rollout/rollout.py's `Rollout`: its step, its admission, its
-pause protocol) against simulated engines on a simulated clock (clock.py), so a change to the rollout is a change
-to the simulation. `SimLink` is what the Rollout talks to here.
+"""The simulator drives the run's real rollout (`Rollout`: its step, admission and pause protocol) against
+simulated engines on a simulated clock; `SimLink` is what the Rollout talks to here.
 
-- chunked / pool (`drive_steps`): train.py's loop: each step is `rollout.step` against the real partial-rollout
-  buffer (slime/rollout/buffer.py), its accepted groups are trained (marked in the ledger), `train_time_s` passes
-  and the next version is pushed to the idle engines through `rollout.updating_weights` (its flush rule).
-- stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` over the Rollout; a
-  trainer takes each batch, trains for `train_time_s` and pushes the next version while requests run, through
-  the Rollout's pause protocol (`--pause-mode`): abort drains the gate (every request aborted, resumed after the
-  push), retract / in_place hold new requests back while the engines, paused, apply the update with the requests
-  they hold (retracted: prefilled again; in place: on their KV), and requests over the staleness cap are aborted
-  by rid before they continue.
-
-What stays the simulator's own, and why: the engines, the client's and the router's costs (the cost model);
-the reward (none: a simulated sample has no text) and the dynamic filter (a coin with the configured pass
-rate); the step's own bookkeeping outside requests (buffer calls, commit: `step_overhead_s`, half before the
-first request, half after the drain); the trainer (a wait of `train_time_s`, and `weight_update_s` for a push).
-"""
+`drive_steps` is train.py's loop (chunked / pool), `drive_stream` train_async.py's stream mode with its
+`--pause-mode` pushes. The simulator's own: the engines' and client's costs, the reward (none) and the filter (a
+coin with the configured pass rate), the step's bookkeeping (`step_overhead_s`) and the trainer (a wait)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Response lengths for the rollout simulator: parametric, empirical (from a run), or replayed.
-
-A length model draws one prompt group at a time: `sample_group(rng, n) -> (prompt_len, [final
-response length of each of the n samples])`, every length in [1, cap] (a sample reaching the cap
-is truncated there, as `--rollout-max-response-len` does).
-
-- `LogNormalLengths(median, sigma, cap, group_corr)`: reasoning-style lengths; `group_corr` is the
-  share of the log-length variance common to a prompt's samples (hard prompts are long for all).
-- `ParetoLengths(alpha, scale, cap_steps)`: the subtract_chain task's truncated Pareto (times `scale`).
-- `EmpiricalLengths(groups, cap)`: whole groups (or single samples) drawn from observations.
-- `ReplayLengths(groups)`: a fixed sequence of groups, in order (to simulate exactly the workload a
-  benchmark generated).
-- `kaplan_meier(finished, unfinished, cap)`: the length distribution from a rollout's observations,
-  where unfinished (parked) samples are right-censored at their current length: in APRIL the
-  samples still running when a step stops are exactly the long ones, so dropping them would bias
-  the estimate short.
-- `lengths_from_run(run_dir)`: an `EmpiricalLengths` from a run's `rollout_trace.jsonl`.
-"""
+"""Response lengths for the rollout simulator: parametric (`LogNormalLengths`, `ParetoLengths`), empirical
+(`EmpiricalLengths`, `lengths_from_run`), or replayed (`ReplayLengths`). `sample_group(rng, n)` draws one prompt
+group, every length in [1, cap]. `kaplan_meier` keeps parked samples as right-censored (they are the long ones)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""What the calibration sends to an engine: synchronised probe batches and the requests they are made of.
-
-A `Probe` is R requests sent together (`ignore_eos`, N new tokens each), optionally with more rows sent a little
-later (prefilled while the first ones decode); `run_probe` records what the engine's own counters say its
-steps did and cost. `default_probes` is the set the calibration runs; `closed_loop_tps` and `abort_to_idle_s`
-are the engine benchmark's curve and abort measurement. The fit is in `calibrate.py`.
-"""
+"""What the calibration sends to an engine: synchronised probe batches (`Probe`, `run_probe`, `default_probes`),
+and the engine benchmark's `closed_loop_tps` and `abort_to_idle_s`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """`simulate(config, cost, lengths) -> SimResult`: run a rollout mode for some steps in simulation.
 
-The rollout is the real one (slime/rollout/rollout.py's `Rollout`, and stream mode's `StreamRollout`), driven by drive.py
-against simulated engines (engine.py, cluster.py) on a simulated clock (clock.py).
-
-The result holds per-step records and the aggregates over the steps after `warmup_steps` (the
-buffer starts empty, so APRIL's and pool mode's first steps are not their steady state):
-rollout tokens/s (new tokens / rollout time, what `benchmarks/rollout_throughput.py` measures),
-end-to-end tokens/s (with `train_time_s` and weight updates between steps), goodput (tokens that
-reach training: not restarted, masked, rejected by the filter or discarded), engine idle fraction,
-off-policy token ratio and the per-token staleness histogram (lag in policy versions at training).
-"""
+The rollout is the real one, driven by drive.py. The result holds per-step records and aggregates after
+`warmup_steps`: rollout and end-to-end tokens/s, goodput, engine idle, off-policy ratio, staleness histogram."""
 
 from __future__ import annotations
 

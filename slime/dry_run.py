@@ -74,9 +74,7 @@ def plugin_problems(args) -> list[str]:
 
 
 def upstream_defaults_left(args) -> list[str]:
-    """One short block: the flags of DEFAULTS_DIFFER (slime/upstream_flags.py) this command line does not give
-    under any of their names (`args.given_flags`), each with the value this run resolved and upstream's default (the
-    model-shape flags, read from config.json here, on one line); docs/upstream-flags.md says why each differs."""
+    """The flags of DEFAULTS_DIFFER this command line does not give, with this run's value and upstream's default."""
     entries, shape = [], []
     for flag, (upstream, here) in DEFAULTS_DIFFER.items():
         if flag in args.given_flags:  # under any of its names

@@ -41,11 +41,7 @@ class Args(argparse.Namespace):
         return self
 
     def replace(self, **changes: Any) -> "Args":
-        """A new frozen copy with some values changed (for tests and tools); only existing flags can change.
-
-        Derived values (`num_engines`, `eval_datasets`, defaults filled from other flags) are not
-        recomputed: change them too when the flags they come from change.
-        """
+        """A new frozen copy with some flags changed (tests and tools); derived values are not recomputed."""
         values = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         unknown = sorted(set(changes) - set(values))
         if unknown:

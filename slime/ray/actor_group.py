@@ -16,9 +16,7 @@ CALL_TIMEOUT_S = 3600.0
 
 
 class TrainerRankError(RuntimeError):
-    """A trainer rank failed a call: its process or actor died (`died`), or it raised (out of memory, a bad
-    batch, a bug). `recoverable`: a restart can help (it died, or ran out of memory); an error it raised
-    otherwise would be raised again by a restarted trainer."""
+    """A trainer rank failed a call; `recoverable` when a restart can help (it died or ran out of memory)."""
 
     def __init__(self, message: str, rank: int, died: bool, out_of_memory: bool = False):
         super().__init__(message)
@@ -75,10 +73,9 @@ def trainer_class(args):
 
 class RayTrainGroup:
     def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
-        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare placement group (then bundles
-        0..N-1). `recover(error)`: called when a rank dies or runs out of memory in a call (not init or shutdown);
-        it restarts the group (`restart`) and brings it back to where it was, then the call runs again; it raises to
-        give up."""
+        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare placement group.
+        `recover(error)`: restarts the group after a rank dies or runs out of memory in a call, which then runs
+        again (raise: give up)."""
         from slime.ray.placement_group import PlacementGroups
 
         self.args = args

@@ -149,9 +149,8 @@ class ColocatedPhases(Phases):
 
 
 def engine_memory(engines) -> dict | None:
-    """What the engines this run launched hold, by their own count (weights + KV cache bytes, summed) and, on a
-    GPU, their devices' free bytes (the embedded engine's /get_server_info memory state); None when an engine
-    does not report it (SGLang)."""
+    """What the engines hold by their own count (and their devices' free bytes on a GPU); None when one does not
+    say."""
     from slime.backends.sglang_utils.http_client import get_json
 
     held = free = 0

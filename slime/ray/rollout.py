@@ -73,9 +73,8 @@ def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: st
 
 class RolloutManager:
     def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None, halt=None):
-        """`engine_slots`: each engine's placement-group bundles (`PlacementGroups.engine_slots`); the engines'
-        hosts are then Ray actors there. None: engines on this machine, hosted in this process. `halt`: the run's
-        stop request (slime/utils/graceful_stop.py): a training step halts at a safe point once it is set."""
+        """`engine_slots`: each engine's placement-group bundles (None: engines hosted in this process); `halt`:
+        the run's stop request."""
         from transformers import AutoTokenizer
 
         from slime.ray.buffer import Buffer
@@ -121,9 +120,8 @@ class RolloutManager:
         return max(1, self.args.num_epoch * len(self.data_source) // self.args.rollout_batch_size)
 
     def attach_engines(self, engines) -> None:
-        """The engines (and router) this manager's rollouts use (None: --debug-train-only), and the run's `Rollout`
-        over them; plugins see the router's address in `args.sglang_router_ip` / `args.sglang_router_port`, as
-        upstream slime's plugins do."""
+        """The engines (None: --debug-train-only) and the run's `Rollout` over them; plugins see the router's
+        address in `args.sglang_router_ip` / `args.sglang_router_port`, as upstream's do."""
         planner = None  # --over-sampling-batch-size auto: its planner (the simulator it runs is imported only then)
         if self.args.over_sampling_batch_size == "auto":
             from slime.rollout.simulator.planner import OverSamplingPlanner
@@ -140,9 +138,8 @@ class RolloutManager:
         return self.rollout.version
 
     def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
-        """One training step of the rollout function, called as upstream slime calls it; its result (ours,
-        upstream's `RolloutFnTrainOutput` or a list of groups) as a `RolloutOutput`, and the groups it took with
-        `get_samples` settled in the ledger (returned: finished; neither returned nor handed back: dropped)."""
+        """One training step of the rollout function as a `RolloutOutput`, and the groups it took settled in the
+        ledger."""
         where = f"--rollout-function-path {self.args.rollout_function_path}"
         result = self.rollout_fn(self.plugin_args, rollout_id, ctx, evaluation=False)
         out = to_rollout_output(result, where, ctx.policy_version)
@@ -186,13 +183,9 @@ class RolloutManager:
 
     # ---- engine faults and the weight push ------------------------------------------
     def push_weights(self, trainer, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """The driver's push: `trainer.update_weights(engines, version, flush_cache)` (a RayTrainGroup) to every
-        engine, through the Rollout's `updating_weights` (train.py: the engines are idle), or inside it already
-        (train_async.py's AsyncRollout: `flush_cache` given).
-
-        An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
-        instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
-        """
+        """Push the trainer's weights to every engine through the Rollout's `updating_weights` (or inside it,
+        given `flush_cache`). An engine that dies meanwhile is killed at once so the broadcast fails now, naming
+        it."""
         if flush_cache is None:
             async def update():
                 async with self.rollout.updating_weights(version) as flush:
@@ -218,9 +211,8 @@ class RolloutManager:
             self.engines.faults.kill_engine(fault.rank)
 
     def restart_engines(self, error: EngineFaultError) -> list[int]:
-        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes) and the router if
-        it is among them (first: the engines register with it); returns the ranks of the restarted engines.
-        Raises when --use-fault-tolerance is off or the restart budget is spent (--max-engine-restarts)."""
+        """Restart the failed engines (and the router first, if it failed); returns the restarted ranks. Raises
+        when --use-fault-tolerance is off or the restart budget is spent."""
         if not self.args.use_fault_tolerance:
             raise EngineFaultError(f"{error} (--use-fault-tolerance would restart "
                                    f"{'it' if len(error.faults) == 1 else 'them'})", error.faults) from error

@@ -169,9 +169,8 @@ class TrainingRun:
         return ckpt, state
 
     def _foreign_load(self):
-        """`--load` naming a Megatron checkpoint train.py did not write (upstream slime's): with --train-backend
-        megatron the trainer starts from its weights (said in one line); anything else is refused naming the
-        conversion to run (`ckpts.latest_checkpoint`)."""
+        """`--load` of a Megatron checkpoint train.py did not write: megatron starts from its weights; else
+        refused."""
         args = self.args
         if not args.load or args.train_backend != "megatron" or ckpts.model_only_checkpoint(args.load) is None:
             return None
@@ -218,9 +217,8 @@ class TrainingRun:
 
     # ---- one step ------------------------------------------------------------------------
     def rollout(self, rollout_id: int) -> RolloutOutput | None:
-        """The step's batch (train.py: one APRIL step). An engine fault is named, or with --use-fault-tolerance the
-        engine is restarted, given the current weights and the step run again (parked samples first). None: a stop
-        request halted it (its unfinished samples parked, its finished groups kept ready: nothing lost)."""
+        """The step's batch (an engine fault named, or restarted and the step run again); None when a stop halted
+        it."""
         if self.stop.requested:
             return None
         out = self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
@@ -271,10 +269,8 @@ class TrainingRun:
         return manager.policy_version
 
     def push_weights(self, rollout_id: int, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """The trainer's weights to every engine as `version` (the loop calls this after each update; train_async.py
-        inside its rollout's `updating_weights`, which gives `flush_cache`). An engine that fails meanwhile is named,
-        or restarted and pushed again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id`
-        first."""
+        """The trainer's weights to every engine as `version`; an engine that fails is named, or restarted and
+        pushed again (--use-fault-tolerance)."""
         manager = self.rollout_manager
         if manager.engines is None or self.actor_model is None or self.stop.requested:
             return {}  # (a stop: the engines are about to go; a --load pushes the checkpoint's weights)

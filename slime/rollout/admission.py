@@ -36,16 +36,12 @@ class AimdRule:
 
 
 class StepClimb:
-    """The step-level part of `--admission auto`: which limit, within what the loads allow, makes the steps fastest.
+    """The step-level part of `--admission auto`: which limit, within what the loads allow, makes the steps
+    fastest.
 
-    It holds a limit (`home`) and now and then probes a neighbour (`home` x or / `climb`) for `probe_steps` steps.
-    The probe replaces it only when its steps' mean log tokens/s beats the `probe_steps` steps just before it by
-    `z` standard errors of the steps' own noise (estimated from successive steps at one limit, so a busy box asks
-    for more evidence) and by `tolerance` at least; otherwise the limit comes back and the next probe goes the other
-    way. A probe that wins is followed by one further in its direction; when both ways found nothing, the climb
-    rests (`rest_steps`, doubling to `max_rest_steps`), so a flat optimum costs few probes. Near the optimum the
-    tokens/s of a step varies more from step to step (20-30% on a shared CPU box) than between neighbouring limits:
-    there it holds rather than wander."""
+    It holds a limit and now and then probes a neighbour; the probe wins only when its steps' tokens/s beat the
+    steps before it by `z` standard errors of the steps' own noise and by `tolerance`. When both ways find nothing
+    it rests (`rest_steps`, doubling), so a flat optimum costs few probes."""
 
     def __init__(self, start: int, rule: AimdRule):
         self.rule = rule
@@ -198,9 +194,8 @@ class AdmissionControl:
         return self.limit
 
     def step_ended(self, record) -> int:
-        """A pool step ended (`record`: its StepRecord), and its load reports with it. One that ran to its target
-        judges the limit it ran at by its tokens/s, to its end, drain included (`after_step`); a stream's segment (no
-        target) keeps the limit."""
+        """A pool step ended: one that ran to its target judges its limit by its tokens/s; a stream segment keeps
+        it."""
         poll, self.poll = self.poll, None
         if poll is None:  # (fixed, or no top-up ran)
             return self.limit
@@ -233,11 +228,9 @@ class AdmissionControl:
 
 
 class LoadPoll:
-    """A step's load reports for `control` (auto only; `io`: the step's StepIO, whose engines are asked). `at_wake()`,
-    called at each wake of the step's loop, hands a report that came back to the controller, with the requests of
-    ours in flight when it came back (between wakes the pool is full; at a wake a request just ended), and asks for
-    the next one once `interval_s` passed since the last (a report is an HTTP call in its own task: the loop never
-    waits on it). A failed report is skipped: the limit holds until reports come back."""
+    """A step's load reports for `control`: `at_wake()` hands the one that came back to the controller and asks
+    for the next once `interval_s` passed (in its own task: the loop never waits on it). A failed report is
+    skipped."""
 
     def __init__(self, control: AdmissionControl, io):
         self.control, self.io = control, io

@@ -38,9 +38,7 @@ class RolloutFnEvalOutput:
 
 
 def to_rollout_output(result: Any, where: str, version: int) -> RolloutOutput:
-    """A rollout function's training result as a `RolloutOutput`: ours, upstream's `RolloutFnTrainOutput`, or a
-    plain list of groups. Samples a plugin filled in upstream's way (fields set directly) get what they left
-    out (`Sample.complete_response`)."""
+    """A rollout function's training result (ours, upstream's, or a list of groups) as a `RolloutOutput`."""
     if isinstance(result, RolloutOutput):
         return result
     if isinstance(result, RolloutFnTrainOutput):

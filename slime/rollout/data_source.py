@@ -113,12 +113,8 @@ def _drop_reason(prompt: Any, tokens: list[int], budget: int, max_len: int | Non
 
 def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
                     response_budget: int | None = None) -> tuple[list[PromptEntry | None], dict[int, str]]:
-    """Read, validate, template and tokenise every row of `path`.
-
-    Returns (one entry per file row, None where the row was dropped; the dropped rows: 0-based row -> reason
-    `category: detail (file, line)`). Structural errors (missing keys, wrong types) raise `DataError` naming the
-    file, line and key; rows the engine would refuse are dropped, each logged with file, line and reason.
-    """
+    """Read, validate, template and tokenise every row of `path`: (entries, None where dropped; dropped row ->
+    reason). Structural errors raise `DataError` naming the file, line and key."""
     input_key, label_key, metadata_key = args.input_key, args.label_key, args.metadata_key
     max_len = args.rollout_max_prompt_len
     context = model_max_positions(args)
@@ -181,13 +177,8 @@ def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, 
 
 # ----------------------------------------------------------- data source ----
 class RolloutDataSource:
-    """Fresh prompt groups for training, epoch after epoch, with exact resume.
-
-    Order: the file's rows in order, or, with `--rollout-shuffle`, epoch `e` uses the permutation of the rows from
-    `random.Random(--rollout-seed + e)`; dropped rows keep their place in it and are skipped when drawn. When an
-    epoch runs out mid-request the next epoch starts automatically (`epoch` tells which; `--num-epoch` is enforced
-    by the caller).
-    """
+    """Fresh prompt groups for training, epoch after epoch, with exact resume (`--rollout-shuffle`: epoch e's
+    permutation from `--rollout-seed + e`)."""
 
     def __init__(self, args, tokenizer):
         self.args = args
@@ -291,11 +282,7 @@ class RolloutDataSource:
 
 
 def load_eval_groups(args, tokenizer, name: str, path: str, n_samples: int) -> list[list[Sample]]:
-    """Every prompt of an eval set as a group of `n_samples` samples, in file order.
-
-    Uses the same keys, template and length limit as training; ids are negative (group -1, -2, ...; sample -1, -2,
-    ...), never touching the training counters. `metadata["eval_name"] = name`.
-    """
+    """Every prompt of an eval set as a group of `n_samples` samples, in file order, with negative ids."""
     if n_samples < 1:
         raise DataError(f"eval set {name!r}: n_samples must be >= 1, got {n_samples}")
     rows, dropped = prepare_entries(args, tokenizer, path, flag=f"eval set {name!r}",

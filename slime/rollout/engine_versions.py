@@ -16,9 +16,8 @@ MAX_WARNINGS = 20  # per requester: a misconfigured run would otherwise warn on 
 
 
 def cache_key(version: int) -> str:
-    """The `/generate` `extra_key` of a request sent while the engines serve `version`: SGLang's radix cache (and the
-    embedded engine's prefix cache) reuse KV only between requests with the same key, so a request never starts on
-    KV computed by older weights, even when an update kept the cache (`flush_cache: false`)."""
+    """The `/generate` `extra_key` for `version`: prefix caches reuse KV only within one key, so a request never
+    starts on KV of older weights."""
     return f"weights-v{int(version)}"
 
 
@@ -31,10 +30,8 @@ class VersionLabels:
 
     def label_tokens(self, sample, engine: list[int] | None, spans_sent: bool, sent: int, newest: int,
                      rid: str, span_lag: int = 0) -> list[int] | int:
-        """The version of each of a reply's tokens for `sample` (an int: all of them). `engine`: the versions the reply
-        gives (`sampling_request.token_versions`; None: not ints), `spans_sent`: it had `meta_info.weight_versions`;
-        `sent`..`newest`: our record of the request; `span_lag`: the first tokens of each newer span take the version
-        before it (below)."""
+        """The version of each of a reply's tokens for `sample` (an int: all of them), from the engine's versions
+        and our record (`sent`..`newest`)."""
         if engine is None:  # the engine's versions are not ints (e.g. its default "default"): ours, if one
             if newest != sent:
                 raise ValueError(f"{self.where}: the engines changed version ({sent} -> {newest}) during request {rid} "
@@ -63,12 +60,8 @@ class VersionLabels:
 
 
 def lag_spans(versions: list[int], lag: int) -> list[int]:
-    """The first `lag` tokens of each newer span labelled with the version before it. SGLang's in_place pause leaves
-    the forward its overlap scheduler launched before the pause in flight (`Scheduler.pause_generation`: the in_place
-    branch leaves the result queue to the resumed loop, the retract branch processes it first); its token is
-    appended after the resume, after the update recorded the span boundary, though the older weights sampled it
-    (measured on SGLang 0.5.23's own server, tests/test_real_sglang.py: usually one token, none when no forward was
-    in flight). The reply cannot say which: the older label is never newer than the truth."""
+    """The first `lag` tokens of each newer span labelled with the version before it: SGLang's in_place pause can
+    append a token the older weights sampled after the span boundary (tests/test_real_sglang.py)."""
     if lag <= 0:
         return versions
     out = list(versions)

@@ -124,10 +124,8 @@ class Rollout:
 
     # ---- the verbs ----------------------------------------------------------------------------
     async def step(self, rollout_id: int, placement=None, halt=None) -> RolloutOutput:
-        """One step toward `--rollout-batch-size` accepted groups (`placement`: a stream segment's queue instead),
-        with `--rollout-mode`'s supply; `halt`: an asyncio.Event or the run's GracefulStop. Raises RolloutError /
-        RolloutEngineFaultError after its commit (nothing lost); a halted one returns no groups and `rollout/halted` 1
-        (everything is in the buffer then)."""
+        """One step toward `--rollout-batch-size` accepted groups (or into a stream's `placement`). Raises after
+        its commit (nothing lost); a halted one returns no groups and `rollout/halted` 1."""
         c, gate, supply = self.config, self.gate, self.supply()
         version = gate.train_version if gate is not None else self.version
         urls = await self.link.worker_urls()
@@ -198,9 +196,8 @@ class Rollout:
 
     # ---- train_async.py: steps under a version gate ----------------------------------------------------
     def run_ahead(self, production, pausable: bool = True) -> VersionGate:
-        """From now on every request passes a version gate, so weights can change under a running step;
-        `production` (StepsAhead or StreamRollout) rebalances its backpressure whenever a hold ends; `pausable`
-        False: a custom rollout function's steps, which an update waits for (`production.step_lock`)."""
+        """From now on every request passes a version gate, so weights can change under a running step; `pausable`
+        False: a custom rollout function's steps, which an update waits for."""
         self.gate = VersionGate(self.version, train_version=self.version)
         self.production, self.pausable = production, pausable
         if self.pause_mode == "in_place" and self.link.backend == "sglang":
@@ -274,9 +271,7 @@ class RolloutContext:
         return None if self.eval_groups is not None else self.rollout.buffer
 
     def get_samples(self, num: int) -> list[list[Sample]]:
-        """`num` groups: parked partial groups first (the staleness cap applied), then fresh ones (the step's own
-        `take_groups`); each is `issued` in the ledger until it is returned for training or handed back with
-        `add_samples`."""
+        """`num` groups, parked first (the staleness cap applied), `issued` until returned or handed back."""
         r = self.rollout
         parked, fresh, _ = run_sync(take_groups(self.buffer, r.data_source, num, r.config.n, r.cap, self.policy_version,
                                                 RPC_TIMEOUT_S))

@@ -22,11 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def token_version_metrics(groups: list[list[Sample]], current_version: int) -> dict[str, float]:
-    """Exact off-policy token ratio, staleness histogram and versions per sample over `groups`.
-
-    Counted per token over loss-masked response tokens: a token is off-policy when the version that produced it is
-    older than `current_version`; its lag is `current_version - version`.
-    """
+    """Exact off-policy token ratio (loss-masked tokens older than `current_version`), staleness histogram and
+    versions per sample over `groups`."""
     lags: Counter = Counter()
     distinct: list[int] = []
     for group in groups:
@@ -55,10 +52,7 @@ def staleness_metrics(counts: Counter, keys: tuple[str, ...], prefix: str = "rol
 
 
 def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
-    """Sizes, failures, lengths and rewards of a batch's samples (and those a plugin kept out of the loss,
-    `remove_sample`); for multi-turn samples also their per-turn metrics (`rollout/tool/*`,
-    slime/rollout/multi_turn/metrics.py), and the time plugins spent outside generation (upstream's
-    `Sample.non_generation_time`) when they report it."""
+    """Sizes, failures, lengths and rewards of a batch's samples, plus multi-turn and plugin-time metrics."""
     samples = [s for g in groups for s in g]
     n = len(samples)
     rewards = [r for s in samples if (r := s.scalar_reward(reward_key)) is not None]
@@ -128,9 +122,8 @@ class OccupancySampler:
 
 
 class EngineMonitors:
-    """Watch the real engines while a step runs (a context manager around it): the watchdog (a dead or frozen
-    engine stops the step, named: it is the step's `io.watchdog`) and the occupancy sampler (`/v1/loads`),
-    whose metrics are in `metrics` once it exits; it closes the step's progress bar."""
+    """Watch the real engines while a step runs: the watchdog (the step's `io.watchdog`) and the occupancy
+    sampler."""
 
     def __init__(self, args, engines, session, urls: list[str], bar=None):
         self.bar = bar
@@ -219,9 +212,7 @@ MAX_TIMELINE_POINTS = 500  # per step: a 3000-step run keeps its trace in tens o
 
 
 def workload_trace(args, step, requester) -> dict[str, Any]:
-    """The step's workload for the simulator and the plots: its sizes, every final response length
-    (once, when its group leaves the rollout), the lengths of the samples still unfinished, when each
-    group finished, and the requests in flight over the step."""
+    """The step's workload for the simulator and the plots: sizes, final and unfinished lengths, finish times."""
     finished = [[s.response_length for s in st.samples] for st in step.groups.values() if st.outcome is not None]
     prompts = [st.samples[0].prompt_length for st in step.groups.values()]
     timeline = requester.timeline

@@ -109,9 +109,7 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int
 
 @dataclass
 class VersionWindow:
-    """Our record of a request: the versions its reply may carry, from `sent` (served when it was sent) to `newest()`
-    (the newest pushed while it ran); `span_lag`: tokens at the start of each newer span of its reply that the engine
-    may have sampled with the version before it (engine_versions.py)."""
+    """Our record of a request: the versions its reply may carry, `sent` .. `newest()`; `span_lag`: see lag_spans."""
 
     sent: int
     newest: Callable[[], int]
@@ -119,10 +117,8 @@ class VersionWindow:
 
 
 def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_checkpoint: str) -> str:
-    """"stop" for an aborted reply whose last token ends the request (EOS or `stop_token_ids`, unless
-    `ignore_eos`): SGLang applies an abort that arrives with a token before checking that token
-    (`Req.update_finish_state`), so the reply says abort although the request had finished; resumed, it would
-    generate past its end. Any other finish is returned as it is."""
+    """"stop" for an aborted reply whose last token ends the request: SGLang applies an abort arriving with a
+    token before checking it, so resumed, the request would generate past its end."""
     if finish != "abort" or not ids or sampling_params.get("ignore_eos"):
         return finish
     ends = eos_token_ids(hf_checkpoint) | set(sampling_params.get("stop_token_ids") or ())
@@ -130,9 +126,8 @@ def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_che
 
 
 class RequestLoop:
-    """A sample's requests until it finishes: its budget, its status, resuming after an abort the step did not
-    ask for; counts what came back. `send` (one request) is the transport's: `SampleRequester` over HTTP, the
-    simulator's engines (slime/rollout/simulator/cluster.py)."""
+    """A sample's requests until it finishes: budget, status, resumes; `send` is the transport's (HTTP or
+    simulator)."""
 
     custom_generate = None
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response at most
@@ -166,10 +161,8 @@ class RequestLoop:
         return f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None, attempt=None) -> bool:
-        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False).
-        `attempt(sample, stop)`: one request (default `send`, or the user's generate function, run once); it
-        returns (tokens appended, sent back to the gate), or None: the sample stays unfinished (stopped at the
-        gate of a `GatedRequester`, or left so by the user's function)."""
+        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False). `attempt`:
+        one request, returning (tokens appended, sent back to the gate), or None: the sample stays unfinished."""
         attempt = attempt or self.attempt
         unexpected_aborts = 0
         while True:
@@ -236,10 +229,8 @@ class SampleRequester(RequestLoop):
 
     def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None,
                 version: int | None = None) -> dict[str, Any]:
-        """The /generate body: the sample's token ids, `sampling_params` (default: the rollout's, with the budget
-        left as max_new_tokens), log-probs on, a request id, and the prefix-cache key of `version` (the version the
-        engines serve; default: the step's), so no KV of older weights is reused (engine_versions.cache_key), unless
-        --reuse-stale-kv asks for it."""
+        """The /generate body: token ids, sampling params (the budget left), log-probs, a rid, and `version`'s
+        cache key."""
         sp = sampling_params
         if sp is None:
             sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
@@ -250,9 +241,8 @@ class SampleRequester(RequestLoop):
         return body
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
-        """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
-        finish reason (a refusal fails the sample). Returns the tokens appended. `window`: the versions the reply
-        may carry (None: the engines serve one version for the whole step)."""
+        """One `POST /generate` for `sample`; returns the tokens appended. `window`: the versions the reply may
+        carry."""
         try:
             seg = await self.request(self.payload(sample, rid, version=window and window.sent), window, sample)
         except http_client.EngineHTTPError as e:
@@ -310,10 +300,8 @@ class SampleRequester(RequestLoop):
 
     async def run_custom(self, sample: Sample, version: int | None = None, stop: asyncio.Event | None = None,
                          turn: ModelTurn | None = None) -> bool:
-        """Run the user's generate function (upstream's contract, see the module docstring); `version`: the version
-        the engines serve (tokens the function added without one are tagged with it). With `--agent-env` it is the
-        built-in multi-turn generate, run inside its agent scope: the rollout's agent, `turn` for each model turn
-        (default: this requester's own; train_async.py's gate passes its gated one) and the step's `stop`."""
+        """Run the user's generate function (`version`: for tokens it added without one); with `--agent-env`, the
+        built-in multi-turn generate inside its agent scope, each model turn sent by `turn`."""
         path = self.args.custom_generate_function_path
         where = f"--custom-generate-function-path {path}"
         before = sample.response_length

@@ -115,9 +115,8 @@ class StalenessCap:
         return counts
 
     def before_training(self, groups: list[list], train_version: int) -> tuple[list[list], list[list], Counter]:
-        """(kept, stale, counts) for finished groups about to be trained at `train_version`: a loss-masked token
-        older than the floor makes its group stale (`restart`: returned in `stale`, the caller drops it; `mask`:
-        those tokens leave the loss). Counts `stale_groups_at_train`, `masked_tokens_at_train`."""
+        """(kept, stale, counts) for finished groups about to be trained at `train_version` (`restart`: stale
+        groups returned, the caller drops them; `mask`: stale tokens leave the loss)."""
         counts: Counter = Counter()
         floor = self.floor(train_version)
         if floor is None:

@@ -195,9 +195,7 @@ async def cancel(tasks) -> None:
 
 
 async def abort_live_engines(rec: StepRecord, io):
-    """Abort-all on every engine not known to have failed, until they are idle. An engine the watchdog finds
-    failed while the abort waits on it (it stopped just before the step ended) leaves the abort at once: a
-    stopped engine never answers, and the abort would otherwise wait out --rollout-abort-timeout."""
+    """Abort-all on every engine not known to have failed, until idle; one found failed meanwhile is left at once."""
     while True:
         known = set(live_faults(io))
         call = io.engines.abort_all_until_idle(timeout=rec.config.abort_timeout, session=io.session, exclude=known)

@@ -30,9 +30,8 @@ def _unfinished(groups: list[list]) -> int:
 
 
 class Supply:
-    """What the step asks a supply: `prepare(num_engines)` (sets `in_flight_cap`, `chunk`), `top_up` at each wake
-    (the groups to add; `playing`: groups in play, `requests`: members being generated, `awaiting`: rows of
-    generated groups whose reward still runs), `gate_closed()` (what to wait on while none may be)."""
+    """What the step asks a supply: `prepare(num_engines)`, `top_up` at each wake (the groups to add) and
+    `gate_closed()`."""
 
     chunk: int | None = None
     in_flight_cap = 0

@@ -23,9 +23,8 @@ TAKE_POLL_S = 5.0
 
 
 class StepsAhead:
-    """Steps of the run's `rollout` produced ahead of the trainer, on the rollout's event loop (driven by
-    `AsyncRollout`). `custom_step(j)`: a custom synchronous rollout function's step instead of `rollout.step`, run
-    on a worker thread (an update waits for its step to end)."""
+    """Steps of the run's `rollout` produced ahead of the trainer; `custom_step(j)`: a custom rollout function's
+    step, run on a worker thread."""
 
     def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int,
                  custom_step: Callable[[int], RolloutOutput] | None = None):

@@ -101,9 +101,8 @@ class VersionGate:
 
     # ---- the controller side ------------------------------------------------------
     async def hold(self, reason: str, engines, session=None, timeout: float = 120.0, drain: bool = True) -> float:
-        """Close the gate for `reason`. With `drain` (a weight update by abort, an eval, a checkpoint) every
-        request of ours still running is aborted on every engine and waited for; without it (backpressure)
-        they run on and only new ones wait. Returns the seconds the drain took."""
+        """Close the gate for `reason`; with `drain`, abort every request of ours and wait for it. Returns the
+        drain's seconds."""
         if self._open.is_set():
             self._closed_at = time.monotonic()
         self._holds.add(reason)
@@ -185,12 +184,9 @@ class VersionGate:
 
 
 class GatedRequester:
-    """`requester.generate` through `gate`: each request waits while the gate is held and is counted in flight
-    (its rid and sample, so a stale one can be aborted); a sample whose request a hold aborted waits at the
-    gate and resumes from its token ids once it reopens, after `cap` (the staleness cap) is applied against
-    the gate's train version; every token's version must lie in the request's `VersionWindow`. A custom
-    generate function passes the gate before each call (a hold aborts its requests like any other); the
-    multi-turn generate's model turns pass it one by one (`GatedTurn`)."""
+    """`requester.generate` through `gate`: each request waits while it is held and is counted in flight; an
+    aborted sample resumes from its token ids once it reopens, the staleness cap applied, every token's version
+    checked against its `VersionWindow`."""
 
     def __init__(self, requester, gate: VersionGate, cap):
         self.requester, self.gate, self.cap = requester, gate, cap
@@ -224,12 +220,9 @@ class GatedRequester:
 
 
 class GatedTurn:
-    """A multi-turn sample's model turns (a `ModelTurn`) through the gate, as `GatedRequester` sends a plain
-    sample's requests: each waits while the gate is held and is counted in flight by rid, its reply's versions
-    are checked against its `VersionWindow`. A turn that finds the engines at another version than the one the
-    sample last passed the staleness cap at (`seen`) is not sent, nor is one the step stopped at the gate: the
-    sample parks (an empty `abort` segment) and `sent_back` tells `GatedRequester` to take it back to the gate,
-    where the cap is applied, the same as for a turn a hold or a stale-abort cut short."""
+    """A multi-turn sample's model turns through the gate; a turn at another version than the sample last passed
+    the cap at (`seen`), or stopped at the gate, is not sent: the sample parks and `sent_back` takes it back to
+    the gate."""
 
     def __init__(self, gated: GatedRequester, seen: int, stop: asyncio.Event | None):
         self.gated, self.seen, self.stop = gated, seen, stop

@@ -121,10 +121,7 @@ def compute_reward(response: str, label: str) -> float:
 
 
 def noisy_teacher(prompt: str, rng: random.Random, p: float = 0.1) -> str:
-    """A teacher that, with probability `p` per step, subtracts s±1 or s±2 and continues from its own value.
-
-    It stops when its current value is below s (as the exact chain does) or when a step would go below zero.
-    """
+    """A teacher that, with probability `p` per step, subtracts s±1 or s±2 and continues from its own value."""
     n, s = parse_prompt(prompt)
     cur, values = n, []
     while cur >= s:

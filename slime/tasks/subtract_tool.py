@@ -68,11 +68,8 @@ def count_steps(response: str) -> int:
 
 
 def tool_teacher(prompt: str, rng: random.Random, p_call: float, p_err: float) -> list[tuple[str, bool]]:
-    """A trajectory as segments (text, is_observation): the warm start's teacher.
-
-    Per step it calls the calculator with probability `p_call` (exact), else writes the next number itself,
-    wrong by 1 or 2 with probability `p_err`; it continues from its own value and stops as
-    `subtract_chain.noisy_teacher` does."""
+    """The warm start's teacher trajectory as segments (text, is_observation): calls the calculator with
+    probability `p_call`, else writes the next number, wrong by 1 or 2 with probability `p_err`."""
     n, s = parse_prompt(prompt)
     segments: list[tuple[str, bool]] = []
     cur, first = n, True

@@ -99,11 +99,8 @@ def checkpoint_size_estimate(hf_checkpoint: str | None) -> int:
 
 
 def prepare_save_dir(save_dir: str, need_bytes: int = 0) -> None:
-    """At start: `save_dir` exists and is writable, has `need_bytes` free, and holds no stale tmp dirs.
-
-    Raises `CheckpointSaveError` naming the path and the cause (so an unusable --save fails now, not at the
-    first save after hours of training). Tmp dirs of a dead process (a kill mid-save) are removed.
-    """
+    """At start: `save_dir` writable with `need_bytes` free (else `CheckpointSaveError` now, not hours later); a
+    dead process's tmp dirs are removed."""
     try:
         os.makedirs(save_dir, exist_ok=True)
         probe = os.path.join(save_dir, f".write-probe-{os.getpid()}")
@@ -146,11 +143,8 @@ def _short_cause(e: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, rollout_id: int, writers: dict[str, Callable[[str], None]],
                     driver_state: dict[str, Any]) -> str:
-    """Write each part with `writers[name](subdir)` into a tmp dir, then publish it atomically.
-
-    On failure the tmp dir is removed and `CheckpointSaveError` names the part, the path and the cause
-    (with the free space left: a full disk shows up as a short write deep inside torch).
-    """
+    """Write each part with `writers[name](subdir)` into a tmp dir, then publish it atomically; a failure raises
+    `CheckpointSaveError` naming the part, path, cause and free space."""
     os.makedirs(save_dir, exist_ok=True)
     final = os.path.join(save_dir, iter_dir_name(rollout_id))
     tmp = f"{final}.tmp-{os.getpid()}"
@@ -274,10 +268,7 @@ def verify_checkpoint(ckpt_dir: str) -> None:
 
 
 def resolve_checkpoint(load_dir: str, step: int | None = None) -> str | None:
-    """The checkpoint to resume from (`--ckpt-step`, else the newest), verified; None if there is none yet.
-
-    A corrupt or missing one raises `CheckpointLoadError` naming the file and the previous intact checkpoint.
-    """
+    """The checkpoint to resume from (`--ckpt-step`, else the newest), verified; None if none yet."""
     target = step
     try:
         if step is None:

@@ -11,9 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 def freeze_gc_heap(who: str) -> int:
-    """Collect once, then move every object still tracked into the permanent generation; returns how many
-    objects are frozen. Call after start-up, before serving. Frozen objects are still freed by reference
-    counting; only cyclic garbage among them is never reclaimed (the collection first keeps that small)."""
+    """Collect once, then freeze every tracked object (call after start-up); returns how many were frozen."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

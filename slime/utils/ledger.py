@@ -95,11 +95,8 @@ class Ledger:
         return out
 
     def check_balanced(self, parked_ids: Iterable[int], ready_ids: Iterable[int], idle: bool = True) -> dict[str, int]:
-        """Raise `LedgerError` unless the ledger agrees with what the buffer holds.
-
-        parked in the ledger == parked groups held; every ready group held is
-        finished; with `idle` (between steps) no group may still be issued.
-        """
+        """Raise `LedgerError` unless the ledger agrees with what the buffer holds (`idle`: nothing may be
+        issued)."""
         parked, ready = list(parked_ids), list(ready_ids)
         problems = []
         for name, ids in (("parked", parked), ("ready", ready)):

@@ -92,11 +92,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def truncate_jsonl(path: str, key: str, last: int) -> int:
-    """Keep only the rows of a JSON-lines file whose `key` is <= `last` (and drop a torn last line).
-
-    A resume from the checkpoint of step `last` re-runs the steps after it; their old rows would otherwise
-    appear twice. Returns the number of rows removed; the file is replaced atomically.
-    """
+    """Keep only rows whose `key` <= `last` (a resume re-runs the later steps), atomically; returns rows removed."""
     if not os.path.isfile(path):
         return 0
     kept, dropped = [], 0

@@ -93,11 +93,8 @@ def ray_spans_machines() -> bool:
 
 
 def resolve_listen_host(listen_host: str) -> str:
-    """The address this process's servers bind, from `--listen-host` (see the module docstring).
-
-    auto -> 127.0.0.1 on one machine, else this node's Ray IP; localhost -> 127.0.0.1; an interface name -> its
-    address on this node (ListenHostError if this node has no such interface); an address or a wildcard -> itself.
-    """
+    """The address this process's servers bind, from `--listen-host`: auto (loopback on one machine, else the Ray
+    IP), localhost, an interface name, or an address."""
     if listen_host == AUTO:
         node_ip = ray_node_ip() if ray_spans_machines() else None
         return node_ip or "127.0.0.1"
@@ -178,9 +175,8 @@ def pin_collectives_to_loopback() -> None:
 
 
 def pin_collectives(local_address: str) -> None:
-    """Default process groups listen where this process's stores do: loopback, or the interface holding
-    `local_address` for gloo (its default, the hostname's address, is often 127.0.1.1 or the wrong NIC); NCCL
-    keeps its own choice unless the user set NCCL_SOCKET_IFNAME. An explicit GLOO_SOCKET_IFNAME wins."""
+    """Default process groups listen where this process's stores do (gloo's own default is often the wrong NIC);
+    an explicit GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins."""
     if is_loopback(local_address):
         pin_collectives_to_loopback()
         return

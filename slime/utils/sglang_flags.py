@@ -101,9 +101,7 @@ class _RouterParser(argparse.ArgumentParser):
 
 
 def router_pass_through(tokens: list[str], own_flags: Iterable[str] = ()) -> tuple[str, ...]:
-    """Upstream's `--router-<flag> [value ...]` options, checked by the installed sglang-router's own parser, as
-    the `--<flag> [value ...]` arguments of its launcher. Raises ValueError naming the flag (and the closest real
-    one for a typo)."""
+    """Upstream's `--router-<flag>` options, checked by sglang-router's own parser; ValueError names the flag."""
     from sglang_router.router_args import RouterArgs
 
     p = _RouterParser(add_help=False, allow_abbrev=False)

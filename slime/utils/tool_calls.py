@@ -49,11 +49,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool: `function` is the dotted path of `def f(arguments) -> str`, imported and run in a tool worker.
-
-    `safe_to_rerun`: running it twice with the same arguments is harmless (a pure function, a read-only
-    lookup). Only such a call is run again when its result was lost (the run was killed while it ran); any
-    other lost call fails its sample instead of running twice."""
+    """One tool: `function` is the dotted path of `def f(arguments) -> str`, run in a tool worker. Only a
+    `safe_to_rerun` call is run again when its result was lost; any other fails its sample."""
 
     name: str
     function: str

@@ -106,11 +106,7 @@ class Sample:
         text: str = "",
         loss_mask: list[int] | None = None,
     ) -> None:
-        """Append one generated segment; all per-token fields grow together.
-
-        `weight_version` is the policy version that produced the segment (one
-        int for all its tokens, or one per token).
-        """
+        """Append one generated segment (`weight_version`: one int or one per token); every per-token field grows."""
         k = len(token_ids)
         versions = [int(weight_version)] * k if isinstance(weight_version, int) else list(weight_version)
         mask = [1] * k if loss_mask is None else list(loss_mask)
@@ -129,14 +125,8 @@ class Sample:
     def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable: bool = True,
                                meta_info: dict | None = None, text: str | None = None,
                                update_terminal_info: bool = True) -> None:
-        """Upstream slime's way for a plugin to grow the response; every per-token field grows with it.
-
-        Model tokens: `trainable=True` with their behaviour `log_probs` and the engine's `meta_info` (their
-        versions come from its `weight_versions` / `weight_version`; without it they get the version the
-        engines serve when the plugin returns). Tool / environment tokens: `trainable=False`, no log-probs
-        (0.0 stored, loss mask 0, the version of the token before them). With `update_terminal_info`, the
-        reply's `finish_reason` sets the status: stop -> COMPLETED, length -> TRUNCATED, abort -> ABORTED.
-        `args` is accepted for upstream's signature and not read."""
+        """Upstream slime's way for a plugin to grow the response: model tokens (`trainable`, with log-probs and
+        `meta_info`) or tool tokens (loss mask 0); `update_terminal_info` sets the status. `args` is not read."""
         ids = [int(t) for t in (tokens.reshape(-1).tolist() if hasattr(tokens, "reshape") else tokens or [])]
         if log_probs is not None:
             log_probs = [float(x) for x in (log_probs.reshape(-1).tolist() if hasattr(log_probs, "reshape") else log_probs)]
@@ -177,11 +167,9 @@ class Sample:
         self.check()
 
     def adopt_fanout(self, samples: list, weight_version: int, where: str) -> bool:
-        """A list-returning custom generate's result for this sample (upstream's fan-out: one rollout made into
-        several training samples). All finished: this sample becomes the first of them (itself, if the list holds
-        it) and the others wait in `fanout` to join its group when the group is rewarded; each is then trained,
-        rewarded unless it came with a reward. One not finished (the step stopped it): the fan-out is dropped and
-        this sample is ABORTED, generated again when resumed. Returns whether it finished."""
+        """A list-returning custom generate's result (upstream's fan-out): all finished, this sample becomes the
+        first and the others join its group; else the fan-out is dropped and this sample is ABORTED. Returns
+        whether it finished."""
         if not isinstance(samples, list) or not samples:
             raise TypeError(f"{where}: returned an empty list for sample {self.index}; return the Sample it was "
                             "given (FAILED if nothing came of it), or a list of finished Samples")
@@ -226,10 +214,8 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def complete_response(self, weight_version: int, where: str) -> None:
-        """A response a plugin grew by setting the fields itself (upstream slime's way) gets what it left out:
-        `weight_version` (the version the engines served) for tokens without one, loss mask 1 for tokens without
-        one; behaviour log-probs cannot be made up, so missing ones are refused, and so are upstream's fields that
-        have no meaning here (`check_upstream_fields`; `where` names the plugin)."""
+        """Fill in what a plugin that grew the response itself left out (versions, loss mask); missing log-probs
+        and meaningless upstream fields are refused (`where` names the plugin)."""
         self.check_upstream_fields(where)
         n = self.response_length
         if n < 0 or n > len(self.tokens):

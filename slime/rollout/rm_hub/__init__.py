@@ -147,10 +147,8 @@ async def async_rm(args, sample: Sample) -> float | dict:
 
 
 async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
-    """Rewards of a group: one `--custom-rm-path` call with `--group-rm`, else `async_rm` per sample concurrently.
-
-    Raises on the first error (use `reward_group` for per-sample failure handling).
-    """
+    """Rewards of a group (one `--custom-rm-path` call with `--group-rm`, else per sample); raises on the first
+    error."""
     custom = args.custom_rm_path
     if custom and args.group_rm:
         return await _group_call(args, samples, custom)
@@ -178,13 +176,9 @@ def _mark_failed(sample: Sample, error: BaseException) -> None:
 
 
 async def reward_group(args, samples: list[Sample]) -> None:
-    """Set `reward` on every sample of a group; never raises for a reward error.
-
-    A sample whose reward raises or times out gets `status = FAILED`, `reward = None` and `metadata["failure"] =
-    "reward: <type>: <message>"`; the others keep their rewards (with `--group-rm`, one failed call fails the whole
-    group). Samples already FAILED (e.g. by generation) are skipped, and so (as upstream) are samples whose custom
-    generate set their reward already (checked like any reward), except with `--group-rm`.
-    """
+    """Set `reward` on every sample of a group; a reward error fails its sample (FAILED, `metadata["failure"]`),
+    never raises. FAILED samples are skipped, and so (as upstream) are samples with a reward already, except with
+    --group-rm."""
     todo = [s for s in samples if s.status != Status.FAILED]
     custom = args.custom_rm_path
     if not args.group_rm:

@@ -35,9 +35,8 @@ def grade_answer(pred: str, label) -> bool:
 
 
 def grade_answer_verl(solution_str: str, ground_truth) -> bool:
-    """Upstream slime's (`from slime.rollout.rm_hub import grade_answer_verl`): is the last boxed answer of
-    `solution_str` right for `ground_truth` (boxed or not), as `grade_answer` judges? An empty ground truth is
-    never matched."""
+    """Upstream's: is the last boxed answer of `solution_str` right for `ground_truth`? An empty truth never
+    matches."""
     if ground_truth is None or str(ground_truth) == "":
         return False
     given = extract_answer(solution_str)

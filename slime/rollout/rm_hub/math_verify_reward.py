@@ -27,9 +27,8 @@ _BOUNDED_THREAD = "rm-check-math-verify-bounded"  # the thread of a check under 
 
 
 class _BoundedHere(logging.Filter):
-    """math-verify warns (once a process) that its timeouts are off and the caller must bound it. A check run by
-    `math_verify_reward` is bounded (its daemon thread, under `--reward-timeout`), so there the warning is not true and
-    is dropped; from any other thread (no time limit, or a plugin calling math-verify itself) it stays."""
+    """Drops math-verify's "timeouts are off" warning in `math_verify_reward`'s bounded threads, where it is
+    untrue."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.threadName != _BOUNDED_THREAD or "Timeout is disabled" not in record.getMessage()

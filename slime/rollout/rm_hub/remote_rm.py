@@ -28,10 +28,8 @@ def _reward_from_json(body, url: str) -> float:
 
 
 async def remote_rm(args, sample, timeout: float | None = None, response: str | None = None) -> float:
-    """POST the sample to `args.rm_url` (total `timeout` seconds) and return its reward.
-
-    `response` replaces `sample.response` in the payload (the `boxed_remote_rm` path sends the boxed answer).
-    """
+    """POST the sample to `args.rm_url` and return its reward; `response` replaces `sample.response` in the
+    payload."""
     url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")

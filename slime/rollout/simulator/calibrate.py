@@ -33,10 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class Calibrator:
-    """Probes one engine (`url`); `measure()` adds a pass over every probe (call it several times,
-    e.g. around a benchmark, so that a busy moment of a shared machine does not decide alone);
-    `fit()` turns the passes into an `EngineCostModel`. `client_url` (e.g. the router in front of
-    the engine) is where a request's round trip is timed."""
+    """Probes one engine (`url`): `measure()` adds a pass over every probe (call it several times, so one busy
+    moment does not decide alone); `fit()` turns the passes into an `EngineCostModel`."""
 
     def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
                  seed: int = 0, name: str | None = None, quick: bool = False, args=None,
@@ -139,10 +137,8 @@ class Calibrator:
 
     async def _trickle(self, session, background: int, new_tokens: int, in_len: int, n: int = 48,
                        concurrency: int = 4) -> dict:
-        """Requests of `in_len` tokens arriving one after another (`concurrency` at a time) while `background` rows
-        decode, as a rollout's (resumed) requests arrive: the engine's HTTP CPU seconds and its scheduler's admin
-        time over the window. A burst's requests share the HTTP side's wake-ups; requests that trickle in each pay
-        their own, and take the GIL from a running step."""
+        """Requests arriving one after another while `background` rows decode, as a rollout's do: the engine's
+        HTTP CPU seconds and scheduler admin time (each trickled request pays its own wake-up)."""
         before = await scheduler_stats(session, self.url)
         bg = [asyncio.create_task(generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens))
               for _ in range(background)]

@@ -71,9 +71,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(coro, start: float = 0.0):
-    """Run `coro` on a fresh `VirtualTimeLoop` and return its result; tasks left over are cancelled. Called from a
-    thread that already runs an event loop (a benchmark's), it runs on a worker thread (and blocks, as any
-    computation does)."""
+    """Run `coro` on a fresh `VirtualTimeLoop` and return its result (on a worker thread if this one runs a loop)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

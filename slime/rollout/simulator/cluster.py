@@ -15,10 +15,8 @@ from slime.utils.types import Status
 
 
 class SimSample:
-    """One sample's progress: its final length (known to the simulator, not to the engines), its tokens so
-    far and the policy version of each run of them. It answers what the rollout step, the staleness cap,
-    the buffer and the metrics read of a `Sample` (slime/utils/types.py), from the runs instead of per-token
-    lists: a 16k-token response is a handful of numbers here."""
+    """One sample's progress as runs of (version, tokens), answering what the rollout reads of a `Sample`: a
+    16k-token response is a handful of numbers here."""
 
     __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
                  "status", "metadata", "reward", "masked_below")

@@ -108,18 +108,16 @@ class EngineCostModel:
         return self.with_host(self.decode_device_s(batch, tokens, padded, extra_buckets), batch, extra_buckets)
 
     def decode_jump(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> tuple[float, float]:
-        """(this decode step's seconds, how much each next one costs more) while the same rows decode, each adding a
-        key per step: the device's part grows by (per token + per padded position) x batch; a step the host bounds
-        does not grow (taken as such until the jump is planned again, at the next row that finishes or joins)."""
+        """(this decode step's seconds, how much each next one costs more) while the same rows decode; a
+        host-bound step does not grow."""
         device = self.decode_device_s(batch, tokens, padded, extra_buckets)
         issue = self.host_step_s + self.host_per_row_s * batch + self.host_per_bucket_s * extra_buckets
         growth = 0.0 if issue > device else (self.decode_per_token_s + self.decode_per_padded_s) * batch
         return self.with_host(device, batch, extra_buckets), growth
 
     def decode_read(self, positions: list[int], graph: bool = True) -> tuple[int, int]:
-        """(key positions gathered, buckets beyond the first) of a decode step whose rows feed their next token at
-        `positions`: the paged engine's buckets (a decode-only step, `graph`, within `graph_max_rows`: its CUDA
-        graph's padded shape), or one bucket padded to the longest row."""
+        """(key positions gathered, buckets beyond the first) of a decode step at `positions`: paged buckets (or a
+        CUDA graph's padded shape), else one bucket padded to the longest row."""
         if not positions:
             return 0, 0
         if graph and self.paged_block_size > 0 and len(positions) <= self.graph_max_rows:  # one padded graph bucket
@@ -137,9 +135,8 @@ class EngineCostModel:
 
     def mixed_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int, prefill_tokens: int,
                      key_pairs: float, chunks: int = 1) -> float:
-        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens in `chunks` chunks
-        (`key_pairs` attended); with `separate_prefill`, `padded` / `extra_buckets` are the decode forward's own
-        (its graph's shape: see `decode_read`)."""
+        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` in `chunks` chunks (`key_pairs`
+        attended)."""
         if self.separate_prefill and batch and prefill_tokens:
             return (self.decode_step_s(batch, tokens, padded, extra_buckets)
                     + self.mixed_step_s(0, 0, 0, 0, prefill_tokens, key_pairs, chunks))
@@ -264,10 +261,8 @@ def prefill_chunks(lengths: list[int], pad_slack: int) -> list[list[int]]:
 
 def nnls_fit(rows: list[list[float]], targets: list[float], names: tuple[str, ...],
              weights: list[float] | None = None) -> tuple[dict[str, float], float]:
-    """Least squares with every coefficient >= 0 (exhaustive over the active set: few terms).
-
-    Returns (coefficients, relative RMS residual). `weights` scale each row (e.g. 1/target for a
-    relative fit, so fast and slow probes count alike)."""
+    """Least squares with every coefficient >= 0 (exhaustive over the active set): (coefficients, relative RMS
+    residual); `weights` scale each row."""
     a = np.asarray(rows, dtype=float)
     y = np.asarray(targets, dtype=float)
     w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=float)

@@ -87,9 +87,7 @@ class Recorder:
 
 
 class SimLink:
-    """The simulated engines as the run's Rollout (slime/rollout/rollout.py) sees them: each step's requests go to
-    the cluster through `SimRequester` (and the rollout's gate, if it runs ahead), rewarded and filtered by the
-    `judge`; no metrics (the `Recorder` reads the step's record) and no evaluation."""
+    """The simulated engines as the run's Rollout sees them: requests through `SimRequester`, judged by `judge`."""
 
     backend = None
     session = None

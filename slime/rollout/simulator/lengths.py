@@ -155,9 +155,8 @@ class ReplayLengths:
 
 def kaplan_meier(finished: Sequence[int], unfinished: Sequence[int], cap: int,
                  prompt_lens: Sequence[int] = (16,)) -> EmpiricalLengths:
-    """Length distribution from finished lengths and right-censored ones (still running at their
-    current length). The mass left beyond the last finished length goes to the cap: a sample that
-    has not finished by then runs to its budget as far as the estimate can tell."""
+    """Length distribution from finished and right-censored lengths; the mass beyond the last finished one goes to
+    the cap."""
     pairs = length_bias.kaplan_meier(finished, unfinished, cap)
     return EmpiricalLengths([[x for x, _ in pairs]], cap, prompt_lens, weights=[w for _, w in pairs],
                             source=f"{len(finished)} finished + {len(unfinished)} censored samples")

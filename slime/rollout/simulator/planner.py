@@ -32,9 +32,8 @@ FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter'
 
 
 def step_observations(step) -> dict:
-    """What one finished step (its `StepRecord`) showed: each sample's final length once, when its group leaves
-    the rollout (accepted, finished after the target, rejected); the current length of every sample
-    still unfinished (censored); the filter's verdicts; prompt lengths."""
+    """What one finished step showed: final lengths, censored lengths of unfinished samples, the filter's
+    verdicts, prompt lengths."""
     finished, unfinished, prompts = [], [], []
     passed = rejected = 0
     for gid, st in step.groups.items():

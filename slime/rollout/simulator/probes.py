@@ -179,10 +179,8 @@ async def run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, 
 
 
 def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: bool = False) -> list[Probe]:
-    """Short and long contexts at several batch sizes, and a batch of short rows with one long row
-    (which separates a padded engine's B x longest cost from a paged engine's total-context cost),
-    and rows of many lengths (a paged engine buckets them). `quick`: five probes (a run calibrating itself, the
-    quick start)."""
+    """Short and long contexts at several batch sizes, short rows with one long row (padded vs paged cost), and
+    rows of many lengths (buckets); `quick`: five probes."""
     ctx = max(64, context - new_tokens - 8)
     big = max(1, min(64, max_running))
     levels = sorted({1, min(4, big), min(16, big), big})

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 from slime.tasks import subtract_tool as task
-from slime.tasks.warm_start import WarmStartConfig, decode, encode_example
+from slime.tasks.warm_start import WarmStartConfig, bucketed_batches, decode, encode_example
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,12 @@ def encode_trajectory(tokenizer, prompt: str, segments: list[tuple[str, bool]], 
 
 def teacher_batches(cfg: ToolWarmStartConfig, tokenizer, rng: random.Random):
     """Endless `collate` batches of teacher trajectories, bucketed by length."""
-    while True:
-        pool = []
-        for _ in range(cfg.pool_batches * cfg.batch_size):
-            prompt, _ = task.chain.make_problem(rng, cfg.cap, cfg.alpha)
-            segments = task.tool_teacher(prompt, rng, cfg.p_call, cfg.teacher_p)
-            pool.append(encode_trajectory(tokenizer, prompt, segments, bos=rng.random() >= cfg.no_bos_fraction))
-        pool.sort(key=lambda x: len(x[0]))
-        batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
-        rng.shuffle(batches)
-        yield from batches
+    def example(rng):
+        prompt, _ = task.chain.make_problem(rng, cfg.cap, cfg.alpha)
+        segments = task.tool_teacher(prompt, rng, cfg.p_call, cfg.teacher_p)
+        return encode_trajectory(tokenizer, prompt, segments, bos=rng.random() >= cfg.no_bos_fraction)
+
+    return bucketed_batches(cfg, rng, example)
 
 
 @dataclass

@@ -58,14 +58,11 @@ def encode_example(tokenizer, prompt: str, response: str | None, bos: bool = Tru
     return ids, n_prompt
 
 
-def _bucketed_batches(cfg: WarmStartConfig, tokenizer, rng: random.Random):
-    """Endless batches of (ids, n_prompt) from the noisy teacher, bucketed by length to cut padding."""
+def bucketed_batches(cfg: WarmStartConfig, rng: random.Random, example):
+    """Endless batches of `example(rng)` (ids, n_prompt[, mask]), drawn in pools and bucketed by length to cut
+    padding."""
     while True:
-        pool = []
-        for _ in range(cfg.pool_batches * cfg.batch_size):
-            prompt, _ = task.make_problem(rng, cfg.cap, cfg.alpha)
-            resp = task.noisy_teacher(prompt, rng, cfg.teacher_p)
-            pool.append(encode_example(tokenizer, prompt, resp, bos=rng.random() >= cfg.no_bos_fraction))
+        pool = [example(rng) for _ in range(cfg.pool_batches * cfg.batch_size)]
         pool.sort(key=lambda x: len(x[0]))
         batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
         rng.shuffle(batches)
@@ -182,7 +179,13 @@ def train_warm_start(model, tokenizer, cfg: WarmStartConfig, eval_rows: list[dic
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    batches = _bucketed_batches(cfg, tokenizer, rng) if batches is None else batches
+    if batches is None:
+        def example(rng):
+            prompt, _ = task.make_problem(rng, cfg.cap, cfg.alpha)
+            resp = task.noisy_teacher(prompt, rng, cfg.teacher_p)
+            return encode_example(tokenizer, prompt, resp, bos=rng.random() >= cfg.no_bos_fraction)
+
+        batches = bucketed_batches(cfg, rng, example)
     curve, losses = [], []
     train_s, cpu_s, step = 0.0, 0.0, 0
     model.train()

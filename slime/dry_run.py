@@ -19,8 +19,7 @@ from slime.utils.gpu_plan import effective_settings, memory_report, placement
 from slime.utils.misc import load_function
 from slime.utils.model_shape import ModelShapeError, read_shape, shape_from_flags
 
-# plugin flag -> (upstream's signature, positional argument counts it must take, whether it must be a coroutine
-# function: None when either is taken)
+# plugin flag -> (upstream's signature, positional counts it must take, must be a coroutine; None: either)
 PLUGINS = {
     "rollout_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),
     "eval_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),

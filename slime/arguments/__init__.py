@@ -30,13 +30,10 @@ ENTRIES = {
 # in --help order
 GROUPS = (cluster, engines, rollout, partial_rollout, staleness, weight_updates, faults, data, evaluation, algorithm,
           trainer, megatron, run, multi_turn, debug)
-# defaults that read other groups' values come after them: the trainer's backend before Megatron's precision,
-# the cluster's engine count before the pool that counts them
+# defaults that read other groups' values come after them
 FILL_ORDER = (trainer, megatron, cluster, rollout, partial_rollout, weight_updates, data, evaluation, algorithm, run,
               multi_turn, debug)
-# a group's rules may rely on an earlier group's: --hf-checkpoint is a directory before Megatron reads its config,
-# the rollout batch is set before the trainer's batch divides it, the engines' concurrency is checked before the
-# pool it sizes, the push interval is >= 1 before the async lag is held to it
+# a group's rules may rely on an earlier group's (e.g. the rollout batch before the trainer's batch divides it)
 CHECK_ORDER = (weight_updates, cluster, rollout, trainer, megatron, engines, partial_rollout, staleness, data, debug,
                faults, run, algorithm, evaluation, multi_turn)
 

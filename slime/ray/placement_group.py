@@ -20,8 +20,7 @@ PG_READY_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 120.0
 CPUS_PER_BUNDLE = 1.0
 PROBE_GPUS = 0.01  # a probe task's share of its bundle's GPU: enough for Ray to say which GPU it is
-# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does): a trainer rank takes this share,
-# the engine's host actor on the same bundle ENGINE_GPU_SHARE (its server sees the bundle's GPU)
+# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does) by a trainer rank and an engine
 TRAINER_GPU_SHARE = 0.4
 ENGINE_GPU_SHARE = HOST_NUM_GPUS
 assert TRAINER_GPU_SHARE + ENGINE_GPU_SHARE + PROBE_GPUS <= 1.0

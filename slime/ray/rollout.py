@@ -36,8 +36,7 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-# a broadcast cut by an engine's death can fail before the engine's host has seen the exit: look this long
-# for the fault before treating the error as the trainer's own
+# how long to look for an engine fault behind a failed broadcast before blaming the trainer
 FAULT_CONFIRM_S = 5.0
 
 
@@ -107,8 +106,7 @@ class RolloutManager:
 
             engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
         self.attach_engines(engines)
-        # the rollout runs in this process: keep the start-up heap (tokenizer, data, torch, Ray) out of the full
-        # collections that would otherwise stall every request in flight for a walk over all of it
+        # the rollout runs here: keep the start-up heap out of full collections (each stalls every request)
         freeze_gc_heap("rollout manager")
 
     # ---- steps --------------------------------------------------------------

@@ -250,8 +250,7 @@ class TrainingRun:
         """Train on the batch (off-policy tokens corrected against their behaviour log-probs); mark it trained."""
         t0 = time.monotonic()
         version = self.rollout_manager.policy_version
-        # --use-fault-tolerance: the batch stays in the object store until the next checkpoint (a restarted
-        # trainer replays it); a trainer that fails meanwhile is restarted inside this call
+        # --use-fault-tolerance: the batch stays in the object store until the next checkpoint (for a replay)
         batch = self.recovery.batch(rollout.groups) if self.recovery is not None else rollout.groups
         out = self.actor_model.train(rollout_id, batch, version)
         if self.recovery is not None:

@@ -30,11 +30,8 @@ logger = logging.getLogger(__name__)
 
 MAX_UNEXPECTED_ABORTS = 3
 
-# Which rollout step a plugin's generate call runs for, so that upstream's `GenerateState.aborted`
-# (slime/rollout/generate_state.py) can say whether that step is aborting: `run_custom` runs the user's generate
-# with `in_step(stop, ...)`, `stop` being the step's event (set once it has its batch, failed or was halted, and
-# aborts the engines). A context variable, so the tasks of each step (train_async.py may run one while the next
-# is gated) see their own step, and a generate outside any step (an evaluation) sees none.
+# The step a plugin's generate call runs for (upstream's `GenerateState.aborted`): a context variable, so the
+# tasks of each step see their own step, and a generate outside any step (an evaluation) sees none.
 T = TypeVar("T")
 _STEP_STOP: ContextVar[asyncio.Event | None] = ContextVar("slime_step_stop", default=None)
 

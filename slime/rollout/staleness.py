@@ -16,9 +16,8 @@ from slime.rollout.length_bias import CUT_KEY
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
-# The length guard: how often `restart` may regenerate one sample before its stale tokens are masked instead. Every
-# restart replaces a sample that ran past the cap, so a long one, by a fresh draw: on the simulator's long tail a
-# budget of 1 or 2 keeps 0.17 / 0.12 of the longest decile's synchronous share, 0 keeps 1.0 (benchmarks/README.md).
+# The length guard: how often `restart` may regenerate one sample before its stale tokens are masked instead
+# (restarts drop the long tail: benchmarks/README.md).
 GUARD_RESTART_BUDGET = 0
 # what the sites count (their Counters' names): samples by policy, tokens, groups
 STEP_COUNTS = (*POLICIES, "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",

@@ -58,9 +58,8 @@ class ChunkedSupply(Supply):
         out: list[list] = []
         while not rec.exhausted and playing + len(out) + len(rec.accepted) + len(rec.failed) < rec.target:
             out += await next_groups(rec, io, self.chunk)
-        # APRIL keeps the engines full: as soon as fewer requests are in flight or queued than a chunk's worth (at
-        # most the concurrency), top up with parked, then fresh groups, instead of letting the chunk drain; but not
-        # while a chunk's worth of rows already waits for its reward (the reward, not the engines, is behind)
+        # APRIL keeps the engines full: top up once fewer than a chunk's worth are in flight, unless a chunk's worth
+        # already waits for its reward
         budget = min(self.in_flight_cap, self.chunk * rec.config.n)
         free = budget - requests - _unfinished(out)
         if self.top_ups and free > 0 and awaiting < budget and not rec.exhausted:

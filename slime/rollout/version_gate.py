@@ -33,8 +33,7 @@ class VersionGate:
         self._quiet.set()
         self.in_flight = 0
         self.pending_version: int | None = None  # an in-place update to this version is being pushed
-        # tokens at the start of each newer span the engines may have sampled with the older weights (SGLang's
-        # in_place pause under its overlap scheduler: slime/rollout/engine_versions.py)
+        # tokens at the start of each newer span the older weights may have sampled (engine_versions.lag_spans)
         self.span_lag = 0
         self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
         self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume

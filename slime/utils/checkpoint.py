@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 LATEST = "latest_checkpointed_iteration.txt"
 _TMP = re.compile(r"^(iter_\d+|" + re.escape(LATEST) + r")\.(tmp|old)-(\d+)$")
 # flags that fix what a saved data position / parked group means: a resume must not change them
-# (the data source itself warns when --rollout-shuffle / --rollout-seed change the order)
 CONTRACT_FLAGS = ("n_samples_per_prompt", "rollout_batch_size")
 
 

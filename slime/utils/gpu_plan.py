@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from slime.utils.model_shape import ModelShape, num_params
 
 GB = 1e9
-# per process: the CUDA context and what the caching allocator keeps after an offload / a release (measured on an
-# H100 / H200: a Megatron trainer's reserved memory fell to 0.3 GB after offload, an engine's to 0.03 GB after
-# release; docs/gpu.md), about 0.5 GB of context each
+# per process: the CUDA context and what the caching allocator keeps after an offload / a release (docs/gpu.md)
 PROCESS_OVERHEAD = 0.8 * GB
 # SGLang's use beyond its static fraction (CUDA graphs, sampling and activation buffers): an assumption
 ENGINE_OVERHEAD = 3.0 * GB
@@ -19,10 +17,8 @@ ENGINE_OVERHEAD = 3.0 * GB
 SGLANG_DEFAULT_MEM_FRACTION = 0.85
 # logits per chunk of the log-prob head on a GPU (slime/backends/training_utils/logprob_head.py's auto size)
 HEAD_CHUNK_LOGITS = 2**28
-# activation bytes per token per layer are 2 x (4h + 3q + 2kv + 3f) in bf16 with fused element-wise kernels (what
-# --compile-ops auto does on GPUs); measured: 20.5 GB peak for a 0.4B Qwen3 at 16,384 tokens, estimated 20.7 GB.
-# Without them (--compile-ops off) the same run peaked at 29.2 GB: eager RMSNorm / SwiGLU / RoPE keep about this
-# many times the activations
+# activation bytes per token per layer: 2 x (4h + 3q + 2kv + 3f) in bf16 with fused element-wise kernels
+# (--compile-ops auto); eager kernels (--compile-ops off) keep about this many times more (docs/gpu.md)
 EAGER_ACTIVATION_FACTOR = 1.8
 
 

@@ -54,8 +54,7 @@ class MetricsLogger:
         if args.use_wandb and args.wandb_mode != "disabled":
             import wandb
 
-            # every wandb file under the run dir (its core process writes debug logs to ~/.cache/wandb otherwise);
-            # set only while wandb.init starts it, and never over a value the user chose
+            # every wandb file under the run dir, set only while wandb.init starts and never over the user's value
             with _env_defaults({var: os.path.join(run_dir, sub) for var, sub in WANDB_DIRS.items()}):
                 self._wandb_run = wandb.init(
                     project=args.wandb_project,
@@ -66,8 +65,7 @@ class MetricsLogger:
                     # --wandb-key (upstream's flag): this run's key; else wandb's own (WANDB_API_KEY, netrc)
                     settings=wandb.Settings(api_key=args.wandb_key) if args.wandb_key else None,
                 )
-            # wandb's own step must start at 0 and never go back: the eval before the first step (step -1) is its
-            # step 0, rollout step N its step N + 1; the charts' x-axis is `rollout/step`, the rollout id as in the JSONL
+            # wandb's step starts at 0 and never goes back: the eval at step -1 is its 0, rollout step N its N + 1
             self._wandb_run.define_metric(WANDB_STEP)
             self._wandb_run.define_metric("*", step_metric=WANDB_STEP)
             logger.info("wandb run %s (mode=%s)", self._wandb_run.id, args.wandb_mode)

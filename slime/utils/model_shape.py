@@ -28,8 +28,7 @@ class ModelShape:
     add_qkv_bias: bool
     initializer_range: float
     attention_dropout: float
-    # transformers builds the embedding as nn.Embedding(..., padding_idx=pad_token_id): that row gets no gradient
-    # from the tokens that look it up (a tied head still trains it)
+    # transformers' nn.Embedding(padding_idx=pad_token_id): that row gets no gradient from its lookups
     pad_token_id: int | None = None
 
 

@@ -22,8 +22,7 @@ OFFLINE_ENV = {
 }
 
 
-# Passed to every Ray worker of the run (runtime_env): the offline switches, and the driver's collective
-# settings (NCCL_*, GLOO_*, TORCH_NCCL_*), so actors on other nodes behave as the driver was told to.
+# Passed to every Ray worker of the run: the offline switches and the driver's collective settings.
 WORKER_ENV_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
                    "HF_HOME", "WANDB_MODE")
 WORKER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")

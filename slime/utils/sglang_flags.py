@@ -74,8 +74,7 @@ def unknown_flag_error(name: str, own_flags: Iterable[str] = (), server: tuple[f
     return f"--sglang-{name}: {source} has no server flag --{name}; {hint}"
 
 
-# upstream slime's --router-<flag> names (sglang-router's own flags under the router- prefix) that a run here does
-# not pass on, with why; every other one reaches `python -m sglang_router.launch_router` as --<flag>
+# upstream's --router-<flag> names a run here does not pass on, with why; the rest reach the launcher as --<flag>
 _PD = "prefill/decode disaggregation is not supported: engines are regular SGLang servers"
 _WORKERS = "the run registers its own engines with the router"
 _BREAKER = ("the router's circuit breaker is off in every run (one batch of bad requests would otherwise stall the "

@@ -10,8 +10,7 @@ SGLANG_OLDEST = "0.5.15.post1"  # upstream slime's pin
 
 CONTRACT_VERSIONS = (SGLANG_PINNED, SGLANG_OLDEST)
 
-# What the contract tests install next to each `sglang` wheel (pip --no-deps): the pure-Python / CPU packages its
-# modules import that our own dependencies do not bring. Per version: the packages SGLang pins itself.
+# What the contract tests install next to each `sglang` wheel (pip --no-deps): what SGLang pins itself.
 CONTRACT_COMMON_PACKAGES = (
     "msgspec==0.22.0", "pybase64==1.5.1", "uvloop==0.23.0", "pyzmq==27.3.0", "python-multipart==0.0.34",
     "gguf==0.19.0", "scipy==1.17.1", "jiter==0.19.0",
@@ -22,8 +21,7 @@ CONTRACT_VERSION_PACKAGES = {
 }
 
 
-# SGLang pins transformers to one version per release (0.5.23: 5.19.0; 0.5.15.post1: 5.12.1): ours holds both ends,
-# so that installing this package into either SGLang's image keeps SGLang's own (tests/test_pins.py reads its pins).
+# SGLang pins transformers per release (0.5.23: 5.19.0; 0.5.15.post1: 5.12.1): ours holds both ends.
 TRANSFORMERS_REQUIREMENT = "transformers>=5.12.1,<6"
 
 

@@ -116,8 +116,7 @@ class AgentEnv:
         return self.bad_call_output.replace("{error}", error)
 
 
-# Qwen / Hermes-style calls inside a ChatML conversation: the observation closes the assistant turn, comes back as
-# a user turn holding <tool_response>, and opens the next assistant turn.
+# Qwen / Hermes-style calls in ChatML: the observation comes back as a user turn holding <tool_response>.
 QWEN_FORMAT = ToolCallFormat(
     call_open="<tool_call>", call_close="</tool_call>", body="json",
     result_open="<|im_end|>\n<|im_start|>user\n<tool_response>\n",

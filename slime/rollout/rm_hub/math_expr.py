@@ -41,8 +41,7 @@ class Expression:
     tree: tuple
     variables: frozenset
     has_decimal: bool  # a literal such as 0.33 or 6.28 (not 2.0): the writer approximated
-    # only numbers, letters other than e and i, pi, + - * / ^ and roots, written unambiguously: every reader
-    # (sympy, math-verify) gives it the value we do, so a different value is a wrong answer for them too
+    # unambiguous plain arithmetic: every reader (sympy, math-verify) gives it the value we do
     plain: bool = False
 
 

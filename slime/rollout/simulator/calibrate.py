@@ -42,8 +42,7 @@ class Calibrator:
         # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
         self.url, self.vocab, self.client_url = url, vocab, client_url or url
         self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
-        # the longest context the probes use: the engine's own (None), or a workload's (a 16k-context model serving
-        # 400-token samples is fitted where it runs, and its probes do not prefill 8k-token prompts)
+        # the longest context the probes use: the engine's own (None), or the workload's
         self.max_context = max_context
         self.info: dict | None = None
         self.stats_ok = False
@@ -53,8 +52,7 @@ class Calibrator:
         self.trickles: list[dict] = []
         self.abort: list[float] = []
         self.curve: dict[str, float] = {}
-        # the rollout's client: parsed flags (None: time a bare client from the outside) and the processes besides
-        # this one whose CPU is the client's (the router)
+        # the rollout's client: parsed flags (None: a bare client) and the other processes whose CPU is the client's
         self.args, self.client_pids = args, tuple(client_pids)
         self.client_bursts: list[dict] = []
         self.driver_share: list[float] = []
@@ -92,8 +90,7 @@ class Calibrator:
             t0 = time.perf_counter()
             await generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
             self.latency.append(time.perf_counter() - t0)
-        # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
-        # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
+        # bursts of requests sent at once: the engine's HTTP side and the client's serial work
         burst = min(32, self.max_running)
         context = self.context
         long_in = max(16, min(1024, context // 2))
@@ -192,9 +189,7 @@ class Calibrator:
                                 - http["engine_per_input_token_s"] * t["in"] - http["engine_per_output_token_s"] * t["out"])
                                / t["trickled"] for t in trickles)
                 http["engine_per_request_s"] += max(0.0, extra[(len(extra) - 1) // 2])
-        # the scheduler thread's own work per request outside its steps (taking it from the HTTP side, admitting it,
-        # aborting it): it stalls the steps as the HTTP side does
-        # (measured on requests trickling in, as a rollout's do: each pays a pass of the loop, a burst's share one)
+        # the scheduler thread's own work per request outside its steps (measured on trickling requests)
         admin = sorted(t["admin_per_request"] for t in self.trickles if t["admin_per_request"] is not None)
         if admin:
             http["engine_per_request_s"] += admin[(len(admin) - 1) // 2]
@@ -235,8 +230,7 @@ class Calibrator:
             raise RuntimeError(f"Calibrator.fit: no {clock} measurements (the engine reports no such counters)")
         mixed_rows = [r for p in self.probes for r in (p.mixed if clock == "wall" else p.cpu_mixed)]
         if self.stats_ok and len(mixed_rows) < 3 and sum(1 for p in self.probes if p.prefill) < 3:
-            # an engine that counts its prefill forwards, timed on fewer than three probes (a pass cut short by its
-            # deadline): the model would price prefill as free and lose the engine's step composition
+            # an engine that counts prefill forwards, timed on fewer than three probes: prefill would be priced free
             raise RuntimeError(f"Calibrator.fit: prefill measured on {sum(1 for p in self.probes if p.prefill)} "
                                f"probe(s), the fit needs 3 (was the calibration pass cut short?)")
         mixed = len(mixed_rows) >= 3

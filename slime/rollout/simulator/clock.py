@@ -10,8 +10,7 @@ import concurrent.futures
 import itertools
 import selectors
 
-# how long the loop waits for another thread when nothing at all is scheduled (in the simulation nothing should
-# come from another thread: a wait that long means the simulated rollout deadlocked)
+# how long the loop waits when nothing at all is scheduled: that long means the simulation deadlocked
 STALL_WAIT_S = 60.0
 
 
@@ -38,8 +37,7 @@ class _JumpSelector(selectors.DefaultSelector):
         self.loop: VirtualTimeLoop | None = None
 
     def select(self, timeout=None):
-        # (a call from another thread puts its callback in the ready queue itself; the loop's self-pipe only wakes
-        # a loop that waits, so it is read only when nothing at all is scheduled)
+        # (another thread's call fills the ready queue itself; the self-pipe is read only when nothing is scheduled)
         if timeout == 0:
             return []
         if timeout is None:  # nothing scheduled, nothing ready: only another thread can go on

@@ -50,8 +50,7 @@ class EngineCostModel:
     client_per_request_s: float = 0.0  # the client's own work per request (sending it, reading its reply)
     client_per_input_token_s: float = 0.0  # the client's work per token of a request's input (building, sending it)
     client_per_token_s: float = 0.0  # the client's work per token of a reply (parsing, appending to the sample)
-    # the engine's own HTTP work, which stalls its scheduler (one Python process: the GIL); 0 for SGLang, whose
-    # HTTP server, tokenizer and scheduler are separate processes
+    # the engine's own HTTP work, which stalls its scheduler (one Python process); 0 for SGLang
     engine_per_request_s: float = 0.0
     engine_per_input_token_s: float = 0.0  # parsing a request's input_ids
     engine_per_output_token_s: float = 0.0  # writing a reply's output ids and log-probs

@@ -89,20 +89,17 @@ class Probe:
     def __init__(self, lengths: list[int], new_tokens: int, late: list[int] | None = None, delay_s: float = 0.0):
         self.lengths, self.n = lengths, new_tokens
         self.late, self.delay_s = late or [], delay_s  # rows sent `delay_s` after the others (prefilled while they decode)
-        # "mixed" engines: (seconds, [steps, decoded rows, their keys, their positions, steps, prefill tokens, pairs])
-        # of the steps with prefill tokens, per run
+        # "mixed" engines, per run: (seconds, [steps, decoded rows, keys, positions, steps, prefill tokens, pairs])
         self.mixed: list[tuple[float, list[float]]] = []
         self.cpu_mixed: list[tuple[float, list[float]]] = []
-        # per run: (decode seconds, [steps, rows, cached tokens, padded positions, buckets beyond one per step] summed
-        # over its decode steps);
-        # cpu_runs: the same in the engine thread's CPU seconds (when the engine reports them)
+        # per run: (decode seconds, [steps, rows, cached tokens, padded positions, extra buckets] summed over steps);
+        # cpu_runs: the same in the engine thread's CPU seconds
         self.runs: list[tuple[float, list[float]]] = []
         self.cpu_runs: list[tuple[float, list[float]]] = []
         self.prefill: list[tuple[float, int, int, float]] = []  # (seconds, forwards, positions, sum of len^2)
         self.evict: list[float] = []  # seconds per row taking its rows out of the batch when they finished, per run
         self.cpu_prefill: list[tuple[float, int, int, float]] = []
-        # per run, engines that count them: (seconds issuing, seconds after the tokens were back, x) of its decode
-        # steps (host_fit.py); `runs` then holds the decode seconds less that tail
+        # per run, engines that count them: (seconds issuing, seconds after the tokens were back, x) (host_fit.py)
         self.host: list[tuple[float, float, list[float]]] = []
 
     def step(self, stat, clock: str = "wall") -> tuple[float, list[float]] | None:

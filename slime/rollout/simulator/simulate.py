@@ -46,8 +46,8 @@ class SimConfig:
     max_async_lag: int = 1
     seed: int = 0
     budgets_are_lengths: bool = False  # each sample's length is its budget (ignore_eos benchmarks)
-    # chunked mode with partial_rollout: top up with groups as soon as fewer than a chunk's worth of requests are
-    # in flight, as slime/rollout/sglang_rollout.py does; False: the APRIL paper's rollout (whole chunks only)
+    # chunked mode with partial_rollout: top up once fewer than a chunk's worth are in flight, as the real
+    # rollout does; False: the APRIL paper's rollout (whole chunks only)
     top_ups: bool = True
     record_timeline: bool = False
 

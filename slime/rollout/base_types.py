@@ -16,8 +16,7 @@ from slime.utils.types import Sample, Status
 class RolloutOutput:
     groups: list[list[Sample]]
     metrics: dict[str, float] = field(default_factory=dict)
-    # groups dropped this step: group id -> reason ("reward_failed: ...", a filter's reason, ...); the driver
-    # names the common cause when steps keep training nothing
+    # groups dropped this step: group id -> reason (the driver names the common cause of empty steps)
     dropped: dict[int, str] = field(default_factory=dict)
 
 

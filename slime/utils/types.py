@@ -16,8 +16,7 @@ from typing import Any
 from slime.utils.engine_reply import token_versions
 from slime.utils.upstream_fields import UNSUPPORTED_FIELDS
 
-# the version of a token whose producer is not known yet (a plugin appended it without the engine's reply);
-# `complete_response` gives it the version the engines served
+# the version of a token whose producer is not known yet (`complete_response` fills it in)
 UNKNOWN_VERSION = -1
 
 
@@ -56,14 +55,11 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
-    # upstream slime's switches for plugins, with upstream's meaning where samples become training data
-    # (slime/backends/training_utils/data.py): samples sharing a `rollout_id` (a fan-out's) are one rollout in
-    # the loss (one optimizer step, one sample-mean term); a `remove_sample` stays out of the loss (its loss
-    # mask zeroed) but is rewarded and counts in its group's reward normalization
+    # upstream slime's switches for plugins, with upstream's meaning: samples sharing a `rollout_id` are one
+    # rollout in the loss; a `remove_sample` is rewarded but stays out of the loss
     rollout_id: int | None = None
     remove_sample: bool = False
-    # more training samples a list-returning custom generate made of this one (upstream's fan-out), finished;
-    # they join its group when the group is rewarded (`expand_fanout`)
+    # upstream's fan-out: more finished samples a list-returning generate made of this one (`expand_fanout`)
     fanout: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -291,9 +287,6 @@ class Sample:
 
     def oldest_version(self) -> int | None:
         return min(self.weight_versions) if self.weight_versions else None
-
-    def off_policy_tokens(self, current_version: int) -> int:
-        return sum(1 for v in self.weight_versions if v < current_version)
 
     # ---- serialisation ----------------------------------------------------
     def scalar_reward(self, reward_key: str | None = None) -> float | None:

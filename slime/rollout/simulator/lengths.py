@@ -8,17 +8,9 @@ import json
 import math
 import os
 import random
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from slime.rollout import length_bias
-
-
-class LengthModel(Protocol):
-    cap: int
-
-    def sample_group(self, rng: random.Random, n: int) -> tuple[int, list[int]]: ...
-
-    def describe(self) -> str: ...
 
 
 def _clip(x: float, cap: int) -> int:
@@ -49,9 +41,8 @@ class LogNormalLengths:
                 f"prompt {self.prompt_len} tokens")
 
 
-# The APRIL paper's response lengths as we assume them (it gives none; `tools/simulate_rollout.py paper`): Qwen3-4B on
-# DAPO-Math-17k, log-normal, median 6,000 tokens, sigma 0.8 (mean ~8.3k before the cap; 10.5% reach the 16,384 cap),
-# half of the log-length variance shared by a prompt's samples (hard problems are long for all), 200-token prompts.
+# The APRIL paper's response lengths as we assume them (it gives none): Qwen3-4B on DAPO-Math-17k, log-normal,
+# median 6,000, sigma 0.8, half of the log-length variance shared by a prompt's samples, 200-token prompts.
 PAPER_LENGTHS = dict(median=6000, sigma=0.8, corr=0.5, prompt=200)
 PAPER_CAP = 16384
 

@@ -64,8 +64,7 @@ def _given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
 
 
 def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:
-    """Parse `entry`'s flags (train.py or train_async.py), fill derived defaults, validate, freeze;
-    raises `ArgumentError` naming the flag and rule."""
+    """Parse `entry`'s flags, fill derived defaults, validate, freeze; `ArgumentError` names flag and rule."""
     parser = build_parser(entry)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())

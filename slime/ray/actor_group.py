@@ -147,8 +147,7 @@ class RayTrainGroup:
 
     # ---------------------------------------------------------- contract ----
     def init(self) -> "RayTrainGroup":
-        """Start the process group and load the model on every rank; returns self (so `group = RayTrainGroup(args,
-        pgs).init()`); `.info` holds rank 0's report (num_params)."""
+        """Start the process group and load the model on every rank; returns self (`.info`: rank 0's report)."""
         import ray
 
         addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
@@ -168,8 +167,7 @@ class RayTrainGroup:
         return wait_ranks([a.__ray_call__.remote(process_placement) for a in self.actors], "trainer.nodes", timeout)
 
     def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
-        """Every rank gets every group (it plans the split itself; `groups` may be an ObjectRef already); metrics
-        are already reduced across ranks, rank 0's copy is returned."""
+        """Every rank gets every group (it plans its split); returns rank 0's metrics, reduced across ranks."""
         import ray
 
         ref = groups if isinstance(groups, ray.ObjectRef) else ray.put(groups)

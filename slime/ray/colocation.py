@@ -149,8 +149,7 @@ class ColocatedPhases(Phases):
 
 
 def engine_memory(engines) -> dict | None:
-    """What the engines hold by their own count (and their devices' free bytes on a GPU); None when one does not
-    say."""
+    """What the engines hold by their own count (GPU: and free bytes); None when one does not say."""
     from slime.backends.sglang_utils.http_client import get_json
 
     held = free = 0

@@ -66,8 +66,7 @@ class PlacementGroups:
         return sorted({b.node_ip for b in self.bundles.values()})
 
     def engine_slots(self, num_engines: int, gpus_per_engine: int) -> list[EngineSlot]:
-        """Engine i takes the rollout bundles [i*k, (i+1)*k) (k = GPUs per engine on GPUs, 1 on CPU), all on one
-        node; its host actor goes to the first of them."""
+        """Engine i takes rollout bundles [i*k, (i+1)*k) on one node; its host actor goes to the first."""
         per = gpus_per_engine if self.use_gpu else 1
         if len(self.rollout_bundles) < num_engines * per:
             raise PlacementError(f"{num_engines} engine(s) of {per} bundle(s) need {num_engines * per} rollout bundles, "

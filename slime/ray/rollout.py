@@ -72,8 +72,7 @@ def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: st
 
 class RolloutManager:
     def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None, halt=None):
-        """`engine_slots`: each engine's placement-group bundles (None: engines hosted in this process); `halt`:
-        the run's stop request."""
+        """`engine_slots`: each engine's bundles (None: engines in this process); `halt`: the stop request."""
         from transformers import AutoTokenizer
 
         from slime.ray.buffer import Buffer
@@ -136,8 +135,7 @@ class RolloutManager:
         return self.rollout.version
 
     def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
-        """One training step of the rollout function as a `RolloutOutput`, and the groups it took settled in the
-        ledger."""
+        """One training step of the rollout function, and the groups it took settled in the ledger."""
         where = f"--rollout-function-path {self.args.rollout_function_path}"
         result = self.rollout_fn(self.plugin_args, rollout_id, ctx, evaluation=False)
         out = to_rollout_output(result, where, ctx.policy_version)

@@ -169,8 +169,7 @@ class TrainingRun:
         return ckpt, state
 
     def _foreign_load(self):
-        """`--load` of a Megatron checkpoint train.py did not write: megatron starts from its weights; else
-        refused."""
+        """`--load` of a Megatron checkpoint train.py did not write: megatron starts from its weights."""
         args = self.args
         if not args.load or args.train_backend != "megatron" or ckpts.model_only_checkpoint(args.load) is None:
             return None
@@ -217,8 +216,7 @@ class TrainingRun:
 
     # ---- one step ------------------------------------------------------------------------
     def rollout(self, rollout_id: int) -> RolloutOutput | None:
-        """The step's batch (an engine fault named, or restarted and the step run again); None when a stop halted
-        it."""
+        """The step's batch (an engine fault named, or restarted and run again); None when a stop halted it."""
         if self.stop.requested:
             return None
         out = self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
@@ -268,8 +266,7 @@ class TrainingRun:
         return manager.policy_version
 
     def push_weights(self, rollout_id: int, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """The trainer's weights to every engine as `version`; an engine that fails is named, or restarted and
-        pushed again (--use-fault-tolerance)."""
+        """The trainer's weights to every engine as `version` (a failing engine named, or restarted)."""
         manager = self.rollout_manager
         if manager.engines is None or self.actor_model is None or self.stop.requested:
             return {}  # (a stop: the engines are about to go; a --load pushes the checkpoint's weights)
@@ -283,8 +280,7 @@ class TrainingRun:
 
     @contextlib.contextmanager
     def checkpoint_if_engines_give_up(self, rollout_id: int):
-        """Engines that keep failing stop the run: checkpoint what it reached (`rollout_id`, parked samples
-        included) first, so `--load` resumes it."""
+        """Engines that keep failing stop the run: checkpoint `rollout_id` first, so `--load` resumes it."""
         try:
             yield
         except EngineRestartsExhausted:
@@ -299,8 +295,7 @@ class TrainingRun:
                 and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval)))
 
     def stop_due(self, rollout_id: int) -> bool:
-        """Stop after this step: a stop was requested (SIGTERM, SIGINT, --exit-duration-in-mins), or --exit-interval
-        says so; `finish` then checkpoints and says why."""
+        """Stop after this step: a stop was requested, or --exit-interval says so (`finish` checkpoints)."""
         if is_due(rollout_id, self.args.exit_interval) and not self.is_last(rollout_id):
             self.stop.request(f"--exit-interval {self.args.exit_interval}: step {rollout_id} done")
         return self.stop.requested
@@ -331,8 +326,7 @@ class TrainingRun:
 
     # ---- logging ---------------------------------------------------------------------------
     def log(self, rollout_id: int, step_metrics: dict) -> None:
-        """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
-        timings, then one metrics record."""
+        """Empty steps, ledger counts, restarts, colocation costs and `perf/` timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
         step_metrics.update(self.timing.metrics())  # (the next step's clock starts)
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)

@@ -150,8 +150,7 @@ class AdmissionControl:
         logger.info("admission auto: starting at %d requests in flight (ceiling %d)", self.limit, self.ceiling)
 
     def observe(self, loads: list[dict], in_flight: int) -> int:
-        """One load report (per-DP-rank dicts of every engine, SGLang's /v1/loads shape) and the requests of ours in
-        flight now; returns the new limit."""
+        """One load report (SGLang's /v1/loads shape) and our requests in flight now; returns the new limit."""
         if not self.auto or not loads:
             return self.limit
         self.observations += 1
@@ -187,15 +186,13 @@ class AdmissionControl:
         self.poll = LoadPoll(self, io) if self.auto else None
 
     def at_wake(self) -> int:
-        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`): a report that came back is observed,
-        the next one asked for. Returns the limit."""
+        """A wake of a pool step's loop: a report that came back is observed, the next asked for; the limit."""
         if self.poll is not None:
             self.poll.at_wake()
         return self.limit
 
     def step_ended(self, record) -> int:
-        """A pool step ended: one that ran to its target judges its limit by its tokens/s; a stream segment keeps
-        it."""
+        """A pool step that ran to its target judges its limit by its tokens/s; a stream segment keeps it."""
         poll, self.poll = self.poll, None
         if poll is None:  # (fixed, or no top-up ran)
             return self.limit
@@ -205,8 +202,7 @@ class AdmissionControl:
         return self.after_step(poll.io.requester.new_tokens / max(1e-6, record.clock.now()))
 
     def after_step(self, tokens_per_s: float) -> int:
-        """A step ran at `self.limit` and made `tokens_per_s`: the climb (`StepClimb`) chooses the next step's limit
-        within the loads' cap."""
+        """A step ran at `self.limit` at `tokens_per_s`: `StepClimb` picks the next limit within the cap."""
         if not self.auto or self.climb is None or tokens_per_s <= 0 or self.cap < self.climb.limit:
             return self.limit  # (while the loads' cap binds, the step says nothing about the climb's limit)
         before = self.limit

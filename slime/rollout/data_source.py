@@ -177,8 +177,7 @@ def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, 
 
 # ----------------------------------------------------------- data source ----
 class RolloutDataSource:
-    """Fresh prompt groups for training, epoch after epoch, with exact resume (`--rollout-shuffle`: epoch e's
-    permutation from `--rollout-seed + e`)."""
+    """Fresh prompt groups, epoch after epoch, with exact resume (shuffled: epoch e's seed --rollout-seed + e)."""
 
     def __init__(self, args, tokenizer):
         self.args = args

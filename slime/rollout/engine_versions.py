@@ -16,8 +16,7 @@ MAX_WARNINGS = 20  # per requester: a misconfigured run would otherwise warn on 
 
 
 def cache_key(version: int) -> str:
-    """The `/generate` `extra_key` for `version`: prefix caches reuse KV only within one key, so a request never
-    starts on KV of older weights."""
+    """The `/generate` `extra_key` for `version`: prefix caches never reuse KV across keys (older weights)."""
     return f"weights-v{int(version)}"
 
 
@@ -30,8 +29,7 @@ class VersionLabels:
 
     def label_tokens(self, sample, engine: list[int] | None, spans_sent: bool, sent: int, newest: int,
                      rid: str, span_lag: int = 0) -> list[int] | int:
-        """The version of each of a reply's tokens for `sample` (an int: all of them), from the engine's versions
-        and our record (`sent`..`newest`)."""
+        """The version of each of a reply's tokens (an int: all), from the engine's versions and our record."""
         if engine is None:  # the engine's versions are not ints (e.g. its default "default"): ours, if one
             if newest != sent:
                 raise ValueError(f"{self.where}: the engines changed version ({sent} -> {newest}) during request {rid} "

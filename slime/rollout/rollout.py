@@ -190,8 +190,7 @@ class Rollout:
         self.update_pause_s = asyncio.get_running_loop().time() - t0
 
     async def evaluate(self, rollout_id: int, groups) -> RolloutOutput:
-        """`groups` (eval groups: a list, or a dict by set name) generated on the served weights, rewarded; never
-        enters the buffer."""
+        """`groups` (a list, or a dict by set name) generated on the served weights and rewarded; no buffer."""
         return await self.link.evaluate(rollout_id, groups, self.served_version)
 
     # ---- train_async.py: steps under a version gate ----------------------------------------------------

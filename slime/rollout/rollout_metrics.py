@@ -22,8 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def token_version_metrics(groups: list[list[Sample]], current_version: int) -> dict[str, float]:
-    """Exact off-policy token ratio (loss-masked tokens older than `current_version`), staleness histogram and
-    versions per sample over `groups`."""
+    """Exact off-policy token ratio, staleness histogram and versions per sample (loss-masked tokens)."""
     lags: Counter = Counter()
     distinct: list[int] = []
     for group in groups:
@@ -71,8 +70,7 @@ def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) ->
 
 
 def running_requests(load: Any) -> tuple[int, int | None]:
-    """(running requests, batch capacity or None) from one worker's load report (SGLang's /v1/loads reply, or a
-    legacy /get_load one)."""
+    """(running requests, batch capacity or None) from one worker's /v1/loads (or legacy /get_load) reply."""
     return engine_api.running_and_waiting(load)[0], engine_api.running_capacity(load)
 
 
@@ -122,8 +120,7 @@ class OccupancySampler:
 
 
 class EngineMonitors:
-    """Watch the real engines while a step runs: the watchdog (the step's `io.watchdog`) and the occupancy
-    sampler."""
+    """Watch the real engines while a step runs: the watchdog (`io.watchdog`) and the occupancy sampler."""
 
     def __init__(self, args, engines, session, urls: list[str], bar=None):
         self.bar = bar
@@ -153,8 +150,7 @@ def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
 
 
 def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, float]:
-    """The `rollout/` metrics of one finished step (its `StepRecord`, slime/rollout/step_record.py, and its
-    requester's counters) and its trace line."""
+    """The `rollout/` metrics of one finished step (its `StepRecord` and requester counters) and its trace line."""
     m = step.clock.marks
     elapsed = m.get("drained", step.clock.now())
     new_tokens = requester.new_tokens

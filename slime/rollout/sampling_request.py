@@ -80,8 +80,7 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
 
 
 def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int] | None, str, str]:
-    """(token ids, log-probs, per-token weight versions or None if not ints, text, finish type) from one
-    /generate reply."""
+    """(token ids, log-probs, versions or None, text, finish type) from one /generate reply."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict):
         raise GenerateResponseError(f"{url}/generate: reply has no meta_info object: {str(out)[:300]}")
@@ -123,8 +122,7 @@ def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_che
 
 
 class RequestLoop:
-    """A sample's requests until it finishes: budget, status, resumes; `send` is the transport's (HTTP or
-    simulator)."""
+    """A sample's requests until it finishes; `send` is the transport's (HTTP or the simulator's)."""
 
     custom_generate = None
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response at most
@@ -139,8 +137,7 @@ class RequestLoop:
         self.timeline: list[tuple[float, int]] = []  # (loop time, in flight) at each change (the trace's occupancy)
 
     def budget(self, sample: Sample) -> int:
-        """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`, or what
-        `--rollout-max-context-len` leaves after its prompt."""
+        """The response budget: the flag, a smaller per-sample one, or what the context leaves."""
         own = sample.metadata.get("max_response_len") if isinstance(sample.metadata, dict) else None
         budget = self.max_len if own is None else min(self.max_len, int(own))
         if self.max_context_len is not None:
@@ -238,8 +235,7 @@ class SampleRequester(RequestLoop):
         return body
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
-        """One `POST /generate` for `sample`; returns the tokens appended. `window`: the versions the reply may
-        carry."""
+        """One `POST /generate` for `sample`; returns the tokens appended (`window`: the versions allowed)."""
         try:
             seg = await self.request(self.payload(sample, rid, version=window and window.sent), window, sample)
         except http_client.EngineHTTPError as e:

@@ -41,8 +41,7 @@ def engine_rollout(args, buffer, data_source, engines, agent=None, planner=None,
 
 
 class EngineLink:
-    """The engines behind the router as a step sees them: requests over SGLang's HTTP API (through the version
-    gate if any, the watchdog asked on failure), the reward and filter, the `rollout/` metrics and trace."""
+    """The engines behind the router as a step sees them: requests, reward and filter, metrics and trace."""
 
     def __init__(self, args, engines, agent=None):
         self.args, self.engines, self.agent = args, engines, agent  # agent: --agent-env's ToolAgent

@@ -42,8 +42,7 @@ class StalenessCap:
 
     @classmethod
     def from_args(cls, args) -> "StalenessCap":
-        """The run's cap; with `restart`, the length guard (unless `--disable-length-guard`) gives each sample
-        `GUARD_RESTART_BUDGET` restarts."""
+        """The run's cap; with `restart` the length guard gives each sample `GUARD_RESTART_BUDGET` restarts."""
         guarded = args.staleness_policy == "restart" and not args.disable_length_guard
         return cls(args.max_staleness, args.staleness_policy, GUARD_RESTART_BUDGET if guarded else None)
 

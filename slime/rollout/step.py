@@ -216,8 +216,7 @@ async def abort_live_engines(rec: StepRecord, io):
 
 
 async def commit(rec: StepRecord, buffer) -> None:
-    """Ledger + buffer: finished groups marked, rejected dropped, unfinished parked or dropped, overflow held
-    ready (one batch of buffer calls)."""
+    """Ledger + buffer: finished marked, rejected dropped, unfinished parked, overflow held ready."""
     unfinished = []
     for g in [st.samples for st in rec.open_groups()]:  # finished ones: their reward never settled (timed out)
         if all(s.status.is_finished for s in g):

@@ -30,8 +30,7 @@ def _unfinished(groups: list[list]) -> int:
 
 
 class Supply:
-    """What the step asks a supply: `prepare(num_engines)`, `top_up` at each wake (the groups to add) and
-    `gate_closed()`."""
+    """What the step asks a supply: `prepare(num_engines)`, `top_up` at each wake, `gate_closed()`."""
 
     chunk: int | None = None
     in_flight_cap = 0
@@ -44,8 +43,7 @@ class Supply:
 
 
 class ChunkedSupply(Supply):
-    """Over-sampled chunks with top-ups (APRIL): `size` groups a chunk (`--over-sampling-batch-size`, or this
-    step's choice of auto's planner); `concurrency_per_engine` caps the requests in flight."""
+    """Over-sampled chunks of `size` groups with top-ups (APRIL), `concurrency_per_engine` in flight."""
 
     def __init__(self, size: int, concurrency_per_engine: int, top_ups: bool):
         self.chunk, self.concurrency_per_engine = size, concurrency_per_engine

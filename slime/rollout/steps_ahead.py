@@ -23,8 +23,7 @@ TAKE_POLL_S = 5.0
 
 
 class StepsAhead:
-    """Steps of the run's `rollout` produced ahead of the trainer; `custom_step(j)`: a custom rollout function's
-    step, run on a worker thread."""
+    """Steps of the run's `rollout` ahead of the trainer (`custom_step`: a custom function's, on a thread)."""
 
     def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int,
                  custom_step: Callable[[int], RolloutOutput] | None = None):

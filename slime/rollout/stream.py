@@ -45,8 +45,7 @@ class StreamPlacement:
 
 
 class StreamRollout:
-    """The stream's state on the rollout's event loop, driving the run's `rollout` ahead of the trainer
-    (`AsyncRollout`, slime/ray, or the simulator drives it)."""
+    """The stream's state on the rollout's event loop, driving the run's `rollout` ahead of the trainer."""
 
     def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int):
         self.rollout = rollout

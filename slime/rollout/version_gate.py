@@ -100,8 +100,7 @@ class VersionGate:
 
     # ---- the controller side ------------------------------------------------------
     async def hold(self, reason: str, engines, session=None, timeout: float = 120.0, drain: bool = True) -> float:
-        """Close the gate for `reason`; with `drain`, abort every request of ours and wait for it. Returns the
-        drain's seconds."""
+        """Close the gate for `reason`; `drain`: abort ours and wait for them. Returns the drain's seconds."""
         if self._open.is_set():
             self._closed_at = time.monotonic()
         self._holds.add(reason)
@@ -159,8 +158,7 @@ class VersionGate:
             self.version, self.pending_version = self.pending_version, None
 
     def stale_requests(self, min_version: int) -> list[str]:
-        """Requests in flight whose sample may hold a token older than `min_version` (its oldest known token,
-        or the version it was sent at)."""
+        """Requests in flight whose sample may hold a token older than `min_version`."""
         out = []
         for rid, (sample, sent) in self._requests.items():
             known = sample.oldest_version()

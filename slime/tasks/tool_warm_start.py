@@ -89,8 +89,7 @@ def sample_with_tools(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
 
 def evaluate_with_tools(model, tokenizer, rows: list[dict], temperature: float = 1.0, batch_size: int = 128,
                         seed: int = 0) -> dict:
-    """Accuracy on `rows` and how the calculator was used: calls per sample and the share of chain steps
-    that were calls."""
+    """Accuracy on `rows`, calls per sample, and the share of chain steps that were calls."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

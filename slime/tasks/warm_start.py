@@ -59,8 +59,7 @@ def encode_example(tokenizer, prompt: str, response: str | None, bos: bool = Tru
 
 
 def bucketed_batches(cfg: WarmStartConfig, rng: random.Random, example):
-    """Endless batches of `example(rng)` (ids, n_prompt[, mask]), drawn in pools and bucketed by length to cut
-    padding."""
+    """Endless batches of `example(rng)`, drawn in pools and bucketed by length to cut padding."""
     while True:
         pool = [example(rng) for _ in range(cfg.pool_batches * cfg.batch_size)]
         pool.sort(key=lambda x: len(x[0]))

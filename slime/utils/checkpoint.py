@@ -98,8 +98,7 @@ def checkpoint_size_estimate(hf_checkpoint: str | None) -> int:
 
 
 def prepare_save_dir(save_dir: str, need_bytes: int = 0) -> None:
-    """At start: `save_dir` writable with `need_bytes` free (else `CheckpointSaveError` now, not hours later); a
-    dead process's tmp dirs are removed."""
+    """At start: `save_dir` writable with `need_bytes` free (else fail now); dead processes' tmp dirs removed."""
     try:
         os.makedirs(save_dir, exist_ok=True)
         probe = os.path.join(save_dir, f".write-probe-{os.getpid()}")
@@ -142,8 +141,7 @@ def _short_cause(e: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, rollout_id: int, writers: dict[str, Callable[[str], None]],
                     driver_state: dict[str, Any]) -> str:
-    """Write each part with `writers[name](subdir)` into a tmp dir, then publish it atomically; a failure raises
-    `CheckpointSaveError` naming the part, path, cause and free space."""
+    """Write each part into a tmp dir, then publish it atomically; `CheckpointSaveError` names what failed."""
     os.makedirs(save_dir, exist_ok=True)
     final = os.path.join(save_dir, iter_dir_name(rollout_id))
     tmp = f"{final}.tmp-{os.getpid()}"

@@ -9,8 +9,7 @@ class GenerateResponseError(RuntimeError):
 
 
 def token_versions(meta: dict, n: int, where: str) -> list[int] | None:
-    """The weight version of each of a reply's `n` tokens (`weight_versions` spans, else `weight_version`), or
-    None when they are not ints."""
+    """The weight version of each of a reply's `n` tokens, or None when they are not ints."""
     spans = meta.get("weight_versions")
     if spans is None:
         try:

@@ -98,8 +98,7 @@ class MemoryEstimate:
 
 
 def micro_batch_tokens(args) -> int:
-    """Tokens of the largest micro-batch: --max-tokens-per-gpu, or a sample of the whole prompt + response budget
-    (it trains alone when it is longer)."""
+    """Tokens of the largest micro-batch: --max-tokens-per-gpu, or one whole prompt + response budget."""
     sample = (args.rollout_max_prompt_len or 0) + args.rollout_max_response_len
     if args.use_dynamic_batch_size:
         return max(args.max_tokens_per_gpu, sample)

@@ -11,8 +11,7 @@ from slime.utils.ledger import Ledger, LedgerError
 
 
 def audit_checkpoint(ckpt_dir: str) -> dict[str, int]:
-    """Raise `LedgerError` naming what is wrong; return the ledger's counts (and `data_groups`: groups issued by
-    the data source) when the audit is clean."""
+    """Raise `LedgerError` naming what is wrong; else the ledger's counts (and `data_groups`)."""
     path = os.path.join(ckpt_dir, "buffer", "buffer.json")
     try:
         with open(path) as f:

@@ -116,8 +116,7 @@ def truncate_jsonl(path: str, key: str, last: int) -> int:
 
 
 def truncate_run_logs(run_dir: str, last_step: int) -> None:
-    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl, rollout_trace.jsonl and
-    eval_scores.jsonl."""
+    """On resume from step `last_step`: drop the later rows of metrics, rollout trace and eval scores."""
     for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id"), ("eval_scores.jsonl", "step")):
         n = truncate_jsonl(os.path.join(run_dir, name), key, last_step)
         if n:

@@ -18,8 +18,7 @@ class PluginArgs(argparse.Namespace):
 
 
 def plugin_args(args: Any) -> Any:
-    """The process's one plugin view of `args` (a frozen `Args`, or already a view); any other namespace (tests,
-    tools) is mutable already and returned as it is."""
+    """The process's one plugin view of `args` (a frozen `Args`); any other namespace is returned as it is."""
     for_plugins = getattr(type(args), "for_plugins", None)
     return for_plugins(args) if for_plugins is not None else args
 

@@ -30,8 +30,7 @@ TensorOrList = Tensor | Sequence[Tensor]
 
 # ---------------------------------------------------------------- logits ----
 def _effective_temperature(temperature: float) -> float:
-    """Temperature 0 means greedy decoding; like SGLang, log-probs (and
-    entropy) are then reported for the unscaled distribution (temperature 1)."""
+    """Temperature 0 (greedy): log-probs and entropy of the unscaled distribution, as SGLang reports them."""
     if temperature < 0:
         raise ValueError(f"temperature (--rollout-temperature) must be >= 0, got {temperature}")
     return 1.0 if temperature == 0 else float(temperature)
@@ -48,8 +47,7 @@ def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) 
 
 
 def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Per-position entropy −Σ p log p of softmax(logits / temperature), in
-    float32; stable for large logits and for −inf (banned) logits."""
+    """Per-position entropy of softmax(logits / temperature), in float32; stable for large and −inf logits."""
     temperature = _effective_temperature(temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     p = logp.exp()
@@ -60,8 +58,7 @@ def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Ten
 
 # -------------------------------------------------------------------- KL ----
 def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "k1") -> Tensor:
-    """Per-token estimate of KL(pi || ref) from samples of pi
-    (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token estimate of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
     log_ratio = log_probs.float() - ref_log_probs.float()
     if kl_type == "k1":
         return log_ratio
@@ -153,8 +150,7 @@ def loss_agg_mode(args) -> str:
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ values·mask; positions with mask 0 contribute exactly 0 even if the
-    value there is NaN/inf (so padding garbage never leaks)."""
+    """Σ values·mask; masked positions contribute exactly 0 even when their value is NaN/inf."""
     mask = mask.to(device=values.device)
     weighted = torch.where(mask != 0, values * mask.to(values.dtype), torch.zeros((), dtype=values.dtype, device=values.device))
     return weighted.sum() if dim is None else weighted.sum(dim=dim)
@@ -212,8 +208,7 @@ def sft_loss(log_probs: TensorOrList, mask: TensorOrList) -> Tensor:
 
 # ---------------------------------------------- off-policy correction -------
 def compute_ess(weights: Tensor, mask: Tensor) -> float:
-    """Normalised effective sample size (Σw)² / (n Σw²) over masked tokens, in
-    (0, 1]; 1 when all weights are equal. An empty mask gives 1.0."""
+    """Normalised effective sample size (Σw)² / (n Σw²) over masked tokens, in (0, 1]; empty mask: 1.0."""
     w = weights.detach().double()
     mk = mask.to(device=w.device) != 0
     n = int(mk.sum())

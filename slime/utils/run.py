@@ -61,8 +61,7 @@ def job_runtime_env(listen_host: str = "auto") -> dict:
 
 
 def process_placement(_actor=None) -> dict:
-    """Where this process runs and which code it imports (for placement.json; `_actor` lets Ray's
-    `actor.__ray_call__` run it inside any actor)."""
+    """Where this process runs and which code it imports (placement.json; `_actor`: run inside any actor)."""
     import socket
 
     info = {"hostname": socket.gethostname(), "pid": os.getpid(), "code_root": code_root(), "node_id": None,

@@ -272,8 +272,7 @@ class Sample:
 
     # ---- version accounting -----------------------------------------------
     def version_counts(self, in_loss_only: bool = True) -> Counter:
-        """{policy version: response tokens it produced}, over the tokens in the loss (`trained_loss_mask` 1) by
-        default."""
+        """{policy version: response tokens it produced}, over the tokens in the loss by default."""
         if not in_loss_only:
             return Counter(self.weight_versions)
         return Counter(v for v, m in zip(self.weight_versions, self.trained_loss_mask) if m)

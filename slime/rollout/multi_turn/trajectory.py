@@ -28,8 +28,7 @@ class Trajectory:
 
     @classmethod
     def of(cls, sample: Sample) -> "Trajectory":
-        """The sample's record, created empty for a fresh sample and reset with a reset response (staleness
-        restart); an inconsistent record raises TrajectoryError naming the sample."""
+        """The sample's record (created or reset to match its response); inconsistent: TrajectoryError."""
         rec = sample.metadata.get(KEY)
         if rec is None or sample.response_length == 0:
             sample.metadata[KEY] = {"turns": [], "calls": []}

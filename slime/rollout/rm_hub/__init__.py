@@ -147,8 +147,7 @@ async def async_rm(args, sample: Sample) -> float | dict:
 
 
 async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
-    """Rewards of a group (one `--custom-rm-path` call with `--group-rm`, else per sample); raises on the first
-    error."""
+    """Rewards of a group (one call with `--group-rm`, else per sample); raises on the first error."""
     custom = args.custom_rm_path
     if custom and args.group_rm:
         return await _group_call(args, samples, custom)

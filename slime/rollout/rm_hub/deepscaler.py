@@ -35,8 +35,7 @@ def grade_answer(pred: str, label) -> bool:
 
 
 def grade_answer_verl(solution_str: str, ground_truth) -> bool:
-    """Upstream's: is the last boxed answer of `solution_str` right for `ground_truth`? An empty truth never
-    matches."""
+    """Upstream's: is the last boxed answer of `solution_str` right? An empty truth never matches."""
     if ground_truth is None or str(ground_truth) == "":
         return False
     given = extract_answer(solution_str)

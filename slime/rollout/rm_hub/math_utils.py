@@ -70,8 +70,7 @@ def extract_boxed_answer(text: str) -> str | None:
 
 
 def final_answer_statement(text: str) -> str | None:
-    """The answer stated on the last `Answer: ...` / `the answer is ...` line of `text` (math delimiters and a
-    trailing period dropped), or None."""
+    """The answer on the last `Answer: ...` / `the answer is ...` line of `text` (cleaned), or None."""
     matches = _ANSWER_STATEMENT.findall(text)
     if not matches:
         return None

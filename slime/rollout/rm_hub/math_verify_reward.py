@@ -27,8 +27,7 @@ _BOUNDED_THREAD = "rm-check-math-verify-bounded"  # the thread of a check under 
 
 
 class _BoundedHere(logging.Filter):
-    """Drops math-verify's "timeouts are off" warning in `math_verify_reward`'s bounded threads, where it is
-    untrue."""
+    """Drops math-verify's "timeouts are off" warning where it is untrue (our bounded threads)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.threadName != _BOUNDED_THREAD or "Timeout is disabled" not in record.getMessage()

@@ -28,8 +28,7 @@ def _reward_from_json(body, url: str) -> float:
 
 
 async def remote_rm(args, sample, timeout: float | None = None, response: str | None = None) -> float:
-    """POST the sample to `args.rm_url` and return its reward; `response` replaces `sample.response` in the
-    payload."""
+    """POST the sample to `args.rm_url`, return its reward (`response`: instead of `sample.response`)."""
     url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")

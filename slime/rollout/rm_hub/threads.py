@@ -10,8 +10,7 @@ from typing import Any, Callable
 
 async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: float | None = None,
                                name: str | None = None) -> Any:
-    """`fn(*args)` in a fresh daemon thread (`name`, default `rm-check-<fn>`); raises TimeoutError after `timeout`
-    seconds (None: no limit)."""
+    """`fn(*args)` in a fresh daemon thread; TimeoutError after `timeout` seconds (None: no limit)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 

@@ -33,8 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class Calibrator:
-    """Probes one engine (`url`): `measure()` adds a pass over every probe (call it several times, so one busy
-    moment does not decide alone); `fit()` turns the passes into an `EngineCostModel`."""
+    """Probes one engine: each `measure()` adds a pass over every probe; `fit()` makes the cost model."""
 
     def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
                  seed: int = 0, name: str | None = None, quick: bool = False, args=None,
@@ -134,8 +133,7 @@ class Calibrator:
 
     async def _trickle(self, session, background: int, new_tokens: int, in_len: int, n: int = 48,
                        concurrency: int = 4) -> dict:
-        """Requests arriving one after another while `background` rows decode, as a rollout's do: the engine's
-        HTTP CPU seconds and scheduler admin time (each trickled request pays its own wake-up)."""
+        """Requests trickling in while `background` rows decode: the engine's HTTP CPU and scheduler admin time."""
         before = await scheduler_stats(session, self.url)
         bg = [asyncio.create_task(generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens))
               for _ in range(background)]
@@ -156,8 +154,7 @@ class Calibrator:
                 "http_cpu": http, "admin_per_request": admin, "trickled": n}
 
     async def _rollout_burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
-        """`n` samples generated at once through the rollout's request path: this process's CPU seconds (and the
-        client processes')."""
+        """`n` samples at once through the rollout's request path: the client's CPU seconds."""
         from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
         from slime.utils.types import Sample
 
@@ -174,8 +171,7 @@ class Calibrator:
         return {"n": n, "in": n * in_len, "out": sum(s.response_length for s in samples), "cpu": cpu}
 
     def _client_and_http(self, latency: float, share: float | None) -> dict:
-        """The engine's HTTP costs (CPU seconds over the scheduler's CPU share: what it stalls the scheduler for)
-        and the client's serial costs, from the bursts."""
+        """The engine's HTTP costs (over its scheduler's CPU share) and the client's serial costs, from bursts."""
         out: dict = {}
         rows = [b for b in self.bursts if b["http_cpu"] is not None]
         http = {"engine_per_request_s": 0.0, "engine_per_input_token_s": 0.0, "engine_per_output_token_s": 0.0}
@@ -221,8 +217,7 @@ class Calibrator:
         return int((self.info or {}).get("max_running_requests") or 128)
 
     def fit(self, stat: str = "median", clock: str = "wall") -> EngineCostModel:
-        """`clock` "cpu": the engine thread's CPU seconds instead of wall seconds (what the engine costs on
-        a machine of its own, when it reports them)."""
+        """`clock` "cpu": fit the engine thread's CPU seconds instead of wall seconds."""
         if self.info is None:
             raise RuntimeError("Calibrator.fit: measure() first")
         pts = [(p, p.step(stat, clock)) for p in self.probes if p.step(stat, clock)]

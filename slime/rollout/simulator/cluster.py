@@ -15,8 +15,7 @@ from slime.utils.types import Status
 
 
 class SimSample:
-    """One sample's progress as runs of (version, tokens), answering what the rollout reads of a `Sample`: a
-    16k-token response is a handful of numbers here."""
+    """One sample's progress as runs of (version, tokens), answering what the rollout reads of a `Sample`."""
 
     __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
                  "status", "metadata", "reward", "masked_below")

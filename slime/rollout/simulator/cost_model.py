@@ -107,8 +107,7 @@ class EngineCostModel:
         return self.with_host(self.decode_device_s(batch, tokens, padded, extra_buckets), batch, extra_buckets)
 
     def decode_jump(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> tuple[float, float]:
-        """(this decode step's seconds, how much each next one costs more) while the same rows decode; a
-        host-bound step does not grow."""
+        """(this decode step's seconds, the growth of each next) while the same rows decode."""
         device = self.decode_device_s(batch, tokens, padded, extra_buckets)
         issue = self.host_step_s + self.host_per_row_s * batch + self.host_per_bucket_s * extra_buckets
         growth = 0.0 if issue > device else (self.decode_per_token_s + self.decode_per_padded_s) * batch
@@ -260,8 +259,7 @@ def prefill_chunks(lengths: list[int], pad_slack: int) -> list[list[int]]:
 
 def nnls_fit(rows: list[list[float]], targets: list[float], names: tuple[str, ...],
              weights: list[float] | None = None) -> tuple[dict[str, float], float]:
-    """Least squares with every coefficient >= 0 (exhaustive over the active set): (coefficients, relative RMS
-    residual); `weights` scale each row."""
+    """Non-negative least squares (exhaustive active set): (coefficients, relative RMS residual)."""
     a = np.asarray(rows, dtype=float)
     y = np.asarray(targets, dtype=float)
     w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=float)

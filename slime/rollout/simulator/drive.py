@@ -24,8 +24,7 @@ NO_TIMEOUT_S = 1e9  # the simulated step has no wall-clock limits to hit
 
 
 class Judge:
-    """The simulated reward (none) and dynamic filter (keeps a group with probability `pass_rate`); counts the
-    rejected groups and their tokens."""
+    """The simulated reward (none) and filter (keeps a group with probability `pass_rate`), counting rejections."""
 
     def __init__(self, pass_rate: float, seed: int):
         self.pass_rate = pass_rate

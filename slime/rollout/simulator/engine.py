@@ -170,8 +170,7 @@ class SimEngine(Admission):
         self._start_jump(t)
 
     def _prefilled(self, t: float) -> None:
-        """ "mixed": the step's prompt chunks are in the KV cache; a row whose input is complete sampled its
-        first token in that step and decodes from the next one."""
+        """"mixed": the step's prompt chunks are cached; a completed input's row decodes from the next step."""
         chunks, self._chunks = self._chunks, None
         for req, take in chunks:
             req.cached += take
@@ -213,8 +212,7 @@ class SimEngine(Admission):
         return req.produced + req.gen0 + (self.k - req.k_join)
 
     def _abort_all(self, t: float) -> float:
-        """Every request ends (its reply says what it produced); taking the running rows out costs `finish_s`
-        each, as a finished row's does. Returns the time after that."""
+        """Every request ends; taking running rows out costs `finish_s` each. Returns the time after that."""
         ev = self.cost.finish_s * len(self.running)
         self.stats["evict_s"] += ev
         t += ev

@@ -75,8 +75,7 @@ class ParetoLengths:
 
 
 class EmpiricalLengths:
-    """Draws whole observed groups (keeping within-group correlation) or, with `per_sample`, each
-    sample independently from the pooled lengths (all groups resized to the asked n)."""
+    """Draws whole observed groups or, `per_sample`, each sample from the pooled lengths."""
 
     def __init__(self, groups: Sequence[Sequence[int]], cap: int, prompt_lens: Sequence[int] = (16,),
                  per_sample: bool = False, weights: Sequence[float] | None = None, source: str = "observations"):
@@ -146,8 +145,7 @@ class ReplayLengths:
 
 def kaplan_meier(finished: Sequence[int], unfinished: Sequence[int], cap: int,
                  prompt_lens: Sequence[int] = (16,)) -> EmpiricalLengths:
-    """Length distribution from finished and right-censored lengths; the mass beyond the last finished one goes to
-    the cap."""
+    """Length distribution from finished and right-censored lengths; the mass left goes to the cap."""
     pairs = length_bias.kaplan_meier(finished, unfinished, cap)
     return EmpiricalLengths([[x for x, _ in pairs]], cap, prompt_lens, weights=[w for _, w in pairs],
                             source=f"{len(finished)} finished + {len(unfinished)} censored samples")
@@ -170,8 +168,7 @@ def read_trace(run_dir: str) -> list[dict]:
 
 
 def lengths_from_run(run_dir: str, cap: int | None = None, censored: bool = True) -> EmpiricalLengths:
-    """Response lengths observed in a run's trace (`finished_lengths`, and with `censored` the
-    unfinished samples' lengths through `kaplan_meier`)."""
+    """Response lengths in a run's trace (with `censored`, unfinished ones through `kaplan_meier`)."""
     records = [r for r in read_trace(run_dir) if "finished_lengths" in r]
     if not records:
         raise ValueError(f"{run_dir}/rollout_trace.jsonl: no step records with finished_lengths "

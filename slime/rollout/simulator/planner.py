@@ -32,8 +32,7 @@ FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter'
 
 
 def step_observations(step) -> dict:
-    """What one finished step showed: final lengths, censored lengths of unfinished samples, the filter's
-    verdicts, prompt lengths."""
+    """What one finished step showed: final and censored lengths, filter verdicts, prompt lengths."""
     finished, unfinished, prompts = [], [], []
     passed = rejected = 0
     for gid, st in step.groups.items():

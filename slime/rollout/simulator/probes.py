@@ -60,8 +60,7 @@ async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, n
 
 
 async def requests_in_flight(session, url: str) -> int:
-    """Running + waiting requests of one engine, summed over its DP ranks from SGLang's `GET /v1/loads?include=core`
-    (`/get_load` only on a server without it)."""
+    """Running + waiting requests of one engine over its DP ranks (`/v1/loads`, else `/get_load`)."""
     return await engine_api.busy(session, url, timeout=10)
 
 

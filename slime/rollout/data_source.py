@@ -207,10 +207,6 @@ class RolloutDataSource:
         """Rows dropped at load, by reason category."""
         return drop_counts(self.dropped)
 
-    @property
-    def num_dropped_too_long(self) -> int:
-        return self.dropped_rows[DROP_MAX_PROMPT_LEN]
-
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:

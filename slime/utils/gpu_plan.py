@@ -92,10 +92,6 @@ class MemoryEstimate:
     def peak(self) -> float:
         return max(self.phases.values())
 
-    @property
-    def trainer_states(self) -> float:
-        return self.weights + self.grads + self.optimizer
-
 
 def micro_batch_tokens(args) -> int:
     """Tokens of the largest micro-batch: --max-tokens-per-gpu, or one whole prompt + response budget."""

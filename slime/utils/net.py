@@ -156,18 +156,6 @@ def gloo_bind_host(listen_host: str, peer_address: str) -> str:
     return ""
 
 
-def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, bind_host: str = ""):
-    """A `ProcessGroupGloo` whose device listens on `bind_host` ("" = gloo's default, the hostname's address)."""
-    import torch.distributed as dist
-
-    if not bind_host:
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
-
-
 def pin_collectives_to_loopback() -> None:
     """Default process groups (gloo / NCCL bootstrap) listen on loopback, unless the user chose an interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

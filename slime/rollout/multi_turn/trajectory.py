@@ -63,14 +63,6 @@ class Trajectory:
     def model_turns(self) -> int:
         return sum(1 for t in self.turns if t["kind"] == "model")
 
-    def model_token_mask(self) -> list[int]:
-        """1 for each response token the model sampled, 0 for observation tokens."""
-        mask = [0] * self.sample.response_length
-        for t in self.turns:
-            if t["kind"] == "model":
-                mask[t["start"]:t["end"]] = [1] * (t["end"] - t["start"])
-        return mask
-
     # ---- growing (the caller appends the tokens to the sample first) ------------------
     def model_tokens_added(self, n: int) -> None:
         """The sample grew by `n` model tokens: the open turn grows, or a new one opens."""

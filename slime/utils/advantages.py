@@ -45,7 +45,6 @@ def normalize_advantages(
     advantages: Sequence[Tensor],
     masks: Sequence[Tensor],
     *,
-    shift_mean: bool = True,
     all_reduce: bool = False,
 ) -> list[Tensor]:
     """Masked whitening over the batch's masked-in tokens (unbiased variance; masked-out positions 0; fewer than
@@ -71,7 +70,7 @@ def normalize_advantages(
     var = sq[0] / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
     out = []
     for x, mk in zip(a, m):
-        y = x.double() - mean if shift_mean else x.double()
+        y = x.double() - mean
         if n > 1:
             y = y * torch.rsqrt(var + WHITEN_EPS)
         out.append(torch.where(mk != 0, y, torch.zeros((), dtype=y.dtype, device=device)).to(torch.float32))

@@ -28,9 +28,9 @@ def ray_processes_under(pid: int) -> list[tuple[int, float]]:
     return out
 
 
-def start_reaper(driver_pid: int | None = None) -> subprocess.Popen | None:
+def start_reaper() -> subprocess.Popen | None:
     """Start the watcher for the Ray processes now under the driver; None if there are none (an attached cluster)."""
-    driver_pid = driver_pid or os.getpid()
+    driver_pid = os.getpid()
     targets = ray_processes_under(driver_pid)
     if not targets or not sys.platform.startswith("linux"):
         return None

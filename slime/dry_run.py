@@ -1,8 +1,6 @@
-"""`train.py ... --dry-run [h100|h200|mi300x]`: the whole GPU command line checked on any machine, starting nothing.
-
-Beyond `parse_args`: the model's shape, each plugin's import and signature, the SGLang and router command lines,
-the effective trainer settings, defaults that differ from upstream's, the placement and memory per GPU.
-Exit 0 when everything holds, 2 with the problems listed."""
+"""`train.py ... --dry-run [h100|h200|mi300x]`: the whole GPU command line checked on any machine, starting
+nothing (model shape, plugins, SGLang and router command lines, placement, memory per GPU); exit 0, or 2 with the
+problems."""
 
 from __future__ import annotations
 

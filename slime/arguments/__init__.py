@@ -1,8 +1,5 @@
-"""Every flag, with slime's names, parsed and validated in this package (the only place a default is written).
-
-`parse_args(argv)` returns an immutable `Args`. One module per flag group holds its flags (`add`), its derived
-defaults (`fill_defaults`) and its rules (`check`, each error naming the flag); `--sglang-<flag>` and
-`--router-<flag>` pass through, checked against the real parts' flags (pass_through.py)."""
+"""Every flag, with slime's names, parsed and validated here (the only place a default is written): one module per
+flag group with its flags (`add`), derived defaults (`fill_defaults`) and rules (`check`, each naming the flag)."""
 
 from __future__ import annotations
 

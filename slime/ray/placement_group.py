@@ -1,8 +1,6 @@
-"""Placement groups shaped by the hardware, and where their bundles landed.
-
-Bundles ask for a GPU only where Ray sees GPUs (else they would wait forever); colocated runs share each bundle
-between a trainer rank and an engine TP rank. Once ready, every bundle is located and the files each node needs
-are checked from that node; `engine_slots()` hands each engine its bundles."""
+"""Placement groups shaped by the hardware (GPU bundles only where Ray sees GPUs; colocated runs share each
+bundle), their bundles located and each node's files checked from that node; `engine_slots()` hands each engine
+its bundles."""
 
 from __future__ import annotations
 

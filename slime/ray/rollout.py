@@ -1,9 +1,6 @@
-"""RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function.
-
-It lives in the driver process; the buffer is a Ray actor so its contents have one owner and survive in
-checkpoints. A step that loses an engine or the router raises `EngineFaultError` (its samples parked); with
-`--use-fault-tolerance` the driver has the manager restart it (`restart_engines`), push the weights and run the
-step again, spending from the run's restart budget (slime/ray/restarts.py)."""
+"""RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function, in the
+driver process. A step that loses an engine raises `EngineFaultError` (its samples parked); with
+`--use-fault-tolerance` the driver has it restarted (`restart_engines`) and the step run again."""
 
 from __future__ import annotations
 

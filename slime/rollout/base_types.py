@@ -1,8 +1,5 @@
-"""What a rollout function returns, in upstream slime's shape.
-
-A rollout function is called as upstream calls it, `generate_rollout(args, rollout_id, data_source,
-evaluation=False)`, and may return upstream's outputs, a plain list of groups, or our `RolloutOutput`;
-`to_rollout_output` reads any of them."""
+"""What a rollout function returns, in upstream slime's shape: upstream's outputs, a plain list of groups, or our
+`RolloutOutput`, all read by `to_rollout_output`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets.
-
-Rows the engine would refuse are dropped at load, named with file, line and reason; the saved position counts
-file rows, dropped ones included, so dropping a row never shifts what the next step draws. Eval groups get
-negative ids and carry `metadata["eval_name"]`."""
+"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets. Rows the engine would refuse
+are dropped at load, named; the saved position counts file rows, so a dropped row never shifts what the next step
+draws."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Which weight version sampled each token: the engine's spans checked against our own record, and the prefix-cache
-key that keeps KV of different versions apart.
-
-SGLang >= 0.5.19 (and the embedded engine) report `meta_info.weight_versions` spans; older ones only the version
-served at reply time. Our record of a request is a `VersionWindow` (`sent` .. `newest`). `label_tokens` takes the
-engine's spans when they agree with it; otherwise every token gets a version never newer than the truth (so the
-staleness cap may act early but never late), and the disagreement is counted in the sample's metadata."""
+"""Which weight version sampled each token: the engine's spans (`meta_info.weight_versions`) checked against our
+record of the request (`VersionWindow`), never labelling a token newer than the truth, and the prefix-cache key
+that keeps KV of different versions apart."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""One sample's generation over SGLang's HTTP API, and small helpers for the rollout.
-
-`SampleRequester.generate` sends `POST /generate` from the sample's token ids so far with the budget left, appends
-the segment (`Sample.append_response`) and sets the status from the finish reason; an engine's 4xx fails that
-sample (`engine_refused: ...`), never the step. `--custom-generate-function-path` (upstream's signature) replaces
-the request loop; `run_custom` runs the multi-turn generate inside the rollout's `ToolAgent` scope."""
+"""One sample's generation over SGLang's HTTP API: `SampleRequester.generate` sends `POST /generate` from the
+token ids so far, appends the segment and sets the status (an engine's 4xx fails the sample, never the step); a
+`--custom-generate-function-path` (upstream's signature) replaces the request loop."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The staleness cap (`--max-staleness`, `--staleness-policy`): the run's Rollout holds the one.
-
-A token older than `train_version - max_staleness` is stale: `restart` regenerates the sample (a wholly finished
-group is dropped instead), `mask` zeroes its loss mask, `keep` keeps it (TIS corrects it). The length guard masks a
-sample that spent its restart budget. Sites: `at_resume`, `at_resume_in_flight`, `before_training`,
-`restart_floor`."""
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): a token older than `train_version - max_staleness`
+is regenerated (`restart`; the length guard masks instead after a budget), masked (`mask`) or kept (`keep`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""One-step-off (train_async.py with `--rollout-mode chunked|pool`): APRIL steps run ahead of the trainer.
-
-Step j starts once the engines serve a version >= P(j) - `--max-async-lag` (P(j): the version that trains it);
-its staleness cap uses P(j). An update during a step pauses it per `--pause-mode`; a custom rollout function
-cannot be paused, so an update waits for its step (as upstream's train_async.py). `quiesce()` / `resume()` stop
-and restart production without losing a group."""
+"""One-step-off (train_async.py, `--rollout-mode chunked|pool`): APRIL steps ahead of the trainer, step j once the
+engines are within `--max-async-lag` of the version that trains it; updates pause it per `--pause-mode` (a custom
+rollout function's step is waited for instead)."""
 
 from __future__ import annotations
 

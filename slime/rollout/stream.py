@@ -1,10 +1,6 @@
-"""Stream mode (`train_async.py --rollout-mode stream`): the engines keep working while the trainer trains.
-
-A pool of requests stays in flight across training steps; each accepted group is queued at once and `take` hands
-out the next batch. A finished group joins a batch only while the engines are within `--max-async-lag` of the
-version that trains it; beyond that the gate is held (backpressure). The stream runs in segments, each a
-`rollout.step` with a gated pool and a placement into the queue. `quiesce()` parks everything in the buffer (so a
-checkpoint holds it); `resume()` starts a new segment. Queued groups stay `issued` in the ledger until taken."""
+"""Stream mode (`train_async.py --rollout-mode stream`): a pool of requests in flight across training steps, each
+accepted group queued at once, `take` handing out batches; beyond `--max-async-lag` the gate is held. It runs in
+segments (`rollout.step` with a gated pool); `quiesce()` parks everything in the buffer for a checkpoint."""
 
 from __future__ import annotations
 

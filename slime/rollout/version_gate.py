@@ -1,12 +1,8 @@
-"""VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
-version exact (`train_async.py`).
+"""VersionGate: pause a running rollout so the engines can change weights under it, every token's version exact.
 
-Every request passes the gate before it is sent (`GatedRequester`). `hold(reason)` closes it and drains the
-engines (abort all until idle; `drain=False` only stops new requests); the aborted samples wait at the gate and
-resume from their token ids under the new version after `release`, the staleness cap applied. Staleness is
-measured against `train_version`. For paused updates (`--pause-mode retract|in_place`) `begin_update` /
-`end_update` bracket the push and `stale_requests` names the requests to abort by rid. The gate lives on the event
-loop of the rollout it guards."""
+Every request passes the gate (`GatedRequester`); `hold` drains the engines and the aborted samples resume from
+their tokens after `release`, the staleness cap applied; paused updates (`--pause-mode retract|in_place`) are
+bracketed by `begin_update` / `end_update` and `stale_requests` names what to abort by rid."""
 
 from __future__ import annotations
 

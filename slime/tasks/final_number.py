@@ -1,8 +1,5 @@
-"""The real-model quick start's reward (`--custom-rm-path slime.tasks.final_number.reward`): 1 when the response's
-final number (the last `\\boxed{}`, else the last number) equals the label by value, else 0.
-
-Not `--rm-type math`: math-verify reads an echoed question (`8 - 2 =`) as its value, which a model learns to
-exploit (docs/real-model.md); here the echo's final number is the last operand, which is wrong."""
+"""The real-model quick start's reward: 1 when the response's final number (last `\\boxed{}`, else last number)
+equals the label, else 0. Not `--rm-type math`, which reads an echoed question (`8 - 2 =`) as its value."""
 
 from __future__ import annotations
 

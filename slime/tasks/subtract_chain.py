@@ -1,8 +1,5 @@
-"""The embedded `subtract_chain` task: data generation, reward and a noisy teacher.
-
-`"47-5="` asks for `"42,37,32,27,22,17,12,07,02"` then EOS: every token follows a local rule, so a tiny model
-learns it, and the number of steps, min(cap, ceil(Pareto(alpha))), has the long tail that makes partial rollout
-matter."""
+"""The embedded `subtract_chain` task: `"47-5="` asks for `"42,37,32,27,22,17,12,07,02"` then EOS; a local rule a
+tiny model learns, with a Pareto-tailed number of steps (the long tail partial rollout is for)."""
 
 from __future__ import annotations
 

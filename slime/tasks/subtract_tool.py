@@ -1,9 +1,5 @@
-"""The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call.
-
-    [47-5]42,37,[37-5]32,27<eos>        -> chain 42,37,32,27 (calls removed)
-
-The reward is subtract_chain's exact match on the chain. The teacher calls the calculator on `p_call` of the
-steps and is otherwise wrong with probability `p_err`, so RL raises the call rate, and accuracy with it."""
+"""The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call,
+`[47-5]42,37,[37-5]32` -> chain 42,37,32 (the reward is exact match); its teacher calls on `p_call` of the steps."""
 
 from __future__ import annotations
 

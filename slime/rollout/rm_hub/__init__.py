@@ -1,8 +1,6 @@
-"""Rewards: `async_rm` (one sample), `batched_async_rm` (a group), `reward_group` (never raises).
-
-Dispatch (slime semantics): `--custom-rm-path`, else the sample's `metadata["rm_type"]`, else `--rm-type`
-(deepscaler, dapo, math, remote_rm, subtract_chain, boxed_<type>). Every reward is bounded by `--reward-timeout`;
-a custom one runs in a daemon thread so it cannot freeze generation."""
+"""Rewards: `async_rm`, `batched_async_rm` and `reward_group` (never raises). Dispatch as slime's:
+`--custom-rm-path`, else the sample's `metadata["rm_type"]`, else `--rm-type`; every reward bounded by
+`--reward-timeout`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after the reasoning, 1 if right else 0.
-
-The format is part of the reward: no finished reasoning block (`</think>` or `###Response`) or no boxed answer
-scores 0. Right means `math_grader.answers_match` against any gold answer; it accepts every answer upstream's
-grader does (tests/test_upstream_plugin_api.py) and some more."""
+"""DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after a finished reasoning block,
+1 if it matches a gold answer (`math_grader`) else 0; it accepts every answer upstream's grader does, and some
+more."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Read a final answer (LaTeX or plain: `3\\sqrt{3}`, `\\frac{x^2-1}{x-1}`, `2pi`) into a small expression tree.
-
-The slow half of the rule rewards' equivalence check (upstream uses `sympy.simplify`; `math_value` evaluates
-instead, bounded by construction). An answer over `MAX_CHARS`, deeper than `MAX_DEPTH` or outside the grammar
-(sets, inequalities, words, unknown commands) is not read: undecided."""
+"""Read a final answer (LaTeX or plain) into a small expression tree: the slow half of the rule rewards'
+equivalence check (upstream: `sympy.simplify`). Too long, too deep or outside the grammar: not read (undecided)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Is a final answer right? Normalise both answers to a canonical string (cheap) and compare; only when the strings
-differ, split tuples / intervals / sets and compare values (`math_expr`, `math_value`: slower, bounded).
-
-Normalisation accepts what upstream's DeepScaleR grader does (wrappers, units, `\\text{}`, choice letters, mixed
-numbers) and scores equal values however written (`0.5`, `1/2`, `\\frac{2}{4}`)."""
+"""Is a final answer right? Normalise both to a canonical string (what upstream's DeepScaleR grader accepts) and
+compare; only when the strings differ, compare structure and values (`math_expr`, `math_value`: bounded)."""
 
 from __future__ import annotations
 

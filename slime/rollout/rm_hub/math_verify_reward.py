@@ -1,9 +1,6 @@
-"""`--rm-type math`: 1.0 if the response's final answer equals a gold answer, else 0.0.
-
-The answer after the first `</think>`: the last boxed one, else an explicit statement, else math-verify's. The
-cheap `math_grader` decides first; only undecided answers go to math-verify, in a daemon thread under
-`--reward-timeout` (its `signal.alarm` timeouts are main-thread only). A decimal approximation is right only when
-the label has a decimal."""
+"""`--rm-type math`: 1.0 if the final answer (after `</think>`: boxed, stated, or math-verify's) equals a gold
+answer. `math_grader` decides first; undecided answers go to math-verify in a daemon thread under
+`--reward-timeout`. A decimal approximation is right only when the label has a decimal."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The simulator drives the run's real rollout (`Rollout`: its step, admission and pause protocol) against
-simulated engines on a simulated clock; `SimLink` is what the Rollout talks to here.
-
-`drive_steps` is train.py's loop (chunked / pool), `drive_stream` train_async.py's stream mode with its
-`--pause-mode` pushes. The simulator's own: the engines' and client's costs, the reward (none) and the filter (a
-coin with the configured pass rate), the step's bookkeeping (`step_overhead_s`) and the trainer (a wait)."""
+"""The simulator drives the run's real rollout (its step, admission and pause protocol) on simulated engines and
+clock: `drive_steps` as train.py, `drive_stream` as train_async.py's stream. Its own: engine and client costs, no
+reward, the filter a coin, the trainer a wait."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The cost model's host terms, fitted from the embedded engine's own counters.
-
-A step costs max(issue, device) + tail: issuing its work (`decode_launch_s`), the device's linear terms, and the
-host's work after its tokens are back (`decode_tail_s`). On a CPU issue ~ device; on a GPU without CUDA graphs
-the issue is the floor of a small step. Engines that do not count these (SGLang) get no host terms."""
+"""The cost model's host terms, fitted from the embedded engine's counters: a step costs max(issue, device) + tail
+(`decode_launch_s`, the linear device terms, `decode_tail_s`). Engines that do not count these get none."""
 
 from __future__ import annotations
 

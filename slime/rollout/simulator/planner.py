@@ -1,9 +1,6 @@
-"""`--over-sampling-batch-size auto`: each chunked step's over-sampling size, chosen with the rollout simulator.
-
-After each step it records the lengths (parked ones right-censored) and the filter's pass rate, and, in a
-background thread, simulates the run's own configuration at each candidate size from the batch to `MAX_FACTOR` x
-it, picking the best predicted goodput (ties within `TIE` go to the smallest). Before the first plan, and after a
-`--load` (not checkpointed), the size is 2 x the batch."""
+"""`--over-sampling-batch-size auto`: each chunked step's size, chosen by simulating the run's own configuration
+on the lengths (Kaplan-Meier) and filter rate of recent steps, in a background thread; best predicted goodput,
+ties to the smallest; 2 x the batch until the first plan."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`train.py ... --dry-run [h100|h200|mi300x]`: the whole GPU command line checked on any machine, starting
-nothing (model shape, plugins, SGLang and router command lines, placement, memory per GPU); exit 0, or 2 with the
-problems."""
+nothing (model shape, plugins, SGLang and router command lines, placement, memory per GPU); exit 0, else 2."""
 
 from __future__ import annotations
 

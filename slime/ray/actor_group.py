@@ -73,9 +73,8 @@ def trainer_class(args):
 
 class RayTrainGroup:
     def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
-        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare placement group.
-        `recover(error)`: restarts the group after a rank dies or runs out of memory in a call, which then runs
-        again (raise: give up)."""
+        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare one. `recover(error)`: restarts
+        the group after a rank dies or runs out of memory in a call, which then runs again (raise: give up)."""
         from slime.ray.placement_group import PlacementGroups
 
         self.args = args

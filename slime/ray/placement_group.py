@@ -1,6 +1,5 @@
 """Placement groups shaped by the hardware (GPU bundles only where Ray sees GPUs; colocated runs share each
-bundle), their bundles located and each node's files checked from that node; `engine_slots()` hands each engine
-its bundles."""
+bundle), located, each node's files checked there; `engine_slots()` hands each engine its bundles."""
 
 from __future__ import annotations
 

@@ -176,9 +176,8 @@ class RolloutManager:
 
     # ---- engine faults and the weight push ------------------------------------------
     def push_weights(self, trainer, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """Push the trainer's weights to every engine through the Rollout's `updating_weights` (or inside it,
-        given `flush_cache`). An engine that dies meanwhile is killed at once so the broadcast fails now, naming
-        it."""
+        """Push the trainer's weights to every engine through the Rollout's `updating_weights` (or inside it:
+        `flush_cache` given); an engine that dies meanwhile is killed at once, so the broadcast fails now."""
         if flush_cache is None:
             async def update():
                 async with self.rollout.updating_weights(version) as flush:

@@ -36,8 +36,7 @@ class AimdRule:
 
 
 class StepClimb:
-    """The step-level part of `--admission auto`: which limit, within what the loads allow, makes the steps
-    fastest.
+    """`--admission auto`'s step-level part: which limit, within what the loads allow, makes the steps fastest.
 
     It holds a limit and now and then probes a neighbour; the probe wins only when its steps' tokens/s beat the
     steps before it by `z` standard errors of the steps' own noise and by `tolerance`. When both ways find nothing
@@ -224,9 +223,8 @@ class AdmissionControl:
 
 
 class LoadPoll:
-    """A step's load reports for `control`: `at_wake()` hands the one that came back to the controller and asks
-    for the next once `interval_s` passed (in its own task: the loop never waits on it). A failed report is
-    skipped."""
+    """A step's load reports for `control`: `at_wake()` hands the latest to the controller and asks for the next
+    after `interval_s` (in its own task); a failed report is skipped."""
 
     def __init__(self, control: AdmissionControl, io):
         self.control, self.io = control, io

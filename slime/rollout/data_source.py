@@ -1,6 +1,5 @@
 """Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets. Rows the engine would refuse
-are dropped at load, named; the saved position counts file rows, so a dropped row never shifts what the next step
-draws."""
+are dropped at load, named; the saved position counts file rows, so a drop never shifts the next step."""
 
 from __future__ import annotations
 

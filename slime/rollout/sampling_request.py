@@ -220,8 +220,7 @@ class SampleRequester(RequestLoop):
 
     def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None,
                 version: int | None = None) -> dict[str, Any]:
-        """The /generate body: token ids, sampling params (the budget left), log-probs, a rid, and `version`'s
-        cache key."""
+        """The /generate body: token ids, sampling params (budget left), log-probs, a rid, `version`'s cache key."""
         sp = sampling_params
         if sp is None:
             sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)

@@ -177,9 +177,8 @@ class VersionGate:
 
 
 class GatedRequester:
-    """`requester.generate` through `gate`: each request waits while it is held and is counted in flight; an
-    aborted sample resumes from its token ids once it reopens, the staleness cap applied, every token's version
-    checked against its `VersionWindow`."""
+    """`requester.generate` through `gate`: requests wait while it is held and are counted in flight; an aborted
+    sample resumes from its tokens, the cap applied, versions checked against its `VersionWindow`."""
 
     def __init__(self, requester, gate: VersionGate, cap):
         self.requester, self.gate, self.cap = requester, gate, cap
@@ -213,9 +212,8 @@ class GatedRequester:
 
 
 class GatedTurn:
-    """A multi-turn sample's model turns through the gate; a turn at another version than the sample last passed
-    the cap at (`seen`), or stopped at the gate, is not sent: the sample parks and `sent_back` takes it back to
-    the gate."""
+    """A multi-turn sample's model turns through the gate; a turn at another version than `seen`, or stopped at
+    the gate, is not sent: the sample parks and goes back to the gate (`sent_back`)."""
 
     def __init__(self, gated: GatedRequester, seen: int, stop: asyncio.Event | None):
         self.gated, self.seen, self.stop = gated, seen, stop

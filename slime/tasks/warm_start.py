@@ -104,8 +104,7 @@ def pick_next(logits, temperature: float, generator=None):
 
 
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, generator, step) -> None:
-    """Batched KV-cached decoding of equal-length prompts; `step(sampled)` returns the tokens to feed back or
-    None."""
+    """Batched KV-cached decoding of equal-length prompts; `step(sampled)` returns what to feed back, or None."""
     import torch
     from transformers import DynamicCache
 

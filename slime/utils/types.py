@@ -164,8 +164,7 @@ class Sample:
 
     def adopt_fanout(self, samples: list, weight_version: int, where: str) -> bool:
         """A list-returning custom generate's result (upstream's fan-out): all finished, this sample becomes the
-        first and the others join its group; else the fan-out is dropped and this sample is ABORTED. Returns
-        whether it finished."""
+        first and the others join its group; else this sample is ABORTED. Returns whether it finished."""
         if not isinstance(samples, list) or not samples:
             raise TypeError(f"{where}: returned an empty list for sample {self.index}; return the Sample it was "
                             "given (FAILED if nothing came of it), or a list of finished Samples")

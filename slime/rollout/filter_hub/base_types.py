@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class DynamicFilterOutput:
-    """`keep`, `reason` (why not), and upstream's `keep_when_insufficient` (keep it after all when the step runs
-    short)."""
+    """`keep`, `reason` (why not), and upstream's `keep_when_insufficient` (kept when the step runs short)."""
 
     keep: bool
     reason: str | None = None

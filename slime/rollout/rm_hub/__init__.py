@@ -173,9 +173,8 @@ def _mark_failed(sample: Sample, error: BaseException) -> None:
 
 
 async def reward_group(args, samples: list[Sample]) -> None:
-    """Set `reward` on every sample of a group; a reward error fails its sample (FAILED, `metadata["failure"]`),
-    never raises. FAILED samples are skipped, and so (as upstream) are samples with a reward already, except with
-    --group-rm."""
+    """Set `reward` on every sample of a group, never raising: a reward error fails its sample. FAILED samples are
+    skipped, and (as upstream) so are rewarded ones, unless --group-rm."""
     todo = [s for s in samples if s.status != Status.FAILED]
     custom = args.custom_rm_path
     if not args.group_rm:

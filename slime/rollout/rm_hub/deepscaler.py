@@ -1,6 +1,5 @@
 """DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after a finished reasoning block,
-1 if it matches a gold answer (`math_grader`) else 0; it accepts every answer upstream's grader does, and some
-more."""
+1 if it matches a gold answer (`math_grader`) else 0; it accepts all upstream's grader does, and more."""
 
 from __future__ import annotations
 

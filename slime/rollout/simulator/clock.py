@@ -15,8 +15,7 @@ STALL_WAIT_S = 60.0
 
 
 class _Tick(float):
-    """A timer's due time that orders equal times by when they were scheduled (asyncio's own timers compare
-    only the time)."""
+    """A timer's due time that orders equal times by when they were scheduled (asyncio's compare the time only)."""
 
     def __new__(cls, when: float, seq: int):
         tick = super().__new__(cls, when)

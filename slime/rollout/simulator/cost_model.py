@@ -133,8 +133,7 @@ class EngineCostModel:
 
     def mixed_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int, prefill_tokens: int,
                      key_pairs: float, chunks: int = 1) -> float:
-        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` in `chunks` chunks (`key_pairs`
-        attended)."""
+        """"mixed": a step decoding `batch` rows, prefilling `prefill_tokens` in `chunks` (`key_pairs` attended)."""
         if self.separate_prefill and batch and prefill_tokens:
             return (self.decode_step_s(batch, tokens, padded, extra_buckets)
                     + self.mixed_step_s(0, 0, 0, 0, prefill_tokens, key_pairs, chunks))

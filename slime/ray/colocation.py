@@ -39,20 +39,14 @@ class Phases:
         finally:
             self._add(f"perf/{name}_s", time.monotonic() - t0)
 
-    @contextmanager
     def rollout(self):
-        with self._body("rollout"):
-            yield
+        return self._body("rollout")
 
-    @contextmanager
     def train(self):
-        with self._body("train"):
-            yield
+        return self._body("train")
 
-    @contextmanager
     def weight_sync(self):
-        with self._body("weight_push"):
-            yield
+        return self._body("weight_push")
 
     def metrics(self) -> dict[str, float]:
         out, self._metrics = self._metrics, {}

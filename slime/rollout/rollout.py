@@ -8,8 +8,14 @@
 
 It owns what lives across steps: the buffer handle, the staleness cap, the admission controller, the over-sampling
 planner, the version gate and the engines' pause protocol (docs/architecture.md). The `link` is the real engines
-(`EngineLink`) or the simulator's (`SimLink`). `flush_cache` is the one rule: flush the prefix cache unless
-`--reuse-stale-kv` or in_place (SGLang refuses a flush while it holds requests)."""
+(`EngineLink`) or the simulator's (`SimLink`).
+
+A weight update: without a gate (train.py) the engines are idle and the caller pushes. With one (train_async.py),
+by `--pause-mode`: abort (every request of ours aborted, resumed from its tokens after the push); retract /
+in_place (no new request passes the gate, the engines pause holding ours, KV freed / kept; after the push the
+requests over --max-staleness are aborted by rid, so the cap applies when they resume). `flush_cache` is the one
+rule: flush the prefix cache unless `--reuse-stale-kv` or in_place (SGLang refuses a flush while it holds
+requests)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Is a final answer right? Normalise both to a canonical string (what upstream's DeepScaleR grader accepts) and
-compare; only when the strings differ, compare structure and values (`math_expr`, `math_value`: bounded)."""
+"""Is a final answer right? Normalise both to a canonical string and compare; only when the strings differ,
+compare structure and values (`math_expr`, `math_value`: bounded). Normalisation drops what upstream's DeepScaleR
+grader drops (wrappers, units, `\\text{}`, choice letters, mixed numbers) and a few more decorations."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""`train.py ... --dry-run [h100|h200|mi300x]` (and train_async.py's): the whole GPU command line checked on any
-machine, before GPUs are spent. Nothing starts: no Ray, no engine, no trainer.
-
-By the time it runs, `parse_args` has validated every flag (with the --sglang-* / --router-* pass-through names
-checked against SGLang's and sglang-router's own flags) as on the GPU machines. The dry run adds what parsing does
-not: the model's config.json (or, where the model is not on this machine, the shape that MODEL_ARGS describe),
-each plugin's dotted path imported and its signature checked against upstream's contract, the SGLang and router
-command lines built as the launcher builds them, the effective trainer settings, the flags left at a default that
-differs from upstream's, the placement and an estimate of memory per GPU with a warning when it exceeds the card.
-Exit 0 when everything holds, 2 with the problems listed.
-"""
+"""`train.py ... --dry-run [h100|h200|mi300x]`: the whole GPU command line checked on any machine, starting
+nothing (model shape, plugins, SGLang and router command lines, placement, memory per GPU); exit 0, else 2."""
 
 from __future__ import annotations
 
@@ -25,8 +16,7 @@ from slime.utils.gpu_plan import effective_settings, memory_report, placement
 from slime.utils.misc import load_function
 from slime.utils.model_shape import ModelShapeError, read_shape, shape_from_flags
 
-# plugin flag -> (upstream's signature, positional argument counts it must take, whether it must be a coroutine
-# function: None when either is taken)
+# plugin flag -> (upstream's signature, positional counts it must take, must be a coroutine; None: either)
 PLUGINS = {
     "rollout_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),
     "eval_function_path": ("(args, rollout_id, data_source, evaluation=False)", (3,), None),
@@ -80,9 +70,7 @@ def plugin_problems(args) -> list[str]:
 
 
 def upstream_defaults_left(args) -> list[str]:
-    """One short block: the flags of DEFAULTS_DIFFER (slime/upstream_flags.py) this command line does not give
-    under any of their names (`args.given_flags`), each with the value this run resolved and upstream's default (the
-    model-shape flags, read from config.json here, on one line); docs/upstream-flags.md says why each differs."""
+    """The flags of DEFAULTS_DIFFER this command line does not give, with this run's value and upstream's default."""
     entries, shape = [], []
     for flag, (upstream, here) in DEFAULTS_DIFFER.items():
         if flag in args.given_flags:  # under any of its names

@@ -1,9 +1,5 @@
-"""Upstream slime's flags that this project does not take: each fails with what to use instead.
-
-Upstream's flags (THUDM/slime's and the APRIL repository's `slime/utils/arguments.py`, and the Megatron flags their
-scripts pass to train.py) are either in slime/arguments/ with upstream's meaning, or here: `parse_args`
-refuses them with the message below instead of "unrecognized argument". docs/upstream-flags.md lists both.
-"""
+"""Upstream slime's flags that this project does not take: `parse_args` refuses each with what to use instead
+(docs/upstream-flags.md lists them and the ones taken)."""
 
 from __future__ import annotations
 
@@ -205,10 +201,8 @@ _SHAPE = "optional: the model is built from --hf-checkpoint's config.json; a fla
 _WANDB = ("on, offline (metrics never leave the machine unless --wandb-mode online or --wandb-key / WANDB_API_KEY); "
           "--no-use-wandb: metrics.jsonl only")
 
-# Upstream's defaults that differ here: flag -> (upstream's, here and why). A flag upstream has and this project takes
-# is either here or has upstream's default (checked by tests/test_upstream_defaults.py); docs/upstream-flags.md lists
-# these. Upstream's values come from its slime/utils/arguments.py at 624b824 and, for Megatron's flags, from
-# Megatron-LM's argument defaults (TransformerConfig for the dropouts).
+# Upstream's defaults that differ here: flag -> (upstream's, here and why), from its slime/utils/arguments.py at
+# 624b824 and Megatron-LM's defaults; every other flag taken has upstream's default (tests/test_upstream_defaults.py).
 DEFAULTS_DIFFER: dict[str, tuple[str, str]] = {
     "--actor-num-gpus-per-node": ("8", "1: one trainer process (one GPU) unless a script says how many"),
     "--rollout-num-gpus": ("unset (every trainer GPU with --colocate)", "every trainer GPU with --colocate, as "

@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from slime.arguments import parse_args
-from slime.rollout.data_source import DataError, RolloutDataSource, load_eval_groups, read_rows
+from slime.rollout.data_source import DROP_MAX_PROMPT_LEN, DataError, RolloutDataSource, load_eval_groups, read_rows
 from slime.utils.tiny_model import build_tokenizer
 from slime.utils.types import Status
 
@@ -98,7 +98,7 @@ def test_too_long_prompts_dropped_and_counted(tmp_path, tok, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", data)
     with caplog.at_level(logging.INFO, logger="slime.rollout.data_source"):
         src = RolloutDataSource(args_for(tmp_path, path, "--rollout-max-prompt-len", "5"), tok)
-    assert src.num_dropped_too_long == 2 and len(src) == 3
+    assert src.dropped_rows[DROP_MAX_PROMPT_LEN] == 2 and len(src) == 3
     assert "d.jsonl: line 2: dropped (over_max_prompt_len): 9 tokens > --rollout-max-prompt-len 5" in caplog.text
     assert "dropped 2 of 5 rows (over_max_prompt_len: 2)" in caplog.text
     assert [g[0].metadata["row"] for g in src.get_groups(3)] == [0, 2, 4]

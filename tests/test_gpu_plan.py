@@ -50,7 +50,7 @@ def test_states_follow_precision_and_sharding(tmp_path):
     fp32 = estimate_memory(args(tmp_path, qwen3_config(*QWEN3["qwen3-4B"]), *base, "--no-bf16",
                                 "--no-use-distributed-optimizer", "--no-offload"), shape, 80e9)
     assert (fp32.weights, fp32.grads, fp32.optimizer) == pytest.approx((4 * p, 4 * p, 8 * p))
-    assert fp32.phases["rollout"] == pytest.approx(m.phases["rollout"] + fp32.trainer_states)
+    assert fp32.phases["rollout"] == pytest.approx(m.phases["rollout"] + fp32.weights + fp32.grads + fp32.optimizer)
     assert fp32.activations == pytest.approx(2 * m.activations)  # fp32 activations
 
 

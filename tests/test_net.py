@@ -7,12 +7,22 @@ import os
 import psutil
 import torch
 
-from slime.utils.net import advertised_address, gloo_bind_host, gloo_group, is_loopback, listen_socket, serve_store
+from slime.utils.net import advertised_address, gloo_bind_host, is_loopback, listen_socket, serve_store
 
 
 def _listeners() -> set[tuple[str, int]]:
     return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN}
+
+
+def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, bind_host: str):
+    """A `ProcessGroupGloo` whose device listens on `bind_host`."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 def test_store_and_gloo_group_listen_on_loopback_only():

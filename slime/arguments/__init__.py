@@ -1,14 +1,5 @@
-"""Every flag, with slime's names, parsed and validated in this package (the only place a default is written).
-
-`parse_args(argv)` returns an immutable `Args`: after parsing, code reads typed values and nobody mutates them.
-
-One module per flag group holds the group's flags (`add`), the defaults derived from other flags
-(`fill_defaults`) and its rules (`check`, each error naming the flag): cluster, engines, rollout, partial_rollout
-(APRIL), staleness, weight_updates, faults, data (and reward), evaluation, algorithm, trainer, megatron, run
-(checkpoints, logging), multi_turn, debug (and the dry run). Other `--sglang-<flag>` options are passed through to
-SGLang servers (`args.sglang_extra_args`) and upstream's `--router-<flag>` ones to sglang-router
-(`args.router_extra_args`), each checked against the real part's flags (pass_through.py).
-"""
+"""Every flag, with slime's names, parsed and validated here (the only place a default is written): one module per
+flag group with its flags (`add`), derived defaults (`fill_defaults`) and rules (`check`, each naming the flag)."""
 
 from __future__ import annotations
 
@@ -36,13 +27,10 @@ ENTRIES = {
 # in --help order
 GROUPS = (cluster, engines, rollout, partial_rollout, staleness, weight_updates, faults, data, evaluation, algorithm,
           trainer, megatron, run, multi_turn, debug)
-# defaults that read other groups' values come after them: the trainer's backend before Megatron's precision,
-# the cluster's engine count before the pool that counts them
+# defaults that read other groups' values come after them
 FILL_ORDER = (trainer, megatron, cluster, rollout, partial_rollout, weight_updates, data, evaluation, algorithm, run,
               multi_turn, debug)
-# a group's rules may rely on an earlier group's: --hf-checkpoint is a directory before Megatron reads its config,
-# the rollout batch is set before the trainer's batch divides it, the engines' concurrency is checked before the
-# pool it sizes, the push interval is >= 1 before the async lag is held to it
+# a group's rules may rely on an earlier group's (e.g. the rollout batch before the trainer's batch divides it)
 CHECK_ORDER = (weight_updates, cluster, rollout, trainer, megatron, engines, partial_rollout, staleness, data, debug,
                faults, run, algorithm, evaluation, multi_turn)
 
@@ -73,8 +61,7 @@ def _given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
 
 
 def parse_args(argv: Sequence[str] | None = None, entry: str = "train.py") -> Args:
-    """Parse `entry`'s flags (train.py or train_async.py), fill derived defaults, validate, freeze;
-    raises `ArgumentError` naming the flag and rule."""
+    """Parse `entry`'s flags, fill derived defaults, validate, freeze; `ArgumentError` names flag and rule."""
     parser = build_parser(entry)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, unknown = parser.parse_known_args(argv, namespace=Args())

@@ -24,8 +24,7 @@ class Args(argparse.Namespace):
         raise AttributeError(f"args are read-only after parsing (tried to delete {name!r})")
 
     def for_plugins(self):
-        """The one writable copy of these flags that every plugin in this process gets (slime/utils/plugin_args.py);
-        what plugins write to it never changes these."""
+        """The one writable copy of these flags every plugin in this process gets; it never changes these."""
         view = self.__dict__.get("_plugin_view")
         if view is None:
             from slime.utils.plugin_args import PluginArgs
@@ -41,11 +40,7 @@ class Args(argparse.Namespace):
         return self
 
     def replace(self, **changes: Any) -> "Args":
-        """A new frozen copy with some values changed (for tests and tools); only existing flags can change.
-
-        Derived values (`num_engines`, `eval_datasets`, defaults filled from other flags) are not
-        recomputed: change them too when the flags they come from change.
-        """
+        """A new frozen copy with some flags changed (tests and tools); derived values are not recomputed."""
         values = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         unknown = sorted(set(changes) - set(values))
         if unknown:
@@ -60,8 +55,7 @@ def _require(cond: bool, flag: str, rule: str) -> None:
 
 
 def _here(a: Args, exists: bool) -> bool:
-    """A path check; a dry run passes it (the path may live only on the GPU machines: the dry run lists what is
-    not on this one)."""
+    """A path check a dry run passes (the path may live only on the GPU machines; the dry run lists those)."""
     return exists or a.dry_run is not None
 
 
@@ -71,8 +65,7 @@ def flag_name(dest: str) -> str:
 
 
 def make_absolute(a: Args, *names: str) -> None:
-    """Path flags are made absolute at parse time, so every process of the run (Ray workers on any node, whatever
-    their working directory) reads the same path."""
+    """Path flags made absolute at parse time, so every process of the run reads the same path."""
     for name in names:
         if getattr(a, name) is not None:
             setattr(a, name, absolute(getattr(a, name)))

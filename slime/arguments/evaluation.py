@@ -24,16 +24,9 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
 
 
 def fill_defaults(a: Args) -> None:
-    if a.eval_top_k is None:
-        a.eval_top_k = a.rollout_top_k
-    if a.eval_temperature is None:
-        a.eval_temperature = a.rollout_temperature
-    if a.eval_top_p is None:
-        a.eval_top_p = a.rollout_top_p
-    if a.eval_max_response_len is None:
-        a.eval_max_response_len = a.rollout_max_response_len
-    if a.eval_max_context_len is None:
-        a.eval_max_context_len = a.rollout_max_context_len
+    for name in ("top_k", "temperature", "top_p", "max_response_len", "max_context_len"):  # default: the rollout's
+        if getattr(a, f"eval_{name}") is None:
+            setattr(a, f"eval_{name}", getattr(a, f"rollout_{name}"))
     if a.eval_prompt_data:  # name path [name path ...]
         a.eval_prompt_data = [absolute(v) if i % 2 else v for i, v in enumerate(a.eval_prompt_data)]
     pairs = a.eval_prompt_data or []

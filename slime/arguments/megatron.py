@@ -98,10 +98,8 @@ def megatron_flags(argv: Sequence[str] = (), description: str | None = None,
 
 
 def fill_defaults(a: Args) -> None:
-    """Upstream's effective defaults: its Megatron argument post-processing forces bf16 and the distributed optimizer
-    (and Megatron-LM fp32 gradient accumulation under bf16). Here each is a default that an explicit --no-<flag>
-    turns off; bf16 only where the trainer runs on GPUs (CPU runs are tests and tiny tasks, fp32). After the
-    trainer's (the backend)."""
+    """Upstream's effective defaults (bf16 on GPUs, the distributed optimizer, fp32 gradient accumulation under
+    bf16), each turned off by an explicit --no-<flag>."""
     megatron = a.train_backend == "megatron"
     if a.bf16 is None:
         a.bf16 = on_gpus(a)

@@ -25,9 +25,7 @@ def _option_chunks(unknown: list[str]) -> list[list[str]]:
 
 def _split_pass_through(unknown: list[str], parser: argparse.ArgumentParser, rollout_backend: str
                         ) -> tuple[dict, tuple[str, ...]]:
-    """The `--sglang-<flag>[=][value ...]` options for SGLang's servers ({name: value, a list of values, or True})
-    and upstream's `--router-<flag>` ones for sglang-router (its launcher's argv), each checked against the real
-    part's own flags; anything else is refused, naming the flag."""
+    """The `--sglang-<flag>` and `--router-<flag>` options, each checked against the real part's own flags."""
     from slime.utils.sglang_flags import router_pass_through, unknown_flag_error
 
     ours = [o for a in parser._actions for o in a.option_strings]

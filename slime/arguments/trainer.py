@@ -53,8 +53,7 @@ def add(p: argparse.ArgumentParser, entry: str) -> None:
 
 
 def fill_defaults(a: Args) -> None:
-    """auto: Megatron where it is meant to run (megatron-core + GPUs), else FSDP; the batch of an optimizer step
-    from the rollout's batch; the decay over the whole run."""
+    """auto: Megatron where it can run (megatron-core + GPUs), else FSDP; the optimizer batch; the decay."""
     if a.train_backend == "auto":
         a.train_backend = "megatron" if megatron.megatron_importable() and on_gpus(a) else "fsdp"
     if a.num_steps_per_rollout is not None and a.global_batch_size is None and a.rollout_batch_size is not None:

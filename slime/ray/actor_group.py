@@ -1,8 +1,5 @@
-"""RayTrainGroup: N trainer actors driven SPMD.
-
-Every call reaches every rank and every wait has a timeout; a rank that fails or does not answer is named
-(`TrainerRankError`: rank, call, whether its process died). With a `recover` hook (`--use-fault-tolerance`) a
-failed call is recovered and run again, so every holder of the group goes on with the same object."""
+"""RayTrainGroup: N trainer actors driven SPMD; every wait has a timeout and a failing rank is named
+(`TrainerRankError`). With a `recover` hook (`--use-fault-tolerance`) a failed call is recovered and run again."""
 
 from __future__ import annotations
 
@@ -19,9 +16,7 @@ CALL_TIMEOUT_S = 3600.0
 
 
 class TrainerRankError(RuntimeError):
-    """A trainer rank failed a call: its process or actor died (`died`), or it raised (out of memory, a bad
-    batch, a bug). `recoverable`: a restart can help (it died, or ran out of memory); an error it raised
-    otherwise would be raised again by a restarted trainer."""
+    """A trainer rank failed a call; `recoverable` when a restart can help (it died or ran out of memory)."""
 
     def __init__(self, message: str, rank: int, died: bool, out_of_memory: bool = False):
         super().__init__(message)
@@ -78,10 +73,8 @@ def trainer_class(args):
 
 class RayTrainGroup:
     def __init__(self, args, pg, recover: Callable[[TrainerRankError], None] | None = None):
-        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare placement group (then bundles
-        0..N-1). `recover(error)`: called when a rank dies or runs out of memory in a call (not init or shutdown);
-        it restarts the group (`restart`) and brings it back to where it was, then the call runs again; it raises to
-        give up."""
+        """`pg`: (placement group, bundle indices), a `PlacementGroups`, or a bare one. `recover(error)`: restarts
+        the group after a rank dies or runs out of memory in a call, which then runs again (raise: give up)."""
         from slime.ray.placement_group import PlacementGroups
 
         self.args = args
@@ -153,8 +146,7 @@ class RayTrainGroup:
 
     # ---------------------------------------------------------- contract ----
     def init(self) -> "RayTrainGroup":
-        """Start the process group and load the model on every rank; returns self (so `group = RayTrainGroup(args,
-        pgs).init()`); `.info` holds rank 0's report (num_params)."""
+        """Start the process group and load the model on every rank; returns self (`.info`: rank 0's report)."""
         import ray
 
         addr, port = ray.get(self.actors[0].open_master_port.remote(), timeout=INIT_TIMEOUT_S)
@@ -174,8 +166,7 @@ class RayTrainGroup:
         return wait_ranks([a.__ray_call__.remote(process_placement) for a in self.actors], "trainer.nodes", timeout)
 
     def train(self, rollout_id: int, groups, policy_version: int = 0) -> dict[str, float]:
-        """Every rank gets every group (it plans the split itself; `groups` may be an ObjectRef already); metrics
-        are already reduced across ranks, rank 0's copy is returned."""
+        """Every rank gets every group (it plans its split); returns rank 0's metrics, reduced across ranks."""
         import ray
 
         ref = groups if isinstance(groups, ray.ObjectRef) else ray.put(groups)

@@ -1,8 +1,5 @@
 """AsyncRollout: train_async.py's rollout side, the run's `Rollout` running ahead of the trainer on its own thread.
 
-The rollout runs on a background thread with its own asyncio loop (one aiohttp session to the router); the
-driver thread (the training loop) calls in with blocking methods:
-
     rollout = AsyncRollout(args, rollout_manager, first_rollout_id).start()
     batch = rollout.next_batch(rollout_id)                     # waits only if the rollout is behind
     with rollout.updating_weights(version) as flush: push()    # in flight, per --pause-mode (Rollout's protocol)
@@ -10,9 +7,7 @@ driver thread (the training loop) calls in with blocking methods:
     with rollout.quiesced(): save_checkpoint(...)              # everything in flight parked in the buffer first
     rollout.stop()                                             # parks everything, closes the loop
 
-The production itself is `slime/rollout/steps_ahead.py` (one-step-off APRIL steps, `--rollout-mode
-chunked|pool`) or `slime/rollout/stream.py` (`--rollout-mode stream`), each a loop over the Rollout's verbs.
-"""
+The production itself is steps_ahead.py (`--rollout-mode chunked|pool`) or stream.py (`stream`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Who holds the shared devices in each phase of a training step.
 
-Disaggregated (`Phases`): trainers and engines have devices of their own; nothing moves. Colocated
-(`ColocatedPhases`, `--colocate`): every device holds a trainer rank and (a share of) an engine, and the
-step hands the memory back and forth, as slime does:
+Disaggregated (`Phases`): nothing moves. Colocated (`ColocatedPhases`, `--colocate`), as slime does:
 
     rollout       engines hold weights + KV cache; the trainer is offloaded (--offload)
     train         engines release weights, KV cache and CUDA graphs; the trainer onloads and trains
     weight_sync   engines resume their weights; the trainer hands them the new ones (tensor sync);
                   then the trainer offloads and the engines resume their KV cache and CUDA graphs
-                  (eval and the next rollout find them whole)
 
-train.py wraps each phase in its context manager and reads the same either way. `metrics()` returns, once
-per step, the seconds inside each phase (`perf/rollout_s`, `perf/train_s`, `perf/weight_push_s`, any
-placement) and, colocated, what each hand-over cost (`colocate/*`): seconds releasing, resuming, offloading,
-onloading, and the memory handed back each way: the bytes the trainer offloaded and onloaded, the bytes the
-engines released and took back (their own count, where they report it: the embedded engine does, SGLang
-does not) and, on a GPU, what the device's free memory gained from each release and offload.
-"""
+`metrics()` returns each phase's seconds (`perf/*`) and, colocated, what each hand-over cost (`colocate/*`)."""
 
 from __future__ import annotations
 
@@ -48,20 +39,14 @@ class Phases:
         finally:
             self._add(f"perf/{name}_s", time.monotonic() - t0)
 
-    @contextmanager
     def rollout(self):
-        with self._body("rollout"):
-            yield
+        return self._body("rollout")
 
-    @contextmanager
     def train(self):
-        with self._body("train"):
-            yield
+        return self._body("train")
 
-    @contextmanager
     def weight_sync(self):
-        with self._body("weight_push"):
-            yield
+        return self._body("weight_push")
 
     def metrics(self) -> dict[str, float]:
         out, self._metrics = self._metrics, {}
@@ -158,9 +143,7 @@ class ColocatedPhases(Phases):
 
 
 def engine_memory(engines) -> dict | None:
-    """What the engines this run launched hold, by their own count (weights + KV cache bytes, summed) and, on a
-    GPU, their devices' free bytes (the embedded engine's /get_server_info memory state); None when an engine
-    does not report it (SGLang)."""
+    """What the engines hold by their own count (GPU: and free bytes); None when one does not say."""
     from slime.backends.sglang_utils.http_client import get_json
 
     held = free = 0

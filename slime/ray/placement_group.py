@@ -1,11 +1,5 @@
-"""Placement groups shaped by the hardware, and where their bundles landed.
-
-One placement group holds the trainer bundles (`actor_num_nodes x actor_num_gpus_per_node`), plus
-`rollout_num_gpus` rollout bundles when not colocated. Bundles ask for a GPU only where Ray sees GPUs (a GPU
-bundle on a CPU-only machine would wait forever). Colocated runs share each bundle between a trainer rank and an
-engine TP rank (TRAINER_GPU_SHARE, ENGINE_GPU_SHARE). Once ready, every bundle is located (node, IP, GPU), the
-lists are sorted by node and GPU, and the files each node needs are checked from that node; `engine_slots()`
-hands each engine its bundles."""
+"""Placement groups shaped by the hardware (GPU bundles only where Ray sees GPUs; colocated runs share each
+bundle), located, each node's files checked there; `engine_slots()` hands each engine its bundles."""
 
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ PG_READY_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 120.0
 CPUS_PER_BUNDLE = 1.0
 PROBE_GPUS = 0.01  # a probe task's share of its bundle's GPU: enough for Ray to say which GPU it is
-# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does): a trainer rank takes this share,
-# the engine's host actor on the same bundle ENGINE_GPU_SHARE (its server sees the bundle's GPU)
+# --colocate: each GPU bundle is time-shared (fractional GPUs, as slime does) by a trainer rank and an engine
 TRAINER_GPU_SHARE = 0.4
 ENGINE_GPU_SHARE = HOST_NUM_GPUS
 assert TRAINER_GPU_SHARE + ENGINE_GPU_SHARE + PROBE_GPUS <= 1.0
@@ -70,8 +63,7 @@ class PlacementGroups:
         return sorted({b.node_ip for b in self.bundles.values()})
 
     def engine_slots(self, num_engines: int, gpus_per_engine: int) -> list[EngineSlot]:
-        """Engine i takes the rollout bundles [i*k, (i+1)*k) (k = GPUs per engine on GPUs, 1 on CPU), all on one
-        node; its host actor goes to the first of them."""
+        """Engine i takes rollout bundles [i*k, (i+1)*k) on one node; its host actor goes to the first."""
         per = gpus_per_engine if self.use_gpu else 1
         if len(self.rollout_bundles) < num_engines * per:
             raise PlacementError(f"{num_engines} engine(s) of {per} bundle(s) need {num_engines * per} rollout bundles, "

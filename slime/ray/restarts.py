@@ -1,9 +1,5 @@
-"""The run's restart budget (`--use-fault-tolerance`, `--max-engine-restarts N`).
-
-Every part the driver restarts (an engine, the router, the trainer, the buffer actor) spends from one budget of N
-restarts: a run that keeps losing parts, whichever they are, stops once it is spent (checkpointing first where it
-can), naming what failed last. Counts by part feed the `restarts/*` metrics.
-"""
+"""The run's restart budget (`--use-fault-tolerance`, `--max-engine-restarts N`): engine, router, trainer and
+buffer-actor restarts spend from one budget; once spent the run stops, naming what failed last."""
 
 from __future__ import annotations
 

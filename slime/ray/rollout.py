@@ -1,21 +1,6 @@
-"""RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function.
-
-It lives in the driver process (rollout functions are asyncio HTTP clients);
-the buffer is a Ray actor so that its contents have one owner and survive in
-checkpoints (--use-fault-tolerance: and its death, slime/ray/buffer.py). The
-policy version that the engines serve is tracked here.
-
-Engine faults: a rollout or eval step that loses an engine or the router
-raises `EngineFaultError` (its unfinished samples already parked). Without
-`--use-fault-tolerance` that ends the run with the engine (or router) named;
-with it the driver (slime/ray/train_loop.py) has the manager restart it
-(`restart_engines`: the router on its port with every engine registered again,
-an engine on fresh ports), pushes the current weights to restarted engines
-(`push_weights`, with the trainer it passes) and runs the step again, parked
-samples first. Restarts spend from the run's budget (slime/ray/restarts.py,
-shared with trainer and buffer restarts); once it is spent the next fault raises
-`EngineRestartsExhausted` (train.py checkpoints, then stops).
-"""
+"""RolloutManager: owns the engines + router, the data source, the buffer actor and the rollout function, in the
+driver process. A step that loses an engine raises `EngineFaultError` (its samples parked); with
+`--use-fault-tolerance` the driver has it restarted (`restart_engines`) and the step run again."""
 
 from __future__ import annotations
 
@@ -46,8 +31,7 @@ from slime.utils.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
-# a broadcast cut by an engine's death can fail before the engine's host has seen the exit: look this long
-# for the fault before treating the error as the trainer's own
+# how long to look for an engine fault behind a failed broadcast before blaming the trainer
 FAULT_CONFIRM_S = 5.0
 
 
@@ -83,9 +67,7 @@ def group_reward_metrics(groups: list[list[Sample]], prefix: str, reward_key: st
 
 class RolloutManager:
     def __init__(self, args, run_dir: str, start_engines: bool = True, engine_slots=None, halt=None):
-        """`engine_slots`: each engine's placement-group bundles (`PlacementGroups.engine_slots`); the engines'
-        hosts are then Ray actors there. None: engines on this machine, hosted in this process. `halt`: the run's
-        stop request (slime/utils/graceful_stop.py): a training step halts at a safe point once it is set."""
+        """`engine_slots`: each engine's bundles (None: engines in this process); `halt`: the stop request."""
         from transformers import AutoTokenizer
 
         from slime.rollout.data_source import RolloutDataSource, load_eval_groups
@@ -116,8 +98,7 @@ class RolloutManager:
 
             engines = EngineGroup(args, log_dir=os.path.join(run_dir, "engine_logs"), slots=engine_slots).start()
         self.attach_engines(engines)
-        # the rollout runs in this process: keep the start-up heap (tokenizer, data, torch, Ray) out of the full
-        # collections that would otherwise stall every request in flight for a walk over all of it
+        # the rollout runs here: keep the start-up heap out of full collections (each stalls every request)
         freeze_gc_heap("rollout manager")
 
     # ---- steps --------------------------------------------------------------
@@ -129,9 +110,8 @@ class RolloutManager:
         return max(1, self.args.num_epoch * len(self.data_source) // self.args.rollout_batch_size)
 
     def attach_engines(self, engines) -> None:
-        """The engines (and router) this manager's rollouts use (None: --debug-train-only), and the run's `Rollout`
-        over them; plugins see the router's address in `args.sglang_router_ip` / `args.sglang_router_port`, as
-        upstream slime's plugins do."""
+        """The engines (None: --debug-train-only) and the run's `Rollout` over them; plugins see the router's
+        address in `args.sglang_router_ip` / `args.sglang_router_port`, as upstream's do."""
         planner = None  # --over-sampling-batch-size auto: its planner (the simulator it runs is imported only then)
         if self.args.over_sampling_batch_size == "auto":
             from slime.rollout.simulator.planner import OverSamplingPlanner
@@ -148,9 +128,7 @@ class RolloutManager:
         return self.rollout.version
 
     def call_rollout_fn(self, rollout_id: int, ctx: RolloutContext) -> RolloutOutput:
-        """One training step of the rollout function, called as upstream slime calls it; its result (ours,
-        upstream's `RolloutFnTrainOutput` or a list of groups) as a `RolloutOutput`, and the groups it took with
-        `get_samples` settled in the ledger (returned: finished; neither returned nor handed back: dropped)."""
+        """One training step of the rollout function, and the groups it took settled in the ledger."""
         where = f"--rollout-function-path {self.args.rollout_function_path}"
         result = self.rollout_fn(self.plugin_args, rollout_id, ctx, evaluation=False)
         out = to_rollout_output(result, where, ctx.policy_version)
@@ -194,13 +172,8 @@ class RolloutManager:
 
     # ---- engine faults and the weight push ------------------------------------------
     def push_weights(self, trainer, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """The driver's push: `trainer.update_weights(engines, version, flush_cache)` (a RayTrainGroup) to every
-        engine, through the Rollout's `updating_weights` (train.py: the engines are idle), or inside it already
-        (train_async.py's AsyncRollout: `flush_cache` given).
-
-        An engine that dies or is stopped meanwhile is killed at once (the broadcast fails now, naming it,
-        instead of waiting out its timeouts); with --use-fault-tolerance it is restarted and the push repeated.
-        """
+        """Push the trainer's weights to every engine through the Rollout's `updating_weights` (or inside it:
+        `flush_cache` given); an engine that dies meanwhile is killed at once, so the broadcast fails now."""
         if flush_cache is None:
             async def update():
                 async with self.rollout.updating_weights(version) as flush:
@@ -226,9 +199,8 @@ class RolloutManager:
             self.engines.faults.kill_engine(fault.rank)
 
     def restart_engines(self, error: EngineFaultError) -> list[int]:
-        """Restart every engine in `error.faults` (they serve version 0 until the driver pushes) and the router if
-        it is among them (first: the engines register with it); returns the ranks of the restarted engines.
-        Raises when --use-fault-tolerance is off or the restart budget is spent (--max-engine-restarts)."""
+        """Restart the failed engines (and the router first, if it failed); returns the restarted ranks. Raises
+        when --use-fault-tolerance is off or the restart budget is spent."""
         if not self.args.use_fault_tolerance:
             raise EngineFaultError(f"{error} (--use-fault-tolerance would restart "
                                    f"{'it' if len(error.faults) == 1 else 'them'})", error.faults) from error

@@ -1,7 +1,5 @@
-"""The `perf/` timings of each training step (train.py and train_async.py): the step's wall time, how long the
-trainer was busy (training and pushing weights) and how long the engines were idle (the embedded engine's
-scheduler counter, slime/backends/sglang_utils/engine_api.py; absent with SGLang), so a run's idle fractions are
-sums of these over its steps. (An eval step adds `perf/eval_time_s` itself.)"""
+"""The `perf/` timings of each training step: its wall time, how long the trainer was busy and how long the
+engines were idle (the embedded engine's counter; absent with SGLang)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The pieces train.py and train_async.py share: the checks before anything starts, set-up, resume,
-a training step, the weight push (engine faults named, or restarted with --use-fault-tolerance),
-checkpoints, eval, per-step logging and the entry points' error handling. The two loops differ only in
-where a batch comes from and when the weights reach the engines.
+"""The pieces train.py and train_async.py share: checks, set-up, resume, a training step, the weight push,
+checkpoints, eval, logging and the entry points' error handling.
 
     with TrainingRun(args) as run:   # checks, run dir, logging, Ray, engines + buffer, trainers, resume
         run.evaluate_start()
@@ -19,21 +17,9 @@ where a batch comes from and when the weights reach the engines.
             if run.stop_due(rollout_id): break                   # SIGTERM, SIGINT, --exit-*
         run.finish()                                             # (a stop: checkpoint, shut down, say why)
 
-Timing: the `perf/` metrics of each step (slime/ray/step_timing.py; on eval steps, how long the eval took).
-
-Stops: SIGTERM, SIGINT and --exit-duration-in-mins request a stop (`GracefulStop`, slime/utils/graceful_stop.py;
---exit-interval is `stop_due`'s): a rollout halts as at its target (None: nothing to train), a training call or
-weight push finishes, and the loop leaves after the step; `finish` then checkpoints the last step done, shuts
-every part and Ray down and raises `StoppedOnRequest` (exit 128 + the signal, 0 for a time limit).
-
-Failures: the run is a context manager; an error that ends it shuts every part down first, then leaves as
-`RunStopped`, one line naming what failed (a dead Ray actor by its role, what it held), in which step, and
-what `--load` restores (slime/ray/run_faults.py). `train_or_stop` writes that line and the cause chain as the
-last lines of <run>/train.log (a traceback before them for an error that does not name its cause) and on
-stderr, and exits 1. With --use-fault-tolerance a trainer that dies or runs out of memory, or the buffer actor, starts
-again from the newest checkpoint while the other parts stay up, and what changed it since is replayed
-(`TrainerRecovery`; slime/ray/buffer.py's `RestartableBuffer`).
-"""
+A requested stop checkpoints the last step and raises `StoppedOnRequest`; an error shuts every part down and
+leaves as `RunStopped`, naming what failed and what `--load` restores (docs/faults.md). With --use-fault-tolerance
+a dead trainer or buffer actor starts again from the newest checkpoint and what changed it since is replayed."""
 
 from __future__ import annotations
 
@@ -185,9 +171,7 @@ class TrainingRun:
         return ckpt, state
 
     def _foreign_load(self):
-        """`--load` naming a Megatron checkpoint train.py did not write (upstream slime's): with --train-backend
-        megatron the trainer starts from its weights (said in one line); anything else is refused naming the
-        conversion to run (`ckpts.latest_checkpoint`)."""
+        """`--load` of a Megatron checkpoint train.py did not write: megatron starts from its weights."""
         args = self.args
         if not args.load or args.train_backend != "megatron" or ckpts.model_only_checkpoint(args.load) is None:
             return None
@@ -234,9 +218,7 @@ class TrainingRun:
 
     # ---- one step ------------------------------------------------------------------------
     def rollout(self, rollout_id: int) -> RolloutOutput | None:
-        """The step's batch (train.py: one APRIL step). An engine fault is named, or with --use-fault-tolerance the
-        engine is restarted, given the current weights and the step run again (parked samples first). None: a stop
-        request halted it (its unfinished samples parked, its finished groups kept ready: nothing lost)."""
+        """The step's batch (an engine fault named, or restarted and run again); None when a stop halted it."""
         if self.stop.requested:
             return None
         out = self._surviving_engine_faults(lambda: self.rollout_manager.generate(rollout_id))
@@ -267,8 +249,7 @@ class TrainingRun:
         """Train on the batch (off-policy tokens corrected against their behaviour log-probs); mark it trained."""
         t0 = time.monotonic()
         version = self.rollout_manager.policy_version
-        # --use-fault-tolerance: the batch stays in the object store until the next checkpoint (a restarted
-        # trainer replays it); a trainer that fails meanwhile is restarted inside this call
+        # --use-fault-tolerance: the batch stays in the object store until the next checkpoint (for a replay)
         batch = self.recovery.batch(rollout.groups) if self.recovery is not None else rollout.groups
         out = self.actor_model.train(rollout_id, batch, version)
         if self.recovery is not None:
@@ -286,10 +267,7 @@ class TrainingRun:
         return manager.policy_version
 
     def push_weights(self, rollout_id: int, version: int, flush_cache: bool | None = None) -> dict[str, float]:
-        """The trainer's weights to every engine as `version` (the loop calls this after each update; train_async.py
-        inside its rollout's `updating_weights`, which gives `flush_cache`). An engine that fails meanwhile is named,
-        or restarted and pushed again (--use-fault-tolerance); engines that keep failing checkpoint `rollout_id`
-        first."""
+        """The trainer's weights to every engine as `version` (a failing engine named, or restarted)."""
         manager = self.rollout_manager
         if manager.engines is None or self.actor_model is None or self.stop.requested:
             return {}  # (a stop: the engines are about to go; a --load pushes the checkpoint's weights)
@@ -303,8 +281,7 @@ class TrainingRun:
 
     @contextlib.contextmanager
     def checkpoint_if_engines_give_up(self, rollout_id: int):
-        """Engines that keep failing stop the run: checkpoint what it reached (`rollout_id`, parked samples
-        included) first, so `--load` resumes it."""
+        """Engines that keep failing stop the run: checkpoint `rollout_id` first, so `--load` resumes it."""
         try:
             yield
         except EngineRestartsExhausted:
@@ -319,8 +296,7 @@ class TrainingRun:
                 and (self.is_last(rollout_id) or is_due(rollout_id, self.args.save_interval)))
 
     def stop_due(self, rollout_id: int) -> bool:
-        """Stop after this step: a stop was requested (SIGTERM, SIGINT, --exit-duration-in-mins), or --exit-interval
-        says so; `finish` then checkpoints and says why."""
+        """Stop after this step: a stop was requested, or --exit-interval says so (`finish` checkpoints)."""
         if is_due(rollout_id, self.args.exit_interval) and not self.is_last(rollout_id):
             self.stop.request(f"--exit-interval {self.args.exit_interval}: step {rollout_id} done")
         return self.stop.requested
@@ -352,8 +328,7 @@ class TrainingRun:
 
     # ---- logging ---------------------------------------------------------------------------
     def log(self, rollout_id: int, step_metrics: dict) -> None:
-        """Empty steps so far, ledger counts, restarts so far, the colocated phases' costs and the step's `perf/`
-        timings, then one metrics record."""
+        """Empty steps, ledger counts, restarts, colocation costs and `perf/` timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())
         step_metrics.update(self.timing.metrics())  # (the next step's clock starts)
         step_metrics["train/skipped_empty_steps"] = float(self.empty_steps.total)

@@ -1,30 +1,12 @@
 """`--admission`: how many requests a pool (`--rollout-mode pool`, and stream mode's segments) keeps in flight.
 
 - `fixed`: `--rollout-pool-size`, always (what CoPRIS does);
-- `auto` (the default for pool and stream, unless `--rollout-pool-size` is given): the limit is the smaller of two
-  numbers, what the engines' load reports allow (`cap`) and what the steps' own speed chose (`StepClimb`).
-  * The cap, AIMD over `GET /v1/loads?include=core,queues` (every `interval_s` while a pool runs): it starts at the
-    engines' batch capacity (their `max_running_requests`, at most `--rollout-pool-size`); congestion (a
-    retraction, SGLang's `queues.retracted`: requests pushed out of a full KV cache and prefilled again; or KV
-    token usage at `high_usage` or more) cuts it to `decrease` x the limit; a queue (waiting requests beyond
-    `queue_slack` of the running ones in two reports in a row: one while new rows are admitted is not a signal)
-    brings it down to what runs plus the slack; with every slot in use and no queue it grows by a group (additive
-    increase) up to `--rollout-pool-size`.
-  * The climb: the limit starts at one batch of requests (`--rollout-batch-size` x `--n-samples-per-prompt`, what
-    the fixed stream pool defaults to: more in flight parks more partial work at every step's end). What the loads
-    cannot see decides from there: the partial samples a step parks and prefills again at the next one, its drain,
-    and on a CPU a decode step that grows with its rows. So in pool mode each step's tokens/s (to its end, drain
-    included) judges probes of a neighbouring limit, and a probe wins only on evidence beyond the steps' own noise
-    (`StepClimb`). A stream has no steps: its segments keep the start, within the cap.
-  The controller lives as long as the run's rollout (it learns across steps). The simulator runs the same one
-  against its engines' load reports (slime/rollout/simulator/cluster.py: `SimCluster.loads`).
+- `auto`: the smaller of `cap`, AIMD over the engines' load reports (a retraction or high KV usage cuts it, a queue
+  brings it down to what runs, full slots without a queue grow it by a group), and `StepClimb`, which judges probes
+  of a neighbouring limit by each pool step's tokens/s and moves only on evidence beyond the steps' noise.
 
-`AdmissionControl` holds the limit and decides (the run's `Rollout`, slime/rollout/rollout.py, builds the one
-controller and tells it when a step starts); `LoadPoll` (one per step, on its event loop) asks the engines for a
-load report every `interval_s` and hands each one to the controller at the step's next wake, where the pool tops
-up to the limit (slime/rollout/step_supply.py's PoolSupply). Measured against a sweep of fixed pool sizes:
-benchmarks/admission_sweep.py (benchmarks/README.md, its `--admission auto` row).
-"""
+The run's `Rollout` builds the one `AdmissionControl` (it learns across steps); `LoadPoll` (one per step) feeds it
+load reports. Measured against fixed pool sizes: benchmarks/admission_sweep.py."""
 
 from __future__ import annotations
 
@@ -54,16 +36,11 @@ class AimdRule:
 
 
 class StepClimb:
-    """The step-level part of `--admission auto`: which limit, within what the loads allow, makes the steps fastest.
+    """`--admission auto`'s step-level part: which limit, within what the loads allow, makes the steps fastest.
 
-    It holds a limit (`home`) and now and then probes a neighbour (`home` x or / `climb`) for `probe_steps` steps.
-    The probe replaces it only when its steps' mean log tokens/s beats the `probe_steps` steps just before it by
-    `z` standard errors of the steps' own noise (estimated from successive steps at one limit, so a busy box asks
-    for more evidence) and by `tolerance` at least; otherwise the limit comes back and the next probe goes the other
-    way. A probe that wins is followed by one further in its direction; when both ways found nothing, the climb
-    rests (`rest_steps`, doubling to `max_rest_steps`), so a flat optimum costs few probes. Near the optimum the
-    tokens/s of a step varies more from step to step (20-30% on a shared CPU box) than between neighbouring limits:
-    there it holds rather than wander."""
+    It holds a limit and now and then probes a neighbour; the probe wins only when its steps' tokens/s beat the
+    steps before it by `z` standard errors of the steps' own noise and by `tolerance`. When both ways find nothing
+    it rests (`rest_steps`, doubling), so a flat optimum costs few probes."""
 
     def __init__(self, start: int, rule: AimdRule):
         self.rule = rule
@@ -172,8 +149,7 @@ class AdmissionControl:
         logger.info("admission auto: starting at %d requests in flight (ceiling %d)", self.limit, self.ceiling)
 
     def observe(self, loads: list[dict], in_flight: int) -> int:
-        """One load report (per-DP-rank dicts of every engine, SGLang's /v1/loads shape) and the requests of ours in
-        flight now; returns the new limit."""
+        """One load report (SGLang's /v1/loads shape) and our requests in flight now; returns the new limit."""
         if not self.auto or not loads:
             return self.limit
         self.observations += 1
@@ -209,16 +185,13 @@ class AdmissionControl:
         self.poll = LoadPoll(self, io) if self.auto else None
 
     def at_wake(self) -> int:
-        """A wake of a pool step's loop (slime/rollout/step.py's `run_step`): a report that came back is observed,
-        the next one asked for. Returns the limit."""
+        """A wake of a pool step's loop: a report that came back is observed, the next asked for; the limit."""
         if self.poll is not None:
             self.poll.at_wake()
         return self.limit
 
     def step_ended(self, record) -> int:
-        """A pool step ended (`record`: its StepRecord), and its load reports with it. One that ran to its target
-        judges the limit it ran at by its tokens/s, to its end, drain included (`after_step`); a stream's segment (no
-        target) keeps the limit."""
+        """A pool step that ran to its target judges its limit by its tokens/s; a stream segment keeps it."""
         poll, self.poll = self.poll, None
         if poll is None:  # (fixed, or no top-up ran)
             return self.limit
@@ -228,8 +201,7 @@ class AdmissionControl:
         return self.after_step(poll.io.requester.new_tokens / max(1e-6, record.clock.now()))
 
     def after_step(self, tokens_per_s: float) -> int:
-        """A step ran at `self.limit` and made `tokens_per_s`: the climb (`StepClimb`) chooses the next step's limit
-        within the loads' cap."""
+        """A step ran at `self.limit` at `tokens_per_s`: `StepClimb` picks the next limit within the cap."""
         if not self.auto or self.climb is None or tokens_per_s <= 0 or self.cap < self.climb.limit:
             return self.limit  # (while the loads' cap binds, the step says nothing about the climb's limit)
         before = self.limit
@@ -251,11 +223,8 @@ class AdmissionControl:
 
 
 class LoadPoll:
-    """A step's load reports for `control` (auto only; `io`: the step's StepIO, whose engines are asked). `at_wake()`,
-    called at each wake of the step's loop, hands a report that came back to the controller, with the requests of
-    ours in flight when it came back (between wakes the pool is full; at a wake a request just ended), and asks for
-    the next one once `interval_s` passed since the last (a report is an HTTP call in its own task: the loop never
-    waits on it). A failed report is skipped: the limit holds until reports come back."""
+    """A step's load reports for `control`: `at_wake()` hands the latest to the controller and asks for the next
+    after `interval_s` (in its own task); a failed report is skipped."""
 
     def __init__(self, control: AdmissionControl, io):
         self.control, self.io = control, io

@@ -1,13 +1,5 @@
-"""What a rollout function returns, in upstream slime's shape.
-
-A rollout function (`--rollout-function-path`) is called as upstream slime calls it:
-
-    generate_rollout(args, rollout_id, data_source, evaluation=False)
-
-(`data_source`: the run's `RolloutContext`, slime/rollout/rollout.py.) It returns upstream's
-`RolloutFnTrainOutput` / `RolloutFnEvalOutput`, a plain list of groups (upstream's legacy form), or our
-`RolloutOutput`; `to_rollout_output` reads any of them.
-"""
+"""What a rollout function returns, in upstream slime's shape: upstream's outputs, a plain list of groups, or our
+`RolloutOutput`, all read by `to_rollout_output`."""
 
 from __future__ import annotations
 
@@ -21,8 +13,7 @@ from slime.utils.types import Sample, Status
 class RolloutOutput:
     groups: list[list[Sample]]
     metrics: dict[str, float] = field(default_factory=dict)
-    # groups dropped this step: group id -> reason ("reward_failed: ...", a filter's reason, ...); the driver
-    # names the common cause when steps keep training nothing
+    # groups dropped this step: group id -> reason (the driver names the common cause of empty steps)
     dropped: dict[int, str] = field(default_factory=dict)
 
 
@@ -43,9 +34,7 @@ class RolloutFnEvalOutput:
 
 
 def to_rollout_output(result: Any, where: str, version: int) -> RolloutOutput:
-    """A rollout function's training result as a `RolloutOutput`: ours, upstream's `RolloutFnTrainOutput`, or a
-    plain list of groups. Samples a plugin filled in upstream's way (fields set directly) get what they left
-    out (`Sample.complete_response`)."""
+    """A rollout function's training result (ours, upstream's, or a list of groups) as a `RolloutOutput`."""
     if isinstance(result, RolloutOutput):
         return result
     if isinstance(result, RolloutFnTrainOutput):

@@ -1,8 +1,5 @@
-"""A dataset file's rows (`read_rows`), for the data source and the eval sets.
-
-`.jsonl` is read line by line with `json` (HF `datasets` rejects blank lines and columns whose type changes
-between rows, and names no row); `.json` holds a list of objects (or JSON lines); `.parquet` is read with HF
-`datasets` offline. Every row error (`DataError`) names the file, the 1-based line or row, and what is wrong."""
+"""A dataset file's rows (`read_rows`): `.jsonl` (read with `json`: HF `datasets` rejects blank lines and names no
+row), `.json` and `.parquet`. Every row error (`DataError`) names the file, the 1-based row, and what is wrong."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets (files: data_files.py).
-
-A prompt is a string or a list of chat messages; with `--apply-chat-template` it goes through the tokenizer's
-template (a string becomes one user message) and is tokenised without special tokens. `Sample.prompt` holds the
-text that was tokenised.
-
-Rows the engine would refuse are dropped at load with file, line and reason (`empty_prompt`,
-`over_max_prompt_len`, `over_context_length`), counted in `dropped_rows` and listed in `dropped` for the ledger.
-The data order and the saved position count file rows, dropped ones included, so dropping a row never shifts
-what the next step draws. Training groups and samples get run-wide ids 0, 1, 2, ... (saved in `state_dict`);
-eval groups get negative ids and carry `metadata["eval_name"]`."""
+"""Dataset rows -> groups of fresh `Sample`s (`RolloutDataSource`), and eval sets. Rows the engine would refuse
+are dropped at load, named; the saved position counts file rows, so a drop never shifts the next step."""
 
 from __future__ import annotations
 
@@ -119,12 +110,8 @@ def _drop_reason(prompt: Any, tokens: list[int], budget: int, max_len: int | Non
 
 def prepare_entries(args, tokenizer, path: str, flag: str = "--prompt-data",
                     response_budget: int | None = None) -> tuple[list[PromptEntry | None], dict[int, str]]:
-    """Read, validate, template and tokenise every row of `path`.
-
-    Returns (one entry per file row, None where the row was dropped; the dropped rows: 0-based row -> reason
-    `category: detail (file, line)`). Structural errors (missing keys, wrong types) raise `DataError` naming the
-    file, line and key; rows the engine would refuse are dropped, each logged with file, line and reason.
-    """
+    """Read, validate, template and tokenise every row of `path`: (entries, None where dropped; dropped row ->
+    reason). Structural errors raise `DataError` naming the file, line and key."""
     input_key, label_key, metadata_key = args.input_key, args.label_key, args.metadata_key
     max_len = args.rollout_max_prompt_len
     context = model_max_positions(args)
@@ -187,13 +174,7 @@ def _make_group(entry: PromptEntry, group_index: int, first_index: int, n: int, 
 
 # ----------------------------------------------------------- data source ----
 class RolloutDataSource:
-    """Fresh prompt groups for training, epoch after epoch, with exact resume.
-
-    Order: the file's rows in order, or, with `--rollout-shuffle`, epoch `e` uses the permutation of the rows from
-    `random.Random(--rollout-seed + e)`; dropped rows keep their place in it and are skipped when drawn. When an
-    epoch runs out mid-request the next epoch starts automatically (`epoch` tells which; `--num-epoch` is enforced
-    by the caller).
-    """
+    """Fresh prompt groups, epoch after epoch, with exact resume (shuffled: epoch e's seed --rollout-seed + e)."""
 
     def __init__(self, args, tokenizer):
         self.args = args
@@ -222,10 +203,6 @@ class RolloutDataSource:
     def dropped_rows(self) -> Counter:
         """Rows dropped at load, by reason category."""
         return drop_counts(self.dropped)
-
-    @property
-    def num_dropped_too_long(self) -> int:
-        return self.dropped_rows[DROP_MAX_PROMPT_LEN]
 
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -297,11 +274,7 @@ class RolloutDataSource:
 
 
 def load_eval_groups(args, tokenizer, name: str, path: str, n_samples: int) -> list[list[Sample]]:
-    """Every prompt of an eval set as a group of `n_samples` samples, in file order.
-
-    Uses the same keys, template and length limit as training; ids are negative (group -1, -2, ...; sample -1, -2,
-    ...), never touching the training counters. `metadata["eval_name"] = name`.
-    """
+    """Every prompt of an eval set as a group of `n_samples` samples, in file order, with negative ids."""
     if n_samples < 1:
         raise DataError(f"eval set {name!r}: n_samples must be >= 1, got {n_samples}")
     rows, dropped = prepare_entries(args, tokenizer, path, flag=f"eval set {name!r}",

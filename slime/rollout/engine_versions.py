@@ -1,26 +1,6 @@
-"""Which weight version sampled each token: the engine's spans checked against our own record, and the prefix-cache
-key that keeps KV of different versions apart.
-
-The engine's word: SGLang >= 0.5.19 (and the embedded engine) end every reply, an aborted one too, with
-`meta_info.weight_versions = [{"version", "start", "end"}, ...]` covering `output_ids[start:end]` in order
-(`meta_info.weight_version` is the last span's version); SGLang 0.5.15.post1, the oldest we support, sends only
-`meta_info.weight_version`, the version it serves when it replies (sglang/srt/utils/weight_versions.py at 0.5.23;
-tokenizer_manager.py at both versions).
-
-Our record of a request: the versions the engines may have served while it ran, a `VersionWindow` from `sent` (served
-when it was sent) to `newest` (the newest pushed before its reply came back); with no window (train.py's steps, where
-the engines serve one version for the whole step) both are the step's version. A request no update crossed has one
-version; a paused update (`--pause-mode retract|in_place`) lets requests run across it.
-
-`label_tokens` takes the engine's spans when they agree with the record. Otherwise every token gets a version that
-is never newer than the truth, so the staleness cap may act early but never late:
-- a reply without spans that an update crossed (old SGLang under a pause mode): every token gets `sent`, the oldest
-  version it may have (`Sample.metadata["versions_unreported"]` counts them);
-- spans outside the record (a version older than `sent` or newer than `newest`: something else changed the weights,
-  or the engine's numbering is not ours): a warning naming the request, `metadata["version_disagreements"]`
-  counted, and each token labelled with the older of the engine's version and `newest`.
-`sample_metrics` (rollout_metrics.py) reports both per batch.
-"""
+"""Which weight version sampled each token: the engine's spans (`meta_info.weight_versions`) checked against our
+record of the request (`VersionWindow`), never labelling a token newer than the truth, and the prefix-cache key
+that keeps KV of different versions apart."""
 
 from __future__ import annotations
 
@@ -32,9 +12,7 @@ MAX_WARNINGS = 20  # per requester: a misconfigured run would otherwise warn on 
 
 
 def cache_key(version: int) -> str:
-    """The `/generate` `extra_key` of a request sent while the engines serve `version`: SGLang's radix cache (and the
-    embedded engine's prefix cache) reuse KV only between requests with the same key, so a request never starts on
-    KV computed by older weights, even when an update kept the cache (`flush_cache: false`)."""
+    """The `/generate` `extra_key` for `version`: prefix caches never reuse KV across keys (older weights)."""
     return f"weights-v{int(version)}"
 
 
@@ -47,10 +25,7 @@ class VersionLabels:
 
     def label_tokens(self, sample, engine: list[int] | None, spans_sent: bool, sent: int, newest: int,
                      rid: str, span_lag: int = 0) -> list[int] | int:
-        """The version of each of a reply's tokens for `sample` (an int: all of them). `engine`: the versions the reply
-        gives (`sampling_request.token_versions`; None: not ints), `spans_sent`: it had `meta_info.weight_versions`;
-        `sent`..`newest`: our record of the request; `span_lag`: the first tokens of each newer span take the version
-        before it (below)."""
+        """The version of each of a reply's tokens (an int: all), from the engine's versions and our record."""
         if engine is None:  # the engine's versions are not ints (e.g. its default "default"): ours, if one
             if newest != sent:
                 raise ValueError(f"{self.where}: the engines changed version ({sent} -> {newest}) during request {rid} "
@@ -79,12 +54,8 @@ class VersionLabels:
 
 
 def lag_spans(versions: list[int], lag: int) -> list[int]:
-    """The first `lag` tokens of each newer span labelled with the version before it. SGLang's in_place pause leaves
-    the forward its overlap scheduler launched before the pause in flight (`Scheduler.pause_generation`: the in_place
-    branch leaves the result queue to the resumed loop, the retract branch processes it first); its token is
-    appended after the resume, after the update recorded the span boundary, though the older weights sampled it
-    (measured on SGLang 0.5.23's own server, tests/test_real_sglang.py: usually one token, none when no forward was
-    in flight). The reply cannot say which: the older label is never newer than the truth."""
+    """The first `lag` tokens of each newer span labelled with the version before it: SGLang's in_place pause can
+    append a token the older weights sampled after the span boundary (tests/test_real_sglang.py)."""
     if lag <= 0:
         return versions
     out = list(versions)

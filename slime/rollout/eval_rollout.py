@@ -1,8 +1,4 @@
-"""Evaluation rollout: generate every eval group with the eval sampling flags (no buffer, no partial rollout).
-
-Eval groups are a dict name -> groups, or a list of groups (the RolloutManager loads them once from
-`--eval-prompt-data`; a rollout function gets them as `data_source.eval_groups`).
-"""
+"""Evaluation rollout: generate every eval group with the eval sampling flags (no buffer, no partial rollout)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Upstream slime's `GenerateState` (`from slime.rollout.sglang_rollout import GenerateState`), for plugins.
 
-One object per process (`SingletonMeta`; another `--hf-checkpoint` makes a new one) with upstream's fields:
-`.tokenizer`, `.processor` (None), `.semaphore` (`--sglang-server-concurrency` x engines, the running loop's
-own) and `.sampling_params`. `.aborted` is true once the step the calling generate runs for aborts the engines,
-so a multi-turn generate can return the sample ABORTED between turns (resumed later); false outside a step. The
-step itself aborts and drains the engines; `reset()` and `dp_rank_context()` keep upstream's names."""
+One object per process with upstream's fields (`tokenizer`, `processor`, `semaphore`, `sampling_params`);
+`.aborted` is true once the running step aborts the engines, so a multi-turn generate can return ABORTED."""
 
 from __future__ import annotations
 

@@ -14,10 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 async def judge(io, rec: StepRecord, st: StepGroup) -> None:
-    """Reward `st` (in the group's own task: a slow reward never blocks generation or the drain), then mark it
-    failed (every member FAILED: dropped with its cause, counted toward the target, so a broken reward cannot
-    make a step draw the whole dataset) or rejected, the reason in `rec.rejected`; a group that passed keeps
-    `outcome` None for the step to place."""
+    """Reward the group in its own task, then mark it failed (counted toward the target, so a broken reward cannot
+    drain the dataset) or rejected; a group that passed keeps `outcome` None."""
     try:
         await io.reward(st.samples)
     except Exception as e:  # the reward promises not to raise; be safe anyway

@@ -1,11 +1,7 @@
 """Length bias: does what reaches training have the lengths a synchronous run would have trained?
 
-APRIL and stream mode hand the trainer whatever finishes first, and `--staleness-policy restart` regenerates the
-long samples parked longest. Per step, response lengths (mean, p50, p90) of what was trained, of what the engines
-finished (step-based modes only), and of what a synchronous run would have trained on the same prompts: the
-Kaplan-Meier estimate over the samples' first attempts, a sample the cap restarted being right-censored at the
-length it had then (`metadata["first_attempt_cut_at"]`). `length/longest_decile_share`: the share of that
-synchronous run's longest decile that reaches training. docs/metrics.md says how to read them."""
+Per step, response lengths of what was trained, of what the engines finished, and of what a synchronous run would
+have trained (Kaplan-Meier over first attempts, restarted samples right-censored); docs/metrics.md."""
 
 from __future__ import annotations
 

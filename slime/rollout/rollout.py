@@ -6,26 +6,16 @@
         push(flush_cache)                              # paused per --pause-mode around the push, then resumed
     out = await rollout.evaluate(rollout_id, groups)
 
-It owns what lives across steps: the buffer handle, the staleness cap (`--max-staleness`), the admission controller
-(`--admission`: pool and stream; built here and nowhere else), the over-sampling planner (`auto`), the version gate
-(train_async.py: `run_ahead`) and the engines' pause protocol. The `link` is what a step talks to: the real engines
-behind the router (slime/rollout/sglang_rollout.py's `EngineLink`) or the simulator's (slime/rollout/simulator/
-drive.py's `SimLink`); its `engines` answer `abort_all_until_idle`, `pause`, `continue_generation`,
-`abort_requests` and `loads`. train.py's RolloutManager (slime/ray/rollout.py), train_async.py's producers
-(steps_ahead.py, stream.py, on slime/ray/async_rollout.py's loop) and the simulator are loops over these verbs.
+It owns what lives across steps: the buffer handle, the staleness cap, the admission controller, the over-sampling
+planner, the version gate and the engines' pause protocol (docs/architecture.md). The `link` is the real engines
+(`EngineLink`) or the simulator's (`SimLink`).
 
-A weight update (`updating_weights`): without a gate (train.py) the engines are idle between steps and the caller
-pushes. With one (train_async.py), by `--pause-mode`:
-- abort: every request of ours is aborted and waits at the gate; the push; they resume from their tokens;
-- retract / in_place: no new request passes the gate and the engines pause in SGLang's mode, keeping our requests
-  (KV freed / kept); the push; then the requests a token of which may now be over --max-staleness (restart
-  policy) are aborted by rid, so the cap applies when they resume; the engines continue.
-The push flushes the engines' prefix cache (KV the older weights computed) unless --reuse-stale-kv, or in_place
-(the engines hold requests with their KV: SGLang refuses a flush then): `flush_cache`, the one rule.
-
-`step()` stops at a safe point when its `halt` is set (as at its target: unfinished groups parked, accepted ones
-kept ready), so a caller that must stop the run (a checkpoint, a signal) halts the step and loses nothing.
-"""
+A weight update: without a gate (train.py) the engines are idle and the caller pushes. With one (train_async.py),
+by `--pause-mode`: abort (every request of ours aborted, resumed from its tokens after the push); retract /
+in_place (no new request passes the gate, the engines pause holding ours, KV freed / kept; after the push the
+requests over --max-staleness are aborted by rid, so the cap applies when they resume). `flush_cache` is the one
+rule: flush the prefix cache unless `--reuse-stale-kv` or in_place (SGLang refuses a flush while it holds
+requests)."""
 
 from __future__ import annotations
 
@@ -140,10 +130,8 @@ class Rollout:
 
     # ---- the verbs ----------------------------------------------------------------------------
     async def step(self, rollout_id: int, placement=None, halt=None) -> RolloutOutput:
-        """One step toward `--rollout-batch-size` accepted groups (`placement`: a stream segment's queue instead),
-        with `--rollout-mode`'s supply; `halt`: an asyncio.Event or the run's GracefulStop. Raises RolloutError /
-        RolloutEngineFaultError after its commit (nothing lost); a halted one returns no groups and `rollout/halted` 1
-        (everything is in the buffer then)."""
+        """One step toward `--rollout-batch-size` accepted groups (or into a stream's `placement`). Raises after
+        its commit (nothing lost); a halted one returns no groups and `rollout/halted` 1."""
         c, gate, supply = self.config, self.gate, self.supply()
         version = gate.train_version if gate is not None else self.version
         urls = await self.link.worker_urls()
@@ -208,15 +196,13 @@ class Rollout:
         self.update_pause_s = asyncio.get_running_loop().time() - t0
 
     async def evaluate(self, rollout_id: int, groups) -> RolloutOutput:
-        """`groups` (eval groups: a list, or a dict by set name) generated on the served weights, rewarded; never
-        enters the buffer."""
+        """`groups` (a list, or a dict by set name) generated on the served weights and rewarded; no buffer."""
         return await self.link.evaluate(rollout_id, groups, self.served_version)
 
     # ---- train_async.py: steps under a version gate ----------------------------------------------------
     def run_ahead(self, production, pausable: bool = True) -> VersionGate:
-        """From now on every request passes a version gate, so weights can change under a running step;
-        `production` (StepsAhead or StreamRollout) rebalances its backpressure whenever a hold ends; `pausable`
-        False: a custom rollout function's steps, which an update waits for (`production.step_lock`)."""
+        """From now on every request passes a version gate, so weights can change under a running step; `pausable`
+        False: a custom rollout function's steps, which an update waits for."""
         self.gate = VersionGate(self.version, train_version=self.version)
         self.production, self.pausable = production, pausable
         if self.pause_mode == "in_place" and self.link.backend == "sglang":
@@ -290,9 +276,7 @@ class RolloutContext:
         return None if self.eval_groups is not None else self.rollout.buffer
 
     def get_samples(self, num: int) -> list[list[Sample]]:
-        """`num` groups: parked partial groups first (the staleness cap applied), then fresh ones (the step's own
-        `take_groups`); each is `issued` in the ledger until it is returned for training or handed back with
-        `add_samples`."""
+        """`num` groups, parked first (the staleness cap applied), `issued` until returned or handed back."""
         r = self.rollout
         parked, fresh, _ = run_sync(take_groups(self.buffer, r.data_source, num, r.config.n, r.cap, self.policy_version,
                                                 RPC_TIMEOUT_S))

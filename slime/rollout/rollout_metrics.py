@@ -22,11 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def token_version_metrics(groups: list[list[Sample]], current_version: int) -> dict[str, float]:
-    """Exact off-policy token ratio, staleness histogram and versions per sample over `groups`.
-
-    Counted per token over loss-masked response tokens: a token is off-policy when the version that produced it is
-    older than `current_version`; its lag is `current_version - version`.
-    """
+    """Exact off-policy token ratio, staleness histogram and versions per sample (loss-masked tokens)."""
     lags: Counter = Counter()
     distinct: list[int] = []
     for group in groups:
@@ -55,10 +51,7 @@ def staleness_metrics(counts: Counter, keys: tuple[str, ...], prefix: str = "rol
 
 
 def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) -> dict[str, float]:
-    """Sizes, failures, lengths and rewards of a batch's samples (and those a plugin kept out of the loss,
-    `remove_sample`); for multi-turn samples also their per-turn metrics (`rollout/tool/*`,
-    slime/rollout/multi_turn/metrics.py), and the time plugins spent outside generation (upstream's
-    `Sample.non_generation_time`) when they report it."""
+    """Sizes, failures, lengths and rewards of a batch's samples, plus multi-turn and plugin-time metrics."""
     samples = [s for g in groups for s in g]
     n = len(samples)
     rewards = [r for s in samples if (r := s.scalar_reward(reward_key)) is not None]
@@ -77,8 +70,7 @@ def sample_metrics(groups: list[list[Sample]], reward_key: str | None = None) ->
 
 
 def running_requests(load: Any) -> tuple[int, int | None]:
-    """(running requests, batch capacity or None) from one worker's load report (SGLang's /v1/loads reply, or a
-    legacy /get_load one)."""
+    """(running requests, batch capacity or None) from one worker's /v1/loads (or legacy /get_load) reply."""
     return engine_api.running_and_waiting(load)[0], engine_api.running_capacity(load)
 
 
@@ -128,9 +120,7 @@ class OccupancySampler:
 
 
 class EngineMonitors:
-    """Watch the real engines while a step runs (a context manager around it): the watchdog (a dead or frozen
-    engine stops the step, named: it is the step's `io.watchdog`) and the occupancy sampler (`/v1/loads`),
-    whose metrics are in `metrics` once it exits; it closes the step's progress bar."""
+    """Watch the real engines while a step runs: the watchdog (`io.watchdog`) and the occupancy sampler."""
 
     def __init__(self, args, engines, session, urls: list[str], bar=None):
         self.bar = bar
@@ -160,8 +150,7 @@ def append_trace(run_dir: str | None, record: dict[str, Any]) -> None:
 
 
 def step_metrics(args, step, requester, occ: dict[str, float]) -> dict[str, float]:
-    """The `rollout/` metrics of one finished step (its `StepRecord`, slime/rollout/step_record.py, and its
-    requester's counters) and its trace line."""
+    """The `rollout/` metrics of one finished step (its `StepRecord` and requester counters) and its trace line."""
     m = step.clock.marks
     elapsed = m.get("drained", step.clock.now())
     new_tokens = requester.new_tokens
@@ -219,9 +208,7 @@ MAX_TIMELINE_POINTS = 500  # per step: a 3000-step run keeps its trace in tens o
 
 
 def workload_trace(args, step, requester) -> dict[str, Any]:
-    """The step's workload for the simulator and the plots: its sizes, every final response length
-    (once, when its group leaves the rollout), the lengths of the samples still unfinished, when each
-    group finished, and the requests in flight over the step."""
+    """The step's workload for the simulator and the plots: sizes, final and unfinished lengths, finish times."""
     finished = [[s.response_length for s in st.samples] for st in step.groups.values() if st.outcome is not None]
     prompts = [st.samples[0].prompt_length for st in step.groups.values()]
     timeline = requester.timeline

@@ -1,34 +1,6 @@
-"""One sample's generation over SGLang's HTTP API, and small helpers for the rollout.
-
-`SampleRequester.generate(sample, stop)` sends `POST /generate` with the
-sample's token ids so far (a resumed sample continues from its ids, never
-re-tokenised text) and `max_new_tokens` = the budget left (`--rollout-max-response-len`, or a smaller
-per-sample `metadata["max_response_len"]`), appends the
-returned segment with `Sample.append_response` (tokens, log-probs, per-token
-versions and loss mask grow together) and sets the status from the finish
-reason: stop -> COMPLETED, length (or the budget reached) -> TRUNCATED,
-abort -> ABORTED (still unfinished). A request the engine refuses (HTTP 4xx:
-e.g. a prompt over its context) fails that sample with
-`metadata["failure"] = "engine_refused: <the engine's message>"`; it is never
-retried and never stops the step.
-
-Per-token versions come from `meta_info.weight_versions` when the engine
-returns it (the embedded engine and newer SGLang: one span per weight version
-that sampled part of the segment, so a segment that crossed an in-flight
-weight update is labelled exactly), else from the single `weight_version`.
-
-`send(sample, rid, window)` is one request; `generate` loops over it. train_async.py wraps each request in
-a `GatedRequester` (slime/rollout/version_gate.py), which passes the gate before it is sent and checks
-every token's version against the `VersionWindow` of the request.
-
-`--custom-generate-function-path`: upstream slime's `async def generate(args, sample, sampling_params) -> Sample`
-(with an `evaluation` keyword when it declares one) replaces the request loop; `sampling_params["max_new_tokens"]`
-is the sample's whole budget, as upstream passes it (a resumed sample has `response_length` of it used). What it
-left out when growing the response itself (versions, loss mask) is filled in (`Sample.complete_response`).
-With `--agent-env` that function is the built-in multi-turn generate (slime/rollout/multi_turn/): `run_custom`
-runs it inside the scope of the rollout's `ToolAgent`, each model turn sent by `turn` (the same request as
-`send`, nothing appended), so a turn has the request ids, version checks and counters of any request.
-"""
+"""One sample's generation over SGLang's HTTP API: `SampleRequester.generate` sends `POST /generate` from the
+token ids so far, appends the segment and sets the status (an engine's 4xx fails the sample, never the step); a
+`--custom-generate-function-path` (upstream's signature) replaces the request loop."""
 
 from __future__ import annotations
 
@@ -55,11 +27,8 @@ logger = logging.getLogger(__name__)
 
 MAX_UNEXPECTED_ABORTS = 3
 
-# Which rollout step a plugin's generate call runs for, so that upstream's `GenerateState.aborted`
-# (slime/rollout/generate_state.py) can say whether that step is aborting: `run_custom` runs the user's generate
-# with `in_step(stop, ...)`, `stop` being the step's event (set once it has its batch, failed or was halted, and
-# aborts the engines). A context variable, so the tasks of each step (train_async.py may run one while the next
-# is gated) see their own step, and a generate outside any step (an evaluation) sees none.
+# The step a plugin's generate call runs for (upstream's `GenerateState.aborted`): a context variable, so the
+# tasks of each step see their own step, and a generate outside any step (an evaluation) sees none.
 T = TypeVar("T")
 _STEP_STOP: ContextVar[asyncio.Event | None] = ContextVar("slime_step_stop", default=None)
 
@@ -108,8 +77,7 @@ def sampling_params_from_args(args, evaluation: bool = False) -> dict[str, Any]:
 
 
 def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int] | None, str, str]:
-    """(token ids, log-probs, per-token weight versions or None if not ints, text, finish type) from one
-    /generate reply."""
+    """(token ids, log-probs, versions or None, text, finish type) from one /generate reply."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict):
         raise GenerateResponseError(f"{url}/generate: reply has no meta_info object: {str(out)[:300]}")
@@ -134,9 +102,7 @@ def parse_segment(out: dict, url: str) -> tuple[list[int], list[float], list[int
 
 @dataclass
 class VersionWindow:
-    """Our record of a request: the versions its reply may carry, from `sent` (served when it was sent) to `newest()`
-    (the newest pushed while it ran); `span_lag`: tokens at the start of each newer span of its reply that the engine
-    may have sampled with the version before it (engine_versions.py)."""
+    """Our record of a request: the versions its reply may carry, `sent` .. `newest()`; `span_lag`: see lag_spans."""
 
     sent: int
     newest: Callable[[], int]
@@ -144,10 +110,8 @@ class VersionWindow:
 
 
 def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_checkpoint: str) -> str:
-    """"stop" for an aborted reply whose last token ends the request (EOS or `stop_token_ids`, unless
-    `ignore_eos`): SGLang applies an abort that arrives with a token before checking that token
-    (`Req.update_finish_state`), so the reply says abort although the request had finished; resumed, it would
-    generate past its end. Any other finish is returned as it is."""
+    """"stop" for an aborted reply whose last token ends the request: SGLang applies an abort arriving with a
+    token before checking it, so resumed, the request would generate past its end."""
     if finish != "abort" or not ids or sampling_params.get("ignore_eos"):
         return finish
     ends = eos_token_ids(hf_checkpoint) | set(sampling_params.get("stop_token_ids") or ())
@@ -155,9 +119,7 @@ def finished_by_token(finish: str, ids: list[int], sampling_params: dict, hf_che
 
 
 class RequestLoop:
-    """A sample's requests until it finishes: its budget, its status, resuming after an abort the step did not
-    ask for; counts what came back. `send` (one request) is the transport's: `SampleRequester` over HTTP, the
-    simulator's engines (slime/rollout/simulator/cluster.py)."""
+    """A sample's requests until it finishes; `send` is the transport's (HTTP or the simulator's)."""
 
     custom_generate = None
     max_context_len: int | None = None  # --rollout-max-context-len: prompt + response at most
@@ -172,8 +134,7 @@ class RequestLoop:
         self.timeline: list[tuple[float, int]] = []  # (loop time, in flight) at each change (the trace's occupancy)
 
     def budget(self, sample: Sample) -> int:
-        """The sample's response budget: the flag, or a smaller `metadata["max_response_len"]`, or what
-        `--rollout-max-context-len` leaves after its prompt."""
+        """The response budget: the flag, a smaller per-sample one, or what the context leaves."""
         own = sample.metadata.get("max_response_len") if isinstance(sample.metadata, dict) else None
         budget = self.max_len if own is None else min(self.max_len, int(own))
         if self.max_context_len is not None:
@@ -191,10 +152,8 @@ class RequestLoop:
         return f"r{self.rollout_id}-g{sample.group_index}-s{sample.index}-{uuid.uuid4().hex[:12]}"
 
     async def generate(self, sample: Sample, stop: asyncio.Event | None = None, attempt=None) -> bool:
-        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False).
-        `attempt(sample, stop)`: one request (default `send`, or the user's generate function, run once); it
-        returns (tokens appended, sent back to the gate), or None: the sample stays unfinished (stopped at the
-        gate of a `GatedRequester`, or left so by the user's function)."""
+        """Generate until `sample` finishes (True) or `stop` is set and the engines abort it (False). `attempt`:
+        one request, returning (tokens appended, sent back to the gate), or None: the sample stays unfinished."""
         attempt = attempt or self.attempt
         unexpected_aborts = 0
         while True:
@@ -261,10 +220,7 @@ class SampleRequester(RequestLoop):
 
     def payload(self, sample: Sample, rid: str | None = None, sampling_params: dict | None = None,
                 version: int | None = None) -> dict[str, Any]:
-        """The /generate body: the sample's token ids, `sampling_params` (default: the rollout's, with the budget
-        left as max_new_tokens), log-probs on, a request id, and the prefix-cache key of `version` (the version the
-        engines serve; default: the step's), so no KV of older weights is reused (engine_versions.cache_key), unless
-        --reuse-stale-kv asks for it."""
+        """The /generate body: token ids, sampling params (budget left), log-probs, a rid, `version`'s cache key."""
         sp = sampling_params
         if sp is None:
             sp = dict(self.sampling_params, max_new_tokens=self.budget(sample) - sample.response_length)
@@ -275,9 +231,7 @@ class SampleRequester(RequestLoop):
         return body
 
     async def send(self, sample: Sample, rid: str | None = None, window: VersionWindow | None = None) -> int:
-        """One `POST /generate` for `sample`: its tokens so far in, the segment appended, the status set from the
-        finish reason (a refusal fails the sample). Returns the tokens appended. `window`: the versions the reply
-        may carry (None: the engines serve one version for the whole step)."""
+        """One `POST /generate` for `sample`; returns the tokens appended (`window`: the versions allowed)."""
         try:
             seg = await self.request(self.payload(sample, rid, version=window and window.sent), window, sample)
         except http_client.EngineHTTPError as e:
@@ -335,10 +289,8 @@ class SampleRequester(RequestLoop):
 
     async def run_custom(self, sample: Sample, version: int | None = None, stop: asyncio.Event | None = None,
                          turn: ModelTurn | None = None) -> bool:
-        """Run the user's generate function (upstream's contract, see the module docstring); `version`: the version
-        the engines serve (tokens the function added without one are tagged with it). With `--agent-env` it is the
-        built-in multi-turn generate, run inside its agent scope: the rollout's agent, `turn` for each model turn
-        (default: this requester's own; train_async.py's gate passes its gated one) and the step's `stop`."""
+        """Run the user's generate function (`version`: for tokens it added without one); with `--agent-env`, the
+        built-in multi-turn generate inside its agent scope, each model turn sent by `turn`."""
         path = self.args.custom_generate_function_path
         where = f"--custom-generate-function-path {path}"
         before = sample.response_length

@@ -41,10 +41,7 @@ def engine_rollout(args, buffer, data_source, engines, agent=None, planner=None,
 
 
 class EngineLink:
-    """The engines behind the router (`engines`: an EngineGroup) as a step sees them: each sample's requests over
-    SGLang's HTTP API, through the run's version gate if it has one, each asking the watchdog first, when it fails,
-    whether the router or an engine died; the run's reward and dynamic filter; the `rollout/` metrics and the trace.
-    `session`: one aiohttp session every step reuses (train_async.py's), or None: each opens its own."""
+    """The engines behind the router as a step sees them: requests, reward and filter, metrics and trace."""
 
     def __init__(self, args, engines, agent=None):
         self.args, self.engines, self.agent = args, engines, agent  # agent: --agent-env's ToolAgent

@@ -1,18 +1,5 @@
-"""The staleness cap (`--max-staleness`, `--staleness-policy`): the run's Rollout holds the one, used wherever a
-token may be too old.
-
-Every response token carries the policy version that produced it. Measured against the version that will
-train a group (`train_version`), a token older than `train_version - max_staleness` is stale; the policy says
-what happens to it: `restart` drops the sample's response and generates it again from the prompt (a group
-that has wholly finished cannot be, so the caller drops it); `mask` keeps the stale tokens as context with
-their loss mask zeroed; `keep` keeps everything (TIS corrects it). The length guard bounds `restart`: a sample that
-spent its restart budget is masked instead, since restarts are what drop the long tail (slime/rollout/length_bias.py
-measures it). The sites: `at_resume` (parked groups
-handed out again), `at_resume_in_flight` (a sample sent again after the engines changed version under a
-running step), `before_training` (finished groups about to be trained), `restart_floor` (in-place updates:
-requests to abort so the cap is applied when they resume). A sample: slime/utils/types.py's `Sample` or the
-simulator's `SimSample`.
-"""
+"""The staleness cap (`--max-staleness`, `--staleness-policy`): a token older than `train_version - max_staleness`
+is regenerated (`restart`; the length guard masks instead after a budget), masked (`mask`) or kept (`keep`)."""
 
 from __future__ import annotations
 
@@ -25,9 +12,8 @@ from slime.rollout.length_bias import CUT_KEY
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "mask", "keep")
-# The length guard: how often `restart` may regenerate one sample before its stale tokens are masked instead. Every
-# restart replaces a sample that ran past the cap, so a long one, by a fresh draw: on the simulator's long tail a
-# budget of 1 or 2 keeps 0.17 / 0.12 of the longest decile's synchronous share, 0 keeps 1.0 (benchmarks/README.md).
+# The length guard: how often `restart` may regenerate one sample before its stale tokens are masked instead
+# (restarts drop the long tail: benchmarks/README.md).
 GUARD_RESTART_BUDGET = 0
 # what the sites count (their Counters' names): samples by policy, tokens, groups
 STEP_COUNTS = (*POLICIES, "masked_tokens", "restarted_tokens", "stale_groups", "stale_groups_at_train",
@@ -52,8 +38,7 @@ class StalenessCap:
 
     @classmethod
     def from_args(cls, args) -> "StalenessCap":
-        """The run's cap; with `restart`, the length guard (unless `--disable-length-guard`) gives each sample
-        `GUARD_RESTART_BUDGET` restarts."""
+        """The run's cap; with `restart` the length guard gives each sample `GUARD_RESTART_BUDGET` restarts."""
         guarded = args.staleness_policy == "restart" and not args.disable_length_guard
         return cls(args.max_staleness, args.staleness_policy, GUARD_RESTART_BUDGET if guarded else None)
 
@@ -124,9 +109,8 @@ class StalenessCap:
         return counts
 
     def before_training(self, groups: list[list], train_version: int) -> tuple[list[list], list[list], Counter]:
-        """(kept, stale, counts) for finished groups about to be trained at `train_version`: a loss-masked token
-        older than the floor makes its group stale (`restart`: returned in `stale`, the caller drops it; `mask`:
-        those tokens leave the loss). Counts `stale_groups_at_train`, `masked_tokens_at_train`."""
+        """(kept, stale, counts) for finished groups about to be trained at `train_version` (`restart`: stale
+        groups returned, the caller drops them; `mask`: stale tokens leave the loss)."""
         counts: Counter = Counter()
         floor = self.floor(train_version)
         if floor is None:

@@ -10,10 +10,7 @@
     settle the groups still being rewarded: overflow, kept ready           place(stopped=True)
     commit: finished marked, rejected dropped, unfinished parked           commit
 
-The `supply` feeds groups, the `placement` takes accepted ones (toward a target, or to stream mode's queue);
-`StepIO` is what the step talks to (the Rollout's link: the real engines or the simulator's). It returns its
-`StepRecord` and never raises for what goes wrong inside: `step_error(record)` names it.
-"""
+It returns its `StepRecord` and never raises for what goes wrong inside: `step_error(record)` names it."""
 
 from __future__ import annotations
 
@@ -198,9 +195,7 @@ async def cancel(tasks) -> None:
 
 
 async def abort_live_engines(rec: StepRecord, io):
-    """Abort-all on every engine not known to have failed, until they are idle. An engine the watchdog finds
-    failed while the abort waits on it (it stopped just before the step ended) leaves the abort at once: a
-    stopped engine never answers, and the abort would otherwise wait out --rollout-abort-timeout."""
+    """Abort-all on every engine not known to have failed, until idle; one found failed meanwhile is left at once."""
     while True:
         known = set(live_faults(io))
         call = io.engines.abort_all_until_idle(timeout=rec.config.abort_timeout, session=io.session, exclude=known)
@@ -221,8 +216,7 @@ async def abort_live_engines(rec: StepRecord, io):
 
 
 async def commit(rec: StepRecord, buffer) -> None:
-    """Ledger + buffer: finished groups marked, rejected dropped, unfinished parked or dropped, overflow held
-    ready (one batch of buffer calls)."""
+    """Ledger + buffer: finished marked, rejected dropped, unfinished parked, overflow held ready."""
     unfinished = []
     for g in [st.samples for st in rec.open_groups()]:  # finished ones: their reward never settled (timed out)
         if all(s.status.is_finished for s in g):

@@ -1,13 +1,7 @@
-"""How a step feeds the engines: parked groups first, then fresh ones (`take_groups`, slime/rollout/buffer.py, the
-one way groups leave the buffer and the data source), as chunks or as a pool. At each wake of the step's loop the
-supply's `top_up` says which groups to add:
-- `ChunkedSupply` (chunked, APRIL): `--over-sampling-batch-size` groups at a time while (in play + accepted) <
-  target; with `--partial-rollout`, a top-up as soon as fewer requests are in flight than a chunk's worth;
-- `PoolSupply` (pool, CoPRIS; stream mode's segments): a pool of requests in flight, refilled as they finish;
-  `gate` (stream mode) holds new groups back while it is closed.
-Neither adds groups while a chunk's worth of rows awaits its reward: a stalled reward would otherwise let a step
-generate without bound, what it finished training later, stale.
-"""
+"""How a step feeds the engines, parked groups first (`take_groups`): `ChunkedSupply` (APRIL) adds
+`--over-sampling-batch-size` groups at a time while short of the target; `PoolSupply` (pool, stream segments) keeps
+a pool of requests in flight. Neither adds groups while a chunk's worth awaits its reward (a stalled reward would
+otherwise let a step generate without bound)."""
 
 from __future__ import annotations
 
@@ -36,9 +30,7 @@ def _unfinished(groups: list[list]) -> int:
 
 
 class Supply:
-    """What the step asks a supply: `prepare(num_engines)` (sets `in_flight_cap`, `chunk`), `top_up` at each wake
-    (the groups to add; `playing`: groups in play, `requests`: members being generated, `awaiting`: rows of
-    generated groups whose reward still runs), `gate_closed()` (what to wait on while none may be)."""
+    """What the step asks a supply: `prepare(num_engines)`, `top_up` at each wake, `gate_closed()`."""
 
     chunk: int | None = None
     in_flight_cap = 0
@@ -51,8 +43,7 @@ class Supply:
 
 
 class ChunkedSupply(Supply):
-    """Over-sampled chunks with top-ups (APRIL): `size` groups a chunk (`--over-sampling-batch-size`, or this
-    step's choice of auto's planner); `concurrency_per_engine` caps the requests in flight."""
+    """Over-sampled chunks of `size` groups with top-ups (APRIL), `concurrency_per_engine` in flight."""
 
     def __init__(self, size: int, concurrency_per_engine: int, top_ups: bool):
         self.chunk, self.concurrency_per_engine = size, concurrency_per_engine
@@ -65,9 +56,8 @@ class ChunkedSupply(Supply):
         out: list[list] = []
         while not rec.exhausted and playing + len(out) + len(rec.accepted) + len(rec.failed) < rec.target:
             out += await next_groups(rec, io, self.chunk)
-        # APRIL keeps the engines full: as soon as fewer requests are in flight or queued than a chunk's worth (at
-        # most the concurrency), top up with parked, then fresh groups, instead of letting the chunk drain; but not
-        # while a chunk's worth of rows already waits for its reward (the reward, not the engines, is behind)
+        # APRIL keeps the engines full: top up once fewer than a chunk's worth are in flight, unless a chunk's worth
+        # already waits for its reward
         budget = min(self.in_flight_cap, self.chunk * rec.config.n)
         free = budget - requests - _unfinished(out)
         if self.top_ups and free > 0 and awaiting < budget and not rec.exhausted:

@@ -1,20 +1,6 @@
-"""One-step-off (train_async.py with `--rollout-mode chunked|pool`): APRIL steps run ahead of the trainer.
-
-Rollout step j (over-sample, stop at the target, abort, park, resume parked first: exactly train.py's
-step) runs while the trainer trains on earlier batches. Step j starts once the engines serve a version
->= P(j) - `--max-async-lag` (P(j) = j + offset, the version that trains batch j), so with the default
-lag of 1 step j+1 overlaps training on step j. The step's staleness cap and version metrics use P(j)
-(`gate.train_version`), so they are exact for the version that trains it.
-
-A weight update that lands while a step runs pauses it as the run's `Rollout` says (slime/rollout/rollout.py:
-its version gate, `--pause-mode`): every token keeps the version that produced it. A custom
-`--rollout-function-path` cannot be paused that way: its steps run on a worker thread and an update waits until
-the running step ends (as upstream slime's train_async.py does).
-
-`quiesce()` halts the running step (unfinished groups parked, accepted and overflow groups kept ready)
-and moves the finished steps not yet taken to the buffer's ready list; `resume()` restarts production
-at the first batch not yet taken, whose step takes the ready groups first.
-"""
+"""One-step-off (train_async.py, `--rollout-mode chunked|pool`): APRIL steps ahead of the trainer, step j once the
+engines are within `--max-async-lag` of the version that trains it; updates pause it per `--pause-mode` (a custom
+rollout function's step is waited for instead)."""
 
 from __future__ import annotations
 
@@ -34,9 +20,7 @@ TAKE_POLL_S = 5.0
 
 
 class StepsAhead:
-    """Steps of the run's `rollout` produced ahead of the trainer, on the rollout's event loop (driven by
-    `AsyncRollout`). `custom_step(j)`: a custom synchronous rollout function's step instead of `rollout.step`, run
-    on a worker thread (an update waits for its step to end)."""
+    """Steps of the run's `rollout` ahead of the trainer (`custom_step`: a custom function's, on a thread)."""
 
     def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int,
                  custom_step: Callable[[int], RolloutOutput] | None = None):

@@ -1,32 +1,6 @@
-"""Stream mode (`train_async.py --rollout-mode stream`): the engines keep working while the trainer trains.
-
-One pool of `--rollout-pool-size` requests stays in flight across training steps (pool mode's supply
-loop: parked groups first, then fresh ones). A group whose members all finished is rewarded and
-filtered and, if accepted, queued for the trainer at once; `take(rollout_id)` hands out the next
-`--rollout-batch-size` queued groups as soon as they exist. A weight update reaches the engines while
-requests are in flight through the run's `Rollout` (slime/rollout/rollout.py: its version gate and its pause
-protocol, `--pause-mode`), so every token keeps the version that produced it.
-
-Lag (`--max-async-lag K`): batch j is trained at policy version P(j) = j + offset. A finished group
-joins the batch being filled only while the engines serve a version >= P(of that batch) - K; beyond
-that the gate is held for "lag" (backpressure): the engines stop instead of running further ahead,
-and the stream holds at most K batches of queued groups, the requests in flight (waiting at the gate)
-and the few groups that finished while the gate was closing (`waiting`, admitted to a batch once one
-within the lag has room: their newest token is then K+1 versions behind the policy that trains them).
-`--max-staleness` is applied at every resume (against the version that would train the group if it
-finished now) and again to each group when it is taken (`StalenessCap.before_training`).
-
-The stream runs in segments: a segment is a step of the run's `Rollout` (`rollout.step`) with stream mode's pool
-(gated: no new group while the gate is held) and a placement that sends accepted groups to the queue (no target),
-against the real engines (on slime/ray/async_rollout.py's loop) or the simulator's.
-`quiesce()` ends the segment (requests aborted, unfinished groups parked in the buffer, groups that
-finished during the stop kept ready) and moves every queued group to the buffer's ready list, so a
-checkpoint taken then holds everything in flight; `resume()` takes the ready groups back first and starts
-a new segment, which resumes the parked groups first.
-
-Ledger: queued groups stay `issued` until they are taken (or quiesced), when they are marked
-`finished`; a group dropped when taken (stale) goes `finished -> dropped`.
-"""
+"""Stream mode (`train_async.py --rollout-mode stream`): a pool of requests in flight across training steps, each
+accepted group queued at once, `take` handing out batches; beyond `--max-async-lag` the gate is held. It runs in
+segments (`rollout.step` with a gated pool); `quiesce()` parks everything in the buffer for a checkpoint."""
 
 from __future__ import annotations
 
@@ -67,8 +41,7 @@ class StreamPlacement:
 
 
 class StreamRollout:
-    """The stream's state on the rollout's event loop, driving the run's `rollout` ahead of the trainer
-    (`AsyncRollout`, slime/ray, or the simulator drives it)."""
+    """The stream's state on the rollout's event loop, driving the run's `rollout` ahead of the trainer."""
 
     def __init__(self, rollout, first_rollout_id: int, num_rollout: int, version_offset: int, max_lag: int):
         self.rollout = rollout

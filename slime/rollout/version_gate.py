@@ -1,32 +1,8 @@
-"""VersionGate: pause a running rollout so that the engines can change weights under it, with every token's
-version exact (`train_async.py`).
+"""VersionGate: pause a running rollout so the engines can change weights under it, every token's version exact.
 
-Every request of a rollout that has a gate passes it before it is sent (`GatedRequester`, below: the
-rollout's `SampleRequester` seen through the gate; only train_async.py makes one). `hold(reason)`
-closes the gate and drains the engines through SGLang's documented API: abort every request
-(`POST /abort_request {"abort_all": true}`, repeated until `/v1/loads` shows it idle) and wait until every
-request of ours has come back (`hold(..., drain=False)`, backpressure, only stops new requests). Each returns its partial tokens and log-probs, tagged with the
-version that produced them, and its sample waits at the gate. While the gate is held nothing of ours
-runs on the engines, so a weight update (or an eval, a checkpoint, or backpressure) happens between
-tokens. `release(reason, version=...)` reopens the gate once no reason holds it; the waiting samples
-resume from their token ids under the new version (APRIL's abort -> park -> resume, without leaving the
-step), after the staleness cap is applied to each of them (`--max-staleness`).
-
-Versions: `version` is what the engines serve; `train_version` is the policy version that will train
-what the rollout is collecting now (one-step-off: the step's batch; stream: the batch the next
-accepted group joins). Staleness is measured against `train_version`, so a token that passes the cap at
-a resume is still within it when it is trained.
-
-The gate lives on the event loop of the rollout it guards; other threads reach it through
-`asyncio.run_coroutine_threadsafe`.
-
-Paused updates (`--pause-mode retract|in_place`, the run's Rollout: slime/rollout/rollout.py): the engines keep our requests across
-the push and label every token with the version that sampled it (`meta_info.weight_versions`):
-`begin_update(v)` / `end_update()` bracket the push (a reply may then carry versions up to `newest_version`)
-while a hold without drain keeps new requests back, and `stale_requests` names the requests whose sample may
-now hold a token beyond the staleness cap, to be aborted by rid (`abort_requests`) so the cap is applied when
-they resume.
-"""
+Every request passes the gate (`GatedRequester`); `hold` drains the engines and the aborted samples resume from
+their tokens after `release`, the staleness cap applied; paused updates (`--pause-mode retract|in_place`) are
+bracketed by `begin_update` / `end_update` and `stale_requests` names what to abort by rid."""
 
 from __future__ import annotations
 
@@ -53,8 +29,7 @@ class VersionGate:
         self._quiet.set()
         self.in_flight = 0
         self.pending_version: int | None = None  # an in-place update to this version is being pushed
-        # tokens at the start of each newer span the engines may have sampled with the older weights (SGLang's
-        # in_place pause under its overlap scheduler: slime/rollout/engine_versions.py)
+        # tokens at the start of each newer span the older weights may have sampled (engine_versions.lag_spans)
         self.span_lag = 0
         self._requests: dict[str, tuple[object, int]] = {}  # rid -> (sample, version when sent)
         self._aborted: set[str] = set()  # rids aborted as stale (in place), so their samples resume
@@ -121,9 +96,7 @@ class VersionGate:
 
     # ---- the controller side ------------------------------------------------------
     async def hold(self, reason: str, engines, session=None, timeout: float = 120.0, drain: bool = True) -> float:
-        """Close the gate for `reason`. With `drain` (a weight update by abort, an eval, a checkpoint) every
-        request of ours still running is aborted on every engine and waited for; without it (backpressure)
-        they run on and only new ones wait. Returns the seconds the drain took."""
+        """Close the gate for `reason`; `drain`: abort ours and wait for them. Returns the drain's seconds."""
         if self._open.is_set():
             self._closed_at = time.monotonic()
         self._holds.add(reason)
@@ -181,8 +154,7 @@ class VersionGate:
             self.version, self.pending_version = self.pending_version, None
 
     def stale_requests(self, min_version: int) -> list[str]:
-        """Requests in flight whose sample may hold a token older than `min_version` (its oldest known token,
-        or the version it was sent at)."""
+        """Requests in flight whose sample may hold a token older than `min_version`."""
         out = []
         for rid, (sample, sent) in self._requests.items():
             known = sample.oldest_version()
@@ -205,12 +177,8 @@ class VersionGate:
 
 
 class GatedRequester:
-    """`requester.generate` through `gate`: each request waits while the gate is held and is counted in flight
-    (its rid and sample, so a stale one can be aborted); a sample whose request a hold aborted waits at the
-    gate and resumes from its token ids once it reopens, after `cap` (the staleness cap) is applied against
-    the gate's train version; every token's version must lie in the request's `VersionWindow`. A custom
-    generate function passes the gate before each call (a hold aborts its requests like any other); the
-    multi-turn generate's model turns pass it one by one (`GatedTurn`)."""
+    """`requester.generate` through `gate`: requests wait while it is held and are counted in flight; an aborted
+    sample resumes from its tokens, the cap applied, versions checked against its `VersionWindow`."""
 
     def __init__(self, requester, gate: VersionGate, cap):
         self.requester, self.gate, self.cap = requester, gate, cap
@@ -244,12 +212,8 @@ class GatedRequester:
 
 
 class GatedTurn:
-    """A multi-turn sample's model turns (a `ModelTurn`) through the gate, as `GatedRequester` sends a plain
-    sample's requests: each waits while the gate is held and is counted in flight by rid, its reply's versions
-    are checked against its `VersionWindow`. A turn that finds the engines at another version than the one the
-    sample last passed the staleness cap at (`seen`) is not sent, nor is one the step stopped at the gate: the
-    sample parks (an empty `abort` segment) and `sent_back` tells `GatedRequester` to take it back to the gate,
-    where the cap is applied, the same as for a turn a hold or a stale-abort cut short."""
+    """A multi-turn sample's model turns through the gate; a turn at another version than `seen`, or stopped at
+    the gate, is not sent: the sample parks and goes back to the gate (`sent_back`)."""
 
     def __init__(self, gated: GatedRequester, seen: int, stop: asyncio.Event | None):
         self.gated, self.seen, self.stop = gated, seen, stop

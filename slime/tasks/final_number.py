@@ -1,15 +1,5 @@
-"""The real-model quick start's reward (`--custom-rm-path slime.tasks.final_number.reward`): 1 when the response's
-final number equals the label, else 0.
-
-The final number: what the last `\\boxed{...}` holds when the response has one (the prompt asks for it), else the
-last number written anywhere in the response (as lm-evaluation-harness's "flexible extract" reads GSM8K answers).
-Numbers compare by value (`-28`, `-28.0` and `1,024` / `1024` match).
-
-Why not `--rm-type math`: math-verify reads an unevaluated expression as its value, so a response that only
-repeats the question (`8 - 2 =`) counts as the right answer 6. SmolLM2-135M-Instruct found that within five GRPO
-steps on chain_sum: held-out accuracy 0.34 -> 0.98 with every answer an echo of its question (docs/real-model.md).
-Here the echo's final number is the last operand (2), which is wrong.
-"""
+"""The real-model quick start's reward: 1 when the response's final number (last `\\boxed{}`, else last number)
+equals the label, else 0. Not `--rm-type math`, which reads an echoed question (`8 - 2 =`) as its value."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The embedded `subtract_chain` task: data generation, reward and a noisy teacher.
-
-A prompt `"47-5="` asks for the chain n-s, n-2s, ... down to n mod s, two digits each:
-`"42,37,32,27,22,17,12,07,02"`, then EOS. Every token follows a local rule, so a tiny model learns it; the
-number of steps q = min(cap, ceil(X)), X ~ Pareto(1, alpha), has the long tail that makes partial rollout
-matter (response 3q tokens: mean ~17, p99 = 3 * cap at the defaults alpha=1, cap=64)."""
+"""The embedded `subtract_chain` task: `"47-5="` asks for `"42,37,32,27,22,17,12,07,02"` then EOS; a local rule a
+tiny model learns, with a Pareto-tailed number of steps (the long tail partial rollout is for)."""
 
 from __future__ import annotations
 
@@ -122,10 +118,7 @@ def compute_reward(response: str, label: str) -> float:
 
 
 def noisy_teacher(prompt: str, rng: random.Random, p: float = 0.1) -> str:
-    """A teacher that, with probability `p` per step, subtracts s±1 or s±2 and continues from its own value.
-
-    It stops when its current value is below s (as the exact chain does) or when a step would go below zero.
-    """
+    """A teacher that, with probability `p` per step, subtracts s±1 or s±2 and continues from its own value."""
     n, s = parse_prompt(prompt)
     cur, values = n, []
     while cur >= s:

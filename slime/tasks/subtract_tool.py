@@ -1,13 +1,5 @@
-"""The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call.
-
-Each number of the chain may be written directly or asked of the calculator (`[37-5]`: the engine stops at `]`
-and `32` is appended as observation tokens):
-
-    [47-5]42,37,[37-5]32,27<eos>        -> chain 42,37,32,27 (calls removed)
-
-The reward is subtract_chain's exact match on the chain; a call the calculator cannot read answers `??`. The
-warm start imitates a teacher that calls the calculator on `p_call` of the steps and is otherwise wrong with
-probability `p_err`, so RL on the exact-match reward raises the call rate, and accuracy with it."""
+"""The embedded agentic task `subtract_tool`: subtract_chain with a calculator the model may call,
+`[47-5]42,37,[37-5]32` -> chain 42,37,32 (the reward is exact match); its teacher calls on `p_call` of the steps."""
 
 from __future__ import annotations
 
@@ -72,11 +64,8 @@ def count_steps(response: str) -> int:
 
 
 def tool_teacher(prompt: str, rng: random.Random, p_call: float, p_err: float) -> list[tuple[str, bool]]:
-    """A trajectory as segments (text, is_observation): the warm start's teacher.
-
-    Per step it calls the calculator with probability `p_call` (exact), else writes the next number itself,
-    wrong by 1 or 2 with probability `p_err`; it continues from its own value and stops as
-    `subtract_chain.noisy_teacher` does."""
+    """The warm start's teacher trajectory as segments (text, is_observation): calls the calculator with
+    probability `p_call`, else writes the next number, wrong by 1 or 2 with probability `p_err`."""
     n, s = parse_prompt(prompt)
     segments: list[tuple[str, bool]] = []
     cur, first = n, True

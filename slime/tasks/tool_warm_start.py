@@ -1,11 +1,5 @@
-"""Warm start and in-process evaluation of the agentic `subtract_tool` task (slime/tasks/subtract_tool.py).
-
-The warm start is supervised training on `tool_teacher` trajectories with the calculator's observations
-kept out of the loss (the model learns to call and to go on after the answer, never to write the answer it
-is given). `sample_with_tools` is a plain-PyTorch multi-turn sampler (a KV cache, the calculator called in
-this process at each ``]``, its answer fed as forced tokens) used to measure the warm start; training
-rollouts go through the engines and the built-in multi-turn generate instead (slime/rollout/multi_turn/).
-"""
+"""Warm start and in-process evaluation of the agentic `subtract_tool` task: supervised training on teacher
+trajectories with observations out of the loss, and a plain-PyTorch multi-turn sampler to measure it."""
 
 from __future__ import annotations
 
@@ -13,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 from slime.tasks import subtract_tool as task
-from slime.tasks.warm_start import WarmStartConfig, decode, encode_example
+from slime.tasks.warm_start import WarmStartConfig, bucketed_batches, decode, encode_example
 
 
 @dataclass(frozen=True)
@@ -39,16 +33,12 @@ def encode_trajectory(tokenizer, prompt: str, segments: list[tuple[str, bool]], 
 
 def teacher_batches(cfg: ToolWarmStartConfig, tokenizer, rng: random.Random):
     """Endless `collate` batches of teacher trajectories, bucketed by length."""
-    while True:
-        pool = []
-        for _ in range(cfg.pool_batches * cfg.batch_size):
-            prompt, _ = task.chain.make_problem(rng, cfg.cap, cfg.alpha)
-            segments = task.tool_teacher(prompt, rng, cfg.p_call, cfg.teacher_p)
-            pool.append(encode_trajectory(tokenizer, prompt, segments, bos=rng.random() >= cfg.no_bos_fraction))
-        pool.sort(key=lambda x: len(x[0]))
-        batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
-        rng.shuffle(batches)
-        yield from batches
+    def example(rng):
+        prompt, _ = task.chain.make_problem(rng, cfg.cap, cfg.alpha)
+        segments = task.tool_teacher(prompt, rng, cfg.p_call, cfg.teacher_p)
+        return encode_trajectory(tokenizer, prompt, segments, bos=rng.random() >= cfg.no_bos_fraction)
+
+    return bucketed_batches(cfg, rng, example)
 
 
 @dataclass
@@ -99,8 +89,7 @@ def sample_with_tools(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
 
 def evaluate_with_tools(model, tokenizer, rows: list[dict], temperature: float = 1.0, batch_size: int = 128,
                         seed: int = 0) -> dict:
-    """Accuracy on `rows` and how the calculator was used: calls per sample and the share of chain steps
-    that were calls."""
+    """Accuracy on `rows`, calls per sample, and the share of chain steps that were calls."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

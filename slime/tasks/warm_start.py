@@ -1,10 +1,5 @@
 """Supervised warm start of a tiny Qwen3 on the `subtract_chain` noisy teacher, plus a fast sampler for evaluation.
-
-The warm start imitates `noisy_teacher` (10 % of steps wrong), so it plateaus near the teacher's accuracy at
-temperature 1 and leaves headroom for RL. Plain PyTorch on one CPU thread (two are slower on a contended 2-core
-box). The defaults (lr 1e-3, cosine over 800 steps) reach ~0.64 accuracy at T=1 on held-out problems; a higher lr
-learns slower.
-"""
+It plateaus near the teacher's accuracy, leaving headroom for RL; one CPU thread."""
 
 from __future__ import annotations
 
@@ -63,14 +58,10 @@ def encode_example(tokenizer, prompt: str, response: str | None, bos: bool = Tru
     return ids, n_prompt
 
 
-def _bucketed_batches(cfg: WarmStartConfig, tokenizer, rng: random.Random):
-    """Endless batches of (ids, n_prompt) from the noisy teacher, bucketed by length to cut padding."""
+def bucketed_batches(cfg: WarmStartConfig, rng: random.Random, example):
+    """Endless batches of `example(rng)`, drawn in pools and bucketed by length to cut padding."""
     while True:
-        pool = []
-        for _ in range(cfg.pool_batches * cfg.batch_size):
-            prompt, _ = task.make_problem(rng, cfg.cap, cfg.alpha)
-            resp = task.noisy_teacher(prompt, rng, cfg.teacher_p)
-            pool.append(encode_example(tokenizer, prompt, resp, bos=rng.random() >= cfg.no_bos_fraction))
+        pool = [example(rng) for _ in range(cfg.pool_batches * cfg.batch_size)]
         pool.sort(key=lambda x: len(x[0]))
         batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
         rng.shuffle(batches)
@@ -78,10 +69,7 @@ def _bucketed_batches(cfg: WarmStartConfig, tokenizer, rng: random.Random):
 
 
 def collate(batch, pad_id: int):
-    """Right-padded input ids, attention mask and labels (-100 outside the response).
-
-    An example is (ids, n_prompt) or (ids, n_prompt, response_mask): response tokens whose mask is 0 (a tool's
-    observation in a multi-turn trajectory) get -100 too, so the model never learns to write them."""
+    """Right-padded ids, attention mask and labels (-100 outside the response and where `response_mask` is 0)."""
     import torch
 
     width = max(len(ex[0]) for ex in batch)
@@ -116,9 +104,7 @@ def pick_next(logits, temperature: float, generator=None):
 
 
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, generator, step) -> None:
-    """Batched decoding with a KV cache for prompts of equal length (no padding): `step(sampled)` gets each step's
-    next token per row (greedy at temperature 0) and returns the tokens to feed back (a caller may force some),
-    or None to stop early."""
+    """Batched KV-cached decoding of equal-length prompts; `step(sampled)` returns what to feed back, or None."""
     import torch
     from transformers import DynamicCache
 
@@ -153,11 +139,7 @@ def sample_batch(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: 
 
 
 def evaluate(model, tokenizer, rows: list[dict], temperature: float = 1.0, batch_size: int = 128, seed: int = 0) -> dict:
-    """Exact-match accuracy on `rows` ({"prompt", "label"}); batches are grouped by label length.
-
-    A response longer than its label plus EOS can never match, so each batch
-    samples at most (longest label + 1) tokens.
-    """
+    """Exact-match accuracy on `rows`; each batch samples at most its longest label + 1 tokens."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -188,20 +170,20 @@ def _lr_at(cfg: WarmStartConfig, step: int, frac_done: float) -> float:
 
 
 def train_warm_start(model, tokenizer, cfg: WarmStartConfig, eval_rows: list[dict] | None = None, eval_every_steps: int = 0, eval_limit: int = 256, batches=None) -> dict:
-    """Supervised training on the noisy teacher until `max_steps` or `max_seconds`; returns a history dict.
-
-    The learning rate follows a cosine schedule over whichever budget runs out first (progress = max(steps fraction,
-    seconds fraction)). With `eval_every_steps` > 0 it also records accuracy at T=1 on `eval_rows[:eval_limit]`
-    along the way (evaluation time is excluded from the training clock; process CPU time is recorded too, as
-    contention inflates wall time). `batches`: an endless iterator of `collate` batches from another teacher
-    (default: subtract_chain's noisy teacher).
-    """
+    """Supervised training on the noisy teacher until `max_steps` or `max_seconds` (a cosine schedule over
+    whichever ends first); returns a history, with accuracy at T=1 every `eval_every_steps`."""
     import torch
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    batches = _bucketed_batches(cfg, tokenizer, rng) if batches is None else batches
+    if batches is None:
+        def example(rng):
+            prompt, _ = task.make_problem(rng, cfg.cap, cfg.alpha)
+            resp = task.noisy_teacher(prompt, rng, cfg.teacher_p)
+            return encode_example(tokenizer, prompt, resp, bos=rng.random() >= cfg.no_bos_fraction)
+
+        batches = bucketed_batches(cfg, rng, example)
     curve, losses = [], []
     train_s, cpu_s, step = 0.0, 0.0, 0
     model.train()

@@ -1,11 +1,7 @@
 """Advantage estimators (GRPO, GSPO, REINFORCE++, REINFORCE++-baseline) and masked batch whitening.
 
-Pure functions over a batch given as per-sample 1-D tensors (no padding), rewards ordered group-contiguously.
-Per-token advantages are zero at masked-out positions. GRPO's std is the unbiased group std; a group of one
-sample, or whose rewards are all equal, gets advantage exactly 0 (a float32 mean of equal values can differ from
-them in the last bit, which `/ (std + 1e-6)` would blow up; upstream has that residue). REINFORCE++ folds
-`-kl_coef * kl_t` into each token's reward, adds the reward at the last token, takes the discounted return and
-whitens over the batch's masked tokens."""
+Pure functions over per-sample 1-D tensors, rewards group-contiguous. A group of one sample, or of equal rewards,
+gets advantage exactly 0 (a float32 mean can differ from equal values in the last bit, which the std would blow up)."""
 
 from __future__ import annotations
 
@@ -24,10 +20,7 @@ WHITEN_EPS = 1e-8
 
 
 def group_relative_rewards(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
-    """Reward minus its group's mean, optionally divided by (group std + eps).
-
-    Groups of one sample, and groups with identical rewards, get exactly 0 (with or without the std division).
-    """
+    """Reward minus its group's mean, optionally / (std + eps); single or equal-reward groups get exactly 0."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
@@ -52,16 +45,10 @@ def normalize_advantages(
     advantages: Sequence[Tensor],
     masks: Sequence[Tensor],
     *,
-    shift_mean: bool = True,
     all_reduce: bool = False,
 ) -> list[Tensor]:
-    """Masked whitening over every masked-in token of the batch (``--normalize-advantages``): ``(a - mean) / sqrt(var +
-    1e-8)`` with the unbiased variance. Masked-out positions come back as 0. With fewer than two tokens only the
-    mean is removed; with none, all zeros are returned.
-
-    ``all_reduce=True`` sums the statistics over the default ``torch.distributed`` group so every data-parallel rank
-    whitens with the global batch statistics.
-    """
+    """Masked whitening over the batch's masked-in tokens (unbiased variance; masked-out positions 0; fewer than
+    two tokens: mean only); `all_reduce` uses the global batch statistics."""
     _check_lengths(advantages, masks, "advantages")
     if not advantages:
         return []
@@ -83,7 +70,7 @@ def normalize_advantages(
     var = sq[0] / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
     out = []
     for x, mk in zip(a, m):
-        y = x.double() - mean if shift_mean else x.double()
+        y = x.double() - mean
         if n > 1:
             y = y * torch.rsqrt(var + WHITEN_EPS)
         out.append(torch.where(mk != 0, y, torch.zeros((), dtype=y.dtype, device=device)).to(torch.float32))
@@ -114,14 +101,8 @@ def compute_advantages(
     gamma: float = 1.0,
     all_reduce: bool = False,
 ) -> list[Tensor]:
-    """Per-token advantages, one 1-D float tensor per sample (length = its response length), zero where the mask is 0.
-
-    - ``grpo`` / ``gspo``: group-relative reward broadcast over the response.
-    - ``reinforce_plus_plus``: discounted token return with the KL penalty ``-kl_coef * kl_t`` per token, whitened
-      over the batch.
-    - ``reinforce_plus_plus_baseline``: (reward - group mean) per token, minus ``kl_coef * kl_t`` when ``kl`` is
-      given, whitened over the batch.
-    """
+    """Per-token advantages, one 1-D tensor per sample, zero where the mask is 0: group-relative (grpo, gspo), or
+    the KL-penalised discounted return / baseline-subtracted reward, whitened (reinforce_plus_plus[_baseline])."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"--advantage-estimator={estimator!r} is not one of {list(ESTIMATORS)}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)

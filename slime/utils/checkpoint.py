@@ -1,14 +1,7 @@
-"""Checkpoint directories, written atomically.
+"""Checkpoint directories, written atomically (assembled in a tmp dir, renamed into place, then the pointer).
 
-Layout under `--save DIR`: `DIR/iter_0000012/` (trainer/, buffer/, driver_state.json) and
-`DIR/latest_checkpointed_iteration.txt`, the newest complete one. A checkpoint is assembled in a tmp dir and
-renamed into place when every part is written, the pointer replaced after that, so a crash mid-save leaves the
-previous checkpoint usable; a failed save raises `CheckpointSaveError` naming the path, the part and the cause.
-
-On `--load`, `resolve_checkpoint` checks the files before anything loads them (JSON parses, safetensors headers
-match the sizes, torch pickles name no code); a corrupt or planted one is named, the previous intact one offered
-(`--ckpt-step N`). `check_data_contract` refuses a resume whose flags would change what the saved data position
-and parked groups mean."""
+`resolve_checkpoint` checks a `--load` checkpoint's files before anything loads them; `check_data_contract` refuses
+a resume whose flags would change what the saved data position and parked groups mean."""
 
 from __future__ import annotations
 
@@ -37,7 +30,6 @@ logger = logging.getLogger(__name__)
 LATEST = "latest_checkpointed_iteration.txt"
 _TMP = re.compile(r"^(iter_\d+|" + re.escape(LATEST) + r")\.(tmp|old)-(\d+)$")
 # flags that fix what a saved data position / parked group means: a resume must not change them
-# (the data source itself warns when --rollout-shuffle / --rollout-seed change the order)
 CONTRACT_FLAGS = ("n_samples_per_prompt", "rollout_batch_size")
 
 
@@ -106,11 +98,7 @@ def checkpoint_size_estimate(hf_checkpoint: str | None) -> int:
 
 
 def prepare_save_dir(save_dir: str, need_bytes: int = 0) -> None:
-    """At start: `save_dir` exists and is writable, has `need_bytes` free, and holds no stale tmp dirs.
-
-    Raises `CheckpointSaveError` naming the path and the cause (so an unusable --save fails now, not at the
-    first save after hours of training). Tmp dirs of a dead process (a kill mid-save) are removed.
-    """
+    """At start: `save_dir` writable with `need_bytes` free (else fail now); dead processes' tmp dirs removed."""
     try:
         os.makedirs(save_dir, exist_ok=True)
         probe = os.path.join(save_dir, f".write-probe-{os.getpid()}")
@@ -153,11 +141,7 @@ def _short_cause(e: BaseException) -> str:
 
 def save_checkpoint(save_dir: str, rollout_id: int, writers: dict[str, Callable[[str], None]],
                     driver_state: dict[str, Any]) -> str:
-    """Write each part with `writers[name](subdir)` into a tmp dir, then publish it atomically.
-
-    On failure the tmp dir is removed and `CheckpointSaveError` names the part, the path and the cause
-    (with the free space left: a full disk shows up as a short write deep inside torch).
-    """
+    """Write each part into a tmp dir, then publish it atomically; `CheckpointSaveError` names what failed."""
     os.makedirs(save_dir, exist_ok=True)
     final = os.path.join(save_dir, iter_dir_name(rollout_id))
     tmp = f"{final}.tmp-{os.getpid()}"
@@ -281,10 +265,7 @@ def verify_checkpoint(ckpt_dir: str) -> None:
 
 
 def resolve_checkpoint(load_dir: str, step: int | None = None) -> str | None:
-    """The checkpoint to resume from (`--ckpt-step`, else the newest), verified; None if there is none yet.
-
-    A corrupt or missing one raises `CheckpointLoadError` naming the file and the previous intact checkpoint.
-    """
+    """The checkpoint to resume from (`--ckpt-step`, else the newest), verified; None if none yet."""
     target = step
     try:
         if step is None:

@@ -1,11 +1,5 @@
-"""Steps that would train nothing: skipped, counted, and stopped after `--max-consecutive-empty-steps` in a row.
-
-A step trains nothing when every group it drew failed (a reward that raises on every sample, an engine that refuses
-every prompt). Training on nothing would still bump the policy version and mark groups trained; instead the driver
-skips the update (no version bump) and records the step here. When the limit is hit the run stops with the failures'
-common cause, e.g. `3 steps in a row trained nothing: 24 of 24 groups dropped for reward_failed (e.g.
-"reward_failed: ZeroDivisionError: division by zero")`.
-"""
+"""Steps that would train nothing (every group failed): skipped without a version bump, counted, and the run
+stopped with the failures' common cause after `--max-consecutive-empty-steps` in a row."""
 
 from __future__ import annotations
 

@@ -9,10 +9,7 @@ class GenerateResponseError(RuntimeError):
 
 
 def token_versions(meta: dict, n: int, where: str) -> list[int] | None:
-    """The weight version of each of a reply's `n` output tokens, or None when the versions are not ints.
-
-    `meta_info.weight_versions` (spans `{"version", "start", "end"}` covering output_ids[start:end], in order)
-    when present, else `meta_info.weight_version` for every token."""
+    """The weight version of each of a reply's `n` tokens, or None when they are not ints."""
     spans = meta.get("weight_versions")
     if spans is None:
         try:

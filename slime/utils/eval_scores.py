@@ -1,15 +1,6 @@
-"""Per-prompt eval scores and what they say with their noise.
-
-Every eval writes one row per eval set to `<run_dir>/eval_scores.jsonl`: the step, the set, a digest of its
-prompts and each prompt's score (the share of its samples with reward > 0, as `eval/<set>/accuracy` counts them;
-null when every sample failed). From two evals of the same prompts:
-
-- accuracy with a 95% interval: the mean over prompts ± 1.96 standard errors (normal approximation, clipped to
-  [0, 1]);
-- the gain with a paired 95% interval: the mean of the per-prompt differences ± 1.96 standard errors of that mean.
-  Pairing removes the prompts' own spread (an easy prompt is easy before and after), so the interval is the
-  noise of the change, not of either accuracy.
-"""
+"""Per-prompt eval scores (`<run_dir>/eval_scores.jsonl`) and what they say with their noise: accuracy with a
+95% interval, and the gain between two evals of the same prompts with a paired 95% interval (pairing removes the
+prompts' own spread)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Garbage-collector hygiene for long-running serving processes.
-
-A rollout driver or an engine holds hundreds of thousands of long-lived objects after start-up (torch,
-transformers, tokenizers, aiohttp, Ray). Python's full (generation-2) collection walks every one of them: on
-the rollout benchmark's driver that was 15 collections of up to 0.35 s each in ~3 minutes, each one a stall of
-every request in flight. Freezing the start-up heap (`gc.freeze`) takes those objects out of every later
-collection, as vLLM does after server init (`freeze_gc_heap`) and SGLang on `POST /freeze_gc`.
-"""
+"""Garbage-collector hygiene for long-running serving processes: freezing the start-up heap (`gc.freeze`, as vLLM
+and SGLang do) keeps full collections from walking it, each one a stall of every request in flight."""
 
 from __future__ import annotations
 
@@ -17,9 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 def freeze_gc_heap(who: str) -> int:
-    """Collect once, then move every object still tracked into the permanent generation; returns how many
-    objects are frozen. Call after start-up, before serving. Frozen objects are still freed by reference
-    counting; only cyclic garbage among them is never reclaimed (the collection first keeps that small)."""
+    """Collect once, then freeze every tracked object (call after start-up); returns how many were frozen."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

@@ -1,13 +1,5 @@
-"""What a run puts on each GPU, from its flags alone: the effective trainer settings (one line, logged at start-up),
-which GPU holds which trainer rank and engine, and an estimate of memory per GPU (`train.py --dry-run`).
-
-The estimate (docs/gpu.md, "Memory per GPU") counts, per trainer rank: weights, gradients and optimizer state by
-precision and sharding; activations of the largest micro-batch (--max-tokens-per-gpu, or one sample of the full
-prompt + response budget, which trains alone) under the recompute flags; the chunked log-prob head; and per engine
-SGLang's static memory (--sglang-mem-fraction-static of the card) plus a fixed overhead. With --colocate the peak is
-the largest of three phases: rollout (engines whole; the trainer offloaded or resident), training (engines
-released) and the weight hand-over (engine weights back, the trainer still there).
-"""
+"""What a run puts on each GPU, from its flags alone: the effective trainer settings, which GPU holds which trainer
+rank and engine, and an estimate of memory per GPU (`train.py --dry-run`; the model is in docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -17,9 +9,7 @@ from dataclasses import dataclass
 from slime.utils.model_shape import ModelShape, num_params
 
 GB = 1e9
-# per process: the CUDA context and what the caching allocator keeps after an offload / a release (measured on an
-# H100 / H200: a Megatron trainer's reserved memory fell to 0.3 GB after offload, an engine's to 0.03 GB after
-# release; docs/gpu.md), about 0.5 GB of context each
+# per process: the CUDA context and what the caching allocator keeps after an offload / a release (docs/gpu.md)
 PROCESS_OVERHEAD = 0.8 * GB
 # SGLang's use beyond its static fraction (CUDA graphs, sampling and activation buffers): an assumption
 ENGINE_OVERHEAD = 3.0 * GB
@@ -27,10 +17,8 @@ ENGINE_OVERHEAD = 3.0 * GB
 SGLANG_DEFAULT_MEM_FRACTION = 0.85
 # logits per chunk of the log-prob head on a GPU (slime/backends/training_utils/logprob_head.py's auto size)
 HEAD_CHUNK_LOGITS = 2**28
-# activation bytes per token per layer are 2 x (4h + 3q + 2kv + 3f) in bf16 with fused element-wise kernels (what
-# --compile-ops auto does on GPUs); measured: 20.5 GB peak for a 0.4B Qwen3 at 16,384 tokens, estimated 20.7 GB.
-# Without them (--compile-ops off) the same run peaked at 29.2 GB: eager RMSNorm / SwiGLU / RoPE keep about this
-# many times the activations
+# activation bytes per token per layer: 2 x (4h + 3q + 2kv + 3f) in bf16 with fused element-wise kernels
+# (--compile-ops auto); eager kernels (--compile-ops off) keep about this many times more (docs/gpu.md)
 EAGER_ACTIVATION_FACTOR = 1.8
 
 
@@ -104,14 +92,9 @@ class MemoryEstimate:
     def peak(self) -> float:
         return max(self.phases.values())
 
-    @property
-    def trainer_states(self) -> float:
-        return self.weights + self.grads + self.optimizer
-
 
 def micro_batch_tokens(args) -> int:
-    """Tokens of the largest micro-batch: --max-tokens-per-gpu, or a sample of the whole prompt + response budget
-    (it trains alone when it is longer)."""
+    """Tokens of the largest micro-batch: --max-tokens-per-gpu, or one whole prompt + response budget."""
     sample = (args.rollout_max_prompt_len or 0) + args.rollout_max_response_len
     if args.use_dynamic_batch_size:
         return max(args.max_tokens_per_gpu, sample)

@@ -1,14 +1,7 @@
-"""A polite stop: SIGTERM, SIGINT (Ctrl-C) or a time limit ends the run at its next safe point.
+"""A polite stop: SIGTERM, SIGINT or a time limit ends the run at its next safe point (docs/faults.md).
 
-`GracefulStop` owns the signal handlers and the "stop requested" state of one run. The entry point installs it
-(`with GracefulStop(args) as stop:`; again after `ray.init`, which puts its own SIGTERM handler in); the training
-loop asks `stop.requested` at its safe points, and a rollout step takes it as its `halt` (`is_set()` and an
-`async wait()` usable on any event loop, woken from the signal handler), so the step stops as at its target:
-unfinished samples parked, finished groups kept ready. The first signal only records the request; a second one
-raises `StopNow` at once (the run shuts its parts down and names why; nothing more is saved; `at_once` keeps it, as
-Ray's waits turn it into a plain KeyboardInterrupt); a third is no longer caught. `--exit-duration-in-mins M` (Megatron-LM's flag) requests the stop M minutes after the process started;
-`--exit-interval N` is the training loop's (after every N-th step). docs/faults.md.
-"""
+The first signal records the request (a rollout step takes it as its `halt`); a second raises `StopNow` at once;
+a third is no longer caught. Also `--exit-duration-in-mins` and `--exit-interval`, Megatron-LM's flags."""
 
 from __future__ import annotations
 

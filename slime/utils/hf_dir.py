@@ -1,9 +1,5 @@
-"""What a Hugging Face model directory must hold, checked before anything loads it.
-
-`check_hf_checkpoint` names the missing or corrupt file (a config that is not JSON, no weights, no tokenizer)
-instead of the loader's traceback minutes into start-up; `max_positions` is the model's context length (what the
-engine refuses prompts against).
-"""
+"""What a Hugging Face model directory must hold, checked before anything loads it, so a missing or corrupt file
+is named instead of a loader's traceback minutes into start-up."""
 
 from __future__ import annotations
 

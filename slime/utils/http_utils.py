@@ -1,11 +1,7 @@
 """Upstream slime's HTTP helpers for plugins: `await post(url, payload)` and `await get(url)`.
 
-A custom generate or rollout function written for upstream slime posts to the router this way
-(`f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"`; the args a plugin gets name the
-running router). Each call opens its own connection: rollouts run on more than one event loop, so no client
-is shared. A reply that is not 2xx raises `HTTPError` naming the URL, status and body; connection failures
-and 5xx replies are retried (`max_retries`, one second apart), a 4xx is not (the request itself is wrong).
-"""
+One connection per call (rollouts run on more than one event loop). Non-2xx raises `HTTPError`; connection
+failures and 5xx are retried, a 4xx is not."""
 
 from __future__ import annotations
 

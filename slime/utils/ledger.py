@@ -6,8 +6,7 @@
                         │        └──────▶ dropped(reason)
                         └──▶ dropped(reason)        (final)
 
-Data rows dropped at load never become groups: they are recorded apart, row -> reason (`drop_rows`), so an audit
-accounts for every row as well as every group. The buffer (`slime/rollout/buffer.py`) holds and persists it."""
+Data rows dropped at load are recorded apart (`drop_rows`), so an audit accounts for every row as well."""
 
 from __future__ import annotations
 
@@ -96,11 +95,7 @@ class Ledger:
         return out
 
     def check_balanced(self, parked_ids: Iterable[int], ready_ids: Iterable[int], idle: bool = True) -> dict[str, int]:
-        """Raise `LedgerError` unless the ledger agrees with what the buffer holds.
-
-        parked in the ledger == parked groups held; every ready group held is
-        finished; with `idle` (between steps) no group may still be issued.
-        """
+        """Raise `LedgerError` unless the ledger agrees with the buffer (`idle`: nothing may be issued)."""
         parked, ready = list(parked_ids), list(ready_ids)
         problems = []
         for name, ids in (("parked", parked), ("ready", ready)):
@@ -154,8 +149,7 @@ def is_group_finished(group: list[Sample]) -> bool:
 
 
 def reason_category(reason: str) -> str:
-    """A drop reason's category, the part before its first ':' ("reward_failed: TimeoutError: ..." ->
-    "reward_failed"): reasons carry their detail, metrics and summaries count categories."""
+    """A drop reason's category, the part before its first ':' (metrics and summaries count categories)."""
     return reason.split(":", 1)[0].strip() or reason
 
 

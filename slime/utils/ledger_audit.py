@@ -1,8 +1,5 @@
-"""The ledger audit of a saved run: nothing lost, nothing held twice, nothing left in flight.
-
-On a checkpoint's files alone: every group the data source issued has exactly one ledger state and the ledger
-knows no other id; none is still `issued`; the groups the buffer holds are exactly the ledger's parked and
-finished ones (`Ledger.check_balanced`). `python tools/audit_ledger.py SAVE_DIR` runs it."""
+"""The ledger audit of a saved run (`tools/audit_ledger.py SAVE_DIR`): nothing lost, nothing held twice,
+nothing left in flight."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ from slime.utils.ledger import Ledger, LedgerError
 
 
 def audit_checkpoint(ckpt_dir: str) -> dict[str, int]:
-    """Raise `LedgerError` naming what is wrong; return the ledger's counts (and `data_groups`: groups issued by
-    the data source) when the audit is clean."""
+    """Raise `LedgerError` naming what is wrong; else the ledger's counts (and `data_groups`)."""
     path = os.path.join(ckpt_dir, "buffer", "buffer.json")
     try:
         with open(path) as f:

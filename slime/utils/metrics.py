@@ -1,8 +1,5 @@
-"""One metrics path: wandb (offline unless asked) and `metrics.jsonl` in the run directory.
-
-wandb keeps every file under the run directory (WANDB_DIR / _CACHE_DIR / _CONFIG_DIR / _DATA_DIR / _ARTIFACT_DIR,
-unless the user set them), and the flags it records as the run config are redacted (`slime.utils.redact`).
-"""
+"""One metrics path: wandb (offline unless asked; its files under the run directory, its config redacted) and
+`metrics.jsonl` in the run directory."""
 
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ class MetricsLogger:
         if args.use_wandb and args.wandb_mode != "disabled":
             import wandb
 
-            # every wandb file under the run dir (its core process writes debug logs to ~/.cache/wandb otherwise);
-            # set only while wandb.init starts it, and never over a value the user chose
+            # every wandb file under the run dir, set only while wandb.init starts and never over the user's value
             with _env_defaults({var: os.path.join(run_dir, sub) for var, sub in WANDB_DIRS.items()}):
                 self._wandb_run = wandb.init(
                     project=args.wandb_project,
@@ -69,8 +65,7 @@ class MetricsLogger:
                     # --wandb-key (upstream's flag): this run's key; else wandb's own (WANDB_API_KEY, netrc)
                     settings=wandb.Settings(api_key=args.wandb_key) if args.wandb_key else None,
                 )
-            # wandb's own step must start at 0 and never go back: the eval before the first step (step -1) is its
-            # step 0, rollout step N its step N + 1; the charts' x-axis is `rollout/step`, the rollout id as in the JSONL
+            # wandb's step starts at 0 and never goes back: the eval at step -1 is its 0, rollout step N its N + 1
             self._wandb_run.define_metric(WANDB_STEP)
             self._wandb_run.define_metric("*", step_metric=WANDB_STEP)
             logger.info("wandb run %s (mode=%s)", self._wandb_run.id, args.wandb_mode)
@@ -95,11 +90,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def truncate_jsonl(path: str, key: str, last: int) -> int:
-    """Keep only the rows of a JSON-lines file whose `key` is <= `last` (and drop a torn last line).
-
-    A resume from the checkpoint of step `last` re-runs the steps after it; their old rows would otherwise
-    appear twice. Returns the number of rows removed; the file is replaced atomically.
-    """
+    """Keep only rows whose `key` <= `last` (a resume re-runs the later steps), atomically; returns rows removed."""
     if not os.path.isfile(path):
         return 0
     kept, dropped = [], 0
@@ -125,8 +116,7 @@ def truncate_jsonl(path: str, key: str, last: int) -> int:
 
 
 def truncate_run_logs(run_dir: str, last_step: int) -> None:
-    """On resume from step `last_step`'s checkpoint: drop later rows of metrics.jsonl, rollout_trace.jsonl and
-    eval_scores.jsonl."""
+    """On resume from step `last_step`: drop the later rows of metrics, rollout trace and eval scores."""
     for name, key in (("metrics.jsonl", "step"), ("rollout_trace.jsonl", "rollout_id"), ("eval_scores.jsonl", "step")):
         n = truncate_jsonl(os.path.join(run_dir, name), key, last_step)
         if n:

@@ -24,10 +24,7 @@ def load_function(path: str) -> Callable[..., Any]:
 
 
 class SingletonMeta(type):
-    """Upstream slime's metaclass: a class made with it has one instance per process, built by the first call
-    (later calls return it whatever their arguments); `cls.clear_instances()` forgets it. Kept for plugins
-    written against upstream (`from slime.utils.misc import SingletonMeta`); our own code keeps state in objects
-    with owners instead."""
+    """Upstream slime's one-instance-per-process metaclass, kept for plugins written against upstream."""
 
     def __call__(cls, *args, **kwargs):
         instance = cls.__dict__.get("_singleton_instance")

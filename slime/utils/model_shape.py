@@ -1,11 +1,5 @@
-"""The shape of a decoder-only LM, read from a HF `config.json`, and the check of Megatron's model-shape flags (slime's
-`scripts/models/*.sh` MODEL_ARGS) against it.
-
-The trainer builds its model from `--hf-checkpoint`; a model-shape flag is optional, and when given it must say what
-the checkpoint says (a flag that disagrees fails, naming the flag, both values and the file), so a slime user's
-MODEL_ARGS keep working and never silently describe another model. Plain json: no torch / transformers import
-(slime/arguments/ calls it).
-"""
+"""The shape of a decoder-only LM from a HF `config.json`, and the check of Megatron's model-shape flags (slime's
+MODEL_ARGS) against it: a flag that disagrees with the checkpoint fails, naming the flag, both values and the file."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ class ModelShape:
     add_qkv_bias: bool
     initializer_range: float
     attention_dropout: float
-    # transformers builds the embedding as nn.Embedding(..., padding_idx=pad_token_id): that row gets no gradient
-    # from the tokens that look it up (a tied head still trains it)
+    # transformers' nn.Embedding(padding_idx=pad_token_id): that row gets no gradient from its lookups
     pad_token_id: int | None = None
 
 

@@ -1,10 +1,5 @@
-"""Listening sockets for the run's rendezvous stores and process groups, on loopback unless told otherwise.
-
-torch's `TCPStore(is_master=True)` binds every interface whatever `host` says, and gloo binds where the hostname
-resolves; neither authenticates. So the store's socket is created here, bound to `--listen-host`, and handed to
-the store (`master_listen_fd`); gloo devices are bound to the same host. `resolve_listen_host` resolves the flag
-on each node: `auto` is loopback while the Ray cluster is one machine, else this node's IP as Ray knows it; an
-interface name is that interface's address; an address is used as given."""
+"""Listening sockets for the run's rendezvous stores and process groups, on `--listen-host` (loopback unless told
+otherwise): torch's `TCPStore` and gloo would bind every interface, unauthenticated."""
 
 from __future__ import annotations
 
@@ -98,11 +93,8 @@ def ray_spans_machines() -> bool:
 
 
 def resolve_listen_host(listen_host: str) -> str:
-    """The address this process's servers bind, from `--listen-host` (see the module docstring).
-
-    auto -> 127.0.0.1 on one machine, else this node's Ray IP; localhost -> 127.0.0.1; an interface name -> its
-    address on this node (ListenHostError if this node has no such interface); an address or a wildcard -> itself.
-    """
+    """The address this process's servers bind, from `--listen-host`: auto (loopback on one machine, else the Ray
+    IP), localhost, an interface name, or an address."""
     if listen_host == AUTO:
         node_ip = ray_node_ip() if ray_spans_machines() else None
         return node_ip or "127.0.0.1"
@@ -164,18 +156,6 @@ def gloo_bind_host(listen_host: str, peer_address: str) -> str:
     return ""
 
 
-def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, bind_host: str = ""):
-    """A `ProcessGroupGloo` whose device listens on `bind_host` ("" = gloo's default, the hostname's address)."""
-    import torch.distributed as dist
-
-    if not bind_host:
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    opts._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
-
-
 def pin_collectives_to_loopback() -> None:
     """Default process groups (gloo / NCCL bootstrap) listen on loopback, unless the user chose an interface."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -183,9 +163,8 @@ def pin_collectives_to_loopback() -> None:
 
 
 def pin_collectives(local_address: str) -> None:
-    """Default process groups listen where this process's stores do: loopback, or the interface holding
-    `local_address` for gloo (its default, the hostname's address, is often 127.0.1.1 or the wrong NIC); NCCL
-    keeps its own choice unless the user set NCCL_SOCKET_IFNAME. An explicit GLOO_SOCKET_IFNAME wins."""
+    """Default process groups listen where this process's stores do (gloo's own default is often the wrong NIC);
+    an explicit GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins."""
     if is_loopback(local_address):
         pin_collectives_to_loopback()
         return

@@ -1,10 +1,5 @@
-"""Can this node see the run's files? Checked on the node that needs them (Ray tasks and actors on other nodes).
-
-Path flags are absolute after `parse_args`, so a path names the same file on every node only if the storage
-is shared (NFS, Lustre, a bind mount at the same place). `path_problems` runs where the file is needed and
-says what is missing there; `shared_marker` proves that a directory is the *same* directory on two nodes
-(a file the driver wrote must be visible), not merely one that exists on both.
-"""
+"""Can this node see the run's files? Checked on the node that needs them: `path_problems` says what is missing
+there; `shared_marker` proves a directory is the same one on two nodes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The peak resident memory of this process during a block of code (benchmarks and the memory tests).
-
-`with PeakRSS() as m: ...` then `m.rise` is the peak resident set size during the block minus the resident set
-size at its start, in bytes. Where the kernel lets a process reset its high-water mark (writing 5 to
-/proc/self/clear_refs, Linux >= 4.0) that mark is exact; elsewhere a thread samples the RSS every 2 ms.
-"""
+"""The peak resident memory of this process during a block: `with PeakRSS() as m: ...`, then `m.rise` in bytes
+(exact where /proc/self/clear_refs resets the high-water mark, else sampled every 2 ms)."""
 
 from __future__ import annotations
 

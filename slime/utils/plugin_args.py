@@ -1,13 +1,7 @@
-"""The `args` a plugin gets: a mutable copy of the run's flags, one per process.
+"""The `args` a plugin gets: one mutable copy of the run's frozen flags per process.
 
-Upstream slime hands every plugin (rollout function, custom generate, reward, filters) its one `args` namespace,
-and plugins keep state on it (`args.tokenizer = ...`, `args.rollout_max_context_len = ...` for an evaluation,
-counters). Here the run's flags are frozen once validated (`slime.arguments.Args`), so plugins get
-`plugin_args(args)`: a `PluginArgs` copy of them that any plugin may write to, the same object for every plugin
-call in this process (state one plugin keeps on it is there for the next call and for the other plugins). What a
-plugin writes never reaches the validated flags: our own code reads `run_flags(args)`. The partial-rollout
-buffer (`--buffer-filter-path`) lives in its own process, so its filter sees its own copy.
-"""
+Upstream plugins keep state on `args`; what they write is shared between plugin calls in this process but never
+reaches the validated flags (our own code reads `run_flags(args)`)."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ class PluginArgs(argparse.Namespace):
 
 
 def plugin_args(args: Any) -> Any:
-    """The process's one plugin view of `args` (a frozen `Args`, or already a view); any other namespace (tests,
-    tools) is mutable already and returned as it is."""
+    """The process's one plugin view of `args` (a frozen `Args`); any other namespace is returned as it is."""
     for_plugins = getattr(type(args), "for_plugins", None)
     return for_plugins(args) if for_plugins is not None else args
 

@@ -1,11 +1,6 @@
-"""RL math as pure functions over tensors: log-probs and entropy from logits, KL estimators, PPO / GSPO policy losses,
-masked aggregation, SFT loss and truncated importance sampling (TIS) for off-policy tokens.
-
-Shapes: element-wise functions accept any shape. Functions that reduce over a sequence (``compute_gspo_ratio``,
-``aggregate_loss`` with ``sample_mean``) treat the LAST dimension as tokens, and also accept a list of 1-D
-per-sample tensors (packed batches of unequal lengths). Advantage estimators live in ``slime.utils.advantages`` and
-are re-exported here.
-"""
+"""RL math as pure functions over tensors: log-probs and entropy, KL estimators, PPO / GSPO losses, masked
+aggregation, SFT loss and truncated importance sampling. Reductions over a sequence take the LAST dimension as
+tokens, or a list of 1-D per-sample tensors."""
 
 from __future__ import annotations
 
@@ -35,20 +30,14 @@ TensorOrList = Tensor | Sequence[Tensor]
 
 # ---------------------------------------------------------------- logits ----
 def _effective_temperature(temperature: float) -> float:
-    """Temperature 0 means greedy decoding; like SGLang, log-probs (and
-    entropy) are then reported for the unscaled distribution (temperature 1)."""
+    """Temperature 0 (greedy): log-probs and entropy of the unscaled distribution, as SGLang reports them."""
     if temperature < 0:
         raise ValueError(f"temperature (--rollout-temperature) must be >= 0, got {temperature}")
     return 1.0 if temperature == 0 else float(temperature)
 
 
 def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature) gathered at ``tokens``.
-
-    ``logits``: [..., V]; ``tokens``: [...] (the token each position predicts). Computed in float32 as gather −
-    logsumexp, which equals the engine-side log-prob of the sampled token under the same temperature (temperature 0
-    = greedy: log-probs of the unscaled distribution).
-    """
+    """log_softmax(logits / temperature) gathered at ``tokens``, in float32 (temperature 0: unscaled)."""
     temperature = _effective_temperature(temperature)
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} do not line up")
@@ -58,8 +47,7 @@ def compute_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) 
 
 
 def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Per-position entropy −Σ p log p of softmax(logits / temperature), in
-    float32; stable for large logits and for −inf (banned) logits."""
+    """Per-position entropy of softmax(logits / temperature), in float32; stable for large and −inf logits."""
     temperature = _effective_temperature(temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     p = logp.exp()
@@ -70,8 +58,7 @@ def compute_entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Ten
 
 # -------------------------------------------------------------------- KL ----
 def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "k1") -> Tensor:
-    """Per-token estimate of KL(pi || ref) from samples of pi
-    (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token estimate of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
     log_ratio = log_probs.float() - ref_log_probs.float()
     if kl_type == "k1":
         return log_ratio
@@ -86,13 +73,8 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_type: str = "
 
 # --------------------------------------------------------- policy losses ----
 def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
-    """``log_ratio`` with its VALUE clamped to ±MAX_LOG_RATIO and the gradient of the identity (straight-through).
-
-    Convention: a token whose log-ratio is beyond ±20 (ratio e^20) keeps its gradient, computed at the clamped
-    ratio, instead of silently getting none (a plain clamp's derivative is 0 there). Whether it then contributes is
-    the PPO / dual clip's decision, as for any other token. GSPO's sequence ratio and the TIS weights clamp detached
-    values only, so this is their behaviour too.
-    """
+    """``log_ratio`` with its value clamped to ±MAX_LOG_RATIO and the identity's gradient (straight-through), so a
+    token beyond the bound keeps a gradient instead of silently getting none."""
     clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if not log_ratio.requires_grad:
         return clamped
@@ -124,15 +106,8 @@ def clipped_surrogate(
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate for a given ratio: per-token loss and clip flag.
-
-    loss = max(−A·r, −A·clip(r, 1−eps, 1+eps_high)); with dual clip, tokens with A < 0 are further capped at
-    −A·eps_clip_c (zero gradient there).
-
-    The clip flag (``pg_clipfrac``) is 1.0 where the PPO clip bound is the active term, as in upstream slime;
-    dual-clipped tokens are NOT counted (a disjoint set: A < 0 and r > eps_clip_c, where the PPO clip is never the
-    active term; see ``dual_clip_flags`` and the ``pg_dual_clipfrac`` metric).
-    """
+    """PPO clipped surrogate (with optional dual clip): per-token loss and the clip flag (1 where the PPO bound is
+    active, as upstream; dual-clipped tokens are counted apart)."""
     high = _check_clip(eps_clip, eps_clip_high, eps_clip_c)
     advantages = advantages.to(ratio.dtype)
     loss_unclipped = -advantages * ratio
@@ -151,19 +126,10 @@ def dual_clip_flags(ratio: Tensor, advantages: Tensor, eps_clip_c: float) -> Ten
 
 
 def compute_gspo_ratio(log_probs: TensorOrList, old_log_probs: TensorOrList, mask: TensorOrList) -> TensorOrList:
-    """GSPO per-token ratio (same shape as ``log_probs``).
+    """GSPO per-token ratio: the value is the sequence's geometric mean ratio s; d ratio_t / d logp_t = s.
 
-    Value: s = exp(mean_t (logp − old_logp)) over the sequence's masked tokens, the geometric mean of the token
-    ratios, broadcast to every token. Gradient: ratio_t = exp(logp_t − sg(logp_t) + sg(log s)), so d ratio_t / d
-    logp_t = s (each token gets its own gradient, scaled by the sequence ratio). A sequence with an empty mask gets
-    ratio 1.
-
-    Convention (GSPO with TIS): multiplying the per-token loss by per-token TIS weights w_t then weights each
-    token's gradient by its OWN w_t (d loss / d logp_t ∝ A·s·w_t). Upstream slime differentiates through the
-    sequence mean, which spreads the weighted sum evenly (∝ A·s·mean(w)). We keep ours on purpose: with partial
-    rollouts the tokens of one response come from different policy versions, and TIS exists to correct each token
-    for the policy that sampled it.
-    """
+    With TIS each token's gradient is weighted by its own w_t (upstream spreads mean(w) over the sequence): with
+    partial rollouts a response's tokens come from different policies, and TIS corrects each for its own."""
     if isinstance(log_probs, Tensor):
         return _gspo_ratio(log_probs, old_log_probs, mask)
     return [_gspo_ratio(lp, olp, mk) for lp, olp, mk in zip(log_probs, old_log_probs, mask, strict=True)]
@@ -184,8 +150,7 @@ def loss_agg_mode(args) -> str:
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ values·mask; positions with mask 0 contribute exactly 0 even if the
-    value there is NaN/inf (so padding garbage never leaks)."""
+    """Σ values·mask; masked positions contribute exactly 0 even when their value is NaN/inf."""
     mask = mask.to(device=values.device)
     weighted = torch.where(mask != 0, values * mask.to(values.dtype), torch.zeros((), dtype=values.dtype, device=values.device))
     return weighted.sum() if dim is None else weighted.sum(dim=dim)
@@ -206,17 +171,8 @@ def aggregate_loss(
     num_tokens: float | None = None,
     num_samples: float | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss to a scalar (``--loss-agg-mode`` style).
-
-    - ``token_mean`` (``--calculate-per-token-loss``): Σ over all masked tokens of the batch / Σ mask. Convention: a
-      fully masked sample adds nothing to the denominator, so this is the true mean over real tokens; upstream slime
-      counts one phantom token per empty sample (``clamp_min(mask.sum(), 1)``), which shrinks the loss slightly.
-    - ``sample_mean``: mean over samples of each sample's masked token mean (samples with an empty mask count as 0
-      in the mean, as upstream).
-
-    ``num_tokens`` / ``num_samples`` override the denominator (e.g. the global count across micro-batches or
-    data-parallel ranks, so that summing the micro-batch losses gives the global mean). An empty batch gives 0.
-    """
+    """Reduce a per-token loss to a scalar: ``token_mean`` over real tokens (upstream counts one phantom token per
+    empty sample) or ``sample_mean``; ``num_tokens`` / ``num_samples`` override the denominator."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"--loss-agg-mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
     if isinstance(per_token_loss, Tensor):
@@ -252,8 +208,7 @@ def sft_loss(log_probs: TensorOrList, mask: TensorOrList) -> Tensor:
 
 # ---------------------------------------------- off-policy correction -------
 def compute_ess(weights: Tensor, mask: Tensor) -> float:
-    """Normalised effective sample size (Σw)² / (n Σw²) over masked tokens, in
-    (0, 1]; 1 when all weights are equal. An empty mask gives 1.0."""
+    """Normalised effective sample size (Σw)² / (n Σw²) over masked tokens, in (0, 1]; empty mask: 1.0."""
     w = weights.detach().double()
     mk = mask.to(device=w.device) != 0
     n = int(mk.sum())
@@ -286,14 +241,7 @@ def compute_tis_weights(
     clip_high: float = 2.0,
     clip_low: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Truncated importance weights between the training-time behaviour policy (``old_log_probs``, recomputed by the
-    trainer) and the policy that actually sampled each token (``rollout_log_probs``, from the engine, which for a
-    resumed partial rollout may differ token by token).
-
-    weights = clamp(exp(old − rollout), clip_low, clip_high), detached; multiply them into the per-token pg losses.
-    Metrics (masked tokens only): ``tis_clipfrac`` (share of raw weights outside the bounds), ``tis_ess`` (see
-    ``compute_ess``, of the clamped weights), ``tis_weight_mean``, ``tis_raw_weight_mean``.
-    """
+    """Truncated importance weights clamp(exp(old − rollout), clip_low, clip_high), detached, and their metrics."""
     weights, raw = truncated_is_weights(old_log_probs, rollout_log_probs, clip_high, clip_low)
     mk = mask.to(device=raw.device)
     out_of_range = ((raw < clip_low) | (raw > clip_high)).float()

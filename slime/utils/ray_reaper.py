@@ -1,10 +1,6 @@
-"""Make the local Ray node's processes die with the driver, even a SIGKILLed one.
+"""Make the local Ray node's processes die with the driver, even a SIGKILLed one (Ray's agents otherwise wait ~60 s).
 
-A killed driver's raylet and GCS go within seconds, but Ray's dashboard and runtime-env agents wait ~60 s on the
-dead GCS. `start_reaper()` (called by `init_ray`) snapshots the Ray processes under the driver and starts this
-module as a watcher tied to the driver (PR_SET_PDEATHSIG) that SIGKILLs exactly those processes (by pid and start
-time) when the driver dies. Run by file path (`python slime/utils/ray_reaper.py DRIVER_PID PID:START_TIME ...`):
-it imports nothing from slime."""
+Run by file path as a watcher tied to the driver (PR_SET_PDEATHSIG); it imports nothing from slime."""
 
 from __future__ import annotations
 
@@ -32,9 +28,9 @@ def ray_processes_under(pid: int) -> list[tuple[int, float]]:
     return out
 
 
-def start_reaper(driver_pid: int | None = None) -> subprocess.Popen | None:
+def start_reaper() -> subprocess.Popen | None:
     """Start the watcher for the Ray processes now under the driver; None if there are none (an attached cluster)."""
-    driver_pid = driver_pid or os.getpid()
+    driver_pid = os.getpid()
     targets = ray_processes_under(driver_pid)
     if not targets or not sys.platform.startswith("linux"):
         return None

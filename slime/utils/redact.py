@@ -1,11 +1,5 @@
-"""Keep credentials out of logs and the wandb config.
-
-`redact_url` masks the password of a URL's user-info (`http://user:***@host`) and the values of query parameters
-named like a credential; `redact_flags` does that to every string value and masks whole string values of flags named
-like a credential (`--wandb-key`, `--sglang-api-key`, `--hf-token`, a `...-secret` or `...-password`; not
-`--reward-key` or `--max-tokens-per-gpu`, which name data); `redact_argv` does the same to a command line before it
-is logged.
-"""
+"""Keep credentials out of logs and the wandb config: URL passwords and credential-like query parameters, and
+the values of flags named like a credential (`--wandb-key`, `--hf-token`; not `--reward-key`)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ OFFLINE_ENV = {
 }
 
 
-# Passed to every Ray worker of the run (runtime_env): the offline switches, and the driver's collective
-# settings (NCCL_*, GLOO_*, TORCH_NCCL_*), so actors on other nodes behave as the driver was told to.
+# Passed to every Ray worker of the run: the offline switches and the driver's collective settings.
 WORKER_ENV_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
                    "HF_HOME", "WANDB_MODE")
 WORKER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
@@ -38,21 +37,15 @@ def code_root() -> str:
 
 
 def worker_python_path() -> str:
-    """PYTHONPATH for Ray workers: this checkout first (so every actor imports the same code as the driver,
-    whatever is installed on the cluster), the driver's working directory (plugins given as dotted paths), then
-    the driver's own PYTHONPATH, every entry absolute."""
+    """PYTHONPATH for Ray workers: this checkout, the driver's cwd (plugins), then the driver's own, all absolute."""
     entries = [code_root(), os.getcwd()]
     entries += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(entries))
 
 
 def job_runtime_env(listen_host: str = "auto") -> dict:
-    """The runtime_env of the run's Ray job: PYTHONPATH, the offline switches, NCCL/GLOO settings; with an
-    interface name for `--listen-host`, GLOO/NCCL_SOCKET_IFNAME pinned to it (unless the user set them).
-
-    Under `ray job submit` the job's own runtime_env wins: keys it sets are left out (Ray refuses a conflict),
-    and with a `working_dir` (the job's code already on every node) PYTHONPATH too.
-    """
+    """The Ray job's runtime_env (PYTHONPATH, offline switches, NCCL/GLOO settings), less the keys a submitted
+    job's own runtime_env sets (Ray refuses a conflict)."""
     env = {k: os.environ[k] for k in WORKER_ENV_KEYS if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith(WORKER_ENV_PREFIXES)})
     if listen_host in interface_addresses():
@@ -68,8 +61,7 @@ def job_runtime_env(listen_host: str = "auto") -> dict:
 
 
 def process_placement(_actor=None) -> dict:
-    """Where this process runs and which code it imports (for placement.json; `_actor` lets Ray's
-    `actor.__ray_call__` run it inside any actor)."""
+    """Where this process runs and which code it imports (placement.json; `_actor`: run inside any actor)."""
     import socket
 
     info = {"hostname": socket.gethostname(), "pid": os.getpid(), "code_root": code_root(), "node_id": None,
@@ -113,9 +105,7 @@ def set_offline_defaults() -> None:
 
 
 def init_ray(num_cpus: int | None = None, listen_host: str = "auto") -> None:
-    """Join the Ray cluster at RAY_ADDRESS (`ray start --head` elsewhere; `ray job submit` sets it too), or
-    start a local Ray node listening on `listen_host` (`--listen-host`; auto: loopback). Either way every
-    worker of the job gets `job_runtime_env` (this checkout on PYTHONPATH, offline and NCCL settings)."""
+    """Join the Ray cluster at RAY_ADDRESS, or start a local node on `listen_host`; workers get `job_runtime_env`."""
     import ray
 
     set_offline_defaults()

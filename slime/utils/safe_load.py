@@ -1,9 +1,5 @@
-"""Reading checkpoint files without running code, with errors that name the file.
-
-`torch.load(weights_only=False)` would let a planted `optimizer.pt` run code on `--load`, so every torch file
-goes through `safe_torch_load` (`weights_only=True` plus an explicit allow-list). torch.distributed.checkpoint
-reads its `.metadata` with plain `pickle.load`: `check_dist_checkpoint` reads it first with an unpickler that
-accepts only its own metadata classes. Corrupt or truncated files raise `CheckpointFileError` naming the file."""
+"""Reading checkpoint files without running code (`weights_only=True` plus an allow-list; DCP metadata through a
+restricted unpickler), with errors (`CheckpointFileError`) that name the file."""
 
 from __future__ import annotations
 
@@ -27,10 +23,7 @@ class CheckpointFileError(ValueError):
 
 
 def safe_torch_load(path: str, allowed_globals: Iterable[Any] = ()) -> Any:
-    """`torch.load(path, weights_only=True)` on CPU, with `allowed_globals` added to torch's safe list.
-
-    Raises `CheckpointFileError` for a missing, corrupt or code-carrying file (nothing in it runs).
-    """
+    """`torch.load(weights_only=True)` on CPU plus `allowed_globals`; `CheckpointFileError` for a bad file."""
     if not os.path.isfile(path):
         raise CheckpointFileError(path, "missing")
     if not zipfile.is_zipfile(path):
@@ -104,9 +97,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def check_pickle_file(path: str, allowed=_dcp_metadata_global) -> None:
-    """A raw pickle (a dist-checkpoint's `.metadata`, which torch reads with plain `pickle.load`) names only
-    globals `allowed(module, name)` accepts; read with an unpickler that refuses everything else, so nothing
-    else runs. Raises `CheckpointFileError`."""
+    """A raw pickle names only globals `allowed(module, name)` accepts (nothing else runs); `CheckpointFileError`."""
     try:
         with open(path, "rb") as f:
             unpickler = _RestrictedUnpickler(f, allowed)
@@ -126,9 +117,8 @@ def check_pickle_file(path: str, allowed=_dcp_metadata_global) -> None:
 
 
 def check_dist_checkpoint(path: str, allowed_globals: Iterable[Any] = ()) -> None:
-    """A Megatron / torch.distributed.checkpoint directory: `.metadata` (a raw pickle) and every `.pt` name
-    no code but `allowed_globals` (Megatron-LM's `common.pt` holds its args as a Namespace), JSON parses. Cheap
-    (no tensor is read). Raises `CheckpointFileError` naming the file."""
+    """A torch.distributed.checkpoint directory names no code but `allowed_globals` (no tensor read); raises
+    `CheckpointFileError` naming the file."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointFileError(os.path.join(path, ".metadata"), "missing (not a complete dist-checkpoint)")
     check_pickle_file(os.path.join(path, ".metadata"))
@@ -141,10 +131,7 @@ def check_dist_checkpoint(path: str, allowed_globals: Iterable[Any] = ()) -> Non
 
 
 def check_safetensors(path: str) -> dict[str, Any]:
-    """Parse a .safetensors header and check that the data it describes is all there; returns the header.
-
-    Cheap (reads only the header); raises `CheckpointFileError` for a missing, truncated or corrupt file.
-    """
+    """A .safetensors header, checked against the file's size (cheap); `CheckpointFileError` for a bad file."""
     if not os.path.isfile(path):
         raise CheckpointFileError(path, "missing")
     size = os.path.getsize(path)

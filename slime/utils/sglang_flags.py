@@ -1,12 +1,6 @@
-"""The flags passed through to SGLang's server (`--sglang-<flag>`) and to sglang-router (upstream's
-`--router-<flag>`), checked against their own flag names at parse time, so that a typo fails at once.
-
-SGLang's names are its `ServerArgs` command-line flags: the installed SGLang's when SGLang is installed (for a
-version whose list this project ships, that list, generated from the version's own code; for another, read from
-its code in a child process, so that the driver never imports SGLang), else the pinned version's shipped list
-(slime/utils/sglang_server_flags.py, written by tools/sglang_server_flags.py). sglang-router's are the installed
-sglang-router's own parser's (a dependency of this package).
-"""
+"""The flags passed through to SGLang's server (`--sglang-<flag>`) and to sglang-router (`--router-<flag>`),
+checked against their own flag names at parse time so that a typo fails at once. The driver never imports SGLang:
+an unshipped version's names are read from its code in a child process."""
 
 from __future__ import annotations
 
@@ -80,8 +74,7 @@ def unknown_flag_error(name: str, own_flags: Iterable[str] = (), server: tuple[f
     return f"--sglang-{name}: {source} has no server flag --{name}; {hint}"
 
 
-# upstream slime's --router-<flag> names (sglang-router's own flags under the router- prefix) that a run here does
-# not pass on, with why; every other one reaches `python -m sglang_router.launch_router` as --<flag>
+# upstream's --router-<flag> names a run here does not pass on, with why; the rest reach the launcher as --<flag>
 _PD = "prefill/decode disaggregation is not supported: engines are regular SGLang servers"
 _WORKERS = "the run registers its own engines with the router"
 _BREAKER = ("the router's circuit breaker is off in every run (one batch of bad requests would otherwise stall the "
@@ -107,9 +100,7 @@ class _RouterParser(argparse.ArgumentParser):
 
 
 def router_pass_through(tokens: list[str], own_flags: Iterable[str] = ()) -> tuple[str, ...]:
-    """Upstream's `--router-<flag> [value ...]` options, checked by the installed sglang-router's own parser, as
-    the `--<flag> [value ...]` arguments of its launcher. Raises ValueError naming the flag (and the closest real
-    one for a typo)."""
+    """Upstream's `--router-<flag>` options, checked by sglang-router's own parser; ValueError names the flag."""
     from sglang_router.router_args import RouterArgs
 
     p = _RouterParser(add_help=False, allow_abbrev=False)

@@ -1,10 +1,5 @@
-"""The SGLang versions we build against, written once (standard library only: setup.py reads it before anything
-is installed).
-
-Read by the engine version check at start-up, the embedded engine's reported version, setup.py's `sglang`
-extra, the Dockerfiles and the contract tests (`CONTRACT_VERSIONS`). Supported: SGLANG_OLDEST (upstream slime's
-pin) to SGLANG_PINNED (our image's), both tested; between them the API moved (weight-update sessions since
-0.5.21: older servers answer 404). A version outside the range is refused at start-up."""
+"""The SGLang versions we build against, written once (standard library only: setup.py reads it). Supported:
+SGLANG_OLDEST (upstream slime's pin) to SGLANG_PINNED, both tested; others are refused at start-up."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ SGLANG_OLDEST = "0.5.15.post1"  # upstream slime's pin
 
 CONTRACT_VERSIONS = (SGLANG_PINNED, SGLANG_OLDEST)
 
-# What the contract tests install next to each `sglang` wheel (pip --no-deps): the pure-Python / CPU packages its
-# modules import that our own dependencies do not bring. Per version: the packages SGLang pins itself.
+# What the contract tests install next to each `sglang` wheel (pip --no-deps): what SGLang pins itself.
 CONTRACT_COMMON_PACKAGES = (
     "msgspec==0.22.0", "pybase64==1.5.1", "uvloop==0.23.0", "pyzmq==27.3.0", "python-multipart==0.0.34",
     "gguf==0.19.0", "scipy==1.17.1", "jiter==0.19.0",
@@ -27,8 +21,7 @@ CONTRACT_VERSION_PACKAGES = {
 }
 
 
-# SGLang pins transformers to one version per release (0.5.23: 5.19.0; 0.5.15.post1: 5.12.1): ours holds both ends,
-# so that installing this package into either SGLang's image keeps SGLang's own (tests/test_pins.py reads its pins).
+# SGLang pins transformers per release (0.5.23: 5.19.0; 0.5.15.post1: 5.12.1): ours holds both ends.
 TRANSFORMERS_REQUIREMENT = "transformers>=5.12.1,<6"
 
 

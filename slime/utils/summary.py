@@ -97,8 +97,7 @@ def length_bias_summary(steps: list[dict]) -> dict:
     return {f"length_{k}": _mean([r.get(f"length/{k}") for r in steps]) for k in LENGTH_KEYS}
 
 
-# the length guard's counts (slime/rollout/staleness.py): samples masked instead of restarted at a resume (a step's,
-# stream mode's in flight) and finished groups masked instead of dropped before training
+# the length guard's counts: samples masked instead of restarted, groups masked instead of dropped
 GUARD_SAMPLE_KEYS = ("rollout/staleness_guard_masked", "rollout/staleness_in_flight_guard_masked")
 GUARD_GROUP_KEY = "rollout/staleness_guard_masked_groups_at_train"
 

@@ -1,8 +1,4 @@
-"""Build tiny Qwen3-architecture models and word-level tokenizers in code.
-
-No model hub is reachable on our CPU machines, so the embedded default (tests, benchmarks, the quick start) builds
-its model here and saves it as a plain Hugging Face directory that every component loads by path.
-"""
+"""Build tiny Qwen3-architecture models and word-level tokenizers in code (no model hub on our CPU machines)."""
 
 from __future__ import annotations
 
@@ -13,11 +9,7 @@ SPECIAL_TOKENS = {"bos": "<bos>", "eos": "<eos>", "pad": "<pad>"}
 
 
 def build_tokenizer(words: list[str]):
-    """A whitespace-free word-level tokenizer over `words` plus BOS/EOS/PAD.
-
-    Each word is matched greedily as-is (single characters for our tasks), so
-    `decode(encode(s)) == s` for strings made of those words.
-    """
+    """A word-level tokenizer over `words` plus BOS/EOS/PAD, so `decode(encode(s)) == s`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,9 +46,7 @@ class TinyQwen3Spec:
 
 
 def model_preset(name: str) -> TinyQwen3Spec:
-    """Named shapes for benchmarks: `quickstart` (tools/prepare_tiny_task.py's tiny Qwen3) and `qwen3-0.5b`, a random
-    Qwen3 with Qwen3-0.6B's width, heads (16 of 128 dims, 8 KV heads), vocabulary and tied embeddings but 16 layers
-    (0.41 B parameters), 16k context, saved in bfloat16: a decode step costs on a GPU what a small real model's does."""
+    """Named shapes for benchmarks: `quickstart`, and `qwen3-0.5b` (Qwen3-0.6B's width with 16 layers, bf16)."""
     if name == "quickstart":
         return TinyQwen3Spec(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, max_position_embeddings=272)
@@ -68,9 +58,7 @@ def model_preset(name: str) -> TinyQwen3Spec:
 
 
 def build_preset(name: str, root: str, tokenizer, seed: int = 0) -> str:
-    """`model_preset(name)` for `tokenizer`, built in root/name unless a finished build is already there (a
-    benchmark's model cache: the 0.5b preset takes seconds to initialise); returns its directory. Random weights
-    are drawn on the GPU when there is one (the same shapes, other values)."""
+    """`model_preset(name)` built in root/name unless already there; returns its directory."""
     import torch
 
     path = os.path.join(root, name)

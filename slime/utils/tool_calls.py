@@ -1,10 +1,7 @@
-"""Tool calls in a model's text, and the environment that answers them (a plain description, no process).
+"""Tool calls in a model's text, and the environment that answers them (docs/multi-turn.md).
 
-A model turn that calls a tool ends with `<call_open> BODY <call_close>`; the tool's answer is appended as
-`<result_open> OUTPUT <result_close>` (observation tokens, loss mask 0). BODY is `plain` (the argument string of
-the environment's only tool) or `json` (`{"name": "<tool>", "arguments": {...}}`, Qwen / Hermes style). A call
-the model wrote badly gets `bad_call_output` and the trajectory goes on; a tool that fails fails the sample
-(docs/multi-turn.md)."""
+A call is `<call_open> BODY <call_close>`, BODY `plain` or `json`; the answer is appended as observation tokens
+(loss mask 0). A badly written call gets `bad_call_output`; a tool that fails fails the sample."""
 
 from __future__ import annotations
 
@@ -52,11 +49,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool: `function` is the dotted path of `def f(arguments) -> str`, imported and run in a tool worker.
-
-    `safe_to_rerun`: running it twice with the same arguments is harmless (a pure function, a read-only
-    lookup). Only such a call is run again when its result was lost (the run was killed while it ran); any
-    other lost call fails its sample instead of running twice."""
+    """One tool: `function` is the dotted path of `def f(arguments) -> str`, run in a tool worker. Only a
+    `safe_to_rerun` call is run again when its result was lost; any other fails its sample."""
 
     name: str
     function: str
@@ -122,8 +116,7 @@ class AgentEnv:
         return self.bad_call_output.replace("{error}", error)
 
 
-# Qwen / Hermes-style calls inside a ChatML conversation: the observation closes the assistant turn, comes back as
-# a user turn holding <tool_response>, and opens the next assistant turn.
+# Qwen / Hermes-style calls in ChatML: the observation comes back as a user turn holding <tool_response>.
 QWEN_FORMAT = ToolCallFormat(
     call_open="<tool_call>", call_close="</tool_call>", body="json",
     result_open="<|im_end|>\n<|im_start|>user\n<tool_response>\n",

@@ -1,13 +1,6 @@
-"""ToolRunner: runs tool calls in worker processes, each call time-limited, its output bounded, never twice.
-
-    runner = ToolRunner(workers=2, timeout_s=10, max_output_chars=1024)
-    future = runner.submit(call_id, spec, arguments)   # concurrent.futures.Future[ToolResult]
-
-Each worker (slime/utils/tool_worker.py) is its own isolated process, so a tool that crashes, leaks or loops
-takes down only its worker; one past its time limit is killed and the next call gets a fresh one. Results are
-kept by call id until `forget(call_id)`: submitting a known id returns the same future, so a caller interrupted
-by an APRIL abort picks the result up later instead of running the tool again. Every failure is a `ToolResult`
-with `ok=False` and an `error` that says what happened; the runner never raises for a tool's misbehaviour."""
+"""ToolRunner: runs tool calls in isolated worker processes, each call time-limited, its output bounded, never
+twice (results are kept by call id, so a caller interrupted by an APRIL abort picks it up later). A tool's
+misbehaviour is a `ToolResult` with `ok=False`, never an exception."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""A tool worker process: runs tool functions for `ToolRunner` (slime/utils/tool_runner.py), one call at a time.
+"""A tool worker process for `ToolRunner`: one JSON call per stdin line, one JSON reply line on stdout.
 
-    python -m slime.utils.tool_worker --max-output-chars N --memory-mb M
-
-One JSON line per call on stdin (`{"function", "arguments"}`), one JSON reply line on the original stdout; what a
-tool prints goes to stderr. Before any tool is imported: it dies with its parent, runs in its own session and a
-scratch directory, without the trainer's environment variables, under an address-space limit, and without network (a
-new network namespace where the kernel allows one, and always an audit hook refusing sockets and name lookups)."""
+Before any tool is imported it is sandboxed: dies with its parent, own session and scratch dir, no trainer
+environment, an address-space limit, no network."""
 
 from __future__ import annotations
 

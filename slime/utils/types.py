@@ -1,10 +1,7 @@
 """The one `Sample` that flows from a dataset row to the loss.
 
-Invariant: the per-response-token fields (`loss_mask`, `rollout_log_probs`, `weight_versions`) always have
-exactly `response_length` entries, and `tokens` is the prompt followed by the response; a response grows by
-`append_response` (ours) or `append_response_tokens` (upstream's, for plugins), which keep them in step.
-Upstream's plugin API keeps upstream's meaning (docs/plugins.md); attributes a plugin sets travel with the
-sample (`to_dict()["extra"]`); fields with no meaning here (`UNSUPPORTED_FIELDS`) are refused when set."""
+Invariant: `loss_mask`, `rollout_log_probs` and `weight_versions` have exactly `response_length` entries and
+`tokens` is prompt + response (`append_response` keeps them in step). Upstream's plugin API keeps its meaning."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from typing import Any
 from slime.utils.engine_reply import token_versions
 from slime.utils.upstream_fields import UNSUPPORTED_FIELDS
 
-# the version of a token whose producer is not known yet (a plugin appended it without the engine's reply);
-# `complete_response` gives it the version the engines served
+# the version of a token whose producer is not known yet (`complete_response` fills it in)
 UNKNOWN_VERSION = -1
 
 
@@ -59,14 +55,11 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)  # policy version of each response token
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
-    # upstream slime's switches for plugins, with upstream's meaning where samples become training data
-    # (slime/backends/training_utils/data.py): samples sharing a `rollout_id` (a fan-out's) are one rollout in
-    # the loss (one optimizer step, one sample-mean term); a `remove_sample` stays out of the loss (its loss
-    # mask zeroed) but is rewarded and counts in its group's reward normalization
+    # upstream slime's switches for plugins, with upstream's meaning: samples sharing a `rollout_id` are one
+    # rollout in the loss; a `remove_sample` is rewarded but stays out of the loss
     rollout_id: int | None = None
     remove_sample: bool = False
-    # more training samples a list-returning custom generate made of this one (upstream's fan-out), finished;
-    # they join its group when the group is rewarded (`expand_fanout`)
+    # upstream's fan-out: more finished samples a list-returning generate made of this one (`expand_fanout`)
     fanout: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,11 +102,7 @@ class Sample:
         text: str = "",
         loss_mask: list[int] | None = None,
     ) -> None:
-        """Append one generated segment; all per-token fields grow together.
-
-        `weight_version` is the policy version that produced the segment (one
-        int for all its tokens, or one per token).
-        """
+        """Append one generated segment (`weight_version`: one int or one per token); every per-token field grows."""
         k = len(token_ids)
         versions = [int(weight_version)] * k if isinstance(weight_version, int) else list(weight_version)
         mask = [1] * k if loss_mask is None else list(loss_mask)
@@ -132,14 +121,8 @@ class Sample:
     def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable: bool = True,
                                meta_info: dict | None = None, text: str | None = None,
                                update_terminal_info: bool = True) -> None:
-        """Upstream slime's way for a plugin to grow the response; every per-token field grows with it.
-
-        Model tokens: `trainable=True` with their behaviour `log_probs` and the engine's `meta_info` (their
-        versions come from its `weight_versions` / `weight_version`; without it they get the version the
-        engines serve when the plugin returns). Tool / environment tokens: `trainable=False`, no log-probs
-        (0.0 stored, loss mask 0, the version of the token before them). With `update_terminal_info`, the
-        reply's `finish_reason` sets the status: stop -> COMPLETED, length -> TRUNCATED, abort -> ABORTED.
-        `args` is accepted for upstream's signature and not read."""
+        """Upstream slime's way for a plugin to grow the response: model tokens (`trainable`, with log-probs and
+        `meta_info`) or tool tokens (loss mask 0); `update_terminal_info` sets the status. `args` is not read."""
         ids = [int(t) for t in (tokens.reshape(-1).tolist() if hasattr(tokens, "reshape") else tokens or [])]
         if log_probs is not None:
             log_probs = [float(x) for x in (log_probs.reshape(-1).tolist() if hasattr(log_probs, "reshape") else log_probs)]
@@ -180,11 +163,8 @@ class Sample:
         self.check()
 
     def adopt_fanout(self, samples: list, weight_version: int, where: str) -> bool:
-        """A list-returning custom generate's result for this sample (upstream's fan-out: one rollout made into
-        several training samples). All finished: this sample becomes the first of them (itself, if the list holds
-        it) and the others wait in `fanout` to join its group when the group is rewarded; each is then trained,
-        rewarded unless it came with a reward. One not finished (the step stopped it): the fan-out is dropped and
-        this sample is ABORTED, generated again when resumed. Returns whether it finished."""
+        """A list-returning custom generate's result (upstream's fan-out): all finished, this sample becomes the
+        first and the others join its group; else this sample is ABORTED. Returns whether it finished."""
         if not isinstance(samples, list) or not samples:
             raise TypeError(f"{where}: returned an empty list for sample {self.index}; return the Sample it was "
                             "given (FAILED if nothing came of it), or a list of finished Samples")
@@ -229,10 +209,8 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def complete_response(self, weight_version: int, where: str) -> None:
-        """A response a plugin grew by setting the fields itself (upstream slime's way) gets what it left out:
-        `weight_version` (the version the engines served) for tokens without one, loss mask 1 for tokens without
-        one; behaviour log-probs cannot be made up, so missing ones are refused, and so are upstream's fields that
-        have no meaning here (`check_upstream_fields`; `where` names the plugin)."""
+        """Fill in what a plugin that grew the response itself left out (versions, loss mask); missing log-probs
+        and meaningless upstream fields are refused (`where` names the plugin)."""
         self.check_upstream_fields(where)
         n = self.response_length
         if n < 0 or n > len(self.tokens):
@@ -293,8 +271,7 @@ class Sample:
 
     # ---- version accounting -----------------------------------------------
     def version_counts(self, in_loss_only: bool = True) -> Counter:
-        """{policy version: response tokens it produced}, over the tokens in the loss (`trained_loss_mask` 1) by
-        default."""
+        """{policy version: response tokens it produced}, over the tokens in the loss by default."""
         if not in_loss_only:
             return Counter(self.weight_versions)
         return Counter(v for v, m in zip(self.weight_versions, self.trained_loss_mask) if m)
@@ -308,9 +285,6 @@ class Sample:
 
     def oldest_version(self) -> int | None:
         return min(self.weight_versions) if self.weight_versions else None
-
-    def off_policy_tokens(self, current_version: int) -> int:
-        return sum(1 for v in self.weight_versions if v < current_version)
 
     # ---- serialisation ----------------------------------------------------
     def scalar_reward(self, reward_key: str | None = None) -> float | None:

@@ -1,13 +1,6 @@
-"""The process group between a trainer and its engines for weight broadcasts, laid out as SGLang lays it out.
-
-SGLang's engine joins with `init_custom_process_group` (`sglang/srt/utils/common.py`): a TCP rendezvous whose
-store is prefixed by the group name, handed to torch's own `_new_process_group_helper`, which prefixes it again
-with `<group_name>/` and, per backend, `<device>/` (gloo builds one group for "cpu" and one for "cuda"; NCCL one
-for "cuda"). Every member must build its group the same way or they wait on different store keys until their
-timeout. Both our trainer (rank 0, which serves the store) and the embedded engine call `join` below, so the
-layout is torch's, for gloo and NCCL alike. Gloo's interface is GLOO_SOCKET_IFNAME where set (see
-`slime.utils.net.pin_collectives`).
-"""
+"""The process group between a trainer and its engines for weight broadcasts, laid out as SGLang's
+`init_custom_process_group` lays it out (store keys prefixed by group, then by torch per backend), so trainer and
+embedded engine build it the same way."""
 
 from __future__ import annotations
 

@@ -51,9 +51,8 @@ def call_dynamic_filter(path: str, args, samples) -> DynamicFilterOutput:
 
 
 def group_filter(args) -> Callable[[list, Any], str | None] | None:
-    """`--dynamic-sampling-filter-path` as the step's filter: (a finished group, the step's record) -> the reason it is
-    dropped, or None. A rejected group that asked to be kept when the step runs short (`keep_when_insufficient`) is
-    kept while the step's candidates (accepted, failed, in play) are no more than its target."""
+    """`--dynamic-sampling-filter-path` as the step's filter: (group, record) -> why it is dropped, or None; a
+    `keep_when_insufficient` rejection is kept while the step is short of candidates."""
     path = args.dynamic_sampling_filter_path
     if not path:
         return None

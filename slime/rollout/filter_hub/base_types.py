@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class DynamicFilterOutput:
-    """`keep`: whether the finished group goes to training; `reason`: why not (logged and counted);
-    `keep_when_insufficient` (upstream's): keep a rejected group after all when dropping it would leave the step
-    fewer candidate groups than it needs, instead of sampling more."""
+    """`keep`, `reason` (why not), and upstream's `keep_when_insufficient` (kept when the step runs short)."""
 
     keep: bool
     reason: str | None = None

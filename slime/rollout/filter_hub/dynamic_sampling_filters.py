@@ -19,11 +19,8 @@ def _scalar_reward(sample: Sample, args) -> float:
 
 
 def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
-    """Keep a group only if its rewards are not all equal (DAPO's dynamic sampling).
-
-    Failed samples (status FAILED or reward None) are left out of the check; a group in which every sample failed is
-    rejected ("all samples failed"). A group with a single usable reward has zero spread and is rejected too.
-    """
+    """Keep a group only if its usable rewards are not all equal (DAPO's dynamic sampling); failed samples are
+    left out, and a group with fewer than two usable rewards is rejected."""
     rewards = [
         _scalar_reward(s, args) for s in samples if s.reward is not None and s.status != Status.FAILED
     ]

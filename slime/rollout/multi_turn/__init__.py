@@ -1,9 +1,7 @@
 """Multi-turn tool-use rollouts that survive abort and resume (APRIL for agents; docs/multi-turn.md).
 
-`generate` is the built-in `--custom-generate-function-path` (upstream's signature). It runs the sample's
-trajectory with the `ToolAgent` the rollout provides through `agent_scope(...)`; the agent lives across steps,
-so a tool call left pending by an abort is picked up, not re-run. Modules: trajectory.py (the record on the
-Sample), agent.py (the turn loop), model_turn.py (one request per turn), metrics.py."""
+`generate` is the built-in `--custom-generate-function-path`; it runs the sample with the rollout's `ToolAgent`,
+which lives across steps, so a tool call left pending by an abort is picked up, not re-run."""
 
 from __future__ import annotations
 

@@ -7,9 +7,7 @@
             ends with a call   -> send it to the tool runner (pending), then its observation (loss mask 0)
             ends otherwise     -> the answer: COMPLETED (or TRUNCATED at a length limit)
 
-Budgets and what a failing tool does: docs/multi-turn.md. Everything a resumed trajectory needs is on the sample
-(its tokens and trajectory.py's record); a call lost with a killed run is run again only when its ToolSpec says
-`safe_to_rerun`, otherwise the sample fails."""
+A call lost with a killed run is run again only when its ToolSpec says `safe_to_rerun`, else the sample fails."""
 
 from __future__ import annotations
 

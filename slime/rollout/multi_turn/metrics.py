@@ -1,12 +1,5 @@
-"""Per-turn metrics of multi-turn samples (their records, slime/rollout/multi_turn/trajectory.py).
-
-`tool_metrics(samples, prefix)` -> `{prefix}tool/...`: turns per trajectory (mean, max), tool calls per trajectory,
-the tool-call rate (`call_rate`: model turns that ended with a call), the share of trajectories with a call, tool
-time (total and per call), tool failures (by tool), bad calls (written badly by the model), calls re-run after a
-lost result, cut outputs, calls pending (parked with an unfinished call), model tokens per turn and observation
-tokens per trajectory, and the off-policy share of model tokens only (observation tokens carry their calling turn's
-version but were never sampled). Samples without a record (single-turn) are left out.
-"""
+"""Per-turn metrics of multi-turn samples (`{prefix}tool/...`: turns, calls, tool time and failures, bad calls,
+and the off-policy share of model tokens only). Samples without a record (single-turn) are left out."""
 
 from __future__ import annotations
 

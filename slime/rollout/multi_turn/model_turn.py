@@ -1,9 +1,6 @@
-"""One model turn: what the agent asks of the rollout's engines, and what comes back.
+"""One model turn: one `POST /generate` from the sample's token ids, through the rollout's own request path.
 
-A `ModelTurn` is `async (sample, sampling_params) -> Segment`: one `POST /generate` from the sample's token ids
-so far, through the rollout's own request path (`SampleRequester.turn`, or the version gate's). It appends
-nothing (the agent does). An engine's 4xx raises `TurnRefused` (the agent fails the sample); a turn the rollout
-stopped before sending comes back as an empty `abort` segment (the agent parks the sample as it is)."""
+It appends nothing (the agent does). A 4xx raises `TurnRefused`; a turn stopped before sending is an empty abort."""
 
 from __future__ import annotations
 

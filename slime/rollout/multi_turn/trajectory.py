@@ -6,10 +6,7 @@
      "calls": [{"id": "9f..", "name": "calculator", "arguments": "37-5", "state": "done",
                 "seconds": 0.004, "error": None, "truncated": False, "reran": False}]}
 
-`turns` cover the response tokens in order: model turns (loss mask 1) and tool turns (observations, loss mask
-0); a model turn without `end_reason` is still open. A call is `pending` (sent, no observation yet: picked up
-again after an abort, never sent twice), `done`, `bad_call` or `failed`. The record travels with the sample
-(buffer, checkpoints), so a resumed sample knows where it stopped."""
+A call is `pending` (sent, no observation yet), `done`, `bad_call` or `failed`; the record travels with the sample."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ class Trajectory:
 
     @classmethod
     def of(cls, sample: Sample) -> "Trajectory":
-        """The sample's record, created empty for a fresh sample and reset with a reset response (staleness
-        restart); an inconsistent record raises TrajectoryError naming the sample."""
+        """The sample's record (created or reset to match its response); inconsistent: TrajectoryError."""
         rec = sample.metadata.get(KEY)
         if rec is None or sample.response_length == 0:
             sample.metadata[KEY] = {"turns": [], "calls": []}
@@ -66,14 +62,6 @@ class Trajectory:
 
     def model_turns(self) -> int:
         return sum(1 for t in self.turns if t["kind"] == "model")
-
-    def model_token_mask(self) -> list[int]:
-        """1 for each response token the model sampled, 0 for observation tokens."""
-        mask = [0] * self.sample.response_length
-        for t in self.turns:
-            if t["kind"] == "model":
-                mask[t["start"]:t["end"]] = [1] * (t["end"] - t["start"])
-        return mask
 
     # ---- growing (the caller appends the tokens to the sample first) ------------------
     def model_tokens_added(self, n: int) -> None:

@@ -1,11 +1,6 @@
-"""Rewards: `async_rm` (one sample), `batched_async_rm` (a group), `reward_group` (never raises).
-
-Dispatch (slime semantics): `--custom-rm-path` wins; otherwise the sample's `metadata["rm_type"]`, else
-`--rm-type`: deepscaler (boxed answer after `</think>`, 1/0), dapo (`Answer:` line, +1/-1), math (math-verify,
-1/0), remote_rm (POST to `--rm-url`), subtract_chain (the embedded task), boxed_<type> (the last `\\boxed{...}`
-scored by <type>). Every reward is bounded by `--reward-timeout`; a custom plugin runs off the rollout's event
-loop (in a daemon thread), so one that blocks cannot freeze generation. A reward may be a number, or with
-`--reward-key K` a dict whose field K is the number."""
+"""Rewards: `async_rm`, `batched_async_rm` and `reward_group` (never raises). Dispatch as slime's:
+`--custom-rm-path`, else the sample's `metadata["rm_type"]`, else `--rm-type`; every reward bounded by
+`--reward-timeout`."""
 
 from __future__ import annotations
 
@@ -150,10 +145,7 @@ async def async_rm(args, sample: Sample) -> float | dict:
 
 
 async def batched_async_rm(args, samples: list[Sample]) -> list[float]:
-    """Rewards of a group: one `--custom-rm-path` call with `--group-rm`, else `async_rm` per sample concurrently.
-
-    Raises on the first error (use `reward_group` for per-sample failure handling).
-    """
+    """Rewards of a group (one call with `--group-rm`, else per sample); raises on the first error."""
     custom = args.custom_rm_path
     if custom and args.group_rm:
         return await _group_call(args, samples, custom)
@@ -181,13 +173,8 @@ def _mark_failed(sample: Sample, error: BaseException) -> None:
 
 
 async def reward_group(args, samples: list[Sample]) -> None:
-    """Set `reward` on every sample of a group; never raises for a reward error.
-
-    A sample whose reward raises or times out gets `status = FAILED`, `reward = None` and `metadata["failure"] =
-    "reward: <type>: <message>"`; the others keep their rewards (with `--group-rm`, one failed call fails the whole
-    group). Samples already FAILED (e.g. by generation) are skipped, and so (as upstream) are samples whose custom
-    generate set their reward already (checked like any reward), except with `--group-rm`.
-    """
+    """Set `reward` on every sample of a group, never raising: a reward error fails its sample. FAILED samples are
+    skipped, and (as upstream) so are rewarded ones, unless --group-rm."""
     todo = [s for s in samples if s.status != Status.FAILED]
     custom = args.custom_rm_path
     if not args.group_rm:

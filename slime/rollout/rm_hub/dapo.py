@@ -1,10 +1,7 @@
 """DAPO's math reward (as in DAPO / verl `math_dapo`): +1 for a right `Answer:` line, -1 otherwise.
 
-As DAPO: only the last 300 characters are read; the prediction is the text after the last `Answer:` up to the end of
-its line; both sides go through Minerva-style `normalize_final_answer` and must be equal strings. Unlike upstream's
-`math_dapo_utils`, all on unambiguous decorations: an integer-valued number is its integer on both sides (`42.0` =
-`42`); commas are dropped only as thousands separators or after a number (upstream reads `34, 35` as 3435); markdown
-bold, a trailing period, braces around a number, `\\%`, thin spaces and a few more LaTeX wrappers are dropped."""
+As DAPO: the last 300 characters, the text after the last `Answer:`, Minerva-style normalisation, equal strings.
+Unlike upstream, unambiguous decorations are dropped too (`42.0` = `42`; commas only as thousands separators)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after the reasoning, 1 if right else 0.
-
-The format is part of the reward, as in DeepScaleR: a response without a finished reasoning block (`</think>`, or
-the `###Response` marker) or without a boxed answer after it scores 0. Right means `math_grader.answers_match`
-against any gold answer (a label may be a list of answers, or boxed). Every answer upstream's grader accepts is
-accepted (tests/test_upstream_plugin_api.py) except by accident of its normalisation; the differences all accept
-more: we split at the FIRST `</think>` (upstream: the last), read `\\boxed 42` and `\\fbox{42}`, and score equal
-values however they are written (`math_grader`'s docstring lists them)."""
+"""DeepScaleR-style rule reward (`--rm-type deepscaler`): the last boxed answer after a finished reasoning block,
+1 if it matches a gold answer (`math_grader`) else 0; it accepts all upstream's grader does, and more."""
 
 from __future__ import annotations
 
@@ -38,9 +32,7 @@ def grade_answer(pred: str, label) -> bool:
 
 
 def grade_answer_verl(solution_str: str, ground_truth) -> bool:
-    """Upstream slime's (`from slime.rollout.rm_hub import grade_answer_verl`): is the last boxed answer of
-    `solution_str` right for `ground_truth` (boxed or not), as `grade_answer` judges? An empty ground truth is
-    never matched."""
+    """Upstream's: is the last boxed answer of `solution_str` right? An empty truth never matches."""
     if ground_truth is None or str(ground_truth) == "":
         return False
     given = extract_answer(solution_str)

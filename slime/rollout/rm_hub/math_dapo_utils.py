@@ -1,10 +1,5 @@
-"""Upstream slime's DAPO reward module (`from slime.rollout.rm_hub.math_dapo_utils import compute_score`), for
-plugins: `compute_score(solution_str, ground_truth, strict_box_verify=False, pause_tokens_index=None)` returns
-`{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}`. The `Answer:` line is read as `--rm-type dapo` reads
-it (slime/rollout/rm_hub/dapo.py, with its documented differences from upstream); `strict_box_verify` compares
-the last `\\boxed{}` of the last 100 characters (or of those from 100 before the last pause token) with the
-ground truth as strings, as upstream does.
-"""
+"""Upstream slime's DAPO reward module (`compute_score(solution_str, ground_truth, strict_box_verify=False,
+pause_tokens_index=None)`), for plugins; the `Answer:` line is read as `--rm-type dapo` reads it."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Read a final answer (LaTeX or plain: `3\\sqrt{3}`, `\\frac{x^2-1}{x-1}`, `2pi`, `7\\frac{3}{4}`) into a small
-expression tree (`read`); `math_value` evaluates and compares trees.
-
-This is the slow half of the rule rewards' equivalence check (the cheap half is the normalised-string match in
-`math_grader`); it runs only after the strings differ. Upstream slime hands this step to `sympy.simplify`; we
-evaluate instead (`math_value`), which is faster and bounded by construction. Reading is linear in the answer: an
-answer longer than `MAX_CHARS` or nested deeper than `MAX_DEPTH` is not read (undecided). Anything outside the
-grammar (sets, inequalities, words, unknown commands) is not read either; the caller then keeps the string verdict.
-
-Grammar: numbers, letters (variables; `a_1`, `x_{n}`, Greek commands), `\\pi`, `+ - * / ^`, `\\cdot`,
-`\\times`, `\\div`, juxtaposition (`2x`, `3\\sqrt{3}`, `x(x+1)`), `( ) [ ] { }`, `|x|`, `!`, `\\frac`,
-`\\sqrt[n]{}`, `\\binom`, `\\lfloor \\rfloor`, `\\lceil \\rceil`, trig / log / exp functions (`\\sin^2 x`,
-`\\log_2 8`), and the plain words `pi`, `sqrt`, `sin`... (`2pi`, `sqrt(2)`).
-"""
+"""Read a final answer (LaTeX or plain) into a small expression tree: the slow half of the rule rewards'
+equivalence check (upstream: `sympy.simplify`). Too long, too deep or outside the grammar: not read (undecided)."""
 
 from __future__ import annotations
 
@@ -50,8 +38,7 @@ class Expression:
     tree: tuple
     variables: frozenset
     has_decimal: bool  # a literal such as 0.33 or 6.28 (not 2.0): the writer approximated
-    # only numbers, letters other than e and i, pi, + - * / ^ and roots, written unambiguously: every reader
-    # (sympy, math-verify) gives it the value we do, so a different value is a wrong answer for them too
+    # unambiguous plain arithmetic: every reader (sympy, math-verify) gives it the value we do
     plain: bool = False
 
 

@@ -1,20 +1,6 @@
-"""Is a final answer right? Normalise both answers to a canonical string (cheap), compare; only when the
-strings differ, split tuples / intervals / sets and compare values (`math_expr` reads them, `math_value`
-compares them; slower, bounded).
-
-Used by `deepscaler`, the `boxed_*` rewards and the fast path of `math`. What normalisation accepts
-(each also in upstream slime's DeepScaleR grader unless marked "ours"):
-- wrappers and decorations: `$...$`, `{42}`, `+42`, `\\left( \\right)`, `\\displaystyle`, `\\dfrac`/`\\tfrac`,
-  spacing macros (thin space `1\\,234`: ours), `1{,}234` and `1,234` thousands separators, `\\$25`, `50\\%`,
-  `90^\\circ`, a short left-hand side (`x = 5`, `f(x) = x+1`), a trailing sentence period (ours);
-- units: a trailing `\\text{...}` / `\\mbox{...}` after a value (`25 \\text{ cm}`), a trailing unit word
-  (`45 degrees`, `12 square units`), `5 million`;
-- `\\text{...}`, `\\textbf{...}`, `\\mathrm{...}` unwrapped; a choice letter `(B)` / `\\text{(B)}` is `B`;
-  one-word text answers compare case-insensitively;
-- mixed numbers `7\\frac{3}{4}` and `7 3/4` are 31/4 (also when negative: `-2\\frac12` is -5/2, ours);
-- `0.5`, `1/2`, `\\frac12`, `\\frac{2}{4}` are the same number (ours: DeepScaleR rejects unreduced
-  fractions and unsimplified forms of an integer label; we score the value).
-"""
+"""Is a final answer right? Normalise both to a canonical string and compare; only when the strings differ,
+compare structure and values (`math_expr`, `math_value`: bounded). Normalisation drops what upstream's DeepScaleR
+grader drops (wrappers, units, `\\text{}`, choice letters, mixed numbers) and a few more decorations."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Answer extraction shared by the rule-based rewards: the last boxed answer, EOS texts, labels.
-
-Pure string functions, linear in the length of the text. Normalising and comparing answers lives in `math_grader`.
-"""
+"""Answer extraction shared by the rule-based rewards: the last boxed answer, EOS texts, labels (linear time)."""
 
 from __future__ import annotations
 
@@ -73,8 +70,7 @@ def extract_boxed_answer(text: str) -> str | None:
 
 
 def final_answer_statement(text: str) -> str | None:
-    """The answer stated on the last `Answer: ...` / `the answer is ...` line of `text` (math delimiters and a
-    trailing period dropped), or None."""
+    """The answer on the last `Answer: ...` / `the answer is ...` line of `text` (cleaned), or None."""
     matches = _ANSWER_STATEMENT.findall(text)
     if not matches:
         return None

@@ -1,10 +1,7 @@
 """Values of answers read by `math_expr`, and the equivalence verdict the rule rewards use (`same_value`).
 
-Values are exact `Fraction`s while the arithmetic stays rational, otherwise `complex` floats (principal
-branches); an answer with letters is evaluated at `N_POINTS` fixed rational points. Bounded by construction
-(`MAX_EXACT_BITS`, `MAX_FACTORIAL`, `MAX_MAGNITUDE`): anything larger is undecided, never computed. Exact
-values must be equal; an exact side written with a decimal never equals an inexact one (`6.283185307` is not
-`2\\pi`); otherwise values agree within `REL_TOL`."""
+Exact `Fraction`s while rational, else complex floats; letters are evaluated at fixed points. Anything over the
+bounds is undecided, never computed. An exact side with a decimal never equals an inexact one (`6.28` != `2\\pi`)."""
 
 from __future__ import annotations
 

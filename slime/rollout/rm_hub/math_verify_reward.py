@@ -1,12 +1,6 @@
-"""`--rm-type math`: 1.0 if the response's final answer equals a gold answer, else 0.0.
-
-The final answer is in the text after the first `</think>` (the whole response without one): the last boxed
-answer, else the last explicit statement (`Answer: ...`, `the answer is ...`), else what HF math-verify extracts.
-`math_grader` decides first, cheaply: right when the answers match, wrong when both are plain arithmetic with
-different values. Only undecided answers go to math-verify, in a daemon thread under `--reward-timeout` (its own
-timeouts use `signal.alarm`, main-thread only, so they are off). A decimal approximation is right only when the
-label itself is written with a decimal (math-verify accepts `6.283185307` for `2\\pi`; we do not); a label
-math-verify cannot parse is scored by the normalised-string match; an empty label raises."""
+"""`--rm-type math`: 1.0 if the final answer (after `</think>`: boxed, stated, or math-verify's) equals a gold
+answer. `math_grader` decides first; undecided answers go to math-verify in a daemon thread under
+`--reward-timeout`. A decimal approximation is right only when the label has a decimal."""
 
 from __future__ import annotations
 
@@ -30,9 +24,7 @@ _BOUNDED_THREAD = "rm-check-math-verify-bounded"  # the thread of a check under 
 
 
 class _BoundedHere(logging.Filter):
-    """math-verify warns (once a process) that its timeouts are off and the caller must bound it. A check run by
-    `math_verify_reward` is bounded (its daemon thread, under `--reward-timeout`), so there the warning is not true and
-    is dropped; from any other thread (no time limit, or a plugin calling math-verify itself) it stays."""
+    """Drops math-verify's "timeouts are off" warning where it is untrue (our bounded threads)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.threadName != _BOUNDED_THREAD or "Timeout is disabled" not in record.getMessage()

@@ -1,8 +1,5 @@
-"""`--rm-type remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url`, read back a float.
-
-The server may answer a bare JSON number or an object with a numeric
-`"reward"` (or `"score"`) field; anything else is an error naming the URL.
-"""
+"""`--rm-type remote_rm`: POST `{"prompt", "response", "label"}` to `--rm-url`, read back a number (bare, or an
+object's `"reward"` / `"score"`); anything else is an error naming the URL."""
 
 from __future__ import annotations
 
@@ -31,10 +28,7 @@ def _reward_from_json(body, url: str) -> float:
 
 
 async def remote_rm(args, sample, timeout: float | None = None, response: str | None = None) -> float:
-    """POST the sample to `args.rm_url` (total `timeout` seconds) and return its reward.
-
-    `response` replaces `sample.response` in the payload (the `boxed_remote_rm` path sends the boxed answer).
-    """
+    """POST the sample to `args.rm_url`, return its reward (`response`: instead of `sample.response`)."""
     url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url")

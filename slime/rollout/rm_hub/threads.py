@@ -1,10 +1,5 @@
-"""Run a blocking check off the event loop, with a time limit the caller can enforce.
-
-Rule checks (sympy inside math-verify) are CPU-bound and may hang on pathological inputs. They run in a daemon
-thread so the rollout's event loop keeps serving HTTP, and so an abandoned (timed-out) check never blocks
-interpreter exit. A thread cannot be killed: a check that hangs forever keeps its thread, but the caller is released
-at the deadline.
-"""
+"""Run a blocking check off the event loop in a daemon thread, under a deadline: the loop keeps serving, and a
+check that hangs (it cannot be killed) never blocks the caller past the deadline nor interpreter exit."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ from typing import Any, Callable
 
 async def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, timeout: float | None = None,
                                name: str | None = None) -> Any:
-    """`fn(*args)` in a fresh daemon thread (`name`, default `rm-check-<fn>`); raises TimeoutError after `timeout`
-    seconds (None: no limit)."""
+    """`fn(*args)` in a fresh daemon thread; TimeoutError after `timeout` seconds (None: no limit)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 

@@ -1,13 +1,6 @@
-"""A discrete-event simulator of rollouts: engines (a cost model) x rollout modes x response lengths.
-
-    from slime.rollout.simulator import EngineCostModel, SimConfig, LogNormalLengths, simulate
-    res = simulate(SimConfig(rollout_batch_size=32, n_samples_per_prompt=8, over_sampling_batch_size=64,
-                             partial_rollout=True, num_engines=4), cost, LogNormalLengths(4096, 0.8, 16384))
-    res.summary()  # tokens/s, engine idle fraction, off-policy token ratio, staleness histogram, ...
-
-`tools/simulate_rollout.py` is the command line over it; `planner.py` uses it
-to size `--over-sampling-batch-size auto`.
-"""
+"""A discrete-event simulator of rollouts: engines (a cost model) x rollout modes x response lengths, e.g.
+`simulate(SimConfig(...), cost, LogNormalLengths(4096, 0.8, 16384))`. `tools/simulate_rollout.py` is its command
+line; `planner.py` uses it for `--over-sampling-batch-size auto`."""
 
 from slime.rollout.simulator.cost_model import EngineCostModel
 from slime.rollout.simulator.lengths import (EmpiricalLengths, LogNormalLengths, ParetoLengths, ReplayLengths,

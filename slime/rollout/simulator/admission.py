@@ -30,8 +30,8 @@ class Admission:
     """SimEngine's admission (its state: `running`, `waiting`, `prefilling`, the heaps, `cache`, `stats`)."""
 
     def _retract_if_full(self, t: float) -> float:
-        """SGLang-style: when the cache overflows, the newest sequences go back to the queue (their
-        tokens kept, their KV dropped: they are prefilled again when readmitted)."""
+        """SGLang-style: when the cache overflows, the newest rows requeue with their KV dropped (prefilled
+        again)."""
         cap = self.cost.kv_capacity_tokens
         if self.cost.kv_admission != "optimistic":
             return t

@@ -1,40 +1,10 @@
 """Calibrate an `EngineCostModel` on a live engine (any server speaking SGLang's /generate).
 
-Probes are synchronised batches: R requests sent together (`ignore_eos`, N new tokens each), so
-they share a prefill and decode in lockstep with known contexts. From the engine's own
-scheduler counters (`/get_server_info` -> `internal_states[0].scheduler_stats`, which the embedded
-engine reports: decode seconds / steps / rows, prefill seconds / forwards / positions) each probe
-gives the mean decode-step time at a known batch, total context and longest context, and the
-prefill time at known rows x lengths. Engines without those counters (SGLang) are timed from the
-outside: the same batch with two lengths N1 < N2, the difference being (N2 - N1) decode steps.
-The decode and prefill terms are least-squares fits with non-negative coefficients; a request's
-HTTP round trip and abort-to-idle are timed directly.
-
-The host's part of a step (the embedded engine counts the time until a step's work is issued and the time after
-its tokens are back): `host_fit.py`; the step terms are then fitted on the step time less that tail.
-
-An engine that packs prompt chunks into its decode steps (the embedded engine's paged cache: its
-counters include `prefill_key_pairs`) is fitted as one step cost over every step it ran: decode-only
-steps [steps, rows, keys read, key positions gathered] and steps with prefill tokens [steps, decoded
-rows, their keys, their gathered positions, prefill tokens, prefill (query, key) pairs], so the fit
-gives a step's base, a decoded row, a key read, a prefilled token and a prefill step's extra base
-(`prefill_mode` "mixed"); a staggered probe (prompts arriving while rows decode) adds mixed steps.
-
-The engine's own HTTP side (its process's CPU beyond the scheduler thread's, which on one CPU stalls the
-scheduler) is fitted per request, input and output token on bursts, plus what a request costs beyond a
-burst's share when requests trickle in one by one while rows decode, as a rollout's do (`_trickle`: each
-wakes the HTTP side and takes the GIL from a running step; ~0.1-0.3 ms more per request here).
-
-The client's own cost (`client_per_*`) is measured where the rollout spends it: with `args`, a pass
-sends bursts through the rollout's own request path (`SampleRequester`: payload, aiohttp, JSON with
-per-token log-probs, `Sample.append_response`) and reads this process's CPU time, plus that of
-`client_pids` (the router, which shares the driver's CPU in the benchmark), divided by the share
-of a CPU this process gets (a short busy loop): CPU seconds per request, per input and per output
-token of the one serial resource the simulator's client is.
-
-`closed_loop_tps` (C requests always in flight) is `benchmarks/engine_throughput.py`'s curve;
-`abort_to_idle_s` its abort measurement.
-"""
+Probes are synchronised batches (R requests of N new tokens, `ignore_eos`). Engines that report scheduler
+counters (the embedded engine) are fitted on them, non-negative least squares: decode and prefill terms, or one
+packed step cost for a paged "mixed" engine, and the host terms (`host_fit.py`); others (SGLang) are timed from
+outside with two lengths. The HTTP round trip, abort-to-idle, the engine's HTTP side and, with `args`, the
+client's own CPU cost on the rollout's real request path are measured directly."""
 
 from __future__ import annotations
 
@@ -63,10 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class Calibrator:
-    """Probes one engine (`url`); `measure()` adds a pass over every probe (call it several times,
-    e.g. around a benchmark, so that a busy moment of a shared machine does not decide alone);
-    `fit()` turns the passes into an `EngineCostModel`. `client_url` (e.g. the router in front of
-    the engine) is where a request's round trip is timed."""
+    """Probes one engine: each `measure()` adds a pass over every probe; `fit()` makes the cost model."""
 
     def __init__(self, url: str, vocab: int | Sequence[int], client_url: str | None = None, new_tokens: int = 64,
                  seed: int = 0, name: str | None = None, quick: bool = False, args=None,
@@ -74,8 +41,7 @@ class Calibrator:
         # vocab: the tokenizer's size (random ids in [3, vocab)) or token ids to draw prompts from
         self.url, self.vocab, self.client_url = url, vocab, client_url or url
         self.new_tokens, self.rng, self.name, self.quick = new_tokens, random.Random(seed), name, quick
-        # the longest context the probes use: the engine's own (None), or a workload's (a 16k-context model serving
-        # 400-token samples is fitted where it runs, and its probes do not prefill 8k-token prompts)
+        # the longest context the probes use: the engine's own (None), or the workload's
         self.max_context = max_context
         self.info: dict | None = None
         self.stats_ok = False
@@ -85,8 +51,7 @@ class Calibrator:
         self.trickles: list[dict] = []
         self.abort: list[float] = []
         self.curve: dict[str, float] = {}
-        # the rollout's client: parsed flags (None: time a bare client from the outside) and the processes besides
-        # this one whose CPU is the client's (the router)
+        # the rollout's client: parsed flags (None: a bare client) and the other processes whose CPU is the client's
         self.args, self.client_pids = args, tuple(client_pids)
         self.client_bursts: list[dict] = []
         self.driver_share: list[float] = []
@@ -124,8 +89,7 @@ class Calibrator:
             t0 = time.perf_counter()
             await generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), 1)
             self.latency.append(time.perf_counter() - t0)
-        # bursts of requests sent at once. The engine's HTTP side (its CPU beyond the scheduler thread's) per request,
-        # input token and output token; beyond it, the engine's work and one round trip, the client's serial work.
+        # bursts of requests sent at once: the engine's HTTP side and the client's serial work
         burst = min(32, self.max_running)
         context = self.context
         long_in = max(16, min(1024, context // 2))
@@ -169,10 +133,7 @@ class Calibrator:
 
     async def _trickle(self, session, background: int, new_tokens: int, in_len: int, n: int = 48,
                        concurrency: int = 4) -> dict:
-        """Requests of `in_len` tokens arriving one after another (`concurrency` at a time) while `background` rows
-        decode, as a rollout's (resumed) requests arrive: the engine's HTTP CPU seconds and its scheduler's admin
-        time over the window. A burst's requests share the HTTP side's wake-ups; requests that trickle in each pay
-        their own, and take the GIL from a running step."""
+        """Requests trickling in while `background` rows decode: the engine's HTTP CPU and scheduler admin time."""
         before = await scheduler_stats(session, self.url)
         bg = [asyncio.create_task(generate_one(session, self.client_url, random_ids(self.rng, self.vocab, 8), new_tokens))
               for _ in range(background)]
@@ -193,8 +154,7 @@ class Calibrator:
                 "http_cpu": http, "admin_per_request": admin, "trickled": n}
 
     async def _rollout_burst(self, session, n: int, in_len: int, new_tokens: int) -> dict:
-        """`n` samples generated at once through the rollout's request path: this process's CPU seconds (and the
-        client processes')."""
+        """`n` samples at once through the rollout's request path: the client's CPU seconds."""
         from slime.rollout.sampling_request import SampleRequester, sampling_params_from_args
         from slime.utils.types import Sample
 
@@ -211,8 +171,7 @@ class Calibrator:
         return {"n": n, "in": n * in_len, "out": sum(s.response_length for s in samples), "cpu": cpu}
 
     def _client_and_http(self, latency: float, share: float | None) -> dict:
-        """The engine's HTTP costs (CPU seconds over the scheduler's CPU share: what it stalls the scheduler for)
-        and the client's serial costs, from the bursts."""
+        """The engine's HTTP costs (over its scheduler's CPU share) and the client's serial costs, from bursts."""
         out: dict = {}
         rows = [b for b in self.bursts if b["http_cpu"] is not None]
         http = {"engine_per_request_s": 0.0, "engine_per_input_token_s": 0.0, "engine_per_output_token_s": 0.0}
@@ -226,9 +185,7 @@ class Calibrator:
                                 - http["engine_per_input_token_s"] * t["in"] - http["engine_per_output_token_s"] * t["out"])
                                / t["trickled"] for t in trickles)
                 http["engine_per_request_s"] += max(0.0, extra[(len(extra) - 1) // 2])
-        # the scheduler thread's own work per request outside its steps (taking it from the HTTP side, admitting it,
-        # aborting it): it stalls the steps as the HTTP side does
-        # (measured on requests trickling in, as a rollout's do: each pays a pass of the loop, a burst's share one)
+        # the scheduler thread's own work per request outside its steps (measured on trickling requests)
         admin = sorted(t["admin_per_request"] for t in self.trickles if t["admin_per_request"] is not None)
         if admin:
             http["engine_per_request_s"] += admin[(len(admin) - 1) // 2]
@@ -260,8 +217,7 @@ class Calibrator:
         return int((self.info or {}).get("max_running_requests") or 128)
 
     def fit(self, stat: str = "median", clock: str = "wall") -> EngineCostModel:
-        """`clock` "cpu": the engine thread's CPU seconds instead of wall seconds (what the engine costs on
-        a machine of its own, when it reports them)."""
+        """`clock` "cpu": fit the engine thread's CPU seconds instead of wall seconds."""
         if self.info is None:
             raise RuntimeError("Calibrator.fit: measure() first")
         pts = [(p, p.step(stat, clock)) for p in self.probes if p.step(stat, clock)]
@@ -269,8 +225,7 @@ class Calibrator:
             raise RuntimeError(f"Calibrator.fit: no {clock} measurements (the engine reports no such counters)")
         mixed_rows = [r for p in self.probes for r in (p.mixed if clock == "wall" else p.cpu_mixed)]
         if self.stats_ok and len(mixed_rows) < 3 and sum(1 for p in self.probes if p.prefill) < 3:
-            # an engine that counts its prefill forwards, timed on fewer than three probes (a pass cut short by its
-            # deadline): the model would price prefill as free and lose the engine's step composition
+            # an engine that counts prefill forwards, timed on fewer than three probes: prefill would be priced free
             raise RuntimeError(f"Calibrator.fit: prefill measured on {sum(1 for p in self.probes if p.prefill)} "
                                f"probe(s), the fit needs 3 (was the calibration pass cut short?)")
         mixed = len(mixed_rows) >= 3

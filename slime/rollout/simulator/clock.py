@@ -1,13 +1,7 @@
 """asyncio on a simulated clock: the real rollout step runs on it against the simulated engines.
 
-`VirtualTimeLoop` is asyncio's own selector event loop whose `time()` is simulated: when nothing is ready to
-run, instead of waiting for the next timer it jumps the clock to it. Everything scheduled through the loop
-(`asyncio.sleep`, `wait_for` timeouts, the simulated engines' events) therefore happens in simulated time, in
-time order, and callbacks due at the same time run in the order they were scheduled. A simulation of hours
-of rollout takes as long as its events take to compute.
-
-`run_virtual(coro)` runs a coroutine to completion on a fresh loop (in the calling thread, which may be any).
-"""
+`VirtualTimeLoop` is asyncio's selector loop whose `time()` jumps to the next timer when nothing is ready, so
+everything scheduled through it happens in simulated time, in order. `run_virtual(coro)` runs one on a fresh loop."""
 
 from __future__ import annotations
 
@@ -16,14 +10,12 @@ import concurrent.futures
 import itertools
 import selectors
 
-# how long the loop waits for another thread when nothing at all is scheduled (in the simulation nothing should
-# come from another thread: a wait that long means the simulated rollout deadlocked)
+# how long the loop waits when nothing at all is scheduled: that long means the simulation deadlocked
 STALL_WAIT_S = 60.0
 
 
 class _Tick(float):
-    """A timer's due time that orders equal times by when they were scheduled (asyncio's own timers compare
-    only the time)."""
+    """A timer's due time that orders equal times by when they were scheduled (asyncio's compare the time only)."""
 
     def __new__(cls, when: float, seq: int):
         tick = super().__new__(cls, when)
@@ -44,8 +36,7 @@ class _JumpSelector(selectors.DefaultSelector):
         self.loop: VirtualTimeLoop | None = None
 
     def select(self, timeout=None):
-        # (a call from another thread puts its callback in the ready queue itself; the loop's self-pipe only wakes
-        # a loop that waits, so it is read only when nothing at all is scheduled)
+        # (another thread's call fills the ready queue itself; the self-pipe is read only when nothing is scheduled)
         if timeout == 0:
             return []
         if timeout is None:  # nothing scheduled, nothing ready: only another thread can go on
@@ -77,9 +68,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(coro, start: float = 0.0):
-    """Run `coro` on a fresh `VirtualTimeLoop` and return its result; tasks left over are cancelled. Called from a
-    thread that already runs an event loop (a benchmark's), it runs on a worker thread (and blocks, as any
-    computation does)."""
+    """Run `coro` on a fresh `VirtualTimeLoop` and return its result (on a worker thread if this one runs a loop)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -1,15 +1,6 @@
-"""What the real rollout step talks to in the simulator: the simulated engines behind a router, the client's
-requests to them, and the prompt groups.
-
-- `SimCluster`: the engines (slime/rollout/simulator/engine.py) behind a round-robin router, seen as the step
-  sees an `EngineGroup` (`worker_urls`, `abort_all_until_idle`, `loads`, `pause`, `continue_generation`,
-  `abort_requests`; the trainer's push: `update_weights`, or `set_version` while idle), and the client: one serial resource that
-  sends each request and reads each reply, at the cost model's client costs.
-- `SimRequester`: the step's request loop (slime/rollout/sampling_request.py's `RequestLoop`: budget,
-  statuses, resumes) with requests sent to the simulated engines instead of over HTTP.
-- `SimSample`: one sample, answering what the step reads of a `Sample` from runs of (version, tokens).
-- `SimSource`: fresh prompt groups of `SimSample`s drawn from a length model (the data source).
-"""
+"""What the real rollout step talks to in the simulator: `SimCluster` (the simulated engines behind a round-robin
+router, seen as the step sees an `EngineGroup`, plus the client as one serial resource), `SimRequester` (the step's
+request loop sending to them), `SimSample` and `SimSource` (prompt groups drawn from a length model)."""
 
 from __future__ import annotations
 
@@ -24,10 +15,7 @@ from slime.utils.types import Status
 
 
 class SimSample:
-    """One sample's progress: its final length (known to the simulator, not to the engines), its tokens so
-    far and the policy version of each run of them. It answers what the rollout step, the staleness cap,
-    the buffer and the metrics read of a `Sample` (slime/utils/types.py), from the runs instead of per-token
-    lists: a 16k-token response is a handful of numbers here."""
+    """One sample's progress as runs of (version, tokens), answering what the rollout reads of a `Sample`."""
 
     __slots__ = ("index", "group_index", "prompt_len", "final_len", "budget", "resp_len", "segments", "kv",
                  "status", "metadata", "reward", "masked_below")

@@ -1,54 +1,11 @@
-"""What an engine's work costs, in seconds: the rollout simulator's engine model.
+"""What an engine's work costs, in seconds: the rollout simulator's engine model (one engine = one TP group).
 
-One `EngineCostModel` describes one engine (one tensor-parallel group):
-
-- a decode step over B running sequences costs
-  `decode_base_s + decode_per_seq_s * B + decode_per_token_s * S + decode_per_padded_s * P
-  + decode_per_bucket_s * (K - 1)` of device work, S the cached tokens summed over the running sequences (a paged KV
-  cache reads each once: GPU decode is memory-bound on weights + KV), P the key positions gathered and
-  K the attention buckets: with `paged_block_size` (our embedded engine) the rows are grouped into
-  buckets padded to their longest, in blocks, by the engine's own rule (`hf_engine/buckets.py`), and
-  each bucket beyond the first costs its few small ops; without, one bucket padded to the longest row
-  W (P = B * W); with `graph_max_rows` (the embedded engine's CUDA-graph decode steps) a decode-only step of up
-  to that many rows gathers its padded shape instead, in one bucket;
-- the host's part of a step (`host_fit.py`): issuing it costs `host_step_s + host_per_row_s * R +
-  host_per_bucket_s * (K - 1)` (R rows: decoded rows and prefill chunks), which overlaps the device's work,
-  and once its tokens are back `host_tail_s + host_tail_per_row_s * R` more, which nothing overlaps: a step
-  costs max(issue, device) + tail. On a CPU issuing is computing (the max changes nothing); a GPU step without
-  CUDA graphs is launch-bound (the issue is its floor); with them the device's time is. All zero: the device
-  terms alone (a model from before the host terms, or the GPU presets);
-- prefill, by `prefill_mode`:
-  "mixed" (our embedded engine's paged KV cache, and SGLang with mixed chunked prefill): every step is
-  one packed forward over the decoding rows' last tokens plus up to `max_prefill_tokens` prompt tokens
-  of the rows still being prefilled (at most `chunked_prefill_size` of one row per step, fewest left
-  first); a step with P prefill tokens in C chunks whose chunks attend K (query, key) pairs costs the
-  decode step above plus `prefill_base_s + prefill_per_chunk_s * C + prefill_per_token_s * P
-  + prefill_per_token2_s * K`; with `separate_prefill` (the embedded engine on a GPU, SGLang's default
-  composition) the decode rows and the chunks run as two forwards: a decode step (its CUDA graph's shape) plus
-  a prefill-only step (`decode_base_s` + the prefill terms);
-  "batched" (SGLang's default scheduling): a separate prefill forward over rows of lengths l_i costs
-  `prefill_base_s + prefill_per_token_s * sum(l_i) + prefill_per_token2_s * sum(l_i ** 2)`
-  (linear layers per token, attention per token pair), padded or ragged (`prefill_ragged`), with
-  `admit_wait_s` of admission batching;
-- `finish_s` per sequence leaving the batch, `abort_s` from the rollout's stop to the engines
-  processing the abort, `request_latency_s` for one request's HTTP round trip (client -> router ->
-  engine -> client, outside the engine's own work), `client_per_request_s` + `client_per_input_token_s` x input
-  tokens + `client_per_token_s` x reply tokens the client's own work per request (the driver process
-  and the router when they share a CPU, as in benchmarks/rollout_throughput.py) (one client does one thing at a time: a burst of
-  requests leaves one after another and replies wait to be read), `engine_per_request_s` +
-  `engine_per_input_token_s` / `engine_per_output_token_s` the engine's own HTTP work, during which
-  it does not decode (our embedded engine is one Python process; SGLang's HTTP side is not),
-  `step_overhead_s` per rollout step outside generation (buffer calls, bookkeeping),
-  `weight_update_s` per weight update;
-- admission: at most `max_running` sequences and `kv_capacity_tokens` tokens of KV. `kv_admission`
-  "reserve" admits a request only if prompt + max_new_tokens fit (our embedded engine: nothing is
-  ever evicted); "optimistic" admits on prompt + a fraction of the budget and retracts the newest
-  sequence when the cache overflows (SGLang); `admit_wait_s`: while decoding, a few new arrivals wait
-  this long to be prefilled together (the embedded engine's admission batching; 0 for SGLang).
-
-Numbers come from a calibration of a real engine (`calibrate.py`, written to JSON) or, for GPUs
-where we cannot measure, from `gpu_presets.py` (datasheet numbers, cited there).
-"""
+A decode step over B rows costs base + per-row + per cached token + per gathered key position + per attention
+bucket beyond one; the host's part (`host_fit.py`) makes it max(issue, device) + tail. Prefill is "mixed"
+(chunks packed into the decode steps, or `separate_prefill`) or "batched" (separate forwards, linear + quadratic
+in length). Then per-request client, router and engine HTTP costs, abort, step overhead and weight update costs,
+and admission (`max_running`, `kv_capacity_tokens`, "reserve" or SGLang's "optimistic" with retraction).
+Numbers come from `calibrate.py` or `gpu_presets.py`."""
 
 from __future__ import annotations
 
@@ -93,8 +50,7 @@ class EngineCostModel:
     client_per_request_s: float = 0.0  # the client's own work per request (sending it, reading its reply)
     client_per_input_token_s: float = 0.0  # the client's work per token of a request's input (building, sending it)
     client_per_token_s: float = 0.0  # the client's work per token of a reply (parsing, appending to the sample)
-    # the engine's own HTTP work, which stalls its scheduler (one Python process: the GIL); 0 for SGLang, whose
-    # HTTP server, tokenizer and scheduler are separate processes
+    # the engine's own HTTP work, which stalls its scheduler (one Python process); 0 for SGLang
     engine_per_request_s: float = 0.0
     engine_per_input_token_s: float = 0.0  # parsing a request's input_ids
     engine_per_output_token_s: float = 0.0  # writing a reply's output ids and log-probs
@@ -151,18 +107,15 @@ class EngineCostModel:
         return self.with_host(self.decode_device_s(batch, tokens, padded, extra_buckets), batch, extra_buckets)
 
     def decode_jump(self, batch: int, tokens: float, padded: float, extra_buckets: int = 0) -> tuple[float, float]:
-        """(this decode step's seconds, how much each next one costs more) while the same rows decode, each adding a
-        key per step: the device's part grows by (per token + per padded position) x batch; a step the host bounds
-        does not grow (taken as such until the jump is planned again, at the next row that finishes or joins)."""
+        """(this decode step's seconds, the growth of each next) while the same rows decode."""
         device = self.decode_device_s(batch, tokens, padded, extra_buckets)
         issue = self.host_step_s + self.host_per_row_s * batch + self.host_per_bucket_s * extra_buckets
         growth = 0.0 if issue > device else (self.decode_per_token_s + self.decode_per_padded_s) * batch
         return self.with_host(device, batch, extra_buckets), growth
 
     def decode_read(self, positions: list[int], graph: bool = True) -> tuple[int, int]:
-        """(key positions gathered, buckets beyond the first) of a decode step whose rows feed their next token at
-        `positions`: the paged engine's buckets (a decode-only step, `graph`, within `graph_max_rows`: its CUDA
-        graph's padded shape), or one bucket padded to the longest row."""
+        """(key positions gathered, buckets beyond the first) of a decode step at `positions`: paged buckets (or a
+        CUDA graph's padded shape), else one bucket padded to the longest row."""
         if not positions:
             return 0, 0
         if graph and self.paged_block_size > 0 and len(positions) <= self.graph_max_rows:  # one padded graph bucket
@@ -180,9 +133,7 @@ class EngineCostModel:
 
     def mixed_step_s(self, batch: int, tokens: float, padded: float, extra_buckets: int, prefill_tokens: int,
                      key_pairs: float, chunks: int = 1) -> float:
-        """"mixed": one step decoding `batch` rows and prefilling `prefill_tokens` tokens in `chunks` chunks
-        (`key_pairs` attended); with `separate_prefill`, `padded` / `extra_buckets` are the decode forward's own
-        (its graph's shape: see `decode_read`)."""
+        """"mixed": a step decoding `batch` rows, prefilling `prefill_tokens` in `chunks` (`key_pairs` attended)."""
         if self.separate_prefill and batch and prefill_tokens:
             return (self.decode_step_s(batch, tokens, padded, extra_buckets)
                     + self.mixed_step_s(0, 0, 0, 0, prefill_tokens, key_pairs, chunks))
@@ -307,10 +258,7 @@ def prefill_chunks(lengths: list[int], pad_slack: int) -> list[list[int]]:
 
 def nnls_fit(rows: list[list[float]], targets: list[float], names: tuple[str, ...],
              weights: list[float] | None = None) -> tuple[dict[str, float], float]:
-    """Least squares with every coefficient >= 0 (exhaustive over the active set: few terms).
-
-    Returns (coefficients, relative RMS residual). `weights` scale each row (e.g. 1/target for a
-    relative fit, so fast and slow probes count alike)."""
+    """Non-negative least squares (exhaustive active set): (coefficients, relative RMS residual)."""
     a = np.asarray(rows, dtype=float)
     y = np.asarray(targets, dtype=float)
     w = np.ones_like(y) if weights is None else np.asarray(weights, dtype=float)

@@ -1,22 +1,6 @@
-"""The simulator drives the run's real rollout (slime/rollout/rollout.py's `Rollout`: its step, its admission, its
-pause protocol) against simulated engines on a simulated clock (clock.py), so a change to the rollout is a change
-to the simulation. `SimLink` is what the Rollout talks to here.
-
-- chunked / pool (`drive_steps`): train.py's loop: each step is `rollout.step` against the real partial-rollout
-  buffer (slime/rollout/buffer.py), its accepted groups are trained (marked in the ledger), `train_time_s` passes
-  and the next version is pushed to the idle engines through `rollout.updating_weights` (its flush rule).
-- stream (`drive_stream`): train_async.py's `--rollout-mode stream`: the real `StreamRollout` over the Rollout; a
-  trainer takes each batch, trains for `train_time_s` and pushes the next version while requests run, through
-  the Rollout's pause protocol (`--pause-mode`): abort drains the gate (every request aborted, resumed after the
-  push), retract / in_place hold new requests back while the engines, paused, apply the update with the requests
-  they hold (retracted: prefilled again; in place: on their KV), and requests over the staleness cap are aborted
-  by rid before they continue.
-
-What stays the simulator's own, and why: the engines, the client's and the router's costs (the cost model);
-the reward (none: a simulated sample has no text) and the dynamic filter (a coin with the configured pass
-rate); the step's own bookkeeping outside requests (buffer calls, commit: `step_overhead_s`, half before the
-first request, half after the drain); the trainer (a wait of `train_time_s`, and `weight_update_s` for a push).
-"""
+"""The simulator drives the run's real rollout (its step, admission and pause protocol) on simulated engines and
+clock: `drive_steps` as train.py, `drive_stream` as train_async.py's stream. Its own: engine and client costs, no
+reward, the filter a coin, the trainer a wait."""
 
 from __future__ import annotations
 
@@ -37,8 +21,7 @@ NO_TIMEOUT_S = 1e9  # the simulated step has no wall-clock limits to hit
 
 
 class Judge:
-    """The simulated reward (none) and dynamic filter (keeps a group with probability `pass_rate`); counts the
-    rejected groups and their tokens."""
+    """The simulated reward (none) and filter (keeps a group with probability `pass_rate`), counting rejections."""
 
     def __init__(self, pass_rate: float, seed: int):
         self.pass_rate = pass_rate
@@ -100,9 +83,7 @@ class Recorder:
 
 
 class SimLink:
-    """The simulated engines as the run's Rollout (slime/rollout/rollout.py) sees them: each step's requests go to
-    the cluster through `SimRequester` (and the rollout's gate, if it runs ahead), rewarded and filtered by the
-    `judge`; no metrics (the `Recorder` reads the step's record) and no evaluation."""
+    """The simulated engines as the run's Rollout sees them: requests through `SimRequester`, judged by `judge`."""
 
     backend = None
     session = None

@@ -1,29 +1,10 @@
-"""Discrete-event model of engines serving requests (continuous batching).
+"""Discrete-event model of engines serving requests (continuous batching), on the running (simulated) loop.
 
-`EventLoop` schedules the engines' events (inputs reaching an engine: requests, aborts, weight
-updates; engines reaching a step boundary; replies reaching the client) on the running asyncio loop,
-which in the simulator runs a simulated clock (clock.py), so the real rollout step waits on them
-as it waits on real engines. `SimEngine` behaves as our
-scheduler (and SGLang's) does, at step boundaries only: take commands, admit waiting requests (what joins
-the batch: admission.py), then run a step. With the cost model's `prefill_mode` "batched" admitted requests are prefilled by
-separate forwards and every running sequence then decodes one token per step; with "mixed" (our
-embedded engine's paged cache) an admitted request becomes a row at once and its prompt is prefilled
-in chunks packed into the decode steps (`max_prefill_tokens` per step, `chunked_prefill_size` per
-row, fewest tokens left first): while any row prefills, the engine goes one step at a time. Between two things that can
-change the batch (a sequence finishing, an input arriving, the KV cache filling up) the batch is
-fixed, so the engine jumps over many decode steps at once: the step cost is linear in the step
-index there (contexts grow by one token per step), so the time of m steps has a closed form and a
-step boundary after any time can be solved for. A rollout of millions of tokens costs thousands
-of events, not millions.
-
-Tokens carry the engine's weight version when they are generated; a weight update applied while
-a request runs splits its tokens between the two versions. An update comes with the pause mode the
-engines were paused in (`--pause-mode`, SGLang's): `in_place` keeps the running rows and their KV,
-`retract` sends them back to the queue with their KV dropped (prefilled again); under `abort` the
-driver has aborted everything first. With `version_keyed` (our client's `extra_key`, unless
-`--reuse-stale-kv`) a cached aborted request's KV is reused only by a request taken at the version
-it was taken at, as the real engines' namespaced caches do.
-"""
+`SimEngine` acts at step boundaries only, as SGLang's scheduler does: take commands, admit (admission.py), step.
+Between changes to the batch its step cost is linear in the step index, so many decode steps are jumped in closed
+form: millions of tokens cost thousands of events. Tokens carry the engine's weight version; an update follows
+its `--pause-mode` (in_place keeps rows and KV, retract re-queues them), and with `version_keyed` an aborted
+request's cached KV is reused only at the version it was computed at."""
 
 from __future__ import annotations
 
@@ -189,8 +170,7 @@ class SimEngine(Admission):
         self._start_jump(t)
 
     def _prefilled(self, t: float) -> None:
-        """ "mixed": the step's prompt chunks are in the KV cache; a row whose input is complete sampled its
-        first token in that step and decodes from the next one."""
+        """"mixed": the step's prompt chunks are cached; a completed input's row decodes from the next step."""
         chunks, self._chunks = self._chunks, None
         for req, take in chunks:
             req.cached += take
@@ -232,8 +212,7 @@ class SimEngine(Admission):
         return req.produced + req.gen0 + (self.k - req.k_join)
 
     def _abort_all(self, t: float) -> float:
-        """Every request ends (its reply says what it produced); taking the running rows out costs `finish_s`
-        each, as a finished row's does. Returns the time after that."""
+        """Every request ends; taking running rows out costs `finish_s` each. Returns the time after that."""
         ev = self.cost.finish_s * len(self.running)
         self.stats["evict_s"] += ev
         t += ev

@@ -33,8 +33,7 @@ def run_config(records: list[dict], warmup_steps: int = 2) -> SimConfig:
 
 
 def bookkeeping_s(records: list[dict]) -> float | None:
-    """The median time a step of the run spent outside generation (before its first request and after
-    its drain: buffer and data-source calls, rewards, the commit), from its trace."""
+    """The median time a run's step spent outside generation (before its first request, after its drain)."""
     xs = sorted(r["first_request_t"] + r["step_time_s"] - r["drained_t"] for r in records
                 if r.get("first_request_t") is not None and r.get("drained_t"))
     return xs[len(xs) // 2] if xs else None

@@ -1,27 +1,9 @@
 """Engine cost models for GPUs we cannot measure here, from datasheet numbers and a model's shape.
 
-Decode on a GPU is memory-bound: every step reads the weights once and every running sequence's
-KV cache, so a step costs `weights / (TP x bandwidth)` plus `KV bytes per token x tokens in the
-batch / (TP x bandwidth)` at an achieved share of the peak bandwidth, plus a fixed per-step cost
-(kernel launches under CUDA graphs, sampling, the scheduler) and, with TP > 1, two all-reduces per
-layer; compute per sequence (2 x params FLOPs) is small next to it below a few hundred sequences,
-which is why a decode step costs about the same for 1 or 128 short sequences. Prefill is
-compute-bound: 2 x params FLOPs per token plus attention's 2 x layers x query width x L^2 per
-sequence, at an achieved share of the peak. KV capacity is what `--mem-fraction-static` leaves
-after the weights.
-
-Sources (numbers, not code):
-- NVIDIA H100 Tensor Core GPU datasheet (H100 SXM5): 80 GB HBM3, 3.35 TB/s, 989 TFLOPS dense
-  BF16 (1,979 with sparsity).
-- NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, same tensor cores as H100 SXM (989 TFLOPS dense BF16).
-- AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1,307 TFLOPS dense BF16.
-- Qwen/Qwen3-4B `config.json` on Hugging Face: hidden 2560, 36 layers, 32 query and 8 KV heads of
-  dim 128, intermediate 9728, vocab 151936, tied embeddings (4.02 B parameters).
-Assumed (not from a datasheet; change them with the keyword arguments): 70% of peak bandwidth in
-decode, 45% of peak FLOPs in prefill, 2.5 ms fixed per decode step, 10 us per all-reduce, SGLang's
-admission reserving 30% of a request's remaining budget (its new-token ratio decays towards 0.1
-from 0.7) and retracting when the cache overflows.
-"""
+Decode is memory-bound (weights and KV read per step at an achieved share of bandwidth, plus a fixed per-step cost
+and TP all-reduces); prefill compute-bound. Sources: NVIDIA H100 SXM5 (3.35 TB/s, 989 TFLOPS dense BF16) and H200
+(4.8 TB/s) datasheets, AMD MI300X (5.3 TB/s, 1,307 TFLOPS), Qwen3-4B's `config.json`. Assumed (keyword
+arguments): 70% of bandwidth, 45% of FLOPs, 2.5 ms per step, 10 us per all-reduce, SGLang's optimistic admission."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""The cost model's host terms, fitted from the embedded engine's own counters.
-
-A step on the embedded engine: the scheduler thread plans it and issues its work (`decode_launch_s`: on a GPU the
-kernels are queued, on a CPU they run as they are issued), waits until its tokens are back on the host, then
-appends them, checks stop conditions and finishes rows (`decode_tail_s`). So a step costs
-
-    max(issue, device) + tail
-
-where the device's part is the cost model's linear decode (and prefill) terms. The calibration fits, over every
-decode-only probe run (sums over its steps):
-
-- the tail on [steps, rows] from `decode_tail_s`: `host_tail_s`, `host_tail_per_row_s`;
-- the issue on [steps, rows, buckets beyond one] from `decode_launch_s`: `host_step_s`, `host_per_row_s`,
-  `host_per_bucket_s`;
-- the device terms on what is left: the step time less its tail (`device_targets`).
-
-On a CPU issuing is computing, so issue ~ device and the max changes nothing (the tail still leaves the device
-terms). On a GPU a step without CUDA graphs is launch-bound at small batches (the issue is the floor that a
-linear device fit dips under: a step at 1 row can take longer than at 64); with them the device's time is. An engine that does not count these (SGLang) gets no host terms.
-"""
+"""The cost model's host terms, fitted from the embedded engine's counters: a step costs max(issue, device) + tail
+(`decode_launch_s`, the linear device terms, `decode_tail_s`). Engines that do not count these get none."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Response lengths for the rollout simulator: parametric, empirical (from a run), or replayed.
-
-A length model draws one prompt group at a time: `sample_group(rng, n) -> (prompt_len, [final
-response length of each of the n samples])`, every length in [1, cap] (a sample reaching the cap
-is truncated there, as `--rollout-max-response-len` does).
-
-- `LogNormalLengths(median, sigma, cap, group_corr)`: reasoning-style lengths; `group_corr` is the
-  share of the log-length variance common to a prompt's samples (hard prompts are long for all).
-- `ParetoLengths(alpha, scale, cap_steps)`: the subtract_chain task's truncated Pareto (times `scale`).
-- `EmpiricalLengths(groups, cap)`: whole groups (or single samples) drawn from observations.
-- `ReplayLengths(groups)`: a fixed sequence of groups, in order (to simulate exactly the workload a
-  benchmark generated).
-- `kaplan_meier(finished, unfinished, cap)`: the length distribution from a rollout's observations,
-  where unfinished (parked) samples are right-censored at their current length: in APRIL the
-  samples still running when a step stops are exactly the long ones, so dropping them would bias
-  the estimate short.
-- `lengths_from_run(run_dir)`: an `EmpiricalLengths` from a run's `rollout_trace.jsonl`.
-"""
+"""Response lengths for the rollout simulator: parametric (`LogNormalLengths`, `ParetoLengths`), empirical
+(`EmpiricalLengths`, `lengths_from_run`), or replayed (`ReplayLengths`). `sample_group(rng, n)` draws one prompt
+group, every length in [1, cap]. `kaplan_meier` keeps parked samples as right-censored (they are the long ones)."""
 
 from __future__ import annotations
 
@@ -23,17 +8,9 @@ import json
 import math
 import os
 import random
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from slime.rollout import length_bias
-
-
-class LengthModel(Protocol):
-    cap: int
-
-    def sample_group(self, rng: random.Random, n: int) -> tuple[int, list[int]]: ...
-
-    def describe(self) -> str: ...
 
 
 def _clip(x: float, cap: int) -> int:
@@ -64,9 +41,8 @@ class LogNormalLengths:
                 f"prompt {self.prompt_len} tokens")
 
 
-# The APRIL paper's response lengths as we assume them (it gives none; `tools/simulate_rollout.py paper`): Qwen3-4B on
-# DAPO-Math-17k, log-normal, median 6,000 tokens, sigma 0.8 (mean ~8.3k before the cap; 10.5% reach the 16,384 cap),
-# half of the log-length variance shared by a prompt's samples (hard problems are long for all), 200-token prompts.
+# The APRIL paper's response lengths as we assume them (it gives none): Qwen3-4B on DAPO-Math-17k, log-normal,
+# median 6,000, sigma 0.8, half of the log-length variance shared by a prompt's samples, 200-token prompts.
 PAPER_LENGTHS = dict(median=6000, sigma=0.8, corr=0.5, prompt=200)
 PAPER_CAP = 16384
 
@@ -99,8 +75,7 @@ class ParetoLengths:
 
 
 class EmpiricalLengths:
-    """Draws whole observed groups (keeping within-group correlation) or, with `per_sample`, each
-    sample independently from the pooled lengths (all groups resized to the asked n)."""
+    """Draws whole observed groups or, `per_sample`, each sample from the pooled lengths."""
 
     def __init__(self, groups: Sequence[Sequence[int]], cap: int, prompt_lens: Sequence[int] = (16,),
                  per_sample: bool = False, weights: Sequence[float] | None = None, source: str = "observations"):
@@ -170,9 +145,7 @@ class ReplayLengths:
 
 def kaplan_meier(finished: Sequence[int], unfinished: Sequence[int], cap: int,
                  prompt_lens: Sequence[int] = (16,)) -> EmpiricalLengths:
-    """Length distribution from finished lengths and right-censored ones (still running at their
-    current length). The mass left beyond the last finished length goes to the cap: a sample that
-    has not finished by then runs to its budget as far as the estimate can tell."""
+    """Length distribution from finished and right-censored lengths; the mass left goes to the cap."""
     pairs = length_bias.kaplan_meier(finished, unfinished, cap)
     return EmpiricalLengths([[x for x, _ in pairs]], cap, prompt_lens, weights=[w for _, w in pairs],
                             source=f"{len(finished)} finished + {len(unfinished)} censored samples")
@@ -195,8 +168,7 @@ def read_trace(run_dir: str) -> list[dict]:
 
 
 def lengths_from_run(run_dir: str, cap: int | None = None, censored: bool = True) -> EmpiricalLengths:
-    """Response lengths observed in a run's trace (`finished_lengths`, and with `censored` the
-    unfinished samples' lengths through `kaplan_meier`)."""
+    """Response lengths in a run's trace (with `censored`, unfinished ones through `kaplan_meier`)."""
     records = [r for r in read_trace(run_dir) if "finished_lengths" in r]
     if not records:
         raise ValueError(f"{run_dir}/rollout_trace.jsonl: no step records with finished_lengths "

@@ -1,28 +1,6 @@
-"""`--over-sampling-batch-size auto`: each chunked step's over-sampling size, chosen with the rollout simulator.
-
-The RolloutManager (slime/ray/rollout.py) makes this planner for `auto` only; the run's Rollout asks it
-`size()` (this step's size), `metrics()` and `after_step(record, engines)` (learn from the finished step's
-`StepRecord`, slime/rollout/step_record.py).
-
-After every step the planner records what the step showed: the final response length of every
-sample that finished, the current length of every sample still unfinished (parked: a
-right-censored observation, exactly the long tail), which groups the dynamic filter rejected, and
-the prompt lengths. From the last `WINDOW_STEPS` steps it estimates the length distribution
-(Kaplan-Meier, so the unfinished tail is not mistaken for short) and the filter's pass rate, then
-simulates the run's own configuration (its flags: batch, samples per prompt, concurrency,
-engines, `--max-staleness` and its policy, `--reuse-stale-kv`) at each candidate size from the
-batch size to `MAX_FACTOR` x it, and picks the size with the best predicted goodput: rollout
-tokens per second that reach training (tokens restarted or masked by the staleness cap, in
-groups the filter rejects or in discarded groups do not count). Sizes within `TIE` of the best
-lose to the smallest one (fewer parked samples, fewer off-policy tokens). Before the first
-observation the size is 2 x the batch (APRIL's usual setting). Plans run in a background thread
-(the rollout never waits for one: a run's driver is idle while the trainer trains) after steps
-1, 2, 4, 8, 16 and every 16th after; a step uses the latest finished plan.
-
-The engine cost model is `--rollout-cost-model` (a calibration JSON or a modelled GPU), or a
-calibration of the first engine made once, after the first step. The planner's observations are
-not checkpointed: after `--load` it starts again from 2 x the batch and relearns within a few steps.
-"""
+"""`--over-sampling-batch-size auto`: each chunked step's size, chosen by simulating the run's own configuration
+on the lengths (Kaplan-Meier) and filter rate of recent steps, in a background thread; best predicted goodput,
+ties to the smallest; 2 x the batch until the first plan."""
 
 from __future__ import annotations
 
@@ -51,9 +29,7 @@ FILTER_REASONS_EXCLUDED = ("stale_ready", "reward_unsettled")  # not the filter'
 
 
 def step_observations(step) -> dict:
-    """What one finished step (its `StepRecord`) showed: each sample's final length once, when its group leaves
-    the rollout (accepted, finished after the target, rejected); the current length of every sample
-    still unfinished (censored); the filter's verdicts; prompt lengths."""
+    """What one finished step showed: final and censored lengths, filter verdicts, prompt lengths."""
     finished, unfinished, prompts = [], [], []
     passed = rejected = 0
     for gid, st in step.groups.items():

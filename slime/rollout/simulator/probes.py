@@ -1,10 +1,5 @@
-"""What the calibration sends to an engine: synchronised probe batches and the requests they are made of.
-
-A `Probe` is R requests sent together (`ignore_eos`, N new tokens each), optionally with more rows sent a little
-later (prefilled while the first ones decode); `run_probe` records what the engine's own counters say its
-steps did and cost. `default_probes` is the set the calibration runs; `closed_loop_tps` and `abort_to_idle_s`
-are the engine benchmark's curve and abort measurement. The fit is in `calibrate.py`.
-"""
+"""What the calibration sends to an engine: synchronised probe batches (`Probe`, `run_probe`, `default_probes`),
+and the engine benchmark's `closed_loop_tps` and `abort_to_idle_s`."""
 
 from __future__ import annotations
 
@@ -65,8 +60,7 @@ async def abort_to_idle_s(session, url: str, prompts: list[list[int]], n: int, n
 
 
 async def requests_in_flight(session, url: str) -> int:
-    """Running + waiting requests of one engine, summed over its DP ranks from SGLang's `GET /v1/loads?include=core`
-    (`/get_load` only on a server without it)."""
+    """Running + waiting requests of one engine over its DP ranks (`/v1/loads`, else `/get_load`)."""
     return await engine_api.busy(session, url, timeout=10)
 
 
@@ -94,20 +88,17 @@ class Probe:
     def __init__(self, lengths: list[int], new_tokens: int, late: list[int] | None = None, delay_s: float = 0.0):
         self.lengths, self.n = lengths, new_tokens
         self.late, self.delay_s = late or [], delay_s  # rows sent `delay_s` after the others (prefilled while they decode)
-        # "mixed" engines: (seconds, [steps, decoded rows, their keys, their positions, steps, prefill tokens, pairs])
-        # of the steps with prefill tokens, per run
+        # "mixed" engines, per run: (seconds, [steps, decoded rows, keys, positions, steps, prefill tokens, pairs])
         self.mixed: list[tuple[float, list[float]]] = []
         self.cpu_mixed: list[tuple[float, list[float]]] = []
-        # per run: (decode seconds, [steps, rows, cached tokens, padded positions, buckets beyond one per step] summed
-        # over its decode steps);
-        # cpu_runs: the same in the engine thread's CPU seconds (when the engine reports them)
+        # per run: (decode seconds, [steps, rows, cached tokens, padded positions, extra buckets] summed over steps);
+        # cpu_runs: the same in the engine thread's CPU seconds
         self.runs: list[tuple[float, list[float]]] = []
         self.cpu_runs: list[tuple[float, list[float]]] = []
         self.prefill: list[tuple[float, int, int, float]] = []  # (seconds, forwards, positions, sum of len^2)
         self.evict: list[float] = []  # seconds per row taking its rows out of the batch when they finished, per run
         self.cpu_prefill: list[tuple[float, int, int, float]] = []
-        # per run, engines that count them: (seconds issuing, seconds after the tokens were back, x) of its decode
-        # steps (host_fit.py); `runs` then holds the decode seconds less that tail
+        # per run, engines that count them: (seconds issuing, seconds after the tokens were back, x) (host_fit.py)
         self.host: list[tuple[float, float, list[float]]] = []
 
     def step(self, stat, clock: str = "wall") -> tuple[float, list[float]] | None:
@@ -184,10 +175,8 @@ async def run_probe(session, url: str, probe: Probe, vocab, rng: random.Random, 
 
 
 def default_probes(max_running: int, context: int, new_tokens: int = 64, quick: bool = False) -> list[Probe]:
-    """Short and long contexts at several batch sizes, and a batch of short rows with one long row
-    (which separates a padded engine's B x longest cost from a paged engine's total-context cost),
-    and rows of many lengths (a paged engine buckets them). `quick`: five probes (a run calibrating itself, the
-    quick start)."""
+    """Short and long contexts at several batch sizes, short rows with one long row (padded vs paged cost), and
+    rows of many lengths (buckets); `quick`: five probes."""
     ctx = max(64, context - new_tokens - 8)
     big = max(1, min(64, max_running))
     levels = sorted({1, min(4, big), min(16, big), big})

@@ -1,15 +1,7 @@
 """`simulate(config, cost, lengths) -> SimResult`: run a rollout mode for some steps in simulation.
 
-The rollout is the real one (slime/rollout/rollout.py's `Rollout`, and stream mode's `StreamRollout`), driven by drive.py
-against simulated engines (engine.py, cluster.py) on a simulated clock (clock.py).
-
-The result holds per-step records and the aggregates over the steps after `warmup_steps` (the
-buffer starts empty, so APRIL's and pool mode's first steps are not their steady state):
-rollout tokens/s (new tokens / rollout time, what `benchmarks/rollout_throughput.py` measures),
-end-to-end tokens/s (with `train_time_s` and weight updates between steps), goodput (tokens that
-reach training: not restarted, masked, rejected by the filter or discarded), engine idle fraction,
-off-policy token ratio and the per-token staleness histogram (lag in policy versions at training).
-"""
+The rollout is the real one, driven by drive.py. The result holds per-step records and aggregates after
+`warmup_steps`: rollout and end-to-end tokens/s, goodput, engine idle, off-policy ratio, staleness histogram."""
 
 from __future__ import annotations
 
@@ -54,8 +46,8 @@ class SimConfig:
     max_async_lag: int = 1
     seed: int = 0
     budgets_are_lengths: bool = False  # each sample's length is its budget (ignore_eos benchmarks)
-    # chunked mode with partial_rollout: top up with groups as soon as fewer than a chunk's worth of requests are
-    # in flight, as slime/rollout/sglang_rollout.py does; False: the APRIL paper's rollout (whole chunks only)
+    # chunked mode with partial_rollout: top up once fewer than a chunk's worth are in flight, as the real
+    # rollout does; False: the APRIL paper's rollout (whole chunks only)
     top_ups: bool = True
     record_timeline: bool = False
 

@@ -44,9 +44,19 @@ def spawn(fn, world: int, out_dir: str, *args, timeout: float = SPAWN_TIMEOUT_S)
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        # the ranks' exits (waitpid), not torch's join: that waits for multiprocessing's sentinel pipes, and a rank
+        # that shares CPU tensors starts torch_shm_manager, which inherits the rank's end of its pipe and lives on
+        # while any process holds such memory (a fake engine of the parent's that a rank pushed weights to)
+        while any(p.is_alive() for p in ctx.processes):
+            failed = [r for r, p in enumerate(ctx.processes) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} exited with code {ctx.processes[failed[0]].exitcode}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout:.0f}s")
+            time.sleep(0.1)
+        failed = [r for r, p in enumerate(ctx.processes) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"rank {failed[0]} exited with code {ctx.processes[failed[0]].exitcode}")
     except Exception as e:
         errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error_")]
         raise RuntimeError(f"{fn.__name__} failed: {e}\n" + "\n".join(errors)) from e

@@ -109,6 +109,9 @@ def test_slime_perf_optimizer_and_misc_args_parse(base, monkeypatch):
     (["--attention-backend", "fused"], "--attention-backend fused", "TransformerEngine"),
     (["--rotary-percent", "0.5"], "--rotary-percent", "only 1.0"),
     (["--sequence-parallel"], "--sequence-parallel", "--tensor-model-parallel-size > 1"),
+    (["--overlap-param-gather"], "--overlap-param-gather", "needs --overlap-grad-reduce"),
+    (["--overlap-grad-reduce", "--overlap-param-gather", "--no-use-distributed-optimizer"], "--overlap-param-gather",
+     "needs --use-distributed-optimizer"),
     (["--recompute-granularity", "full"], "--recompute-method", "is required"),
     (["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size",
      "must divide the trainer ranks"),
@@ -131,6 +134,7 @@ def test_unsupported_or_inconsistent_flags_fail_with_a_reason(base, extra, flag,
 
 @pytest.mark.parametrize("extra", [["--attention-backend", "unfused"],
                                    ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"],
+                                   ["--overlap-grad-reduce"],
                                    ["--lr-decay-style", "linear", "--lr-decay-iters", "5"]])
 def test_fsdp_refuses_megatron_only_flags(base, extra):
     with pytest.raises(ArgumentError, match="supported by --train-backend megatron only"):

@@ -21,6 +21,14 @@ def add(p: argparse.ArgumentParser, entry: str | None = None) -> None:
     g.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="shard the optimizer state over data-parallel ranks (default: on with --train-backend megatron, "
                         "as upstream; --no-use-distributed-optimizer: every rank holds all of it)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron's DDP: a bucket's gradient reduction starts in the backward of the optimizer step's "
+                        "last micro-batch, as soon as the bucket's gradients are ready")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="distributed optimizer: the all-gather of the updated weights after an optimizer step waits "
+                        "for the next step's forward (overlapping it); train() gathers them in full before it returns, "
+                        "so a weight push, save or export never reads another rank's stale shard. Needs "
+                        "--use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM's rules)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -112,6 +120,7 @@ def fill_defaults(a: Args) -> None:
 # Megatron-only flags: (name, value that means "not used")
 _MEGATRON_ONLY = (
     ("tensor_model_parallel_size", 1), ("sequence_parallel", False), ("use_distributed_optimizer", False),
+    ("overlap_grad_reduce", False), ("overlap_param_gather", False),
     ("recompute_granularity", None), ("attention_backend", "auto"),
     ("accumulate_allreduce_grads_in_fp32", False), ("attention_softmax_in_fp32", False), ("hidden_dropout", None),
     ("transformer_impl", "auto"),
@@ -151,6 +160,9 @@ def check(a: Args, entry: str) -> None:
     _require(tp >= 1 and world % tp == 0, "--tensor-model-parallel-size",
              f"({tp}) must divide the trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node = {world})")
     _require(not a.sequence_parallel or tp > 1, "--sequence-parallel", "needs --tensor-model-parallel-size > 1")
+    if a.overlap_param_gather:
+        _require(a.use_distributed_optimizer, "--overlap-param-gather", "needs --use-distributed-optimizer")
+        _require(a.overlap_grad_reduce, "--overlap-param-gather", "needs --overlap-grad-reduce")
     if a.recompute_granularity == "full":
         _require(a.recompute_method is not None, "--recompute-method", "is required with --recompute-granularity full")
         _require((a.recompute_num_layers or 0) >= 1, "--recompute-num-layers",

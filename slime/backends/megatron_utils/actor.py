@@ -101,6 +101,11 @@ class MegatronTrainer(Trainer):
         self.actor.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def _before_backward(self, last: bool) -> None:
+        if self.args.overlap_grad_reduce:  # megatron's no_sync(): a bucket's reduction starts in the last backward
+            for group in self.actor.model.bucket_groups + self.actor.model.expert_parallel_bucket_groups:
+                group.is_last_microbatch = last
+
     def _finish_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
 
@@ -112,6 +117,14 @@ class MegatronTrainer(Trainer):
             raise RuntimeError("the Megatron optimizer skipped its step (non-finite gradients)")
         self.scheduler.step(increment=1)
         return float(grad_norm)
+
+    def _train(self, rollout_id: int, groups, policy_version: int) -> dict[str, float]:
+        metrics = super()._train(rollout_id, groups, policy_version)
+        if self.args.overlap_param_gather:
+            # the last step's all-gather of the updated shards would wait for the next forward: every reader of
+            # the weights after train() (the push to the engines, a save, an export) must see them gathered
+            self.actor.model.start_param_sync(force_sync=True)
+        return metrics
 
     def _dp(self) -> tuple[int, int]:
         return self.layout.dp_rank, self.layout.dp_size

@@ -69,7 +69,8 @@ def build_gpt(args, shape: ModelShape, tp: int, trainable: bool, wrap_ddp: bool)
 
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)

@@ -11,7 +11,8 @@ with the device given as an index or a GPU UUID (SGLang's reductions patch). `re
 bucket's dtype, and byte slices viewed as the tensor's dtype), which must agree. Run as a tiny HTTP worker
 (`python tests/sglang_format_reader.py --port P --out DIR`) it reads every TP rank's entry of each
 POST /update_weights_from_tensor and saves the tensors to DIR/bucket_NNNN.pt, the request's fields to
-DIR/requests.jsonl.
+DIR/requests.jsonl; a POST /update_weights_from_disk reads the directory's *.safetensors files (as SGLang's
+DefaultModelLoader does, safetensors.torch) into DIR/disk_NNNN.pt.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(200, {"ok": True})
 
     def do_POST(self):
-        if self.path != "/update_weights_from_tensor":
+        if self.path not in ("/update_weights_from_tensor", "/update_weights_from_disk"):
             return self._reply(404, {"error": self.path})
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/update_weights_from_disk":
+            return self._from_disk(req)
         try:
             entries = req["serialized_named_tensors"]
             seen: list = []
@@ -130,6 +133,22 @@ class Handler(BaseHTTPRequestHandler):
             with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
                 f.write(json.dumps({k: v for k, v in req.items() if k != "serialized_named_tensors"}
                                    | {"entries": len(entries), "globals": sorted(set(seen))}) + "\n")
+        self._reply(200, {"success": True, "message": "Success"})
+
+    def _from_disk(self, req: dict) -> None:
+        from safetensors.torch import load_file
+
+        try:
+            names = sorted(n for n in os.listdir(req["model_path"]) if n.endswith(".safetensors"))
+            state = {k: v for n in names for k, v in load_file(os.path.join(req["model_path"], n)).items()}
+        except Exception as e:  # noqa: BLE001 - reported like SGLang does
+            return self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+        with self.lock:
+            i = self.count[0]
+            self.count[0] += 1
+            torch.save(state, os.path.join(self.out_dir, f"disk_{i:04d}.pt"))
+            with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
+                f.write(json.dumps(req | {"files": len(names)}) + "\n")
         self._reply(200, {"success": True, "message": "Success"})
 
 

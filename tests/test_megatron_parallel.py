@@ -2,8 +2,9 @@
 TP=1 (logits, loss, gradients; with sequence parallelism and token-budget
 micro-batches too; packed and padded micro-batches alike), and checkpoints resume exactly at another
 TP / DP (weights bit-equal, the next step equal), with the distributed and
-the plain optimizer. Two spawned ranks run every 2-rank phase in one go
-(megatron's import costs seconds per process); the TP=1 side runs here."""
+the plain optimizer; with the distributed optimizer's overlapped gather, the weights pushed to an engine after
+each train() (tensor and disk modes) are the trainer's, bit for bit. Two spawned ranks run every 2-rank phase in one
+go (megatron's import costs seconds per process); the TP=1 side runs here."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ torch.set_num_threads(1)
 LR = ("--lr", "1e-2")
 
 
-def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: list[int]) -> None:
+def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: list[int], readers: dict) -> None:
     from slime.backends.megatron_utils.actor import MegatronTrainer
     from slime.backends.training_utils.data import flatten_groups
 
@@ -38,8 +39,8 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
         if rank == 0:
             torch.save(obj, os.path.join(out, name))
 
-    def trainer(port, *argv):
-        t = MegatronTrainer(megatron_args(model_dir, "--actor-num-gpus-per-node", "2", *LR, *argv), rank, world)
+    def trainer(port, *argv, **over):
+        t = MegatronTrainer(megatron_args(model_dir, "--actor-num-gpus-per-node", "2", *LR, *argv, **over), rank, world)
         t.init("127.0.0.1", port)
         return t
 
@@ -86,6 +87,26 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
     save("tp2_sp_grads.pt", step_grads(t, groups()))
     t.shutdown()
 
+    # 5. TP=1 x DP=2, distributed optimizer (each rank steps half the weights; an all-gather brings the other half)
+    # with the overlapped gather (deferred to the next forward): 2 rollouts of 2 optimizer steps x 2 micro-batches,
+    # each pushed to an SGLang-format reader (tensor, then disk); every rank's weights after each push; and the same
+    # training without the overlap
+    from slime.backends.megatron_utils.update_weight import gather_hf_weights
+
+    def weights(t):
+        return dict(gather_hf_weights(t.actor, t.layout, everywhere=True))
+
+    steps = ("--use-distributed-optimizer", "--global-batch-size", "4", "--micro-batch-size", "1")
+    overlap = ("--overlap-grad-reduce", "--overlap-param-gather")
+    for port, mode, argv in zip(ports[4:], ("tensor", "disk", None), (overlap, overlap, ())):
+        t = trainer(port, *steps, *argv, update_weight_mode=mode or "distributed")
+        for version in (1, 2):
+            t.train(version, make_groups(seed=30 + version), version)
+            if mode is not None:
+                t.update_weights([readers[mode]], version)
+            torch.save(weights(t), os.path.join(out, f"dp2_{mode or 'no_overlap'}_v{version}_rank{rank}.pt"))
+        t.shutdown()
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -107,9 +128,19 @@ class TwoRanks:
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory):
+    from test_weight_sync import ReaderServer
+
     out = str(tmp_path_factory.mktemp("megatron_2ranks"))
-    spawn(_two_rank_phases, 2, out, model_dir, [free_port() for _ in range(4)])
-    return TwoRanks(out)
+    readers = {mode: ReaderServer(tmp_path_factory.mktemp(f"pushed_{mode}")) for mode in ("tensor", "disk")}
+    try:
+        spawn(_two_rank_phases, 2, out, model_dir, [free_port() for _ in range(7)],
+              {mode: r.url for mode, r in readers.items()})
+    finally:
+        for r in readers.values():
+            r.stop()
+    two = TwoRanks(out)
+    two.readers = readers
+    return two
 
 
 @pytest.fixture
@@ -195,3 +226,36 @@ def test_resume_plain_optimizer_tp2_checkpoint_at_tp1(two_ranks, tp1):
     ckpt.load_model(fresh.actor, two_ranks.path("ckpt_tp2_plain"))
     fresh.train(1, make_groups(seed=22), 1)
     assert _max_diff(full_weights(fresh), w_ref) > 1e-4
+
+
+def _pushed(reader, mode: str) -> dict[int, dict[str, torch.Tensor]]:
+    """What the reader got, per weight version: tensor buckets (one entry per engine TP rank) or the disk directory."""
+    import json
+
+    reqs = [json.loads(line) for line in (reader.out / "requests.jsonl").read_text().splitlines()]
+    files = sorted(reader.out.glob("bucket_*.pt" if mode == "tensor" else "disk_*.pt"))
+    assert len(files) == len(reqs)
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    for req, f in zip(reqs, files):
+        tensors = torch.load(f)
+        for part in (tensors if mode == "tensor" else [tensors]):
+            got.setdefault(int(req["weight_version"]), {}).update(part)
+    return got
+
+
+@pytest.mark.parametrize("mode", ["tensor", "disk"])
+def test_the_push_after_each_step_sends_the_gathered_weights(two_ranks, mode):
+    """The stale-weights trap: with the distributed optimizer each DP rank steps only its shard of the weights, and
+    with --overlap-param-gather the all-gather that brings the other rank's shard waits for the next forward. A
+    push that read the weights before that gather sends rank 1's shard as it was before the step: here what the
+    engine got after each train() equals both ranks' weights, bit for bit (each rank's own shard is exact), and the
+    same training without the overlap."""
+    got = _pushed(two_ranks.readers[mode], mode)
+    assert sorted(got) == [1, 2]
+    for version in (1, 2):
+        ranks = [two_ranks(f"dp2_{mode}_v{version}_rank{r}.pt") for r in (0, 1)]
+        plain = two_ranks(f"dp2_no_overlap_v{version}_rank0.pt")
+        assert got[version].keys() == ranks[0].keys() == ranks[1].keys() == plain.keys()
+        for name, pushed in got[version].items():
+            assert all(torch.equal(pushed, w[name]) for w in (*ranks, plain)), (version, name)
+    assert _max_diff(got[1], got[2]) > 1e-3  # the second rollout's steps moved the weights

@@ -12,7 +12,7 @@ bucket's dtype, and byte slices viewed as the tensor's dtype), which must agree.
 (`python tests/sglang_format_reader.py --port P --out DIR`) it reads every TP rank's entry of each
 POST /update_weights_from_tensor and saves the tensors to DIR/bucket_NNNN.pt, the request's fields to
 DIR/requests.jsonl; a POST /update_weights_from_disk reads the directory's *.safetensors files (as SGLang's
-DefaultModelLoader does, safetensors.torch) into DIR/disk_NNNN.pt.
+DefaultModelLoader does, safetensors.torch) into DIR/disk_NNNN.pt. `ReaderServer` starts that worker for a test.
 """
 
 from __future__ import annotations
@@ -150,6 +150,48 @@ class Handler(BaseHTTPRequestHandler):
             with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
                 f.write(json.dumps(req | {"files": len(names)}) + "\n")
         self._reply(200, {"success": True, "message": "Success"})
+
+
+class ReaderServer:
+    """This module as a worker in a subprocess (for tests): `.url`, what it read (`received`, `out`), `stop`.
+    `wait=False` returns at once; `wait_ready(url)` (from any process) waits for the worker to answer."""
+
+    def __init__(self, out_dir, wait: bool = True):
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.out = out_dir
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, __file__, "--port", str(port), "--out", str(out_dir)])
+        if wait:
+            wait_ready(self.url)
+
+    def received(self) -> tuple[list[list[dict]], list[dict]]:
+        buckets = [torch.load(p) for p in sorted(self.out.glob("bucket_*.pt"))]
+        reqs = [json.loads(line) for line in (self.out / "requests.jsonl").read_text().splitlines()]
+        return buckets, reqs
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def wait_ready(url: str, timeout: float = 120.0) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"sglang_format_reader at {url} did not answer within {timeout:.0f}s")
 
 
 def main() -> None:

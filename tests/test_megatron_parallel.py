@@ -91,6 +91,8 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
     # with the overlapped gather (deferred to the next forward): 2 rollouts of 2 optimizer steps x 2 micro-batches,
     # each pushed to an SGLang-format reader (tensor, then disk); every rank's weights after each push; and the same
     # training without the overlap
+    from sglang_format_reader import wait_ready
+
     from slime.backends.megatron_utils.update_weight import gather_hf_weights
 
     def weights(t):
@@ -103,8 +105,13 @@ def _two_rank_phases(rank: int, world: int, out: str, model_dir: str, ports: lis
         for version in (1, 2):
             t.train(version, make_groups(seed=30 + version), version)
             if mode is not None:
+                wait_ready(readers[mode])
                 t.update_weights([readers[mode]], version)
             torch.save(weights(t), os.path.join(out, f"dp2_{mode or 'no_overlap'}_v{version}_rank{rank}.pt"))
+        if mode == "tensor":  # an optimizer step outside train(): its gather still waits for the next forward
+            items, rt, _ = t._prepare(make_groups(seed=33))
+            t._train_step(items, rt)
+            torch.save(weights(t), os.path.join(out, f"dp2_bare_step_rank{rank}.pt"))
         t.shutdown()
 
 
@@ -128,10 +135,12 @@ class TwoRanks:
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory):
-    from test_weight_sync import ReaderServer
+    from sglang_format_reader import ReaderServer
 
     out = str(tmp_path_factory.mktemp("megatron_2ranks"))
-    readers = {mode: ReaderServer(tmp_path_factory.mktemp(f"pushed_{mode}")) for mode in ("tensor", "disk")}
+    # the fake engines start while the ranks do (the ranks wait for them before their first push)
+    readers = {mode: ReaderServer(tmp_path_factory.mktemp(f"pushed_{mode}"), wait=False)
+               for mode in ("tensor", "disk")}
     try:
         spawn(_two_rank_phases, 2, out, model_dir, [free_port() for _ in range(7)],
               {mode: r.url for mode, r in readers.items()})
@@ -259,3 +268,9 @@ def test_the_push_after_each_step_sends_the_gathered_weights(two_ranks, mode):
         for name, pushed in got[version].items():
             assert all(torch.equal(pushed, w[name]) for w in (*ranks, plain)), (version, name)
     assert _max_diff(got[1], got[2]) > 1e-3  # the second rollout's steps moved the weights
+
+
+def test_the_overlapped_gather_is_on(two_ranks):
+    """What the push test guards against is there: right after an optimizer step (outside train()) each rank holds
+    the other rank's half of the weights from before the step, until the next forward gathers it."""
+    assert _max_diff(two_ranks("dp2_bare_step_rank0.pt"), two_ranks("dp2_bare_step_rank1.pt")) > 1e-3

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_format_reader import ReaderServer
 from test_fsdp_helpers import make_args, make_groups
 
 from slime.backends.fsdp_utils.actor import FSDPTrainer
@@ -135,44 +136,6 @@ def test_tensor_sync_to_the_engine(engine, trainer, backend):
     m = _train_then_sync(t, engine, start + 1)
     assert m["weight_sync_tensor"] == 1.0 and m["weight_sync_bytes"] > 1 << 14
     _train_then_sync(t, engine, start + 2)
-
-
-class ReaderServer:
-    """tests/sglang_format_reader.py as a worker: reads payloads as SGLang does, saves what it read."""
-
-    def __init__(self, out_dir):
-        import subprocess
-        import sys
-
-        from slime.backends.hf_engine.local_server import free_port
-
-        self.out = out_dir
-        self.url = f"http://127.0.0.1:{(port := free_port())}"
-        script = __import__("os").path.join(__import__("os").path.dirname(__file__), "sglang_format_reader.py")
-        self.proc = subprocess.Popen([sys.executable, script, "--port", str(port), "--out", str(out_dir)])
-        import time
-
-        import requests
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(self.url, timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                time.sleep(0.1)
-        raise TimeoutError("sglang_format_reader did not start")
-
-    def received(self) -> tuple[list[list[dict]], list[dict]]:
-        import json
-
-        buckets = [torch.load(p) for p in sorted(self.out.glob("bucket_*.pt"))]
-        reqs = [json.loads(line) for line in (self.out / "requests.jsonl").read_text().splitlines()]
-        return buckets, reqs
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def trainer_hf_weights(t) -> dict[str, torch.Tensor]:

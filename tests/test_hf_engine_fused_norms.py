@@ -1,5 +1,6 @@
 """The engine's RMSNorm layers as torch's rms_norm (hf_engine/fused_norms.py): the same logits as transformers'
-modules (bit for bit in float32 on the CPU), only standard RMSNorms swapped, and a disagreeing op never used.
+modules (bit for bit in float32 on the CPU), only standard RMSNorms swapped, and a disagreeing op never used; its
+linear layers on oneDNN (hf_engine/onednn_linear.py): F.linear's logits to float32 rounding, weight updates seen.
 
 What the CPU cannot check (benchmarks/gpu_check.sh does): the fused CUDA kernel's launch count and its bfloat16
 numerics (one rounding where the modules round twice)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.backends.hf_engine import fused_norms
+from slime.backends.hf_engine import fused_norms, onednn_linear
 from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -64,3 +65,22 @@ def test_only_standard_rms_norms_are_swapped():
             self.norm = GemmaRMSNorm()
 
     assert fused_norms.fuse_rms_norms(Model()) == 0
+
+
+@torch.no_grad()
+def test_onednn_linears_give_f_linears_logits_and_see_weight_updates(model_dir, monkeypatch, caplog):
+    ref, model = load(model_dir), load(model_dir)
+    n = onednn_linear.use_onednn_linears(model)
+    if not torch.backends.mkldnn.is_available():
+        assert n == 0
+        return
+    assert n == 7 * SPEC.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer, and the head
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 4, 3]])
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+    for m in (ref, model):  # a weight update writes the parameters in place: the next forward sees it
+        m.lm_head.weight.data.mul_(0.5)
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(onednn_linear.torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *a: x @ w.t() * 2)
+    with caplog.at_level("WARNING"):
+        assert onednn_linear.use_onednn_linears(load(model_dir)) == 0
+    assert "F.linear kept" in caplog.text

@@ -17,6 +17,7 @@ from slime.backends.hf_engine.device import resolve_device, resolve_dtype
 from slime.backends.hf_engine.fused_norms import fuse_rms_norms
 from slime.backends.hf_engine.logprobs import LogprobRecord
 from slime.backends.hf_engine.memory import EngineMemory
+from slime.backends.hf_engine.onednn_linear import use_onednn_linears
 from slime.backends.hf_engine.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ class Engine:
         self.model = load_model(cfg.model_path, self.dtype, cfg.attn_implementation, self.device)
         self.dtype = str(self.model.dtype).removeprefix("torch.")
         fused = fuse_rms_norms(self.model)  # one op per norm instead of eight (see fused_norms)
-        logger.info("model on %s in %s (%d RMSNorm layers as torch's rms_norm)", self.device, self.dtype, fused)
+        onednn = use_onednn_linears(self.model)
+        logger.info("model on %s in %s (%d RMSNorm layers as torch's rms_norm, %d linear layers on oneDNN)",
+                    self.device, self.dtype, fused, onednn)
         tok_path = cfg.tokenizer_path or cfg.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.model_path = cfg.model_path

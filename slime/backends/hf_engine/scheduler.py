@@ -207,6 +207,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        torch.set_num_threads(torch.get_num_threads())  # this thread's OpenMP team, which oneDNN's ops read
         if self.batch.device.type == "cuda":
             torch.cuda.set_device(self.batch.device)  # per thread: this one launches the steps
         st = self.stats

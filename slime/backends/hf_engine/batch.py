@@ -1,22 +1,13 @@
 """The engine's running rows over a paged KV cache, and one packed model forward per step.
 
-A row is a request's place in the batch: its block table (the pool blocks holding its positions, in
-order) and `cached`, how many of its leading positions have keys/values in the pool. A step takes, per
-row, a segment of its next uncached tokens: one token for a row that is decoding (its last sampled
-token), a chunk of the prompt for a row that is being prefilled. All segments run packed in ONE forward
-(`[1, N]` tokens with their position ids; attention over the pool in `paged_attention`), so a resumed
-long sample is prefilled chunk by chunk alongside the running batch instead of stalling it, and rows
-of any lengths share a forward without padding.
-
-Joining and leaving copy no KV: a new row gets an empty table (or the blocks of an aborted request it
-resumes), a leaving row hands its blocks back to the pool (or to the prefix cache). A row may start on
-another row's prefix (`share_prefix`: the samples of a group share their prompt): its full blocks are
-shared, only the partly filled last one is copied. Block tables live in
-one tensor `tables[row slot, i]` so a step gathers them without Python loops over positions.
-
-The model's device is the batch's: the KV pool lives there, block tables stay on the host (they change
-as rows join and grow), and a step's metadata (token ids, positions, slots, block ids) goes to the device
-in one copy before the forward; the forward returns logits on the device without waiting for it.
+A row is a request's place in the batch: its block table (the pool blocks holding its positions, in order) and
+`cached`, how many leading positions have keys/values in the pool. A step feeds each row a segment of its next
+uncached tokens (one for a decoding row, a chunk for a row being prefilled), all packed in ONE forward (`[1, N]`
+tokens with their position ids; attention in `paged_attention`), so rows of any lengths share it without padding.
+Joining and leaving copy no KV: a row gets an empty table (or an aborted request's blocks), a leaving row hands its
+blocks to the pool (or the prefix cache); `share_prefix` starts a row on another's full blocks (a group's prompt).
+Block tables live in one host tensor `tables[row slot, i]`; the KV pool is on the model's device, and a step's
+metadata (ids, positions, slots, block ids) goes there in one copy before the forward.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Decode attention on the CPU without gathering the KV: `paged_decode.c`, built on first use with the system's C
 compiler and loaded with ctypes.
 
-On the CPU a decode step's attention reads every running row's keys and values once; the torch path first copies
-them out of the pool into a padded batch (`KVPool.gather`) and then attends (SDPA), so the bytes move three times
-(read, write, read), which on a 2-core box costs as much as the attention itself. The kernel walks each row's
-block table in place, with an online softmax, one (row, KV head) per OpenMP iteration on the torch threads' pool
-(it links the libgomp torch loaded, so one OpenMP runtime serves both).
+The torch path copies every row's keys and values out of the pool into a padded batch (`KVPool.gather`) before
+SDPA, moving the bytes three times; the kernel walks each row's block table in place, one (row, KV head) per OpenMP
+iteration on the torch threads (it links the libgomp torch loaded: one OpenMP runtime serves both).
 
 The build is cached per source, compiler and CPU (`-march=native`) under $SLIME_KERNEL_CACHE or
 ~/.cache/slime-april/kernels; without a compiler, or when the build fails, `load` says why once and returns None

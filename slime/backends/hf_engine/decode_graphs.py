@@ -1,9 +1,7 @@
 """Decode steps replayed from CUDA graphs (SGLang's `--disable-cuda-graph` / `--cuda-graph-max-bs`).
 
-On a GPU a decode-only step of a small model is launch-bound: ~10 kernels per layer issued one by one from
-Python cost more host time than the device needs to run them (the 0.5B preset on an H200: ~1 ms of host time
-per layer, so 1 row was no cheaper than 128). A CUDA graph captures the step's forward once per shape and
-replays it with one launch.
+On a GPU a small model's decode-only step is launch-bound (~10 kernels a layer from Python); a CUDA graph captures
+the step's forward once per shape and replays it with one launch.
 
 A graph replays fixed shapes and addresses, so a step is padded to a bucket (`buckets.graph_rows` / `graph_blocks`,
 which the simulator replays too):

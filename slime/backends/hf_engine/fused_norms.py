@@ -1,16 +1,11 @@
 """The model's RMSNorm layers as one torch op each (`torch.nn.functional.rms_norm`).
 
-transformers' RMSNorm modules run eight element-wise ops per call (to float32, pow, mean, add, rsqrt, mul, back to
-the model's dtype, mul by the weight), and a Qwen3 layer has four of them (input, post-attention, q and k norms):
-on a GPU, where a decode step of a small model is the host's time to launch its kernels, that is a third of a
-layer's launches. `F.rms_norm` is one call: on CUDA one fused kernel (torch >= 2.8); on the CPU the same
-float32 arithmetic in one call (bit-identical in float32: x * rsqrt(mean(x^2) + eps), then times the weight). In
-bfloat16 the fused kernel rounds once where the modules round twice (at most one unit in the last place: SGLang's
-own RMSNorm kernels round once too).
-
-Only the classes whose forward is exactly weight * (x * rsqrt(mean(x^2) + eps)) computed in float32 are swapped
-(Gemma's adds 1 to its weight: not one of them), and only after the fused op agrees with the module's own forward
-on the model's device and dtype; otherwise the model keeps its modules, and the log says why.
+transformers' RMSNorm modules run eight element-wise ops per call, a Qwen3 layer has four of them: on a GPU, where
+a small model's decode step is the host launching kernels, a third of a layer's launches. `F.rms_norm` is one
+fused kernel on CUDA (torch >= 2.8) and the same float32 arithmetic on the CPU (bit-identical); in bfloat16 it
+rounds once where the modules round twice (as SGLang's kernels do). Only classes computing exactly
+weight * (x * rsqrt(mean(x^2) + eps)) in float32 are swapped (not Gemma's), and only after the fused op agrees with
+the module's own forward on the model's device and dtype; otherwise the modules stay, and the log says why.
 """
 
 from __future__ import annotations

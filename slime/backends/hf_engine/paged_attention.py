@@ -1,26 +1,15 @@
 """Attention for one packed engine step over the paged KV pool (a transformers attention function).
 
-An engine step runs the model once over a packed sequence `[1, N]`: every running row's next token
-(a decode segment, one query) and chunks of rows still being prefilled (several queries each), with
-explicit position ids. transformers computes the projections and RoPE over the packed tokens as usual
-and calls this function per layer (registered as ATTN_NAME) with the step's `StepPlan` in its kwargs:
-
-1. the step's new keys/values are written into the pool at the plan's slots;
-2. per bucket of segments, each segment's keys are gathered from its row's blocks (padded to the
-   bucket's longest row) and attended with SDPA under a mask `key position <= query position`.
-
-Buckets group segments of similar length (decode segments sorted by context length), so a short row
-never pays attention over the longest row's context, as it would in one padded batch. Tokens are
-packed bucket by bucket, so a bucket's queries and outputs are contiguous slices (no index copies).
-Grouped-query heads share their KV head's gathered keys: the G query heads of a KV head are stacked as
-G x Q queries (the mask depends on the query position only), so nothing is repeated per query head.
-
-On any device the step is the same ops on the model's device: the plan's tensors (slots, block ids, query
-positions) arrive in one host-to-device copy before the forward, and nothing here reads a tensor back
-(every shape and every branch is decided from host integers in the plan). A prefill chunk with a prefix is
-attended in one of two ways: "split" (CPU: its own keys causally plus the prefix unmasked, merged by their
-log-sum-exp, with torch's CPU flash kernel) or "masked" (other devices: the chunk's keys are already in the
-pool, so one gather of every position up to the chunk's last and one masked SDPA, as a decode bucket).
+transformers runs the projections and RoPE over the step's packed tokens (`[1, N]`, explicit position ids) and
+calls this function per layer (registered as ATTN_NAME) with the step's `StepPlan`: the new keys/values are written
+into the pool at the plan's slots, then each bucket of segments attends its rows' keys (gathered from their blocks,
+padded to the bucket's longest row, masked `key position <= query position`; on the CPU decode buckets attend in
+the pool: cpu_decode). Buckets group segments of similar length, so a short row never pays for the longest row's
+context; tokens are packed bucket by bucket (contiguous slices); a KV head's G query heads are stacked as G x Q
+queries, so nothing is repeated per query head. Every shape and branch is decided from host integers in the plan:
+nothing reads a device tensor back. A prefill chunk with a prefix is attended "split" (CPU: its own keys causally
+plus the prefix unmasked, merged by their log-sum-exp, torch's CPU flash kernel) or "masked" (other devices: one
+gather up to the chunk's last position and one masked SDPA, as a decode bucket).
 """
 
 from __future__ import annotations

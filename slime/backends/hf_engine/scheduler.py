@@ -1,20 +1,12 @@
 """Continuous-batching scheduler: one thread owns the model and the running batch.
 
-Everything that touches the model (steps, weight loads, aborts, retractions)
-runs on that thread, between steps; the HTTP side talks to it with
-`submit(fn)` (a callable run at the next step boundary, returning a concurrent
-Future) and `add(request)`. Requests report back through their `notify`
-callback (called on the scheduler thread).
-
-A waiting request joins the batch as a row at the next step boundary (no KV
-is copied: see batch.PagedBatch). Each step feeds every decoding row's last
-token plus prompt chunks of the rows still being prefilled (chunked prefill,
-at most `--max-prefill-tokens` per step and `--chunked-prefill-size` per
-row), so a new or resumed request never stalls the rows already decoding for
-longer than one chunk. `step_composition` "mixed" (SGLang's --enable-mixed-chunk,
-the CPU's default) packs both into one forward; "separate" (SGLang's default, a
-GPU's) runs them as two, so every decode forward replays its CUDA graph.
-Requests with the same prompt (a group's samples) share its KV: see shared_prompts.
+Everything that touches the model (steps, weight loads, aborts, retractions) runs on that thread, between steps;
+the HTTP side calls `submit(fn)` (run at the next step boundary; a concurrent Future) and `add(request)`, and
+requests report back through their `notify` callback. A waiting request joins as a row at a step boundary. Each
+step feeds every decoding row's last token plus prompt chunks (at most `--max-prefill-tokens` per step and
+`--chunked-prefill-size` per row), so a new or resumed request stalls the decoding rows for one chunk at most.
+`step_composition` "mixed" (SGLang's --enable-mixed-chunk, the CPU's default) packs both into one forward;
+"separate" (SGLang's default, a GPU's) runs two, so every decode forward replays its CUDA graph.
 """
 
 from __future__ import annotations

@@ -249,8 +249,7 @@ def _args(tmp_path, *extra):
 
 
 def test_the_trainers_advantages_read_the_flags(tmp_path):
-    """training_utils/loss.py's advantages from the parsed flags (--advantage-estimator,
-    --disable-grpo-std-normalization, --kl-coef)."""
+    """training_utils/loss.py's advantages from the parsed flags."""
     from types import SimpleNamespace
 
     from slime.backends.training_utils.loss import _advantages

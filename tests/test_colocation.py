@@ -1,6 +1,4 @@
-"""The colocated step's phases and the trainer-rank -> engine feed plan. The order of the hand-overs is
-checked against recorders that answer like RayTrainGroup and EngineGroup; the whole path with the real
-ones runs in tests/test_quickstart.py (the quick start colocated, on Megatron)."""
+"""The colocated step's phases and the trainer-rank -> engine feed plan."""
 
 from __future__ import annotations
 

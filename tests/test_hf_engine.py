@@ -1,5 +1,4 @@
-"""The embedded engine served over HTTP: protocol shapes, log-probs, aborts, pause, control endpoints. Each request
-field and bad input: tests/test_hf_engine_schema.py; behind sglang-router: tests/test_slime_http_replay.py."""
+"""The embedded engine served over HTTP."""
 
 from __future__ import annotations
 
@@ -78,9 +77,7 @@ def test_info_endpoints(server, model_dir):
 
 
 def test_health_passes_on_progress_while_its_own_request_waits(model_dir, start_engine, monkeypatch):
-    """SGLang's rule for /health_generate: a busy engine is healthy as soon as it makes progress, even when the
-    check's own one-token request waits behind a queue longer than SGLANG_HEALTH_CHECK_TIMEOUT (a CPU engine's eval
-    queue: the check used to wait its turn and answer 503)."""
+    """SGLang's rule for /health_generate."""
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "3")
     srv = start_engine(model_dir, "--max-running-requests", "1")
     body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}

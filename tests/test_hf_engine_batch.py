@@ -1,6 +1,4 @@
-"""PagedBatch (the engine's paged KV cache and packed steps) against an independent reference: every
-row's logits, after every join, leave, resume and step, equal one plain forward of the model over that
-row's full token sequence alone."""
+"""PagedBatch (the engine's paged KV cache and packed steps) against an independent reference."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def ref_model(model_dir):
 
 
 class Mirror:
-    """Drives a PagedBatch and mirrors it: seqs[row] is the row's full known sequence (cached positions
-    first, then the tokens not yet fed)."""
+    """Drives a PagedBatch and mirrors it."""
 
     def __init__(self, model_dir, ref, seed=0, block_size=4, kernel="sdpa", **kw):
         self.batch = PagedBatch(load(model_dir), block_size=block_size, kernel=kernel, **kw)
@@ -148,8 +145,7 @@ def test_long_and_short_rows_share_steps(model_dir, ref_model, kernel):
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, kernel):
-    """The GPU's way of attending a prefill chunk with a prefix (one gather up to the chunk's last position and a
-    masked SDPA; `prefill_attention="masked"`, the default off the CPU), checked here on the CPU."""
+    """The GPU's way of attending a prefill chunk with a prefix, checked here on the CPU."""
     m = Mirror(model_dir, ref_model, seed=11, block_size=4, kernel=kernel, prefill_attention="masked")
     for n in (90, 3, 41, 7):
         m.add(n)
@@ -167,9 +163,7 @@ def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, ke
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 def test_prefill_chunks_of_many_shapes_share_padded_buckets_and_match_the_reference(model_dir, ref_model, kernel):
-    """Off the CPU (`prefill_attention="masked"`) prefill chunks of different lengths share a bucket padded to the
-    longest: fresh prompts of 6 lengths in one step, then chunks after prefixes of 6 lengths, beside decoding rows;
-    every row's logits still equal its own plain forward, with far fewer buckets than shapes."""
+    """Off the CPU prefill chunks of different lengths share a bucket padded to the longest."""
     m = Mirror(model_dir, ref_model, seed=13, block_size=4, kernel=kernel, prefill_attention="masked")
     rows = [m.add(n) for n in (2, 3, 5, 9, 17, 33)]
     m.step(max_chunk=1000, whole=True)  # six fresh prompts, six lengths
@@ -233,8 +227,7 @@ def test_padded_prefill_buckets_waste_at_most_their_bound():
 
 
 def test_join_and_leave_copy_no_kv(model_dir, ref_model):
-    """Rows joining, leaving and resuming never move another row's KV: the pool tensors stay the same
-    objects and a surviving row's blocks keep their contents bit for bit."""
+    """Rows joining, leaving and resuming never move another row's KV."""
     m = Mirror(model_dir, ref_model, seed=3, block_size=4)
     a = m.add(9)
     m.add(5)
@@ -303,8 +296,7 @@ def test_plan_buckets_cover_every_segment_once():
 
 
 def test_decode_shape_is_what_the_plan_gathers():
-    """The simulator replays the engine's bucket rule from positions alone (hf_engine/buckets.py): the key
-    positions gathered and the number of buckets it reports are the plan's, for any mix of contexts."""
+    """The simulator replays the engine's bucket rule from positions alone (hf_engine/buckets.py)."""
     from slime.backends.hf_engine.buckets import decode_shape
 
     tables = torch.zeros(128, 200, dtype=torch.long)

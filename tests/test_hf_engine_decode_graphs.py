@@ -1,8 +1,4 @@
-"""The decode step's CUDA-graph path (slime/backends/hf_engine/decode_graphs.py), checked on the CPU in its
-"static" mode: the same padded shapes and static buffers a captured graph replays, run eagerly. Every decode
-step's logits equal a plain forward over the row's whole sequence, padding rows never disturb a real row (their
-KV goes to block 0), shapes are reused until the KV pool moves, and the scheduler's greedy tokens are the eager
-path's. The capture itself (CUDA) is tests/test_hf_engine_cuda.py's and benchmarks/gpu_main_job.sh's."""
+"""The decode step's CUDA-graph path, checked on the CPU in its "static" mode."""
 
 from __future__ import annotations
 
@@ -144,9 +140,7 @@ def test_scheduler_greedy_tokens_are_the_same_with_the_static_graph_path(model_d
 
 
 def test_separate_forwards_replay_every_decode_step_with_the_same_greedy_tokens(model_dir, ref):
-    """SGLang's default composition (the GPU's): a step's decode rows and its prefill chunks run as two forwards,
-    so every decode forward is decode-only and goes the graph's way, also while prompts (chunked: 66 > 32 tokens)
-    are prefilled; mixed steps (the CPU's default) send those decode rows through the eager packed forward."""
+    """SGLang's default composition (the GPU's)."""
     g = torch.Generator().manual_seed(7)
     prompts = [[1] + torch.randint(3, 30, (n,), generator=g).tolist() for n in (3, 40, 7, 19, 2, 66, 11)]
     mixed = _scheduler(model_dir, "static", "mixed")
@@ -167,8 +161,7 @@ def test_separate_forwards_replay_every_decode_step_with_the_same_greedy_tokens(
 
 @torch.no_grad()
 def test_a_step_whose_capture_fails_runs_eagerly_and_so_do_the_later_ones(model_dir, ref, monkeypatch, caplog):
-    """An op a CUDA graph capture refuses does not fail the step: it runs eagerly, as every later one, and the
-    failure is logged and served (/get_server_info's cuda_graph_mode)."""
+    """An op a CUDA graph capture refuses does not fail the step."""
     from slime.backends.hf_engine import decode_graphs
 
     batch = PagedBatch(load(model_dir)[0], block_size=4, max_tokens=1024, max_rows=8, decode_graphs="static")

@@ -1,15 +1,4 @@
-"""The embedded engine's device placement, checked without a GPU.
-
-A step's tensors must all live on the model's device and nothing in a step may read a device tensor back
-before its tokens (one copy at the end). Here the model runs on torch's `meta` device, which has shapes but
-no data: reading a value back (`.item()`, `.tolist()`, `bool()`) raises, an element-wise op mixing a host
-tensor with a device tensor raises, and a dispatch hook flags every other op that takes a host tensor beside
-a device one (e.g. a host index tensor into a device tensor, which CUDA accepts with a hidden copy and sync).
-
-What the CPU cannot check (tests/test_hf_engine_cuda.py and benchmarks/gpu_check.sh do, on a GPU): the
-CUDA kernels' numerics in bfloat16, the step's cost, CUDA IPC handles opened in place, the caching allocator
-giving released memory back to the device.
-"""
+"""The embedded engine's device placement, checked without a GPU."""
 
 from __future__ import annotations
 

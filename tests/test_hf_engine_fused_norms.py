@@ -1,8 +1,4 @@
-"""The engine's RMSNorm layers as torch's rms_norm (hf_engine/fused_norms.py): the same logits as transformers'
-modules (bit for bit in float32 on the CPU), only standard RMSNorms swapped, and a disagreeing op never used.
-
-What the CPU cannot check (benchmarks/gpu_check.sh does): the fused CUDA kernel's launch count and its bfloat16
-numerics (one rounding where the modules round twice)."""
+"""The engine's RMSNorm layers as torch's rms_norm (hf_engine/fused_norms.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The embedded engine's SGLang memory and tensor endpoints: /release_memory_occupation,
-/resume_memory_occupation (tags weights, kv_cache) and /update_weights_from_tensor (one
-MultiprocessingSerializer payload per TP rank; shared memory on CPU). Bad requests get a 4xx naming the
-field, and the engine keeps serving."""
+"""The embedded engine's SGLang memory and tensor endpoints."""
 
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ def models(tmp_path_factory):
 
 
 def _start(models, start_engine, *flags):
-    """An engine with SGLang's weight-update session open (as a trainer holds it around an update's buckets; these
-    tests push many updates): tensor updates are refused outside one (test_hf_engine_weights.py checks that)."""
+    """An engine with SGLang's weight-update session open."""
     srv = start_engine(models["a"][0], "--seed", "0", *flags)
     assert srv.post("/begin_weight_update", {}).json()["success"]
     return srv
@@ -257,8 +253,7 @@ def _prefix_entries(server) -> int:
 
 
 def test_paged_kv_is_flushed_by_tensor_updates_and_freed_by_release(server, models):
-    """The paged KV pool holds the running rows' and the prefix cache's blocks: a tensor weight update flushes
-    the cache unless it says flush_cache: false (SGLang), and releasing kv_cache gives back every block."""
+    """The paged KV pool holds the running rows' and the prefix cache's blocks."""
     (_, ma), _ = models["a"], models["b"]
     meta = _abort_a_running_request(server)
     assert meta["completion_tokens"] > 0 and _prefix_entries(server) == 1

@@ -68,9 +68,7 @@ def split(final: dict):
 
 
 def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
-    """Paused in place, an update with flush_cache=true loads the weights but fails (SGLang's message: rows are held);
-    with flush_cache=false it succeeds. After the continue the held request goes on over the KV model a computed:
-    its tokens from the update on are model b's over a's cache, not b's recomputation."""
+    """Paused in place, an update with flush_cache=true loads the weights but fails."""
     server = on_a
     (_, ma), (_, mb) = models["a"], models["b"]
     t, box = running(server, "held")
@@ -118,10 +116,7 @@ def test_retract_update_flushes_and_recomputes(on_a, models):
 
 
 def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, models):
-    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false. Its resumption keyed
-    by the new version ("w11") is prefilled by model b (no cache hit, b's log-probs); keyed by the old version it
-    would reuse a's KV: a hit counted as stale, and log-probs that are not b's. The first assertion fails if the
-    cache ever serves KV across versions."""
+    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false."""
     server = on_a
     (_, mb) = models["b"]
     t, box = running(server, "to-park", ready_at=8, extra_key="w10")
@@ -149,8 +144,7 @@ def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, m
 
 
 def test_update_weight_version_aborts_unless_told_not_to(on_a):
-    """SGLang's /update_weight_version: abort_all_requests (default true) aborts every request; false lets them go on,
-    their tokens split between the two versions."""
+    """SGLang's /update_weight_version."""
     server = on_a
     t, box = running(server, "kept", n=120)
     r = server.post("/update_weight_version", {"new_version": "11", "abort_all_requests": False}).json()
@@ -168,8 +162,7 @@ def test_update_weight_version_aborts_unless_told_not_to(on_a):
 
 # ---- the pause modes themselves (SGLang's /pause_generation), one model -------------------------------------
 def _held_request(server, prompt, sp):
-    """A request sent while the engine is paused: it waits before the scheduler (SGLang's tokenizer manager holds
-    it), so the load report does not count it. Returns (thread, box with its reply)."""
+    """A request sent while the engine is paused."""
     box = {}
     t = threading.Thread(target=lambda: box.update(gen(server, prompt, sampling_params=sp)))
     t.start()

@@ -1,10 +1,4 @@
-"""SGLang's request schema against the embedded engine: every field of `GenerateReqInput` and `SamplingParams`
-is honoured (its behaviour checked here) or refused with a 400 naming it; none is silently ignored.
-
-The two field lists below were read from SGLang's python/sglang/srt/managers/io_struct.py (GenerateReqInput)
-and python/sglang/srt/sampling/sampling_params.py (SamplingParams, API fields). The engine's rule table
-(slime/backends/hf_engine/fields.py) must cover exactly these, plus the `model: null` sglang-router 0.3.2 adds.
-"""
+"""SGLang's request schema against the embedded engine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Weight updates of the embedded engine: from disk, in the middle of generation, SGLang's weight-update session.
-Over a weight-update group: tests/test_router_engines.py (to every engine of a group) and tests/test_weight_sync.py
-(from the trainers)."""
+"""Weight updates of the embedded engine."""
 
 from __future__ import annotations
 
@@ -68,9 +66,7 @@ def test_update_from_disk(server, models):
 
 
 def test_update_during_generation_stamps_each_token_with_its_version(server, models):
-    """An update while a request runs (not paused): tokens before it follow the old weights and carry the old
-    version, tokens after it follow the new weights and carry the new one (meta_info.weight_versions), and
-    the rollout client labels every token accordingly. No stale KV, no mislabelled token."""
+    """An update while a request runs (not paused)."""
     from slime.rollout.sampling_request import parse_segment
     from slime.utils.types import Sample
 

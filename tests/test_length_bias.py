@@ -1,5 +1,4 @@
-"""Length bias (slime/rollout/length_bias.py): the trained, generated and synchronous length distributions, and the
-share of the longest decile that reaches training."""
+"""Length bias (slime/rollout/length_bias.py)."""
 
 from __future__ import annotations
 

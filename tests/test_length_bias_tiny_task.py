@@ -37,8 +37,7 @@ MEAN_BOUND = 0.10
 
 
 class TaskLengths(RolloutDataSource):
-    """The prompt data, each sample's budget its prompt's true response length; remembers when each group was
-    issued and that length."""
+    """The prompt data, each sample's budget its prompt's true response length."""
 
     def __init__(self, args, tok):
         super().__init__(args, tok)

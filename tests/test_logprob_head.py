@@ -1,7 +1,4 @@
-"""The chunked log-prob / entropy head (training_utils.logprob_head) against log_softmax over the full
-logits (ppo_utils): values and gradients in float32 within 1e-5, for any chunk size, temperature,
-padded vocabulary rows, and split over two vocab-parallel ranks (gloo). And packed attention
-(training_utils.varlen) against padded causal SDPA."""
+"""The chunked log-prob / entropy head (training_utils.logprob_head) against log_softmax over the full logits."""
 
 from __future__ import annotations
 
@@ -129,8 +126,7 @@ def test_packed_attention_equals_padded_causal_sdpa(heads):
 
 
 def test_varlen_kernel_probe_refuses_a_kernel_that_does_not_run(caplog):
-    """torch's varlen kernel is CUDA-only: the probe (which a GPU runs once) says so and packed attention falls
-    back to one SDPA call per sample instead of failing mid-training."""
+    """torch's varlen kernel is CUDA-only."""
     from slime.backends.training_utils.varlen import _torch_varlen, _torch_varlen_works
 
     if _torch_varlen() is None:

@@ -1,7 +1,4 @@
-"""tools/convert_hf_to_torch_dist.py and tools/convert_torch_dist_to_hf.py with
-slime's command lines: the round trip is exact and the result loads in
-transformers and in our engine; a torch_dist checkpoint is a --ref-load
-(actor start + reference); bf16 storage; export of a training checkpoint."""
+"""tools/convert_hf_to_torch_dist.py and tools/convert_torch_dist_to_hf.py with slime's command lines."""
 
 from __future__ import annotations
 

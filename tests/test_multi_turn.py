@@ -1,11 +1,4 @@
-"""The multi-turn generate (slime/rollout/multi_turn/) against a deterministic scripted policy.
-
-What is under test is the turn loop's bookkeeping across aborts (the engine's own abort behaviour is tested
-with the embedded engine elsewhere), so the policy is scripted: it writes a fixed subtract_tool trajectory,
-token by token, as long as the tokens so far are that trajectory's, honours max_new_tokens and
-stop_token_ids, and answers in SGLang's reply shape; an abort ends a reply early with the tokens it had and
-finish `abort`, as an aborted SGLang request does. The tools run in a real ToolRunner (worker processes).
-"""
+"""The multi-turn generate (slime/rollout/multi_turn/) against a deterministic scripted policy."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""RL losses, KL, entropy, aggregation and TIS checked against hand values and
-independent python/numpy computations."""
+"""RL losses, KL, entropy, aggregation and TIS checked against hand values and independent python/numpy computations."""
 
 import math
 

@@ -1,15 +1,4 @@
-"""The real model (SmolLM2-135M-Instruct, fp32) on SGLang's own server (`sglang.launch_server`, SGLang 0.5.23 on CPU
-from tools/sglang_cpu_env.py's venv), started as a run starts it (`--rollout-backend sglang`):
-
-- a short APRIL run of train.py on it ends with a clean ledger audit (tools/audit_ledger.py), and its first step's
-  trainer recomputation matches what SGLang returned;
-- SGLang's log-probs of sampled chat answers agree with the FSDP trainer's recomputation on the real weights;
-- after the trainer pushes new weights (the run's path: a broadcast group, in SGLang's weight-update session),
-  SGLang's greedy tokens are those of a transformers forward of the new weights.
-
-The train.py run starts its own engine; the other tests share one engine group for the module (a start costs
-~50-100 s here), started after the run, so the two never hold memory at once.
-"""
+"""The real model (SmolLM2-135M-Instruct, fp32) on SGLang's own server, started as a run starts it."""
 
 from __future__ import annotations
 

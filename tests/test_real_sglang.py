@@ -1,10 +1,4 @@
-"""The rollout path judged by SGLang's own server: two real `sglang.launch_server` engines (SGLang 0.5.23 on CPU,
-tools/sglang_cpu_env.py's venv) behind the real sglang-router, started by our EngineGroup as a run starts them.
-
-One group for the module (a start costs 75-100 s here); a random tiny Qwen3 on the subtract_chain vocabulary (so
-response lengths vary); every request asks for few tokens. Tests that change the engines' weights first put the
-weights they compare against on every engine, so they need no order.
-"""
+"""The rollout path judged by SGLang's own server."""
 
 from __future__ import annotations
 
@@ -92,8 +86,7 @@ class Recorder:
         monkeypatch.setattr(http_client, "generate", recording)
 
     def segment_ending(self, index: int, tokens: list[int]) -> tuple[dict, dict]:
-        """Sample `index`'s request with output whose input + output is `tokens` (its last segment; a group's samples
-        share a prompt: the rid, `...-s<index>-...`, tells them apart; one aborted while queued added nothing)."""
+        """Sample `index`'s request with output whose input + output is `tokens`."""
         hits = [(p, o) for p, o in self.calls
                 if f"-s{index}-" in p["rid"] and o["output_ids"] and p["input_ids"] + o["output_ids"] == tokens]
         assert len(hits) == 1, f"{len(hits)} requests of sample {index} end at {tokens}"
@@ -214,8 +207,7 @@ def transformers_greedy(state: dict, model_dir: str, prompt: list[int], n: int) 
 
 @pytest.mark.parametrize("mode", ["distributed", "disk", "tensor"])
 def test_weight_updates_in_sglang_sessions_serve_the_new_weights(env, make_trainer, mode):
-    """Each mode through SGLang's own weight-update session; greedy tokens after it equal a plain transformers
-    forward of the trainer's new weights, and the engines report the version."""
+    """Each mode through SGLang's own weight-update session."""
     t = make_trainer("fsdp", model_dir=env["model_dir"], lr=5e-2, update_weight_mode=mode)
     version = {"distributed": 201, "disk": 202, "tensor": 203}[mode]
     t.train(0, make_groups(seed=version), 0)

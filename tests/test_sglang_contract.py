@@ -1,15 +1,4 @@
-"""Our client's real calls against SGLang's own code, at every version we support (`pytest -m sglang_contract`).
-
-Each version in `versions.CONTRACT_VERSIONS` (the Dockerfile's pin and the oldest we accept) runs as
-`tests/sglang_real_server.py`: SGLang's FastAPI app, its tokenizer-side control code, its scheduler's
-weight-update session and flush code, its model-runner weight-update code (`init_custom_process_group`, the
-broadcast receive, its unpickler, `FlattenedTensorBucket`), with only zmq, the launch-time configuration and the
-model stood in (see that file). The calls come from the code a run uses: the trainer's `WeightUpdater`
-(distributed and tensor), `EngineGroup`'s fan-outs and its abort-until-idle loop, the engine version check, the
-rollout's /generate payload. SGLang's code at each version is installed by `tools/sglang_contract_env.py`
-(scripts/test.sh runs it); without it these tests skip, unless SLIME_REQUIRE_SGLANG_CONTRACT=1 (CI) makes that a
-failure.
-"""
+"""Our client's real calls against SGLang's own code, at every version we support (`pytest -m sglang_contract`)."""
 
 from __future__ import annotations
 

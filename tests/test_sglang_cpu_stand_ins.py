@@ -1,9 +1,4 @@
-"""The stand-ins SGLang's CPU server imports (slime/backends/sglang_utils/cpu_stand_ins/), checked in our env.
-
-The rotary stand-in must rotate exactly as transformers does for the styles SGLang passes it
-(`sglang/srt/layers/rotary_embedding/base.py`: neox (Qwen3, Llama) and GPT-J, full or partial rotary dim), from
-the cos/sin cache SGLang builds (`_compute_cos_sin_cache`: rot_dim/2 cosines then rot_dim/2 sines per position).
-"""
+"""The stand-ins SGLang's CPU server imports (slime/backends/sglang_utils/cpu_stand_ins/), checked in our env."""
 
 from __future__ import annotations
 

@@ -152,9 +152,7 @@ def test_running_requests_parses_the_load_report():
 
 
 def test_an_abort_that_arrived_with_the_end_token_finishes_the_sample(base_args, tmp_path, monkeypatch):
-    """SGLang applies an abort arriving with a token before checking that token (`Req.update_finish_state`):
-    found by the real engine (tests/test_real_sglang.py), a reply said abort with EOS as its last token. Such a
-    sample has finished: parked and resumed it would generate past its end. Any other abort stays one."""
+    """SGLang applies an abort arriving with a token before checking that token (`Req.update_finish_state`)."""
     import json
 
     from slime.backends.sglang_utils import http_client

@@ -88,9 +88,7 @@ def test_train_and_held_out_sets_and_the_final_number_reward(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_model_quick_start_two_april_steps(smollm2_dir, tmp_path):
-    """README's real-model command for two steps, made small (2 of 4 over-sampled groups of 4, 24 tokens, 8 held-out
-    prompts): train.py with APRIL on the embedded engine trains both steps, evaluates before and after, prints the
-    paired gain and draws the run; the ledger balances."""
+    """README's real-model command for two steps, made small."""
     run = tmp_path / "run"
     env = {**os.environ, "SLIME_SKIP_INSTALL": "1", "WORK": str(tmp_path / "work"), "RUN": str(run), "STEPS": "2",
            "EVAL_INTERVAL": "2", "EVAL_NUM": "8", "TRAIN_NUM": "32", "PYTHONPATH": REPO}

@@ -1,5 +1,4 @@
-"""train.py and train_async.py end to end on the embedded engine: a run, a kill -9 mid-run, and a resume from the
-checkpoint; HF export of its result; the debug modes (rollout only, then train only from the saved rollouts)."""
+"""train.py and train_async.py end to end on the embedded engine."""
 
 import json
 import os

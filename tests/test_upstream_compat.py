@@ -1,15 +1,4 @@
-"""Upstream slime's plugins and flags, unchanged.
-
-- Every flag of upstream slime (THUDM/slime `slime/utils/arguments.py` and `slime/backends/sglang_utils/arguments.py`
-  at 624b824, 2026-08-21, and the APRIL repository's, RLsys-Foundation/APRIL at a72b585; sglang-router's
-  `--router-*` flags are tests/test_pass_through_flags.py's) and every train.py flag their scripts pass is either taken
-  (slime/arguments/) or refused with what to use instead (slime/upstream_flags.py), never "unrecognized".
-- The APRIL repository's own run script (scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh with
-  scripts/models/qwen3-4B.sh) parses as it is.
-- A rollout function written to upstream's documented contract (tests/upstream_plugins.py), with a custom generate
-  and reward, trains through train.py (custom generate functions in the built-in APRIL step:
-  tests/test_upstream_plugins_e2e.py).
-"""
+"""Upstream slime's plugins and flags, unchanged."""
 
 from __future__ import annotations
 

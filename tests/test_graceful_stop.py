@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-STEPS = 9  # each chain's --num-rollout
+# each chain's --num-rollout: train.py's ends at its --exit-interval (step 5), train_async.py's final run trains step 4
+STEPS = {"train.py": 7, "train_async.py": 5}
 # (--rollout-mode, the phase the signal lands in, the signal) for each stopped run of a chain; a push is caught
 # as the run's first one forms its weight-update group, so it leads its chain
 CHAINS = {
@@ -29,7 +30,7 @@ CHAINS = {
 }
 
 
-def _chain_cmd(d, entry: str, mode: str, *extra, steps: int = STEPS) -> list[str]:
+def _chain_cmd(d, entry: str, mode: str, *extra, steps: int) -> list[str]:
     cmd = _cmd(d, "--rollout-ignore-eos", "--rollout-max-response-len", "96", "--sglang-server-concurrency", "4",
                "--custom-rm-path", "tests.plugins_for_tests.gated_subtract_chain", "--reward-timeout", "600",
                "--rollout-mode", mode, *extra, steps=steps, batch=2, n=4)
@@ -44,8 +45,7 @@ def _buffer(d, step: int) -> dict:
     return json.loads((d / "ckpt" / f"iter_{step:07d}" / "buffer" / "buffer.json").read_text())
 
 
-def _stopped_run(d, entry: str, mode: str, phase: str, sig: int, start: int, options: tuple = (),
-                 steps: int = STEPS) -> dict:
+def _stopped_run(d, entry: str, mode: str, phase: str, sig: int, start: int, options: tuple, steps: int) -> dict:
     """One run from step `start` (a --load resume unless 0), stopped by `sig` in `phase` of step `at`."""
     at = start if phase in ("weight push", "exit interval") else start + 1
     assert phase != "weight push" or start == 0
@@ -130,16 +130,16 @@ def chain(request, task, tmp_path_factory):
     (d / "train.jsonl").symlink_to(task[0] / "train.jsonl")
     runs, start = [], 0
     for mode, phase, sig in CHAINS[entry]:
-        run = _stopped_run(d, entry, mode, phase, sig, start)
+        run = _stopped_run(d, entry, mode, phase, sig, start, (), STEPS[entry])
         run.update(entry=entry, mode=mode, phase=phase, sig=sig)
         runs.append(run)
         assert run["resumes_at"] >= start, run["log"].read_text()[-3000:]
         start = run["resumes_at"]
     if runs[-1]["phase"] == "exit interval":  # it ends the chain (exit 0, checkpointed): the audit is of its checkpoint
         return {"d": d, "entry": entry, "runs": runs, "end": runs[-1]["done"]}
-    final = subprocess.run(_chain_cmd(d, entry, "chunked", "--load", str(d / "ckpt")), cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=600)
-    return {"d": d, "entry": entry, "runs": runs, "final": final, "end": STEPS - 1}
+    final = subprocess.run(_chain_cmd(d, entry, "chunked", "--load", str(d / "ckpt"), steps=STEPS[entry]), cwd=REPO,
+                           env=_env(), capture_output=True, text=True, timeout=600)
+    return {"d": d, "entry": entry, "runs": runs, "final": final, "end": STEPS[entry] - 1}
 
 
 @pytest.mark.parametrize("i", range(3), ids=["weight_push", "rollout", "training"])  # (each chain's first three)

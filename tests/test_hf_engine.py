@@ -12,27 +12,17 @@ import torch
 
 from slime.utils.sglang_versions import SGLANG_PINNED
 from hf_engine_reference import (_running_stream, _stream_until, _wait_idle, _wait_load, gen, greedy_reference,
-                                 teacher_forced_logprobs)
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
-
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
+                                 load_model, teacher_forced_logprobs, tiny_model)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf_engine_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
-    return d
+    return tiny_model(tmp_path_factory, "hf_engine_model", seed=0)[0]
 
 
 @pytest.fixture(scope="module")
 def ref_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return load_model(model_dir)
 
 
 @pytest.fixture(scope="module")

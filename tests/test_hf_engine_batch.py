@@ -10,26 +10,15 @@ import torch
 from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.kv_pool import KVPool, OutOfBlocks
 from slime.backends.hf_engine.paged_attention import plan_buckets
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import load_model as load, tiny_model, tiny_spec
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=1024)
+SPEC = tiny_spec(1024)
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("batch_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
-    return d
-
-
-def load(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return tiny_model(tmp_path_factory, "batch_model", seed=0, spec=SPEC)[0]
 
 
 @pytest.fixture(scope="module")

@@ -6,23 +6,14 @@ import pytest
 import torch
 
 from slime.backends.hf_engine import fused_norms
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import load_model as load, tiny_model, tiny_spec
 
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
+SPEC = tiny_spec()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fused_norm_model")
-    build_tiny_qwen3(str(d), build_tokenizer(list("abcdefghij")), SPEC, seed=0)
-    return d
-
-
-def load(model_dir, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return tiny_model(tmp_path_factory, "fused_norm_model", seed=0, words=list("abcdefghij"))[0]
 
 
 @torch.no_grad()

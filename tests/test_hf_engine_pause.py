@@ -16,14 +16,10 @@ import requests
 import torch
 
 import pause_reference
-from hf_engine_reference import _running_stream, gen
+from hf_engine_reference import _running_stream, gen, tiny_model
 from pause_reference import decode_over_cache, teacher_forced
 from slime.backends.hf_engine.pause import FLUSH_FAILED
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 PROMPT = [1, 5, 6, 7, 8]
 N = 150
 
@@ -31,13 +27,7 @@ N = 150
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two models with the same architecture and different weights: a (served first) and b (the update)."""
-    torch.set_num_threads(1)
-    tok = build_tokenizer(WORDS)
-    out = {}
-    for seed, name in enumerate("ab"):
-        d = tmp_path_factory.mktemp(f"pause_model_{name}")
-        out[name] = (d, build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval())
-    return out
+    return {name: tiny_model(tmp_path_factory, f"pause_model_{name}", seed) for seed, name in enumerate("ab")}
 
 
 @pytest.fixture(scope="module")

@@ -7,27 +7,19 @@ import torch
 
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.backends.hf_engine.scheduler import Request, Scheduler
-from hf_engine_reference import greedy_reference
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import WORDS, greedy_reference, load_model, tiny_model, tiny_spec
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("sched_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=1)
-    return d
+    return tiny_model(tmp_path_factory, "sched_model", seed=1, spec=tiny_spec(512))[0]
 
 
 def load(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(str(model_dir)))
+    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,15 @@ import time
 import pytest
 import torch
 
-from hf_engine_reference import greedy_reference
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import greedy_reference, tiny_model
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 PROMPT = [1, 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two models with the same architecture and different weights: a (served first), b (the update)."""
-    tok = build_tokenizer(WORDS)
-    out = {}
-    for seed, name in enumerate("ab"):
-        d = tmp_path_factory.mktemp(f"model_{name}")
-        m = build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval()
-        out[name] = (d, m)
-    return out
+    return {name: tiny_model(tmp_path_factory, f"model_{name}", seed) for seed, name in enumerate("ab")}
 
 
 @pytest.fixture(scope="module")

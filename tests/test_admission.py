@@ -1,5 +1,4 @@
-"""--admission: the AIMD-like controller of a pool's requests in flight (slime/rollout/admission.py), a step's load
-reports, and the same controller driving the simulated engines' pool."""
+"""--admission: the pool's in-flight controller (slime/rollout/admission.py), its load reports, and in the simulator."""
 
 from __future__ import annotations
 

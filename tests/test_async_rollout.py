@@ -75,16 +75,10 @@ def start(env, args):
 
 @contextlib.contextmanager
 def frozen_mid_request(env, rollout, timeout: float = 30.0):
-    """Inside, the rollout sends nothing new (its gate held) and every engine is paused in place (SGLang's
-    `/pause_generation` mode in_place) with at least one request of ours running on it and every request of ours
-    in an engine's scheduler (none in transit, none held before a paused scheduler: an abort reaches them all);
-    generation continues on leaving.
+    """Inside, the gate is held and each engine paused in place with our requests in its scheduler, none in transit.
 
-    The tiny model finishes a request in a few tens of milliseconds, less than an update takes to reach
-    the engine, so an update timed by the clock often found nothing running (or requests with no token
-    yet). Frozen, the update is certain to cut through requests: the scheduler takes a pause between
-    two of its steps, and every running row has been through a step since it was admitted, so it holds
-    at least one token of the current version."""
+    The tiny model finishes a request faster than an update reaches the engine: frozen, the update surely cuts through
+    requests, each holding at least one token of the current version."""
     urls = env["engines"].worker_urls()
     gate = rollout.gate
     deadline = time.monotonic() + timeout

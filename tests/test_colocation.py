@@ -9,8 +9,7 @@ from slime.ray.colocation import ColocatedPhases, Phases, device_phases
 
 
 class Recorder:
-    """Answers as RayTrainGroup (offload / onload) and EngineGroup (release / resume) do, holding `held` bytes
-    per memory tag as the embedded engine counts them (the KV cache comes back empty on resume)."""
+    """Answers as RayTrainGroup (offload / onload) and EngineGroup (release / resume) do, counting bytes per tag."""
 
     def __init__(self, log: list, who: str):
         self.log, self.who = log, who

@@ -140,8 +140,7 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
 
 
 def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
-    """RolloutManager.push_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
-    version is pushed to the fresh engine (the trainer's update_weights stands in as a blocking HTTP call)."""
+    """An engine frozen mid-push is killed at once, restarted, and the same version pushed to the fresh one."""
     from slime.ray.rollout import RolloutManager
 
     args, group = engines

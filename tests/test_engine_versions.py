@@ -1,5 +1,4 @@
-"""Per-token versions: the engine's spans read and checked against our record of each request
-(slime/rollout/engine_versions.py), and the prefix-cache key our requests carry."""
+"""Per-token versions: the engine's spans checked against our record (engine_versions.py), and the cache key."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def test_requests_carry_the_key_of_the_version_they_are_sent_at(base_args):
 
 
 def test_a_span_lag_gives_each_newer_spans_first_tokens_the_version_before():
-    """SGLang's in-place pause: the token its overlap scheduler had in flight is appended after the update, in the newer
-    span, though the older weights sampled it (tests/test_real_sglang.py measures it)."""
+    """In-place pause: the overlap scheduler's in-flight token lands in the newer span but is labelled the older."""
     assert lag_spans([3, 3, 4, 4, 4, 5, 5], 1) == [3, 3, 3, 4, 4, 4, 5]
     assert lag_spans([3, 3, 4], 0) == [3, 3, 4] and lag_spans([4, 4], 1) == [4, 4]
     got, _ = label(reply_meta(5, [("3", 0, 2), ("4", 2, 5)], "4"), 5, sent=3, newest=4)

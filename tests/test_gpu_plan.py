@@ -1,5 +1,4 @@
-"""slime/utils/gpu_plan.py: the effective settings line, the placement, and the memory estimate, the latter against
-the two peaks measured on a GPU (docs/gpu.md, 2026-11-26, one H200, `benchmarks/gpu_train_check.sh`)."""
+"""slime/utils/gpu_plan.py: the settings line, the placement, the memory estimate against peaks measured on a GPU."""
 
 from __future__ import annotations
 

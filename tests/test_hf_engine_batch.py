@@ -175,9 +175,7 @@ def test_prefill_chunks_of_many_shapes_share_padded_buckets_and_match_the_refere
 
 
 def test_padded_prefill_buckets_waste_at_most_their_bound():
-    """merge_prefill: every segment in exactly one bucket; a padded bucket's maps send each packed cell to its own
-    padded cell and each padding cell to its chunk's last; the padded (query, key) pairs stay within 2x the exact
-    ones plus the slack; one long chunk among many short ones is not padded to."""
+    """merge_prefill: each segment in one bucket, padding maps exact, padded pairs within 2x the exact plus slack."""
     from slime.backends.hf_engine.paged_attention import PAD_SLACK_PAIRS
 
     tables = torch.arange(256 * 600).view(256, 600)

@@ -46,8 +46,7 @@ def meta_model(tmp_path_factory):
 
 
 def test_a_step_and_its_sampling_stay_on_the_models_device(meta_model):
-    """Decode rows of several lengths (several buckets), a fresh prompt, and a chunk with a prefix (the GPU's masked
-    prefill), then sampling with every restriction, a logit bias and a seeded row: all on the device, no reads."""
+    """Decode rows, a fresh prompt, a prefixed chunk, then every sampling restriction: all on the device, no reads."""
     batch = PagedBatch(meta_model, block_size=4, max_tokens=4096, max_rows=8, min_bucket_saving=8)
     assert batch.device.type == "meta" and batch.prefill_attention == "masked"  # off the CPU: one masked SDPA
     rows = [batch.add_row() for _ in range(4)]

@@ -1,10 +1,6 @@
-"""The embedded engine's pause modes and weight updates of a paused engine, as SGLang 0.5.23 does them
-(slime/backends/hf_engine/pause.py), and a prefix cache that never serves KV of older weights to a request keyed by
-a newer version.
+"""The embedded engine's pause modes and updates of a paused engine as SGLang 0.5.23 does them (hf_engine/pause.py).
 
-Each test checks the tokens and log-probs against the models themselves: `in_place` must go on over the KV the old
-weights computed (reproduced here by decoding with the new model over the old model's cache), `retract` must
-recompute it, and a resumed request keyed by the new version must be prefilled by the new weights."""
+Tokens and log-probs are checked against the models: in_place goes on over the old KV, retract recomputes."""
 
 from __future__ import annotations
 
@@ -85,8 +81,7 @@ def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
 
 
 def test_retract_update_flushes_and_recomputes(on_a, models):
-    """Paused with retract, the request waits with its KV freed, an update with flush_cache=true succeeds, and after
-    the continue the request is prefilled again from its tokens by model b: exactly b's log-probs from the update."""
+    """Paused with retract, a flushing update succeeds and the request is prefilled again: exactly b's log-probs."""
     server = on_a
     (_, ma), (_, mb) = models["a"], models["b"]
     t, box = running(server, "retracted")
@@ -160,8 +155,7 @@ def _held_request(server, prompt, sp):
 
 
 def test_pause_in_place_holds_rows_and_new_requests(server):
-    """SGLang's in_place: the running row is held with its KV (nothing decodes), a flush is refused while it is held,
-    a request sent meanwhile is held before the scheduler (no abort reaches it) and runs after the continue."""
+    """SGLang's in_place: the row is held with its KV, a flush refused, a new request held until the continue."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     t, box = _running_stream(server, "run-1", [1, 2, 3], sp)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
@@ -199,8 +193,7 @@ def test_pause_in_place_then_continue_completes(server):
 
 
 def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
-    """SGLang's retract: running requests go back to the queue with their KV freed; while paused the queue does not
-    stop a flush; after the continue they are prefilled again from their tokens and finish as if never paused."""
+    """SGLang's retract: requests requeued with KV freed, a flush allowed, then prefilled again as if never paused."""
     prompt, n = [1, 8, 6, 7], 80
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     full = gen(server, prompt, sampling_params=sp)["output_ids"]

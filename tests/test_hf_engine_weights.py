@@ -111,9 +111,7 @@ def test_update_errors_are_reported(server, tmp_path):
 
 
 def test_tensor_and_broadcast_updates_need_a_session_as_in_sglang(server, models):
-    """SGLang >= 0.5.21: tensor and broadcast updates outside /begin_weight_update ... /end_weight_update are
-    refused (400, SGLang's message) without touching the weights or joining a broadcast; the session cannot be
-    opened twice or closed when not open; a disk update needs none."""
+    """SGLang >= 0.5.21: tensor and broadcast updates outside a weight-update session are refused untouched."""
     before = greedy(server, PROMPT, 6)["output_ids"]
     version = server.weight_version()
     for route in ("/update_weights_from_tensor", "/update_weights_from_distributed"):

@@ -30,8 +30,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
 def test_one_rl_step_equals_fsdp(tiny_model_dir, make_trainer, estimator):
-    """Same flags, same batch: the FSDP and Megatron backends report the same
-    loss and end with the same weights (one implementation of the RL math)."""
+    """Same flags, same batch: FSDP and Megatron report the same loss and end with the same weights."""
     from slime.backends.fsdp_utils.actor import FSDPTrainer
     from slime.backends.fsdp_utils.hf_weights import full_state_dict
 

@@ -173,9 +173,7 @@ def test_an_abort_at_every_token_of_every_turn_resumes_to_the_same_trajectory(to
 
 @pytest.mark.parametrize("when", ["running", "finished", "lost"])
 def test_an_abort_during_every_tool_call_runs_it_once(tok, script, reference, runner, when):
-    """Stopped while the call runs: parked with the call pending; on resume the result is taken (the call still
-    running, or finished meanwhile), or, lost with its runner (a restarted run), run again as the environment
-    allows it (the calculator is safe to re-run)."""
+    """Stopped during a tool call: parked with the call pending; on resume its result is taken, or it runs again."""
     target, obs = script
     ref, runs = reference
     parked_pending = 0

@@ -1,8 +1,4 @@
-"""--offload: the trainer's parameters, gradients and optimizer state leave the device and come back
-unchanged, for both backends. On CPU the same calls run: every storage is freed (0 bytes) while offloaded,
-every tensor is bit-identical after the onload, training goes on exactly as without the round trip, and a
-save while offloaded works. On CUDA (skipped here) the memory is measured on a ~60M-parameter model: the
-trainer's own allocation leaves the device, and shutdown gives it back."""
+"""--offload: the trainer's state leaves the device and comes back bit-identical, on both backends."""
 
 from __future__ import annotations
 

@@ -79,8 +79,7 @@ def test_train_py_runs_the_real_model_on_megatron(smollm2_dir, tmp_path):
 
 # ---- the model against transformers', and one step on each trainer ------------------------------------------
 def test_megatron_is_transformers_llama_and_trains_as_fsdp(smollm2_dir, tmp_path):
-    """The HF round trip; the model spec against transformers' LlamaForCausalLM (the installed, pinned-range
-    version): structure and log-probs; then one RL step on each trainer from the same batch."""
+    """The HF round trip, the spec against transformers' Llama, then one RL step on each trainer from one batch."""
     import transformers
     from safetensors.torch import load_file
 

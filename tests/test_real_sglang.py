@@ -283,12 +283,9 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
 @pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
 def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, request, pause):
-    """train_async.py's stream rollout on real engines, weights switching between two models while requests are
-    in flight, for each --pause-mode. abort drains the gate first (SGLang >= 0.5.22 fails an update that flushes
-    the cache while requests run); retract and in_place pause the engines, which keep our requests (in_place:
-    the push says flush_cache=false). Every token carries the version SGLang's spans give it
-    (`meta_info.weight_versions`, never disagreeing with our record); its log-prob equals a teacher-forced one
-    under that version's weights, except (in_place) the tokens a request sampled over KV of the older weights."""
+    """train_async.py's stream rollout on real engines, weights switching mid-request, for each --pause-mode.
+
+    Each token carries SGLang's span version and that version's teacher-forced log-prob (in_place: bar old KV)."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -355,8 +352,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
 
 # ---- 3e: pauses, spans and cache keys, SGLang's and the embedded engine's ----------------------------------
 def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env, start_engine, tmp_path):
-    """SGLang's own server and the embedded engine, on the same two models, answer the pause scenarios alike and as
-    the models say (slime/backends/hf_engine/pause.py follows SGLang's scheduler code; this runs SGLang itself)."""
+    """SGLang's own server and the embedded engine answer the pause scenarios alike and as the models say."""
     from transformers import AutoModelForCausalLM
 
     build_tiny_qwen3(str(tmp_path / "B"), env["tok"], SPEC, seed=21)

@@ -91,8 +91,7 @@ def main_job(quickstart_task, tmp_path_factory):
 
 
 def test_engines_are_sglang_launch_server_from_the_cpu_venv(main_job):
-    """The engines really are SGLang's server (their command lines, not only their replies), before and after
-    the restart, from the venv's interpreter, with the CPU flags our launcher sets."""
+    """The engines are SGLang's server from the venv with our CPU flags, before and after the restart."""
     python = sglang_python()
     assert len(main_job["first"]) == 1 and len(main_job["second"]) == 1, main_job
     for _, argv in main_job["first"] + main_job["second"]:

@@ -75,8 +75,7 @@ def test_rotary_stand_in_keeps_dtype_and_skips_a_missing_key():
 
 
 def test_torchvision_stand_in_imports_as_sglang_and_transformers_do_and_refuses_use():
-    """What SGLang 0.5.23 (internvl_utils.py, deepseek_ocr.py) and transformers 5.19 (image_utils.py,
-    image_processing_utils.py) import at module level, in a fresh interpreter with the stand-ins first."""
+    """What SGLang 0.5.23 and transformers 5.19 import at module level, in a fresh interpreter with the stand-ins."""
     code = (
         "import torchvision.transforms as T\n"
         "from torchvision.transforms.functional import InterpolationMode\n"

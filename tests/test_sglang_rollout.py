@@ -1,8 +1,4 @@
-"""APRIL rollout end to end: the embedded engine behind the real sglang-router.
-
-One module-scoped engine group (tests/rollout_env.py: a 1-layer tiny Qwen3 on the subtract_chain vocabulary,
-random weights, so response lengths vary); every test runs a few short steps against it.
-"""
+"""APRIL rollout end to end: the embedded engine behind the real sglang-router (tests/rollout_env.py)."""
 
 from __future__ import annotations
 
@@ -266,8 +262,7 @@ def test_custom_generate_function_must_return_the_sample(env):
 
 
 def test_a_shared_http_session_is_reused_across_steps_and_left_open(env, tmp_path):
-    """The link's session: every step sends through the caller's session (keep-alive connections to the router
-    are reused), and the step never closes it; pool mode exercises the abort path through it too."""
+    """Every step sends through the caller's session (keep-alive reused) and never closes it."""
     import aiohttp
 
     args = make_args(env["root"], "--partial-rollout", "--rollout-mode", "pool", "--rollout-pool-size", "6",

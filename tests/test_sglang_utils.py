@@ -338,8 +338,7 @@ def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypa
 
 
 def test_sglang_on_a_cpu_box_runs_from_its_interpreter_with_the_cpu_flags_and_stand_ins(tmp_path, monkeypatch):
-    """No CUDA: SGLang's own server with our CPU flags (each replaced by a user's --sglang-<flag>), the import
-    stand-ins first on its PYTHONPATH only, from --sglang-python ($SLIME_SGLANG_PYTHON by default)."""
+    """No CUDA: SGLang runs from --sglang-python with our CPU flags (user-overridable) and the import stand-ins."""
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: False)
     monkeypatch.setenv("SLIME_SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")

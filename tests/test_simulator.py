@@ -260,8 +260,7 @@ def test_lengths_specs_are_parsed_or_refused():
 
 
 def test_a_paged_engine_pays_for_its_buckets():
-    """With `paged_block_size`, a decode step of rows of very different lengths gathers less than B x longest but
-    pays for the extra buckets, as the embedded engine's step does (one bucket: the old padded model)."""
+    """With `paged_block_size` a mixed-length decode gathers less than B x longest but pays for its buckets."""
     base = EngineCostModel(decode_base_s=1e-3, decode_per_padded_s=1e-8, decode_per_bucket_s=1e-4)
     paged = base.replace(paged_block_size=32)
     same = [300] * 8

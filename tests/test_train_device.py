@@ -121,8 +121,7 @@ def fused_uncompiled(monkeypatch):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_megatron_micro_batch_never_reads_the_device(model_dir, megatron_on_meta, varlen_on_device, fused_uncompiled,
                                                      monkeypatch, packed, fused):
-    """Megatron's forward included: RoPE is ours (megatron's unfused `thd` RoPE read the segment lengths back from
-    the device in every layer, for q and for k), packed lengths from the host."""
+    """Megatron's forward included: our RoPE and packed lengths from the host, no device reads."""
     import megatron.core.transformer.attention as megatron_attention
 
     from slime.backends.megatron_utils.model import forward_micro_batch

@@ -210,8 +210,7 @@ def workdir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_upstream_rollout_function_and_plugins_train_through_train_py(workdir):
-    """A rollout function in upstream's shape (train and eval) calling a custom generate (GenerateState,
-    append_response_tokens) and a custom reward, the state they keep on args carried across the run."""
+    """An upstream-shaped rollout function with a custom generate and reward, its state on args kept across the run."""
     out = workdir / "rollout_fn"
     plugins = "tests.upstream_plugins"
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", str(workdir / "model"),

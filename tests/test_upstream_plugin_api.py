@@ -67,8 +67,7 @@ def test_append_response_tokens_refuses_what_upstream_refuses():
 
 
 def test_a_retried_sample_reset_upstreams_way_grows_again():
-    """retool's generate resets a retried sample by setting rollout_log_probs=None, loss_mask=[] and
-    response_length=0 (upstream keeps versions per request, so it never trims them)."""
+    """retool's generate resets a retried sample upstream's way (log-probs None, empty mask) and it grows again."""
     s = prompt_sample()
     s.append_response_tokens(None, tokens=[10, 11], log_probs=[-0.1, -0.2], meta_info={"weight_version": 2})
     s.rollout_log_probs, s.loss_mask, s.response, s.response_length, s.tokens = None, [], "", 0, [1, 2, 3]

@@ -15,7 +15,7 @@ from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokeni
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 4
-STEPS = 6
+STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 4
+STEPS = 2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

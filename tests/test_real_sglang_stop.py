@@ -12,7 +12,7 @@ from test_faults import _env, task  # noqa: F401 - `task` is a fixture
 from test_graceful_stop import _chain_cmd, _stopped_run, check_resumes, check_stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_sglang, pytest.mark.timeout(1500)]
-STEPS = 2
+STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def chain(task, tmp_path_factory):
     run.update(entry="train.py", mode="chunked", phase="rollout", sig=signal.SIGTERM)
     final = subprocess.run(_chain_cmd(d, "train.py", "chunked", "--load", str(d / "ckpt"), *sglang, steps=STEPS),
                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    record_cost("a SIGTERM'd train.py run and its --load resume, 2 steps", time.monotonic() - t0)
+    record_cost("a SIGTERM'd train.py run and its --load resume, 3 steps", time.monotonic() - t0)
     return {"d": d, "entry": "train.py", "runs": [run], "final": final, "end": STEPS - 1}
 
 

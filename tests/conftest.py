@@ -62,8 +62,7 @@ def quickstart_task():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """SmolLM2-135M-Instruct as an fp32 HF directory (tests/real_model.py): converted once per machine, cached in
-    runs/smollm2/model, shared read-only by the `real_model` tests."""
+    """SmolLM2-135M-Instruct as an fp32 HF directory (tests/real_model.py), cached in runs/smollm2/model, read-only."""
     from real_model import smollm2_dir
 
     return smollm2_dir()
@@ -71,8 +70,7 @@ def smollm2_dir():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The trainer tests' tiny random Qwen3 (2 layers, hidden 32; tests/test_fsdp_helpers.py's make_model_dir),
-    built once per session and shared read-only by every trainer test."""
+    """The trainer tests' tiny random Qwen3 (test_fsdp_helpers.make_model_dir), built once, shared read-only."""
     from test_fsdp_helpers import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))

@@ -10,6 +10,29 @@ import time
 import requests
 import torch
 
+from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+
+WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+
+
+def tiny_spec(max_positions: int = 256) -> TinyQwen3Spec:
+    """The engine tests' tiny Qwen3: 2 layers, hidden 64, 4 heads over 2 KV heads."""
+    return TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=max_positions)
+
+
+def tiny_model(tmp_path_factory, name: str, seed: int, words=WORDS, spec: TinyQwen3Spec | None = None):
+    """A random tiny Qwen3 saved in a fresh folder `name` (one torch thread): (the folder, the model, eval mode)."""
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp(name)
+    return d, build_tiny_qwen3(str(d), build_tokenizer(words), spec or tiny_spec(), seed=seed).eval()
+
+
+def load_model(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     """`n` greedy tokens from a plain transformers model, one full forward per token (no cache): the reference."""
     seq = list(prompt)

@@ -1,6 +1,5 @@
-"""Shared helpers for the Megatron trainer tests (no tests here): run a
-function on N spawned ranks (gloo, CPU) with a deadline, and the probes the
-tests compare (full gradients, full weights, logits)."""
+"""Megatron trainer test helpers: a function on N spawned gloo ranks with a deadline, and the probes compared
+(full gradients, full weights, logits)."""
 
 from __future__ import annotations
 

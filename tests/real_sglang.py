@@ -1,13 +1,8 @@
 """SGLang's own server (`sglang.launch_server`, SGLang 0.5.23 on CPU) for the `real_sglang` tests.
 
-Engines are started by our own EngineGroup (`--rollout-backend sglang --sglang-python <the CPU venv>`), the code
-a run uses: the launcher adds the CPU flags and import stand-ins, the real sglang-router fronts them. The venv is
-`tools/sglang_cpu_env.py`'s: scripts/test.sh starts its install in the background, and `sglang_python()` waits
-for it (one file lock) or installs it itself; `SLIME_SKIP_REAL_SGLANG=1` skips these tests, nothing else does.
-
-conftest.py's `real_sglang_engines` fixture wraps `start_engines` (one group per module, shut down after it).
-A server start costs 75-100 s on a loaded 2-core box: share a group across a module's tests, keep
-`max_new_tokens` small, and wait for events, never for times.
+Engines start through our EngineGroup (`--rollout-backend sglang`) from tools/sglang_cpu_env.py's venv, which
+`sglang_python()` waits for or installs (`SLIME_SKIP_REAL_SGLANG=1` skips these tests). A start costs 75-100 s
+here: share one group per module (conftest.py's `real_sglang_engines`) and keep `max_new_tokens` small.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The engines and helpers of the APRIL rollout tests (tests/test_sglang_rollout.py): one module-scoped engine
-group (a 1-layer tiny Qwen3 on the subtract_chain vocabulary, random weights, so response lengths vary), the
-flags, data sources that shape the groups, and the reward / filter plugins the tests name by dotted path
-(`rollout_env.<name>`: the module the tests import)."""
+"""The APRIL rollout tests' engine group (a random 1-layer tiny Qwen3, so lengths vary), flags, data sources, and
+the reward / filter plugins they name by dotted path (`rollout_env.<name>`)."""
 
 from __future__ import annotations
 

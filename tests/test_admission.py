@@ -1,5 +1,4 @@
-"""--admission: the AIMD-like controller of a pool's requests in flight (slime/rollout/admission.py), a step's load
-reports, and the same controller driving the simulated engines' pool."""
+"""--admission: the pool's in-flight controller (slime/rollout/admission.py), its load reports, and in the simulator."""
 
 from __future__ import annotations
 
@@ -50,9 +49,7 @@ def test_auto_starts_at_the_engines_capacity_and_follows_their_loads():
 
 
 def test_within_what_the_loads_allow_each_steps_speed_climbs_the_hill():
-    """A step's own tokens/s (what the loads cannot see: re-prefill of parked samples, a decode step that grows with
-    its rows) judges probes of a neighbouring limit: down from the start while steps get faster, back where they
-    stop, then a probe up that finds nothing, and a rest at the best limit."""
+    """A step's own tokens/s judges probes of a neighbouring limit."""
     c = AdmissionControl("auto", 256, 4)
     c.observe([load(cap=128)], 0)
     speed = {128: 80.0, 102: 90.0, 82: 100.0, 66: 104.0, 53: 101.0, 42: 90.0}  # a peak at 66
@@ -68,9 +65,7 @@ def test_within_what_the_loads_allow_each_steps_speed_climbs_the_hill():
 
 
 def test_the_climb_holds_where_the_steps_noise_hides_a_difference():
-    """Step tokens/s vary 25% from step to step (a shared CPU box) around a flat optimum at the start (one batch, 64):
-    a neighbour is within 3%, a step at it can look 30% faster by chance. The climb asks for evidence beyond the
-    noise it measured, so it stays at the start but for its probes (fewer as it rests longer) instead of wandering."""
+    """Step tokens/s vary 25% from step to step (a shared CPU box) around a flat optimum at the start."""
     rng = random.Random(0)
     c = AdmissionControl("auto", 256, 4, batch=64)
     c.observe([load(cap=128)], 0)
@@ -116,8 +111,7 @@ def step_io(read, in_flight: int = 16):
 
 
 def test_a_steps_load_poll_reads_reports_at_its_wakes_and_never_waits_on_one():
-    """The step's loop hands the controller each report that came back at its next wake; it never waits on one
-    (a report is its own task), asks again only after interval_s, and a failed report holds the limit."""
+    """The step's loop hands the controller each report that came back at its next wake."""
     async def main():
         reply, calls = asyncio.Event(), []
 
@@ -174,8 +168,7 @@ KV_LIMITED = EngineCostModel(name="kv-limited", decode_base_s=0.01, decode_per_s
 
 
 def test_simulated_pool_finds_what_the_engine_can_run():
-    """A pool whose ceiling is far above what the engine admits (its KV cache holds ~48 reservations of 1 024
-    tokens): auto settles near what runs, with a small queue; fixed at the ceiling keeps hundreds waiting."""
+    """A pool whose ceiling is far above what the engine admits."""
     lengths = ParetoLengths(1.0, 8, 128)
     base = SimConfig(mode="pool", rollout_batch_size=16, n_samples_per_prompt=4, partial_rollout=True, pool_size=256,
                      max_response_len=1024, steps=8, warmup_steps=2, record_timeline=True)
@@ -190,9 +183,7 @@ def test_simulated_pool_finds_what_the_engine_can_run():
 
 @pytest.mark.slow
 def test_auto_admission_learns_the_embedded_engines_capacity(tmp_path):
-    """Pool mode against the embedded engine behind the real router, its batch capped at 4 rows: auto starts at the
-    engine's reported capacity and keeps the requests in flight near what runs (the real /v1/loads), far under its
-    ceiling of 32; every step fills its target."""
+    """Pool mode against the embedded engine behind the real router, its batch capped at 4 rows."""
     from slime.arguments import parse_args
     from slime.backends.sglang_utils.engine_group import EngineGroup
     from slime.ray.buffer import PartialRolloutBuffer

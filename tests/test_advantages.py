@@ -80,8 +80,7 @@ def _upstream_group_norm(rewards: torch.Tensor, group_size: int, std_norm: bool)
 
 @pytest.mark.filterwarnings("ignore:std\\(\\)")  # size-1 groups in the upstream reference (all "equal")
 def test_equal_reward_groups_get_exactly_zero_for_any_value_and_size():
-    """Property: a group of equal rewards has advantage exactly 0 (any value, any size, with or without
-    the std division, for every estimator that centres on the group); other groups are untouched."""
+    """A group of equal rewards has advantage exactly 0 for every centring estimator; other groups are untouched."""
     rng = np.random.default_rng(0)
     # the issue's cases: float32 mean residue / (std + 1e-6) used to give -0.32 and 0.03
     for value in (7.7, 0.3):
@@ -249,8 +248,7 @@ def _args(tmp_path, *extra):
 
 
 def test_the_trainers_advantages_read_the_flags(tmp_path):
-    """training_utils/loss.py's advantages from the parsed flags (--advantage-estimator,
-    --disable-grpo-std-normalization, --kl-coef)."""
+    """training_utils/loss.py's advantages from the parsed flags."""
     from types import SimpleNamespace
 
     from slime.backends.training_utils.loss import _advantages

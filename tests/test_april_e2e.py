@@ -1,5 +1,4 @@
-"""APRIL across process boundaries: the buffer as a Ray actor (save -> restart -> resume, no group
-trained twice), and an engine killed mid-rollout (a clear error, finished groups not lost)."""
+"""APRIL across process boundaries."""
 
 from __future__ import annotations
 

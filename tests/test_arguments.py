@@ -216,8 +216,7 @@ def test_train_async_rules_name_the_flag(base, extra, flag):
 
 
 def test_pool_and_stream_admission_defaults(base):
-    """auto (the engines' loads decide, at most concurrency x engines) unless a pool size is given; a fixed stream
-    pool defaults to one batch of requests."""
+    """auto (the engines' loads decide, at most concurrency x engines) unless a pool size is given."""
     stream = ["--rollout-mode", "stream", "--partial-rollout"]
     a = parse_args(base + stream, entry="train_async.py")
     assert (a.admission, a.rollout_pool_size) == ("auto", 512)

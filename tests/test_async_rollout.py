@@ -1,10 +1,4 @@
-"""train_async.py's rollout side against the embedded engine behind the real sglang-router.
-
-A weight update lands while requests are in flight (the engines switch between two different random
-models A and B): every token must carry the version whose weights produced it, checked by teacher
-forcing each token under that version's model. The staleness cap holds for every trained token, and
-backpressure keeps the rollout within --max-async-lag of the trainer.
-"""
+"""train_async.py's rollout side against the embedded engine behind the real sglang-router."""
 
 from __future__ import annotations
 
@@ -58,9 +52,7 @@ def make_args(root, *extra):
 
 
 def load_weights(env, name: str, version: int, flush: bool = True) -> dict:
-    """The engines load model `name` as `version` (what the trainer's push does, from disk; `flush`: its
-    flush_cache, false under --pause-mode in_place); returns how many requests were in flight across the update
-    (the engine's num_paused_requests)."""
+    """The engines load model `name` as `version`; returns the requests in flight across the update."""
     replies = env["engines"].weights.from_disk(str(env["root"] / name), version, flush_cache=flush)
     return {"in_flight_across": sum(int(r.get("num_paused_requests", 0)) for r in replies.values())}
 
@@ -83,16 +75,10 @@ def start(env, args):
 
 @contextlib.contextmanager
 def frozen_mid_request(env, rollout, timeout: float = 30.0):
-    """Inside, the rollout sends nothing new (its gate held) and every engine is paused in place (SGLang's
-    `/pause_generation` mode in_place) with at least one request of ours running on it and every request of ours
-    in an engine's scheduler (none in transit, none held before a paused scheduler: an abort reaches them all);
-    generation continues on leaving.
+    """Inside, the gate is held and each engine paused in place with our requests in its scheduler, none in transit.
 
-    The tiny model finishes a request in a few tens of milliseconds, less than an update takes to reach
-    the engine, so an update timed by the clock often found nothing running (or requests with no token
-    yet). Frozen, the update is certain to cut through requests: the scheduler takes a pause between
-    two of its steps, and every running row has been through a step since it was admitted, so it holds
-    at least one token of the current version."""
+    The tiny model finishes a request faster than an update reaches the engine: frozen, the update surely cuts through
+    requests, each holding at least one token of the current version."""
     urls = env["engines"].worker_urls()
     gate = rollout.gate
     deadline = time.monotonic() + timeout
@@ -211,9 +197,7 @@ def test_versions_are_exact_across_in_flight_updates(env, mode, pause, monkeypat
 
 
 def test_the_cache_check_above_fails_without_version_keys(env):
-    """The control of `stale_cache_hits` above: the same pool run with in-place updates, with --reuse-stale-kv (no
-    `extra_key`): a parked sample resumed after an update starts on KV the older weights computed, and the engines
-    count it. So the count staying put above means the version keys kept every request off older KV."""
+    """The control of `stale_cache_hits` above."""
     args = make_args(env["root"], "--rollout-mode", "pool", "--max-async-lag", "40", "--pause-mode", "in_place",
                      "--reuse-stale-kv")
     stale_hits0 = stale_cache_hits(env)

@@ -55,8 +55,7 @@ def test_rng_state_round_trip_through_json():
 
 @pytest.mark.parametrize("tracker, name", [("0", "iter_0000000"), ("release", "release")])
 def test_load_of_a_model_only_checkpoint_names_the_conversion(tmp_path, tracker, name):
-    """Our converter's output, or upstream slime's (`release/`, or a training checkpoint's `iter_N/`): the FSDP
-    trainer cannot read it; the error names the command that converts it (train_loop takes it for megatron)."""
+    """Our converter's output, or upstream slime's (`release/`, or a training checkpoint's `iter_N/`)."""
     (tmp_path / name).mkdir()
     (tmp_path / name / "metadata.json").write_text("{}")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)

@@ -1,5 +1,4 @@
-"""Joining a cluster, without one: the job's runtime_env (every actor imports this checkout, offline and
-collective settings travel, `ray job submit`'s own runtime_env wins) and the path checks a node runs."""
+"""Joining a cluster, without one."""
 
 from __future__ import annotations
 

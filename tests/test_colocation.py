@@ -1,6 +1,4 @@
-"""The colocated step's phases and the trainer-rank -> engine feed plan. The order of the hand-overs is
-checked against recorders that answer like RayTrainGroup and EngineGroup; the whole path with the real
-ones runs in tests/test_quickstart.py (the quick start colocated, on Megatron)."""
+"""The colocated step's phases and the trainer-rank -> engine feed plan."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from slime.ray.colocation import ColocatedPhases, Phases, device_phases
 
 
 class Recorder:
-    """Answers as RayTrainGroup (offload / onload) and EngineGroup (release / resume) do, holding `held` bytes
-    per memory tag as the embedded engine counts them (the KV cache comes back empty on resume)."""
+    """Answers as RayTrainGroup (offload / onload) and EngineGroup (release / resume) do, counting bytes per tag."""
 
     def __init__(self, log: list, who: str):
         self.log, self.who = log, who

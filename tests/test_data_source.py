@@ -124,8 +124,7 @@ def test_rows_the_engine_would_refuse_are_dropped_at_load_with_file_row_and_reas
 
 
 def test_blank_prompts_are_dropped_even_inside_a_chat_template_and_every_drop_is_ledgered(tmp_path, tok):
-    """A chat template wraps its markup around an empty prompt (tokens, but no question): dropped with a reason,
-    and every row dropped at load reaches the ledger (file, 1-based line, key), so an audit accounts for it."""
+    """A chat template wraps its markup around an empty prompt (tokens, but no question)."""
     from slime.rollout.buffer import PartialRolloutBuffer
 
     data = [{"prompt": "12-3="}, {"prompt": ""}, {"prompt": " \t "}, {"prompt": [{"role": "user", "content": "  "}]},

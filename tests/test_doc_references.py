@@ -1,6 +1,4 @@
-"""Every file the docs and the code's comments point at exists: a path like `slime/rollout/step.py`,
-`docs/metrics.md` or `scripts/quickstart.sh` in README.md, docs/*.md, benchmarks/README.md or any source file
-names something in this checkout (a moved or renamed file leaves no dangling reference behind)."""
+"""Every file the docs and the code's comments point at exists."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""`train.py ... --dry-run` (and train_async.py's): a GPU command line checked on this CPU box, nothing started.
-
-The command lines are upstream's own: THUDM/slime's scripts/run-qwen3-4B.sh (at 624b824, with its
-scripts/models/qwen3-4B.sh) and the APRIL repository's partial-rollout script (tests/test_upstream_compat.py's
-APRIL_SCRIPT), their /root paths kept: they are not on this machine, which the dry run says.
-"""
+"""`train.py ... --dry-run` (and train_async.py's)."""
 
 from __future__ import annotations
 

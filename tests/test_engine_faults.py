@@ -1,7 +1,4 @@
-"""Engine faults below the rollout: the watchdog names a stopped engine within seconds, a blocking call on it
-(a weight sync) fails at once when the process watch kills it, and restart_engine brings a fresh one back
-behind the router. Each runs twice: engines hosted in this process, and hosted by Ray actors on their
-placement-group bundles (a run's way), where a lost host actor is a fault too."""
+"""Engine faults below the rollout."""
 
 from __future__ import annotations
 
@@ -143,8 +140,7 @@ def test_a_blocking_call_on_a_stopped_engine_fails_at_once_then_restart_brings_i
 
 
 def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
-    """RolloutManager.push_weights: the engine freezes mid-sync; it is killed at once, restarted, and the same
-    version is pushed to the fresh engine (the trainer's update_weights stands in as a blocking HTTP call)."""
+    """An engine frozen mid-push is killed at once, restarted, and the same version pushed to the fresh one."""
     from slime.ray.rollout import RolloutManager
 
     args, group = engines
@@ -176,8 +172,7 @@ def test_weight_sync_on_a_freezing_engine_restarts_it_and_pushes_again(engines):
 
 
 def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
-    """The server is a child of the host actor on its bundle (not of the driver); killing the actor takes the
-    server down, the monitor names it, and restart_engine puts a new host on the same bundle."""
+    """The server is a child of the host actor on its bundle (not of the driver)."""
     import ray
 
     args, group = engines
@@ -206,9 +201,7 @@ def test_a_placed_engine_is_owned_by_its_host_actor_and_dies_with_it(engines):
 
 
 def test_a_dead_router_is_named_then_restarted_on_its_port_with_the_engines_registered_again(engines):
-    """SIGKILL the router under a request: the failed request asks whether the router died (the watchdog names it:
-    process, port, exit code), every call that needs its worker list names it too, an abort still reaches the
-    engines, and (--use-fault-tolerance) the manager starts it again on the same port with the engines listed."""
+    """SIGKILL the router under a request."""
     from slime.backends.sglang_utils import engine_api, http_client
     from slime.ray.rollout import RolloutManager
 
@@ -258,9 +251,7 @@ def test_a_dead_router_is_named_then_restarted_on_its_port_with_the_engines_regi
 
 
 def test_a_router_dead_before_the_weight_push_is_restarted_and_the_push_repeated(engines):
-    """The router dies between two steps: the push's first call (the worker list) fails at once, before or after the
-    push's process watch has recorded the exit; either way the fault is found, the router restarted on its port and
-    the same version pushed again."""
+    """The router dies between two steps."""
     from slime.ray.rollout import RolloutManager, _faults_within
 
     args, group = engines

@@ -1,5 +1,4 @@
-"""Per-token versions: the engine's spans read and checked against our record of each request
-(slime/rollout/engine_versions.py), and the prefix-cache key our requests carry."""
+"""Per-token versions: the engine's spans checked against our record (engine_versions.py), and the cache key."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from slime.utils.types import Sample
 
 
 def reply_meta(n: int, spans: list[tuple[str, int, int]] | None, last: str) -> dict:
-    """meta_info as SGLang builds it: with spans (>= 0.5.19: sglang/srt/utils/weight_versions.py) or without
-    (0.5.15.post1: only the version it serves when it replies)."""
+    """meta_info as SGLang builds it."""
     meta = {"weight_version": last}
     if spans is not None:
         meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans]
@@ -40,8 +38,7 @@ def test_without_spans_a_request_no_update_crossed_has_its_one_version():
 
 
 def test_without_spans_a_crossed_request_is_labelled_with_the_oldest_version_it_may_have():
-    """SGLang 0.5.15.post1 under a pause mode: its reply says only the version it serves now (7), not where the update
-    fell; every token gets the version the request was sent at (6): never younger than the truth."""
+    """SGLang 0.5.15.post1 under a pause mode."""
     got, s = label(reply_meta(4, None, "7"), 4, sent=6, newest=7)
     assert got == 6 and s.metadata["versions_unreported"] == 4
     assert version_check_metrics([s])["rollout/versions_unreported_tokens"] == 4.0
@@ -68,8 +65,7 @@ def test_cache_key_names_the_version():
 
 
 def test_requests_carry_the_key_of_the_version_they_are_sent_at(base_args):
-    """The /generate body's extra_key: the step's version, or the version the gate serves; none with
-    --reuse-stale-kv (stale KV reuse asked for)."""
+    """The /generate body's extra_key."""
     from slime.rollout.sampling_request import SampleRequester
 
     s = Sample(index=0, group_index=0, tokens=[1, 2, 3])
@@ -81,8 +77,7 @@ def test_requests_carry_the_key_of_the_version_they_are_sent_at(base_args):
 
 
 def test_a_span_lag_gives_each_newer_spans_first_tokens_the_version_before():
-    """SGLang's in-place pause: the token its overlap scheduler had in flight is appended after the update, in the newer
-    span, though the older weights sampled it (tests/test_real_sglang.py measures it)."""
+    """In-place pause: the overlap scheduler's in-flight token lands in the newer span but is labelled the older."""
     assert lag_spans([3, 3, 4, 4, 4, 5, 5], 1) == [3, 3, 3, 4, 4, 4, 5]
     assert lag_spans([3, 3, 4], 0) == [3, 3, 4] and lag_spans([4, 4], 1) == [4, 4]
     got, _ = label(reply_meta(5, [("3", 0, 2), ("4", 2, 5)], "4"), 5, sent=3, newest=4)

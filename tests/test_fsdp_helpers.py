@@ -24,9 +24,7 @@ def make_model_dir(path, seed: int = 0, tie: bool = False) -> str:
 
 
 def make_args(hf_dir: str, *extra_argv: str, **over):
-    """Real parsed flags (slime.arguments.parse_args) for a 2×4-sample rollout;
-    `extra_argv` are more flags (validated), `over` replaces values after
-    parsing (Args.replace), e.g. lr=1e-2."""
+    """Real parsed flags (slime.arguments.parse_args) for a 2×4-sample rollout."""
     from slime.arguments import parse_args
 
     prompt_file = os.path.join(hf_dir, "prompts.jsonl")

@@ -1,6 +1,4 @@
-"""benchmarks/gpu_main_job.sh --cpu-dry-run: every stage a GPU lease would run, run here on CPU with tiny settings
-(with what the GPU box lacks made unimportable); and benchmarks/gpu_payload.py, which packs what the box lacks
-into the two runs' folders (split across them when one cannot hold it), then joins, checks and unpacks it there."""
+"""benchmarks/gpu_main_job.sh --cpu-dry-run."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ import gpu_payload  # noqa: E402
 
 
 def make_payload(tmp_path, room: int, gguf_bytes: int = 0) -> tuple[list[str], dict]:
-    """A site holding a probe package (incompressible padding, so that it must be split) and optionally a GGUF,
-    placed into two run folders of `room` bytes each. Returns the folders and the originals."""
+    """A site holding a probe package and optionally a GGUF, placed into two run folders of `room` bytes each."""
     tree = tmp_path / "tree"
     (tree / "gmj_probe").mkdir(parents=True)
     (tree / "gmj_probe" / "__init__.py").write_text("VALUE = 42\n")
@@ -123,8 +120,7 @@ def test_the_gpu_main_jobs_dry_run_runs_every_stage_on_cpu(tmp_path):
 
 
 def test_a_stage_the_budget_cannot_hold_is_skipped_not_started(tmp_path):
-    """BUDGET_S below what each stage needs: nothing starts that could not finish, each says so; and only the stages
-    named in GPU_MAIN_JOB_STAGES are considered."""
+    """BUDGET_S below what each stage needs."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_MAIN_JOB_WORK": str(tmp_path / "work"),
            "GPU_MAIN_JOB_PAYLOAD": str(tmp_path / "none"), "BUDGET_S": "12", "GPU_MAIN_JOB_STAGES": "M2 E2_lognormal"}
     p = subprocess.run(["bash", "benchmarks/gpu_main_job.sh", "--cpu-dry-run", "--part", "1"], cwd=REPO, env=env,

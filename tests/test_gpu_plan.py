@@ -1,5 +1,4 @@
-"""slime/utils/gpu_plan.py: the effective settings line, the placement, and the memory estimate, the latter against
-the two peaks measured on a GPU (docs/gpu.md, 2026-11-26, one H200, `benchmarks/gpu_train_check.sh`)."""
+"""slime/utils/gpu_plan.py: the settings line, the placement, the memory estimate against peaks measured on a GPU."""
 
 from __future__ import annotations
 
@@ -27,10 +26,7 @@ def args(tmp_path, config: dict, *flags: str):
 
 @pytest.mark.parametrize("compile_ops, measured_gib", [("on", 20.5), ("off", 29.2)])
 def test_estimate_against_the_measured_trainer_peaks(tmp_path, compile_ops, measured_gib):
-    """Megatron bf16, TP 1, distributed optimizer, bf16 gradient reduction (the flags of the measurement), micro-batches
-    of 16,384 tokens: torch's max_memory_allocated was 20.5 GiB with the fused element-wise kernels (--compile-ops on,
-    the GPU default) and 29.2 GiB without them. The estimate (less the CUDA context, which torch does not count) is
-    within 15% of both."""
+    """Megatron bf16, TP 1, distributed optimizer, bf16 gradient reduction, micro-batches of 16,384 tokens."""
     a = args(tmp_path, HALF_B, "--train-backend", "megatron", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
              "16384", "--rollout-max-response-len", "2048", "--no-accumulate-allreduce-grads-in-fp32",
              "--compile-ops", compile_ops)

@@ -1,5 +1,4 @@
-"""The embedded engine served over HTTP: protocol shapes, log-probs, aborts, pause, control endpoints. Each request
-field and bad input: tests/test_hf_engine_schema.py; behind sglang-router: tests/test_slime_http_replay.py."""
+"""The embedded engine served over HTTP."""
 
 from __future__ import annotations
 
@@ -13,27 +12,17 @@ import torch
 
 from slime.utils.sglang_versions import SGLANG_PINNED
 from hf_engine_reference import (_running_stream, _stream_until, _wait_idle, _wait_load, gen, greedy_reference,
-                                 teacher_forced_logprobs)
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
-
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
+                                 load_model, teacher_forced_logprobs, tiny_model)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf_engine_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
-    return d
+    return tiny_model(tmp_path_factory, "hf_engine_model", seed=0)[0]
 
 
 @pytest.fixture(scope="module")
 def ref_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return load_model(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +67,7 @@ def test_info_endpoints(server, model_dir):
 
 
 def test_health_passes_on_progress_while_its_own_request_waits(model_dir, start_engine, monkeypatch):
-    """SGLang's rule for /health_generate: a busy engine is healthy as soon as it makes progress, even when the
-    check's own one-token request waits behind a queue longer than SGLANG_HEALTH_CHECK_TIMEOUT (a CPU engine's eval
-    queue: the check used to wait its turn and answer 503)."""
+    """SGLang's rule for /health_generate."""
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "3")
     srv = start_engine(model_dir, "--max-running-requests", "1")
     body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}

@@ -1,6 +1,4 @@
-"""PagedBatch (the engine's paged KV cache and packed steps) against an independent reference: every
-row's logits, after every join, leave, resume and step, equal one plain forward of the model over that
-row's full token sequence alone."""
+"""PagedBatch (the engine's paged KV cache and packed steps) against an independent reference."""
 
 from __future__ import annotations
 
@@ -12,26 +10,15 @@ import torch
 from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.kv_pool import KVPool, OutOfBlocks
 from slime.backends.hf_engine.paged_attention import plan_buckets
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import load_model as load, tiny_model, tiny_spec
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=1024)
+SPEC = tiny_spec(1024)
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("batch_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=0)
-    return d
-
-
-def load(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return tiny_model(tmp_path_factory, "batch_model", seed=0, spec=SPEC)[0]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +27,7 @@ def ref_model(model_dir):
 
 
 class Mirror:
-    """Drives a PagedBatch and mirrors it: seqs[row] is the row's full known sequence (cached positions
-    first, then the tokens not yet fed)."""
+    """Drives a PagedBatch and mirrors it."""
 
     def __init__(self, model_dir, ref, seed=0, block_size=4, kernel="sdpa", **kw):
         self.batch = PagedBatch(load(model_dir), block_size=block_size, kernel=kernel, **kw)
@@ -148,8 +134,7 @@ def test_long_and_short_rows_share_steps(model_dir, ref_model, kernel):
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, kernel):
-    """The GPU's way of attending a prefill chunk with a prefix (one gather up to the chunk's last position and a
-    masked SDPA; `prefill_attention="masked"`, the default off the CPU), checked here on the CPU."""
+    """The GPU's way of attending a prefill chunk with a prefix, checked here on the CPU."""
     m = Mirror(model_dir, ref_model, seed=11, block_size=4, kernel=kernel, prefill_attention="masked")
     for n in (90, 3, 41, 7):
         m.add(n)
@@ -167,9 +152,7 @@ def test_masked_prefill_attention_matches_the_reference(model_dir, ref_model, ke
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 def test_prefill_chunks_of_many_shapes_share_padded_buckets_and_match_the_reference(model_dir, ref_model, kernel):
-    """Off the CPU (`prefill_attention="masked"`) prefill chunks of different lengths share a bucket padded to the
-    longest: fresh prompts of 6 lengths in one step, then chunks after prefixes of 6 lengths, beside decoding rows;
-    every row's logits still equal its own plain forward, with far fewer buckets than shapes."""
+    """Off the CPU prefill chunks of different lengths share a bucket padded to the longest."""
     m = Mirror(model_dir, ref_model, seed=13, block_size=4, kernel=kernel, prefill_attention="masked")
     rows = [m.add(n) for n in (2, 3, 5, 9, 17, 33)]
     m.step(max_chunk=1000, whole=True)  # six fresh prompts, six lengths
@@ -192,9 +175,7 @@ def test_prefill_chunks_of_many_shapes_share_padded_buckets_and_match_the_refere
 
 
 def test_padded_prefill_buckets_waste_at_most_their_bound():
-    """merge_prefill: every segment in exactly one bucket; a padded bucket's maps send each packed cell to its own
-    padded cell and each padding cell to its chunk's last; the padded (query, key) pairs stay within 2x the exact
-    ones plus the slack; one long chunk among many short ones is not padded to."""
+    """merge_prefill: each segment in one bucket, padding maps exact, padded pairs within 2x the exact plus slack."""
     from slime.backends.hf_engine.paged_attention import PAD_SLACK_PAIRS
 
     tables = torch.arange(256 * 600).view(256, 600)
@@ -233,8 +214,7 @@ def test_padded_prefill_buckets_waste_at_most_their_bound():
 
 
 def test_join_and_leave_copy_no_kv(model_dir, ref_model):
-    """Rows joining, leaving and resuming never move another row's KV: the pool tensors stay the same
-    objects and a surviving row's blocks keep their contents bit for bit."""
+    """Rows joining, leaving and resuming never move another row's KV."""
     m = Mirror(model_dir, ref_model, seed=3, block_size=4)
     a = m.add(9)
     m.add(5)
@@ -303,8 +283,7 @@ def test_plan_buckets_cover_every_segment_once():
 
 
 def test_decode_shape_is_what_the_plan_gathers():
-    """The simulator replays the engine's bucket rule from positions alone (hf_engine/buckets.py): the key
-    positions gathered and the number of buckets it reports are the plan's, for any mix of contexts."""
+    """The simulator replays the engine's bucket rule from positions alone (hf_engine/buckets.py)."""
     from slime.backends.hf_engine.buckets import decode_shape
 
     tables = torch.zeros(128, 200, dtype=torch.long)

@@ -1,5 +1,4 @@
-"""The CPU decode-attention kernel (slime/backends/hf_engine/cpu_decode.py) against torch's gather + SDPA, and the
-engine's packed steps with and without it."""
+"""The CPU decode-attention kernel against torch's gather + SDPA, and the engine's packed steps with and without it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The embedded engine on a CUDA GPU (skipped without one; benchmarks/gpu_check.sh runs these).
-
-- a step (its metadata, the forward over the paged KV cache, sampling) never waits for the device: torch's
-  sync debug mode raises on any wait until the tokens are read back, once;
-- the engine on `--device cuda` serves the same greedy tokens as a plain transformers forward (float32);
-- bfloat16: CUDA IPC weight updates are opened and copied on the device (a round trip A -> B -> A restores A's
-  tokens), and /release_memory_occupation gives the weights' memory back to the device for real.
-"""
+"""The embedded engine on a CUDA GPU (skipped without one; benchmarks/gpu_check.sh runs these)."""
 
 from __future__ import annotations
 
@@ -140,8 +133,7 @@ def test_bf16_engine_takes_cuda_ipc_updates_in_place_and_gives_released_memory_b
 
 
 def test_captured_decode_steps_replay_the_eager_steps_logits(tiny):
-    """CUDA graphs (the default on cuda): decode-only steps are captured once per padded shape and replayed; their
-    logits equal the eager path's for the same rows (float32), and a replayed step never waits for the device."""
+    """CUDA graphs (the default on cuda)."""
     from transformers import AutoModelForCausalLM
 
     from slime.backends.hf_engine.batch import PagedBatch

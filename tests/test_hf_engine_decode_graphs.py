@@ -1,8 +1,4 @@
-"""The decode step's CUDA-graph path (slime/backends/hf_engine/decode_graphs.py), checked on the CPU in its
-"static" mode: the same padded shapes and static buffers a captured graph replays, run eagerly. Every decode
-step's logits equal a plain forward over the row's whole sequence, padding rows never disturb a real row (their
-KV goes to block 0), shapes are reused until the KV pool moves, and the scheduler's greedy tokens are the eager
-path's. The capture itself (CUDA) is tests/test_hf_engine_cuda.py's and benchmarks/gpu_main_job.sh's."""
+"""The decode step's CUDA-graph path, checked on the CPU in its "static" mode."""
 
 from __future__ import annotations
 
@@ -11,33 +7,25 @@ import random
 import pytest
 import torch
 
-from hf_engine_reference import greedy_reference
+from hf_engine_reference import greedy_reference, load_model, tiny_model, tiny_spec
 from slime.backends.hf_engine.batch import PagedBatch
 from slime.backends.hf_engine.buckets import graph_blocks as block_bucket, graph_rows as row_bucket
 from slime.backends.hf_engine.decode_graphs import GraphModeError, resolve_mode
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.backends.hf_engine.scheduler import Request, Scheduler
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=512)
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("graph_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=3)
-    return d
+    return tiny_model(tmp_path_factory, "graph_model", seed=3, spec=tiny_spec(512))[0]
 
 
 def load(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(str(model_dir)))
+    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +132,7 @@ def test_scheduler_greedy_tokens_are_the_same_with_the_static_graph_path(model_d
 
 
 def test_separate_forwards_replay_every_decode_step_with_the_same_greedy_tokens(model_dir, ref):
-    """SGLang's default composition (the GPU's): a step's decode rows and its prefill chunks run as two forwards,
-    so every decode forward is decode-only and goes the graph's way, also while prompts (chunked: 66 > 32 tokens)
-    are prefilled; mixed steps (the CPU's default) send those decode rows through the eager packed forward."""
+    """SGLang's default composition (the GPU's)."""
     g = torch.Generator().manual_seed(7)
     prompts = [[1] + torch.randint(3, 30, (n,), generator=g).tolist() for n in (3, 40, 7, 19, 2, 66, 11)]
     mixed = _scheduler(model_dir, "static", "mixed")
@@ -167,8 +153,7 @@ def test_separate_forwards_replay_every_decode_step_with_the_same_greedy_tokens(
 
 @torch.no_grad()
 def test_a_step_whose_capture_fails_runs_eagerly_and_so_do_the_later_ones(model_dir, ref, monkeypatch, caplog):
-    """An op a CUDA graph capture refuses does not fail the step: it runs eagerly, as every later one, and the
-    failure is logged and served (/get_server_info's cuda_graph_mode)."""
+    """An op a CUDA graph capture refuses does not fail the step."""
     from slime.backends.hf_engine import decode_graphs
 
     batch = PagedBatch(load(model_dir)[0], block_size=4, max_tokens=1024, max_rows=8, decode_graphs="static")

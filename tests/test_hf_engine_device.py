@@ -1,15 +1,4 @@
-"""The embedded engine's device placement, checked without a GPU.
-
-A step's tensors must all live on the model's device and nothing in a step may read a device tensor back
-before its tokens (one copy at the end). Here the model runs on torch's `meta` device, which has shapes but
-no data: reading a value back (`.item()`, `.tolist()`, `bool()`) raises, an element-wise op mixing a host
-tensor with a device tensor raises, and a dispatch hook flags every other op that takes a host tensor beside
-a device one (e.g. a host index tensor into a device tensor, which CUDA accepts with a hidden copy and sync).
-
-What the CPU cannot check (tests/test_hf_engine_cuda.py and benchmarks/gpu_check.sh do, on a GPU): the
-CUDA kernels' numerics in bfloat16, the step's cost, CUDA IPC handles opened in place, the caching allocator
-giving released memory back to the device.
-"""
+"""The embedded engine's device placement, checked without a GPU."""
 
 from __future__ import annotations
 
@@ -57,8 +46,7 @@ def meta_model(tmp_path_factory):
 
 
 def test_a_step_and_its_sampling_stay_on_the_models_device(meta_model):
-    """Decode rows of several lengths (several buckets), a fresh prompt, and a chunk with a prefix (the GPU's masked
-    prefill), then sampling with every restriction, a logit bias and a seeded row: all on the device, no reads."""
+    """Decode rows, a fresh prompt, a prefixed chunk, then every sampling restriction: all on the device, no reads."""
     batch = PagedBatch(meta_model, block_size=4, max_tokens=4096, max_rows=8, min_bucket_saving=8)
     assert batch.device.type == "meta" and batch.prefill_attention == "masked"  # off the CPU: one masked SDPA
     rows = [batch.add_row() for _ in range(4)]

@@ -1,9 +1,5 @@
-"""The engine's RMSNorm layers as torch's rms_norm (hf_engine/fused_norms.py): the same logits as transformers'
-modules (bit for bit in float32 on the CPU), only standard RMSNorms swapped, and a disagreeing op never used; its
-linear layers on oneDNN (hf_engine/onednn_linear.py): F.linear's logits to float32 rounding, weight updates seen.
-
-What the CPU cannot check (benchmarks/gpu_check.sh does): the fused CUDA kernel's launch count and its bfloat16
-numerics (one rounding where the modules round twice)."""
+"""The engine's RMSNorm layers as torch's rms_norm (hf_engine/fused_norms.py) and its linear layers on oneDNN
+(hf_engine/onednn_linear.py)."""
 
 from __future__ import annotations
 
@@ -11,23 +7,14 @@ import pytest
 import torch
 
 from slime.backends.hf_engine import fused_norms, onednn_linear
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import load_model as load, tiny_model, tiny_spec
 
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
+SPEC = tiny_spec()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fused_norm_model")
-    build_tiny_qwen3(str(d), build_tokenizer(list("abcdefghij")), SPEC, seed=0)
-    return d
-
-
-def load(model_dir, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return tiny_model(tmp_path_factory, "fused_norm_model", seed=0, words=list("abcdefghij"))[0]
 
 
 @torch.no_grad()

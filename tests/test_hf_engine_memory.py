@@ -1,7 +1,4 @@
-"""The embedded engine's SGLang memory and tensor endpoints: /release_memory_occupation,
-/resume_memory_occupation (tags weights, kv_cache) and /update_weights_from_tensor (one
-MultiprocessingSerializer payload per TP rank; shared memory on CPU). Bad requests get a 4xx naming the
-field, and the engine keeps serving."""
+"""The embedded engine's SGLang memory and tensor endpoints."""
 
 from __future__ import annotations
 
@@ -14,30 +11,21 @@ import time
 import pytest
 import torch
 
-from hf_engine_reference import greedy_reference
+from hf_engine_reference import greedy_reference, tiny_model
 from slime.backends.training_utils.weight_sync.payload import dtype_buckets, flatten_bucket, serialize
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 torch.set_num_threads(1)
 WORDS = [str(i) for i in range(10)] + list("abcdefghij")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 PROMPT = [1, 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tok = build_tokenizer(WORDS)
-    out = {}
-    for seed, name in enumerate("ab"):
-        d = tmp_path_factory.mktemp(f"model_{name}")
-        out[name] = (d, build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval())
-    return out
+    return {name: tiny_model(tmp_path_factory, f"model_{name}", seed, words=WORDS) for seed, name in enumerate("ab")}
 
 
 def _start(models, start_engine, *flags):
-    """An engine with SGLang's weight-update session open (as a trainer holds it around an update's buckets; these
-    tests push many updates): tensor updates are refused outside one (test_hf_engine_weights.py checks that)."""
+    """An engine with SGLang's weight-update session open."""
     srv = start_engine(models["a"][0], "--seed", "0", *flags)
     assert srv.post("/begin_weight_update", {}).json()["success"]
     return srv
@@ -257,8 +245,7 @@ def _prefix_entries(server) -> int:
 
 
 def test_paged_kv_is_flushed_by_tensor_updates_and_freed_by_release(server, models):
-    """The paged KV pool holds the running rows' and the prefix cache's blocks: a tensor weight update flushes
-    the cache unless it says flush_cache: false (SGLang), and releasing kv_cache gives back every block."""
+    """The paged KV pool holds the running rows' and the prefix cache's blocks."""
     (_, ma), _ = models["a"], models["b"]
     meta = _abort_a_running_request(server)
     assert meta["completion_tokens"] > 0 and _prefix_entries(server) == 1

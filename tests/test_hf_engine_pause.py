@@ -1,10 +1,6 @@
-"""The embedded engine's pause modes and weight updates of a paused engine, as SGLang 0.5.23 does them
-(slime/backends/hf_engine/pause.py), and a prefix cache that never serves KV of older weights to a request keyed by
-a newer version.
+"""The embedded engine's pause modes and updates of a paused engine as SGLang 0.5.23 does them (hf_engine/pause.py).
 
-Each test checks the tokens and log-probs against the models themselves: `in_place` must go on over the KV the old
-weights computed (reproduced here by decoding with the new model over the old model's cache), `retract` must
-recompute it, and a resumed request keyed by the new version must be prefilled by the new weights."""
+Tokens and log-probs are checked against the models: in_place goes on over the old KV, retract recomputes."""
 
 from __future__ import annotations
 
@@ -16,14 +12,10 @@ import requests
 import torch
 
 import pause_reference
-from hf_engine_reference import _running_stream, gen
+from hf_engine_reference import _running_stream, gen, tiny_model
 from pause_reference import decode_over_cache, teacher_forced
 from slime.backends.hf_engine.pause import FLUSH_FAILED
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 PROMPT = [1, 5, 6, 7, 8]
 N = 150
 
@@ -31,13 +23,7 @@ N = 150
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two models with the same architecture and different weights: a (served first) and b (the update)."""
-    torch.set_num_threads(1)
-    tok = build_tokenizer(WORDS)
-    out = {}
-    for seed, name in enumerate("ab"):
-        d = tmp_path_factory.mktemp(f"pause_model_{name}")
-        out[name] = (d, build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval())
-    return out
+    return {name: tiny_model(tmp_path_factory, f"pause_model_{name}", seed) for seed, name in enumerate("ab")}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +54,7 @@ def split(final: dict):
 
 
 def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
-    """Paused in place, an update with flush_cache=true loads the weights but fails (SGLang's message: rows are held);
-    with flush_cache=false it succeeds. After the continue the held request goes on over the KV model a computed:
-    its tokens from the update on are model b's over a's cache, not b's recomputation."""
+    """Paused in place, an update with flush_cache=true loads the weights but fails."""
     server = on_a
     (_, ma), (_, mb) = models["a"], models["b"]
     t, box = running(server, "held")
@@ -97,8 +81,7 @@ def test_in_place_update_keeps_the_rows_and_the_old_weights_kv(on_a, models):
 
 
 def test_retract_update_flushes_and_recomputes(on_a, models):
-    """Paused with retract, the request waits with its KV freed, an update with flush_cache=true succeeds, and after
-    the continue the request is prefilled again from its tokens by model b: exactly b's log-probs from the update."""
+    """Paused with retract, a flushing update succeeds and the request is prefilled again: exactly b's log-probs."""
     server = on_a
     (_, ma), (_, mb) = models["a"], models["b"]
     t, box = running(server, "retracted")
@@ -118,10 +101,7 @@ def test_retract_update_flushes_and_recomputes(on_a, models):
 
 
 def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, models):
-    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false. Its resumption keyed
-    by the new version ("w11") is prefilled by model b (no cache hit, b's log-probs); keyed by the old version it
-    would reuse a's KV: a hit counted as stale, and log-probs that are not b's. The first assertion fails if the
-    cache ever serves KV across versions."""
+    """An aborted request's KV (model a, key "w10") survives an update with flush_cache=false."""
     server = on_a
     (_, mb) = models["b"]
     t, box = running(server, "to-park", ready_at=8, extra_key="w10")
@@ -149,8 +129,7 @@ def test_prefix_cache_is_never_reused_across_versions_by_a_versioned_key(on_a, m
 
 
 def test_update_weight_version_aborts_unless_told_not_to(on_a):
-    """SGLang's /update_weight_version: abort_all_requests (default true) aborts every request; false lets them go on,
-    their tokens split between the two versions."""
+    """SGLang's /update_weight_version."""
     server = on_a
     t, box = running(server, "kept", n=120)
     r = server.post("/update_weight_version", {"new_version": "11", "abort_all_requests": False}).json()
@@ -168,8 +147,7 @@ def test_update_weight_version_aborts_unless_told_not_to(on_a):
 
 # ---- the pause modes themselves (SGLang's /pause_generation), one model -------------------------------------
 def _held_request(server, prompt, sp):
-    """A request sent while the engine is paused: it waits before the scheduler (SGLang's tokenizer manager holds
-    it), so the load report does not count it. Returns (thread, box with its reply)."""
+    """A request sent while the engine is paused."""
     box = {}
     t = threading.Thread(target=lambda: box.update(gen(server, prompt, sampling_params=sp)))
     t.start()
@@ -177,8 +155,7 @@ def _held_request(server, prompt, sp):
 
 
 def test_pause_in_place_holds_rows_and_new_requests(server):
-    """SGLang's in_place: the running row is held with its KV (nothing decodes), a flush is refused while it is held,
-    a request sent meanwhile is held before the scheduler (no abort reaches it) and runs after the continue."""
+    """SGLang's in_place: the row is held with its KV, a flush refused, a new request held until the continue."""
     sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     t, box = _running_stream(server, "run-1", [1, 2, 3], sp)
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
@@ -216,8 +193,7 @@ def test_pause_in_place_then_continue_completes(server):
 
 
 def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
-    """SGLang's retract: running requests go back to the queue with their KV freed; while paused the queue does not
-    stop a flush; after the continue they are prefilled again from their tokens and finish as if never paused."""
+    """SGLang's retract: requests requeued with KV freed, a flush allowed, then prefilled again as if never paused."""
     prompt, n = [1, 8, 6, 7], 80
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     full = gen(server, prompt, sampling_params=sp)["output_ids"]

@@ -1,7 +1,4 @@
-"""The scheduler's steps, driven by hand (no thread, no HTTP): chunked prefill mixed into decode steps,
-aborts that keep KV (also in the middle of a prefill), the prefix cache under KV-pool pressure, and a
-group's samples sharing their prompt's KV.
-Every output is checked against a plain greedy reference."""
+"""The scheduler's steps, driven by hand (no thread, no HTTP)."""
 
 from __future__ import annotations
 
@@ -10,27 +7,19 @@ import torch
 
 from slime.backends.hf_engine.sampling import SamplingParams
 from slime.backends.hf_engine.scheduler import Request, Scheduler
-from hf_engine_reference import greedy_reference
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import WORDS, greedy_reference, load_model, tiny_model, tiny_spec
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("sched_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=1)
-    return d
+    return tiny_model(tmp_path_factory, "sched_model", seed=1, spec=tiny_spec(512))[0]
 
 
 def load(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(str(model_dir)))
+    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +113,7 @@ def test_abort_while_decoding_then_resume_prefills_nothing(model_dir, ref):
 
 
 def test_prefix_cache_gives_blocks_back_when_running_rows_need_them(model_dir, ref):
-    """The cached KV of aborted requests lives in the same pool as the running rows': when the pool is
-    full, the least recently cached entries are evicted, and a resumed request that lost its entry is
-    simply prefilled again."""
+    """The cached KV of aborted requests lives in the same pool as the running rows'."""
     s = scheduler(model_dir, max_total_tokens=160, max_running=2)  # 20 blocks of 8 (+ 2 for partial blocks)
     a, b = prompt(60, 4), prompt(60, 5)
     for rid, p in (("a", a), ("b", b)):
@@ -177,9 +164,7 @@ def run_group(s: Scheduler, p: list[int], n: int, size: int) -> list[Request]:
 
 @pytest.mark.parametrize("length", [37, 41])  # the shared positions end inside a block, or at its end
 def test_a_groups_samples_share_their_prompts_kv(model_dir, ref, length):
-    """The samples of a group (one prompt, n requests): one prefill, the others start on its KV (full blocks shared,
-    the partly filled one copied) and feed only the last prompt token; the same tokens and log-probs as each
-    prefilling its own prompt (the radix cache off), and every block back in the pool at the end."""
+    """The samples of a group (one prompt, n requests)."""
     p = prompt(length, 9)
     shared = scheduler(model_dir)
     own = scheduler(model_dir, prefix_cache_tokens=0)

@@ -1,20 +1,13 @@
-"""SGLang's request schema against the embedded engine: every field of `GenerateReqInput` and `SamplingParams`
-is honoured (its behaviour checked here) or refused with a 400 naming it; none is silently ignored.
-
-The two field lists below were read from SGLang's python/sglang/srt/managers/io_struct.py (GenerateReqInput)
-and python/sglang/srt/sampling/sampling_params.py (SamplingParams, API fields). The engine's rule table
-(slime/backends/hf_engine/fields.py) must cover exactly these, plus the `model: null` sglang-router 0.3.2 adds.
-"""
+"""SGLang's request schema against the embedded engine."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from slime.backends.hf_engine.fields import GENERATE_FIELDS, HONOURED, SAMPLING_FIELDS, NoEffect, Refused
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
 
 from hf_engine_field_checks import HONOURED_CHECKS, PROMPT, gen, post, refused
+from hf_engine_reference import load_model, tiny_model
 
 SGLANG_GENERATE_REQ_INPUT = (
     "rid", "session_id", "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
@@ -39,24 +32,18 @@ SGLANG_SAMPLING_PARAMS = (
 
 # multi-character words, so that stop strings can end inside a token
 WORDS = [str(i) for i in range(10)] + ["ab", "cde", "fgh", "ij", "klmn", "op", "qrs", "tu", "vwx", "yz"]
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("schema_model")
-    build_tiny_qwen3(str(d), build_tokenizer(WORDS), SPEC, seed=3)
-    return d
+    return tiny_model(tmp_path_factory, "schema_model", seed=3, words=WORDS)[0]
 
 
 @pytest.fixture(scope="module")
 def ref(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(model_dir))
+    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,4 @@
-"""Weight updates of the embedded engine: from disk, in the middle of generation, SGLang's weight-update session.
-Over a weight-update group: tests/test_router_engines.py (to every engine of a group) and tests/test_weight_sync.py
-(from the trainers)."""
+"""Weight updates of the embedded engine."""
 
 from __future__ import annotations
 
@@ -11,25 +9,15 @@ import time
 import pytest
 import torch
 
-from hf_engine_reference import greedy_reference
-from slime.utils.tiny_model import TinyQwen3Spec, build_tiny_qwen3, build_tokenizer
+from hf_engine_reference import greedy_reference, tiny_model
 
-WORDS = [str(i) for i in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=256)
 PROMPT = [1, 5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Two models with the same architecture and different weights: a (served first), b (the update)."""
-    tok = build_tokenizer(WORDS)
-    out = {}
-    for seed, name in enumerate("ab"):
-        d = tmp_path_factory.mktemp(f"model_{name}")
-        m = build_tiny_qwen3(str(d), tok, SPEC, seed=seed).eval()
-        out[name] = (d, m)
-    return out
+    return {name: tiny_model(tmp_path_factory, f"model_{name}", seed) for seed, name in enumerate("ab")}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +56,7 @@ def test_update_from_disk(server, models):
 
 
 def test_update_during_generation_stamps_each_token_with_its_version(server, models):
-    """An update while a request runs (not paused): tokens before it follow the old weights and carry the old
-    version, tokens after it follow the new weights and carry the new one (meta_info.weight_versions), and
-    the rollout client labels every token accordingly. No stale KV, no mislabelled token."""
+    """An update while a request runs (not paused)."""
     from slime.rollout.sampling_request import parse_segment
     from slime.utils.types import Sample
 
@@ -125,9 +111,7 @@ def test_update_errors_are_reported(server, tmp_path):
 
 
 def test_tensor_and_broadcast_updates_need_a_session_as_in_sglang(server, models):
-    """SGLang >= 0.5.21: tensor and broadcast updates outside /begin_weight_update ... /end_weight_update are
-    refused (400, SGLang's message) without touching the weights or joining a broadcast; the session cannot be
-    opened twice or closed when not open; a disk update needs none."""
+    """SGLang >= 0.5.21: tensor and broadcast updates outside a weight-update session are refused untouched."""
     before = greedy(server, PROMPT, 6)["output_ids"]
     version = server.weight_version()
     for route in ("/update_weights_from_tensor", "/update_weights_from_distributed"):

@@ -1,9 +1,4 @@
-"""The house's structure, checked: defaults live only in slime/arguments/, floors only look down, no cycles,
-the production step stands on no lab.
-
-Floors (docs/architecture.md, "House rules"): utils/tasks (1) <- backends (2) <- rollout (3) <- ray (4) <- entry
-points. `slime.arguments` is read by entry points only.
-"""
+"""The house's structure, checked."""
 
 from __future__ import annotations
 
@@ -134,8 +129,7 @@ def test_no_import_cycles():
 
 
 def test_the_default_rollout_function_loads_no_simulator():
-    """`--over-sampling-batch-size auto`'s planner (and the simulator it runs) is imported only when auto is asked
-    for: importing the default rollout function, in a fresh interpreter, loads no slime.rollout.simulator module."""
+    """`--over-sampling-batch-size auto`'s planner is imported only when auto is asked for."""
     import subprocess
     import sys
 

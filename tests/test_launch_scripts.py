@@ -1,8 +1,6 @@
-"""The GPU launch scripts: one launcher (scripts/partial_rollout/common.sh) and small experiment files. Each
-script's command line is built (python is shimmed to parse_args only, against a checkpoint directory holding
-the model's published config.json) and validated; the APRIL setting is checked value by value, against the APRIL
-repository's own script too (every resolved flag equal but the differences common.sh names), and each variant differs
-from it only where it says."""
+"""The GPU launch scripts (scripts/partial_rollout/common.sh and its experiment files), parsed and validated.
+
+APRIL's setting is checked flag by flag against the APRIL repository's script; each variant differs where it says."""
 
 from __future__ import annotations
 

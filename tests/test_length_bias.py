@@ -1,5 +1,4 @@
-"""Length bias (slime/rollout/length_bias.py): the trained, generated and synchronous length distributions, and the
-share of the longest decile that reaches training."""
+"""Length bias (slime/rollout/length_bias.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def sample(n: int, cut: int | None = None) -> Sample:
 
 
 def test_first_attempts_make_the_synchronous_estimate():
-    """Nothing restarted: what trained is what a synchronous run trains (share 1). Long first attempts the cap cut
-    and a short second attempt trained: the estimate keeps them long and the longest decile is missing."""
+    """Nothing restarted: the estimate is the synchronous run's; cut first attempts keep the longest decile missing."""
     lengths = list(range(1, 101))
     m = length_bias_metrics([sample(n) for n in lengths], generated=[sample(n) for n in lengths[:50]])
     assert m["length/trained_mean"] == pytest.approx(m["length/sync_mean"]) == pytest.approx(50.5)

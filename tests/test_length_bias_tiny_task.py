@@ -1,18 +1,6 @@
-"""On the tiny task: APRIL with the staleness cap's `mask` policy trains the length distribution a synchronous run
-trains on the same prompts (within the stated bound), where `restart` loses the long samples.
+"""On the tiny task, APRIL with the staleness cap's `mask` policy trains the synchronous run's length distribution.
 
-The embedded engine behind the real router serves a random tiny Qwen3 on the subtract_chain vocabulary; every
-sample's budget is its prompt's true response length (`--rollout-ignore-eos`, budget = the answer's tokens + EOS), so
-response lengths follow the task's long tail exactly and a synchronous run on a prompt trains exactly that length.
-Between steps the engines bump their version, as a trainer's update would (`--max-staleness 1`: a token two versions
-old is stale). APRIL hands the trainer what finishes first, so a long sample trains later than a synchronous run
-would train it; what must not happen is that it never does. The prompts issued in the first `STEPS` steps are
-followed until each has trained or `3 x STEPS` steps have run.
-
-Bound (docs/metrics.md): with `mask` at least `LONG_SHARE_BOUND` (0.8) of the longest decile of those prompts
-reaches training, and the mean trained length on them is within `MEAN_BOUND` (10%) of the synchronous run's on the
-same prompts (which trains each at its length).
-"""
+Each sample's budget is its prompt's true response length; `restart` loses the long samples. Bounds: docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -37,8 +25,7 @@ MEAN_BOUND = 0.10
 
 
 class TaskLengths(RolloutDataSource):
-    """The prompt data, each sample's budget its prompt's true response length; remembers when each group was
-    issued and that length."""
+    """The prompt data, each sample's budget its prompt's true response length."""
 
     def __init__(self, args, tok):
         super().__init__(args, tok)
@@ -75,8 +62,7 @@ def make_args(root, *extra):
 
 
 def run(env, *flags) -> tuple[dict, set[int], list[dict]]:
-    """Rollout steps, the engines' version bumped before each, until every group issued in the first STEPS steps
-    trained (at most 3 x STEPS steps); (issued groups, trained group ids, metrics)."""
+    """Rollout steps (version bumped before each) until the first STEPS steps' groups trained, at most 3 x STEPS."""
     args = make_args(env["root"], *flags, "--num-rollout", str(3 * STEPS))
     source, buffer = TaskLengths(args, env["tok"]), PartialRolloutBuffer(args)
     trained, metrics = set(), []
@@ -120,8 +106,7 @@ def test_april_with_the_mask_cap_trains_the_synchronous_length_distribution(env)
 
 
 def test_the_restart_cap_loses_long_samples_and_the_metrics_say_so(env):
-    """The contrast: with `restart`, a sample needing more steps than the cap allows is regenerated again and again;
-    the per-step metrics see its cut first attempts (length/longest_decile_share < 1)."""
+    """With `restart`, samples longer than the cap allows are regenerated again and again, and the metrics say so."""
     issued, trained, metrics = run(env, "--partial-rollout", "--over-sampling-batch-size", "8", "--max-staleness", "1",
                                    "--staleness-policy", "restart", "--disable-length-guard")
     prompts = first_half(issued)

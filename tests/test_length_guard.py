@@ -1,14 +1,4 @@
-"""The length guard (slime/rollout/staleness.py's restart budget): on a crafted long tail, APRIL with the restart
-cap and no guard never trains the long prompts; with the guard it trains them as often as a synchronous run.
-
-The simulator runs the real step, buffer and cap against simulated engines. The crafted task: a fifth of the prompts
-are hard (every sample `LONG` tokens), the rest easy (`SHORT`). A step ends once 8 groups are accepted, which the
-easy ones reach in about a dozen decode iterations; with `--max-staleness 1` a hard sample decodes in at most 2
-steps before its oldest token is too old, fewer than `LONG` tokens, so without the guard it is restarted from
-nothing each time. Its group trains only when the parked hard groups alone fill the engines and the step must wait
-for them (a stall): the long tail trains about half as often as synchronously, at half the samples/s. The guard
-masks the stale tokens instead; the sample goes on and its group trains a few steps later.
-"""
+"""The length guard (slime/rollout/staleness.py's restart budget)."""
 
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ class HardAndEasy:
 
 
 def longest_decile_share(res) -> float:
-    """P_trained(length >= the synchronous p90) / P_sync(the same), over the measured steps: the synchronous run
-    trains every prompt it issues, so its p90 is LONG and its share of it HARD_SHARE."""
+    """P_trained(length >= the synchronous p90) / P_sync(the same), over the measured steps."""
     trained = [x for s in res.measured() for x in s["trained_lengths"]]
     return sum(x >= LONG for x in trained) / len(trained) / HARD_SHARE
 

@@ -1,7 +1,4 @@
-"""The chunked log-prob / entropy head (training_utils.logprob_head) against log_softmax over the full
-logits (ppo_utils): values and gradients in float32 within 1e-5, for any chunk size, temperature,
-padded vocabulary rows, and split over two vocab-parallel ranks (gloo). And packed attention
-(training_utils.varlen) against padded causal SDPA."""
+"""The chunked log-prob / entropy head (training_utils.logprob_head) against log_softmax over the full logits."""
 
 from __future__ import annotations
 
@@ -129,8 +126,7 @@ def test_packed_attention_equals_padded_causal_sdpa(heads):
 
 
 def test_varlen_kernel_probe_refuses_a_kernel_that_does_not_run(caplog):
-    """torch's varlen kernel is CUDA-only: the probe (which a GPU runs once) says so and packed attention falls
-    back to one SDPA call per sample instead of failing mid-training."""
+    """torch's varlen kernel is CUDA-only."""
     from slime.backends.training_utils.varlen import _torch_varlen, _torch_varlen_works
 
     if _torch_varlen() is None:
@@ -156,10 +152,7 @@ def test_cuda_varlen_kernel_matches_per_sample_attention():
 @pytest.mark.slow  # inductor compiles C++ kernels on a CPU: ~30 s on a fresh machine
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_kernels_give_the_eager_heads_values_and_gradients(temperature):
-    """--compile-ops: the head's element-wise work through torch.compile (inductor's C++ kernels here, Triton
-    kernels on a GPU, where this runs on the GPU) gives the full-logits values and gradients within 1e-5 (float32),
-    with and without the entropy's gradient and with padded vocabulary rows; the eager path and the fused one
-    agree as closely."""
+    """--compile-ops: the fused head gives the full-logits values and gradients within 1e-5 (float32)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     h, w, t, g_lp, g_ent = (x.to(dev) for x in inputs(seed=3))
     real = V - 5

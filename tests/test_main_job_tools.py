@@ -1,7 +1,4 @@
-"""What the GPU main job (benchmarks/gpu_main_job.sh) prints from a run's files: the ledger audit of its
-checkpoint (tools/audit_ledger.py) and the per-step time and memory split (tools/step_split.py). The real
-files come from the real buffer and checkpoint code; the dry run of the whole script is
-tests/test_gpu_main_job.py."""
+"""What the GPU main job (benchmarks/gpu_main_job.sh) prints from a run's files."""
 
 from __future__ import annotations
 

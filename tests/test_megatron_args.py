@@ -1,8 +1,4 @@
-"""Megatron's flags under slime's names: scripts/models/*.sh and slime's
-PERF / OPTIMIZER / MISC args parse against the matching HF config, a
-model-shape flag that disagrees with the checkpoint fails naming it,
-unsupported features are refused with a reason, and the FSDP backend
-refuses Megatron-only flags. (No megatron import: parsing only.)"""
+"""Megatron's flags under slime's names."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The Megatron trainer on CUDA (skipped without a GPU; no Ray needed): bf16
-logits vs transformers, TP=1 training steps, checkpoint + conversion round
-trip, and the time per step of a ~0.5B random Qwen3 (printed, not asserted).
-On CPU the same code paths run through the CPU shim in the other
-test_megatron_* files; these check what only a GPU exercises (NCCL, bf16
-kernels, SDPA flash attention, no shim)."""
+"""The Megatron trainer on CUDA (skipped without a GPU; no Ray needed)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""tools/convert_hf_to_torch_dist.py and tools/convert_torch_dist_to_hf.py with
-slime's command lines: the round trip is exact and the result loads in
-transformers and in our engine; a torch_dist checkpoint is a --ref-load
-(actor start + reference); bf16 storage; export of a training checkpoint."""
+"""tools/convert_hf_to_torch_dist.py and tools/convert_torch_dist_to_hf.py with slime's command lines."""
 
 from __future__ import annotations
 
@@ -109,8 +106,7 @@ def test_mismatched_model_args_fail_before_converting(hf_dir, tmp_path):
 
 
 def test_torch_dist_is_a_ref_load(hf_dir, tmp_path):
-    """As in slime: --ref-load TORCH_DIST is the reference model and the actor's starting point
-    (here another model than --hf-checkpoint, which then only gives the config and tokenizer)."""
+    """As in slime: --ref-load TORCH_DIST is the reference model and the actor's starting point."""
     from transformers import AutoModelForCausalLM
 
     from slime.backends.megatron_utils.actor import MegatronTrainer
@@ -139,8 +135,7 @@ def test_torch_dist_is_a_ref_load(hf_dir, tmp_path):
 
 
 def test_bf16_storage_and_training_checkpoint_export(hf_dir, tmp_path):
-    """--bf16 stores bf16; the HF side gets the origin's dtype back (exactly the bf16 values). A train.py
-    checkpoint (iter dir with trainer/) converts the same way, and tools/export_hf.py handles it."""
+    """--bf16 stores bf16 and exports it back exactly; a train.py checkpoint converts the same way."""
     from slime.backends.megatron_utils.actor import MegatronTrainer
     from slime.arguments import megatron_flags
     from slime.backends.megatron_utils.convert import hf_to_torch_dist, torch_dist_to_hf

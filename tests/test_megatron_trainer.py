@@ -1,6 +1,4 @@
-"""The Megatron trainer's own features at world size 1, in-process (gloo, CPU shim): the same RL step as FSDP
-(loss, updated weights), the distributed optimizer's checkpoints, tied embeddings, bf16, recompute, the Qwen2 and
-Llama families, TP shards, the pad token's embedding row. What both backends do alike: tests/test_trainer.py."""
+"""The Megatron trainer's own features at world size 1, in-process (gloo, CPU shim)."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
 def test_one_rl_step_equals_fsdp(tiny_model_dir, make_trainer, estimator):
-    """Same flags, same batch: the FSDP and Megatron backends report the same
-    loss and end with the same weights (one implementation of the RL math)."""
+    """Same flags, same batch: FSDP and Megatron report the same loss and end with the same weights."""
     from slime.backends.fsdp_utils.actor import FSDPTrainer
     from slime.backends.fsdp_utils.hf_weights import full_state_dict
 
@@ -60,9 +57,7 @@ def test_one_rl_step_equals_fsdp(tiny_model_dir, make_trainer, estimator):
 
 
 def test_the_pad_tokens_embedding_row_learns_as_in_transformers(make_trainer, tiny_model_dir):
-    """transformers builds the embedding as nn.Embedding(padding_idx=pad_token_id): a pad token inside the text
-    (SmolLM2's pad is <|im_end|>, which ends every chat turn) passes no gradient to its row. Megatron's embedding
-    has no such index; the backend makes it behave the same (model.py), so both backends train that row alike."""
+    """transformers builds the embedding as nn.Embedding(padding_idx=pad_token_id)."""
     from slime.backends.fsdp_utils.hf_weights import full_state_dict
     from slime.utils.model_shape import read_shape
 
@@ -163,8 +158,7 @@ def test_bf16_and_recompute_train(make_trainer, tiny_model_dir):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_qwen2_and_llama_match_transformers_and_export_back(family, tmp_path):
-    """Qwen2 (q/k/v biases, no q/k norm) and Llama: same log-probs as transformers, and the HF export
-    gives back the checkpoint's tensors."""
+    """Qwen2 (q/k/v biases, no q/k norm) and Llama."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -221,8 +215,7 @@ def test_tp_shards_reassemble_every_weight_kind():
 
 
 def test_cpu_shim_leaves_transformers_alone(make_trainer, tmp_path):
-    """The shim is process-wide once applied: HF models built and loaded afterwards are intact
-    (a global patch of torch's factories once left their RoPE buffers uninitialised)."""
+    """The shim is process-wide once applied."""
     from transformers import AutoModelForCausalLM
 
     make_trainer("megatron")

@@ -53,9 +53,7 @@ def test_wandb_keeps_its_files_under_the_run_dir_and_gets_redacted_flags(tmp_pat
 
 
 def _wandb_history(run_file) -> list[dict] | None:
-    """The history rows of an offline run's `.wandb` file, None until its exit record is written. It is a LevelDB-style log (wandb-core's store: a 7-byte
-    header ":W&B" + magic 0xBEE1 + version, then 32 KiB blocks of records, each checksum u32, length u16, type u8:
-    1 full, 2 first, 3 middle, 4 last) of `wandb_internal_pb2.Record` messages; wandb 0.31 ships no Python reader."""
+    """The history rows of an offline run's `.wandb` file, None until its exit record is written."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
@@ -80,8 +78,7 @@ def _wandb_history(run_file) -> list[dict] | None:
 
 
 def test_the_eval_before_the_first_step_reaches_wandb_and_the_jsonl(tmp_path, monkeypatch, base_args):
-    """The eval before training is step -1 (the JSONL, the summaries); wandb refuses a step below 0, so its own step
-    is the rollout id + 1 and the charts' axis `rollout/step` carries the rollout id."""
+    """The eval before training is step -1 (the JSONL, the summaries)."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     m = MetricsLogger(base_args.replace(use_wandb=True, wandb_mode="offline", wandb_project="t"), str(tmp_path))
     m.log(-1, {"eval/accuracy": 0.25})

@@ -1,11 +1,4 @@
-"""The multi-turn generate (slime/rollout/multi_turn/) against a deterministic scripted policy.
-
-What is under test is the turn loop's bookkeeping across aborts (the engine's own abort behaviour is tested
-with the embedded engine elsewhere), so the policy is scripted: it writes a fixed subtract_tool trajectory,
-token by token, as long as the tokens so far are that trajectory's, honours max_new_tokens and
-stop_token_ids, and answers in SGLang's reply shape; an abort ends a reply early with the tokens it had and
-finish `abort`, as an aborted SGLang request does. The tools run in a real ToolRunner (worker processes).
-"""
+"""The multi-turn generate (slime/rollout/multi_turn/) against a deterministic scripted policy."""
 
 from __future__ import annotations
 
@@ -180,9 +173,7 @@ def test_an_abort_at_every_token_of_every_turn_resumes_to_the_same_trajectory(to
 
 @pytest.mark.parametrize("when", ["running", "finished", "lost"])
 def test_an_abort_during_every_tool_call_runs_it_once(tok, script, reference, runner, when):
-    """Stopped while the call runs: parked with the call pending; on resume the result is taken (the call still
-    running, or finished meanwhile), or, lost with its runner (a restarted run), run again as the environment
-    allows it (the calculator is safe to re-run)."""
+    """Stopped during a tool call: parked with the call pending; on resume its result is taken, or it runs again."""
     target, obs = script
     ref, runs = reference
     parked_pending = 0

@@ -1,12 +1,4 @@
-"""Multi-turn tool use end to end (--agent-env): train.py and train_async.py on the embedded engine behind
-sglang-router, the tools in real worker processes.
-
-The model is a random tiny Qwen3 on the subtract_tool vocabulary, so it writes long responses that close a
-call (`]`) every few tokens: trajectories are parked mid-turn or with a call running at every step. Its tool
-(tests/tool_plugins.py's flaky_calculator) raises on the calls it cannot read and hangs on others (cut at
---tool-timeout); one sample per prompt, so a sample whose tool failed leaves its group with nothing to train:
-the group is dropped with the tool's reason.
-"""
+"""Multi-turn tool use end to end (--agent-env)."""
 
 import json
 import os

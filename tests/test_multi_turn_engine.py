@@ -1,11 +1,4 @@
-"""The multi-turn generate against the embedded engine behind the real sglang-router.
-
-A tiny Qwen3 on the subtract_tool vocabulary, briefly warm-started so that it calls the calculator; model
-turns go through `POST /generate` (the rollout's SampleRequester.turn), tools through a real ToolRunner. Checked: observation
-tokens are the calculator's answers and out of the loss, every model token's log-prob is the model's own
-(teacher-forced), and an abort-all on the engines at any moment parks trajectories that resume to valid
-ones (and, greedy, to the very trajectory an uninterrupted run writes).
-"""
+"""The multi-turn generate against the embedded engine behind the real sglang-router."""
 
 from __future__ import annotations
 

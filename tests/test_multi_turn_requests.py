@@ -1,11 +1,4 @@
-"""The multi-turn generate wired into the rollout's request path (slime/rollout/sampling_request.py and
-train_async.py's version gate, slime/rollout/version_gate.py).
-
-The requester and the gate are the real ones; only the engine's reply comes from a deterministic scripted
-policy (tests/test_multi_turn.py's ScriptedModel) in SGLang's /generate reply shape, so that the tests are
-fast and exact. The same wiring against the embedded engine and sglang-router, driven by train.py and
-train_async.py, is tests/test_multi_turn_e2e.py (slow).
-"""
+"""The multi-turn generate wired into the rollout's request path."""
 
 from __future__ import annotations
 
@@ -38,8 +31,7 @@ def sglang_reply(seg, version) -> dict:
 
 
 class ScriptedEngine:
-    """`http_client.generate` answered by a scripted policy; records each payload and the gate's in-flight count
-    while the request runs."""
+    """`http_client.generate` answered by a scripted policy."""
 
     def __init__(self, model: ScriptedModel, gate: VersionGate | None = None):
         self.model, self.gate = model, gate
@@ -67,8 +59,7 @@ def requester(args, agent, policy_version=0):
 
 
 def test_each_model_turn_is_one_request_of_the_step(args, tok, script, runner, monkeypatch):  # noqa: F811
-    """Through `SampleRequester.generate` (the step's per-sample call): every model turn is one /generate with
-    the sample's token ids and a rid of the step; the counters see model tokens only, nothing stays in flight."""
+    """Through `SampleRequester.generate` (the step's per-sample call)."""
     target, obs = script
     engine = ScriptedEngine(ScriptedModel(tok, 6, target, obs))
     monkeypatch.setattr(http_client, "generate", engine.generate)
@@ -86,8 +77,7 @@ def test_each_model_turn_is_one_request_of_the_step(args, tok, script, runner, m
 
 
 def test_a_resumed_sample_keeps_its_whole_budget(args, tok, script, runner, monkeypatch):  # noqa: F811
-    """max_new_tokens is the whole response budget (upstream's convention): a sample parked mid-turn and resumed
-    by a fresh requester stops at the same total length as one that was never parked."""
+    """max_new_tokens is the whole response budget (upstream's convention)."""
     target, obs = script
     model = ScriptedModel(tok, 6, target, obs)
     monkeypatch.setattr(http_client, "generate", ScriptedEngine(model).generate)
@@ -153,9 +143,7 @@ def test_gated_turns_are_counted_in_flight_and_tagged_in_their_window(args, tok,
 
 
 def test_a_held_gate_parks_the_turn_and_a_new_version_applies_the_cap(args, tok, script, runner, monkeypatch):  # noqa: F811
-    """The gate held between two turns (a weight update): the next turn waits at the gate, unsent; when the
-    gate reopens at a new version the sample goes back through the staleness cap first (restart, lag 0: its
-    stale trajectory is dropped and written again at the new version), then runs to the same trajectory."""
+    """The gate held between two turns (a weight update)."""
     target, obs = script
     model = ScriptedModel(tok, 6, target, obs)
     gate, engine, g = gated(args, tok, runner, model, cap=StalenessCap(0, "restart"))
@@ -225,9 +213,7 @@ def test_batch_metrics_carry_the_tool_metrics_of_multi_turn_samples(args, tok, s
 
 
 def test_the_staleness_cap_reads_model_tokens_only(args, tok, script, runner, monkeypatch):  # noqa: F811
-    """A trajectory written across versions 0 and 2 (parked after its first call, resumed after two updates):
-    the cap at training (lag 1, mask) masks its version-0 model tokens; observation tokens were never in the
-    loss and stay out, so what the cap counts and masks are model tokens."""
+    """A trajectory written across versions 0 and 2 (parked after its first call, resumed after two updates)."""
     target, obs = script
     model = ScriptedModel(tok, 6, target, obs)
     monkeypatch.setattr(http_client, "generate", ScriptedEngine(model).generate)

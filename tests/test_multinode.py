@@ -1,10 +1,4 @@
-"""The quick start on a 3-node Ray cluster (`ray.cluster_utils.Cluster`, 1 CPU per node, started from a
-directory other than the repo and without the repo on its PYTHONPATH), joined through RAY_ADDRESS: it runs to
-the end with the trainer and the engine on different nodes (Ray's actor table says so), every actor imports
-this checkout (the job's runtime_env), relative path flags work (made absolute at parse time), and afterwards the
-run's processes are gone while the cluster's nodes stay. It is also the quick start's synchronous FSDP run
-(`--no-partial`) with its weights over the broadcast group (the default without --colocate): checkpoint, summary
-and pictures. That the quick start learns: tests/test_quickstart.py."""
+"""The quick start on a 3-node Ray cluster, joined through RAY_ADDRESS."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 4
+STEPS = 2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -1,5 +1,4 @@
-"""`--over-sampling-batch-size auto`: the flag, the observations, and the planner's choice against a
-sweep of fixed sizes on the same (simulated) workload."""
+"""`--over-sampling-batch-size auto`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""One part of a run killed at a time, on the fault suite's task (tests/test_faults.py): the router and a trainer
-rank. Without --use-fault-tolerance a dead router stops the run (rc 1) naming the router, and the run's log ends
-with the reason; with it, the router is restarted on its port and a trainer SIGKILLed between checkpoints is
-restarted from the last one while the engines (and the router) keep their processes, the steps trained since it
-are replayed from the object store, and the ledger shows every group trained once, none generated twice. Each kill
-lands at a step the test chose: the run's reward (tests.plugins_for_tests.gated_subtract_chain) waits there until
-the test has killed.
-"""
+"""One part of a run killed at a time, on the fault suite's task (tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -39,8 +32,7 @@ GATED = ("--custom-rm-path", "tests.plugins_for_tests.gated_subtract_chain", "--
 
 
 def _hold_from(d, version: int | None) -> None:
-    """Rewards of samples of policy `version` or later wait (tests.plugins_for_tests.gated_subtract_chain); None: none
-    wait. Raising the version lets the held ones go on and holds the later ones, in one step (an atomic rename)."""
+    """Rewards of samples of policy `version` or later wait (tests.plugins_for_tests.gated_subtract_chain)."""
     gate = d / "run" / "gate"
     gate.mkdir(parents=True, exist_ok=True)
     if version is None:
@@ -51,8 +43,7 @@ def _hold_from(d, version: int | None) -> None:
 
 
 def _held(d, version: int, proc, log, what: str) -> int:
-    """Waits until the run holds a sample of policy `version` or later (its step's rollout in progress, the steps
-    before it trained and logged); returns the held sample's version."""
+    """Waits until the run holds a sample of policy `version` or later."""
     def versions() -> list[int]:
         return [v for p in (d / "run" / "gate").glob("held-*") if (v := int(p.name[5:])) >= version]
 

@@ -1,5 +1,4 @@
-"""Flags passed through to SGLang (`--sglang-<flag>`) and sglang-router (upstream's `--router-<flag>`), checked at
-parse time against the real parts' own flags; upstream's flags that mean something else here, refused with why."""
+"""Flags passed through to SGLang and sglang-router, checked at parse time against the real parts' own flags."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def test_the_installed_sglang_versions_flags_are_used(base, monkeypatch):
 @pytest.mark.sglang_contract
 @pytest.mark.parametrize("version", CONTRACT_VERSIONS)
 def test_the_shipped_flag_lists_are_sglangs_own(version):
-    """Each shipped list equals what that version's own ServerArgs.add_cli_args registers (the same child-process
-    read that an installed SGLang of another version gets)."""
+    """Each shipped list equals what that version's own ServerArgs.add_cli_args registers."""
     import sys
 
     sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "tools"))

@@ -1,9 +1,4 @@
-"""Our requirements hold SGLang's own pins at both ends of the supported range: installing this package into an
-SGLang image (0.5.15.post1, upstream slime's; 0.5.23, ours) keeps SGLang's transformers, torch and tokenizers.
-
-SGLang's pins are read from its installed metadata: the contract env's copy of each supported version
-(tools/sglang_contract_env.py installs them, without their dependencies) and, where SGLang is installed here (a
-GPU image), that one too. Ours are setup.py's install_requires."""
+"""Our requirements hold SGLang's own pins at both ends of the supported range."""
 
 from __future__ import annotations
 

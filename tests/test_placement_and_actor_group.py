@@ -1,5 +1,4 @@
-"""Placement groups shaped by the hardware, RayTrainGroup's SPMD calls and
-timeouts, and FSDP at world size 2 == world size 1 (one Ray session)."""
+"""Placement groups, RayTrainGroup's SPMD calls and timeouts, and FSDP at world size 2 == world size 1."""
 
 from __future__ import annotations
 

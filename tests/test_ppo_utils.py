@@ -1,5 +1,4 @@
-"""RL losses, KL, entropy, aggregation and TIS checked against hand values and
-independent python/numpy computations."""
+"""RL losses, KL, entropy, aggregation and TIS checked against hand values and independent python/numpy computations."""
 
 import math
 
@@ -338,8 +337,7 @@ def test_tis_on_policy_weights_one_and_ess_one():
 
 
 def test_tis_per_token_versions_cross_stage():
-    """A resumed partial: first 2 tokens sampled by policy v0, last 2 by v1
-    (== current old policy). Only v0 tokens are reweighted."""
+    """A resumed partial (2 tokens of v0, 2 of v1 == the old policy): only the v0 tokens are reweighted."""
     old = torch.tensor([-1.0, -1.0, -0.5, -0.7])
     rollout = torch.tensor([-1.5, -0.8, -0.5, -0.7])
     w, m = compute_tis_weights(old, rollout, torch.ones(4), clip_high=5.0)

@@ -1,6 +1,4 @@
-"""README's main job in a reduced form: the quick start learns (eval accuracy rises above the warm start),
-colocated on the Megatron-core trainer, and ends with its pictures (benchmarks/train_backends.py prints both
-trainers' time per step)."""
+"""README's main job in a reduced form: the quick start learns, colocated on Megatron-core."""
 
 import json
 import os
@@ -17,10 +15,7 @@ COLOCATED = ["--colocate", "--offload", "--update-weight-mode", "tensor"]
 
 
 def test_quickstart_april_improves_on_the_warm_start(tmp_path, quickstart_task):
-    """Megatron-core, colocated (trainer and engine time-share the devices: engines release their memory, the
-    trainer is offloaded, weights handed over by tensor) learns. The other placements and backends run end to
-    end elsewhere: FSDP disaggregated with weights over the broadcast group is tests/test_multinode.py's quick
-    start; Megatron disaggregated (TP 2, broadcast group) is tests/test_train_e2e.py's kill -9 and resume."""
+    """Megatron-core colocated (engines release memory, the trainer offloads, weights go by tensor) learns."""
     run = tmp_path / "run"
     # The task and warm start are cached under runs/tiny (as the quick start itself does), so a
     # second test run skips the ~3.5 minutes of supervised training.

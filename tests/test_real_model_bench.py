@@ -1,6 +1,4 @@
-"""benchmarks/real_model.py --reuse: a finished arm is read from its run directory (metrics.jsonl, summary.json,
-eval_scores.jsonl as train.py writes them) instead of run again, and the table is written from it; an unfinished
-arm or one of another length is refused."""
+"""benchmarks/real_model.py --reuse."""
 
 from __future__ import annotations
 

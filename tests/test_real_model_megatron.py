@@ -1,13 +1,4 @@
-"""Both trainers on the real model (SmolLM2-135M-Instruct, a Llama with tied embeddings, fp32 on CPU):
-
-- HF -> Megatron -> HF gives back every tensor bit for bit (the weights as the trainer loads them, and as its
-  export, the conversion tools and the weight push gather them);
-- Megatron's GPTModel is transformers' LlamaForCausalLM: the layer structure (no q/k norm, no biases, RoPE base
-  100000, tied embeddings) and the log-probs of real chat text, beside the FSDP trainer's; one RL step on both
-  trainers gives the same loss and leaves them with the same log-probs;
-- train.py runs the real-model command on Megatron end to end (APRIL, the embedded engine), its recomputed
-  log-probs within the bound of the engine's (that one step equals FSDP's is the test above's, on one batch).
-"""
+"""Both trainers on the real model (SmolLM2-135M-Instruct, a Llama with tied embeddings, fp32 on CPU)."""
 
 from __future__ import annotations
 
@@ -51,8 +42,7 @@ def _policy(t):
 # ---- train.py on Megatron, the real-model command ------------------------------------------------------------
 # (first in the module: this process is still small while the run holds Ray, the trainer and the engine)
 def _command(model_dir: str, data: str, work, backend: str) -> list[str]:
-    """The real-model run (APRIL on the embedded engine), reduced to 2 short steps of one group of 4. The reward is
-    a hash of the response tokens, so the group has advantages to learn from whatever the model answers."""
+    """The real-model run (APRIL on the embedded engine), reduced to 2 short steps of one group of 4."""
     argv = ["--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
             "--apply-chat-template", "--custom-rm-path", "tests.plugins_for_tests.token_id_reward",
             "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
@@ -89,8 +79,7 @@ def test_train_py_runs_the_real_model_on_megatron(smollm2_dir, tmp_path):
 
 # ---- the model against transformers', and one step on each trainer ------------------------------------------
 def test_megatron_is_transformers_llama_and_trains_as_fsdp(smollm2_dir, tmp_path):
-    """The HF round trip; the model spec against transformers' LlamaForCausalLM (the installed, pinned-range
-    version): structure and log-probs; then one RL step on each trainer from the same batch."""
+    """The HF round trip, the spec against transformers' Llama, then one RL step on each trainer from one batch."""
     import transformers
     from safetensors.torch import load_file
 

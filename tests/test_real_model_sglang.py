@@ -1,15 +1,4 @@
-"""The real model (SmolLM2-135M-Instruct, fp32) on SGLang's own server (`sglang.launch_server`, SGLang 0.5.23 on CPU
-from tools/sglang_cpu_env.py's venv), started as a run starts it (`--rollout-backend sglang`):
-
-- a short APRIL run of train.py on it ends with a clean ledger audit (tools/audit_ledger.py), and its first step's
-  trainer recomputation matches what SGLang returned;
-- SGLang's log-probs of sampled chat answers agree with the FSDP trainer's recomputation on the real weights;
-- after the trainer pushes new weights (the run's path: a broadcast group, in SGLang's weight-update session),
-  SGLang's greedy tokens are those of a transformers forward of the new weights.
-
-The train.py run starts its own engine; the other tests share one engine group for the module (a start costs
-~50-100 s here), started after the run, so the two never hold memory at once.
-"""
+"""The real model (SmolLM2-135M-Instruct, fp32) on SGLang's own server, started as a run starts it."""
 
 from __future__ import annotations
 
@@ -51,16 +40,16 @@ def test_a_short_april_run_on_sglang_is_audit_clean(smollm2_dir, tmp_path):
             "--apply-chat-template", "--custom-rm-path", "tests.plugins_for_tests.token_id_reward",
             "--rollout-backend", "sglang", "--sglang-python", sglang_python(),
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4",
-            "--partial-rollout", "--rollout-max-response-len", "16", "--global-batch-size", "4", "--num-rollout", "3",
+            "--partial-rollout", "--rollout-max-response-len", "16", "--global-batch-size", "4", "--num-rollout", "2",
             "--lr", "1e-5", "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt")]
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=1000,
                          env={**os.environ, "PYTHONPATH": REPO, "SLIME_SKIP_INSTALL": "1"})
-    record_cost("train.py on SGLang, SmolLM2, 3 APRIL steps", time.monotonic() - t0)
+    record_cost("train.py on SGLang, SmolLM2, 2 APRIL steps", time.monotonic() - t0)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert sum(r["rollout/off_policy_tokens"] for r in rows) > 0  # APRIL resumed what it parked
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["rollout/off_policy_tokens"] > 0  # APRIL trained what step 0 left over
     # step 0: every token came from the real weights; the trainer recomputed them
     d_max, d_mean = rows[0]["train/logprob_abs_diff_max"], rows[0]["train/logprob_abs_diff_mean"]
     print(f"train.py on SGLang, step 0: trainer vs SGLang log-probs max |delta| {d_max:.3g}, mean {d_mean:.3g} over "

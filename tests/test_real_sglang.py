@@ -1,10 +1,4 @@
-"""The rollout path judged by SGLang's own server: two real `sglang.launch_server` engines (SGLang 0.5.23 on CPU,
-tools/sglang_cpu_env.py's venv) behind the real sglang-router, started by our EngineGroup as a run starts them.
-
-One group for the module (a start costs 75-100 s here); a random tiny Qwen3 on the subtract_chain vocabulary (so
-response lengths vary); every request asks for few tokens. Tests that change the engines' weights first put the
-weights they compare against on every engine, so they need no order.
-"""
+"""The rollout path judged by SGLang's own server."""
 
 from __future__ import annotations
 
@@ -92,8 +86,7 @@ class Recorder:
         monkeypatch.setattr(http_client, "generate", recording)
 
     def segment_ending(self, index: int, tokens: list[int]) -> tuple[dict, dict]:
-        """Sample `index`'s request with output whose input + output is `tokens` (its last segment; a group's samples
-        share a prompt: the rid, `...-s<index>-...`, tells them apart; one aborted while queued added nothing)."""
+        """Sample `index`'s request with output whose input + output is `tokens`."""
         hits = [(p, o) for p, o in self.calls
                 if f"-s{index}-" in p["rid"] and o["output_ids"] and p["input_ids"] + o["output_ids"] == tokens]
         assert len(hits) == 1, f"{len(hits)} requests of sample {index} end at {tokens}"
@@ -214,8 +207,7 @@ def transformers_greedy(state: dict, model_dir: str, prompt: list[int], n: int) 
 
 @pytest.mark.parametrize("mode", ["distributed", "disk", "tensor"])
 def test_weight_updates_in_sglang_sessions_serve_the_new_weights(env, make_trainer, mode):
-    """Each mode through SGLang's own weight-update session; greedy tokens after it equal a plain transformers
-    forward of the trainer's new weights, and the engines report the version."""
+    """Each mode through SGLang's own weight-update session."""
     t = make_trainer("fsdp", model_dir=env["model_dir"], lr=5e-2, update_weight_mode=mode)
     version = {"distributed": 201, "disk": 202, "tensor": 203}[mode]
     t.train(0, make_groups(seed=version), 0)
@@ -291,12 +283,9 @@ def test_embedded_engine_answers_as_sglang_does(env, start_engine, tmp_path):
 # ---- 3d: stream mode across weight updates -----------------------------------------------------------------
 @pytest.mark.parametrize("pause", ["abort", "retract", "in_place"])
 def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, monkeypatch, request, pause):
-    """train_async.py's stream rollout on real engines, weights switching between two models while requests are
-    in flight, for each --pause-mode. abort drains the gate first (SGLang >= 0.5.22 fails an update that flushes
-    the cache while requests run); retract and in_place pause the engines, which keep our requests (in_place:
-    the push says flush_cache=false). Every token carries the version SGLang's spans give it
-    (`meta_info.weight_versions`, never disagreeing with our record); its log-prob equals a teacher-forced one
-    under that version's weights, except (in_place) the tokens a request sampled over KV of the older weights."""
+    """train_async.py's stream rollout on real engines, weights switching mid-request, for each --pause-mode.
+
+    Each token carries SGLang's span version and that version's teacher-forced log-prob (in_place: bar old KV)."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -363,8 +352,7 @@ def test_stream_rollout_across_weight_updates_keeps_every_tokens_version(env, mo
 
 # ---- 3e: pauses, spans and cache keys, SGLang's and the embedded engine's ----------------------------------
 def test_pauses_spans_and_cache_keys_on_sglang_and_the_embedded_engine_alike(env, start_engine, tmp_path):
-    """SGLang's own server and the embedded engine, on the same two models, answer the pause scenarios alike and as
-    the models say (slime/backends/hf_engine/pause.py follows SGLang's scheduler code; this runs SGLang itself)."""
+    """SGLang's own server and the embedded engine answer the pause scenarios alike and as the models say."""
     from transformers import AutoModelForCausalLM
 
     build_tiny_qwen3(str(tmp_path / "B"), env["tok"], SPEC, seed=21)

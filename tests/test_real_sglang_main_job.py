@@ -1,8 +1,4 @@
-"""README's main job on SGLang's own server: `bash scripts/quickstart.sh --rollout-backend sglang` (reduced to 6
-short steps) runs train.py with APRIL partial rollouts on a real `sglang.launch_server` engine behind the real
-sglang-router, with --use-fault-tolerance; after step 1 the engine is SIGKILLed mid-run, restarted, and the run
-goes on. It ends with metrics, plots and a ledger that accounts for every group it issued. Learning is not asked
-for at SGLang-on-CPU speed (the embedded engine's quick start checks it: tests/test_quickstart.py)."""
+"""README's main job on SGLang's own server."""
 
 from __future__ import annotations
 
@@ -95,8 +91,7 @@ def main_job(quickstart_task, tmp_path_factory):
 
 
 def test_engines_are_sglang_launch_server_from_the_cpu_venv(main_job):
-    """The engines really are SGLang's server (their command lines, not only their replies), before and after
-    the restart, from the venv's interpreter, with the CPU flags our launcher sets."""
+    """The engines are SGLang's server from the venv with our CPU flags, before and after the restart."""
     python = sglang_python()
     assert len(main_job["first"]) == 1 and len(main_job["second"]) == 1, main_job
     for _, argv in main_job["first"] + main_job["second"]:
@@ -127,8 +122,7 @@ def test_main_job_survives_the_killed_engine_and_finishes(main_job):
 
 
 def test_main_job_ledger_accounts_for_every_group(main_job):
-    """The ledger audit of the last checkpoint: every group the data source issued is trained, dropped (with a
-    reason), parked or finished (held in the buffer); none is lost, none trained twice."""
+    """The ledger audit of the last checkpoint."""
     assert main_job["rc"] == 0, main_job["text"][-3000:]
     run = main_job["run"]
     final = run / "ckpt" / f"iter_{STEPS - 1:07d}"

@@ -1,7 +1,4 @@
-"""The oldest supported SGLang (0.5.15.post1, upstream slime's pin) generating on CPU: its own server, one engine
-behind the real sglang-router, started by our EngineGroup. Its API differs from 0.5.23's (no weight-update
-sessions: 404; docs/sglang-compat.md): an APRIL step aborts and parks through it, and a broadcast weight update
-from the trainer (no session) serves the new weights."""
+"""The oldest supported SGLang (0.5.15.post1, upstream slime's pin) generating on CPU."""
 
 from __future__ import annotations
 

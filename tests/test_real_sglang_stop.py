@@ -1,9 +1,4 @@
-"""A polite stop on SGLang's own server (`sglang.launch_server`, SGLang 0.5.23 on CPU): train.py on the quick start's
-task, SIGTERM while step 1's rollout runs (its rewards held, a group generating: tests/test_graceful_stop.py's
-setting), then `--load` to the end. The stop must abort the real engine through the usual fan-out, park what was in
-flight, checkpoint, leave none of the job's processes behind (SGLang's scheduler and detokenizer included), and
-the resumed run must take the parked samples first, from their tokens; the ledger audit is clean. The same checks
-as the embedded engine's chains (test_graceful_stop.py: `check_stop`, `check_resumes`)."""
+"""A polite stop on SGLang's own server (`sglang.launch_server`, SGLang 0.5.23 on CPU)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The hand-written reward corpus (tests/data/rewards/<rm_type>.txt): every case scored through
-`async_rm` exactly as the rollout scores it, against the reward written by hand in the file.
-
-File format, one case per line: `expected @@ category @@ label @@ response`; `⏎` in the response
-stands for a newline; lines starting with `#` and blank lines are ignored. The expected rewards were
-written from the math and each reward type's documented format rules, not by running the code.
-"""
+"""The hand-written reward corpus (tests/data/rewards/<rm_type>.txt)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The built-in rewards (rm_hub): answer extraction and matching, the rule rewards, the subtract_chain task's;
-custom and remote rewards are in tests/test_rm_plugins.py."""
+"""The built-in rewards (rm_hub)."""
 
 import asyncio
 import math
@@ -238,9 +237,7 @@ def test_subtract_chain_real_task(rm):
 
 
 def test_math_verify_says_nothing_untrue_about_its_timeouts(parse_with, monkeypatch, caplog):
-    """math-verify warns (once a process) that its timeouts are off and the caller must bound it. A math-reward group
-    (under --reward-timeout) carries no such warning, while our own warning (a failed sample) and math-verify's
-    warning from a call nobody bounds still show."""
+    """math-verify warns (once a process) that its timeouts are off and the caller must bound it."""
     import logging
 
     import math_verify.grader

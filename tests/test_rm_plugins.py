@@ -1,5 +1,4 @@
-"""Custom rewards (--custom-rm-path, --group-rm: isolated, bounded, never raising into the step) and the remote
-reward server (--rm-type remote_rm)."""
+"""Custom rewards and the remote reward server."""
 
 import asyncio
 import contextlib

@@ -1,5 +1,4 @@
-"""The run's Rollout (slime/rollout/rollout.py) on simulated engines (deterministic, a simulated clock): the rules
-its verbs own, which the real run and the simulator share: the flush rule and the pause protocol's abort by rid."""
+"""The run's Rollout (slime/rollout/rollout.py) on simulated engines (deterministic, a simulated clock)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def _config(**kw) -> SimConfig:
                                                        ("stream", "abort", False, True), ("stream", "retract", False, True),
                                                        ("stream", "in_place", False, False)])
 def test_the_flush_rule_is_the_rollouts(mode, pause, reuse, flush, monkeypatch):
-    """A push flushes the engines' prefix cache unless --reuse-stale-kv, or in place (the engines keep requests with
-    their KV): the Rollout says which, the trainer's push obeys (the simulated engines as the real ones)."""
+    """A push flushes the engines' prefix cache unless --reuse-stale-kv, or in place."""
     told = []
     real = SimCluster.update_weights if mode == "stream" else SimCluster.set_version
     monkeypatch.setattr(SimCluster, "update_weights" if mode == "stream" else "set_version",
@@ -34,9 +32,7 @@ def test_the_flush_rule_is_the_rollouts(mode, pause, reuse, flush, monkeypatch):
 
 
 def test_a_stream_push_aborts_requests_over_the_cap_by_rid(monkeypatch):
-    """In place under --max-staleness with restart (the length guard off): after the push, requests a token of which
-    may now be too old are aborted by rid (the Rollout's protocol, which the simulator drives), so the cap applies
-    when they resume."""
+    """In place under --max-staleness with restart (the length guard off)."""
     aborted, real = [], SimCluster.abort_requests
 
     async def counting(self, rids, session=None):

@@ -53,8 +53,7 @@ def test_spread_is_a_t_interval():
 
 
 def test_graph_captures_are_no_measured_steps_cost_and_the_validity_names_what_broke_it(capsys):
-    """A mode's step, or a limit slice, pays no CUDA graph capture (SGLang captures at start-up); counters of another
-    interval are refused. The summary says the ratios hold only when every partial mode and the limit warmed up."""
+    """A mode's step, or a limit slice, pays no CUDA graph capture (SGLang captures at start-up)."""
     from rollout_report import validity
     from rollout_workload import without_captures
 

@@ -1,10 +1,4 @@
-"""EngineGroup end to end: two real embedded engines behind the real
-sglang-router 0.3.2. Pins the router behaviours the rollout relies on and
-checks every fan-out (aborts, pause, weight updates) reaches every worker.
-
-One module-scoped group (~30 s to start two engines on 2 cores), so the whole
-module is marked slow.
-"""
+"""EngineGroup end to end: two embedded engines behind the real sglang-router 0.3.2, every fan-out reaching both."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""What a run says when a part of it dies: one error path into the run's log (train_or_stop), dead Ray actors
-named by their role with what they held and what --load restores (run_faults.explain). The end-to-end kills
-(router, trainer rank) are tests/test_part_faults.py."""
+"""What a run says when a part of it dies."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def ray_node():
 
 
 def _wait_dead(actor) -> Exception:
-    """The error a call to `actor` gets once Ray has seen it die (ray.kill is asynchronous: a call made at once
-    may still be served)."""
+    """The error a call to `actor` gets once Ray has seen it die."""
     for _ in range(600):  # each round waits for a reply or the death, never a fixed time
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=60)

@@ -1,15 +1,4 @@
-"""Our client's real calls against SGLang's own code, at every version we support (`pytest -m sglang_contract`).
-
-Each version in `versions.CONTRACT_VERSIONS` (the Dockerfile's pin and the oldest we accept) runs as
-`tests/sglang_real_server.py`: SGLang's FastAPI app, its tokenizer-side control code, its scheduler's
-weight-update session and flush code, its model-runner weight-update code (`init_custom_process_group`, the
-broadcast receive, its unpickler, `FlattenedTensorBucket`), with only zmq, the launch-time configuration and the
-model stood in (see that file). The calls come from the code a run uses: the trainer's `WeightUpdater`
-(distributed and tensor), `EngineGroup`'s fan-outs and its abort-until-idle loop, the engine version check, the
-rollout's /generate payload. SGLang's code at each version is installed by `tools/sglang_contract_env.py`
-(scripts/test.sh runs it); without it these tests skip, unless SLIME_REQUIRE_SGLANG_CONTRACT=1 (CI) makes that a
-failure.
-"""
+"""Our client's real calls against SGLang's own code, at every version we support (`pytest -m sglang_contract`)."""
 
 from __future__ import annotations
 
@@ -166,8 +155,7 @@ def _expected(trainer) -> dict:
 
 
 def test_distributed_update_reaches_sglang_bit_identical(sglang, trainer):
-    """Findings 1 and 3: SGLang joins our group through its init_custom_process_group (gloo here, SGLang's
-    store layout), and loads every bucket inside a weight-update session where the version has sessions."""
+    """SGLang joins our group (its init_custom_process_group) and loads every bucket inside a session."""
     updater = _use_mode(trainer, "distributed")
     assert updater.buffer_bytes < 1 << 15  # several buckets
     metrics = trainer.update_weights([sglang.url], 3)
@@ -186,8 +174,7 @@ def test_distributed_update_reaches_sglang_bit_identical(sglang, trainer):
 
 
 def test_tensor_update_reaches_sglang_bit_identical(sglang, trainer):
-    """Finding 1 (and 5): /update_weights_from_tensor through SGLang's payload normalizer, its unpickler and
-    FlattenedTensorBucket, inside a session where the version has sessions; the flush comes with the last bucket."""
+    """/update_weights_from_tensor through SGLang's normalizer, unpickler and FlattenedTensorBucket, in a session."""
     _use_mode(trainer, "tensor")
     metrics = trainer.update_weights([sglang.url], 5)
     state = sglang.state()
@@ -233,8 +220,7 @@ def group(sglang, base_args, monkeypatch):
 
 
 def test_abort_until_idle_reads_sglang_loads(sglang, group, caplog):
-    """Finding 2: after abort_all the group polls SGLang's load report until no request runs or waits (two
-    rounds here: the first abort leaves requests behind)."""
+    """After abort_all the group polls SGLang's load report until no request runs or waits."""
     sglang.set_running(3)
     with caplog.at_level(logging.INFO, logger="slime.backends.sglang_utils.engine_group"):
         asyncio.run(group.abort_all_until_idle(timeout=30.0, interval=0.01))  # past 30 s it raises instead

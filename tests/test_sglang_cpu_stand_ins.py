@@ -1,9 +1,4 @@
-"""The stand-ins SGLang's CPU server imports (slime/backends/sglang_utils/cpu_stand_ins/), checked in our env.
-
-The rotary stand-in must rotate exactly as transformers does for the styles SGLang passes it
-(`sglang/srt/layers/rotary_embedding/base.py`: neox (Qwen3, Llama) and GPT-J, full or partial rotary dim), from
-the cos/sin cache SGLang builds (`_compute_cos_sin_cache`: rot_dim/2 cosines then rot_dim/2 sines per position).
-"""
+"""The stand-ins SGLang's CPU server imports (slime/backends/sglang_utils/cpu_stand_ins/), checked in our env."""
 
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def test_rotary_stand_in_keeps_dtype_and_skips_a_missing_key():
 
 
 def test_torchvision_stand_in_imports_as_sglang_and_transformers_do_and_refuses_use():
-    """What SGLang 0.5.23 (internvl_utils.py, deepseek_ocr.py) and transformers 5.19 (image_utils.py,
-    image_processing_utils.py) import at module level, in a fresh interpreter with the stand-ins first."""
+    """What SGLang 0.5.23 and transformers 5.19 import at module level, in a fresh interpreter with the stand-ins."""
     code = (
         "import torchvision.transforms as T\n"
         "from torchvision.transforms.functional import InterpolationMode\n"

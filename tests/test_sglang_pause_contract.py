@@ -1,15 +1,4 @@
-"""The embedded engine's pause, update and flush semantics against SGLang's own scheduler code
-(`pytest -m sglang_contract`).
-
-One scenario (requests queued and decoding, pauses in both scheduler modes, updates with and without a flush,
-flushes, continues, replies) is played twice: by `tests/sglang_scheduler_semantics.py` on SGLang's `Scheduler`
-(pause, continue, flush, idle check, queueing, version events), its `SchedulerWeightUpdaterManager` (an update's
-version record and flush) and its span functions, at the version our image pins; and by our scheduler
-(slime/backends/hf_engine/scheduler.py + pause.py) driven by hand on a tiny model. After every op the two must
-agree: which requests run and wait, whether the scheduler is paused, every request's token count, whether an
-update's flush and a flush succeeded, and a finished reply's `meta_info.weight_version(s)`. The tokenizer-side
-part of a pause (new requests held, mode abort) is SGLang's `TokenizerManager` code in test_sglang_contract.py.
-"""
+"""The embedded engine's pause, update and flush semantics against SGLang's own scheduler code."""
 
 from __future__ import annotations
 
@@ -131,9 +120,7 @@ def test_pause_update_and_flush_match_sglangs_scheduler(tmp_path, theirs):
 
 
 def test_our_client_reads_sglangs_spans_and_copes_without_them(theirs):
-    """The replies SGLang's own span code built in the scenario, read by our client token by token; SGLang
-    0.5.15.post1 (the oldest we support) builds none: its replies carry only meta_info.weight_version, which our
-    client labels conservatively when an update crossed the request (tests/test_engine_versions.py)."""
+    """The replies SGLang's own span code built in the scenario, read by our client token by token."""
     from slime.rollout.engine_versions import VersionLabels
     from slime.rollout.sampling_request import token_versions
     from slime.utils.types import Sample

@@ -1,8 +1,4 @@
-"""APRIL rollout end to end: the embedded engine behind the real sglang-router.
-
-One module-scoped engine group (tests/rollout_env.py: a 1-layer tiny Qwen3 on the subtract_chain vocabulary,
-random weights, so response lengths vary); every test runs a few short steps against it.
-"""
+"""APRIL rollout end to end: the embedded engine behind the real sglang-router (tests/rollout_env.py)."""
 
 from __future__ import annotations
 
@@ -85,9 +81,7 @@ def test_april_steps_resume_parked_first_and_balance(env, tmp_path):
 
 
 def test_april_tops_up_as_soon_as_requests_finish(env):
-    """A chunk of 3 groups (= the target) with 6 requests allowed in flight: the short members (2 tokens) finish
-    long before any group does (96 tokens, EOS ignored), and their slots are refilled with new groups at once
-    instead of the engine running 3 requests until the chunk's groups finish."""
+    """A chunk of 3 groups (= the target) with 6 requests allowed in flight."""
     args = make_args(env["root"], "--partial-rollout", "--over-sampling-batch-size", "3",
                      "--rollout-max-response-len", "96").replace(rollout_ignore_eos=True)
     source, buffer, outs = run_steps(env, args, 2, source=ShortAndLongSource(make_args(env["root"]), env["tok"]))
@@ -102,9 +96,7 @@ def test_april_tops_up_as_soon_as_requests_finish(env):
 
 @pytest.mark.parametrize("mode", ["chunked", "pool"])
 def test_a_stalled_reward_stops_the_step_submitting(env, mode):
-    """While the rewards of a chunk's worth of rows (the pool's size) have not come back, the step adds no group:
-    the reward, not the engines, is behind, and groups generated meanwhile would only wait for it too, then be
-    trained late as overflow. Every reward here waits until all rows handed out wait in it."""
+    """While the rewards of a chunk's worth of rows (the pool's size) have not come back, the step adds no group."""
     flags = {"chunked": ["--over-sampling-batch-size", "3"], "pool": ["--rollout-mode", "pool", "--rollout-pool-size", "6"]}
     args = make_args(env["root"], "--partial-rollout", "--rm-type", "math", "--custom-rm-path", "rollout_env.stalled_rm",
                      *flags[mode])
@@ -270,8 +262,7 @@ def test_custom_generate_function_must_return_the_sample(env):
 
 
 def test_a_shared_http_session_is_reused_across_steps_and_left_open(env, tmp_path):
-    """The link's session: every step sends through the caller's session (keep-alive connections to the router
-    are reused), and the step never closes it; pool mode exercises the abort path through it too."""
+    """Every step sends through the caller's session (keep-alive reused) and never closes it."""
     import aiohttp
 
     args = make_args(env["root"], "--partial-rollout", "--rollout-mode", "pool", "--rollout-pool-size", "6",
@@ -372,8 +363,7 @@ def test_a_prompt_the_engine_refuses_is_dropped_with_its_reason_not_fatal(env):
 
 
 def test_groups_with_no_trainable_sample_count_toward_the_target(env):
-    """A reward that fails on every sample: each step stops at the target (no data drawn beyond it) and
-    returns no group; every group is dropped with the failure as its reason."""
+    """A reward that fails on every sample."""
     args = make_args(env["root"], "--over-sampling-batch-size", "3", "--custom-rm-path", "rollout_env.always_failing_rm")
     source, buffer, outs = run_steps(env, args, 2, train=False)
     for out in outs:

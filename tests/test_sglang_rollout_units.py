@@ -66,8 +66,7 @@ def sample(versions, status=Status.ABORTED, mask=None, budget=None):
 
 @pytest.mark.parametrize("policy", ["restart", "mask", "keep"])
 def test_staleness_policies_touch_only_stale_samples(policy):
-    """Unfinished members with any old token, and finished members with an old token still in the loss (they
-    train with the resumed group), get the policy; fresh members and old tokens already out of the loss do not."""
+    """Only members with an old token still in the loss (or unfinished with any old token) get the policy."""
     stale, fresh, done = sample([0, 0, 2]), sample([2, 3]), sample([0, 1], Status.COMPLETED)
     done_masked = sample([0, 2], Status.COMPLETED, mask=[0, 1])  # its old token is already out of the loss
     counts = StalenessCap(1, policy).at_resume([[stale, fresh, done, done_masked]], train_version=3)
@@ -152,9 +151,7 @@ def test_running_requests_parses_the_load_report():
 
 
 def test_an_abort_that_arrived_with_the_end_token_finishes_the_sample(base_args, tmp_path, monkeypatch):
-    """SGLang applies an abort arriving with a token before checking that token (`Req.update_finish_state`):
-    found by the real engine (tests/test_real_sglang.py), a reply said abort with EOS as its last token. Such a
-    sample has finished: parked and resumed it would generate past its end. Any other abort stays one."""
+    """SGLang applies an abort arriving with a token before checking that token (`Req.update_finish_state`)."""
     import json
 
     from slime.backends.sglang_utils import http_client

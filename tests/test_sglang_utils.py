@@ -1,6 +1,4 @@
-"""Unit tests for slime/backends/sglang_utils that need no engine: command
-builders, backend choice, the HTTP client against a real local HTTP server,
-and child-process management (log tails, process-group termination)."""
+"""Unit tests for slime/backends/sglang_utils that need no engine."""
 
 from __future__ import annotations
 
@@ -325,8 +323,7 @@ def test_children_die_with_a_killed_parent(tmp_path):
 
 
 def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypatch):
-    """--colocate with SGLang engines: the launcher passes --enable-memory-saver (release/resume free real GPU
-    memory only with it), and so it does for the embedded engine."""
+    """--colocate with SGLang engines."""
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: True)
     monkeypatch.setattr(sglang_engine, "_sglang_importable", lambda python=None: True)
     colo = make_args(tmp_path, "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2")
@@ -341,8 +338,7 @@ def test_colocated_engines_are_launched_with_the_memory_saver(tmp_path, monkeypa
 
 
 def test_sglang_on_a_cpu_box_runs_from_its_interpreter_with_the_cpu_flags_and_stand_ins(tmp_path, monkeypatch):
-    """No CUDA: SGLang's own server with our CPU flags (each replaced by a user's --sglang-<flag>), the import
-    stand-ins first on its PYTHONPATH only, from --sglang-python ($SLIME_SGLANG_PYTHON by default)."""
+    """No CUDA: SGLang runs from --sglang-python with our CPU flags (user-overridable) and the import stand-ins."""
     monkeypatch.setattr(sglang_engine, "_cuda_available", lambda: False)
     monkeypatch.setenv("SLIME_SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")

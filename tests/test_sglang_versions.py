@@ -1,5 +1,4 @@
-"""The SGLang version pins (one place: slime/utils/sglang_versions.py) and the start-up check that
-refuses an engine speaking an SGLang version outside them."""
+"""The SGLang version pins and the start-up check that refuses an engine speaking an SGLang version outside them."""
 
 from __future__ import annotations
 

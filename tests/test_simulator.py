@@ -1,5 +1,4 @@
-"""The rollout simulator on its own (no engine): the engine model's arithmetic, the modes' logic,
-length estimation, cost fits, GPU presets and the APRIL-paper reproduction."""
+"""The rollout simulator on its own (no engine)."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def test_one_synchronous_batch_costs_what_the_model_says():
 
 
 def test_mixed_prefill_chunks_prompts_into_decode_steps():
-    """"mixed" (the embedded engine's paged cache): prompts are prefilled in chunks of chunked_prefill_size,
-    packed into the steps, and a row decodes from the step after its last chunk."""
+    """"mixed" (the embedded engine's paged cache)."""
     cost = EngineCostModel(decode_base_s=0.002, decode_per_seq_s=0.001, decode_per_token_s=1e-6, prefill_base_s=0.003,
                            prefill_per_token_s=1e-4, prefill_per_token2_s=1e-9, abort_s=0.0, request_latency_s=0.0,
                            step_overhead_s=0.0, prefill_mode="mixed", chunked_prefill_size=512, max_prefill_tokens=8192)
@@ -80,8 +78,7 @@ def test_mixed_prefill_chunks_prompts_into_decode_steps():
 
 
 def test_the_client_is_one_serial_resource():
-    """Every request's send and reply cost the client in turn: with a client far slower than the engine,
-    the rollout takes at least the client's total work."""
+    """Every request's send and reply cost the client in turn."""
     slow = FLAT.replace(client_per_request_s=0.01, client_per_input_token_s=1e-5, client_per_token_s=1e-4)
     cfg = SimConfig(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=64, steps=1, warmup_steps=0)
     lens = ReplayLengths([(10, [20] * 4)] * 8, 64)
@@ -154,9 +151,7 @@ def test_fully_async_mode_lags_and_respects_the_async_lag():
 
 
 def test_stream_pause_modes_re_prefill_what_they_say():
-    """A push while requests run (train_async.py's --pause-mode): abort and retract prefill the running requests
-    again (abort also resumes them from the client), in_place keeps their KV; no mode loses a token's version, and
-    with version-keyed requests no aborted request's KV is reused after an update unless --reuse-stale-kv."""
+    """A push while requests run (train_async.py's --pause-mode)."""
     lengths = ParetoLengths(1.0, 8, 128)
     cfg = _long_tail(mode="stream", pool_size=32, train_time_s=0.05, max_async_lag=1, steps=12)
     runs = {m: simulate(cfg.replace(pause_mode=m), FLAT, lengths) for m in ("abort", "retract", "in_place")}
@@ -265,8 +260,7 @@ def test_lengths_specs_are_parsed_or_refused():
 
 
 def test_a_paged_engine_pays_for_its_buckets():
-    """With `paged_block_size`, a decode step of rows of very different lengths gathers less than B x longest but
-    pays for the extra buckets, as the embedded engine's step does (one bucket: the old padded model)."""
+    """With `paged_block_size` a mixed-length decode gathers less than B x longest but pays for its buckets."""
     base = EngineCostModel(decode_base_s=1e-3, decode_per_padded_s=1e-8, decode_per_bucket_s=1e-4)
     paged = base.replace(paged_block_size=32)
     same = [300] * 8
@@ -301,8 +295,7 @@ def test_the_virtual_clock_jumps_and_keeps_equal_times_in_order():
 
 
 def test_the_simulator_drives_the_real_step(monkeypatch):
-    """The simulator drives the run's Rollout: chunked and pool run its steps (slime/rollout/step.py's run_step, its
-    supplies), stream runs StreamRollout over it; every push goes through its pause protocol (`updating_weights`)."""
+    """The simulator drives the run's Rollout."""
     import slime.rollout.rollout as rollout_mod
     import slime.rollout.simulator.drive as drive
 
@@ -337,9 +330,7 @@ def test_the_simulator_drives_the_real_step(monkeypatch):
 
 
 def test_a_simulated_mask_cap_keeps_stale_tokens_out_of_the_loss():
-    """The real StalenessCap on simulated samples: with mask and a cap of 0, resumed samples' tokens from older
-    versions leave the loss (counted as wasted), and with keep they are trained; a group held ready from the step
-    before is too old for a cap of 0: restart drops it (stale_ready), mask and keep train it as they say."""
+    """The real StalenessCap on simulated samples."""
     lengths = ParetoLengths(1.0, 8, 128)
     mask = simulate(_long_tail(over_sampling_batch_size=24, partial_rollout=True, max_staleness=0,
                                staleness_policy="mask"), FLAT, lengths)
@@ -366,8 +357,7 @@ def test_a_simulation_runs_from_inside_a_running_event_loop():
 
 
 def test_the_simulator_pays_the_host_floor_on_a_shrinking_batch():
-    """A synchronous step's tail (the batch shrinking to its last rows) costs the host's floor per step, not the
-    device's tiny step: without the host terms it is predicted several times too fast."""
+    """A synchronous step's tail costs the host's floor per step, not the device's tiny step."""
     lens = ReplayLengths([(8, [16] * 7 + [400])] * 3, 512)
     cfg = SimConfig(rollout_batch_size=1, n_samples_per_prompt=8, max_response_len=512, steps=3, warmup_steps=0)
     gpu_like = EngineCostModel(decode_base_s=0.002, decode_per_seq_s=1e-4, decode_per_token_s=2e-8, host_step_s=0.015,

@@ -1,5 +1,4 @@
-"""The simulator-vs-measurement benchmark's verdict arithmetic (benchmarks/simulator_check.py); the benchmark itself
-compares wall-clock tokens/s, so it runs as a command listed in benchmarks/README.md, not in the suite."""
+"""The simulator-vs-measurement benchmark's verdict arithmetic (benchmarks/simulator_check.py)."""
 
 import os
 import sys

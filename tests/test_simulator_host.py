@@ -1,7 +1,4 @@
-"""The cost model's host terms (slime/rollout/simulator/host_fit.py): a step costs max(the host issuing it, the
-device) + the host's tail. Their arithmetic, their fit from the engine's counters (recovered from counters a known
-model generates, GPU-like: launch-bound at small batches), and a real calibration of the embedded engine on the CPU,
-where issuing is computing. The simulator paying them on a simulated clock: tests/test_simulator.py."""
+"""The cost model's host terms (slime/rollout/simulator/host_fit.py)."""
 
 from __future__ import annotations
 
@@ -59,9 +56,7 @@ def test_the_host_fit_recovers_the_terms_from_the_engines_counters():
 
 @pytest.mark.slow
 def test_a_cpu_calibration_fits_host_terms_from_the_embedded_engines_counters(tmp_path):
-    """On the CPU issuing a step is computing it: the fitted issue is most of a step and the tail (appending tokens,
-    finishing rows) a small part; the step terms are fitted on the step less its tail, and the model prices a
-    step as the engine ran it."""
+    """On the CPU issuing a step is computing it."""
     import asyncio
 
     import aiohttp
@@ -103,9 +98,7 @@ def test_a_cpu_calibration_fits_host_terms_from_the_embedded_engines_counters(tm
 
 
 def test_graph_decode_steps_are_priced_at_their_padded_shape():
-    """With CUDA graphs (calibrated from an engine that runs them) a decode-only step gathers its padded shape: rows
-    to the next graph bucket, key blocks to the next power of two, one bucket; larger steps and steps with prefill
-    tokens keep the eager bucket rule."""
+    """With CUDA graphs (calibrated from an engine that runs them) a decode-only step gathers its padded shape."""
     from slime.backends.hf_engine.buckets import decode_shape
 
     c = EngineCostModel(decode_base_s=1e-3, paged_block_size=32, graph_max_rows=128)
@@ -117,10 +110,7 @@ def test_graph_decode_steps_are_priced_at_their_padded_shape():
 
 
 def test_separate_forwards_price_a_decode_step_plus_a_prefill_only_step():
-    """The embedded engine on a GPU (SGLang's default composition): a step with decode rows and prefill chunks is
-    two forwards, the decode rows' at its CUDA graph's shape with the host's part of its own, then a prefill-only
-    forward; mixed, one forward whose host part is paid once. The calibration takes the composition from the
-    engine's enable_mixed_chunk."""
+    """The embedded engine on a GPU (SGLang's default composition)."""
     mixed = GPU_LIKE.replace(prefill_mode="mixed", prefill_base_s=1e-3, prefill_per_token_s=1e-6,
                              paged_block_size=32, graph_max_rows=128)
     separate = mixed.replace(separate_prefill=True)
@@ -137,9 +127,7 @@ def test_separate_forwards_price_a_decode_step_plus_a_prefill_only_step():
 
 
 def test_a_calibration_cut_before_three_prefill_probes_gives_no_model():
-    """An engine that counts its prefill forwards, calibrated on fewer than three probes (a pass its deadline cut
-    short): no model, rather than one that prices prefill as free and, lacking the mixed rows, an engine of another
-    composition (a GPU run's Pareto calibration, cut before its third probe, predicted APRIL at +737%)."""
+    """An engine that counts its prefill forwards, calibrated on fewer than three probes."""
     from slime.rollout.simulator.calibrate import Calibrator
     from slime.rollout.simulator.probes import Probe
 

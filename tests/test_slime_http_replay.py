@@ -1,12 +1,6 @@
-"""The embedded engine behind the real sglang-router 0.3.2, launched by our `Router` (circuit breaker off),
-driven the way upstream slime drives SGLang: its /generate payload and response parsing, its
-abort-until-idle loop over `GET /v1/loads?include=core,disagg,queues`, its weight-version read
-(`/model_info`, then `/get_weight_version`), resume by token ids, and a disk weight update. Also: a run of
-bad requests never stops the next valid one, and which sampling params the router itself drops.
+"""The embedded engine behind the real sglang-router 0.3.2, driven the way upstream slime drives SGLang.
 
-The client code here is written from reading THUDM/slime (rollout/sglang_rollout.py,
-backends/sglang_utils/server_control.py, sglang_engine.py): same endpoints, payload keys and reply keys.
-"""
+Written from THUDM/slime's rollout/sglang_rollout.py and backends/sglang_utils/: same endpoints and payloads."""
 
 from __future__ import annotations
 
@@ -60,8 +54,7 @@ def stack(models, tmp_path_factory, base_args):
 
 
 def slime_payload(input_ids, max_new_tokens, temperature=0.0):
-    """The body upstream slime's `generate` posts to the router (its sampling_params keys; ignore_eos added so
-    the random tiny model runs long enough to be aborted midway)."""
+    """The body upstream slime's `generate` posts to the router."""
     sampling_params = dict(temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, stop=None,
                            stop_token_ids=None, skip_special_tokens=False, no_stop_trim=True,
                            spaces_between_special_tokens=False, ignore_eos=True)
@@ -69,8 +62,7 @@ def slime_payload(input_ids, max_new_tokens, temperature=0.0):
 
 
 def slime_parse(output):
-    """What upstream slime keeps from a reply: tokens and log-probs from output_token_logprobs, the text,
-    the weight version and the finish type (stop -> completed, length -> truncated, abort -> aborted)."""
+    """What upstream slime keeps from a reply."""
     meta = output["meta_info"]
     rows = meta.get("output_token_logprobs", [])
     return ([r[1] for r in rows], [r[0] for r in rows], output["text"], meta.get("weight_version"),
@@ -78,8 +70,7 @@ def slime_parse(output):
 
 
 def requests_in_load(load) -> int:
-    """Requests a worker still holds, read from a /v1/loads reply the way slime's drain loop reads it:
-    per-rank `num_reqs` / `num_total_reqs` / `total_reqs`, else running + waiting, and any queue counters."""
+    """Requests a worker still holds, read from a /v1/loads reply the way slime's drain loop reads it."""
     if isinstance(load, list):
         return sum(requests_in_load(x) for x in load)
     if not isinstance(load, dict):
@@ -157,9 +148,7 @@ def test_bad_input_through_the_router_names_the_field_and_the_engine_keeps_servi
 
 
 def test_router_drops_some_sampling_params_before_the_worker(stack):
-    """Pins the docs' list (docs/sglang-compat.md): sglang-router 0.3.2 re-serialises sampling_params into
-    a typed struct without logit_bias, stop_regex, structural_tag, custom_params, stream_interval,
-    spaces_between_special_tokens, and drops unknown keys, so real SGLang never sees them either."""
+    """Pins the docs' list (docs/sglang-compat.md)."""
     sp = {"max_new_tokens": 3, "logit_bias": {"7": 100.0}, "ignore_eos": True}
     direct = stack.engine.post("/generate", {"input_ids": PROMPT, "sampling_params": sp}).json()
     assert direct["output_ids"] == [7, 7, 7]

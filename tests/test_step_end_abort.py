@@ -1,8 +1,4 @@
-"""The end-of-step abort leaves an engine that fails while the abort waits on it (step.abort_live_engines).
-
-An engine stopped just before a step ends (SIGSTOP, a hung GPU) accepts the abort's connection and never answers;
-the watchdog names it a moment later. Before, the abort waited out --rollout-abort-timeout (120 s) on it.
-"""
+"""The end-of-step abort leaves an engine that fails while the abort waits on it (step.abort_live_engines)."""
 
 from __future__ import annotations
 

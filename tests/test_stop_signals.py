@@ -1,6 +1,4 @@
-"""GracefulStop (slime/utils/graceful_stop.py) in this process: the first SIGTERM / SIGINT only records the request
-(and wakes a rollout step's `halt` waiting on any event loop), a second raises StopNow, the handlers are put back;
---exit-duration-in-mins requests the stop by itself. The end-to-end stops: tests/test_graceful_stop.py."""
+"""GracefulStop (slime/utils/graceful_stop.py) in this process."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The end-of-run summary (slime/utils/summary.py): what it reads from metrics.jsonl and the one line that says
-what the off-policy token ratio and the staleness cap mean."""
+"""The end-of-run summary (slime/utils/summary.py)."""
 
 import json
 import logging

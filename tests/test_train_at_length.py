@@ -1,9 +1,4 @@
-"""Training at length, on both backends (world size 1, in-process): packed micro-batches give the padded
-path's log-probs and gradients (fp32, <= 1e-5); a sample longer than --max-tokens-per-gpu trains alone;
-token-budget bins are balanced across data-parallel ranks; both backends report the same metric keys;
-one train() with a 151,936-token vocabulary stays within a memory bound that full logits would break;
-FSDP's --bf16 computes in bf16 over fp32 master weights; shutdown lets go of the trainer's memory.
-(TP=2 packed vs padded: tests/test_megatron_parallel.py.)"""
+"""Training at length, on both backends (world size 1, in-process)."""
 
 from __future__ import annotations
 
@@ -137,11 +132,7 @@ def big_vocab_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_one_train_with_a_151936_token_vocabulary_stays_within_its_memory_bound(trainer, big_vocab_dir, backend):
-    """2 samples of 256 tokens in one micro-batch: one fp32 copy of their logits is 0.31 GB, and the
-    full-logits path held about seven. Measured here: the chunked head 0.16 GB, the same head over the
-    whole micro-batch at once (--log-probs-chunk-size -1) 0.57 GB; the bound sits between. The acceptance
-    sizes (2 x 1,024 and 2 x 2,048 tokens, micro-batch 1, bounds 0.5 / 0.6 GB) are measured by
-    benchmarks/train_throughput.py --memory-check."""
+    """2 samples of 256 tokens in one micro-batch."""
     from slime.utils.peak_memory import PeakRSS
 
     from slime.utils.types import Sample, Status

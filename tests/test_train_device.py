@@ -1,16 +1,4 @@
-"""The trainer's hot path never waits for the device, checked without a GPU.
-
-On a GPU every host read of a device value (`.item()`, `.tolist()`, `bool()`, a copy from pageable host
-memory) stops the host until all queued kernels have run, so the GPU idles while the host prepares the next
-ones. Here a micro-batch's forward (both backends, packed and padded), its chunked log-prob head (eager and
-not), its loss and its backward run on torch's `meta` device, which has shapes but no data: a host read raises,
-an element-wise op mixing a host tensor with a device tensor raises, and a dispatch hook flags any other op
-that takes a host tensor beside a device one (CUDA accepts e.g. a host index with a hidden copy and wait).
-
-Packed attention is stood in for by one causal SDPA over the whole row (the GPU's varlen kernels take the
-segment boundaries on the device and read nothing back; the CPU's per-sample fallback does read them). What
-the CPU cannot check: the kernels' speed and numerics on the GPU (benchmarks/gpu_train_check.sh).
-"""
+"""The trainer's hot path never waits for the device, checked without a GPU."""
 
 from __future__ import annotations
 
@@ -119,8 +107,7 @@ def one_micro_batch(args, forward, packed: bool):
 
 @pytest.fixture
 def fused_uncompiled(monkeypatch):
-    """The fused head's kernels as plain functions: torch.compile turns the same arithmetic into fused kernels
-    and adds no host read; here it runs op by op on `meta`."""
+    """The fused head's kernels as plain functions."""
     import types
 
     import slime.backends.training_utils.logprob_head as head
@@ -134,8 +121,7 @@ def fused_uncompiled(monkeypatch):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_megatron_micro_batch_never_reads_the_device(model_dir, megatron_on_meta, varlen_on_device, fused_uncompiled,
                                                      monkeypatch, packed, fused):
-    """Megatron's forward included: RoPE is ours (megatron's unfused `thd` RoPE read the segment lengths back from
-    the device in every layer, for q and for k), packed lengths from the host."""
+    """Megatron's forward included: our RoPE and packed lengths from the host, no device reads."""
     import megatron.core.transformer.attention as megatron_attention
 
     from slime.backends.megatron_utils.model import forward_micro_batch

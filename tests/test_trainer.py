@@ -1,8 +1,4 @@
-"""The trainer of either backend (FSDP2; Megatron-core on gloo with the CPU shim) at world size 1, in-process:
-log-probs vs transformers and on-policy TIS, micro / dynamic batches, FAILED samples, SFT / KL losses, checkpoint
-round trip, HF export; on FSDP the learning direction, TIS off policy, GSPO's loss and multi-turn samples' loss.
-Megatron's own features (FSDP equality, distributed optimizer, recompute, model families):
-tests/test_megatron_trainer.py."""
+"""The trainer of either backend (FSDP2; Megatron-core on gloo with the CPU shim) at world size 1, in-process."""
 
 from __future__ import annotations
 
@@ -158,8 +154,7 @@ def test_kl_loss_uses_frozen_reference(make_trainer, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_save_load_round_trip_is_exact(make_trainer, tmp_path, backend):
-    """The weights, the next step's numbers and the optimizer state (FSDP) or the learning-rate schedule
-    (Megatron: the only backend with one) resume exactly."""
+    """The weights, the next step's numbers and the optimizer state or the learning-rate schedule resume exactly."""
     groups = make_groups(seed=11)
     argv = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4"] if backend == "megatron" else []
     a = make_trainer(backend, *argv, lr=1e-2)
@@ -215,8 +210,7 @@ def _loss_inputs(advantages, log_probs, tis=None):
 
 
 def test_gspo_dual_clip_applies_through_the_trainer_loss(tmp_path):
-    """--advantage-estimator gspo --eps-clip-c 3: the trainer's micro-batch loss caps negative-advantage
-    sequences whose sequence ratio exceeds 3 (it used to ignore the flag)."""
+    """--advantage-estimator gspo --eps-clip-c 3."""
     import math
 
     from slime.backends.training_utils.loss import loss_inputs, micro_batch_loss
@@ -266,8 +260,7 @@ def test_gspo_with_dual_clip_trains_with_gradient_accumulation(make_trainer):
 
 
 def test_observation_tokens_never_carry_gradient(tok, script, runner, base_args, tmp_path):
-    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples: the log-probs and
-    entropies of observation tokens get exactly zero gradient, every model token's log-prob does not."""
+    """The trainer's own loss (policy gradient with TIS, entropy bonus) on multi-turn samples."""
     import torch
 
     from slime.backends.fsdp_utils.model import forward_micro_batch, load_hf_model
@@ -315,8 +308,7 @@ def _grads(trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tis", [False, True])
 def test_one_step_rollout_takes_old_log_probs_from_its_own_forward(make_trainer, tis):
-    """One optimizer step per rollout: no old-log-prob forward, and the same gradient and metrics as with one, also
-    with off-policy tokens corrected by TIS against their own behaviour log-probs (a resumed APRIL sample's)."""
+    """One optimizer step per rollout."""
     t = make_trainer("fsdp", "--use-tis" if tis else "--no-use-wandb", micro_batch_size=3)
     groups = make_groups(seed=11)
     for s in groups[0][1:3]:  # resumed samples: their first tokens sampled by an older policy
@@ -352,8 +344,7 @@ def test_one_step_rollout_takes_old_log_probs_from_its_own_forward(make_trainer,
 
 
 def test_old_log_probs_get_their_own_forward_only_when_needed(make_trainer):
-    """More than one optimizer step per rollout (later steps see updated weights), or --kl-coef (advantages fold
-    in a KL from them): a forward of their own; one step: none."""
+    """More than one optimizer step per rollout (later steps see updated weights), or --kl-coef."""
     for over, forwards in ((dict(global_batch_size=8), 0), (dict(global_batch_size=4), 1),
                            (dict(global_batch_size=8, kl_coef=0.1), 1)):
         t = make_trainer("fsdp", **over)

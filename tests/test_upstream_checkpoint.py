@@ -1,17 +1,4 @@
-"""Checkpoints in upstream slime's layout: what its `tools/convert_hf_to_torch_dist.py` writes for a tiny Qwen3
-(`release/`, tracker `release`) and what its training saves (`iter_N/`, tracker `N`) load with --ref-load and with
---load on the Megatron trainer (CPU, gloo).
-
-Upstream's converter builds the model and saves it through Megatron-LM's `save_checkpoint`
-(NVIDIA/Megatron-LM `megatron/training/checkpointing.py`: `generate_state_dict` and `save_checkpoint`, which call
-megatron-core's `dist_checkpointing.save`), then renames the iteration-1 directory `release`. Megatron-LM is not
-installable here (it is not megatron-core), so `write_upstream_checkpoint` writes the same dist-checkpoint through
-megatron-core's own `dist_checkpointing.save`: `args` (a Namespace), `checkpoint_version` 3.0, `iteration`,
-`model` (the GPTModel's `sharded_state_dict`; Transformer Engine's layer keys, which megatron's local spec maps its
-norms onto, plus TE's per-layer `core_attention._extra_state`), `rng_state` (a ShardedObject per PP x TP rank),
-`num_floating_point_operations_so_far`, the content metadata save_checkpoint passes, and for a training
-checkpoint `opt_param_scheduler`.
-"""
+"""Checkpoints in upstream slime's layout."""
 
 from __future__ import annotations
 
@@ -37,8 +24,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def write_upstream_checkpoint(hf_dir: str, root: str, iteration: int | None) -> str:
-    """`hf_dir` as upstream slime saves it: its converter's `root/release` (iteration None) or a training
-    checkpoint `root/iter_N`. Returns the checkpoint directory."""
+    """`hf_dir` as upstream slime saves it."""
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.transformer.enums import AttnBackend
@@ -141,8 +127,7 @@ def test_load_resumes_the_weights_of_an_upstream_checkpoint(models):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_py_resumes_an_upstream_training_checkpoint(models, tmp_path):
-    """train.py --load UPSTREAM_SAVE: one line says what resumes and what starts fresh; the run goes on at the
-    rollout after the checkpoint's."""
+    """train.py --load UPSTREAM_SAVE."""
     import json
     import subprocess
     import sys

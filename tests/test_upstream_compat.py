@@ -1,15 +1,4 @@
-"""Upstream slime's plugins and flags, unchanged.
-
-- Every flag of upstream slime (THUDM/slime `slime/utils/arguments.py` and `slime/backends/sglang_utils/arguments.py`
-  at 624b824, 2026-08-21, and the APRIL repository's, RLsys-Foundation/APRIL at a72b585; sglang-router's
-  `--router-*` flags are tests/test_pass_through_flags.py's) and every train.py flag their scripts pass is either taken
-  (slime/arguments/) or refused with what to use instead (slime/upstream_flags.py), never "unrecognized".
-- The APRIL repository's own run script (scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh with
-  scripts/models/qwen3-4B.sh) parses as it is.
-- A rollout function written to upstream's documented contract (tests/upstream_plugins.py), with a custom generate
-  and reward, trains through train.py (custom generate functions in the built-in APRIL step:
-  tests/test_upstream_plugins_e2e.py).
-"""
+"""Upstream slime's plugins and flags, unchanged."""
 
 from __future__ import annotations
 
@@ -221,8 +210,7 @@ def workdir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_upstream_rollout_function_and_plugins_train_through_train_py(workdir):
-    """A rollout function in upstream's shape (train and eval) calling a custom generate (GenerateState,
-    append_response_tokens) and a custom reward, the state they keep on args carried across the run."""
+    """An upstream-shaped rollout function with a custom generate and reward, its state on args kept across the run."""
     out = workdir / "rollout_fn"
     plugins = "tests.upstream_plugins"
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--hf-checkpoint", str(workdir / "model"),

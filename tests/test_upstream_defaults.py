@@ -1,13 +1,4 @@
-"""Upstream's defaults, as a slime user's command line resolves here.
-
-- Upstream's effective defaults: its Megatron argument post-processing forces bf16 and the distributed optimizer
-  (Megatron-LM then reduces gradients in fp32 under bf16), and --colocate turns on offload. Here they are defaults
-  with --no- opt-outs: upstream's own scripts resolve to the same three values without any flag.
-- Every flag docs/upstream-flags.md calls "as upstream" resolves, when a command line leaves it out, to upstream's
-  default (UPSTREAM_DEFAULTS: written from upstream's slime/utils/arguments.py at 624b824 and Megatron-LM's argument
-  defaults), on a minimal command line and on upstream's two scripts' argv; every other upstream default is in
-  slime/upstream_flags.py's DEFAULTS_DIFFER and in the docs' table with upstream's value and ours.
-"""
+"""Upstream's defaults, as a slime user's command line resolves here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Upstream slime's plugin API, with upstream's meaning: what its examples (search-r1, retool, tau-bench,
-multi_agent) call on `Sample` (GenerateState, SingletonMeta, the rm_hub helpers, filters and the args they write
-to: tests/test_upstream_plugin_helpers.py). The plugins these tests use are ours, written to upstream's contract
-(tests/upstream_plugins.py); tests/test_upstream_plugins_e2e.py runs them through the rollout and the quick start."""
+"""Upstream slime's plugin API, with upstream's meaning."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ def test_append_response_tokens_refuses_what_upstream_refuses():
 
 
 def test_a_retried_sample_reset_upstreams_way_grows_again():
-    """retool's generate resets a retried sample by setting rollout_log_probs=None, loss_mask=[] and
-    response_length=0 (upstream keeps versions per request, so it never trims them)."""
+    """retool's generate resets a retried sample upstream's way (log-probs None, empty mask) and it grows again."""
     s = prompt_sample()
     s.append_response_tokens(None, tokens=[10, 11], log_probs=[-0.1, -0.2], meta_info={"weight_version": 2})
     s.rollout_log_probs, s.loss_mask, s.response, s.response_length, s.tokens = None, [], "", 0, [1, 2, 3]
@@ -116,8 +112,7 @@ def finished(index: int, n: int, reward: float, **fields) -> Sample:
 
 
 def test_remove_sample_keeps_a_sample_out_of_the_loss_not_out_of_its_group(base_args):
-    """Upstream (THUDM/slime 624b824, `_convert_samples_to_train_data`): a removed sample's loss mask is zeroed
-    when it becomes training data; its reward still counts in its group's normalization."""
+    """Upstream (THUDM/slime 624b824, `_convert_samples_to_train_data`)."""
     from slime.backends.training_utils.data import flatten_groups
     from slime.backends.training_utils.loss import compute_rollout_tensors
     from slime.rollout.rollout_metrics import sample_metrics, token_version_metrics
@@ -145,9 +140,7 @@ def test_remove_sample_keeps_a_sample_out_of_the_loss_not_out_of_its_group(base_
 
 
 def test_samples_sharing_a_rollout_id_are_one_rollout_in_the_loss(base_args):
-    """Upstream (THUDM/slime 624b824: `rollout_mask_sums`, `build_dp_schedule`): samples with one `rollout_id`
-    share an optimizer step, and a sample-mean loss divides their tokens by the rollout's loss tokens and the step's
-    rollouts."""
+    """Upstream (THUDM/slime 624b824: `rollout_mask_sums`, `build_dp_schedule`)."""
     from slime.backends.training_utils.data import flatten_groups, rollout_tokens, split_steps
     from slime.backends.training_utils.loss import RolloutTensors, loss_inputs
 
@@ -192,8 +185,7 @@ def test_upstream_fields_with_no_meaning_here_are_refused_when_a_plugin_sets_the
 
 
 def test_upstream_fields_kept_for_the_plugin(tmp_path):
-    """`session_id` (upstream's routing key, read by the plugin's own requests) and `non_generation_time` (reported
-    as rollout/non_generation_time_*) are kept, also in the buffer's checkpoints."""
+    """`session_id` and `non_generation_time` are kept, also in the buffer's checkpoints."""
     from slime.rollout.rollout_metrics import sample_metrics
 
     a, b = finished(0, 1, 1.0), finished(1, 1, 0.0)
@@ -257,8 +249,7 @@ def test_a_bad_fanout_is_refused_naming_the_plugin(returned, match):
 
 
 def test_a_rollout_functions_fanned_out_groups_are_flattened():
-    """Upstream's rollout output may hold a list in a sample's place (its generate_and_rm of a list-returning
-    generate): each becomes a sample of that group."""
+    """Upstream's rollout output may hold a list in a sample's place."""
     from slime.rollout.base_types import RolloutFnTrainOutput, to_rollout_output
 
     carrier = prompt_sample()

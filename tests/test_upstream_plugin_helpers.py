@@ -1,6 +1,4 @@
-"""Upstream slime's plugin API beyond `Sample` (tests/test_upstream_plugin_api.py): the args plugins write to,
-`GenerateState`, `SingletonMeta`, dynamic-sampling and buffer filters, the rm_hub helpers and
-`--rollout-max-context-len`, with upstream's meaning."""
+"""Upstream slime's plugin API beyond `Sample` (tests/test_upstream_plugin_api.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Plugins written to upstream slime's contract (tests/upstream_plugins.py: GenerateState, append_response_tokens,
-math_dapo_utils, a 4-argument buffer filter, a bool dynamic filter, state kept on args, a list-returning generate)
-through the APRIL step on the embedded engine behind the real sglang-router, and through `bash
-scripts/quickstart.sh` as a user runs it. A rollout function in upstream's shape: tests/test_upstream_compat.py."""
+"""Plugins written to upstream slime's contract (tests/upstream_plugins.py) through the APRIL step and quickstart.sh."""
 
 from __future__ import annotations
 

@@ -2,12 +2,8 @@
 whole run (the class itself is slime/rollout/buffer.py). `Buffer` is made on first use, so importing this module
 needs no Ray (the rollout benchmark runs where Ray is not installed).
 
-`RestartableBuffer` (`--use-fault-tolerance`): the run's handle on the actor, which starts it again when it dies.
-Every call that changes the buffer since the newest checkpoint is kept (its groups in Ray's object store, owned by
-the driver; a checkpoint drops them), as the trainer's batches are (slime/ray/run_faults.py): a new actor loads
-that checkpoint's buffer and ledger and the kept calls run on it again in order, so it holds what the dead one
-held, parked tokens included, while the engines, the router and the trainer keep running. A call cut by the death
-returns what its replay returned; nothing is generated again and no group trained twice."""
+`RestartableBuffer` (`--use-fault-tolerance`): the run's handle on the actor, which starts it again when it dies
+from the newest checkpoint and replays, in order, every call that changed the buffer since (docs/faults.md)."""
 
 from __future__ import annotations
 

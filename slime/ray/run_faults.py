@@ -1,14 +1,9 @@
 """When a part of the run fails: restart the trainer without the engines, and say what a failure lost.
 
-`TrainerRecovery` (`--use-fault-tolerance`): a trainer rank that dies or runs out of memory makes every rank start
-again from the newest checkpoint's trainer state while the engines and router stay up; the batches trained since
-(kept in Ray's object store, owned by the driver) are trained again in order, each under its first policy
-version, so nothing is generated again and the ledger marks each group trained once. Other errors a rank raises
-stop the run, naming the rank.
-
-`RunRecord` + `explain`: what the driver knows at every moment (the step, the newest checkpoint, the ledger's
-counts, which Ray actor is which), so an error that ends the run names the part that died, what it held and what
-`--load` restores. `RunStopped` carries that line; `train_or_stop` writes it last in <run>/train.log."""
+`TrainerRecovery` (`--use-fault-tolerance`): a dead or out-of-memory trainer rank restarts every rank from the
+newest checkpoint while the engines stay up, and the batches trained since are trained again in order
+(docs/faults.md). `RunRecord` + `explain`: what the driver knows, so an error that ends the run names the part that
+died and what `--load` restores; `train_or_stop` writes that line last in <run>/train.log."""
 
 from __future__ import annotations
 

@@ -17,9 +17,7 @@ checkpoints, eval, logging and the entry points' error handling.
             if run.stop_due(rollout_id): break                   # SIGTERM, SIGINT, --exit-*
         run.finish()                                             # (a stop: checkpoint, shut down, say why)
 
-A requested stop checkpoints the last step and raises `StoppedOnRequest`; an error shuts every part down and
-leaves as `RunStopped`, naming what failed and what `--load` restores (docs/faults.md). With --use-fault-tolerance
-a dead trainer or buffer actor starts again from the newest checkpoint and what changed it since is replayed."""
+A requested stop checkpoints and raises `StoppedOnRequest`; an error leaves as `RunStopped` (docs/faults.md)."""
 
 from __future__ import annotations
 

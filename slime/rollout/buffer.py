@@ -1,20 +1,9 @@
 """The partial-rollout buffer (APRIL), which owns the ledger (`slime/utils/ledger.py`).
 
-`PartialRolloutBuffer` holds the groups between rollout steps:
-- parked groups: unfinished (at least one member not finished) groups with
-  all their per-token fields, handed out first next step (FIFO, or
-  `--buffer-filter-path`: upstream slime's `def f(args, rollout_id, buffer, num_samples) -> groups`, called
-  with rollout_id None as upstream calls it, on a copy of the parked list it may pop from; it returns the
-  groups to hand out, a subset of `buffer`; the older 3-argument `f(args, buffer, num_samples)` is still taken);
-- ready groups: groups that finished (rewarded, accepted) after the step's
-  target was met; they stay `finished` in the ledger and are handed out as
-  accepted groups at the start of the next step instead of being thrown away.
-
-`save(path)`/`load(path)` persist both lists and the ledger atomically (write a
-temporary file, then `os.replace`), so a restart resumes parked groups and
-never trains a group twice. `slime/ray/buffer.py`'s `Buffer` is the same class as a Ray actor (the
-run's one owner of these groups); the simulator holds a plain one. `call_maybe_remote` (`call_sync` from
-sync code) calls either; `take_groups` is how groups leave it (parked first, then fresh from the data source).
+`PartialRolloutBuffer` holds parked groups (unfinished, with their per-token fields; handed out first next step,
+FIFO or by `--buffer-filter-path`) and ready groups (accepted after the step's target was met; handed out next
+step). `save`/`load` persist both and the ledger atomically. `slime/ray/buffer.py` runs it as a Ray actor;
+`call_maybe_remote` calls either; `take_groups` is how groups leave it.
 """
 
 from __future__ import annotations

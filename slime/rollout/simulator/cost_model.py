@@ -1,11 +1,8 @@
 """What an engine's work costs, in seconds: the rollout simulator's engine model (one engine = one TP group).
 
-A decode step over B rows costs base + per-row + per cached token + per gathered key position + per attention
-bucket beyond one; the host's part (`host_fit.py`) makes it max(issue, device) + tail. Prefill is "mixed"
-(chunks packed into the decode steps, or `separate_prefill`) or "batched" (separate forwards, linear + quadratic
-in length). Then per-request client, router and engine HTTP costs, abort, step overhead and weight update costs,
-and admission (`max_running`, `kv_capacity_tokens`, "reserve" or SGLang's "optimistic" with retraction).
-Numbers come from `calibrate.py` or `gpu_presets.py`."""
+A decode step costs base + per row + per cached token + per gathered key position + per extra bucket, the host's
+part max(issue, device) + tail (`host_fit.py`); then prefill ("mixed" or "batched"), HTTP, abort, weight update
+and admission costs. Numbers come from `calibrate.py` or `gpu_presets.py`."""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 
 `SimEngine` acts at step boundaries only, as SGLang's scheduler does: take commands, admit (admission.py), step.
 Between changes to the batch its step cost is linear in the step index, so many decode steps are jumped in closed
-form: millions of tokens cost thousands of events. Tokens carry the engine's weight version; an update follows
-its `--pause-mode` (in_place keeps rows and KV, retract re-queues them), and with `version_keyed` an aborted
-request's cached KV is reused only at the version it was computed at."""
+form: millions of tokens cost thousands of events. Tokens carry the engine's weight version."""
 
 from __future__ import annotations
 

@@ -277,7 +277,6 @@ class RolloutManager:
         if self.data_source is not None and state.get("data_source") is not None:
             self.data_source.load_state_dict(state["data_source"])
 
-    # ---- debug dumps ----------------------------------------------------------
     def _save_debug(self, rollout_id: int, out: RolloutOutput) -> None:
         path = self.args.save_debug_rollout_data.format(rollout_id=rollout_id)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -324,7 +324,6 @@ class TrainingRun:
         out["perf/eval_time_s"] = time.monotonic() - t0
         return out
 
-    # ---- logging ---------------------------------------------------------------------------
     def log(self, rollout_id: int, step_metrics: dict) -> None:
         """Empty steps, ledger counts, restarts, colocation costs and `perf/` timings, then one metrics record."""
         step_metrics.update(self.phases.metrics())

@@ -189,7 +189,6 @@ class EngineCostModel:
         """Steady decode throughput of `batch` sequences of `context` cached tokens each."""
         return batch / self.decode_step_s(batch, batch * context, *self.decode_read([context] * batch))
 
-    # ---- io --------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

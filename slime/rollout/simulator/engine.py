@@ -125,7 +125,6 @@ class SimEngine(Admission):
             j += 1
         return j
 
-    # ---- the boundary ------------------------------------------------------------------
     def _boundary(self, t: float, token: int) -> None:
         if token != self.token:
             return  # superseded by an earlier boundary

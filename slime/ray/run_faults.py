@@ -46,10 +46,8 @@ STOPS = (ckpts.CheckpointLoadError, ckpts.CheckpointSaveError, ModelDirError, Da
 
 
 def train_or_stop(entry: str, train: Callable, args) -> int:
-    """Run `train(args)`. Whatever error ends it is the last thing written to <run>/train.log (once logging is
-    set up): a traceback for an error that does not name its cause, the cause chain, then `stopped: <reason>`
-    as the last line; the reason's first line goes to stderr last, and the exit code is 1. A stop that was asked
-    for (slime/utils/graceful_stop.py) ends the same way with its own line and exit code (128 + the signal)."""
+    """Run `train(args)`; whatever error ends it is written last in <run>/train.log and on stderr, exit code 1
+    (docs/faults.md); a requested stop ends the same way with its own line and exit code 128 + the signal."""
     log = logging.getLogger("train")
     try:
         train(args)

@@ -38,9 +38,8 @@ class AimdRule:
 class StepClimb:
     """`--admission auto`'s step-level part: which limit, within what the loads allow, makes the steps fastest.
 
-    It holds a limit and now and then probes a neighbour; the probe wins only when its steps' tokens/s beat the
-    steps before it by `z` standard errors of the steps' own noise and by `tolerance`. When both ways find nothing
-    it rests (`rest_steps`, doubling), so a flat optimum costs few probes."""
+    A probe of a neighbouring limit wins only when its steps' tokens/s beat the steps before it by `z` standard
+    errors and by `tolerance`; with nothing found either way it rests `rest_steps` (doubling)."""
 
     def __init__(self, start: int, rule: AimdRule):
         self.rule = rule

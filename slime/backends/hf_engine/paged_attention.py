@@ -1,15 +1,9 @@
-"""Attention for one packed engine step over the paged KV pool (a transformers attention function).
+"""Attention for one packed engine step over the paged KV pool (a transformers attention function, ATTN_NAME).
 
-transformers runs the projections and RoPE over the step's packed tokens (`[1, N]`, explicit position ids) and
-calls this function per layer (registered as ATTN_NAME) with the step's `StepPlan`: the new keys/values are written
-into the pool at the plan's slots, then each bucket of segments attends its rows' keys (gathered from their blocks,
-padded to the bucket's longest row, masked `key position <= query position`; on the CPU decode buckets attend in
-the pool: cpu_decode). Buckets group segments of similar length, so a short row never pays for the longest row's
-context; tokens are packed bucket by bucket (contiguous slices); a KV head's G query heads are stacked as G x Q
-queries, so nothing is repeated per query head. Every shape and branch is decided from host integers in the plan:
-nothing reads a device tensor back. A prefill chunk with a prefix is attended "split" (CPU: its own keys causally
-plus the prefix unmasked, merged by their log-sum-exp, torch's CPU flash kernel) or "masked" (other devices: one
-gather up to the chunk's last position and one masked SDPA, as a decode bucket).
+Per layer, the step's new keys/values are written into the pool at the `StepPlan`'s slots, then each bucket of
+segments of similar length attends its rows' gathered, padded and causally masked keys (CPU decode buckets attend
+in the pool: cpu_decode), a KV head's query heads stacked so nothing is repeated. Every shape and branch comes from
+host integers in the plan: nothing reads a device tensor back.
 """
 
 from __future__ import annotations

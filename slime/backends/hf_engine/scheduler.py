@@ -1,12 +1,9 @@
 """Continuous-batching scheduler: one thread owns the model and the running batch.
 
-Everything that touches the model (steps, weight loads, aborts, retractions) runs on that thread, between steps;
-the HTTP side calls `submit(fn)` (run at the next step boundary; a concurrent Future) and `add(request)`, and
-requests report back through their `notify` callback. A waiting request joins as a row at a step boundary. Each
-step feeds every decoding row's last token plus prompt chunks (at most `--max-prefill-tokens` per step and
-`--chunked-prefill-size` per row), so a new or resumed request stalls the decoding rows for one chunk at most.
-`step_composition` "mixed" (SGLang's --enable-mixed-chunk, the CPU's default) packs both into one forward;
-"separate" (SGLang's default, a GPU's) runs two, so every decode forward replays its CUDA graph.
+Everything touching the model runs on that thread between steps; the HTTP side calls `submit(fn)` and
+`add(request)`. Each step feeds every decoding row's last token plus prompt chunks (`--max-prefill-tokens` per step,
+`--chunked-prefill-size` per row); `step_composition` "mixed" packs both into one forward, "separate" runs two so
+every decode forward replays its CUDA graph.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Megatron weights → the engines, under HF names, through the trainers' weight sync
-(`training_utils/weight_sync`: a broadcast group in buckets, CUDA IPC handles, or a HF directory on disk).
-
-Weights stream one parameter at a time: the TP ranks of data-parallel
-replica 0 all-gather each shard, global rank 0 converts it to HF names and
-hands it to the bucketer; other replicas hold the same weights and skip.
+"""Megatron weights -> the engines, under HF names, through `training_utils/weight_sync`: the TP ranks of
+data-parallel replica 0 all-gather each parameter, global rank 0 converts it to HF names and buckets it; other
+replicas skip.
 """
 
 from __future__ import annotations

@@ -133,10 +133,8 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self._kv.values())
 
     def release(self) -> int:
-        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers are allocated again on their
-        first write, at the capacity the pool had (the last rollout's working set: a colocated engine's next rollout
-        does not grow it again, and every growth moves the tensors its CUDA graphs captured). Returns the bytes
-        freed."""
+        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers come back on first write at the
+        capacity the pool had, so the next rollout does not grow it again. Returns the bytes freed."""
         if self.num_used:
             raise RuntimeError(f"KV pool: {self.num_used} blocks still held (a running row or the prefix cache)")
         freed = self.nbytes()

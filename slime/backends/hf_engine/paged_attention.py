@@ -215,17 +215,10 @@ def register() -> None:
 
 def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,
                  min_saving: int = BUCKET_MIN_SAVING, merge_prefill: bool = False) -> list[Bucket]:
-    """Buckets for `segments` = (number of queries q, first position p0, table row), in packing order;
-    every segment lands in exactly one bucket, and `start` numbers the cells bucket after bucket.
-
-    A segment's queries are positions p0 .. p0 + q - 1 of its row; each attends keys 0 .. its own
-    position. Decode segments (q = 1) are sorted by context length, longest first, and split where
-    `buckets.decode_bucket_ranges` says. Prefill segments (q > 1) share a bucket with segments of the same shape
-    (e.g. fresh prompts of one length), so no cell is padding; with `merge_prefill` (the masked prefill of a GPU,
-    where a bucket's ~10 launches per layer cost more than attending some padding) chunks of different shapes
-    share a bucket padded to its longest (fresh chunks, and chunks with a prefix, apart), as long as the padded
-    attention is at most twice the exact one plus PAD_SLACK_PAIRS (query, key) pairs: a step resuming 60 samples
-    then runs one or two prefill buckets instead of 60."""
+    """Buckets for `segments` = (queries q, first position p0, table row), in packing order; `start` numbers the cells
+    bucket after bucket. Decode segments are sorted longest first and split where `buckets.decode_bucket_ranges` says;
+    prefill segments share a bucket with segments of their shape, or with `merge_prefill` (a GPU's masked prefill)
+    any shape padded to the longest while the padded attention is at most twice the exact one plus PAD_SLACK_PAIRS."""
     buckets: list[Bucket] = []
     decode = sorted((i for i, s in enumerate(segments) if s[0] == 1), key=lambda i: -segments[i][1])
     blocks = [segments[i][1] // block_size + 1 for i in decode]

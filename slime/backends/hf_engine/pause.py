@@ -50,12 +50,8 @@ def flush_if_idle(sched) -> bool:
 
 def update(sched, load: Callable[[], None], version: str, flush_cache: bool) -> tuple[int, int, bool]:
     """A weight update between two steps: `load()` the weights, record `version`, flush if asked. Returns (running
-    requests, requests in flight, flushed).
-
-    Paused: the requests stay as the pause left them, the flush is SGLang's (`flush_if_idle`; refused under in_place
-    while rows are held). Not paused (SGLang would wait for every request in flight under its model-update lock:
-    a deliberate difference): the running requests are retracted, recomputed on the new weights, and the cache
-    is flushed."""
+    requests, requests in flight, flushed). Paused: requests stay as the pause left them and the flush is SGLang's;
+    not paused: running requests are retracted and recomputed on the new weights (SGLang would wait for them)."""
     held = sched.paused
     n_running = sched.num_running if held else sched.retract()
     in_flight = sched.num_running + sched.num_waiting

@@ -268,10 +268,8 @@ class Scheduler:
             self.running.append(r)
 
     def _plan(self) -> tuple[list, list[Request], int, int, int, int]:
-        """This step's segments: every decoding row's last token, then prompt chunks of the rows being
-        prefilled, fewest tokens left first (they start decoding soonest), within the prefill budgets; the
-        samplers (decoding rows first), rows decoded, prefill tokens, keys the decoding rows attend and the
-        chunks' (query, key) pairs."""
+        """This step's segments (decoding rows' last tokens, then prompt chunks, fewest tokens left first, within the
+        prefill budgets), samplers, rows decoded, prefill tokens, decode keys and the chunks' (query, key) pairs."""
         segments, samplers, prefilling = [], [], []
         for r in self.running:
             if r.leader is not None and not self.shared.ready(r):

@@ -7,12 +7,8 @@ from dataclasses import dataclass
 
 @dataclass
 class SchedulerStats:
-    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
-
-    Every step is one packed forward: `decode_*` counts steps that only decoded, `prefill*` steps that also
-    prefilled (chunks of prompts or resumed samples, with the rows decoded alongside). The `fit_*` sums
-    give a least-squares fit of the step time over its decoding rows and prefill tokens (see
-    benchmarks/rollout_report.py)."""
+    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are; the `fit_*`
+    sums fit step time over decoding rows and prefill tokens (benchmarks/rollout_report.py)."""
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
     decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)

@@ -38,9 +38,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
-    """--dtype: auto is float32 on the CPU (whatever the checkpoint's: 16-bit matmuls are slow there) and the
-    checkpoint's own dtype on a GPU (transformers' dtype="auto": bfloat16 for Qwen3's checkpoints, float32 for
-    the tiny float32 models of the tests and the quick start); returns "auto" for the latter."""
+    """--dtype: auto is float32 on the CPU (16-bit matmuls are slow there) and the checkpoint's own dtype on a GPU
+    (transformers' dtype="auto", which this returns for it)."""
     if name == "auto":
         return "float32" if device.type == "cpu" else "auto"
     try:

@@ -304,9 +304,8 @@ def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> B
 
 
 def move_plan(buckets: list[Bucket], extra: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Put the buckets' block ids and limits, and the `extra` int64 host tensors, on `device` in ONE copy
-    (a step's metadata is a few small tensors: one transfer instead of one per tensor); returns `extra` there.
-    On the CPU nothing moves."""
+    """Put the buckets' block ids and limits, and the `extra` int64 host tensors, on `device` in ONE copy; returns
+    `extra` there. On the CPU nothing moves."""
     if device.type == "cpu":
         return extra
     host = [*extra]

@@ -114,9 +114,8 @@ class WeightUpdateGroups:
 
 
 class WeightUpdateSession:
-    """SGLang's weight-update session (0.5.21+): `/update_weights_from_tensor` and `/update_weights_from_distributed`
-    are refused outside `/begin_weight_update` ... `/end_weight_update`; `/update_weights_from_disk` needs none.
-    (SGLang finalises quantized weights at the end; the embedded engine's weights need nothing.)"""
+    """SGLang's weight-update session (0.5.21+): tensor and distributed updates are refused outside
+    `/begin_weight_update` ... `/end_weight_update`; disk updates need none."""
 
     SELECTORS = ("target", "draft", "all")
 

@@ -15,9 +15,8 @@ from aiohttp import web
 from slime.backends.hf_engine.engine import Engine
 from slime.backends.hf_engine.http_utils import ENGINE_KEY, SERVER_VERSION, json_response
 
-# SGLang's /v1/loads sections; "core" is always filled, "queues" is ours to fill, the rest do not apply here
-# (no speculative decoding, no LoRA, no disaggregation, no memory breakdown): like SGLang, a section that does not
-# apply is left out.
+# SGLang's /v1/loads sections; "core" is always filled, "queues" is ours to fill; as in SGLang, a section that
+# does not apply (speculative decoding, LoRA, disaggregation, memory breakdown) is left out.
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 

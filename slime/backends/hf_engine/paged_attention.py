@@ -79,9 +79,8 @@ def _eager(q, k, v, mask, scale):
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
-# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores (what the
-# public SDPA does not): a chunk's attention is then split into its prefix (no mask) and its own causal
-# part, merged exactly; a mask over the whole chunk x context costs ~35% more on this CPU.
+# torch's CPU flash-attention kernel also returns each query's log-sum-exp (public SDPA does not), so a chunk's
+# prefix (no mask) and causal part merge exactly; one mask over chunk x context costs ~35% more on this CPU.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 

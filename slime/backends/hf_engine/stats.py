@@ -12,9 +12,8 @@ class SchedulerStats:
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
     decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
-    # of decode_s, the time until the step's work was issued, before waiting for its tokens: on a GPU, launch_s ~
-    # decode_s means the device waited for the host (a launch-bound step, what CUDA graphs would shorten); on the
-    # CPU the two are the same (the work is done as it is issued)
+    # of decode_s, the time until the step's work was issued: on a GPU launch_s ~ decode_s means a launch-bound
+    # step (what CUDA graphs shorten); on the CPU the two are the same
     decode_launch_s: float = 0.0
     # of decode_s, the time after the tokens were back on the host (appending them, finishing rows): host work that
     # nothing overlaps (the simulator's host tail, slime/rollout/simulator/host_fit.py)

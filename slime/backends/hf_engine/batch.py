@@ -1,13 +1,9 @@
 """The engine's running rows over a paged KV cache, and one packed model forward per step.
 
-A row is a request's place in the batch: its block table (the pool blocks holding its positions, in order) and
-`cached`, how many leading positions have keys/values in the pool. A step feeds each row a segment of its next
-uncached tokens (one for a decoding row, a chunk for a row being prefilled), all packed in ONE forward (`[1, N]`
-tokens with their position ids; attention in `paged_attention`), so rows of any lengths share it without padding.
-Joining and leaving copy no KV: a row gets an empty table (or an aborted request's blocks), a leaving row hands its
-blocks to the pool (or the prefix cache); `share_prefix` starts a row on another's full blocks (a group's prompt).
-Block tables live in one host tensor `tables[row slot, i]`; the KV pool is on the model's device, and a step's
-metadata (ids, positions, slots, block ids) goes there in one copy before the forward.
+A row has a block table and `cached`, how many leading positions are in the pool. A step packs every row's next
+uncached tokens (one when decoding, a chunk when prefilling) into ONE `[1, N]` forward, so rows of any length share
+it without padding. Joining and leaving copy no KV; `share_prefix` starts a row on another's blocks. Block tables
+live in one host tensor; a step's metadata goes to the device in one copy.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """How the paged engine groups a step's decoding rows into attention buckets (no torch here: the rollout
-simulator replays the same rule to know what a step reads).
+simulator replays the same rule).
 
-Rows are sorted by context, longest first, and measured in KV blocks (a row at position p reads p // block_size + 1
-blocks). A bucket pads its rows to its longest; a new bucket starts where a row needs at most BUCKET_SHRINK of the
-bucket's longest and padding the rest of the rows to the longest would waste at least `min_saving` key positions.
-A bucket costs ~10 small ops per layer (~50-100 us here), worth ~1-4k key positions of attention.
+Rows sorted by context (in KV blocks), longest first; a bucket pads its rows to its longest, and a new bucket starts
+where a row needs at most BUCKET_SHRINK of the longest and padding would waste at least `min_saving` key positions
+(a bucket costs ~10 small ops per layer, worth ~1-4k key positions of attention).
 """
 
 from __future__ import annotations

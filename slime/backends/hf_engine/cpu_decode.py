@@ -1,13 +1,8 @@
-"""Decode attention on the CPU without gathering the KV: `paged_decode.c`, built on first use with the system's C
-compiler and loaded with ctypes.
+"""Decode attention on the CPU without gathering the KV: `paged_decode.c`, built on first use and loaded with ctypes.
 
-The torch path copies every row's keys and values out of the pool into a padded batch (`KVPool.gather`) before
-SDPA, moving the bytes three times; the kernel walks each row's block table in place, one (row, KV head) per OpenMP
-iteration on the torch threads (it links the libgomp torch loaded: one OpenMP runtime serves both).
-
-The build is cached per source, compiler and CPU (`-march=native`) under $SLIME_KERNEL_CACHE or
-~/.cache/slime-april/kernels; without a compiler, or when the build fails, `load` says why once and returns None
-and the engine keeps the torch path. Its results match SDPA's to float32 rounding (tests/test_hf_engine_batch.py).
+The kernel walks each row's block table in place (one (row, KV head) per OpenMP iteration, on torch's libgomp)
+instead of copying the keys out of the pool. The build is cached under $SLIME_KERNEL_CACHE or
+~/.cache/slime-april/kernels; when it cannot be built `load` says why once and returns None (the torch path stays).
 """
 
 from __future__ import annotations

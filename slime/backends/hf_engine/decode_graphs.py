@@ -1,22 +1,10 @@
 """Decode steps replayed from CUDA graphs (SGLang's `--disable-cuda-graph` / `--cuda-graph-max-bs`).
 
-On a GPU a small model's decode-only step is launch-bound (~10 kernels a layer from Python); a CUDA graph captures
-the step's forward once per shape and replays it with one launch.
-
-A graph replays fixed shapes and addresses, so a step is padded to a bucket (`buckets.graph_rows` / `graph_blocks`,
-which the simulator replays too):
-- rows up to the next power of two (at most `max_rows`); a padding row feeds token 0 at position 0 into
-  slot 0 (block 0, which the pool never hands out: it only ever holds finite values, so the masked positions
-  that read it stay finite) and attends that one position; its logits are dropped;
-- key blocks per row up to the next power of two: one attention bucket over every row, masked per row (a
-  row attends positions 0 .. its own), as the eager path's masked decode bucket.
-The step's inputs (token ids, positions, KV slots, block ids, each row's last position) are copied into one
-static buffer per shape in one host-to-device copy; the weights and the KV pool are captured by address, so
-every graph is dropped when the pool grows or is released (`KVPool.generation`) and when the engine releases
-its memory (`drop`).
-
-Modes: "capture" (CUDA graphs), "static" (the same padded, static-buffer forward run eagerly: what the CPU
-tests check, greedy tokens unchanged) and "off" (every step eager; steps with prefill tokens always are).
+A small model's decode step is launch-bound on a GPU; a graph replays it with one launch. Graphs need fixed shapes,
+so rows and key blocks are padded to powers of two (`buckets.graph_rows` / `graph_blocks`; padding rows read block
+0, which stays finite), and the inputs go through one static buffer per shape. Weights and the KV pool are captured
+by address, so graphs are dropped when the pool grows or the memory is released. Modes: "capture", "static" (the
+padded forward run eagerly, what the CPU tests check) and "off".
 """
 
 from __future__ import annotations

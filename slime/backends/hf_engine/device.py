@@ -1,10 +1,6 @@
-"""Where the embedded engine runs: --device and --dtype, and the step's host-to-device copies.
-
-The engine runs on the CPU or on one CUDA GPU (ROCm's torch reports its GPUs as cuda too). On a GPU the
-scheduler thread launches each step's kernels and waits for the device once per step, when the sampled
-tokens come back; everything a step needs from the host (token ids, positions, KV slots, block ids, sampling
-parameters and uniforms) is copied in before the forward, from pinned memory, so the copies queue behind
-nothing and the host never waits for them.
+"""Where the embedded engine runs (--device, --dtype: the CPU or one CUDA GPU), and the step's host-to-device copies:
+everything a step needs from the host is copied in from pinned memory before the forward, so the host waits for the
+device once per step, when the sampled tokens come back.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
-    """--dtype: auto is float32 on the CPU (whatever the checkpoint's: 16-bit matmuls are slow there) and the
-    checkpoint's own dtype on a GPU (transformers' dtype="auto": bfloat16 for Qwen3's checkpoints, float32 for
-    the tiny float32 models of the tests and the quick start); returns "auto" for the latter."""
+    """--dtype: auto is float32 on the CPU (16-bit matmuls are slow there) and the checkpoint's own dtype on a GPU
+    (transformers' dtype="auto", which this returns for it)."""
     if name == "auto":
         return "float32" if device.type == "cpu" else "auto"
     try:

@@ -181,10 +181,8 @@ class Engine:
 
     # ---- weights ---------------------------------------------------------------------
     def _apply(self, named: dict, version: str | None, flush_cache: bool) -> UpdateResult:
-        """On the scheduler thread, between two steps: copy, set the version, flush if asked (`pause.update`: paused,
-        the requests stay as the pause left them and the flush is SGLang's; not paused, running requests are
-        recomputed on the new weights). The tokens each request sampled before this point keep the old version and
-        the tokens after it get the new one (`meta_info.weight_versions`), so no token is mislabelled."""
+        """On the scheduler thread, between two steps: copy, set the version, flush if asked (`pause.update`). Tokens
+        sampled before this point keep the old version in `meta_info.weight_versions`, later ones get the new one."""
         sched = self.scheduler
         if self.memory.weights_released:
             raise ValueError("the weights are released (/release_memory_occupation); POST /resume_memory_occupation "

@@ -1,10 +1,7 @@
-"""Every field of SGLang's `GenerateReqInput` (io_struct.py) and `SamplingParams` (sampling_params.py), and
-what the embedded engine does with it: honoured, accepted because it cannot change the output here (its
-purpose is already met), or refused with a 400 naming it unless it holds its neutral value. A field SGLang
-does not define is refused too. tests/test_hf_engine_schema.py walks these tables against SGLang's lists.
-
-Also the strict JSON readers the request parsers use: a boolean must be a JSON boolean (`"no"` is a 400,
-not a truthy string), an integer a JSON integer, and so on.
+"""Every field of SGLang's `GenerateReqInput` and `SamplingParams`, and what the embedded engine does with it:
+honoured, accepted (cannot change the output here), or refused with a 400 unless neutral; unknown fields are refused
+(tests/test_hf_engine_schema.py checks the tables against SGLang's). Also the strict JSON readers (a boolean must be
+a JSON boolean, an integer a JSON integer).
 """
 
 from __future__ import annotations

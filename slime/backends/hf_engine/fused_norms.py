@@ -1,11 +1,9 @@
 """The model's RMSNorm layers as one torch op each (`torch.nn.functional.rms_norm`).
 
-transformers' RMSNorm modules run eight element-wise ops per call, a Qwen3 layer has four of them: on a GPU, where
-a small model's decode step is the host launching kernels, a third of a layer's launches. `F.rms_norm` is one
-fused kernel on CUDA (torch >= 2.8) and the same float32 arithmetic on the CPU (bit-identical); in bfloat16 it
-rounds once where the modules round twice (as SGLang's kernels do). Only classes computing exactly
+transformers' RMSNorm runs eight element-wise ops per call, a third of a small model's kernel launches on a GPU;
+`F.rms_norm` is one fused kernel on CUDA and bit-identical on the CPU. Only classes computing exactly
 weight * (x * rsqrt(mean(x^2) + eps)) in float32 are swapped (not Gemma's), and only after the fused op agrees with
-the module's own forward on the model's device and dtype; otherwise the modules stay, and the log says why.
+the module's forward on the model's device and dtype; otherwise the log says why.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Read-only endpoints of the embedded engine: health, model/server info, loads.
-
-Shapes follow SGLang at the version we pin (0.5.23): `/v1/loads?include=...` (what upstream slime's
-abort-until-idle loop polls), `/model_info` and `/server_info` (the weight version and SGLang's `version` are
-read there) with their deprecated aliases `/get_model_info` and `/get_server_info`, `/v1/models`. `/get_load`
-and `/get_weight_version`, removed from SGLang in 0.5.21, are not served (404).
+"""Read-only endpoints of the embedded engine, shaped as SGLang 0.5.23's: `/health`, `/v1/loads`, `/model_info`,
+`/server_info` (and their `/get_*` aliases), `/v1/models`; `/get_load` and `/get_weight_version`, removed in 0.5.21,
+answer 404.
 """
 
 from __future__ import annotations
@@ -18,9 +15,8 @@ from aiohttp import web
 from slime.backends.hf_engine.engine import Engine
 from slime.backends.hf_engine.http_utils import ENGINE_KEY, SERVER_VERSION, json_response
 
-# SGLang's /v1/loads sections; "core" is always filled, "queues" is ours to fill, the rest do not apply here
-# (no speculative decoding, no LoRA, no disaggregation, no memory breakdown): like SGLang, a section that does not
-# apply is left out.
+# SGLang's /v1/loads sections; "core" is always filled, "queues" is ours to fill; as in SGLang, a section that
+# does not apply (speculative decoding, LoRA, disaggregation, memory breakdown) is left out.
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 

@@ -1,15 +1,9 @@
 """The engine's KV memory: fixed-size blocks in one pool per layer, handed out by a free list.
 
-Layer l's keys and values live in one tensor `[2, Hkv, num_blocks, block_size, D]` (keys, then
-values): a block holds `block_size` consecutive positions of one request, head-major so that gathering
-a row's blocks copies `block_size * D` contiguous floats per head, keys and values in one op. Block 0 is never handed out: tables pad with it, and
-being zeros it keeps masked-out positions finite (0 x NaN garbage would be NaN in attention's matmuls).
-
-Blocks belong to whoever holds their ids (a running row, or the prefix cache for an aborted request);
-no position is ever copied when a request joins, leaves or is resumed. A full block may have several
-holders (rows sharing a prompt, `share`): it goes back to the free list when the last one frees it. The pool starts small and grows
-by reallocation (amortised, at most up to `max_blocks`); layers are allocated on their first write, so
-the pool needs no model-specific shape information.
+Layer l holds `[2, Hkv, num_blocks, block_size, D]` (keys, then values; head-major so a row's gather copies
+contiguous runs). Block 0 is never handed out: tables pad with it and its zeros keep masked positions finite.
+A block may have several holders (`share`) and is freed by the last. The pool grows by reallocation up to
+`max_blocks`; layers are allocated on first write.
 """
 
 from __future__ import annotations
@@ -139,10 +133,8 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self._kv.values())
 
     def release(self) -> int:
-        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers are allocated again on their
-        first write, at the capacity the pool had (the last rollout's working set: a colocated engine's next rollout
-        does not grow it again, and every growth moves the tensors its CUDA graphs captured). Returns the bytes
-        freed."""
+        """Free the storage (SGLang's kv_cache tag); every block must be back. Layers come back on first write at the
+        capacity the pool had, so the next rollout does not grow it again. Returns the bytes freed."""
         if self.num_used:
             raise RuntimeError(f"KV pool: {self.num_used} blocks still held (a running row or the prefix cache)")
         freed = self.nbytes()

@@ -1,15 +1,7 @@
-"""Log-probs beyond the sampled token's: prompt log-probs (`logprob_start_len`), top-k log-probs
-(`top_logprobs_num`) and the log-probs of chosen ids (`token_ids_logprob`), as SGLang returns them.
-
-Every value comes from the same distribution as the sampled token's log-prob: log_softmax(logits / T)
-(T = 1 for greedy), plus the request's logit_bias for output positions, as SGLang's sampler adds it
-(prompt positions never see a bias). Prompt position 0 has no context, so its entries are None, as in
-SGLang.
-
-Two hooks for the scheduler, both no-ops for requests that did not ask:
-- `fill_prompt_logprobs(model, req)` when a request is admitted: one forward of its prompt (a scoring
-  pass of its own, so prefill batching, padding, chunking and the prefix cache stay untouched);
-- `record_output_logprobs(reqs, logits)` after a step's sampling, before the tokens are appended.
+"""Prompt log-probs (`logprob_start_len`), top-k log-probs (`top_logprobs_num`) and chosen ids' log-probs
+(`token_ids_logprob`), as SGLang returns them: from log_softmax(logits / T), with the logit_bias on output
+positions only; prompt position 0 gives None. Hooks: `fill_prompt_logprobs` at admission (a scoring forward of its
+own) and `record_output_logprobs` after sampling; both are no-ops for requests that did not ask.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The engine's memory occupation: SGLang's `/release_memory_occupation` and `/resume_memory_occupation`.
 
-Colocated with a trainer, an engine gives its device memory back between rollouts: `weights` (every
-parameter's storage) and `kv_cache` (the paged KV pool: the running rows' blocks and the prefix cache's). Releasing
-frees the storage for real (a parameter keeps its shape, its storage is resized to 0 bytes), and
-resuming allocates it again:
-
-- `kv_cache` comes back empty (as in SGLang, the cache is flushed on release);
-- `weights` come back with undefined contents, as in SGLang with `--enable-memory-saver`: the trainer
-  writes them with the next weight update. Until every parameter has been written again, generation is
-  refused (SGLang would sample from garbage). With `--enable-weights-cpu-backup` (SGLang's flag) the
-  weights are copied to host memory on release and restored on resume instead.
-
-Generation is refused while anything is released; releasing needs an idle engine (SGLang asserts the
-same). Every method here runs on the scheduler thread, between steps.
+Colocated with a trainer, an engine frees `weights` (storage resized to 0 bytes) and `kv_cache` between rollouts.
+The KV cache comes back empty; weights come back undefined (as with SGLang's `--enable-memory-saver`) and generation
+is refused until every parameter is written again, unless `--enable-weights-cpu-backup` kept a host copy. Releasing
+needs an idle engine; every method runs on the scheduler thread, between steps.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The model's linear layers through oneDNN on the CPU (`torch.ops.mkldnn._linear_pointwise`).
 
-In float32 torch's CPU `F.linear` calls MKL's sgemm, which takes its AVX-512 code on Intel CPUs only: on an AMD
-Zen 5 core it runs AVX2 code at half the FMA width (~95 GFLOP/s a core against oneDNN's ~210 on the shapes of a
-135M model's decode step; oneDNN, bundled with torch, dispatches on the CPU's features). The product is the same
-float32 sum in another order (a few units in the last place). The weight stays the module's own tensor, so a
-weight update written in place is seen by the next step. Swapped where the model is float32 on the CPU, torch has
-oneDNN and its product agrees with `F.linear` on one of the model's layers; the log says which.
+In float32 torch's CPU `F.linear` uses MKL's sgemm, which runs AVX2 code at half the FMA width on AMD cores; oneDNN
+dispatches on the CPU's features (~2x on a 135M model's decode step). Same float32 sum in another order; the weight
+stays the module's tensor, so in-place weight updates are seen. Swapped only when the model is float32 on the CPU
+and the product agrees with `F.linear` on one of its layers; the log says which.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Attention for one packed engine step over the paged KV pool (a transformers attention function).
+"""Attention for one packed engine step over the paged KV pool (a transformers attention function, ATTN_NAME).
 
-transformers runs the projections and RoPE over the step's packed tokens (`[1, N]`, explicit position ids) and
-calls this function per layer (registered as ATTN_NAME) with the step's `StepPlan`: the new keys/values are written
-into the pool at the plan's slots, then each bucket of segments attends its rows' keys (gathered from their blocks,
-padded to the bucket's longest row, masked `key position <= query position`; on the CPU decode buckets attend in
-the pool: cpu_decode). Buckets group segments of similar length, so a short row never pays for the longest row's
-context; tokens are packed bucket by bucket (contiguous slices); a KV head's G query heads are stacked as G x Q
-queries, so nothing is repeated per query head. Every shape and branch is decided from host integers in the plan:
-nothing reads a device tensor back. A prefill chunk with a prefix is attended "split" (CPU: its own keys causally
-plus the prefix unmasked, merged by their log-sum-exp, torch's CPU flash kernel) or "masked" (other devices: one
-gather up to the chunk's last position and one masked SDPA, as a decode bucket).
+Per layer, the step's new keys/values are written into the pool at the `StepPlan`'s slots, then each bucket of
+segments of similar length attends its rows' gathered, padded and causally masked keys (CPU decode buckets attend
+in the pool: cpu_decode), a KV head's query heads stacked so nothing is repeated. Every shape and branch comes from
+host integers in the plan: nothing reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -85,9 +79,8 @@ def _eager(q, k, v, mask, scale):
     return torch.matmul(scores.softmax(dim=-1), v)
 
 
-# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores (what the
-# public SDPA does not): a chunk's attention is then split into its prefix (no mask) and its own causal
-# part, merged exactly; a mask over the whole chunk x context costs ~35% more on this CPU.
+# torch's CPU flash-attention kernel also returns each query's log-sum-exp (public SDPA does not), so a chunk's
+# prefix (no mask) and causal part merge exactly; one mask over chunk x context costs ~35% more on this CPU.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -221,17 +214,10 @@ def register() -> None:
 
 def plan_buckets(segments: list[tuple[int, int, int]], tables: torch.Tensor, block_size: int,
                  min_saving: int = BUCKET_MIN_SAVING, merge_prefill: bool = False) -> list[Bucket]:
-    """Buckets for `segments` = (number of queries q, first position p0, table row), in packing order;
-    every segment lands in exactly one bucket, and `start` numbers the cells bucket after bucket.
-
-    A segment's queries are positions p0 .. p0 + q - 1 of its row; each attends keys 0 .. its own
-    position. Decode segments (q = 1) are sorted by context length, longest first, and split where
-    `buckets.decode_bucket_ranges` says. Prefill segments (q > 1) share a bucket with segments of the same shape
-    (e.g. fresh prompts of one length), so no cell is padding; with `merge_prefill` (the masked prefill of a GPU,
-    where a bucket's ~10 launches per layer cost more than attending some padding) chunks of different shapes
-    share a bucket padded to its longest (fresh chunks, and chunks with a prefix, apart), as long as the padded
-    attention is at most twice the exact one plus PAD_SLACK_PAIRS (query, key) pairs: a step resuming 60 samples
-    then runs one or two prefill buckets instead of 60."""
+    """Buckets for `segments` = (queries q, first position p0, table row), in packing order; `start` numbers the cells
+    bucket after bucket. Decode segments are sorted longest first and split where `buckets.decode_bucket_ranges` says;
+    prefill segments share a bucket with segments of their shape, or with `merge_prefill` (a GPU's masked prefill)
+    any shape padded to the longest while the padded attention is at most twice the exact one plus PAD_SLACK_PAIRS."""
     buckets: list[Bucket] = []
     decode = sorted((i for i, s in enumerate(segments) if s[0] == 1), key=lambda i: -segments[i][1])
     blocks = [segments[i][1] // block_size + 1 for i in decode]
@@ -317,9 +303,8 @@ def _bucket(segments, idx: list[int], q: int, m: int, tables: torch.Tensor) -> B
 
 
 def move_plan(buckets: list[Bucket], extra: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Put the buckets' block ids and limits, and the `extra` int64 host tensors, on `device` in ONE copy
-    (a step's metadata is a few small tensors: one transfer instead of one per tensor); returns `extra` there.
-    On the CPU nothing moves."""
+    """Put the buckets' block ids and limits, and the `extra` int64 host tensors, on `device` in ONE copy; returns
+    `extra` there. On the CPU nothing moves."""
     if device.type == "cpu":
         return extra
     host = [*extra]

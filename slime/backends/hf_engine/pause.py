@@ -1,26 +1,11 @@
 """`/pause_generation`, `/continue_generation` and what a weight update or a flush does to a paused engine, as
 SGLang 0.5.23 does them.
 
-SGLang splits a pause between its tokenizer manager (`TokenizerManager.pause_generation` /
-`continue_generation`) and its scheduler (`Scheduler.pause_generation`, `continue_generation`, `flush_cache`,
-`is_fully_idle`; `SchedulerWeightUpdaterManager.flush_cache_after_weight_update`):
-
-- every mode holds new `/generate` requests before they reach the scheduler, until `/continue_generation`:
-  they are not in the load report, and no abort reaches them (`HoldNewRequests`, on the event loop);
-- `abort`: every request in the scheduler is aborted; the scheduler itself is not paused;
-- `retract`: the scheduler stops stepping; its running requests go back to the waiting queue with their KV
-  freed (not cached) and their tokens kept, and are prefilled again after `/continue_generation`;
-- `in_place`: the scheduler stops stepping; running requests keep their rows and their KV, and go on from
-  there after `/continue_generation`: tokens sampled after an update then attend to KV the older weights
-  computed (each token is still labelled with the weights that sampled it, `meta_info.weight_versions`).
-
-While the scheduler is paused a flush ignores its waiting queue (`is_fully_idle(ignore_waiting=paused)`): it
-succeeds under `retract` and fails under `in_place` while rows are held. An update whose flush fails still
-loads the weights and records the version, and answers `success: false` with SGLang's message (`FLUSH_FAILED`);
-so under `in_place` updates say `flush_cache: false`, and the prefix cache is kept apart per weight version by
-the requests' `extra_key` (slime/backends/hf_engine/prefix_cache.py), never served across versions.
-
-The functions taking a scheduler run on its thread, between two steps.
+Every mode holds new `/generate` requests until `/continue_generation` (`HoldNewRequests`); `abort` aborts the
+scheduler's requests, `retract` stops the scheduler and sends its rows back to the waiting queue (KV freed, tokens
+kept), `in_place` stops it with rows and KV kept. While paused a flush ignores the waiting queue, so it succeeds
+under `retract` and fails under `in_place` while rows are held (`FLUSH_FAILED`; the weights still load). The
+functions taking a scheduler run on its thread, between two steps.
 """
 
 from __future__ import annotations
@@ -65,12 +50,8 @@ def flush_if_idle(sched) -> bool:
 
 def update(sched, load: Callable[[], None], version: str, flush_cache: bool) -> tuple[int, int, bool]:
     """A weight update between two steps: `load()` the weights, record `version`, flush if asked. Returns (running
-    requests, requests in flight, flushed).
-
-    Paused: the requests stay as the pause left them, the flush is SGLang's (`flush_if_idle`; refused under in_place
-    while rows are held). Not paused (SGLang would wait for every request in flight under its model-update lock:
-    a deliberate difference): the running requests are retracted, recomputed on the new weights, and the cache
-    is flushed."""
+    requests, requests in flight, flushed). Paused: requests stay as the pause left them and the flush is SGLang's;
+    not paused: running requests are retracted and recomputed on the new weights (SGLang would wait for them)."""
     held = sched.paused
     n_running = sched.num_running if held else sched.retract()
     in_flight = sched.num_running + sched.num_waiting

@@ -1,20 +1,10 @@
 """KV of aborted requests, kept so that the request resuming them skips its prefill.
 
-SGLang keeps a finished or aborted request's KV in its radix cache, and a later request whose `input_ids` start with
-the same tokens reuses it. What APRIL needs of that is narrower: an aborted request comes back with `input_ids` =
-exactly its tokens so far. So entries here are whole aborted sequences, keyed by their token ids, holding the KV
-pool blocks of their first `cached` positions (every token but the last for a request aborted while decoding; fewer
-for one aborted while its prompt was still being prefilled). A hit hands the blocks to the resuming row as they are:
-nothing is copied, and the row goes on from position `cached`.
-
-As in SGLang's radix cache, entries are namespaced by the request's `extra_key` (a request only ever reuses KV
-stored by a request with the same key), and each holds KV computed with the weights of its time: a weight update
-flushes it unless the update says `flush_cache: false`, and `POST /flush_cache` empties it. Under `flush_cache:
-false` (a paused-in-place update, `--reuse-stale-kv`) older entries stay; our client keys its requests by the weight
-version they are sent at (slime/rollout/engine_versions.py), so an entry is only reused by a request of its own
-version, unless `--reuse-stale-kv` asks for stale KV. Each entry records the version that computed its oldest
-position, so the scheduler counts every reuse across versions (`cache_stale_hits`). Its blocks come from the same
-pool as the running rows': when the pool runs short, the least recently stored entries are evicted first.
+A narrower SGLang radix cache: an aborted request comes back with exactly its tokens so far, so entries are whole
+aborted sequences keyed by their token ids, holding the pool blocks of their cached positions; a hit hands them to
+the resuming row without a copy. Entries are namespaced by `extra_key`, flushed by a weight update unless it says
+`flush_cache: false`, record the version of their oldest position (`cache_stale_hits`), and are evicted least
+recently stored first when the pool runs short.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Per-row sampling for a decode batch.
 
-Log-probs follow SGLang: log_softmax((logits + logit_bias) / temperature) of the sampled token, *not* renormalised
-after top-k / top-p / min-p (those only restrict what may be drawn). As in SGLang, a temperature below 1e-6 (0
-included) means greedy: it becomes top_k = 1 at temperature 1, so greedy log-probs are log_softmax of the raw
-(biased) logits and never NaN or null.
-
-A step samples in two halves, so that a GPU engine syncs with the host once per step, not per row or per token:
-`prepare_sampling` (on the host, before the forward) turns the rows' parameters and their uniform draws into a few
-tensors on the engine's device; `sample_tokens` (after the forward) runs on the device with no host round trip, and
-the caller reads tokens and log-probs back in one copy. The uniforms come from CPU generators whatever the device,
-so a seeded request draws the same tokens on CPU and GPU given the same logits.
+Log-probs follow SGLang: log_softmax((logits + logit_bias) / temperature) of the sampled token, not renormalised
+after top-k / top-p / min-p; a temperature below 1e-6 is greedy (top_k = 1 at temperature 1). `prepare_sampling`
+(host, before the forward) and `sample_tokens` (device, after it) split a step so a GPU syncs once per step; the
+uniforms come from CPU generators, so a seeded request draws the same tokens on CPU and GPU.
 """
 
 from __future__ import annotations

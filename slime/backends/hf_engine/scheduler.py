@@ -1,12 +1,9 @@
 """Continuous-batching scheduler: one thread owns the model and the running batch.
 
-Everything that touches the model (steps, weight loads, aborts, retractions) runs on that thread, between steps;
-the HTTP side calls `submit(fn)` (run at the next step boundary; a concurrent Future) and `add(request)`, and
-requests report back through their `notify` callback. A waiting request joins as a row at a step boundary. Each
-step feeds every decoding row's last token plus prompt chunks (at most `--max-prefill-tokens` per step and
-`--chunked-prefill-size` per row), so a new or resumed request stalls the decoding rows for one chunk at most.
-`step_composition` "mixed" (SGLang's --enable-mixed-chunk, the CPU's default) packs both into one forward;
-"separate" (SGLang's default, a GPU's) runs two, so every decode forward replays its CUDA graph.
+Everything touching the model runs on that thread between steps; the HTTP side calls `submit(fn)` and
+`add(request)`. Each step feeds every decoding row's last token plus prompt chunks (`--max-prefill-tokens` per step,
+`--chunked-prefill-size` per row); `step_composition` "mixed" packs both into one forward, "separate" runs two so
+every decode forward replays its CUDA graph.
 """
 
 from __future__ import annotations
@@ -271,10 +268,8 @@ class Scheduler:
             self.running.append(r)
 
     def _plan(self) -> tuple[list, list[Request], int, int, int, int]:
-        """This step's segments: every decoding row's last token, then prompt chunks of the rows being
-        prefilled, fewest tokens left first (they start decoding soonest), within the prefill budgets; the
-        samplers (decoding rows first), rows decoded, prefill tokens, keys the decoding rows attend and the
-        chunks' (query, key) pairs."""
+        """This step's segments (decoding rows' last tokens, then prompt chunks, fewest tokens left first, within the
+        prefill budgets), samplers, rows decoded, prefill tokens, decode keys and the chunks' (query, key) pairs."""
         segments, samplers, prefilling = [], [], []
         for r in self.running:
             if r.leader is not None and not self.shared.ready(r):

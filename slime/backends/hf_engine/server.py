@@ -1,8 +1,7 @@
-"""aiohttp app speaking SGLang's native HTTP API over an `Engine`: generation and control routes
-(read-only routes are in `info.py`, weight updates in `weight_routes.py`). The routes, bodies and replies follow SGLang at the version we pin
-(`slime/utils/sglang_versions.py`; docs/sglang-compat.md lists each deliberate difference): weight
-updates by tensor or broadcast run only inside a `/begin_weight_update` ... `/end_weight_update` session, the
-weight-update group is joined in SGLang's layout, `/flush_cache` answers plain text."""
+"""aiohttp app speaking SGLang's native HTTP API over an `Engine`: generation and control routes (read-only routes in
+`info.py`, weight updates in `weight_routes.py`), following SGLang at the version we pin
+(`slime/utils/sglang_versions.py`; deliberate differences in docs/sglang-compat.md).
+"""
 
 from __future__ import annotations
 

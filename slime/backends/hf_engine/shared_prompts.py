@@ -1,12 +1,7 @@
-"""Requests with the same prompt share its KV, as SGLang's radix cache has them do: the n samples of a GRPO group
-arrive together with one prompt, and only one of them prefills it.
-
-The first such request admitted leads: it prefills the prompt as any request does. Each later one (same prompt,
-same `extra_key`, the leader still running) follows: it gets a row but no segment until the leader has the prompt
-in the pool, then starts on the leader's KV of every prompt position but the last (`PagedBatch.share_prefix`:
-full blocks shared, the partly filled one copied) and feeds that last token to sample its first one, as a request
-resuming an aborted one does. A leader gone before that (finished, aborted, retracted) leaves its followers to
-prefill for themselves. The scheduler turns this off with its prefix cache (--disable-radix-cache).
+"""Requests with the same prompt share its KV, as with SGLang's radix cache: of a GRPO group's n samples only the
+first admitted (the leader) prefills the prompt; the others (same prompt and `extra_key`) wait, then start on the
+leader's KV of every prompt position but the last (`PagedBatch.share_prefix`). A leader gone early leaves its
+followers to prefill for themselves. Off with the prefix cache (--disable-radix-cache).
 """
 
 from __future__ import annotations

@@ -7,18 +7,13 @@ from dataclasses import dataclass
 
 @dataclass
 class SchedulerStats:
-    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are.
-
-    Every step is one packed forward: `decode_*` counts steps that only decoded, `prefill*` steps that also
-    prefilled (chunks of prompts or resumed samples, with the rows decoded alongside). The `fit_*` sums
-    give a least-squares fit of the step time over its decoding rows and prefill tokens (see
-    benchmarks/rollout_report.py)."""
+    """Cumulative counters of where the scheduler thread's time goes (seconds) and how full its steps are; the `fit_*`
+    sums fit step time over decoding rows and prefill tokens (benchmarks/rollout_report.py)."""
 
     decode_s: float = 0.0  # forward + sampling of steps without prefill tokens
     decode_cpu_s: float = 0.0  # the same in the scheduler thread's CPU time (what a shared machine does not inflate)
-    # of decode_s, the time until the step's work was issued, before waiting for its tokens: on a GPU, launch_s ~
-    # decode_s means the device waited for the host (a launch-bound step, what CUDA graphs would shorten); on the
-    # CPU the two are the same (the work is done as it is issued)
+    # of decode_s, the time until the step's work was issued: on a GPU launch_s ~ decode_s means a launch-bound
+    # step (what CUDA graphs shorten); on the CPU the two are the same
     decode_launch_s: float = 0.0
     # of decode_s, the time after the tokens were back on the host (appending them, finishing rows): host work that
     # nothing overlaps (the simulator's host tail, slime/rollout/simulator/host_fit.py)

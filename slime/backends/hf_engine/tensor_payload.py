@@ -1,21 +1,10 @@
 """Reading SGLang's `/update_weights_from_tensor` payload.
 
-`serialized_named_tensors` holds one entry per TP rank: base64 of a `multiprocessing.reduction.
-ForkingPickler` pickle (SGLang's `MultiprocessingSerializer`), whose tensors travel by reference:
-CUDA tensors as CUDA IPC handles (`torch.multiprocessing.reductions.rebuild_cuda_tensor`, the device
-given by index or, as SGLang's patched reductions write it, by the GPU's UUID), CPU tensors as shared
-memory (`rebuild_storage_filename`, torch's file_system strategy; file descriptors cannot be passed
-between unrelated processes, so `rebuild_storage_fd` payloads are refused). What an entry holds depends
-on `load_format`:
-
-- null or "direct": a list of (name, tensor) pairs;
-- "flattened_bucket": {"flattened_tensor": 1-D tensor, "metadata": [objects with name, shape, dtype,
-  start_idx, end_idx, numel]}, each tensor being `flattened_tensor[start_idx:end_idx]` viewed as
-  `dtype` (SGLang's `FlattenedTensorBucket`: a bucket of one dtype indexed in elements, or a uint8
-  bucket of several dtypes indexed in bytes).
-
-The unpickler resolves only the globals such payloads need (SGLang's own unpickler also refuses
-anything outside an allow-list); every problem is a `PayloadError` naming the field.
+One entry per TP rank: base64 of a `ForkingPickler` pickle (SGLang's `MultiprocessingSerializer`) holding CUDA IPC
+handles (device by index or UUID) or shared memory by file name (file-descriptor payloads are refused). An entry is
+a list of (name, tensor) pairs (`load_format` null or "direct") or a "flattened_bucket" (one flat tensor and its
+metadata, as SGLang's `FlattenedTensorBucket`). The unpickler resolves only the globals such payloads need; every
+problem is a `PayloadError` naming the field.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The embedded engine's weight-update routes, as SGLang 0.5.23 serves them: `/update_weights_from_disk`,
-`/update_weights_from_tensor`, `/begin_weight_update` and `/end_weight_update` (the session tensor and broadcast
-updates need), `/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`,
-`/update_weight_version`. Outside a session a tensor or broadcast update is refused (400, SGLang's message)
-without touching the weights or joining a broadcast."""
+"""The embedded engine's weight-update routes, as SGLang 0.5.23 serves them (`/update_weights_from_*`,
+`/begin_weight_update` / `/end_weight_update`, the weight-update group's routes, `/update_weight_version`).
+Outside a session a tensor or broadcast update is refused (400, SGLang's message) and nothing is touched.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Weight updates for the embedded engine: from a directory, or over a weight-update group.
-
-Receiving (disk reads, broadcasts) happens off the scheduler thread; only the final in-place copy into the model
-runs on it, between decode steps (see `Engine._apply` in engine.py). The group is joined as SGLang's engine joins it
-(`init_custom_process_group`: a TCP rendezvous, the store prefixed by the group name, torch's own group layout;
-`slime/utils/weight_update_group.py`), so a trainer that meets SGLang meets this engine the same way.
+"""Weight updates for the embedded engine: from a directory, or over a weight-update group joined as SGLang joins it
+(`init_custom_process_group`, `slime/utils/weight_update_group.py`). Receiving happens off the scheduler thread;
+only the in-place copy into the model runs on it, between steps (`Engine._apply`).
 """
 
 from __future__ import annotations
@@ -117,9 +114,8 @@ class WeightUpdateGroups:
 
 
 class WeightUpdateSession:
-    """SGLang's weight-update session (0.5.21+): `/update_weights_from_tensor` and `/update_weights_from_distributed`
-    are refused outside `/begin_weight_update` ... `/end_weight_update`; `/update_weights_from_disk` needs none.
-    (SGLang finalises quantized weights at the end; the embedded engine's weights need nothing.)"""
+    """SGLang's weight-update session (0.5.21+): tensor and distributed updates are refused outside
+    `/begin_weight_update` ... `/end_weight_update`; disk updates need none."""
 
     SELECTORS = ("target", "draft", "all")
 

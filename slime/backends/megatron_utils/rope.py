@@ -1,7 +1,7 @@
-"""Rotary position embedding for the local layer spec, applied by `RoPESelfAttention` after the q / k norms in
-place of megatron's unfused RoPE: per-token frequencies built once per layer (packed: from the host's copy of the
-boundaries) and shared by q and k, one torch.compile'd kernel per tensor with `--compile-ops`. The arithmetic is
-megatron's `_apply_rotary_pos_emb_bshd`."""
+"""Rotary position embedding for the local layer spec (`RoPESelfAttention`, after the q / k norms): frequencies built
+once per layer from the host's boundaries and shared by q and k, compiled with `--compile-ops`; the arithmetic is
+megatron's `_apply_rotary_pos_emb_bshd`.
+"""
 
 from __future__ import annotations
 

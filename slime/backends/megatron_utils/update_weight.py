@@ -1,9 +1,6 @@
-"""Megatron weights → the engines, under HF names, through the trainers' weight sync
-(`training_utils/weight_sync`: a broadcast group in buckets, CUDA IPC handles, or a HF directory on disk).
-
-Weights stream one parameter at a time: the TP ranks of data-parallel
-replica 0 all-gather each shard, global rank 0 converts it to HF names and
-hands it to the bucketer; other replicas hold the same weights and skip.
+"""Megatron weights -> the engines, under HF names, through `training_utils/weight_sync`: the TP ranks of
+data-parallel replica 0 all-gather each parameter, global rank 0 converts it to HF names and buckets it; other
+replicas skip.
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ def gather_full(built: Built, layout: Layout, everywhere: bool = False) -> Itera
 
 
 def gather_hf_weights(built: Built, layout: Layout, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: HF-named tensors (on the trainer's device, so a GPU
-    broadcast never round-trips through the host) on global rank 0, or with
-    `everywhere` on every rank (tensor sync: each rank feeds the engine on its
-    GPU); other ranks take part in the gathers and yield nothing."""
+    """Collective: HF-named tensors on the trainer's device on global rank 0, or with `everywhere` on every rank
+    (tensor sync); other ranks take part in the gathers and yield nothing."""
     for name, full in gather_full(built, layout, everywhere):
         if everywhere or layout.rank == 0:
             for hf_name, t in hf_weights.full_to_hf(name, full, built.shape):

@@ -1,7 +1,7 @@
-"""How EngineGroup reaches an engine's host: in its own process (`LocalEngine`, tools and tests) or as a Ray
-actor on the engine's placement-group bundle (`RemoteEngine`, a run), with one interface. A remote engine's
-problem is what `HostMonitor` last heard from its host, so the watchdog's check does no I/O; errors raised in a
-host come back as themselves, not wrapped in Ray's exception types."""
+"""How EngineGroup reaches an engine's host, with one interface: in-process (`LocalEngine`, tools and tests) or a Ray
+actor on its bundle (`RemoteEngine`), whose problem is what `HostMonitor` last heard (no I/O in the watchdog's
+check); errors raised in a host come back as themselves.
+"""
 
 from __future__ import annotations
 

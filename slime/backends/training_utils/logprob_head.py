@@ -1,8 +1,6 @@
-"""The log-prob / entropy head: hidden states -> per-token log-prob of the target and entropy, chunk by chunk
-over tokens, never holding [tokens, vocabulary] logits; the backward recomputes each chunk's logits (a custom
-autograd Function), as Liger-Kernel's fused linear cross-entropy does. Vocabulary-parallel over `tp_group`
-(Megatron's TP): max, sums and the target's logit are all-reduced once per chunk; the hidden states' gradient is
-this rank's part. Values equal log_softmax over the full logits up to float32 rounding.
+"""The log-prob / entropy head: per-token log-prob of the target and entropy from hidden states, chunk by chunk,
+never holding [tokens, vocabulary] logits (the backward recomputes each chunk, as Liger-Kernel's fused linear
+cross-entropy does); vocabulary-parallel over `tp_group`. Equal to log_softmax over the full logits up to rounding.
 """
 
 from __future__ import annotations

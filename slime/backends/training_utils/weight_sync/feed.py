@@ -1,12 +1,6 @@
-"""Which trainer ranks hand their weights to which engine, for the tensor weight sync (`--update-weight-mode
-tensor`).
-
-Colocated on GPUs, engine e with TP size k runs its TP ranks on the GPUs of its placement-group bundles (the
-trainers' bundles, Ray's GPU ids on the node; an engine launched outside Ray: node GPU `e * k + j`, the
-launcher's `--base-gpu-id`), and every GPU also holds one trainer rank. The trainer rank on that GPU gathers the full
-weights there and hands them over as CUDA IPC handles, so TP rank j opens memory on its own device without
-a copy; the engine's first trainer rank posts the k handles in TP order. On CPU, shared memory is visible to
-every process of the host: trainer rank 0 feeds every engine.
+"""Which trainer ranks feed which engine for `--update-weight-mode tensor`: on GPUs, the trainer rank on each of an
+engine's TP GPUs (its placement-group bundles, or `e * k + j` for an engine launched outside Ray) hands over CUDA
+IPC handles, and the engine's first trainer rank posts them in TP order; on CPU trainer rank 0 feeds every engine.
 """
 
 from __future__ import annotations

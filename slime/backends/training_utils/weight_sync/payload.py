@@ -1,24 +1,10 @@
 """Writing SGLang's `/update_weights_from_tensor` payload (the trainer side).
 
-One entry of `serialized_named_tensors` is what SGLang's `MultiprocessingSerializer.serialize(obj,
-output_str=True)` makes: base64 of a `multiprocessing.reduction.ForkingPickler` pickle, in which a
-tensor travels by reference, not by value:
-
-- a CUDA tensor as a CUDA IPC handle (torch's `reduce_tensor`), its device written as the GPU's UUID
-  as SGLang's patched reductions do (`monkey_patch_torch_reductions`), because the trainer and the
-  engine number their visible GPUs differently; the receiver opens the handle on the same physical
-  GPU without a copy;
-- a CPU tensor as shared memory under a file name (torch's file_system strategy, set per pickler
-  here, not process-wide): unrelated processes can map it, which a file descriptor would not allow.
-
-The sender must keep the tensors alive until the engine has replied.
-
-`flattened_bucket` (the load_format slime uses): the bucket's tensors, all of one dtype, are copied
-into one 1-D tensor and described by metadata objects with SGLang's `FlattenedTensorMetadata` fields
-(name, shape, dtype, start_idx, end_idx, numel, in elements). The metadata are `types.SimpleNamespace`
-objects: SGLang reads them by attribute and its unpickler allows `types`, so no SGLang import is needed
-here. One dtype per bucket keeps the payload readable by SGLang versions before and after its
-multi-dtype (uint8) buckets.
+An entry is what SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)` makes: base64 of a
+`ForkingPickler` pickle whose tensors travel by reference (CUDA: an IPC handle with the GPU's UUID, as SGLang's
+patched reductions write it; CPU: shared memory under a file name). The sender keeps the tensors alive until the
+engine has replied. Buckets use `flattened_bucket` with one dtype each; the metadata are `types.SimpleNamespace`
+objects with SGLang's `FlattenedTensorMetadata` fields, so no SGLang import is needed.
 """
 
 from __future__ import annotations

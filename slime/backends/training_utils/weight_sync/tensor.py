@@ -1,14 +1,9 @@
 """`--update-weight-mode tensor`: the trainer's weights reach colocated engines by reference.
 
-Per bucket of one dtype (at most --update-weight-buffer-size bytes): every feeding rank copies its full,
-HF-named tensors into one flat tensor on its device and serializes it for SGLang's
-`/update_weights_from_tensor` (load_format "flattened_bucket"; CUDA IPC handles on a GPU, shared memory on
-CPU; see payload.py). An engine's TP ranks are fed by the trainer ranks on their
-devices (`feed.py`); those ranks gather their payloads to the engine's first one,
-which posts them in TP order. The flat tensor stays alive until the engine has copied it and replied; then, on a
-GPU, `torch.cuda.ipc_collect()` releases the CUDA IPC handles the engine has closed (as SGLang expects of a
-sender: otherwise every bucket's memory stays allocated until the process ends). Only the last bucket says
-`flush_cache` (see updater.py). Rank 0 opens and closes SGLang's weight-update session around it all.
+Per bucket of one dtype (at most --update-weight-buffer-size bytes) each feeding rank (`feed.py`) flattens its
+HF-named tensors and serializes them for `/update_weights_from_tensor` (payload.py); the engine's first feeding
+rank posts its TP ranks' payloads in order. The flat tensor lives until the engine replies; then, on a GPU,
+`torch.cuda.ipc_collect()` frees the closed IPC handles. Only the last bucket says `flush_cache` (see updater.py).
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """Push the trainer's weights to every rollout engine (`WeightUpdater`, both trainer backends).
 
-Distributed path (default): trainer rank 0 and the engines form one extra
-process group (rank 0 = trainer, engine i = 1 + i*tp), laid out as SGLang's
-`init_custom_process_group` lays it out (`slime/utils/weight_update_group.py`);
-every update streams the weights under HF names to rank 0 (`named_weights`, a
-collective: every trainer rank drains it), cuts them into buckets of
-``--update-weight-buffer-size`` bytes and, per bucket, POSTs
-``/update_weights_from_distributed`` (names/dtypes/shapes) to every worker
-while broadcasting the tensors in that order.
-
-One update, as SGLang (>= 0.5.21) requires it: rank 0 opens a weight-update
-session on every engine (`/begin_weight_update`; a server without sessions
-answers 404 and needs none), the buckets follow, rank 0 closes the sessions
-(`/end_weight_update`). Every bucket but the last says `flush_cache: false`;
-the last one carries the caller's `flush_cache` (the rollout's rule,
-slime/rollout/rollout.py: not with --reuse-stale-kv, nor under --pause-mode
-in_place, where the engines hold requests with their KV and would refuse it),
-so the engine flushes the cache the old weights produced once, right after the
-last load. Upstream slime instead pauses the engines, calls
-/flush_cache, sends every bucket with `flush_cache: false` and continues: our
-callers hand over idle engines (the step end aborts until idle;
-train_async.py's abort mode drains at its gate) or paused ones (its retract
-mode: a flush while paused ignores the retracted requests, as SGLang's does).
-
-Backends plug in by overriding `named_weights` (FSDP: the full state dict,
-fsdp_utils/update_weight.py; Megatron: TP-gathered, HF-named tensors, one at a
-time, megatron_utils/update_weight.py) and `write_hf`.
-
-Disk path (``--update-weight-mode disk``, slime's ``--update-weights-from-disk``):
-rank 0 writes a HF safetensors directory and POSTs ``/update_weights_from_disk``
-to every worker.
-
-Tensor path (``--update-weight-mode tensor``, colocated): CUDA IPC handles /
-shared memory to ``/update_weights_from_tensor`` (tensor.py, payload.py).
+Three paths (``--update-weight-mode``): distributed (trainer rank 0 broadcasts buckets of
+``--update-weight-buffer-size`` bytes to the engines in SGLang's process-group layout,
+`slime/utils/weight_update_group.py`, with a ``/update_weights_from_distributed`` POST per bucket), disk (a HF
+directory and ``/update_weights_from_disk``) and tensor (CUDA IPC / shared memory, tensor.py). Every update sits in
+SGLang's weight-update session (``/begin_weight_update`` .. ``/end_weight_update``; a 404 means none is needed), and
+only the last bucket carries the caller's `flush_cache`, so the cache the old weights made is flushed once, after
+the last load. Backends override `named_weights` and `write_hf`.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def test_pause_in_place_then_continue_completes(server):
 
 def test_pause_retract_frees_rows_allows_a_flush_and_recomputes(server):
     """SGLang's retract: requests requeued with KV freed, a flush allowed, then prefilled again as if never paused."""
-    prompt, n = [1, 8, 6, 7], 80
+    prompt, n = [1, 8, 6, 7], 200  # long enough that the pause lands before the request ends
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     full = gen(server, prompt, sampling_params=sp)["output_ids"]
     retracted0 = server.stats()["retractions"]

@@ -126,14 +126,8 @@ class Handler(BaseHTTPRequestHandler):
                 del obj
         except Exception as e:  # noqa: BLE001 - reported like SGLang does
             return self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
-        with self.lock:
-            i = self.count[0]
-            self.count[0] += 1
-            torch.save(per_rank, os.path.join(self.out_dir, f"bucket_{i:04d}.pt"))
-            with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
-                f.write(json.dumps({k: v for k, v in req.items() if k != "serialized_named_tensors"}
-                                   | {"entries": len(entries), "globals": sorted(set(seen))}) + "\n")
-        self._reply(200, {"success": True, "message": "Success"})
+        self._record("bucket", per_rank, {k: v for k, v in req.items() if k != "serialized_named_tensors"}
+                     | {"entries": len(entries), "globals": sorted(set(seen))})
 
     def _from_disk(self, req: dict) -> None:
         from safetensors.torch import load_file
@@ -143,12 +137,16 @@ class Handler(BaseHTTPRequestHandler):
             state = {k: v for n in names for k, v in load_file(os.path.join(req["model_path"], n)).items()}
         except Exception as e:  # noqa: BLE001 - reported like SGLang does
             return self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+        self._record("disk", state, req | {"files": len(names)})
+
+    def _record(self, kind: str, tensors, fields: dict) -> None:
+        """Saves what a request carried as <kind>_NNNN.pt and its fields as a line of requests.jsonl; replies."""
         with self.lock:
             i = self.count[0]
             self.count[0] += 1
-            torch.save(state, os.path.join(self.out_dir, f"disk_{i:04d}.pt"))
+            torch.save(tensors, os.path.join(self.out_dir, f"{kind}_{i:04d}.pt"))
             with open(os.path.join(self.out_dir, "requests.jsonl"), "a") as f:
-                f.write(json.dumps(req | {"files": len(names)}) + "\n")
+                f.write(json.dumps(fields) + "\n")
         self._reply(200, {"success": True, "message": "Success"})
 
 
